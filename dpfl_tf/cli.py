@@ -1,0 +1,166 @@
+"""The `dpfl-tf` command line (also `python -m dpfl_tf`).
+
+Commands:
+  privacy   epsilon (or a calibrated noise multiplier) for DP-SGD-style training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Callable, Sequence
+
+from dpfl_tf._validation import check_count, check_number
+
+__all__ = ["main", "build_parser"]
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def _add_privacy_parser(sub) -> None:
+    p = sub.add_parser(
+        "privacy", help="epsilon spent by DP-SGD-style training, or the noise for a target",
+        description="Privacy of T steps of the sampled Gaussian mechanism (DP-SGD lots).")
+    p.add_argument("--sampling-rate", "-q", type=_float,
+                   help="q = lot size / dataset size, in (0, 1] (Poisson sampling)")
+    noise = p.add_mutually_exclusive_group(required=True)
+    noise.add_argument("--noise-multiplier", "-s", type=_float,
+                       help="sigma, noise std / clip bound (>= 0)")
+    noise.add_argument("--target-epsilon", type=_float,
+                       help="print the smallest noise multiplier reaching this epsilon instead")
+    length = p.add_mutually_exclusive_group(required=True)
+    length.add_argument("--steps", "-T", type=_float, help="number of lots (steps)")
+    length.add_argument("--epochs", "-E", type=_float, help="epochs; steps = epochs / q")
+    p.add_argument("--delta", "-d", type=_float, required=True, help="delta in (0, 1)")
+    p.add_argument("--accountant", default="moments", choices=["moments", "rdp", "pld", "strong"])
+    p.add_argument("--sampling", default="poisson",
+                   choices=["poisson", "fixed_size", "shuffle"],
+                   help="how lots are drawn (fixed_size and shuffle need --dataset-size "
+                        "and --lot-size)")
+    p.add_argument("--dataset-size", type=_float, help="N (fixed_size / shuffle sampling)")
+    p.add_argument("--lot-size", type=_float, help="L (fixed_size / shuffle sampling)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run_privacy)
+
+
+def _privacy_inputs(args, error: Callable[[str], None]) -> dict:
+    """Validates the privacy command's numbers; every message names the argument."""
+    try:
+        sampling = args.sampling
+        if sampling == "poisson":
+            if args.sampling_rate is None:
+                if args.dataset_size is None or args.lot_size is None:
+                    error("--sampling-rate is required (or --dataset-size and --lot-size)")
+                n = check_count("--dataset-size", args.dataset_size, minimum=1)
+                q = check_count("--lot-size", args.lot_size, minimum=1) / n
+            else:
+                q = check_number("--sampling-rate", args.sampling_rate, low=0.0, high=1.0,
+                                 low_open=True)
+            sampling_args = {"sampling_rate": q}
+        else:
+            if args.dataset_size is None or args.lot_size is None:
+                error(f"--sampling {sampling} needs --dataset-size and --lot-size")
+            n = check_count("--dataset-size", args.dataset_size, minimum=1)
+            lot = check_count("--lot-size", args.lot_size, minimum=1)
+            if lot > n:
+                error(f"--lot-size must be <= --dataset-size ({n}), got {lot}")
+            q = lot / n
+            sampling_args = {"dataset_size": n, "lot_size": lot}
+        delta = check_number("--delta", args.delta, low=0.0, high=1.0, low_open=True,
+                             high_open=True)
+        if args.steps is not None:
+            steps = check_count("--steps", args.steps)
+            epochs = steps * q
+        else:
+            epochs = check_number("--epochs", args.epochs, low=0.0)
+            steps = int(round(epochs / q))
+        sigma = target = None
+        if args.noise_multiplier is not None:
+            sigma = check_number("--noise-multiplier", args.noise_multiplier, low=0.0)
+        else:
+            target = check_number("--target-epsilon", args.target_epsilon, low=0.0,
+                                  low_open=True)
+    except ValueError as e:
+        error(str(e))
+    return dict(sampling=sampling, sampling_args=sampling_args, q=q, delta=delta, steps=steps,
+                epochs=epochs, sigma=sigma, target=target)
+
+
+def _run_privacy(args, error) -> int:
+    from dpfl_tf.privacy import (calibrate_noise_multiplier, compute_epsilon, describe_event,
+                                 dp_sgd_event)
+
+    v = _privacy_inputs(args, error)
+    if v["sampling"] == "shuffle":
+        epochs_whole = math.ceil(v["epochs"] - 1e-9)
+
+        def make_event(sigma):
+            return dp_sgd_event(sigma, v["steps"], "shuffle", epochs=epochs_whole)
+    else:
+        def make_event(sigma):
+            return dp_sgd_event(sigma, v["steps"], v["sampling"], **v["sampling_args"])
+
+    try:
+        if v["target"] is not None:
+            sigma, eps = calibrate_noise_multiplier(v["target"], v["delta"], make_event,
+                                                    args.accountant)
+        else:
+            sigma = v["sigma"]
+            if sigma == 0 and v["steps"] > 0:
+                eps = math.inf  # no noise: said plainly below
+            else:
+                eps = compute_epsilon(make_event(sigma), v["delta"], args.accountant)
+    except ValueError as e:
+        error(str(e))
+    event = make_event(sigma)
+    result = {
+        "epsilon": eps, "delta": v["delta"], "accountant": args.accountant,
+        "steps": v["steps"], "epochs": v["epochs"], "sampling": v["sampling"],
+        "sampling_rate": v["q"], "noise_multiplier": sigma, "event": describe_event(event),
+    }
+    if v["target"] is not None:
+        result["target_epsilon"] = v["target"]
+    if args.json:
+        print(json.dumps({k: (None if isinstance(x, float) and math.isinf(x) else x)
+                          for k, x in result.items()}
+                         | {"epsilon_is_infinite": math.isinf(eps)}))
+        return 0
+    if math.isinf(eps):
+        print("epsilon = inf: noise multiplier 0 adds no noise, so there is no privacy "
+              "guarantee" if sigma == 0 else "epsilon = inf")
+        return 0
+    if v["target"] is not None:
+        print(f"noise_multiplier = {sigma:.4f} reaches epsilon = {eps:.4f} "
+              f"(target {v['target']:g}) at delta = {v['delta']:g}")
+    else:
+        print(f"epsilon = {eps:.4f} at delta = {v['delta']:g}")
+    print(f"  {args.accountant} accountant, {v['steps']} steps ({v['epochs']:g} epochs): "
+          f"{describe_event(event)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dpfl-tf", description="Differentially private deep learning for Keras 3.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    _add_privacy_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sub_parser = parser._subparsers._group_actions[0].choices[args.command]  # for error()
+    return args.func(args, sub_parser.error)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""One front end over four accountants, all reading the same `DpEvent`s.
+
+* ``moments`` -- the paper's moments accountant (`dpfl_tf.privacy.moments`).
+* ``rdp``     -- `dp_accounting.rdp.RdpAccountant` (Renyi DP, Mironov 2017).
+* ``pld``     -- `dp_accounting.pld.PLDAccountant` (privacy loss distributions,
+  numerically tight).
+* ``strong``  -- the strong-composition baseline (`dpfl_tf.privacy.strong`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import dp_accounting
+from dp_accounting import pld as _pld
+from dp_accounting import rdp as _rdp
+
+from dpfl_tf._validation import check_number
+from dpfl_tf.privacy.events import neighboring_relation_of
+from dpfl_tf.privacy.moments import MomentsAccountant
+from dpfl_tf.privacy.strong import StrongCompositionAccountant
+
+__all__ = ["AccountantKind", "make_accountant", "compute_epsilon", "compute_delta"]
+
+
+class AccountantKind(str, enum.Enum):
+    MOMENTS = "moments"
+    RDP = "rdp"
+    PLD = "pld"
+    STRONG = "strong"
+
+    @classmethod
+    def parse(cls, value: "AccountantKind | str") -> "AccountantKind":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            allowed = ", ".join(k.value for k in cls)
+            raise ValueError(f"accountant must be one of {allowed}, got {value!r}") from None
+
+
+def make_accountant(kind: AccountantKind | str = AccountantKind.MOMENTS, *,
+                    neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+                    pld_discretization: float = 1e-4) -> dp_accounting.PrivacyAccountant:
+    """A fresh, empty accountant of the given kind."""
+    kind = AccountantKind.parse(kind)
+    if kind is AccountantKind.MOMENTS:
+        return MomentsAccountant(neighboring_relation=neighboring_relation)
+    if kind is AccountantKind.RDP:
+        return _rdp.RdpAccountant(neighboring_relation=neighboring_relation)
+    if kind is AccountantKind.PLD:
+        return _pld.PLDAccountant(neighboring_relation=neighboring_relation,
+                                  value_discretization_interval=pld_discretization)
+    return StrongCompositionAccountant(neighboring_relation=neighboring_relation)
+
+
+def _accountant_for(event: dp_accounting.DpEvent, kind) -> dp_accounting.PrivacyAccountant:
+    accountant = make_accountant(kind, neighboring_relation=neighboring_relation_of(event))
+    if not accountant.supports(event):
+        raise ValueError(
+            f"the {AccountantKind.parse(kind).value!r} accountant cannot interpret {event}; "
+            "fixed-size sampling without replacement is supported by 'rdp' only, and it "
+            "cannot be composed with Poisson-sampled events (they use different "
+            "neighbouring relations)")
+    return accountant.compose(event)
+
+
+def compute_epsilon(event: dp_accounting.DpEvent, delta: float,
+                    accountant: AccountantKind | str = AccountantKind.MOMENTS) -> float:
+    """eps such that `event` is (eps, delta)-DP according to `accountant`."""
+    delta = check_number("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
+    eps = _accountant_for(event, accountant).get_epsilon(delta)
+    return math.inf if eps is None or math.isnan(eps) else float(eps)
+
+
+def compute_delta(event: dp_accounting.DpEvent, epsilon: float,
+                  accountant: AccountantKind | str = AccountantKind.MOMENTS) -> float:
+    """delta such that `event` is (epsilon, delta)-DP according to `accountant`."""
+    epsilon = check_number("epsilon", epsilon, low=0.0)
+    return float(_accountant_for(event, accountant).get_delta(epsilon))

@@ -1,0 +1,230 @@
+"""Privacy events: the one description of what a mechanism did.
+
+Every mechanism in dpfl_tf (a DP-SGD lot, a DP-PCA covariance release, a
+federated round) returns a `dp_accounting.DpEvent`. Accountants only interpret
+events; no privacy formula is written next to a mechanism.
+
+Conventions
+-----------
+* A Gaussian event's ``noise_multiplier`` is the noise standard deviation
+  divided by the L2 sensitivity of the released sum under the neighbouring
+  relation that goes with the sampling scheme (below).
+* ``SamplingMethod.POISSON``: every record joins a lot independently with
+  probability q (Abadi et al. 2016, section 3.1).  Neighbouring datasets differ
+  by adding or removing one record, so the sensitivity of a sum of records
+  clipped to C is C and the event is
+  ``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))``.
+* ``SamplingMethod.FIXED_SIZE``: a lot is L records drawn uniformly without
+  replacement from N.  Its analysis (Wang, Balle, Kasiviswanathan 2019) uses
+  the replace-one relation, under which a clipped sum moves by up to 2C, so the
+  event is ``SampledWithoutReplacementDpEvent(N, L, GaussianDpEvent(sigma/2))``.
+* ``SamplingMethod.SHUFFLE``: each epoch a random permutation is cut into
+  disjoint lots.  No amplification is claimed: under replace-one the changed
+  record sits in exactly one lot per epoch, so an epoch is one Gaussian
+  mechanism with sensitivity 2C, ``GaussianDpEvent(sigma/2)`` per epoch.
+* ``SamplingMethod.FULL_BATCH``: every record in every step,
+  ``GaussianDpEvent(sigma)`` per step (add/remove relation).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import Any
+
+import dp_accounting
+from dp_accounting import dp_event as _dp_event
+
+from dpfl_tf._validation import check_count as _check_count
+from dpfl_tf._validation import check_number as _check_number
+
+__all__ = [
+    "SamplingMethod",
+    "NeighboringRelation",
+    "gaussian_step_event",
+    "dp_sgd_event",
+    "shuffle_epoch_event",
+    "neighboring_relation_of",
+    "event_to_dict",
+    "event_from_dict",
+    "event_to_json",
+    "event_from_json",
+    "describe_event",
+]
+
+NeighboringRelation = dp_accounting.NeighboringRelation
+
+
+class SamplingMethod(str, enum.Enum):
+    """How the records that enter one noised sum were chosen."""
+
+    POISSON = "poisson"
+    FIXED_SIZE = "fixed_size"
+    SHUFFLE = "shuffle"
+    FULL_BATCH = "full_batch"
+
+    @classmethod
+    def parse(cls, value: "SamplingMethod | str") -> "SamplingMethod":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            allowed = ", ".join(m.value for m in cls)
+            raise ValueError(f"sampling must be one of {allowed}, got {value!r}") from None
+
+
+def gaussian_step_event(
+    noise_multiplier: float,
+    sampling: SamplingMethod | str = SamplingMethod.POISSON,
+    *,
+    sampling_rate: float | None = None,
+    dataset_size: int | None = None,
+    lot_size: int | None = None,
+) -> dp_accounting.DpEvent:
+    """The event of one noised sum of clipped records (one DP-SGD lot).
+
+    Args:
+      noise_multiplier: sigma, noise std / clip bound (>= 0).
+      sampling: how the lot was drawn (see module docstring).
+      sampling_rate: q for Poisson sampling (defaults to lot_size/dataset_size).
+      dataset_size, lot_size: N and L, needed for fixed-size sampling.
+
+    For ``SHUFFLE`` the per-step event is a no-op: the whole epoch is one
+    Gaussian release, see `dp_sgd_event` and `shuffle_epoch_event`.
+    """
+    sigma = _check_number("noise_multiplier", noise_multiplier, low=0.0)
+    method = SamplingMethod.parse(sampling)
+    if method is SamplingMethod.FULL_BATCH:
+        return dp_accounting.GaussianDpEvent(sigma)
+    if method is SamplingMethod.POISSON:
+        if sampling_rate is None:
+            if dataset_size is None or lot_size is None:
+                raise ValueError("Poisson sampling needs sampling_rate, or dataset_size and lot_size")
+            sampling_rate = _check_count("lot_size", lot_size, minimum=1) / _check_count(
+                "dataset_size", dataset_size, minimum=1)
+        q = _check_number("sampling_rate", sampling_rate, low=0.0, high=1.0, low_open=True)
+        return dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+    if method is SamplingMethod.FIXED_SIZE:
+        n = _check_count("dataset_size", dataset_size, minimum=1)
+        lot = _check_count("lot_size", lot_size, minimum=1)
+        if lot > n:
+            raise ValueError(f"lot_size must be <= dataset_size ({n}), got {lot}")
+        return dp_accounting.SampledWithoutReplacementDpEvent(
+            n, lot, dp_accounting.GaussianDpEvent(sigma / 2.0))
+    # SHUFFLE: per-step nothing new is released beyond the epoch's Gaussian.
+    return dp_accounting.NoOpDpEvent()
+
+
+def shuffle_epoch_event(noise_multiplier: float) -> dp_accounting.DpEvent:
+    """One epoch of shuffle-and-split lots: one Gaussian, replace-one, sensitivity 2C."""
+    sigma = _check_number("noise_multiplier", noise_multiplier, low=0.0)
+    return dp_accounting.GaussianDpEvent(sigma / 2.0)
+
+
+def dp_sgd_event(
+    noise_multiplier: float,
+    steps: int,
+    sampling: SamplingMethod | str = SamplingMethod.POISSON,
+    *,
+    sampling_rate: float | None = None,
+    dataset_size: int | None = None,
+    lot_size: int | None = None,
+    epochs: int | None = None,
+) -> dp_accounting.DpEvent:
+    """The event of `steps` DP-SGD lots (SHUFFLE counts `epochs` instead)."""
+    method = SamplingMethod.parse(sampling)
+    if method is SamplingMethod.SHUFFLE:
+        if epochs is None:
+            raise ValueError("shuffle sampling is accounted per epoch: pass epochs")
+        return dp_accounting.SelfComposedDpEvent(
+            shuffle_epoch_event(noise_multiplier), _check_count("epochs", epochs))
+    step = gaussian_step_event(noise_multiplier, method, sampling_rate=sampling_rate,
+                               dataset_size=dataset_size, lot_size=lot_size)
+    return dp_accounting.SelfComposedDpEvent(step, _check_count("steps", steps))
+
+
+def _walk(event: dp_accounting.DpEvent):
+    yield event
+    if isinstance(event, (_dp_event.SelfComposedDpEvent, _dp_event.PoissonSampledDpEvent,
+                          _dp_event.SampledWithoutReplacementDpEvent,
+                          _dp_event.SampledWithReplacementDpEvent)):
+        yield from _walk(event.event)
+    elif isinstance(event, _dp_event.ComposedDpEvent):
+        for e in event.events:
+            yield from _walk(e)
+
+
+def neighboring_relation_of(event: dp_accounting.DpEvent) -> NeighboringRelation:
+    """The relation an event's noise multipliers refer to (see module docstring)."""
+    if any(isinstance(e, _dp_event.SampledWithoutReplacementDpEvent) for e in _walk(event)):
+        return NeighboringRelation.REPLACE_ONE
+    return NeighboringRelation.ADD_OR_REMOVE_ONE
+
+
+# --------------------------------------------------------------------------
+# Serialisation: events are attrs classes of dp_accounting; store class + fields.
+
+def event_to_dict(event: dp_accounting.DpEvent) -> dict:
+    """A JSON-ready dict; `event_from_dict` restores an equal event."""
+    if not isinstance(event, dp_accounting.DpEvent):
+        raise TypeError(f"event must be a dp_accounting.DpEvent, got {type(event).__name__}")
+    import attr
+
+    out: dict[str, Any] = {"type": type(event).__name__}
+    for field in attr.fields(type(event)):
+        value = getattr(event, field.name)
+        if isinstance(value, dp_accounting.DpEvent):
+            value = event_to_dict(value)
+        elif isinstance(value, (list, tuple)):
+            value = [event_to_dict(v) if isinstance(v, dp_accounting.DpEvent) else v
+                     for v in value]
+        out[field.name] = value
+    return out
+
+
+def event_from_dict(data: dict) -> dp_accounting.DpEvent:
+    if not isinstance(data, dict) or "type" not in data:
+        raise ValueError(f"not a serialised DpEvent: {data!r}")
+    cls = getattr(_dp_event, data["type"], None)
+    if not (isinstance(cls, type) and issubclass(cls, dp_accounting.DpEvent)):
+        raise ValueError(f"unknown DpEvent type {data['type']!r}")
+    kwargs = {}
+    for key, value in data.items():
+        if key == "type":
+            continue
+        if isinstance(value, dict) and "type" in value:
+            value = event_from_dict(value)
+        elif isinstance(value, list):
+            value = [event_from_dict(v) if isinstance(v, dict) and "type" in v else v
+                     for v in value]
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def event_to_json(event: dp_accounting.DpEvent) -> str:
+    return json.dumps(event_to_dict(event), sort_keys=True)
+
+
+def event_from_json(text: str) -> dp_accounting.DpEvent:
+    return event_from_dict(json.loads(text))
+
+
+def describe_event(event: dp_accounting.DpEvent) -> str:
+    """A short human-readable description, e.g. '10000 x Poisson(q=0.01) Gaussian(sigma=4)'."""
+    if isinstance(event, _dp_event.SelfComposedDpEvent):
+        return f"{event.count} x {describe_event(event.event)}"
+    if isinstance(event, _dp_event.ComposedDpEvent):
+        return " + ".join(describe_event(e) for e in event.events) or "nothing"
+    if isinstance(event, _dp_event.PoissonSampledDpEvent):
+        return f"Poisson(q={event.sampling_probability:g}) {describe_event(event.event)}"
+    if isinstance(event, _dp_event.SampledWithoutReplacementDpEvent):
+        return (f"fixed-size(L={event.sample_size} of N={event.source_dataset_size}, "
+                f"replace-one) {describe_event(event.event)}")
+    if isinstance(event, _dp_event.GaussianDpEvent):
+        return f"Gaussian(sigma={event.noise_multiplier:g})"
+    if isinstance(event, _dp_event.NoOpDpEvent):
+        return "no-op"
+    if isinstance(event, _dp_event.NonPrivateDpEvent):
+        return "NON-PRIVATE"
+    return type(event).__name__

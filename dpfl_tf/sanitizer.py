@@ -1,0 +1,222 @@
+"""The Gaussian sanitizer: clip records, sum them, add noise once, say what it cost.
+
+One mechanism serves every private computation in dpfl_tf.  A *record* is a
+list of tensors -- a per-example gradient (DP-SGD, Abadi et al. 2016,
+Algorithm 1) or a client's model update (Global DP, Geyer et al. 2017; DP-FedAvg).
+The only difference between sample-level and client-level DP is which records
+are fed in.
+
+Life cycle (after the DPQuery idea of tensorflow-privacy):
+  ``state = initial_state(template)`` -> ``accumulate(state, clip_batch(...))`` for
+  each batch of records -> ``noised_sum(state, ...)`` returning the noised sum and
+  the `DpEvent` describing it.
+
+Clipping
+  *flat*: one bound C on the L2 norm of the whole record:
+      g <- g * min(1, C / ||g||_2).
+  *per-layer*: a bound C_j per component (variable) j:
+      g_j <- g_j * min(1, C_j / ||g_j||_2),
+  so the clipped record's total norm is at most C_tot = sqrt(sum_j C_j^2).
+  Norms are guarded: the factor is computed as C / max(||g||, C), never C / 0.
+
+Noise and sensitivity
+  Component j of the sum gets N(0, s_j^2) noise.  Adding or removing one
+  record moves component j by at most C_j, so after scaling component j by
+  1/s_j the sum has L2 sensitivity sqrt(sum_j (C_j/s_j)^2) and unit noise: the
+  release is a Gaussian mechanism with noise multiplier
+
+      sigma_eff = 1 / sqrt(sum_j (C_j / s_j)^2).
+
+  Flat clipping: s = sigma C, sigma_eff = sigma.  Per-layer clipping with
+  ``noise_allocation="global"`` (default): s_j = sigma C_tot, sigma_eff = sigma.
+  With ``"proportional"``: s_j = sigma C_j, sigma_eff = sigma / sqrt(k) for k
+  components -- the same noise per unit of bound, but k times the sensitivity.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import dp_accounting
+import tensorflow as tf
+
+from dpfl_tf._validation import check_number
+from dpfl_tf.privacy.events import SamplingMethod, gaussian_step_event
+
+__all__ = ["GaussianSanitizer", "NoiseAllocation", "make_generator"]
+
+NoiseAllocation = ("global", "proportional")
+
+
+def make_generator(seed: int | None = None) -> tf.random.Generator:
+    """OS-entropy generator by default; a seeded one only when asked (tests, debugging)."""
+    if seed is None:
+        return tf.random.Generator.from_non_deterministic_state()
+    return tf.random.Generator.from_seed(int(seed))
+
+
+class GaussianSanitizer:
+    """Clip (flat or per-layer) + sum + Gaussian noise, with its `DpEvent`.
+
+    Args:
+      l2_norm_clip: a float (flat clipping) or a sequence of floats, one per
+        record component (per-layer clipping).
+      noise_multiplier: sigma >= 0 (0 means no noise: the event is then
+        non-private, and accountants report eps = inf).
+      noise_allocation: per-layer only; "global" or "proportional" (see module).
+      seed: seeds the noise generator (tests only; default is OS entropy).
+      generator: an explicit `tf.random.Generator` (overrides seed).
+    """
+
+    def __init__(self, l2_norm_clip: float | Sequence[float], noise_multiplier: float, *,
+                 noise_allocation: str = "global", seed: int | None = None,
+                 generator: tf.random.Generator | None = None):
+        if isinstance(l2_norm_clip, (list, tuple)):
+            if len(l2_norm_clip) == 0:
+                raise ValueError("l2_norm_clip must be a float or a non-empty list, got []")
+            self._clips = tuple(check_number(f"l2_norm_clip[{i}]", c, low=0.0, low_open=True)
+                                for i, c in enumerate(l2_norm_clip))
+            self.per_layer = True
+        else:
+            self._clips = (check_number("l2_norm_clip", l2_norm_clip, low=0.0, low_open=True),)
+            self.per_layer = False
+        self.noise_multiplier = check_number("noise_multiplier", noise_multiplier, low=0.0)
+        if noise_allocation not in NoiseAllocation:
+            raise ValueError(f"noise_allocation must be one of {NoiseAllocation}, "
+                             f"got {noise_allocation!r}")
+        self.noise_allocation = noise_allocation
+        self.seed = seed
+        self._generator = generator
+
+    # -- configuration ------------------------------------------------------
+    @property
+    def l2_norm_clip(self) -> float | tuple[float, ...]:
+        return self._clips if self.per_layer else self._clips[0]
+
+    @property
+    def generator(self) -> tf.random.Generator:
+        if self._generator is None:  # created lazily, inside whatever scope first needs it
+            self._generator = make_generator(self.seed)
+        return self._generator
+
+    def clip_bounds(self, num_components: int) -> tuple[float, ...]:
+        """The bound C_j of each component."""
+        if not self.per_layer:
+            return self._clips * num_components
+        if len(self._clips) != num_components:
+            raise ValueError(f"per-layer l2_norm_clip has {len(self._clips)} bounds but the "
+                             f"record has {num_components} components (trainable variables)")
+        return self._clips
+
+    def total_clip(self, num_components: int) -> float:
+        """C_tot: the largest L2 norm of one clipped record."""
+        if not self.per_layer:
+            return self._clips[0]
+        return math.sqrt(sum(c * c for c in self.clip_bounds(num_components)))
+
+    def noise_stddevs(self, num_components: int) -> tuple[float, ...]:
+        """s_j, the noise standard deviation added to component j of the sum."""
+        bounds = self.clip_bounds(num_components)
+        if self.per_layer and self.noise_allocation == "proportional":
+            return tuple(self.noise_multiplier * c for c in bounds)
+        return (self.noise_multiplier * self.total_clip(num_components),) * num_components
+
+    def effective_noise_multiplier(self, num_components: int) -> float:
+        """sigma_eff = 1 / sqrt(sum_j (C_j / s_j)^2) (module docstring)."""
+        if self.noise_multiplier == 0:
+            return 0.0
+        bounds = self.clip_bounds(num_components)
+        stds = self.noise_stddevs(num_components)
+        return 1.0 / math.sqrt(sum((c / s) ** 2 for c, s in zip(bounds, stds)))
+
+    def event(self, num_components: int, sampling: SamplingMethod | str = SamplingMethod.POISSON,
+              **sampling_args) -> dp_accounting.DpEvent:
+        """The event of one noised sum released by this sanitizer."""
+        sigma = self.effective_noise_multiplier(num_components)
+        if sigma == 0:
+            return dp_accounting.NonPrivateDpEvent()
+        return gaussian_step_event(sigma, sampling, **sampling_args)
+
+    def get_config(self) -> dict:
+        return {"l2_norm_clip": list(self._clips) if self.per_layer else self._clips[0],
+                "noise_multiplier": self.noise_multiplier,
+                "noise_allocation": self.noise_allocation, "seed": self.seed}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "GaussianSanitizer":
+        return cls(**config)
+
+    # -- clipping -------------------------------------------------------------
+    def clip_factors(self, squared_norms: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Per-record scale factors min(1, C/||g||) from per-component squared norms.
+
+        Args:
+          squared_norms: one tensor of shape [B] per component: ||g_j^(i)||^2.
+        Returns:
+          one tensor of shape [B] per component.
+        """
+        bounds = self.clip_bounds(len(squared_norms))
+        squared_norms = [tf.convert_to_tensor(s) for s in squared_norms]
+        total = tf.add_n(squared_norms) if len(squared_norms) > 1 else squared_norms[0]
+        tf.debugging.assert_all_finite(
+            total, "a per-record gradient or update norm is NaN or inf; the record cannot be "
+                   "clipped (check the loss and inputs, or lower the learning rate)")
+        if not self.per_layer:
+            norm = tf.sqrt(total)
+            c = tf.cast(bounds[0], norm.dtype)
+            factor = c / tf.maximum(norm, c)
+            return [factor] * len(squared_norms)
+        out = []
+        for sq, bound in zip(squared_norms, bounds):
+            norm = tf.sqrt(sq)
+            c = tf.cast(bound, norm.dtype)
+            out.append(c / tf.maximum(norm, c))
+        return out
+
+    def clip_batch(self, records: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Clips a batch of records given as per-component tensors of shape [B, ...]."""
+        records = [tf.convert_to_tensor(r) for r in records]
+        sq = [tf.reduce_sum(tf.reshape(tf.square(r), [tf.shape(r)[0], -1]), axis=1)
+              for r in records]
+        factors = self.clip_factors(sq)
+        return [r * tf.reshape(f, [-1] + [1] * (r.shape.rank - 1))
+                for r, f in zip(records, factors)]
+
+    def clip_and_sum(self, records: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """sum_i clip(record_i), for records stacked as [B, ...] per component."""
+        return [tf.reduce_sum(r, axis=0) for r in self.clip_batch(records)]
+
+    def clip(self, record: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Clips one record (a list of tensors)."""
+        return [r[0] for r in self.clip_batch([tf.expand_dims(t, 0) for t in record])]
+
+    # -- life cycle -------------------------------------------------------------
+    def initial_state(self, template: Sequence[tf.Tensor | tf.Variable]) -> list[tf.Tensor]:
+        """Zeros shaped like one record."""
+        return [tf.zeros(t.shape, dtype=t.dtype) for t in template]
+
+    @staticmethod
+    def accumulate(state: Sequence[tf.Tensor], clipped_sum: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        return [s + c for s, c in zip(state, clipped_sum)]
+
+    def add_noise(self, summed: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """sum + N(0, s_j^2) on each component, drawn from the injected generator."""
+        stds = self.noise_stddevs(len(summed))
+        if self.noise_multiplier == 0:
+            return list(summed)
+        gen = self.generator
+        return [s + tf.cast(std, s.dtype) * gen.normal(tf.shape(s), dtype=s.dtype)
+                for s, std in zip(summed, stds)]
+
+    def noised_sum(self, state: Sequence[tf.Tensor],
+                   sampling: SamplingMethod | str = SamplingMethod.POISSON,
+                   **sampling_args) -> tuple[list[tf.Tensor], dp_accounting.DpEvent]:
+        """(noised sum, the event of this release)."""
+        return self.add_noise(state), self.event(len(state), sampling, **sampling_args)
+
+    def __repr__(self) -> str:
+        return (f"GaussianSanitizer(l2_norm_clip={self.l2_norm_clip!r}, "
+                f"noise_multiplier={self.noise_multiplier!r}"
+                + (f", noise_allocation={self.noise_allocation!r}" if self.per_layer else "")
+                + ")")

@@ -1,0 +1,44 @@
+"""Calibration lands within tolerance of the target and never above it."""
+
+import pytest
+
+from dpfl_tf.privacy import (calibrate_noise_multiplier, compute_epsilon, dp_sgd_event,
+                             gaussian_step_event, max_steps)
+
+
+@pytest.mark.parametrize("accountant", ["moments", "rdp", "pld"])
+@pytest.mark.parametrize("target", [0.5, 2.0, 8.0])
+def test_noise_calibration(accountant, target):
+    def make(sigma):
+        return dp_sgd_event(sigma, 3000, sampling_rate=0.01)
+
+    sigma, eps = calibrate_noise_multiplier(target, 1e-5, make, accountant)
+    assert eps <= target
+    assert eps == pytest.approx(compute_epsilon(make(sigma), 1e-5, accountant))
+    assert target - eps < 0.02 * target  # close to the target...
+    # ...and minimal: a little less noise overshoots
+    assert compute_epsilon(make(sigma * 0.99), 1e-5, accountant) > target
+
+
+@pytest.mark.parametrize("accountant", ["moments", "rdp", "pld"])
+def test_max_steps(accountant):
+    step = gaussian_step_event(4.0, sampling_rate=0.01)
+    t = max_steps(2.0, 1e-5, step, accountant)
+    assert compute_epsilon(dp_sgd_event(4.0, t, sampling_rate=0.01), 1e-5, accountant) <= 2.0
+    assert compute_epsilon(dp_sgd_event(4.0, t + 1, sampling_rate=0.01), 1e-5, accountant) > 2.0
+
+
+def test_max_steps_with_prior_spending_and_exhausted_budget():
+    step = gaussian_step_event(2.0, sampling_rate=0.01)
+    spent = dp_sgd_event(2.0, 1000, sampling_rate=0.01)
+    total = max_steps(2.0, 1e-5, step)
+    assert max_steps(2.0, 1e-5, step, already_spent=spent) == total - 1000
+    assert max_steps(0.01, 1e-5, step) == 0
+
+
+def test_calibration_rejects_bad_targets():
+    with pytest.raises(ValueError, match="target_epsilon must be > 0"):
+        calibrate_noise_multiplier(0.0, 1e-5, lambda s: dp_sgd_event(s, 10, sampling_rate=0.1))
+    with pytest.raises(ValueError, match="no noise multiplier"):
+        calibrate_noise_multiplier(1e-6, 1e-5, lambda s: dp_sgd_event(s, 10, sampling_rate=1.0),
+                                   max_noise=10.0)

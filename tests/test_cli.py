@@ -1,0 +1,71 @@
+"""`dpfl-tf privacy` end to end, through the real entry points."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dpfl_tf.cli import main
+
+
+def run(args):
+    return subprocess.run([sys.executable, "-m", "dpfl_tf", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_privacy_json_reproduces_paper_value():
+    out = run(["privacy", "--sampling-rate", "0.01", "--noise-multiplier", "4", "--epochs",
+               "100", "--delta", "1e-5", "--json"])
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["epsilon"] == pytest.approx(1.259, abs=0.02)
+    for key in ["epsilon", "delta", "accountant", "steps", "sampling_rate", "noise_multiplier"]:
+        assert key in data
+    assert data["steps"] == 10000 and data["accountant"] == "moments"
+
+
+def test_privacy_text_and_calibration(capsys):
+    assert main(["privacy", "-q", "0.01", "--target-epsilon", "2", "--epochs", "100",
+                 "--delta", "1e-5", "--accountant", "rdp", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["epsilon"] <= 2.0 and data["noise_multiplier"] > 0
+    assert main(["privacy", "-q", "0.01", "-s", "4", "-T", "40000", "-d", "1e-5"]) == 0
+    assert "epsilon = 2.57" in capsys.readouterr().out
+
+
+def test_zero_noise_is_said_plainly(capsys):
+    assert main(["privacy", "-q", "0.01", "-s", "0", "-E", "1", "-d", "1e-5"]) == 0
+    assert "epsilon = inf" in capsys.readouterr().out
+    assert main(["privacy", "-q", "0.01", "-s", "0", "-E", "1", "-d", "1e-5", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["epsilon"] is None and data["epsilon_is_infinite"] is True
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-q", "1.5", "-s", "1", "-E", "1", "-d", "1e-5"], "--sampling-rate must be in (0, 1]"),
+    (["-q", "0", "-s", "1", "-E", "1", "-d", "1e-5"], "--sampling-rate must be in (0, 1]"),
+    (["-q", "0.1", "-s", "-1", "-E", "1", "-d", "1e-5"], "--noise-multiplier must be >= 0"),
+    (["-q", "0.1", "-s", "nan", "-E", "1", "-d", "1e-5"], "--noise-multiplier must be >= 0"),
+    (["-q", "0.1", "-s", "1", "-T", "-5", "-d", "1e-5"], "--steps must be a whole number >= 0"),
+    (["-q", "0.1", "-s", "1", "-E", "-1", "-d", "1e-5"], "--epochs must be >= 0"),
+    (["-q", "0.1", "-s", "1", "-E", "1", "-d", "0"], "--delta must be in (0, 1)"),
+    (["-q", "0.1", "-s", "1", "-E", "1", "-d", "1.5"], "--delta must be in (0, 1)"),
+    (["-q", "0.1", "-s", "1", "-E", "1", "-d", "nan"], "--delta must be in (0, 1)"),
+    (["-q", "x", "-s", "1", "-E", "1", "-d", "1e-5"], "not a number"),
+    (["--sampling", "fixed_size", "-s", "1", "-E", "1", "-d", "1e-5"], "needs --dataset-size"),
+])
+def test_bad_input_exits_nonzero_naming_the_argument(args, message):
+    out = run(["privacy", *args])
+    assert out.returncode != 0
+    assert message in out.stderr
+
+
+def test_console_script_is_installed():
+    import shutil
+    exe = shutil.which("dpfl-tf")
+    if exe is None:
+        pytest.skip("package not installed with pip (console script absent)")
+    out = subprocess.run([exe, "privacy", "-q", "0.01", "-s", "4", "-E", "1", "-d", "1e-5"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "epsilon =" in out.stdout

@@ -1,0 +1,148 @@
+"""The shared sanitizer: clipping bounds, noise scale (a test that can fail), events."""
+
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+import tensorflow as tf
+from scipy import stats
+
+from dpfl_tf.privacy import gaussian_step_event
+from dpfl_tf.sanitizer import GaussianSanitizer
+
+
+def _records(batch=64, seed=0):
+    rng = np.random.default_rng(seed)
+    scales = rng.lognormal(0.0, 1.5, size=(batch, 1))
+    return [tf.constant(rng.normal(size=(batch, 5, 3)) * scales[:, :, None], tf.float32),
+            tf.constant(rng.normal(size=(batch, 7)) * scales, tf.float32)]
+
+
+def _norms(clipped):
+    flat = tf.concat([tf.reshape(c, [c.shape[0], -1]) for c in clipped], axis=1)
+    return tf.norm(flat, axis=1).numpy()
+
+
+def test_flat_clipping_bound_holds_and_small_records_are_untouched():
+    records = _records()
+    s = GaussianSanitizer(1.5, 1.0)
+    clipped = s.clip_batch(records)
+    norms_before, norms_after = _norms(records), _norms(clipped)
+    assert np.all(norms_after <= 1.5 * (1 + 1e-6))
+    small = norms_before <= 1.5
+    assert small.any() and (~small).any()
+    np.testing.assert_allclose(norms_after[small], norms_before[small], rtol=1e-6)
+    np.testing.assert_allclose(norms_after[~small], 1.5, rtol=1e-5)
+    # direction is kept
+    for r, c in zip(records, clipped):
+        cos = tf.reduce_sum(tf.reshape(r * c, [r.shape[0], -1]), 1)
+        assert np.all(cos.numpy() >= 0)
+
+
+def test_per_layer_clipping_bounds_hold_per_component():
+    records = _records()
+    s = GaussianSanitizer([0.5, 2.0], 1.0)
+    clipped = s.clip_batch(records)
+    for c, bound in zip(clipped, [0.5, 2.0]):
+        n = tf.norm(tf.reshape(c, [c.shape[0], -1]), axis=1).numpy()
+        assert np.all(n <= bound * (1 + 1e-6))
+    assert np.all(_norms(clipped) <= s.total_clip(2) * (1 + 1e-6))
+    assert s.total_clip(2) == pytest.approx(math.sqrt(0.25 + 4.0))
+
+
+def test_zero_records_are_guarded_and_nan_records_are_refused():
+    s = GaussianSanitizer(1.0, 1.0)
+    out = s.clip_batch([tf.zeros((3, 4))])
+    assert np.all(np.isfinite(out[0].numpy())) and np.all(out[0].numpy() == 0)
+    bad = tf.constant([[1.0, float("nan")], [1.0, 2.0]])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="NaN or inf"):
+        s.clip_batch([bad])
+
+
+def test_clip_and_sum_equals_sum_of_single_clips():
+    records = _records(batch=8)
+    s = GaussianSanitizer(1.0, 0.0)
+    total = s.clip_and_sum(records)
+    singles = [s.clip([r[i] for r in records]) for i in range(8)]
+    for j in range(2):
+        np.testing.assert_allclose(total[j].numpy(), sum(x[j].numpy() for x in singles),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def _noise_ks_pvalue(sanitizer, claimed_std, n=20000):
+    state = sanitizer.initial_state([tf.zeros((n,))])
+    noised, _ = sanitizer.noised_sum(state, sampling_rate=0.1)
+    return stats.kstest(noised[0].numpy() / claimed_std, "norm").pvalue
+
+
+def test_noise_has_the_right_scale_and_the_test_can_fail():
+    s = GaussianSanitizer(2.0, 1.5, seed=1)
+    true_std = 3.0  # sigma * C
+    assert _noise_ks_pvalue(s, true_std) > 1e-3
+    # the same test rejects a 10% wrong scale, and a wrong noise multiplier
+    assert _noise_ks_pvalue(GaussianSanitizer(2.0, 1.5, seed=1), true_std * 1.1) < 1e-6
+    assert _noise_ks_pvalue(GaussianSanitizer(2.0, 1.65, seed=1), true_std) < 1e-6
+
+
+def test_per_layer_noise_allocation_and_event():
+    glob = GaussianSanitizer([3.0, 4.0], 2.0)
+    assert glob.noise_stddevs(2) == (10.0, 10.0)  # sigma * sqrt(9 + 16)
+    assert glob.effective_noise_multiplier(2) == pytest.approx(2.0)
+    prop = GaussianSanitizer([3.0, 4.0, 5.0], 2.0, noise_allocation="proportional")
+    assert prop.noise_stddevs(3) == (6.0, 8.0, 10.0)
+    # each component contributes (C_j / s_j)^2 = 1/sigma^2: sigma_eff = sigma / sqrt(3)
+    assert prop.effective_noise_multiplier(3) == pytest.approx(2.0 / math.sqrt(3))
+    assert prop.event(3, sampling_rate=0.01) == gaussian_step_event(
+        2.0 / math.sqrt(3), sampling_rate=0.01)
+    # the emitted multiplier is the worst case: a record that puts its whole
+    # allowance into every layer moves the whitened sum by exactly 1/sigma_eff
+    worst = math.sqrt(sum((c / s) ** 2 for c, s in zip([3.0, 4.0, 5.0], prop.noise_stddevs(3))))
+    assert 1.0 / worst == pytest.approx(prop.effective_noise_multiplier(3))
+    prop_noise = _noise_ks_pvalue(GaussianSanitizer([3.0], 2.0, noise_allocation="proportional",
+                                                    seed=3), 6.0)
+    assert prop_noise > 1e-3
+
+
+def test_seeded_noise_is_reproducible_and_default_is_not():
+    state = [tf.zeros((100,))]
+    a = GaussianSanitizer(1.0, 1.0, seed=7).add_noise(state)[0].numpy()
+    b = GaussianSanitizer(1.0, 1.0, seed=7).add_noise(state)[0].numpy()
+    c = GaussianSanitizer(1.0, 1.0).add_noise(state)[0].numpy()
+    d = GaussianSanitizer(1.0, 1.0).add_noise(state)[0].numpy()
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(c, d)
+
+
+def test_zero_noise_is_non_private_event():
+    s = GaussianSanitizer(1.0, 0.0)
+    assert isinstance(s.event(1, sampling_rate=0.1), dp_accounting.NonPrivateDpEvent)
+
+
+def test_bad_inputs_name_the_argument():
+    with pytest.raises(ValueError, match="l2_norm_clip must be > 0, got 0"):
+        GaussianSanitizer(0.0, 1.0)
+    with pytest.raises(ValueError, match=r"l2_norm_clip\[1\] must be > 0"):
+        GaussianSanitizer([1.0, -2.0], 1.0)
+    with pytest.raises(ValueError, match="noise_multiplier must be >= 0"):
+        GaussianSanitizer(1.0, -0.5)
+    with pytest.raises(ValueError, match="noise_allocation"):
+        GaussianSanitizer([1.0], 1.0, noise_allocation="uniform")
+    with pytest.raises(ValueError, match="2 bounds but the record has 3 components"):
+        GaussianSanitizer([1.0, 1.0], 1.0).clip_batch([tf.zeros((2, 1))] * 3)
+
+
+def test_config_round_trip():
+    s = GaussianSanitizer([1.0, 2.0], 1.3, noise_allocation="proportional", seed=4)
+    assert GaussianSanitizer.from_config(s.get_config()).get_config() == s.get_config()
+
+
+def test_works_inside_tf_function():
+    s = GaussianSanitizer(1.0, 1.0, seed=0)
+
+    @tf.function
+    def step(records):
+        return s.add_noise(s.clip_and_sum(records))
+
+    out = step(_records(batch=4))
+    assert [o.shape for o in out] == [(5, 3), (7,)]
