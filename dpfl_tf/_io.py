@@ -5,19 +5,20 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Writes `text` to a temporary file beside `path`, then renames it into place."""
+def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], binary: bool = False
+                 ) -> None:
+    """Calls `write(file)` on a temporary file beside `path`, then renames it into place."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
                                suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -25,6 +26,10 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write(path, lambda f: f.write(text))
 
 
 def atomic_write_json(path: str | os.PathLike, data: Any) -> None:

@@ -32,18 +32,11 @@ def plot_epsilon_curves(curves: dict, ax=None):
 
 
 def save_figure(fig, path) -> None:
-    """Saves a figure atomically (PNG) and closes it."""
-    import os
-    import tempfile
+    """Saves a figure as PNG atomically and closes it."""
+    from dpfl_tf._io import atomic_write
 
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"),
+                     binary=True)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
         plt.close(fig)

@@ -200,20 +200,27 @@ class GaussianSanitizer:
     def accumulate(state: Sequence[tf.Tensor], clipped_sum: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         return [s + c for s, c in zip(state, clipped_sum)]
 
-    def add_noise(self, summed: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-        """sum + N(0, s_j^2) on each component, drawn from the injected generator."""
-        stds = self.noise_stddevs(len(summed))
+    def add_noise(self, summed: Sequence[tf.Tensor],
+                  groups: Sequence[int] | None = None) -> list[tf.Tensor]:
+        """sum + N(0, s_j^2) on each component, drawn from the injected generator.
+
+        `groups` maps each tensor to its clipping component when one component
+        (e.g. a layer) spans several tensors (its kernel and bias)."""
+        groups = list(range(len(summed))) if groups is None else list(groups)
+        stds = self.noise_stddevs(max(groups) + 1 if groups else 0)
         if self.noise_multiplier == 0:
             return list(summed)
         gen = self.generator
-        return [s + tf.cast(std, s.dtype) * gen.normal(tf.shape(s), dtype=s.dtype)
-                for s, std in zip(summed, stds)]
+        return [s + tf.cast(stds[g], s.dtype) * gen.normal(tf.shape(s), dtype=s.dtype)
+                for s, g in zip(summed, groups)]
 
     def noised_sum(self, state: Sequence[tf.Tensor],
                    sampling: SamplingMethod | str = SamplingMethod.POISSON,
+                   groups: Sequence[int] | None = None,
                    **sampling_args) -> tuple[list[tf.Tensor], dp_accounting.DpEvent]:
         """(noised sum, the event of this release)."""
-        return self.add_noise(state), self.event(len(state), sampling, **sampling_args)
+        num = len(state) if groups is None else max(groups) + 1
+        return self.add_noise(state, groups), self.event(num, sampling, **sampling_args)
 
     def __repr__(self) -> str:
         return (f"GaussianSanitizer(l2_norm_clip={self.l2_norm_clip!r}, "

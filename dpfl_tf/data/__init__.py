@@ -1,0 +1,167 @@
+"""Datasets for dpfl_tf experiments, found offline first.
+
+``load_dataset(name, data_dir=None, **kw)`` returns a `Dataset`: the train and
+test arrays, the class names and where the data really came from
+(``dataset.source``).  Files are searched for in ``data_dir``, then
+``$DPFL_DATA_DIR``, ``~/.keras/datasets`` and ``/usr/share/datasets``, then
+downloaded if possible (see `dpfl_tf.data.locate`).
+
+``source.label`` is the name to report results under.  It differs from the
+dataset's usual name when the copy is not the canonical one: CIFAR-10 read
+from the JPEG image-folder copy is labelled ``"CIFAR-10 (JPEG copy)"`` (its
+pixels differ slightly from the original arrays).
+
+Known datasets: ``"mnist"``, ``"fashion_mnist"``, ``"cifar10"``,
+``"cifar100"`` and ``"image_folder"`` (any ``<root>/<split>/<class>/*.png``
+tree; ``data_dir`` is the root).  Register more with `register_dataset`.
+
+Unit of privacy: the loaders return one row per example; nothing here
+groups, deduplicates or shuffles examples (DP sampling happens later).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from typing import Callable, Union
+
+import numpy as np
+
+from dpfl_tf._validation import check_count
+from dpfl_tf.data.locate import DatasetFormatError, DatasetNotFoundError
+
+__all__ = [
+    "DataSource", "Dataset", "DatasetFormatError", "DatasetNotFoundError",
+    "available_datasets", "load_dataset", "register_dataset",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSource:
+    """Where a `Dataset` was read from.
+
+    Attributes:
+      label: the name to report results under, e.g. ``"MNIST"`` or
+        ``"CIFAR-10 (JPEG copy)"``.
+      path: the file or directory actually read.
+      format: the on-disk layout that was read (``"npz"``, ``"idx"``,
+        ``"tarball"``, ``"extracted"``, ``"image_folder"``).
+      downloaded: True if the files were downloaded during this call.
+      note: caveats worth reporting (e.g. lossy JPEG re-encoding).
+    """
+
+    label: str
+    path: str
+    format: str
+    downloaded: bool = False
+    note: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.label} ({self.format}: {self.path})"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Dataset:
+    """A train/test split of one labelled dataset.
+
+    Images are uint8, ``(N, H, W)`` for MNIST-family data and ``(N, H, W, C)``
+    (channels last) otherwise; labels are 1-D integer class indices into
+    ``class_names``.  ``eq=False``: arrays have no single truth value.
+    """
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    class_names: tuple[str, ...]
+    name: str
+    source: DataSource
+
+    def __post_init__(self):
+        check_count("num_classes", self.num_classes, minimum=1)
+        if len(self.class_names) != self.num_classes:
+            raise ValueError(f"class_names must have num_classes={self.num_classes} entries, "
+                             f"got {len(self.class_names)}")
+        for split in ("train", "test"):
+            x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
+            if len(x) != len(y):
+                raise ValueError(f"x_{split} has {len(x)} examples but y_{split} has {len(y)}")
+            if y.ndim != 1:
+                raise ValueError(f"y_{split} must be 1-D class indices, got shape {y.shape}")
+            if len(y) and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
+                raise ValueError(f"y_{split} must lie in [0, {self.num_classes}), got "
+                                 f"[{int(y.min())}, {int(y.max())}]")
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+    def __repr__(self) -> str:
+        return (f"Dataset(name={self.name!r}, train={self.x_train.shape} {self.x_train.dtype}, "
+                f"test={self.x_test.shape}, num_classes={self.num_classes}, "
+                f"source={str(self.source)!r})")
+
+
+Loader = Callable[..., Dataset]
+
+# Values are loaders or "module:function" strings imported on first use, so
+# importing dpfl_tf.data stays cheap.
+_REGISTRY: dict[str, Union[Loader, str]] = {
+    "mnist": "dpfl_tf.data.mnist:mnist",
+    "fashion_mnist": "dpfl_tf.data.mnist:fashion_mnist",
+    "cifar10": "dpfl_tf.data.cifar:cifar10",
+    "cifar100": "dpfl_tf.data.cifar:cifar100",
+    "image_folder": "dpfl_tf.data.image_folder:image_folder",
+}
+
+
+def _normalise(name: str) -> str:
+    return name.strip().lower().replace("-", "_")
+
+
+def register_dataset(name: str, loader: Union[Loader, str], *, overwrite: bool = False) -> None:
+    """Makes `load_dataset(name, data_dir, **kw)` call ``loader(data_dir=data_dir, **kw)``.
+
+    `loader` is a callable returning a `Dataset`, or a ``"module:function"`` string.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if not (callable(loader) or (isinstance(loader, str) and ":" in loader)):
+        raise ValueError(f"loader must be a callable or a 'module:function' string, "
+                         f"got {loader!r}")
+    key = _normalise(name)
+    if key in _REGISTRY and not overwrite:
+        raise ValueError(f"dataset {key!r} is already registered (pass overwrite=True)")
+    _REGISTRY[key] = loader
+
+
+def available_datasets() -> list[str]:
+    """Registered dataset names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def load_dataset(name: str, data_dir: str | os.PathLike | None = None, **kwargs) -> Dataset:
+    """Loads a registered dataset.
+
+    Args:
+      name: one of `available_datasets()` (case-insensitive, '-' same as '_').
+      data_dir: a directory searched before all others (for ``"image_folder"``:
+        the root folder or archive itself).
+      **kwargs: passed to the loader, e.g. ``download=False``,
+        ``label_mode="coarse"`` (cifar100), ``image_size=(32, 32)`` (image_folder).
+
+    Raises:
+      ValueError: unknown name (the message lists the known ones).
+      DatasetNotFoundError: no copy found (the message says where it looked).
+    """
+    key = _normalise(name) if isinstance(name, str) else None
+    if key not in _REGISTRY:
+        raise ValueError(f"unknown dataset {name!r}; known datasets: "
+                         f"{', '.join(available_datasets())}")
+    loader = _REGISTRY[key]
+    if isinstance(loader, str):
+        module, _, attr = loader.partition(":")
+        loader = getattr(importlib.import_module(module), attr)
+    return loader(data_dir=data_dir, **kwargs)
