@@ -1,0 +1,85 @@
+"""Keras callbacks for DP training: epsilon in the logs, and the budget stop."""
+
+from __future__ import annotations
+
+import keras
+
+from dpfl_tf.privacy.accountants import AccountantKind
+from dpfl_tf.privacy.ledger import BudgetExceededError, PrivacyBudget
+
+__all__ = ["PrivacyCallback"]
+
+_FAST = (AccountantKind.MOMENTS, AccountantKind.RDP)
+
+
+class PrivacyCallback(keras.callbacks.Callback):
+    """Logs epsilon spent into the Keras logs (so History and TensorBoard get
+    it) and, with a target, stops training *before* the lot that would exceed
+    (target_epsilon, delta).
+
+    The stop is exact: at the start of training the callback computes how many
+    more lots the budget allows with the current settings and sets the model's
+    in-graph lot limit; training stops after the last allowed lot, and a lot
+    beyond the limit could not be applied anyway (it raises).
+
+    Args:
+      target_epsilon: optional budget; None only logs.
+      delta: the delta for the logged epsilon and the budget.
+      accountant: defaults to the model's ledger accountant.
+      log_every_batch: also log epsilon per batch (moments / rdp only: cheap).
+    """
+
+    def __init__(self, target_epsilon: float | None = None, delta: float = 1e-5,
+                 accountant: str | None = None, log_every_batch: bool = True):
+        super().__init__()
+        self.accountant = AccountantKind.parse(accountant) if accountant else None
+        self.budget = None
+        self.target_epsilon = target_epsilon
+        self.delta = delta
+        self.log_every_batch = log_every_batch
+        self.allowed_lots = None
+
+    def _kind(self):
+        return self.accountant or self.model.ledger.accountant
+
+    def on_train_begin(self, logs=None):
+        kind = self._kind()
+        if self.target_epsilon is None:
+            PrivacyBudget(1.0, self.delta)  # validates delta
+            self.model.set_lot_limit(None)
+            return
+        self.budget = PrivacyBudget(self.target_epsilon, self.delta, kind)
+        remaining = self.model.steps_within_budget(self.budget)
+        if remaining <= 0:
+            raise BudgetExceededError(
+                f"the privacy budget (epsilon={self.budget.epsilon:g}, delta={self.delta:g}, "
+                f"{kind.value}) allows no further lot with these settings; spent so far "
+                f"epsilon={self.model.epsilon(self.delta, kind):.4g}")
+        self.allowed_lots = self.model.lots_applied + remaining
+        self.model.set_lot_limit(self.allowed_lots)
+
+    def _epsilon(self) -> float:
+        return self.model.epsilon(self.delta, self._kind())
+
+    def on_train_batch_begin(self, batch, logs=None):
+        # Python-side guard (the in-graph one is dropped under XLA): never start a
+        # lot the budget does not allow.
+        if self.allowed_lots is not None and self.model.lots_applied >= self.allowed_lots:
+            raise BudgetExceededError(
+                "the next lot would exceed the privacy budget "
+                f"(epsilon={self.budget.epsilon:g}, delta={self.delta:g}); nothing was applied")
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.allowed_lots is not None and self.model.lots_applied >= self.allowed_lots:
+            self.model.stop_training = True
+        if logs is not None and self.log_every_batch and self._kind() in _FAST:
+            logs["epsilon"] = self._epsilon()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["epsilon"] = self._epsilon()
+            logs["delta"] = self.delta
+            logs["lots"] = self.model.lots_applied
+
+    def on_train_end(self, logs=None):
+        self.model.set_lot_limit(None)

@@ -1,0 +1,382 @@
+"""`DPModel`: DP-SGD training for any Keras 3 model (Abadi et al. 2016, Algorithm 1).
+
+    model = keras.Sequential([...])                       # or functional / subclassed
+    dp_model = dpfl_tf.keras.DPModel(model)                                 # 1
+    dp_model.compile(optimizer=dpfl_tf.keras.DPSGD(0.1, l2_norm_clip=4.0,   # 2
+                                                   noise_multiplier=2.0),
+                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                     metrics=["accuracy"])
+    dp_model.fit(x, y, lot_size=600, epochs=10, target_epsilon=2.0)         # 3
+
+One Keras step is one *lot* (the privacy unit): the lot is drawn by the
+`LotSampler` (Poisson by default, rate q = L/N), walked in physical batches
+of `batch_size` examples (memory), the clipped per-example gradients of all its
+batches are summed, Gaussian noise is added **once per lot** and the update is
+(sum + noise) / L.  Every applied lot increments an in-graph counter saved with
+the weights; the `PrivacyLedger` turns the counter into recorded events, so
+epsilon is always the accountant's figure for the lots actually applied.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from dpfl_tf._validation import check_count, check_number
+from dpfl_tf.keras.optimizers import DPOptimizer
+from dpfl_tf.keras.per_example import (PerExampleGradients, _leaf_layers,
+                                       refuse_batch_mixing_layers)
+from dpfl_tf.keras.sampling import LotSampler
+from dpfl_tf.privacy.events import SamplingMethod, describe_event, shuffle_epoch_event
+from dpfl_tf.privacy.ledger import PrivacyBudget, PrivacyLedger
+
+__all__ = ["DPModel"]
+
+_NO_LIMIT = np.iinfo(np.int64).max
+
+
+@keras.saving.register_keras_serializable(package="dpfl_tf")
+class DPModel(keras.Model):
+    """Wraps a Keras model for DP-SGD training; inference is the inner model's.
+
+    Args:
+      model: the Keras model (Sequential, functional or subclassed).
+      accountant: default accountant of the ledger ("moments", "rdp", "pld").
+      fast_gradients: use the fast per-example paths for Dense / Conv2D /
+        Embedding layers of Sequential and functional models (exactly equal to
+        the generic path; set False to force the generic Jacobian path).
+      ledger: a `PrivacyLedger` (or its dict) to continue from.
+    """
+
+    def __init__(self, model: keras.Model, *, accountant: str = "moments",
+                 fast_gradients: bool = True, ledger: PrivacyLedger | dict | None = None,
+                 recorded_lots: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        if not isinstance(model, keras.layers.Layer):
+            raise TypeError(f"model must be a Keras model, got {type(model).__name__}")
+        self.model = model
+        self.fast_gradients = bool(fast_gradients)
+        if isinstance(ledger, dict):
+            ledger = PrivacyLedger.from_dict(ledger)
+        self.ledger = ledger if ledger is not None else PrivacyLedger(accountant)
+        self._lots_applied = self.add_weight(shape=(), dtype="int64", initializer="zeros",
+                                             trainable=False, name="dp_lots_applied")
+        self._lot_limit = self.add_weight(shape=(), dtype="int64",
+                                          initializer=keras.initializers.Constant(_NO_LIMIT),
+                                          trainable=False, name="dp_lot_limit")
+        self._recorded_lots = int(recorded_lots)
+        self._step_event = None       # event of one lot with the current fit settings
+        self._epoch_event = None      # shuffle sampling: one Gaussian per epoch
+        self._lots_per_epoch = None
+        self._fit_start_lots = 0
+        self._recorded_epochs = 0
+        self._dp_loss = None
+        self._sanitizer = None
+        self._groups = None
+        self._batch_size = None
+        self._expected_lot = None
+        self._pad_to_batch = False
+
+    # -- Keras plumbing -------------------------------------------------------
+    def call(self, inputs, training=None):
+        return self.model(inputs, training=training)
+
+    def build(self, input_shape):
+        if not self.model.built:
+            self.model.build(input_shape)
+        self.built = True
+
+    def compile(self, optimizer=None, loss=None, **kwargs):
+        if not isinstance(optimizer, DPOptimizer):
+            raise TypeError(
+                "DPModel must be compiled with a DP optimizer (dpfl_tf.keras.DPSGD, DPAdam or "
+                f"DPOptimizer(inner, ...)); got {type(optimizer).__name__}: a plain optimizer "
+                "would train without privacy")
+        if loss is None:
+            raise ValueError("DPModel.compile needs a loss (one value per example)")
+        refuse_batch_mixing_layers(self.model)
+        self._dp_loss = keras.losses.get(loss) if isinstance(loss, str) else loss
+        if isinstance(self._dp_loss, (list, dict)):
+            raise ValueError("DPModel supports a single loss")
+        super().compile(optimizer=optimizer, loss=loss, **kwargs)
+
+    def get_compile_config(self):
+        return super().get_compile_config()
+
+    def compile_from_config(self, config):
+        """Recompiles a loaded model with its DP optimizer and loss."""
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built:
+            self.optimizer.build(self.model.trainable_variables)
+
+    # -- privacy bookkeeping ----------------------------------------------------
+    @property
+    def lots_applied(self) -> int:
+        """Number of noised lot updates applied to the weights (saved with them)."""
+        return int(keras.ops.convert_to_numpy(self._lots_applied))
+
+    @property
+    def privacy_ledger(self) -> PrivacyLedger:
+        """The ledger, brought up to date with the lots applied so far."""
+        self._sync_ledger()
+        return self.ledger
+
+    def epsilon(self, delta: float, accountant: str | None = None) -> float:
+        """Epsilon spent so far at `delta` (the ledger's accountant by default)."""
+        return self.privacy_ledger.epsilon(delta, accountant)
+
+    def _sync_ledger(self) -> None:
+        applied = self.lots_applied
+        pending = applied - self._recorded_lots
+        if pending < 0:  # weights rolled back: spent privacy is never refunded
+            self._recorded_lots = applied
+            return
+        if pending == 0:
+            return
+        if self._step_event is None:
+            raise RuntimeError(
+                f"{pending} lots were applied (restored from weights) but the privacy "
+                "settings that produced them are unknown here; call fit() with the same "
+                "settings to resume, or load the full model (.keras) which keeps its ledger")
+        if self._epoch_event is not None:  # shuffle: one Gaussian per epoch touched
+            epochs = math.ceil((applied - self._fit_start_lots) / self._lots_per_epoch)
+            self.ledger.record(self._epoch_event, epochs - self._recorded_epochs,
+                               label="dpsgd")
+            self._recorded_epochs = epochs
+        else:
+            self.ledger.record(self._step_event, pending, label="dpsgd")
+        self._recorded_lots = applied
+
+    def set_lot_limit(self, limit: int | None) -> None:
+        """In-graph guard: a lot beyond `limit` total lots raises instead of applying."""
+        self._lot_limit.assign(_NO_LIMIT if limit is None else int(limit))
+
+    # -- training -----------------------------------------------------------
+    def fit(self, x=None, y=None, *, lot_size: int, batch_size: int | None = None,
+            epochs: int = 1, sampling: SamplingMethod | str = SamplingMethod.POISSON,
+            target_epsilon: float | None = None, target_delta: float = 1e-5,
+            accountant: str | None = None, verbose="auto", callbacks=None,
+            validation_data=None, initial_epoch: int = 0, preprocess=None,
+            sampling_seed: int | None = None, **kwargs):
+        """DP-SGD training on in-memory data.
+
+        Args:
+          x, y: arrays (or tensors / dicts of arrays for x) of N examples.
+          lot_size: L, the expected lot size (privacy unit); q = L / N.
+          batch_size: physical batch size B (memory only; default min(L, 256)).
+          epochs: epochs of N / L lots each.
+          sampling: "poisson" (default), "fixed_size" or "shuffle".
+          target_epsilon, target_delta: stop before the lot that would exceed
+            (target_epsilon, target_delta); epsilon is logged either way.
+          accountant: accountant for the budget and the logs (default: ledger's).
+          preprocess: a function applied to each lot's x inside tf.data (e.g.
+            augmentation; it must act on each example independently).
+          sampling_seed: seeds lot sampling (tests only; default OS entropy).
+        """
+        for name in ("validation_split", "sample_weight", "class_weight", "shuffle",
+                     "steps_per_epoch", "validation_steps"):
+            if kwargs.pop(name, None) is not None:
+                raise ValueError(f"DPModel.fit does not support {name}: lots are sampled by "
+                                 "the DP sampler")
+        if kwargs:
+            raise TypeError(f"DPModel.fit got unexpected arguments {sorted(kwargs)}")
+        if self.optimizer is None or self._dp_loss is None:
+            raise RuntimeError("compile the DPModel with a DP optimizer before fit()")
+        if isinstance(x, tf.data.Dataset) or y is None:
+            raise TypeError(
+                "DPModel.fit needs the training data as arrays (x, y) so that lots can be "
+                "sampled as the privacy analysis assumes; got "
+                f"{type(x).__name__} and y={type(y).__name__}")
+        n = _num_examples(x, y)
+        sampler = LotSampler(n, lot_size, sampling, seed=sampling_seed)
+        batch_size = min(sampler.lot_size, 256) if batch_size is None else \
+            check_count("batch_size", batch_size, minimum=1)
+        check_count("epochs", epochs, minimum=1)
+        target_delta = check_number("target_delta", target_delta, low=0.0, high=1.0,
+                                    low_open=True, high_open=True)
+
+        self._prepare(sampler, batch_size)
+        data = sampler.dataset(x, y, batch_size=batch_size if self._pad_to_batch else 1,
+                               epochs=epochs - initial_epoch, preprocess=preprocess)
+        from dpfl_tf.keras.callbacks import PrivacyCallback
+
+        callbacks = list(callbacks or [])
+        privacy_cb = next((c for c in callbacks if isinstance(c, PrivacyCallback)), None)
+        if privacy_cb is None:
+            privacy_cb = PrivacyCallback(target_epsilon=target_epsilon, delta=target_delta,
+                                         accountant=accountant)
+        elif target_epsilon is not None:
+            raise ValueError("pass target_epsilon either to fit() or to the PrivacyCallback")
+        callbacks = [privacy_cb] + [c for c in callbacks if c is not privacy_cb]
+        return super().fit(data, epochs=epochs, initial_epoch=initial_epoch,
+                           steps_per_epoch=sampler.lots_per_epoch, verbose=verbose,
+                           callbacks=callbacks, validation_data=validation_data, shuffle=False)
+
+    def _prepare(self, sampler: LotSampler, batch_size: int) -> None:
+        """Fixes the settings of this fit: sanitizer, groups, the lot's event."""
+        restored = self._step_event is None and self.lots_applied > self._recorded_lots
+        if not restored:
+            self._sync_ledger()  # lots of an earlier fit are recorded with their own event
+        optimizer: DPOptimizer = self.optimizer
+        if not self.model.built:
+            raise RuntimeError("build the model first (give it an Input or call it once)")
+        variables = self.model.trainable_variables
+        if not variables:
+            raise ValueError("the model has no trainable variables")
+        layer_of = {id(v): layer.name for layer in _leaf_layers(self.model)
+                    for v in layer.trainable_variables}
+        self._groups, bounds = optimizer.clip_groups(variables, layer_of)
+        self._sanitizer = optimizer.make_sanitizer(bounds)
+        with self.distribute_strategy.scope():
+            _ = self._sanitizer.generator  # created outside tf.function
+        self._batch_size = batch_size
+        self._expected_lot = float(sampler.lot_size)
+        self._pad_to_batch = bool(self.jit_compile)
+        self._per_example = PerExampleGradients(self.model, self._dp_loss,
+                                                fast=self.fast_gradients)
+        num_groups = max(self._groups) + 1
+        if sampler.sampling is SamplingMethod.SHUFFLE:
+            self._epoch_event = shuffle_epoch_event(
+                self._sanitizer.effective_noise_multiplier(num_groups))
+            self._step_event = self._epoch_event
+            self._lots_per_epoch = sampler.lots_per_epoch
+            self._fit_start_lots = self.lots_applied
+            self._recorded_epochs = 0
+        else:
+            self._epoch_event = None
+            self._step_event = self._sanitizer.event(num_groups, sampler.sampling,
+                                                     **sampler.sampling_args())
+        self.sampler = sampler
+        self.train_function = None  # retrace with the new settings
+        if restored:
+            pending = self.lots_applied - self._recorded_lots
+            warnings.warn(
+                f"{pending} lots restored with the weights are recorded in the privacy ledger "
+                f"as {describe_event(self._step_event)} (the settings of this fit): resume "
+                "with the settings that produced them, or load the full .keras model, whose "
+                "ledger keeps its own history", RuntimeWarning, stacklevel=3)
+            if self._epoch_event is not None:
+                self._fit_start_lots = self._recorded_lots
+            self._sync_ledger()
+
+    @property
+    def lot_event(self):
+        """The event one lot of the current settings records (None before fit)."""
+        return self._step_event
+
+    def steps_within_budget(self, budget: PrivacyBudget) -> int:
+        """Lots the budget still allows with the current settings."""
+        self._sync_ledger()
+        ledger = PrivacyLedger.from_dict({**self.ledger.to_dict(),
+                                          "budget": budget.to_dict()})
+        if self._epoch_event is not None:
+            epochs = ledger.steps_within_budget(self._epoch_event)
+            done = self.lots_applied - self._fit_start_lots
+            partial = done % self._lots_per_epoch
+            # the current partial epoch is already recorded as a whole epoch
+            return epochs * self._lots_per_epoch + ((self._lots_per_epoch - partial)
+                                                    if partial else 0)
+        return ledger.steps_within_budget(self._step_event)
+
+    def train_step(self, data):
+        x, y, mask = data
+        variables = self.model.trainable_variables
+        bsz = self._batch_size
+        n = tf.shape(mask)[0]
+        num_batches = (n + bsz - 1) // bsz
+        sanitizer, groups = self._sanitizer, self._groups
+
+        def clip_factors(sq_norms):
+            grouped = [None] * (max(groups) + 1)
+            for g, s in zip(groups, sq_norms):
+                grouped[g] = s if grouped[g] is None else grouped[g] + s
+            factors = sanitizer.clip_factors(grouped)
+            return [factors[g] for g in groups]
+
+        def take(t, start, size):
+            begin = tf.concat([[start], tf.zeros([t.shape.rank - 1], tf.int32)], 0)
+            sizes = tf.concat([[size], -tf.ones([t.shape.rank - 1], tf.int32)], 0)
+            return tf.slice(t, begin, sizes)
+
+        def body(i, acc, loss_sum):
+            start = i * bsz
+            size = bsz if self._pad_to_batch else tf.minimum(bsz, n - start)
+            xb = tf.nest.map_structure(lambda t: take(t, start, size), x)
+            yb, mb = take(y, start, size), take(mask, start, size)
+            sums, losses, y_pred = self._per_example.compute(xb, yb, mb, clip_factors)
+            if self._compile_metrics is not None:
+                self._compile_metrics.update_state(yb, y_pred, sample_weight=mb)
+            return (i + 1, [a + s for a, s in zip(acc, sums)],
+                    loss_sum + tf.reduce_sum(losses))
+
+        acc0 = [tf.zeros(v.shape, v.dtype) for v in variables]
+        _, clipped_sum, loss_sum = tf.while_loop(
+            lambda i, *_: i < num_batches, body, (tf.constant(0), acc0, tf.constant(0.0)),
+            parallel_iterations=1)
+
+        noised = sanitizer.add_noise(clipped_sum, groups)
+        replica = tf.distribute.get_replica_context()
+        if replica is not None and replica.num_replicas_in_sync > 1:
+            # each replica sums its share of the lot; the optimizer all-reduces the
+            # sum, so exactly one replica contributes the (single) noise draw
+            first = tf.cast(tf.equal(replica.replica_id_in_sync_group, 0), tf.float32)
+            noised = [c + first * (z - c) for c, z in zip(clipped_sum, noised)]
+        grads = [g / self._expected_lot for g in noised]
+        # the counter moves only with an applied update (and after every check on it)
+        with tf.control_dependencies(grads + [tf.debugging.assert_less(
+                self._lots_applied, self._lot_limit,
+                message="privacy budget exhausted: this lot would exceed the target "
+                        "(epsilon, delta); nothing was applied")]):
+            self.optimizer.apply_noised_gradients(grads, variables)
+            self._lots_applied.assign_add(1)
+
+        count = tf.reduce_sum(mask)
+        self._loss_tracker.update_state(loss_sum / tf.maximum(count, 1.0), sample_weight=count)
+        return self.get_metrics_result()
+
+    # -- serialisation ----------------------------------------------------------
+    def get_config(self) -> dict[str, Any]:
+        try:
+            self._sync_ledger()
+        except RuntimeError:
+            pass  # settings unknown: keep the ledger as recorded
+        return {"name": self.name,
+                "model": keras.saving.serialize_keras_object(self.model),
+                "fast_gradients": self.fast_gradients,
+                "ledger": self.ledger.to_dict(),
+                "recorded_lots": self._recorded_lots}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(config.pop("model"),
+                                                      custom_objects=custom_objects)
+        return cls(model, **config)
+
+    def summary_privacy(self, delta: float = 1e-5) -> str:
+        ledger = self.privacy_ledger
+        lines = [f"lots applied: {self.lots_applied}"]
+        lines += [f"  {e['count']} x {e['event']}" for e in ledger.entries]
+        lines.append(f"epsilon = {ledger.epsilon(delta):.4f} at delta = {delta:g} "
+                     f"({ledger.accountant.value})")
+        return "\n".join(lines)
+
+
+def _num_examples(x, y) -> int:
+    ys = np.shape(y)
+    if len(ys) == 0:
+        raise ValueError(f"y must have one label per example, got shape {ys}")
+    n = int(ys[0])
+    if n == 0:
+        raise ValueError("the training data is empty (0 examples)")
+    for leaf in tf.nest.flatten(x):
+        if np.shape(leaf)[:1] != (n,):
+            raise ValueError(f"x and y disagree on the number of examples: x has shape "
+                             f"{np.shape(leaf)}, y has {n} labels")
+    return n

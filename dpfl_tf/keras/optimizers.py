@@ -1,0 +1,231 @@
+"""DP optimizers for Keras 3: a wrapper for any Keras optimizer, and DP-SGD.
+
+A Keras 3 optimizer only ever sees the summed gradient, so the per-example
+work (clipping) happens in `DPModel.train_step`.  The optimizer carries the
+privacy parameters (clip bound(s), noise multiplier), adds the Gaussian noise
+once per lot through the shared `GaussianSanitizer`, divides by the expected lot
+size and hands the result to the inner optimizer:
+
+    w <- inner_update(w, (sum_i clip(g_i) + N(0, sigma^2 C^2 I)) / L)
+
+(Abadi et al. 2016, Algorithm 1).  Its ordinary `apply` / `apply_gradients`
+refuse to run, so a DP optimizer can never train a plain model without privacy.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import keras
+
+from dpfl_tf._validation import check_number
+from dpfl_tf.sanitizer import GaussianSanitizer
+
+__all__ = ["DPOptimizer", "DPSGD", "DPAdam"]
+
+ClipSpec = float | Sequence[float] | Mapping[str, float]
+
+
+def _check_clip(l2_norm_clip) -> ClipSpec:
+    if isinstance(l2_norm_clip, Mapping):
+        if not l2_norm_clip:
+            raise ValueError("l2_norm_clip must not be an empty dict")
+        return {str(k): check_number(f"l2_norm_clip[{k!r}]", v, low=0.0, low_open=True)
+                for k, v in l2_norm_clip.items()}
+    if isinstance(l2_norm_clip, (list, tuple)):
+        if not l2_norm_clip:
+            raise ValueError("l2_norm_clip must not be an empty list")
+        return [check_number(f"l2_norm_clip[{i}]", v, low=0.0, low_open=True)
+                for i, v in enumerate(l2_norm_clip)]
+    return check_number("l2_norm_clip", l2_norm_clip, low=0.0, low_open=True)
+
+
+@keras.saving.register_keras_serializable(package="dpfl_tf")
+class DPOptimizer(keras.optimizers.Optimizer):
+    """Makes any Keras optimizer differentially private (use with `DPModel`).
+
+    Args:
+      inner_optimizer: the Keras optimizer that applies the noised gradient.
+      l2_norm_clip: flat bound C (float); or per-layer bounds, as a dict
+        {layer name: C_layer} (a layer's kernel and bias share the bound) or a
+        list with one bound per trainable variable.
+      noise_multiplier: sigma; noise std is sigma * C (sigma * sqrt(sum C_j^2)
+        for per-layer bounds, see `GaussianSanitizer`).
+      noise_allocation: per-layer only, "global" or "proportional".
+      seed: seeds the noise (tests only; results then say "not for deployment").
+    """
+
+    def __init__(self, inner_optimizer: keras.optimizers.Optimizer, *, l2_norm_clip: ClipSpec,
+                 noise_multiplier: float, noise_allocation: str = "global",
+                 seed: int | None = None, name: str | None = None, **kwargs):
+        if kwargs:
+            raise ValueError(f"DPOptimizer does not support arguments {sorted(kwargs)}; set "
+                             "them on the inner optimizer")
+        if isinstance(inner_optimizer, DPOptimizer):
+            raise ValueError("inner_optimizer is already a DPOptimizer")
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise TypeError("inner_optimizer must be a keras.optimizers.Optimizer, got "
+                            f"{type(inner_optimizer).__name__}")
+        super().__init__(learning_rate=0.0, name=name or f"dp_{inner_optimizer.name}")
+        self.inner_optimizer = inner_optimizer
+        self.l2_norm_clip = _check_clip(l2_norm_clip)
+        self.noise_multiplier = check_number("noise_multiplier", noise_multiplier, low=0.0)
+        if noise_allocation not in ("global", "proportional"):
+            raise ValueError("noise_allocation must be 'global' or 'proportional', got "
+                             f"{noise_allocation!r}")
+        self.noise_allocation = noise_allocation
+        self.seed = seed
+
+    # -- the sanitizer for a model's variables -------------------------------
+    def clip_groups(self, variables, layer_of: Mapping[int, str]) -> tuple[list[int], ClipSpec]:
+        """(group index of each variable, bounds per group) for the clip spec."""
+        if isinstance(self.l2_norm_clip, float):
+            return [0] * len(variables), self.l2_norm_clip
+        if isinstance(self.l2_norm_clip, list):
+            if len(self.l2_norm_clip) != len(variables):
+                raise ValueError(
+                    f"l2_norm_clip has {len(self.l2_norm_clip)} bounds but the model has "
+                    f"{len(variables)} trainable variables: "
+                    f"{[v.path for v in variables]}")
+            return list(range(len(variables))), list(self.l2_norm_clip)
+        names = [layer_of[id(v)] for v in variables]
+        missing = sorted(set(names) - set(self.l2_norm_clip))
+        unknown = sorted(set(self.l2_norm_clip) - set(names))
+        if missing or unknown:
+            raise ValueError(f"per-layer l2_norm_clip must name every trainable layer: missing "
+                             f"{missing}, unknown {unknown}")
+        order = list(dict.fromkeys(names))
+        return [order.index(n) for n in names], [self.l2_norm_clip[n] for n in order]
+
+    def make_sanitizer(self, bounds: ClipSpec) -> GaussianSanitizer:
+        return GaussianSanitizer(bounds, self.noise_multiplier,
+                                 noise_allocation=self.noise_allocation, seed=self.seed)
+
+    # -- optimizer protocol ---------------------------------------------------
+    def build(self, var_list):
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    def apply_noised_gradients(self, grads, trainable_variables):
+        """Applies gradients that `DPModel` has clipped, noised and normalised."""
+        return self.inner_optimizer.apply(grads, trainable_variables)
+
+    def apply(self, grads, trainable_variables=None):
+        raise RuntimeError(
+            "DPOptimizer received ordinary (unclipped, un-noised) gradients. Train with "
+            "dpfl_tf.keras.DPModel(model), whose train_step clips per example and adds the "
+            "noise; a DPOptimizer never applies gradients without privacy.")
+
+    def apply_gradients(self, grads_and_vars):
+        self.apply(None)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        self.apply(None)
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def _dp_config(self) -> dict:
+        clip = self.l2_norm_clip
+        return {"l2_norm_clip": dict(clip) if isinstance(clip, Mapping) else clip,
+                "noise_multiplier": self.noise_multiplier,
+                "noise_allocation": self.noise_allocation, "seed": self.seed}
+
+    def get_config(self):
+        return {"name": self.name,
+                "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+                **self._dp_config()}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
+                                                      custom_objects=custom_objects)
+        return cls(inner, **config)
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(inner={type(self.inner_optimizer).__name__}, "
+                f"l2_norm_clip={self.l2_norm_clip!r}, noise_multiplier={self.noise_multiplier})")
+
+
+def _serialize_lr(lr):
+    if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+        return keras.optimizers.schedules.serialize(lr)
+    return float(keras.ops.convert_to_numpy(lr))
+
+
+def _deserialize_lr(lr):
+    return keras.optimizers.schedules.deserialize(lr) if isinstance(lr, dict) else lr
+
+
+@keras.saving.register_keras_serializable(package="dpfl_tf")
+class DPSGD(DPOptimizer):
+    """DP-SGD of Abadi et al. 2016: SGD (optionally with momentum) on the
+    clipped, noised, lot-averaged gradient.  `learning_rate` may be a Keras
+    schedule, e.g. the paper's linear decay then constant:
+    ``keras.optimizers.schedules.PolynomialDecay(0.1, 10 * steps_per_epoch, 0.052)``."""
+
+    def __init__(self, learning_rate=0.01, momentum: float = 0.0, nesterov: bool = False, *,
+                 l2_norm_clip: ClipSpec, noise_multiplier: float,
+                 noise_allocation: str = "global", seed: int | None = None,
+                 name: str = "dp_sgd"):
+        super().__init__(keras.optimizers.SGD(learning_rate=learning_rate, momentum=momentum,
+                                              nesterov=nesterov),
+                         l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
+                         noise_allocation=noise_allocation, seed=seed, name=name)
+
+    def get_config(self):
+        inner = self.inner_optimizer
+        return {"name": self.name, "learning_rate": _serialize_lr(inner._learning_rate),
+                "momentum": inner.momentum, "nesterov": inner.nesterov, **self._dp_config()}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        return _from_flat_config(cls, config)
+
+
+@keras.saving.register_keras_serializable(package="dpfl_tf")
+class DPAdam(DPOptimizer):
+    """Adam on the clipped, noised, lot-averaged gradient."""
+
+    def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999,
+                 epsilon: float = 1e-7, *, l2_norm_clip: ClipSpec, noise_multiplier: float,
+                 noise_allocation: str = "global", seed: int | None = None,
+                 name: str = "dp_adam"):
+        super().__init__(keras.optimizers.Adam(learning_rate=learning_rate, beta_1=beta_1,
+                                               beta_2=beta_2, epsilon=epsilon),
+                         l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
+                         noise_allocation=noise_allocation, seed=seed, name=name)
+
+    def get_config(self):
+        inner = self.inner_optimizer
+        return {"name": self.name, "learning_rate": _serialize_lr(inner._learning_rate),
+                "beta_1": inner.beta_1, "beta_2": inner.beta_2, "epsilon": inner.epsilon,
+                **self._dp_config()}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        return _from_flat_config(cls, config)
+
+
+def _from_flat_config(cls, config):
+    config = dict(config)
+    config["learning_rate"] = _deserialize_lr(config["learning_rate"])
+    return cls(**config)
+

@@ -1,0 +1,51 @@
+"""Run in a fresh process (logical devices must be set before TensorFlow starts):
+prints JSON with MirroredStrategy / XLA comparisons against one plain device."""
+
+import json
+import sys
+
+import tensorflow as tf
+
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dpfl_tf.keras import DPModel, DPSGD  # noqa: E402
+from tests.keras.helpers import loss, mnist_slice  # noqa: E402
+
+x, y = mnist_slice(600, features=60)
+
+
+def update(strategy, noise, jit=False, seed=3, epochs=1):
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((60,)), keras.layers.Dense(200, activation="relu"),
+                                  keras.layers.Dense(10)])
+        dp = DPModel(model)
+        dp.compile(optimizer=DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=noise, seed=seed),
+                   loss=loss(), jit_compile=jit)
+    w0 = [v.numpy().copy() for v in model.trainable_variables]
+    dp.fit(x, y, lot_size=600, batch_size=150, epochs=epochs, verbose=0, sampling="full_batch")
+    delta = np.concatenate([(v.numpy() - a).ravel() for v, a in zip(model.trainable_variables, w0)])
+    return delta, dp.lots_applied
+
+
+plain = tf.distribute.get_strategy()
+mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+clean, _ = update(plain, 0.0, epochs=3)
+clean_m, lots_m = update(mirrored, 0.0, epochs=3)
+clean_x, _ = update(plain, 0.0, jit=True, epochs=3)
+one_clean, _ = update(plain, 0.0)
+noisy_m, _ = update(mirrored, 2.0, seed=5)
+noisy_x, _ = update(plain, 2.0, jit=True, seed=5)
+scale = 2.0 * 1.0 / 600  # lr * sigma * C / L
+json.dump({
+    "replicas": mirrored.num_replicas_in_sync,
+    "mirrored_max_diff": float(np.max(np.abs(clean - clean_m))),
+    "xla_max_diff": float(np.max(np.abs(clean - clean_x))),
+    "mirrored_lots": lots_m,
+    "mirrored_noise": ((noisy_m - one_clean) / scale).tolist()[:60000],
+    "xla_noise": ((noisy_x - one_clean) / scale).tolist()[:60000],
+}, sys.stdout)

@@ -1,0 +1,48 @@
+"""Small real-MNIST slices and models for the Keras DP-SGD tests."""
+
+import functools
+
+import keras
+import numpy as np
+
+from dpfl_tf.data import load_dataset
+
+
+@functools.lru_cache(maxsize=1)
+def _mnist():
+    return load_dataset("mnist")
+
+
+def mnist_slice(n=1000, flat=True, features=None, offset=0):
+    """The first n MNIST training images in [0, 1] (flattened, optionally
+    projected to `features` dimensions by a fixed random matrix) and labels."""
+    ds = _mnist()
+    x = ds.x_train[offset:offset + n].astype("float32") / 255.0
+    y = ds.y_train[offset:offset + n].astype("int64")
+    if flat:
+        x = x.reshape(n, -1)
+        if features:
+            proj = np.random.default_rng(0).normal(size=(784, features)).astype("float32")
+            x = x @ (proj / np.sqrt(784))
+    else:
+        x = x[..., None]
+    return x, y
+
+
+def mnist_test_slice(n=1000, features=None):
+    ds = _mnist()
+    x = ds.x_test[:n].astype("float32").reshape(n, -1) / 255.0
+    if features:
+        proj = np.random.default_rng(0).normal(size=(784, features)).astype("float32")
+        x = x @ (proj / np.sqrt(784))
+    return x, ds.y_test[:n].astype("int64")
+
+
+def mlp(inputs=60, hidden=32, seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(hidden, activation="relu"),
+                             keras.layers.Dense(10)])
+
+
+def loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)

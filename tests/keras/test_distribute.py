@@ -1,0 +1,41 @@
+"""MirroredStrategy over two logical CPUs and XLA give the same updates, and
+the noise is drawn once per lot for the whole lot (not once per replica)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from scipy import stats
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def child():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run([sys.executable, "-m", "tests.keras._distribute_child"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_mirrored_strategy_equals_one_device(child):
+    assert child["replicas"] == 2
+    assert child["mirrored_lots"] == 3
+    assert child["mirrored_max_diff"] < 1e-5
+
+
+def test_xla_equals_no_xla(child):
+    assert child["xla_max_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("key", ["mirrored_noise", "xla_noise"])
+def test_noise_once_per_lot(key, child):
+    noise = np.asarray(child[key])
+    assert stats.kstest(noise, "norm").pvalue > 1e-3
+    # noise drawn on both replicas would have sqrt(2) times the scale: rejected
+    assert stats.kstest(noise / np.sqrt(2), "norm").pvalue < 1e-6

@@ -1,0 +1,271 @@
+"""DPModel: lots, noise once per lot, sampling events, ledger, budget, resume,
+serialisation, bad inputs -- on small slices of real MNIST."""
+
+import math
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from scipy import stats
+
+from dpfl_tf.keras import DPAdam, DPModel, DPOptimizer, DPSGD, PrivacyCallback
+from dpfl_tf.privacy import (BudgetExceededError, compute_epsilon, dp_sgd_event,
+                             gaussian_step_event, max_steps)
+from tests.keras.helpers import loss, mlp, mnist_slice, mnist_test_slice
+
+
+def dp_model(noise=1.0, clip=1.0, lr=0.5, model=None, seed=0, **opt):
+    dp = DPModel(model if model is not None else mlp())
+    dp.compile(optimizer=DPSGD(lr, l2_norm_clip=clip, noise_multiplier=noise, seed=seed, **opt),
+               loss=loss(), metrics=["accuracy"])
+    return dp
+
+
+def weights(model):
+    return [v.numpy().copy() for v in model.trainable_variables]
+
+
+def test_dp_training_learns_and_ledger_matches_accountant():
+    x, y = mnist_slice(2000, features=60)
+    xt, yt = mnist_test_slice(1000, features=60)
+    dp = dp_model(noise=1.0, clip=1.0, lr=0.5)
+    hist = dp.fit(x, y, lot_size=100, epochs=5, verbose=0)
+    acc = dp.evaluate(xt, yt, verbose=0)[1]
+    assert acc > 0.5  # chance is 0.1
+    assert dp.lots_applied == 5 * 20
+    expected = compute_epsilon(dp_sgd_event(1.0, 100, sampling_rate=100 / 2000), 1e-5, "moments")
+    assert dp.epsilon(1e-5) == pytest.approx(expected, rel=1e-12)
+    assert hist.history["epsilon"][-1] == pytest.approx(expected, rel=1e-12)
+    assert dp.privacy_ledger.count() == 100
+    assert dp.lot_event == gaussian_step_event(1.0, sampling_rate=0.05)
+
+
+def _one_lot_update(batch_size, noise, seed, n=600):
+    x, y = mnist_slice(n, features=60)
+    dp = dp_model(noise=noise, clip=1.0, lr=1.0, model=mlp(hidden=300), seed=seed)
+    w0 = weights(dp.model)
+    dp.fit(x, y, lot_size=n, batch_size=batch_size, epochs=1, verbose=0, sampling="full_batch")
+    return [b - a for a, b in zip(w0, weights(dp.model))]
+
+
+def test_physical_batches_sum_to_the_same_lot_update_without_noise():
+    one = _one_lot_update(600, 0.0, 0)
+    four = _one_lot_update(150, 0.0, 0)
+    seven = _one_lot_update(97, 0.0, 0)  # last physical batch is partial
+    for a, b, c in zip(one, four, seven):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+        np.testing.assert_allclose(a, c, atol=1e-6)
+
+
+def test_noise_is_added_once_per_lot_not_once_per_physical_batch():
+    """Update = -(lr / L) (sum + N(0, sigma^2 C^2)): noise std per coordinate is
+    sigma C / L whatever the physical batch size.  Adding it per physical batch
+    (tensorflow-privacy's behaviour with gradient accumulation) would give
+    sqrt(4) times more for B = L / 4; the test detects that."""
+    sigma, lot = 2.0, 600
+    clean = np.concatenate([u.ravel() for u in _one_lot_update(150, 0.0, 0)])
+    noisy = np.concatenate([u.ravel() for u in _one_lot_update(150, sigma, 11)])
+    noise = (noisy - clean) / (sigma * 1.0 / lot)  # standardised by the claimed scale
+    assert stats.kstest(noise, "norm").pvalue > 1e-3
+    assert noise.std() == pytest.approx(1.0, abs=0.02)
+    assert stats.kstest(noise / 2.0, "norm").pvalue < 1e-6  # per-batch noise is rejected
+
+
+def test_sampling_modes_record_honest_events():
+    x, y = mnist_slice(1000, features=60)
+    fixed = dp_model()
+    fixed.fit(x, y, lot_size=100, epochs=1, verbose=0, sampling="fixed_size", accountant="rdp")
+    assert fixed.lot_event == gaussian_step_event(1.0, "fixed_size", dataset_size=1000,
+                                                  lot_size=100)
+    shuffled = dp_model()
+    shuffled.ledger.accountant = shuffled.ledger.accountant.parse("rdp")
+    shuffled.fit(x, y, lot_size=100, epochs=2, verbose=0, sampling="shuffle")
+    ledger = shuffled.privacy_ledger
+    # two epochs of disjoint lots: two Gaussians with sensitivity 2C, no amplification
+    assert ledger.count() == 2
+    assert ledger.epsilon(1e-5) == pytest.approx(compute_epsilon(
+        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(0.5), 2), 1e-5, "rdp"))
+
+
+def test_poisson_lots_have_variable_size_and_expected_rate():
+    from dpfl_tf.keras import LotSampler
+    sampler = LotSampler(10000, 100, seed=0)
+    sizes = np.array([len(i) for i in sampler.lots(400)])
+    assert sizes.std() > 5 and abs(sizes.mean() - 100) < 2
+    assert stats.binomtest(int(sizes.sum()), 400 * 10000, 0.01).pvalue > 1e-3
+
+
+def test_budget_stops_before_the_lot_that_would_exceed():
+    x, y = mnist_slice(1000, features=60)
+    dp = dp_model(noise=2.0)
+    dp.fit(x, y, lot_size=100, epochs=50, verbose=0, target_epsilon=1.0, target_delta=1e-5)
+    allowed = max_steps(1.0, 1e-5, gaussian_step_event(2.0, sampling_rate=0.1))
+    assert dp.lots_applied == allowed < 500
+    assert dp.epsilon(1e-5) <= 1.0
+    assert compute_epsilon(dp_sgd_event(2.0, allowed + 1, sampling_rate=0.1), 1e-5) > 1.0
+    with pytest.raises(BudgetExceededError):
+        dp.fit(x, y, lot_size=100, epochs=1, verbose=0, target_epsilon=1.0)
+    assert dp.lots_applied == allowed
+
+
+def test_in_graph_lot_limit_refuses_a_lot():
+    x, y = mnist_slice(200, features=60)
+    dp = dp_model()
+    dp.fit(x, y, lot_size=100, epochs=1, verbose=0)
+    dp.set_lot_limit(dp.lots_applied)
+    w = weights(dp.model)
+    dp._prepare(dp.sampler, 100)
+    data = dp.sampler.dataset(x, y, batch_size=1, epochs=1)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="privacy budget exhausted"):
+        dp.train_step(next(iter(data)))
+    for a, b in zip(w, weights(dp.model)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_paper_learning_rate_schedule_is_a_keras_schedule():
+    steps_per_epoch = 10
+    schedule = keras.optimizers.schedules.PolynomialDecay(0.1, 10 * steps_per_epoch, 0.052)
+    opt = DPSGD(schedule, l2_norm_clip=4.0, noise_multiplier=2.0)
+    lrs = [float(schedule(s)) for s in [0, 50, 100, 150, 1000]]
+    np.testing.assert_allclose(lrs, [0.1, 0.076, 0.052, 0.052, 0.052], rtol=1e-6)
+    restored = DPSGD.from_config(opt.get_config())
+    assert float(restored.inner_optimizer._learning_rate(50)) == pytest.approx(0.076)
+
+
+def test_frozen_layers_are_unchanged_and_functional_and_subclassed_models_train():
+    x, y = mnist_slice(600, flat=False)
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((28, 28, 1))
+    h = keras.layers.Conv2D(4, 5, strides=2, activation="relu", name="frozen_conv")(inp)
+    h = keras.layers.Flatten()(h)
+    functional = keras.Model(inp, keras.layers.Dense(10)(h))
+    functional.get_layer("frozen_conv").trainable = False
+    frozen_before = [w.copy() for w in functional.get_layer("frozen_conv").get_weights()]
+    dp = dp_model(model=functional, noise=0.5)
+    dp.fit(x, y, lot_size=100, epochs=2, verbose=0)
+    for a, b in zip(frozen_before, functional.get_layer("frozen_conv").get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden = keras.layers.Dense(16, activation="tanh")
+            self.out = keras.layers.Dense(10)
+
+        def call(self, z, training=None):
+            return self.out(self.hidden(z))
+
+    xf, yf = mnist_slice(600, features=60)
+    net = Net()
+    net(xf[:1])
+    before = weights(net)
+    dp2 = dp_model(model=net, noise=0.5)
+    dp2.fit(xf, yf, lot_size=100, epochs=1, verbose=0)
+    assert dp2.lots_applied == 6
+    assert any(not np.allclose(a, b) for a, b in zip(before, weights(net)))
+
+
+def test_per_layer_clipping_by_layer_name():
+    x, y = mnist_slice(600, features=60)
+    model = mlp()
+    names = [layer.name for layer in model.layers]
+    dp = DPModel(model)
+    opt = DPSGD(0.5, l2_norm_clip={names[0]: 1.0, names[1]: 2.0}, noise_multiplier=1.0,
+                noise_allocation="proportional")
+    dp.compile(optimizer=opt, loss=loss())
+    dp.fit(x, y, lot_size=100, epochs=1, verbose=0)
+    # two groups with proportional noise: sigma_eff = sigma / sqrt(2)
+    assert dp.lot_event == gaussian_step_event(1.0 / math.sqrt(2), sampling_rate=100 / 600)
+    bad = DPModel(mlp())
+    bad.compile(optimizer=DPSGD(0.5, l2_norm_clip={names[0]: 1.0}, noise_multiplier=1.0),
+                loss=loss())
+    with pytest.raises(ValueError, match="must name every trainable layer"):
+        bad.fit(x, y, lot_size=100, verbose=0)
+
+
+def test_save_load_keeps_ledger_and_resume_neither_forgets_nor_double_counts(tmp_path):
+    x, y = mnist_slice(1000, features=60)
+    dp = dp_model(noise=1.5)
+    dp.fit(x, y, lot_size=100, epochs=2, verbose=0)
+    path = tmp_path / "dp.keras"
+    dp.save(path)
+    restored = keras.saving.load_model(path)
+    assert isinstance(restored, DPModel) and isinstance(restored.optimizer, DPSGD)
+    assert restored.lots_applied == 20
+    assert restored.privacy_ledger == dp.privacy_ledger
+    np.testing.assert_allclose(restored.predict(x[:5], verbose=0), dp.predict(x[:5], verbose=0),
+                               rtol=1e-6)
+    restored.fit(x, y, lot_size=100, epochs=1, verbose=0)
+    assert restored.lots_applied == 30
+    assert restored.privacy_ledger.count() == 30
+    assert restored.epsilon(1e-5) == pytest.approx(compute_epsilon(
+        dp_sgd_event(1.5, 30, sampling_rate=0.1), 1e-5))
+
+    # weights-only checkpoint: the lot counter travels with the weights
+    weights_path = tmp_path / "ckpt.weights.h5"
+    dp.save_weights(weights_path)
+    fresh = dp_model(noise=1.5)
+    fresh.build((None, 60))
+    fresh.load_weights(weights_path)
+    assert fresh.lots_applied == 20
+    with pytest.warns(RuntimeWarning, match="20 lots restored with the weights"):
+        fresh.fit(x, y, lot_size=100, epochs=1, verbose=0)  # same settings: resume
+    assert fresh.privacy_ledger.count() == 30
+
+
+def test_optimizer_serialisation_round_trip():
+    for opt in [DPSGD(0.1, momentum=0.9, l2_norm_clip=[1.0, 2.0], noise_multiplier=1.1),
+                DPAdam(1e-3, l2_norm_clip=3.0, noise_multiplier=0.7),
+                DPOptimizer(keras.optimizers.RMSprop(0.01), l2_norm_clip={"a": 1.0},
+                            noise_multiplier=2.0)]:
+        config = keras.saving.serialize_keras_object(opt)
+        again = keras.saving.deserialize_keras_object(config)
+        assert type(again) is type(opt)
+        assert again.get_config() == opt.get_config()
+
+
+def test_bad_inputs_give_clear_errors():
+    x, y = mnist_slice(300, features=60)
+    with pytest.raises(TypeError, match="DP optimizer"):
+        DPModel(mlp()).compile(optimizer=keras.optimizers.SGD(0.1), loss=loss())
+    plain = mlp()
+    plain.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss())
+    with pytest.raises(RuntimeError, match="ordinary .unclipped, un-noised. gradients"):
+        plain.fit(x, y, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="l2_norm_clip must be > 0"):
+        DPSGD(0.1, l2_norm_clip=-1.0, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="noise_multiplier must be >= 0"):
+        DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=-1.0)
+    dp = dp_model()
+    with pytest.raises(TypeError, match="as arrays"):
+        dp.fit(tf.data.Dataset.from_tensor_slices((x, y)), lot_size=10)
+    with pytest.raises(ValueError, match="lot_size must be <= the number of examples"):
+        dp.fit(x, y, lot_size=301)
+    with pytest.raises(ValueError, match="disagree on the number of examples"):
+        dp.fit(x[:10], y[:11], lot_size=5)
+    with pytest.raises(ValueError, match="empty"):
+        dp.fit(x[:0], y[:0], lot_size=1)
+    with pytest.raises(ValueError, match="does not support validation_split"):
+        dp.fit(x, y, lot_size=10, validation_split=0.1)
+    with pytest.raises(ValueError, match="sampling must be one of"):
+        dp.fit(x, y, lot_size=10, sampling="bootstrap")
+    bn = keras.Sequential([keras.Input((60,)), keras.layers.BatchNormalization(),
+                           keras.layers.Dense(10)])
+    with pytest.raises(ValueError, match="BatchNormalization"):
+        DPModel(bn).compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                            loss=loss())
+
+
+def test_nan_gradient_is_an_error_not_a_silent_update():
+    x, y = mnist_slice(200, features=60)
+    x = x.copy()
+    x[3, 0] = np.nan
+    dp = dp_model()
+    w = weights(dp.model)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="NaN or inf"):
+        dp.fit(x, y, lot_size=200, epochs=1, verbose=0, sampling="full_batch")
+    for a, b in zip(w, weights(dp.model)):
+        np.testing.assert_array_equal(a, b)
+    assert dp.lots_applied == 0

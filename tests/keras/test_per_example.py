@@ -1,0 +1,140 @@
+"""Per-example gradients: fast paths == generic path == a reference loop."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dpfl_tf.keras.per_example import (BatchMixingLayerError, PerExampleGradients,
+                                       _fast_kind, refuse_batch_mixing_layers)
+from tests.keras.helpers import loss, mnist_slice
+
+
+def _reference(model, x, y):
+    grads = []
+    for i in range(len(y)):
+        with tf.GradientTape() as tape:
+            li = tf.reduce_sum(loss().call(y[i:i + 1], model(x[i:i + 1], training=True)))
+        g = tape.gradient(li, model.trainable_variables)
+        grads.append([np.zeros(v.shape) if gi is None else tf.convert_to_tensor(gi).numpy()
+                      for gi, v in zip(g, model.trainable_variables)])
+    return grads
+
+
+def _compute(model, x, y, fast, clip=None):
+    captured = {}
+
+    def factors(sq):
+        captured["sq"] = [s.numpy() for s in sq]
+        if clip is None:
+            return [tf.ones_like(s) for s in sq]
+        total = tf.sqrt(tf.add_n(sq))
+        return [clip / tf.maximum(total, clip)] * len(sq)
+
+    sums, losses, _ = PerExampleGradients(model, loss(), fast=fast).compute(
+        x, tf.constant(y), tf.ones(len(y)), factors)
+    return [s.numpy() for s in sums], captured["sq"]
+
+
+def conv_model():
+    keras.utils.set_random_seed(1)
+    inp = keras.Input((28, 28, 1))
+    h = keras.layers.Conv2D(4, 5, strides=2, padding="same", activation="relu")(inp)
+    h = keras.layers.MaxPooling2D(2)(h)
+    h = keras.layers.Conv2D(6, 3, padding="valid", activation="tanh")(h)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.LayerNormalization()(h)  # generic path
+    return keras.Model(inp, keras.layers.Dense(10)(h))
+
+
+def embedding_model():
+    keras.utils.set_random_seed(2)
+    tokens = keras.Input((12,), dtype="int32")
+    e = keras.layers.Embedding(16, 4)(tokens)
+    e = keras.layers.Dense(5, activation="relu")(e)  # Dense on [B, T, d]: ghost norm
+    e = keras.layers.GlobalAveragePooling1D()(e)
+    return keras.Model(tokens, keras.layers.Dense(10)(e))
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.d1 = keras.layers.Dense(8, activation="tanh")
+        self.d2 = keras.layers.Dense(10)
+
+    def call(self, x, training=None):
+        return self.d2(self.d1(x) * 2.0)
+
+
+def _data(kind, n=6):
+    if kind == "conv":
+        return mnist_slice(n, flat=False)
+    x, y = mnist_slice(n, flat=True)
+    if kind == "embedding":
+        return (np.floor(x[:, 200:212] * 15.99)).astype("int32"), y
+    return x[:, :20], y
+
+
+@pytest.mark.parametrize("kind, make", [("conv", conv_model), ("embedding", embedding_model),
+                                        ("dense", lambda: Subclassed())])
+def test_fast_and_generic_paths_equal_reference_loop(kind, make):
+    x, y = _data(kind)
+    model = make()
+    model(x[:1])
+    ref = _reference(model, x, y)
+    ref_sum = [sum(r[j] for r in ref) for j in range(len(ref[0]))]
+    ref_sq = [np.array([np.sum(r[j] ** 2) for r in ref]) for j in range(len(ref[0]))]
+    for fast in (True, False):
+        sums, sq = _compute(model, x, y, fast)
+        for a, b in zip(sums, ref_sum):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+        for a, b in zip(sq, ref_sq):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-8)
+
+
+def test_fast_paths_are_used_for_dense_conv_embedding():
+    assert [_fast_kind(layer) for layer in conv_model().layers[1:]] == [
+        "conv2d", None, "conv2d", None, None, "dense"]
+    assert _fast_kind(embedding_model().layers[1]) == "embedding"
+    frozen = keras.layers.Dense(3)
+    frozen.build((None, 2))
+    frozen.trainable = False
+    assert _fast_kind(frozen) is None  # frozen layers are only run forward
+
+
+def test_clipped_sum_equals_sum_of_clipped_reference_gradients():
+    x, y = _data("conv")
+    model = conv_model()
+    ref = _reference(model, x, y)
+    clip = 0.05
+    expected = [np.zeros_like(g) for g in ref[0]]
+    for r in ref:
+        norm = np.sqrt(sum(np.sum(g ** 2) for g in r))
+        assert norm > clip  # the bound binds
+        for j, g in enumerate(r):
+            expected[j] += g * min(1.0, clip / norm)
+    sums, _ = _compute(model, x, y, fast=True, clip=clip)
+    for a, b in zip(sums, expected):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-7)
+    # the sum of B clipped gradients has norm at most B * C
+    assert np.sqrt(sum(np.sum(s ** 2) for s in sums)) <= len(y) * clip * (1 + 1e-5)
+
+
+def test_batch_normalization_in_training_mode_is_refused():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+    with pytest.raises(BatchMixingLayerError, match="BatchNormalization"):
+        refuse_batch_mixing_layers(model)
+    model.layers[1].trainable = False  # frozen BN runs in inference mode: fine
+    refuse_batch_mixing_layers(model)
+
+
+def test_reduced_loss_is_refused():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+
+    def mean_loss(y_true, y_pred):
+        return tf.reduce_mean(tf.square(y_pred))
+
+    with pytest.raises(ValueError, match="one loss value per example"):
+        PerExampleGradients(model, mean_loss).compute(
+            tf.ones((4, 3)), tf.zeros(4), tf.ones(4), lambda sq: sq)
