@@ -53,7 +53,11 @@ def make_generator(seed: int | None = None) -> tf.random.Generator:
     """OS-entropy generator by default; a seeded one only when asked (tests, debugging)."""
     if seed is None:
         return tf.random.Generator.from_non_deterministic_state()
-    return tf.random.Generator.from_seed(int(seed))
+    # The seed is the Philox *key*: distinct seeds give independent streams.
+    # (`from_seed` puts the seed in the counter, so seeds k and k+1 would give
+    # shifted copies of one stream.)
+    return tf.random.Generator.from_key_counter(key=int(seed) % 2**63, counter=[0, 0],
+                                                alg="philox")
 
 
 class GaussianSanitizer:

@@ -146,3 +146,14 @@ def test_works_inside_tf_function():
 
     out = step(_records(batch=4))
     assert [o.shape for o in out] == [(5, 3), (7,)]
+
+
+def test_neighbouring_seeds_give_independent_streams():
+    """Seeds k and k+1 must not be shifted copies of one stream."""
+    from dpfl_tf.sanitizer import make_generator
+
+    a = make_generator(100).normal([2000]).numpy()
+    b = make_generator(101).normal([2000]).numpy()
+    for shift in range(0, 8):
+        assert abs(np.corrcoef(a[shift:], b[:len(b) - shift])[0, 1]) < 0.1
+        assert abs(np.corrcoef(b[shift:], a[:len(a) - shift])[0, 1]) < 0.1
