@@ -2,6 +2,7 @@
 
 Commands:
   privacy   epsilon (or a calibrated noise multiplier) for DP-SGD-style training.
+  train     DP-SGD training of the paper's baselines (MNIST / Fashion-MNIST).
 """
 
 from __future__ import annotations
@@ -146,12 +147,103 @@ def _run_privacy(args, error) -> int:
     return 0
 
 
+def _add_train_parser(sub) -> None:
+    p = sub.add_parser(
+        "train", help="DP-SGD training of a paper baseline; prints accuracy and (eps, delta)",
+        description="Abadi et al. 2016 section 5.2: DP-PCA + MLP (or a tanh CNN) with "
+                    "DP-SGD, trained until the privacy budget is spent.")
+    p.add_argument("dataset", choices=["mnist", "fashion_mnist"])
+    p.add_argument("--epsilon", type=_float, default=2.0, help="target epsilon (budget)")
+    p.add_argument("--delta", type=_float, default=1e-5)
+    p.add_argument("--accountant", default="moments", choices=["moments", "rdp", "pld"])
+    p.add_argument("--model", default="mlp", choices=["mlp", "tanh_cnn"])
+    p.add_argument("--noise-multiplier", type=_float,
+                   help="sigma (default: the paper's setting for the epsilon: 2 / 4 / 8)")
+    p.add_argument("--pca-noise-multiplier", type=_float,
+                   help="sigma_p of DP-PCA (default: the paper's 4 / 7 / 16)")
+    p.add_argument("--epochs", type=_float, default=1000,
+                   help="upper bound on epochs (training stops when the budget is spent)")
+    p.add_argument("--lot-size", type=_float, default=600)
+    p.add_argument("--clip", type=_float, default=4.0)
+    p.add_argument("--lr", type=_float, default=0.1)
+    p.add_argument("--seed", type=int, help="reproducible run (NOT for deployment)")
+    p.add_argument("--output", default=None, help="results JSON (default results/train_<dataset>.json)")
+    p.add_argument("--data-dir", default=None)
+    p.set_defaults(func=_run_train)
+
+
+def _paper_setting_for(epsilon: float) -> str:
+    if epsilon >= 5:
+        return "small_noise"
+    return "medium_noise" if epsilon >= 1 else "large_noise"
+
+
+def _run_train(args, error) -> int:
+    import os
+
+    from dpfl_tf._io import atomic_write_json
+
+    try:
+        epsilon = check_number("--epsilon", args.epsilon, low=0.0, low_open=True)
+        delta = check_number("--delta", args.delta, low=0.0, high=1.0, low_open=True,
+                             high_open=True)
+        epochs = check_count("--epochs", args.epochs, minimum=1)
+        lot = check_count("--lot-size", args.lot_size, minimum=1)
+        clip = check_number("--clip", args.clip, low=0.0, low_open=True)
+        lr = check_number("--lr", args.lr, low=0.0, low_open=True)
+        for name in ("noise_multiplier", "pca_noise_multiplier"):
+            if getattr(args, name) is not None:
+                check_number("--" + name.replace("_", "-"), getattr(args, name), low=0.0,
+                             low_open=True)
+    except ValueError as e:
+        error(str(e))
+    from dpfl_tf.recipes.mnist import PAPER_SETTINGS, MnistConfig, train_mnist
+
+    setting = _paper_setting_for(epsilon)
+    paper = PAPER_SETTINGS[setting]
+    config = MnistConfig(
+        dataset=args.dataset, setting=setting if args.noise_multiplier is None else "custom",
+        model=args.model, projection="dp_pca" if args.model == "mlp" else "none",
+        noise_multiplier=args.noise_multiplier or paper["noise_multiplier"],
+        pca_noise_multiplier=args.pca_noise_multiplier or paper["pca_noise_multiplier"],
+        target_epsilon=epsilon, delta=delta, accountant=args.accountant, epochs=epochs,
+        lot_size=lot, batch_size=1024 if args.model == "mlp" else 256, l2_norm_clip=clip,
+        learning_rate=lr, final_learning_rate=lr * 0.52, seed=args.seed, data_dir=args.data_dir,
+        eval_every=5)
+    print(f"DP-SGD on {args.dataset}: {config.model}, sigma={config.noise_multiplier:g}, "
+          f"lot={lot}, clip={clip:g}, target epsilon={epsilon:g} at delta={delta:g} "
+          f"({args.accountant} accountant)")
+    if args.seed is not None:
+        print(f"note: --seed {args.seed} makes the run reproducible; it is NOT for deployment")
+    try:
+        result = train_mnist(config)
+    except (ValueError, FileNotFoundError) as e:
+        error(str(e))
+    out = args.output or os.path.join("results", f"train_{args.dataset}.json")
+    atomic_write_json(out, result)
+    from dpfl_tf.plotting import plot_accuracy_and_epsilon, save_figure
+
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    plot_accuracy_and_epsilon(result["history"], ax, f"{args.dataset} DP-SGD")
+    figure = os.path.splitext(out)[0] + ".png"
+    save_figure(fig, figure)
+    print(f"test accuracy = {result['test_accuracy']:.4f} (train {result['train_accuracy']:.4f})"
+          f" after {result['epochs']} epochs")
+    print(f"privacy spent: epsilon = {result['epsilon']:.4f} at delta = {delta:g} "
+          f"({args.accountant}; {result['events']})")
+    print(f"results: {out}  figure: {figure}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dpfl-tf", description="Differentially private deep learning for Keras 3.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_privacy_parser(sub)
+    _add_train_parser(sub)
     return parser
 
 

@@ -40,3 +40,53 @@ def save_figure(fig, path) -> None:
                      binary=True)
     finally:
         plt.close(fig)
+
+
+def plot_accuracy_and_epsilon(rows, ax=None, title: str = ""):
+    """Train / test accuracy (left axis) and epsilon (right axis) per epoch,
+    from the per-epoch history rows of a training recipe (Abadi et al., Figure 3)."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5, 3.5))
+    acc_rows = [r for r in rows if "test_accuracy" in r]
+    ax.plot([r["epoch"] for r in acc_rows], [r["test_accuracy"] for r in acc_rows],
+            color="tab:blue", label="test accuracy")
+    if acc_rows and "train_accuracy" in acc_rows[0]:
+        ax.plot([r["epoch"] for r in acc_rows], [r["train_accuracy"] for r in acc_rows],
+                color="tab:orange", ls="--", label="train accuracy")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0.5, 1.0)
+    ax.grid(alpha=0.3)
+    if rows and "epsilon" in rows[0]:
+        ax2 = ax.twinx()
+        ax2.plot([r["epoch"] for r in rows], [r["epsilon"] for r in rows], color="tab:red",
+                 label="epsilon")
+        ax2.set_ylabel("epsilon", color="tab:red")
+    ax.set_title(title)
+    ax.legend(loc="lower right", fontsize=8)
+    return ax
+
+
+def plot_best_accuracy_vs_epsilon(runs, deltas, ax=None):
+    """Best test accuracy reached within each epsilon, one line per delta
+    (Abadi et al., Figure 4), over the epochs of all `runs`."""
+    import numpy as np
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5, 3.5))
+    for delta in deltas:
+        key = f"epsilon@{delta:g}"
+        points = [(r[key], r["test_accuracy"]) for run in runs for r in run["history"]
+                  if key in r and "test_accuracy" in r]
+        if not points:
+            continue
+        points.sort()
+        eps = np.array([p[0] for p in points])
+        best = np.maximum.accumulate(np.array([p[1] for p in points]))
+        ax.step(eps, best, where="post", label=f"delta = {delta:g}")
+    ax.set_xscale("log")
+    ax.set_xlabel("epsilon")
+    ax.set_ylabel("best test accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax

@@ -69,3 +69,43 @@ def test_console_script_is_installed():
     out = subprocess.run([exe, "privacy", "-q", "0.01", "-s", "4", "-E", "1", "-d", "1e-5"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "epsilon =" in out.stdout
+
+
+def test_train_runs_end_to_end_and_writes_results(tmp_path):
+    out = tmp_path / "train.json"
+    res = run(["train", "mnist", "--epsilon", "2", "--epochs", "1", "--seed", "0",
+               "--output", str(out)])
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["epochs"] == 1 and data["test_accuracy"] > 0.5
+    assert data["epsilon"] <= 2.0
+    assert "test accuracy =" in res.stdout and "epsilon =" in res.stdout
+    assert "NOT for deployment" in res.stdout
+    assert (tmp_path / "train.png").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--epsilon", "-1"], "--epsilon must be > 0"),
+    (["--delta", "2"], "--delta must be in (0, 1)"),
+    (["--lot-size", "0"], "--lot-size must be a whole number >= 1"),
+    (["--noise-multiplier", "-2"], "--noise-multiplier must be > 0"),
+])
+def test_train_bad_input(args, message, tmp_path):
+    out = tmp_path / "never.json"
+    res = run(["train", "mnist", *args, "--output", str(out)])
+    assert res.returncode != 0 and message in res.stderr
+    assert not out.exists()
+
+
+def test_train_unknown_dataset_and_missing_data(tmp_path, monkeypatch):
+    res = run(["train", "cifar1000"])
+    assert res.returncode != 0 and "invalid choice" in res.stderr
+    env_run = subprocess.run(
+        [sys.executable, "-m", "dpfl_tf", "train", "fashion_mnist", "--epochs", "1",
+         "--data-dir", str(tmp_path), "--output", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "DPFL_DATA_DIR": str(tmp_path), "HOME": str(tmp_path),
+             "DPFL_NO_DOWNLOAD": "1", "KERAS_HOME": str(tmp_path / "keras")})
+    if env_run.returncode == 0:
+        pytest.skip("Fashion-MNIST found in a system location")
+    assert str(tmp_path) in env_run.stderr and not (tmp_path / "r.json").exists()

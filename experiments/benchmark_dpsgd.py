@@ -1,0 +1,219 @@
+"""Speed and memory of DP-SGD, side by side in one run.
+
+For each model (the paper's MNIST MLP on 60 PCA-like features; the paper's
+CIFAR-10 net with frozen conv layers; the same net fully trainable) this times
+median seconds per epoch and peak memory of:
+
+  keras_nonprivate  plain Keras 3 `fit` (SGD, batch = lot)         -- the baseline
+  dpfl_tf           our DPModel + DPSGD (Poisson lots, noise once per lot)
+  tfp_*             tensorflow-privacy 0.9.0 in its own virtual environment
+  opacus*           Opacus on CPU PyTorch in its own virtual environment
+
+Every configuration runs in its own process (so peak RSS is its own), with the
+first epoch as warm-up.  Ratios are to `keras_nonprivate` of the same run.
+
+    python experiments/benchmark_dpsgd.py                       # everything found
+    python experiments/benchmark_dpsgd.py --models mnist_mlp --skip-peers
+
+Peer environments (see README): --tfp-python / --opacus-python, defaulting to
+/work/peer_envs/{tfp,opacus}/bin/python when they exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = ("mnist_mlp", "cifar_frozen_conv", "cifar_full_conv")
+OURS = ("keras_nonprivate", "dpfl_tf")
+TFP = ("nonprivate", "dp_keras_sgd_microbatch", "dp_keras_sgd_vectorized",
+       "dp_sequential_fast_clipping")
+OPACUS = ("nonprivate", "opacus", "opacus_ghost")
+CLIP, NOISE, LR = 4.0, 1.0, 0.05
+
+
+# ---------------------------------------------------------------------------
+# worker: one configuration of ours, in this process
+
+def _data(model_name: str, n: int):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    if model_name == "mnist_mlp":
+        from dpfl_tf.data import load_dataset
+
+        ds = load_dataset("mnist")
+        x = ds.x_train[:n].reshape(n, -1).astype("float32") / 255.0
+        proj = rng.normal(size=(784, 60)).astype("float32")
+        return x @ proj, ds.y_train[:n].astype("int64")
+    # CIFAR-shaped inputs: the content does not change the cost of a step
+    return rng.uniform(size=(n, 24, 24, 3)).astype("float32"), rng.integers(0, 10, n)
+
+
+def _model(model_name: str):
+    import keras
+
+    if model_name == "mnist_mlp":
+        return keras.Sequential([keras.Input((60,)), keras.layers.Dense(1000, activation="relu"),
+                                 keras.layers.Dense(10)])
+    layers = keras.layers
+    model = keras.Sequential([
+        keras.Input((24, 24, 3)),
+        layers.Conv2D(64, 5, padding="same", activation="relu"), layers.MaxPooling2D(2),
+        layers.Conv2D(64, 5, padding="same", activation="relu"), layers.MaxPooling2D(2),
+        layers.Flatten(), layers.Dense(384, activation="relu"),
+        layers.Dense(384, activation="relu"), layers.Dense(10)])
+    if model_name == "cifar_frozen_conv":
+        for layer in model.layers[:4]:
+            layer.trainable = False
+    return model
+
+
+def worker(args) -> dict:
+    import keras
+
+    from dpfl_tf.keras import DPModel, DPSGD
+
+    x, y = _data(args.model, args.examples)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    timed, warmup = [], []
+
+    class EpochTimer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.t0 = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            (warmup if epoch == 0 else timed).append(time.perf_counter() - self.t0)
+
+    for _ in range(args.repeats):
+        model = _model(args.model)
+        if args.implementation == "keras_nonprivate":
+            model.compile(optimizer=keras.optimizers.SGD(LR), loss=loss)
+            model.fit(x, y, batch_size=args.lot_size, epochs=args.epochs, verbose=0,
+                      callbacks=[EpochTimer()])
+        else:
+            dp = DPModel(model)
+            dp.compile(optimizer=DPSGD(LR, l2_norm_clip=CLIP, noise_multiplier=NOISE), loss=loss)
+            dp.fit(x, y, lot_size=args.lot_size, epochs=args.epochs, verbose=0,
+                   callbacks=[EpochTimer()])
+    return {"model": args.model, "implementation": args.implementation, "library": "dpfl_tf"
+            if args.implementation == "dpfl_tf" else "keras", "library_version": keras.__version__,
+            "seconds_per_epoch": statistics.median(timed), "epoch_seconds": timed,
+            "warmup_seconds": warmup,
+            "peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "examples": args.examples, "lot_size": args.lot_size,
+            "settings": {"l2_norm_clip": CLIP, "noise_multiplier": NOISE, "learning_rate": LR,
+                         "sampling": "poisson" if args.implementation == "dpfl_tf" else
+                         "keras batches", "physical_batch": "default (min(L, 256))"}}
+
+
+# ---------------------------------------------------------------------------
+# orchestrator
+
+def _run(cmd: list[str], timeout: float) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out_path = f.name
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    try:
+        proc = subprocess.run(cmd + ["--output", out_path], capture_output=True, text=True,
+                              timeout=timeout, env=env, cwd=ROOT)
+        if os.path.getsize(out_path) > 0:
+            with open(out_path) as f:
+                return json.load(f)
+        return {"seconds_per_epoch": None,
+                "error": (proc.stderr or proc.stdout)[-2000:] or f"exit {proc.returncode}"}
+    except subprocess.TimeoutExpired:
+        return {"seconds_per_epoch": None, "error": f"timed out after {timeout:.0f} s"}
+    finally:
+        os.unlink(out_path)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--examples", type=int, default=6000)
+    p.add_argument("--lot-size", type=int, default=600)
+    p.add_argument("--epochs", type=int, default=3, help="per repeat; the first is warm-up")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tfp-python", default="/work/peer_envs/tfp/bin/python")
+    p.add_argument("--opacus-python", default="/work/peer_envs/opacus/bin/python")
+    p.add_argument("--skip-peers", action="store_true")
+    p.add_argument("--peer-epochs", type=int, default=2,
+                   help="epochs per repeat for the slow per-example peers")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--output", default="results/benchmark_dpsgd.json")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--implementation", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.worker:
+        from dpfl_tf._io import atomic_write_json
+
+        atomic_write_json(args.output, worker(args))
+        return []
+
+    common = ["--examples", str(args.examples), "--lot-size", str(args.lot_size)]
+    rows = []
+    for model in args.models:
+        plan = [(sys.executable, os.path.abspath(__file__), impl, ["--worker"], args.epochs,
+                 args.repeats) for impl in OURS]
+        if not args.skip_peers:
+            for python, script, impls in [
+                    (args.tfp_python, "experiments/peers/tfp_benchmark.py", TFP),
+                    (args.opacus_python, "experiments/peers/opacus_benchmark.py", OPACUS)]:
+                if not os.path.exists(python):
+                    print(f"skipping {script}: no interpreter at {python}")
+                    continue
+                for impl in impls:
+                    slow = impl.startswith("dp_keras") or (impl == "opacus" and model != "mnist_mlp")
+                    plan.append((python, os.path.join(ROOT, script), impl, [],
+                                 args.peer_epochs if slow else args.epochs,
+                                 1 if slow else args.repeats))
+        baseline = None
+        for python, script, impl, extra, epochs, repeats in plan:
+            cmd = [python, script, *extra, "--model", model, "--implementation", impl,
+                   "--epochs", str(epochs), "--repeats", str(repeats), *common]
+            start = time.perf_counter()
+            result = _run(cmd, args.timeout)
+            label = impl if script.endswith("benchmark_dpsgd.py") else \
+                ("tfp_" if "tfp" in script else "opacus_") + impl
+            row = {"model": model, "implementation": label,
+                   "seconds_per_epoch": result.get("seconds_per_epoch"),
+                   "ratio_to_nonprivate": None,
+                   "peak_memory_mb": result.get("peak_memory_mb"),
+                   "library": result.get("library"),
+                   "library_version": result.get("library_version"),
+                   "epochs_timed": len(result.get("epoch_seconds") or []),
+                   "wall_seconds": time.perf_counter() - start}
+            if result.get("error"):
+                row["error"] = result["error"].strip().splitlines()[-1][:300]
+            if label == "keras_nonprivate":
+                baseline = row
+            if baseline and row["seconds_per_epoch"] and baseline["seconds_per_epoch"]:
+                row["ratio_to_nonprivate"] = row["seconds_per_epoch"] / baseline[
+                    "seconds_per_epoch"]
+                row["memory_ratio_to_nonprivate"] = row["peak_memory_mb"] / baseline[
+                    "peak_memory_mb"]
+            rows.append(row)
+            print(f"{model:18s} {label:34s} "
+                  + (f"{row['seconds_per_epoch']:8.3f} s/epoch  x{row['ratio_to_nonprivate']:.2f}"
+                     f"  {row['peak_memory_mb']:7.0f} MB" if row["seconds_per_epoch"] else
+                     f"failed: {row.get('error', '')[:80]}"), flush=True)
+    from dpfl_tf._io import atomic_write_json
+
+    atomic_write_json(args.output, rows)
+    print(f"wrote {args.output}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

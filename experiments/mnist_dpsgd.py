@@ -1,0 +1,171 @@
+"""Abadi et al. 2016, section 5.2 on real MNIST (or Fashion-MNIST), and beyond.
+
+    python experiments/mnist_dpsgd.py                      # the paper's table + non-private
+    python experiments/mnist_dpsgd.py --group beyond       # PLD accountant, tanh CNN
+    python experiments/mnist_dpsgd.py --group sweep        # Figure 5 points at eps = 2
+    python experiments/mnist_dpsgd.py --dataset fashion_mnist
+    python experiments/mnist_dpsgd.py --only medium_noise --quick   # a short smoke run
+
+Each run is written to results/<dataset>_dpsgd.json as soon as it finishes
+(runs with the same name are replaced), then the figures are redrawn:
+Figure 3 (accuracy and epsilon per epoch, one panel per setting), Figure 4
+(best test accuracy versus epsilon for several delta) and Figure 5 (sweep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from dpfl_tf._io import atomic_write_json  # noqa: E402
+from dpfl_tf.recipes.mnist import PAPER_SETTINGS, MnistConfig, train_mnist  # noqa: E402
+
+PAPER_BASE = dict(projection="dp_pca", pca_dim=60, hidden_units=1000, lot_size=600,
+                  batch_size=1024, l2_norm_clip=4.0, learning_rate=0.1,
+                  final_learning_rate=0.052, decay_epochs=10, delta=1e-5)
+
+
+def paper_runs(accountant: str = "moments") -> dict[str, MnistConfig]:
+    runs = {}
+    for name, s in PAPER_SETTINGS.items():
+        runs[f"{name}/{accountant}"] = MnistConfig(
+            setting=name, accountant=accountant, noise_multiplier=s["noise_multiplier"],
+            pca_noise_multiplier=s["pca_noise_multiplier"], target_epsilon=s["target_epsilon"],
+            **PAPER_BASE)
+    runs["nonprivate"] = MnistConfig(setting="nonprivate", private=False, projection="pca",
+                                     epochs=100, target_epsilon=None,
+                                     **{k: v for k, v in PAPER_BASE.items()
+                                        if k not in ("projection",)})
+    return runs
+
+
+def beyond_runs() -> dict[str, MnistConfig]:
+    runs = {k: v for k, v in paper_runs("pld").items() if k != "nonprivate"}
+    # Papernot et al. 2021: a small tanh CNN trained end to end with DP-SGD
+    cnn = dict(model="tanh_cnn", projection="none", lot_size=256, batch_size=256,
+               l2_norm_clip=1.0, learning_rate=0.5, final_learning_rate=0.5, decay_epochs=0,
+               momentum=0.9, accountant="pld", delta=1e-5, eval_every=1)
+    for eps, sigma in [(8.0, 0.7), (3.0, 1.0), (2.0, 1.2), (0.5, 3.0)]:
+        runs[f"tanh_cnn/eps{eps:g}"] = MnistConfig(setting=f"tanh_cnn_eps{eps:g}",
+                                                   target_epsilon=eps, noise_multiplier=sigma,
+                                                   epochs=40, **cnn)
+    return runs
+
+
+def sweep_runs() -> dict[str, MnistConfig]:
+    """Figure 5: vary one knob at a time around the medium-noise setting, eps = 2."""
+    base = dict(PAPER_BASE, noise_multiplier=4.0, pca_noise_multiplier=7.0, target_epsilon=2.0,
+                eval_every=10)
+    points = {"pca_dim": [20, 100], "hidden_units": [200, 1000], "lot_size": [300, 1200],
+              "learning_rate": [0.05, 0.2], "l2_norm_clip": [2.0, 8.0],
+              "noise_multiplier": [2.0, 8.0]}
+    runs = {}
+    for knob, values in points.items():
+        for value in values:
+            cfg = dict(base, **{knob: value})
+            if knob == "learning_rate":
+                cfg["final_learning_rate"] = value * 0.52
+            if knob == "lot_size":
+                cfg["batch_size"] = max(1024, 2 * value)
+            runs[f"sweep/{knob}={value:g}"] = MnistConfig(setting=f"sweep:{knob}={value:g}",
+                                                          **cfg)
+    return runs
+
+
+def draw_all(results: list[dict], out_dir: str, dataset: str) -> None:
+    """Figures 3, 4 and 5 from whatever runs the results file holds."""
+    import matplotlib.pyplot as plt
+
+    from dpfl_tf.plotting import (plot_accuracy_and_epsilon, plot_best_accuracy_vs_epsilon,
+                                  save_figure)
+
+    main_runs = [r for r in results if r.get("private", True) and r.get("history")
+                 and not r["setting"].startswith("sweep")]
+    if main_runs:
+        fig, axes = plt.subplots(1, len(main_runs), figsize=(4.5 * len(main_runs), 3.5),
+                                 squeeze=False)
+        for ax, run in zip(axes[0], main_runs):
+            plot_accuracy_and_epsilon(run["history"], ax,
+                                      f"{run['run']}: {run['test_accuracy']:.3f} at "
+                                      f"eps={run['epsilon']:.2f}")
+        save_figure(fig, os.path.join(out_dir, f"{dataset}_fig3_training.png"))
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        plot_best_accuracy_vs_epsilon([r for r in main_runs if r["model"] == "mlp"],
+                                      [1e-2, 1e-3, 1e-4, 1e-5], ax)
+        ax.set_title(f"{dataset}: PCA + MLP, all runs")
+        save_figure(fig, os.path.join(out_dir, f"{dataset}_fig4_accuracy_vs_epsilon.png"))
+    sweep = [r for r in results if r["setting"].startswith("sweep:")]
+    if sweep:
+        knobs = sorted({r["setting"].split(":")[1].split("=")[0] for r in sweep})
+        fig, axes = plt.subplots(1, len(knobs), figsize=(3 * len(knobs), 3), squeeze=False)
+        medium = next((r for r in results if r.get("run") == "medium_noise/moments"), None)
+        for ax, knob in zip(axes[0], knobs):
+            pts = sorted((float(r["setting"].split("=")[1]), r["test_accuracy"])
+                         for r in sweep if r["setting"].split(":")[1].startswith(knob + "="))
+            if medium is not None:
+                pts = sorted(pts + [(float(medium[knob]), medium["test_accuracy"])])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-")
+            ax.set_xlabel(knob)
+            ax.set_ylim(0.8, 1.0)
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("test accuracy at eps = 2")
+        save_figure(fig, os.path.join(out_dir, f"{dataset}_fig5_sweep.png"))
+
+
+GROUPS = {"paper": paper_runs, "beyond": beyond_runs, "sweep": sweep_runs}
+
+
+def _load(path: str) -> list[dict]:
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return []
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dataset", default="mnist", choices=["mnist", "fashion_mnist"])
+    p.add_argument("--group", nargs="+", default=["paper"], choices=sorted(GROUPS))
+    p.add_argument("--only", nargs="+", help="run names (or prefixes) to run")
+    p.add_argument("--quick", action="store_true", help="cap every run at 3 epochs")
+    p.add_argument("--output-dir", default=os.path.join(ROOT, "results"))
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--list", action="store_true", help="list the run names and exit")
+    args = p.parse_args(argv)
+
+    runs = {}
+    for g in args.group:
+        runs.update(GROUPS[g]())
+    if args.only:
+        runs = {k: v for k, v in runs.items() if any(k.startswith(o) for o in args.only)}
+    if args.list or not runs:
+        print("\n".join(runs) or "no run matches --only")
+        return []
+    path = os.path.join(args.output_dir, f"{args.dataset}_dpsgd.json")
+    results = _load(path)
+    for name, config in runs.items():
+        config = dataclasses.replace(config, dataset=args.dataset, data_dir=args.data_dir)
+        if args.quick:
+            config = dataclasses.replace(config, epochs=min(config.epochs, 3))
+        print(f"== {args.dataset} {name}", flush=True)
+        result = train_mnist(config)
+        result["run"] = name
+        result["quick"] = bool(args.quick)
+        results = [r for r in results if r.get("run") != name] + [result]
+        atomic_write_json(path, results)
+        print(f"   test accuracy {result['test_accuracy']:.4f}  train {result['train_accuracy']:.4f}"
+              f"  epsilon {result['epsilon']:.3f} (delta {config.delta:g}, {config.accountant})"
+              f"  epochs {result['epochs']}  {result['seconds']:.0f} s", flush=True)
+    draw_all(results, args.output_dir, args.dataset)
+    print(f"wrote {path} and figures in {args.output_dir}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

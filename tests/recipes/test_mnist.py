@@ -1,0 +1,60 @@
+"""The MNIST recipe on a real slice: learns, and its epsilon is the accountant's."""
+
+import dataclasses
+import json
+
+import pytest
+
+from dpfl_tf.privacy import PrivacyLedger, compute_epsilon, dp_sgd_event
+from dpfl_tf.recipes import mnist as recipe
+from dpfl_tf.recipes.mnist import MnistConfig, train_mnist
+
+
+class _Slice:
+    """The real MNIST, cut to 6000 / 2000 examples to keep the test short."""
+
+    def __init__(self, full):
+        self.x_train, self.y_train = full.x_train[:6000], full.y_train[:6000]
+        self.x_test, self.y_test = full.x_test[:2000], full.y_test[:2000]
+
+
+@pytest.fixture
+def small_mnist(monkeypatch):
+    real = recipe.load_dataset
+    monkeypatch.setattr(recipe, "load_dataset", lambda *a, **k: _Slice(real(*a, **k)))
+
+
+def test_short_dp_run_learns_and_reports_the_accountants_epsilon(small_mnist):
+    config = MnistConfig(noise_multiplier=1.5, pca_noise_multiplier=8.0, pca_sample_size=2000,
+                         lot_size=200, batch_size=512, target_epsilon=None, epochs=4,
+                         learning_rate=0.2, final_learning_rate=0.2, seed=0)
+    result = train_mnist(config, verbose=False)
+    assert result["test_accuracy"] > 0.6  # chance is 0.1
+    assert result["lots"] == 4 * 30
+    # DP-PCA (one sampled Gaussian) + 120 lots, composed in one ledger
+    import dp_accounting
+    event = dp_accounting.ComposedDpEvent([
+        dp_accounting.PoissonSampledDpEvent(2000 / 6000, dp_accounting.GaussianDpEvent(8.0)),
+        dp_sgd_event(1.5, 120, sampling_rate=200 / 6000)])
+    assert result["epsilon"] == pytest.approx(compute_epsilon(event, 1e-5, "moments"), rel=1e-9)
+    assert "NOT for deployment" in result["note"]
+    json.dumps(result)  # JSON-ready
+    for key in ["dataset", "setting", "noise_multiplier", "pca_noise_multiplier", "epsilon",
+                "delta", "accountant", "epochs", "test_accuracy", "train_accuracy", "seconds"]:
+        assert key in result
+
+
+def test_budget_is_respected(small_mnist):
+    config = MnistConfig(noise_multiplier=2.0, pca_noise_multiplier=8.0, pca_sample_size=2000,
+                         lot_size=600, batch_size=1024, target_epsilon=1.0, epochs=50,
+                         hidden_units=50, seed=1, eval_every=10)
+    result = train_mnist(config, verbose=False)
+    assert result["epsilon"] <= 1.0
+    assert result["epochs"] < 50
+
+
+def test_bad_configs():
+    with pytest.raises(ValueError, match="projection='pca' is not private"):
+        MnistConfig(projection="pca")
+    with pytest.raises(ValueError, match="model must be"):
+        MnistConfig(model="resnet")
