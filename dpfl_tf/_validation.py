@@ -6,6 +6,7 @@ real exceptions, never `assert` (asserts vanish under ``python -O``).
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any
 
@@ -49,3 +50,23 @@ def _describe(low: float, high: float, low_open: bool, high_open: bool) -> str:
     if math.isinf(low):
         return f"{'<' if high_open else '<='} {high:g}"
     return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
+class ChoiceEnum(str, enum.Enum):
+    """A string enum whose `parse` accepts a member or its (case-insensitive)
+    name, and otherwise raises a ValueError listing the allowed values."""
+
+    @classmethod
+    def parse(cls, value):
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            allowed = ", ".join(m.value for m in cls)
+            raise ValueError(f"{cls._argument_name()} must be one of {allowed}, "
+                             f"got {value!r}") from None
+
+    @classmethod
+    def _argument_name(cls) -> str:
+        return getattr(cls, "__argument__", cls.__name__)

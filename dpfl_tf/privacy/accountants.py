@@ -9,14 +9,13 @@
 
 from __future__ import annotations
 
-import enum
 import math
 
 import dp_accounting
 from dp_accounting import pld as _pld
 from dp_accounting import rdp as _rdp
 
-from dpfl_tf._validation import check_number
+from dpfl_tf._validation import ChoiceEnum, check_number
 from dpfl_tf.privacy.events import neighboring_relation_of
 from dpfl_tf.privacy.moments import MomentsAccountant
 from dpfl_tf.privacy.strong import StrongCompositionAccountant
@@ -24,21 +23,12 @@ from dpfl_tf.privacy.strong import StrongCompositionAccountant
 __all__ = ["AccountantKind", "make_accountant", "compute_epsilon", "compute_delta"]
 
 
-class AccountantKind(str, enum.Enum):
+class AccountantKind(ChoiceEnum):
+    __argument__ = "accountant"
     MOMENTS = "moments"
     RDP = "rdp"
     PLD = "pld"
     STRONG = "strong"
-
-    @classmethod
-    def parse(cls, value: "AccountantKind | str") -> "AccountantKind":
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            allowed = ", ".join(k.value for k in cls)
-            raise ValueError(f"accountant must be one of {allowed}, got {value!r}") from None
 
 
 def make_accountant(kind: AccountantKind | str = AccountantKind.MOMENTS, *,

@@ -28,13 +28,13 @@ Conventions
 
 from __future__ import annotations
 
-import enum
 import json
 from typing import Any
 
 import dp_accounting
 from dp_accounting import dp_event as _dp_event
 
+from dpfl_tf._validation import ChoiceEnum
 from dpfl_tf._validation import check_count as _check_count
 from dpfl_tf._validation import check_number as _check_number
 
@@ -55,23 +55,14 @@ __all__ = [
 NeighboringRelation = dp_accounting.NeighboringRelation
 
 
-class SamplingMethod(str, enum.Enum):
+class SamplingMethod(ChoiceEnum):
     """How the records that enter one noised sum were chosen."""
 
+    __argument__ = "sampling"
     POISSON = "poisson"
     FIXED_SIZE = "fixed_size"
     SHUFFLE = "shuffle"
     FULL_BATCH = "full_batch"
-
-    @classmethod
-    def parse(cls, value: "SamplingMethod | str") -> "SamplingMethod":
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            allowed = ", ".join(m.value for m in cls)
-            raise ValueError(f"sampling must be one of {allowed}, got {value!r}") from None
 
 
 def gaussian_step_event(

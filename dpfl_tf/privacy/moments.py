@@ -34,14 +34,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Sequence
 
 import dp_accounting
 import numpy as np
-from dp_accounting import dp_event as _dp_event
 from scipy import integrate, special
 
 from dpfl_tf._validation import check_number
+from dpfl_tf.privacy._gaussian_accountant import SampledGaussianAccountant
 
 __all__ = [
     "DEFAULT_ORDERS",
@@ -159,13 +159,16 @@ def delta_from_log_moments(alphas: np.ndarray, orders: Sequence[float], epsilon:
     return min(1.0, math.exp(min(float(log_delta[i]), 0.0))), float(np.asarray(orders)[i])
 
 
-class MomentsAccountant(dp_accounting.PrivacyAccountant):
+class MomentsAccountant(SampledGaussianAccountant):
     """The paper's moments accountant as a `dp_accounting.PrivacyAccountant`.
 
     Interprets Gaussian, Poisson-sampled Gaussian, self-composed, composed,
     no-op and non-private events (add/remove-one relation).  Fixed-size
     sampling without replacement is outside the paper's analysis: use "rdp".
     """
+
+    unsupported_message = ("the moments accountant handles (Poisson-sampled) Gaussian events; "
+                           "use the 'rdp' accountant for fixed-size sampling and other events")
 
     def __init__(self, orders: Sequence[float] = DEFAULT_ORDERS, method: str = "integration",
                  neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE):
@@ -175,7 +178,6 @@ class MomentsAccountant(dp_accounting.PrivacyAccountant):
         self._orders = np.asarray(orders, dtype=np.float64)
         self._method = method
         self._alphas = np.zeros_like(self._orders)
-        self._non_private = False
 
     @property
     def orders(self) -> np.ndarray:
@@ -186,34 +188,9 @@ class MomentsAccountant(dp_accounting.PrivacyAccountant):
         """Total alpha(lambda) of everything composed so far."""
         return np.full_like(self._alphas, math.inf) if self._non_private else self._alphas.copy()
 
-    def _maybe_compose(self, event, count: int, do_compose: bool
-                       ) -> Optional[dp_accounting.PrivacyAccountant.CompositionErrorDetails]:
-        if isinstance(event, _dp_event.NoOpDpEvent):
-            return None
-        if isinstance(event, _dp_event.NonPrivateDpEvent):
-            if do_compose:
-                self._non_private = True
-            return None
-        if isinstance(event, _dp_event.SelfComposedDpEvent):
-            return self._maybe_compose(event.event, event.count * count, do_compose)
-        if isinstance(event, _dp_event.ComposedDpEvent):
-            for e in event.events:
-                err = self._maybe_compose(e, count, do_compose)
-                if err is not None:
-                    return err
-            return None
-        q, inner = 1.0, event
-        if isinstance(event, _dp_event.PoissonSampledDpEvent):
-            q, inner = event.sampling_probability, event.event
-        if isinstance(inner, _dp_event.GaussianDpEvent):
-            if do_compose and count > 0 and q > 0:
-                self._alphas = self._alphas + count * log_moments(
-                    q, inner.noise_multiplier, tuple(self._orders), self._method)
-            return None
-        return self.CompositionErrorDetails(
-            invalid_event=event,
-            error_message=("the moments accountant handles (Poisson-sampled) Gaussian events; "
-                           "use the 'rdp' accountant for fixed-size sampling and other events"))
+    def _compose_gaussian(self, q: float, sigma: float, count: int) -> None:
+        self._alphas = self._alphas + count * log_moments(q, sigma, tuple(self._orders),
+                                                          self._method)
 
     def get_epsilon(self, target_delta: float) -> float:
         return self.get_epsilon_and_order(target_delta)[0]

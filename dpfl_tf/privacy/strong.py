@@ -27,14 +27,13 @@ per Gaussian); f is optimised over a grid of 99 values and refined.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import dp_accounting
 import numpy as np
-from dp_accounting import dp_event as _dp_event
 from scipy import optimize, special
 
 from dpfl_tf._validation import check_number
+from dpfl_tf.privacy._gaussian_accountant import SampledGaussianAccountant
 
 __all__ = ["gaussian_epsilon", "StrongCompositionAccountant"]
 
@@ -60,43 +59,17 @@ def gaussian_epsilon(sigma: float, delta0: float) -> float:
     return optimize.brentq(lambda e: _gaussian_delta(e, sigma) - delta0, 0.0, hi, xtol=1e-12)
 
 
-class StrongCompositionAccountant(dp_accounting.PrivacyAccountant):
+class StrongCompositionAccountant(SampledGaussianAccountant):
     """Strong composition of (amplified) Gaussian steps; see module docstring."""
 
     def __init__(self, neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
                  split_grid: int = 99):
         super().__init__(neighboring_relation)
         self._steps: dict[tuple[float, float], int] = {}  # (q, sigma) -> count
-        self._non_private = False
         self._grid = np.linspace(0.0, 1.0, split_grid + 2)[1:-1]
 
-    def _maybe_compose(self, event, count: int, do_compose: bool
-                       ) -> Optional[dp_accounting.PrivacyAccountant.CompositionErrorDetails]:
-        if isinstance(event, _dp_event.NoOpDpEvent):
-            return None
-        if isinstance(event, _dp_event.NonPrivateDpEvent):
-            if do_compose:
-                self._non_private = True
-            return None
-        if isinstance(event, _dp_event.SelfComposedDpEvent):
-            return self._maybe_compose(event.event, event.count * count, do_compose)
-        if isinstance(event, _dp_event.ComposedDpEvent):
-            for e in event.events:
-                err = self._maybe_compose(e, count, do_compose)
-                if err is not None:
-                    return err
-            return None
-        q, inner = 1.0, event
-        if isinstance(event, _dp_event.PoissonSampledDpEvent):
-            q, inner = event.sampling_probability, event.event
-        if isinstance(inner, _dp_event.GaussianDpEvent):
-            if do_compose and count > 0 and q > 0:
-                key = (float(q), float(inner.noise_multiplier))
-                self._steps[key] = self._steps.get(key, 0) + count
-            return None
-        return self.CompositionErrorDetails(
-            invalid_event=event,
-            error_message="strong composition here handles (Poisson-sampled) Gaussian events only")
+    def _compose_gaussian(self, q: float, sigma: float, count: int) -> None:
+        self._steps[(q, sigma)] = self._steps.get((q, sigma), 0) + count
 
     def _epsilon_for_split(self, fraction: float, delta: float) -> float:
         total_q_steps = sum(q * n for (q, _), n in self._steps.items())

@@ -12,14 +12,15 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import dp_accounting
 import keras
-import numpy as np
 
 from dpfl_tf.data import load_dataset
 from dpfl_tf.keras import DPModel, DPSGD
 from dpfl_tf.models import mlp, tanh_cnn
 from dpfl_tf.pca import DPPCA, PCAProjection, RandomProjection
-from dpfl_tf.privacy import PrivacyLedger, gaussian_step_event, max_steps
+from dpfl_tf.privacy import (PrivacyLedger, calibrate_noise_multiplier, dp_sgd_event,
+                             gaussian_step_event, max_steps)
 from dpfl_tf.privacy.events import describe_event
 from dpfl_tf.recipes.common import EpochHistory, accuracy, deployment_note, paper_learning_rate
 
@@ -46,7 +47,7 @@ class MnistConfig:
     pca_sample_size: int = 10000
     hidden_units: int = 1000
     private: bool = True
-    noise_multiplier: float = 4.0
+    noise_multiplier: float | None = 4.0   # None: calibrate for target_epsilon in `epochs`
     l2_norm_clip: float = 4.0
     lot_size: int = 600
     batch_size: int | None = None
@@ -110,6 +111,18 @@ def train_mnist(config: MnistConfig, *, verbose: bool = True) -> dict:
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     total_epochs = config.epochs
+    if config.private and config.noise_multiplier is None:
+        if config.target_epsilon is None:
+            raise ValueError("noise_multiplier=None needs a target_epsilon to calibrate for")
+        prior = [ledger.event]
+
+        def event_for(sigma):
+            return dp_accounting.ComposedDpEvent(prior + [dp_sgd_event(
+                sigma, config.epochs * lots_per_epoch, sampling_rate=config.lot_size / n)])
+
+        sigma, _ = calibrate_noise_multiplier(config.target_epsilon, config.delta, event_for,
+                                              config.accountant, tolerance=1e-3)
+        config = dataclasses.replace(config, noise_multiplier=sigma)
     if config.private and config.target_epsilon is not None:
         lots = max_steps(config.target_epsilon, config.delta,
                          gaussian_step_event(config.noise_multiplier,
