@@ -149,7 +149,6 @@ def main(argv=None) -> list[dict]:
         print("\n".join(runs) or "no run matches --only")
         return []
     path = os.path.join(args.output_dir, f"{args.dataset}_dpsgd.json")
-    results = _load(path)
     for name, config in runs.items():
         config = dataclasses.replace(config, dataset=args.dataset, data_dir=args.data_dir)
         if args.quick:
@@ -158,7 +157,8 @@ def main(argv=None) -> list[dict]:
         result = train_mnist(config)
         result["run"] = name
         result["quick"] = bool(args.quick)
-        results = [r for r in results if r.get("run") != name] + [result]
+        # re-read before writing: another invocation may have added runs meanwhile
+        results = [r for r in _load(path) if r.get("run") != name] + [result]
         atomic_write_json(path, results)
         print(f"   test accuracy {result['test_accuracy']:.4f}  train {result['train_accuracy']:.4f}"
               f"  epsilon {result['epsilon']:.3f} (delta {config.delta:g}, {config.accountant})"
