@@ -27,7 +27,8 @@ Noise and sensitivity
 
       sigma_eff = 1 / sqrt(sum_j (C_j / s_j)^2).
 
-  Flat clipping: s = sigma C, sigma_eff = sigma.  Per-layer clipping with
+  Flat clipping (one bound on the whole record, however many components):
+  s = sigma C, sigma_eff = sigma.  Per-layer clipping with
   ``noise_allocation="global"`` (default): s_j = sigma C_tot, sigma_eff = sigma.
   With ``"proportional"``: s_j = sigma C_j, sigma_eff = sigma / sqrt(k) for k
   components -- the same noise per unit of bound, but k times the sensitivity.
@@ -130,6 +131,8 @@ class GaussianSanitizer:
         """sigma_eff = 1 / sqrt(sum_j (C_j / s_j)^2) (module docstring)."""
         if self.noise_multiplier == 0:
             return 0.0
+        if not self.per_layer:  # one bound on the whole record: sensitivity C, noise sigma C
+            return self.noise_multiplier
         bounds = self.clip_bounds(num_components)
         stds = self.noise_stddevs(num_components)
         return 1.0 / math.sqrt(sum((c / s) ** 2 for c, s in zip(bounds, stds)))

@@ -157,3 +157,12 @@ def test_neighbouring_seeds_give_independent_streams():
     for shift in range(0, 8):
         assert abs(np.corrcoef(a[shift:], b[:len(b) - shift])[0, 1]) < 0.1
         assert abs(np.corrcoef(b[shift:], a[:len(a) - shift])[0, 1]) < 0.1
+
+
+def test_flat_clipping_event_does_not_depend_on_the_number_of_components():
+    s = GaussianSanitizer(2.0, 1.5)
+    for k in (1, 2, 7):
+        assert s.effective_noise_multiplier(k) == 1.5
+        assert s.event(k, sampling_rate=0.1) == gaussian_step_event(1.5, sampling_rate=0.1)
+    noised, event = s.noised_sum([tf.zeros((3,)), tf.zeros((4, 2))], sampling_rate=0.1)
+    assert event == gaussian_step_event(1.5, sampling_rate=0.1)
