@@ -53,15 +53,18 @@ def _describe(low: float, high: float, low_open: bool, high_open: bool) -> str:
 
 
 class ChoiceEnum(str, enum.Enum):
-    """A string enum whose `parse` accepts a member or its (case-insensitive)
-    name, and otherwise raises a ValueError listing the allowed values."""
+    """A string enum whose `parse` accepts a member or its value (case and
+    '-' / '_' insensitive, plus any `__aliases__`), and otherwise raises a
+    ValueError naming `__argument__` and listing the allowed values."""
 
     @classmethod
     def parse(cls, value):
         if isinstance(value, cls):
             return value
+        key = str(value).lower().replace("-", "_")
+        key = getattr(cls, "__aliases__", {}).get(key, key)
         try:
-            return cls(str(value).lower())
+            return cls(key)
         except ValueError:
             allowed = ", ".join(m.value for m in cls)
             raise ValueError(f"{cls._argument_name()} must be one of {allowed}, "

@@ -1,0 +1,52 @@
+"""Federated learning with client-level differential privacy.
+
+A thin layer over Keras models that reuses the DP-SGD sanitizer
+(`dpfl_tf.sanitizer.GaussianSanitizer`) with one client's model update as
+the record:
+
+* `partition` -- client partitions (IID, label shards, Dirichlet, unequal sizes);
+* `client` -- `LocalTrainer`: local SGD on one reused model, Delta_k = w_k - w_t;
+* `aggregators` -- FedAvg mean, FedMedian, Global DP (Geyer et al. 2017) and
+  DP-FedAvg with client-side noise;
+* `server` -- `FederatedServer`: the round loop, client sampling, the privacy
+  ledger and stop rule, checkpoints;
+* `runner` -- `FederatedConfig` + `run_federated` (CLI, experiments, notebook);
+* `local_dp` -- local-DP perturbation of uploads (Duchi, Piecewise, PNPM,
+  LDP-FL, Laplace, Gaussian) and honest per-coordinate / per-upload reports;
+* `cli` -- ``dpfl-tf federated``.
+
+TensorFlow is imported only when a submodule that needs it is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "ClientPartition": "partition", "PartitionScheme": "partition",
+    "make_partition": "partition", "iid_partition": "partition",
+    "shard_partition": "partition", "dirichlet_partition": "partition",
+    "unequal_partition": "partition",
+    "LocalTrainer": "client", "layer_groups": "client",
+    "AggregateResult": "aggregators", "Aggregator": "aggregators",
+    "MeanAggregator": "aggregators", "MedianAggregator": "aggregators",
+    "GlobalDPAggregator": "aggregators", "ClientNoiseDPAggregator": "aggregators",
+    "ClientSampling": "server", "FederatedServer": "server", "RoundRecord": "server",
+    "DPMode": "runner", "FederatedConfig": "runner", "build_server": "runner",
+    "run_federated": "runner", "fully_connected_model": "runner",
+    "add_federated_parser": "cli",
+    "LocalDPMechanism": "local_dp", "DuchiMechanism": "local_dp",
+    "PiecewiseMechanism": "local_dp", "PNPMMechanism": "local_dp",
+    "LDPFLMechanism": "local_dp", "LaplaceMechanism": "local_dp",
+    "GaussianMechanism": "local_dp", "MechanismKind": "local_dp", "make_mechanism": "local_dp",
+    "DomainPolicy": "local_dp", "privacy_report": "local_dp",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        module = importlib.import_module(f"dpfl_tf.federated.{_EXPORTS[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module 'dpfl_tf.federated' has no attribute {name!r}")

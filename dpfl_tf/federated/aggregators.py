@@ -1,0 +1,377 @@
+"""Aggregators: how the server turns the round's client updates into one update.
+
+An aggregator sees the round's uploads as a stream of ``(update, weight)``
+pairs (update = Delta_k, a list of tensors; weight = n_k) and returns the
+update to add to the global model.  Streaming aggregators (mean, both DP
+ones with a fixed clip) hold one running sum, so a round costs O(model)
+memory however many clients take part; the median and the median-of-norms
+clip need every update of the round at once (O(m x model)).
+
+* `MeanAggregator` -- FedAvg (McMahan et al. 2017): sum_k n_k Delta_k / sum_k n_k.
+* `MedianAggregator` -- FedMedian: coordinate-wise median (Yin et al. 2018).
+* `GlobalDPAggregator` -- Global DP (Geyer, Klein, Nabi 2017, Algorithm 1):
+  clip each Delta_k to norm S, sum, add N(0, sigma^2 S^2) once, divide by m.
+* `ClientNoiseDPAggregator` -- DP-FedAvg with client-side noise: each client
+  clips to S and adds N(0, z^2 S^2) before upload; the server averages.
+
+The DP aggregators never clip or draw noise themselves: every clip and
+every noise draw goes through a `dpfl_tf.sanitizer.GaussianSanitizer`, the
+object DP-SGD uses, with one client's update as the record.
+
+Unit of privacy: one client (all its examples).  Neighbouring relation
+follows the sampling scheme as in `dpfl_tf.privacy.events`: Poisson client
+sampling -> add/remove one client; m clients drawn without replacement ->
+replace one client.
+
+DP-FedAvg with client-side noise: the event
+-------------------------------------------
+Each of the m clients of a round uploads u_k = clip_S(Delta_k) + Z_k with
+Z_k ~ N(0, z^2 S^2 I) independent.  The server releases
+
+    (1/m) sum_k u_k = (1/m) [ sum_k clip_S(Delta_k) + Z ],   Z ~ N(0, m z^2 S^2 I),
+
+since a sum of m independent N(0, z^2 S^2) is N(0, m z^2 S^2).  The sum of
+clipped updates has L2 sensitivity S per client (its clipped update vs. a
+zero one), so the released model is a Gaussian mechanism with noise
+multiplier
+
+    z_agg = z * sqrt(m)          (noise std / sensitivity = z sqrt(m) S / S),
+
+composed with the client sampling: with m of K clients drawn without
+replacement (replace-one, sensitivity 2S) the round's event is
+``SampledWithoutReplacementDpEvent(K, m, GaussianDpEvent(z sqrt(m) / 2))``,
+i.e. ``gaussian_step_event(z * sqrt(m), "fixed_size", dataset_size=K,
+lot_size=m)``.  The number of uploads must be known and the same in
+neighbouring worlds: with Poisson sampling the count (and with it the total
+noise variance) changes with the client's presence, which no Gaussian event
+describes, so client-side noise is accounted only for fixed-size sampling.
+
+Against the server (who sees each upload and knows who sent it), sampling
+gives no amplification and summing gives no extra noise: every participation
+of a client is ``GaussianDpEvent(z)`` (its update vs. a zero update; under
+replace-one of the client's data it is ``GaussianDpEvent(z / 2)``), composed
+over the rounds that client took part in.  With per-layer clipping z is the
+sanitizer's effective multiplier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable, Sequence
+
+import dp_accounting
+import numpy as np
+import tensorflow as tf
+
+from dpfl_tf.privacy.events import NeighboringRelation, SamplingMethod, gaussian_step_event
+from dpfl_tf.sanitizer import GaussianSanitizer
+
+__all__ = ["AggregateResult", "Aggregator", "ClientNoiseDPAggregator", "GlobalDPAggregator",
+           "MeanAggregator", "MedianAggregator", "update_norms"]
+
+Update = Sequence[tf.Tensor]
+
+
+@dataclasses.dataclass
+class AggregateResult:
+    """The round's aggregate update and what happened on the way."""
+
+    update: list[tf.Tensor]
+    num_clients: int
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def update_norms(update: Update, groups: Sequence[int] | None = None) -> np.ndarray:
+    """Per-component L2 norms of one update (one component per tensor, or per group)."""
+    groups = list(range(len(update))) if groups is None else list(groups)
+    sq = np.zeros(max(groups) + 1)
+    for t, g in zip(update, groups):
+        sq[g] += float(tf.reduce_sum(tf.square(t)))
+    return np.sqrt(sq)
+
+
+class Aggregator:
+    """Base class.  Subclasses implement `aggregate`; DP ones also `round_event`."""
+
+    #: True if the aggregate is released with a DP guarantee.
+    private: bool = False
+    #: True if `aggregate` needs only O(model) memory.
+    streaming: bool = True
+
+    def client_transform(self, update: Update) -> list[tf.Tensor]:
+        """What a client does to its update before upload (identity here)."""
+        return list(update)
+
+    def aggregate(self, uploads: Iterable[tuple[Update, float]], template: Update, *,
+                  expected_clients: float) -> AggregateResult:
+        raise NotImplementedError
+
+    def round_event(self, num_components: int, sampling: SamplingMethod | str,
+                    **sampling_args) -> dp_accounting.DpEvent | None:
+        """The DpEvent of one round's release (None: not private)."""
+        return None
+
+    def reseed(self, seed: int) -> None:
+        """Re-seeds the noise generator (tests and exact resume only)."""
+
+    def get_config(self) -> dict:
+        return {"name": type(self).__name__}
+
+
+class MeanAggregator(Aggregator):
+    """FedAvg: the n_k-weighted mean of the updates (or the plain mean)."""
+
+    def __init__(self, weighted: bool = True):
+        self.weighted = bool(weighted)
+
+    def aggregate(self, uploads, template, *, expected_clients=None) -> AggregateResult:
+        total = [tf.zeros_like(t) for t in template]
+        weight_sum, count = 0.0, 0
+        for update, weight in uploads:
+            w = float(weight) if self.weighted else 1.0
+            if w < 0:
+                raise ValueError(f"client weights must be >= 0, got {w}")
+            total = [s + w * tf.cast(u, s.dtype) for s, u in zip(total, update)]
+            weight_sum += w
+            count += 1
+        if weight_sum > 0:
+            total = [s / weight_sum for s in total]
+        return AggregateResult(total, count)
+
+    def get_config(self) -> dict:
+        return {"name": "mean", "weighted": self.weighted}
+
+
+class MedianAggregator(Aggregator):
+    """FedMedian: the coordinate-wise median of the updates (unweighted).
+
+    Needs all m updates of the round at once: O(m x model) memory."""
+
+    streaming = False
+
+    def aggregate(self, uploads, template, *, expected_clients=None) -> AggregateResult:
+        stacks: list[list[np.ndarray]] = [[] for _ in template]
+        count = 0
+        for update, _ in uploads:
+            for s, u in zip(stacks, update):
+                s.append(np.asarray(u))
+            count += 1
+        if count == 0:
+            return AggregateResult([tf.zeros_like(t) for t in template], 0)
+        out = [tf.constant(np.median(np.stack(s), axis=0), dtype=t.dtype)
+               for s, t in zip(stacks, template)]
+        return AggregateResult(out, count)
+
+    def get_config(self) -> dict:
+        return {"name": "median"}
+
+
+def _clip_update_tensors(sanitizer: GaussianSanitizer, update: Update,
+                         groups: Sequence[int] | None) -> tuple[list[tf.Tensor], tf.Tensor]:
+    """One update clipped by the sanitizer (flat, or per component given by `groups`):
+    the clipped tensors and the per-component squared norms before clipping.
+    Pure TensorFlow, so it runs inside a `tf.function`."""
+    if groups is None:
+        groups = list(range(len(update)))
+    k = max(groups) + 1
+    sq = [tf.zeros([1], update[0].dtype) for _ in range(k)]
+    for t, g in zip(update, groups):
+        sq[g] = sq[g] + tf.reshape(tf.reduce_sum(tf.square(t)), [1])
+    factors = sanitizer.clip_factors(sq)
+    clipped = [t * tf.cast(factors[g][0], t.dtype) for t, g in zip(update, groups)]
+    return clipped, tf.concat(sq, axis=0)
+
+
+def _clip_update(sanitizer: GaussianSanitizer, update: Update,
+                 groups: Sequence[int] | None) -> tuple[list[tf.Tensor], np.ndarray]:
+    """Eager version: the clipped tensors and the per-component norms (numpy)."""
+    clipped, sq = _clip_update_tensors(sanitizer, update, groups)
+    return clipped, np.sqrt(sq.numpy())
+
+
+class _SanitizedAggregator(Aggregator):
+    private = True
+
+    def __init__(self, sanitizer: GaussianSanitizer, groups: Sequence[int] | None = None):
+        if not isinstance(sanitizer, GaussianSanitizer):
+            raise TypeError(f"sanitizer must be a GaussianSanitizer, got "
+                            f"{type(sanitizer).__name__}")
+        self.sanitizer = sanitizer
+        self.groups = None if groups is None else [int(g) for g in groups]
+        # one graph call per client for clip (+ noise / + accumulate): no per-op overhead
+        self._clip_accumulate = tf.function(self._clip_accumulate_step, reduce_retracing=True)
+        self._clip_noise = tf.function(self._clip_noise_step, reduce_retracing=True)
+        if self.groups is not None and \
+                sorted(set(self.groups)) != list(range(max(self.groups) + 1)):
+            raise ValueError(f"groups must number components 0..k-1 without gaps, got {groups}")
+
+    def _clip_accumulate_step(self, state, update):
+        clipped, sq = _clip_update_tensors(self.sanitizer, update, self.groups)
+        return self.sanitizer.accumulate(state, clipped), sq
+
+    def _clip_noise_step(self, update):
+        clipped, _ = _clip_update_tensors(self.sanitizer, update, self.groups)
+        return self.sanitizer.add_noise(clipped, self.groups)
+
+    def num_components(self, template: Update) -> int:
+        """Clipping components for the event: 1 for flat clipping (one bound on the
+        whole update), else one per group (or per tensor without groups)."""
+        if not self.sanitizer.per_layer:
+            return 1
+        return len(template) if self.groups is None else max(self.groups) + 1
+
+    def reseed(self, seed: int) -> None:
+        self.sanitizer.generator.reset_from_seed(int(seed))
+
+    def _check_template(self, template: Update) -> None:
+        if self.groups is not None and len(self.groups) != len(template):
+            raise ValueError(f"groups has {len(self.groups)} entries but the model has "
+                             f"{len(template)} trainable variables")
+        self.sanitizer.clip_bounds(self.num_components(template))  # validates per-layer count
+
+
+class GlobalDPAggregator(_SanitizedAggregator):
+    """Global DP (Geyer et al. 2017): clip each update to S, noise the sum once.
+
+        Delta = (1/m) [ sum_k clip_S(Delta_k) + N(0, sigma^2 S^2 I) ]
+
+    Unweighted: every client counts equally, so one client moves the sum by
+    at most S.  m is the *expected* number of clients (fixed for fixed-size
+    sampling, qK for Poisson sampling): dividing by the realised count under
+    Poisson sampling would leak that count.
+
+    Args:
+      sanitizer: the shared `GaussianSanitizer` (S = its l2_norm_clip, flat or
+        one bound per component; sigma = its noise_multiplier).
+      clip: "fixed" (S from the sanitizer) or "median": Geyer's per-round S_t =
+        median of the round's update norms (per component when per-layer).
+        The median is computed from the clients' data without noise, so with
+        "median" the round is NOT differentially private; the result says so
+        (``info["clip_is_private"] = False``).
+      groups: component index of each tensor for per-layer clipping (see
+        `dpfl_tf.federated.client.layer_groups`); None = one per tensor.
+    """
+
+    def __init__(self, sanitizer: GaussianSanitizer, *, clip: str = "fixed",
+                 groups: Sequence[int] | None = None):
+        super().__init__(sanitizer, groups)
+        if clip not in ("fixed", "median"):
+            raise ValueError(f"clip must be 'fixed' or 'median', got {clip!r}")
+        self.clip = clip
+        self.streaming = clip == "fixed"
+
+    def aggregate(self, uploads, template, *, expected_clients: float) -> AggregateResult:
+        if not expected_clients or expected_clients <= 0:
+            raise ValueError(f"expected_clients must be > 0, got {expected_clients}")
+        self._check_template(template)
+        sanitizer = self.sanitizer
+        info: dict[str, Any] = {"clip_is_private": self.clip == "fixed"}
+        if self.clip == "median":
+            updates = [list(u) for u, _ in uploads]
+            if updates:
+                norms = np.stack([update_norms(u, self.groups) for u in updates])
+                if not sanitizer.per_layer:
+                    norms = np.sqrt((norms ** 2).sum(axis=1, keepdims=True))
+                med = np.maximum(np.median(norms, axis=0), 1e-12)
+                bound = float(med[0]) if not sanitizer.per_layer else [float(x) for x in med]
+                # same class, same generator: only the bound changes this round
+                sanitizer = GaussianSanitizer(bound, self.sanitizer.noise_multiplier,
+                                              noise_allocation=self.sanitizer.noise_allocation,
+                                              generator=self.sanitizer.generator)
+                info["clip"] = bound
+            uploads = ((u, 1.0) for u in updates)
+        state = sanitizer.initial_state(template)
+        squared = []
+        for update, _ in uploads:
+            if sanitizer is self.sanitizer:   # fixed S: one compiled call per client
+                state, sq = self._clip_accumulate(state, list(update))
+            else:                              # this round's median S
+                clipped, sq = _clip_update_tensors(sanitizer, update, self.groups)
+                state = sanitizer.accumulate(state, clipped)
+            squared.append(sq)
+        noised = sanitizer.add_noise(state, self.groups)
+        count = len(squared)
+        if count:
+            norms = np.sqrt(tf.stack(squared).numpy())            # [clients, components]
+            bounds = np.array(sanitizer.clip_bounds(self.num_components(template)))
+            over = (np.sqrt((norms ** 2).sum(axis=1)) > bounds[0] if not sanitizer.per_layer
+                    else np.any(norms > bounds[None, :], axis=1))
+            info["fraction_clipped"] = float(over.mean())
+        else:
+            info["fraction_clipped"] = 0.0
+        if "clip" not in info:
+            info["clip"] = sanitizer.l2_norm_clip if not sanitizer.per_layer \
+                else list(sanitizer.l2_norm_clip)
+        return AggregateResult([t / expected_clients for t in noised], count, info)
+
+    def round_event(self, num_components, sampling, **sampling_args):
+        return self.sanitizer.event(num_components, sampling, **sampling_args)
+
+    def get_config(self) -> dict:
+        return {"name": "global_dp", "clip": self.clip, "groups": self.groups,
+                "sanitizer": self.sanitizer.get_config()}
+
+
+class ClientNoiseDPAggregator(_SanitizedAggregator):
+    """DP-FedAvg with client-side noise (module docstring has the event).
+
+    `client_transform` is the client's step: u_k = clip_S(Delta_k) + N(0, z^2 S^2 I),
+    drawn with the sanitizer (in a deployment each client builds its own
+    `GaussianSanitizer(**sanitizer.get_config())`; in simulation the clients
+    share one generator).  The server averages: (1/m) sum_k u_k.
+    """
+
+    def client_transform(self, update: Update) -> list[tf.Tensor]:
+        _ = self.sanitizer.generator  # created outside the tf.function
+        return self._clip_noise(list(update))
+
+    def aggregate(self, uploads, template, *, expected_clients: float) -> AggregateResult:
+        if not expected_clients or expected_clients <= 0:
+            raise ValueError(f"expected_clients must be > 0, got {expected_clients}")
+        self._check_template(template)
+        total = [tf.zeros_like(t) for t in template]
+        count = 0
+        for update, _ in uploads:
+            total = [s + u for s, u in zip(total, update)]
+            count += 1
+        return AggregateResult([t / expected_clients for t in total], count,
+                               {"clip": self.sanitizer.l2_norm_clip, "clip_is_private": True})
+
+    def upload_noise_multiplier(self, num_components: int) -> float:
+        """z: noise std / sensitivity of one upload (the sanitizer's effective multiplier)."""
+        return self.sanitizer.effective_noise_multiplier(num_components)
+
+    def aggregate_noise_multiplier(self, num_components: int, num_uploads: int) -> float:
+        """z * sqrt(m): the noise multiplier of the sum of m noisy uploads."""
+        return self.upload_noise_multiplier(num_components) * math.sqrt(num_uploads)
+
+    def upload_event(self, num_components: int,
+                     relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE
+                     ) -> dp_accounting.DpEvent:
+        """One upload as seen by the server: Gaussian(z) (Gaussian(z/2) under replace-one)."""
+        z = self.upload_noise_multiplier(num_components)
+        if z == 0:
+            return dp_accounting.NonPrivateDpEvent()
+        if relation == NeighboringRelation.REPLACE_ONE:
+            return dp_accounting.GaussianDpEvent(z / 2.0)
+        return dp_accounting.GaussianDpEvent(z)
+
+    def round_event(self, num_components, sampling, **sampling_args):
+        method = SamplingMethod.parse(sampling)
+        if method is not SamplingMethod.FIXED_SIZE:
+            raise ValueError(
+                "DP-FedAvg with client-side noise is accounted for fixed-size client sampling "
+                "only (sampling='fixed_size'): the released sum's noise is N(0, m z^2 S^2) and "
+                f"m must not depend on whether a client took part; got sampling={method.value!r}")
+        m = sampling_args.get("lot_size")
+        if m is None:
+            raise ValueError("fixed-size sampling needs lot_size (clients per round)")
+        z_agg = self.aggregate_noise_multiplier(num_components, int(m))
+        if z_agg == 0:
+            return dp_accounting.NonPrivateDpEvent()
+        return gaussian_step_event(z_agg, method, **sampling_args)
+
+    def get_config(self) -> dict:
+        return {"name": "client_dp", "groups": self.groups,
+                "sanitizer": self.sanitizer.get_config()}

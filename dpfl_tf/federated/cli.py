@@ -1,0 +1,170 @@
+"""The ``dpfl-tf federated`` subcommand.
+
+    dpfl-tf federated --dataset mnist --clients 1000 --partition shards \\
+        --dp global --epsilon 8 --delta-max 1e-5 --clients-per-round 100 \\
+        --noise-multiplier 1.0 --clip 1.0 --rounds 100 --output results/run.json
+
+`add_federated_parser(subparsers)` adds the command to an existing
+``argparse`` sub-parser set (``dpfl_tf.cli`` hooks it in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["add_federated_parser", "config_from_args"]
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def _int(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return int(value)
+
+
+def _clip(text: str):
+    if text == "median":
+        return text
+    return _float(text)
+
+
+def add_federated_parser(subparsers) -> argparse.ArgumentParser:
+    """Adds ``federated`` to `subparsers` (the result of ``parser.add_subparsers()``)."""
+    p = subparsers.add_parser(
+        "federated", help="federated averaging with client-level DP (Geyer et al. 2017)",
+        description="FedAvg / FedMedian over simulated clients, optionally with client-level "
+                    "Global DP (server-side noise) or DP-FedAvg with client-side noise.")
+    d = p.add_argument_group("data and clients")
+    d.add_argument("--dataset", default="mnist", help="registered dataset name (default mnist)")
+    d.add_argument("--clients", "-K", type=_int, default=100, help="number of clients K")
+    d.add_argument("--partition", default="shards",
+                   choices=["iid", "shards", "dirichlet", "unequal"])
+    d.add_argument("--dirichlet-alpha", type=_float, default=0.5)
+    d.add_argument("--train-subset", type=_int, help="use only this many training examples")
+    s = p.add_argument_group("rounds")
+    who = s.add_mutually_exclusive_group()
+    who.add_argument("--clients-per-round", "-m", type=_int, help="m clients per round")
+    who.add_argument("--fraction", "-C", type=_float, help="fraction C of clients per round")
+    s.add_argument("--sampling", default="poisson", choices=["poisson", "fixed_size"],
+                   help="Poisson (rate m/K) or m without replacement (needs --accountant rdp "
+                        "with DP)")
+    s.add_argument("--rounds", "-T", type=_int, default=100, help="maximum number of rounds")
+    s.add_argument("--local-epochs", "-E", type=_int, default=1)
+    s.add_argument("--local-batch-size", "-B", type=_int, default=10)
+    s.add_argument("--lr", type=_float, default=0.1, help="local learning rate")
+    s.add_argument("--momentum", type=_float, default=0.0)
+    s.add_argument("--aggregator", default="mean", choices=["mean", "median"])
+    s.add_argument("--hidden", default="600,100", help="hidden layer widths, comma separated")
+    q = p.add_argument_group("privacy")
+    q.add_argument("--dp", default="none", choices=["none", "global", "client"])
+    q.add_argument("--clip", "-S", type=_clip, default=1.0,
+                   help="clip bound S > 0, or 'median' (Geyer; NOT private; --dp global)")
+    q.add_argument("--per-layer", action="store_true", help="one bound S per layer")
+    q.add_argument("--noise-multiplier", "-z", type=_float, default=1.0)
+    q.add_argument("--epsilon", type=_float, help="target epsilon: stop before exceeding it")
+    q.add_argument("--delta-max", type=_float, help="delta bound (< 1/K; default min(1e-5, 0.1/K))")
+    q.add_argument("--accountant", default="moments", choices=["moments", "rdp", "pld", "strong"])
+    o = p.add_argument_group("run")
+    o.add_argument("--seed", type=_int, default=0)
+    o.add_argument("--eval-every", type=_int, default=1)
+    o.add_argument("--checkpoint-dir", help="write (and resume from) checkpoints here")
+    o.add_argument("--output", "-o", default="results/federated_run.json",
+                   help="results JSON file")
+    o.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_run_federated)
+    return p
+
+
+def config_from_args(args, error=None):
+    """A `FederatedConfig` from parsed arguments; errors go to `error(msg)` (argparse)."""
+    from dpfl_tf.federated.runner import FederatedConfig
+
+    try:
+        hidden = tuple(int(h) for h in str(args.hidden).split(",") if h.strip())
+    except ValueError:
+        msg = f"--hidden must be comma-separated whole numbers, got {args.hidden!r}"
+        if error:
+            error(msg)
+        raise ValueError(msg)
+    kwargs = dict(
+        dataset=args.dataset, clients=args.clients, partition=args.partition,
+        dirichlet_alpha=args.dirichlet_alpha, clients_per_round=args.clients_per_round,
+        fraction=args.fraction, sampling=args.sampling, rounds=args.rounds,
+        local_epochs=args.local_epochs, local_batch_size=args.local_batch_size,
+        learning_rate=args.lr, momentum=args.momentum, aggregator=args.aggregator, dp=args.dp,
+        clip=args.clip, per_layer=args.per_layer, noise_multiplier=args.noise_multiplier,
+        target_epsilon=args.epsilon, delta_max=args.delta_max, accountant=args.accountant,
+        hidden=hidden, seed=args.seed, eval_every=args.eval_every,
+        train_subset=args.train_subset)
+    try:
+        config = FederatedConfig(**kwargs)
+        if config.clients_per_round is not None and config.clients_per_round > config.clients:
+            raise ValueError(f"clients_per_round (m={config.clients_per_round}) must be <= "
+                             f"the number of clients (K={config.clients})")
+        if config.delta_max is not None and config.delta_max >= 1.0 / config.clients:
+            raise ValueError(f"delta_max must be < 1/K = {1.0 / config.clients:g} "
+                             f"(delta << 1/K), got {config.delta_max:g}")
+    except ValueError as e:
+        first, _, rest = str(e).partition(" ")
+        flag = {"learning_rate": "--lr", "target_epsilon": "--epsilon"}.get(
+            first, "--" + first.replace("_", "-"))
+        msg = f"{flag} {rest}" if first in kwargs else str(e)
+        if error:
+            error(msg)
+        raise
+    return config
+
+
+def _run_federated(args, error) -> int:
+    from dpfl_tf._io import atomic_write_json
+    from dpfl_tf.federated.runner import run_federated
+
+    config = config_from_args(args, error)
+    try:
+        result = run_federated(config, progress=not args.no_progress,
+                               checkpoint_dir=args.checkpoint_dir)
+    except ValueError as e:
+        error(str(e))
+    atomic_write_json(args.output, result)
+    eps = result["epsilon"]
+    print(f"test accuracy = {result['test_accuracy']:.4f} after {result['rounds']} rounds "
+          f"({result['mechanism']}, K={result['clients']})")
+    if config.dp.value == "none":
+        print("epsilon = inf: no noise, no differential privacy guarantee")
+    else:
+        print(f"epsilon = {eps:.4f} at delta = {result['delta']:g} "
+              f"({result['accountant']} accountant; {result['privacy']['round_event']})"
+              + ("" if result["privacy"]["clip_is_private"] else
+                 " -- NOT a DP guarantee: the clip bound was read from the updates"))
+        if "against_server" in result["privacy"]:
+            srv = result["privacy"]["against_server"]
+            print(f"against the server: epsilon = {srv['epsilon']:.4f} per client "
+                  f"(up to {srv['max_participations']} uploads of {srv['upload_event']})")
+    for note in result["notices"]:
+        print(f"NOTE: {note}")
+    print(f"{result['stop_reason']}; wrote {args.output}")
+    return 0
+
+
+def main(argv=None) -> int:
+    """Stand-alone entry point (``python -m dpfl_tf.federated.cli ...``)."""
+    parser = argparse.ArgumentParser(prog="dpfl-tf")
+    sub = parser.add_subparsers(dest="command")
+    fed = add_federated_parser(sub)
+    args = parser.parse_args(["federated", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args, fed.error)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

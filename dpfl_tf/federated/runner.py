@@ -1,0 +1,239 @@
+"""One validated configuration -> one federated run -> one result dict.
+
+Shared by the ``dpfl-tf federated`` command, ``experiments/federated_dp.py``
+and the notebook, so the three run exactly the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import resource
+import sys
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from dpfl_tf._validation import ChoiceEnum, check_count, check_number
+from dpfl_tf.federated.partition import PartitionScheme, make_partition
+from dpfl_tf.privacy.accountants import AccountantKind
+from dpfl_tf.privacy.events import SamplingMethod
+
+__all__ = ["DPMode", "FederatedConfig", "build_server", "fully_connected_model",
+           "peak_rss_mb", "run_federated"]
+
+
+class DPMode(ChoiceEnum):
+    __argument__ = "dp"
+    NONE = "none"        # plain FedAvg / FedMedian
+    GLOBAL = "global"    # Geyer et al.: server clips and noises the sum
+    CLIENT = "client"    # DP-FedAvg with client-side noise
+
+
+def fully_connected_model(input_shape: Sequence[int] = (28, 28),
+                          hidden: Sequence[int] = (600, 100), num_classes: int = 10, *, use_bias: bool = False, seed: int | None = None):
+    """The small fully connected net of Geyer et al.'s code (784-600-100-10, ReLU,
+    no biases by default), returning logits."""
+    import keras
+
+    if seed is not None:
+        keras.utils.set_random_seed(int(seed))
+    layers = [keras.Input(tuple(input_shape)), keras.layers.Flatten()]
+    layers += [keras.layers.Dense(int(h), activation="relu", use_bias=use_bias) for h in hidden]
+    layers.append(keras.layers.Dense(int(num_classes), use_bias=use_bias))
+    return keras.Sequential(layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class FederatedConfig:
+    """Everything one federated run needs.  Checked in ``__post_init__``.
+
+    Privacy arguments: ``dp`` (none | global | client), ``clip`` (S > 0, or
+    "median" for Geyer's non-private median-of-norms bound, global DP only),
+    ``per_layer`` (one bound S per layer, the S given for each), ``noise_multiplier``
+    (sigma or z), ``target_epsilon`` and ``delta_max`` (stop rule),
+    ``accountant``.
+    """
+
+    dataset: str = "mnist"
+    clients: int = 100
+    partition: PartitionScheme = PartitionScheme.SHARDS
+    dirichlet_alpha: float = 0.5
+    clients_per_round: int | None = None
+    fraction: float | None = None
+    sampling: SamplingMethod = SamplingMethod.POISSON
+    rounds: int = 10
+    local_epochs: int = 1
+    local_batch_size: int = 10
+    learning_rate: float = 0.1
+    momentum: float = 0.0
+    aggregator: str = "mean"
+    dp: DPMode = DPMode.NONE
+    clip: float | str = 1.0
+    per_layer: bool = False
+    noise_multiplier: float = 1.0
+    target_epsilon: float | None = None
+    delta_max: float | None = None
+    accountant: AccountantKind = AccountantKind.MOMENTS
+    hidden: tuple[int, ...] = (600, 100)
+    seed: int = 0
+    noise_seed: int | None = None
+    eval_every: int = 1
+    train_subset: int | None = None
+
+    def __post_init__(self):
+        s = object.__setattr__
+        s(self, "clients", check_count("clients", self.clients, minimum=1))
+        s(self, "partition", PartitionScheme.parse(self.partition))
+        s(self, "sampling", SamplingMethod.parse(self.sampling))
+        s(self, "dp", DPMode.parse(self.dp))
+        s(self, "accountant", AccountantKind.parse(self.accountant))
+        s(self, "rounds", check_count("rounds", self.rounds))
+        s(self, "local_epochs", check_count("local_epochs", self.local_epochs, minimum=1))
+        s(self, "local_batch_size", check_count("local_batch_size", self.local_batch_size,
+                                                minimum=1))
+        s(self, "learning_rate", check_number("learning_rate", self.learning_rate, low=0.0,
+                                              low_open=True))
+        s(self, "momentum", check_number("momentum", self.momentum, low=0.0, high=1.0,
+                                         high_open=True))
+        if self.aggregator not in ("mean", "median"):
+            raise ValueError(f"aggregator must be 'mean' or 'median', got {self.aggregator!r}")
+        if self.dp is not DPMode.NONE and self.aggregator != "mean":
+            raise ValueError("the DP modes average clipped updates; aggregator must be 'mean' "
+                             f"with dp={self.dp.value!r}, got {self.aggregator!r}")
+        if self.clients_per_round is None and self.fraction is None:
+            s(self, "fraction", 0.1)
+        if isinstance(self.clip, str):
+            if self.clip != "median":
+                try:
+                    s(self, "clip", float(self.clip))
+                except ValueError:
+                    raise ValueError(f"clip must be a number > 0 or 'median', got "
+                                     f"{self.clip!r}") from None
+        if not isinstance(self.clip, str):
+            s(self, "clip", check_number("clip", self.clip, low=0.0, low_open=True))
+        elif self.dp is not DPMode.GLOBAL:
+            raise ValueError("clip='median' (Geyer's median-of-norms bound) is offered for "
+                             "dp='global' only")
+        s(self, "noise_multiplier", check_number("noise_multiplier", self.noise_multiplier,
+                                                 low=0.0))
+        if self.dp is not DPMode.NONE and self.delta_max is None:
+            s(self, "delta_max", min(1e-5, 0.1 / self.clients))
+        if self.delta_max is not None:
+            s(self, "delta_max", check_number("delta_max", self.delta_max, low=0.0, high=1.0,
+                                              low_open=True, high_open=True))
+        if self.target_epsilon is not None:
+            s(self, "target_epsilon", check_number("target_epsilon", self.target_epsilon,
+                                                   low=0.0, low_open=True))
+            if self.dp is DPMode.NONE:
+                raise ValueError("target_epsilon needs dp='global' or dp='client'")
+        if self.dp is DPMode.CLIENT and self.sampling is not SamplingMethod.FIXED_SIZE:
+            raise ValueError("dp='client' (client-side noise) needs sampling='fixed_size': "
+                             "the released sum's noise depends on the number of uploads")
+        if self.train_subset is not None:
+            s(self, "train_subset", check_count("train_subset", self.train_subset, minimum=1))
+        s(self, "hidden", tuple(check_count("hidden", h, minimum=1) for h in self.hidden))
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        for k, v in out.items():
+            if isinstance(v, enum.Enum):
+                out[k] = v.value
+        out["hidden"] = list(self.hidden)
+        return out
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MiB."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r / 1024.0 if sys.platform != "darwin" else r / 2**20
+
+
+def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True):
+    """(server, dataset) for a config; `dataset` defaults to ``load_dataset(config.dataset)``."""
+    from dpfl_tf.data import load_dataset
+    from dpfl_tf.federated.aggregators import (ClientNoiseDPAggregator, GlobalDPAggregator,
+                                               MeanAggregator, MedianAggregator)
+    from dpfl_tf.federated.client import LocalTrainer, layer_groups
+    from dpfl_tf.federated.server import ClientSampling, FederatedServer
+    from dpfl_tf.sanitizer import GaussianSanitizer
+
+    c = config
+    ds = dataset if dataset is not None else load_dataset(c.dataset)
+    x, y = ds.x_train, ds.y_train
+    if c.train_subset is not None:
+        keep = np.random.default_rng(c.seed).permutation(len(y))[:c.train_subset]
+        x, y = x[np.sort(keep)], y[np.sort(keep)]
+    kwargs = {"alpha": c.dirichlet_alpha} if c.partition is PartitionScheme.DIRICHLET else {}
+    partition = make_partition(y, c.clients, c.partition, seed=c.seed, **kwargs)
+    model = fully_connected_model(ds.input_shape, c.hidden, ds.num_classes, seed=c.seed)
+    trainer = LocalTrainer(model, x, y, local_epochs=c.local_epochs,
+                           batch_size=c.local_batch_size, learning_rate=c.learning_rate,
+                           momentum=c.momentum)
+    if c.dp is DPMode.NONE:
+        aggregator = MeanAggregator() if c.aggregator == "mean" else MedianAggregator()
+    else:
+        groups = layer_groups(model) if c.per_layer else None
+        n_layers = (max(groups) + 1) if groups else 1
+        bound = 1.0 if c.clip == "median" else c.clip
+        clip_arg = [bound] * n_layers if c.per_layer else bound
+        sanitizer = GaussianSanitizer(clip_arg, c.noise_multiplier,
+                                      noise_allocation="proportional" if c.per_layer
+                                      else "global")
+        if c.dp is DPMode.GLOBAL:
+            aggregator = GlobalDPAggregator(sanitizer, clip="median" if c.clip == "median"
+                                            else "fixed", groups=groups)
+        else:
+            aggregator = ClientNoiseDPAggregator(sanitizer, groups=groups)
+    sampling = ClientSampling(c.sampling, clients_per_round=c.clients_per_round,
+                              fraction=c.fraction if c.clients_per_round is None else None)
+    server = FederatedServer(trainer, partition, aggregator, sampling=sampling,
+                             test_data=(ds.x_test, ds.y_test),
+                             target_epsilon=c.target_epsilon, delta_max=c.delta_max,
+                             accountant=c.accountant, seed=c.seed, noise_seed=c.noise_seed,
+                             eval_every=c.eval_every, progress=progress)
+    return server, ds
+
+
+def _mechanism(c: FederatedConfig) -> str:
+    if c.dp is DPMode.NONE:
+        return "fedavg" if c.aggregator == "mean" else "fedmedian"
+    return "global_dp" if c.dp is DPMode.GLOBAL else "client_dp"
+
+
+def run_federated(config: FederatedConfig, dataset=None, *, progress: bool = True,
+                  checkpoint_dir: str | None = None) -> dict[str, Any]:
+    """Runs one configuration and returns a JSON-ready result (with history)."""
+    start = time.perf_counter()
+    server, ds = build_server(config, dataset, progress=progress)
+    server.run(config.rounds, checkpoint_dir=checkpoint_dir)
+    seconds = time.perf_counter() - start
+    c = config
+    last = server.history[-1] if server.history else None
+    report = server.privacy_report()
+    round_secs = [r.seconds for r in server.history]
+    return {
+        "dataset": ds.source.label if hasattr(ds, "source") else c.dataset,
+        "partition": c.partition.value, "clients": c.clients,
+        "clients_per_round": server.expected_clients,
+        "sampling": c.sampling.value, "rounds": server.rounds_done,
+        "rounds_requested": c.rounds, "mechanism": _mechanism(c),
+        "noise_multiplier": c.noise_multiplier if c.dp is not DPMode.NONE else 0.0,
+        "clip": c.clip if c.dp is not DPMode.NONE else None, "per_layer": c.per_layer,
+        "epsilon": report.get("epsilon"),
+        "delta": report.get("delta"),
+        "accountant": c.accountant.value if c.dp is not DPMode.NONE else None,
+        "test_accuracy": last.accuracy if last else None,
+        "seconds": seconds,
+        "median_round_seconds": float(np.median(round_secs)) if round_secs else None,
+        "rounds_per_minute": 60.0 / float(np.median(round_secs)) if round_secs else None,
+        "peak_rss_mb": peak_rss_mb(),
+        "stop_reason": server.stop_reason,
+        "notices": server.notices,
+        "privacy": report,
+        "local_epochs": c.local_epochs, "local_batch_size": c.local_batch_size,
+        "learning_rate": c.learning_rate, "momentum": c.momentum,
+        "config": c.to_dict(),
+        "history": [r.to_dict() for r in server.history],
+    }

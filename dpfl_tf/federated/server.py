@@ -1,0 +1,454 @@
+"""The federated round loop (FedAvg, McMahan et al. 2017, Algorithm 1) with
+client-level DP accounting (Geyer, Klein, Nabi 2017, Algorithm 1).
+
+Each round t:
+
+1. the privacy check: with a target epsilon, if recording this round's event
+   would make delta(target eps) exceed delta_max, stop *before* the round
+   (Geyer et al. stop once delta would pass their bound);
+2. sample clients: Poisson (each of K clients independently with rate q =
+   m/K or a fraction C) or m without replacement (fixed size);
+3. broadcast w_t, train each sampled client locally (`LocalTrainer`), collect
+   uploads (the aggregator's client-side step applied), aggregate,
+   w_{t+1} = w_t + Delta;
+4. record the round's `DpEvent` in the `PrivacyLedger` (one event per round,
+   matching how clients were really sampled), evaluate on the server's test
+   set, write the checkpoint.
+
+Randomness is derived from (seed, round index) alone, so a run resumed from a
+checkpoint samples the same clients and batches as an uninterrupted one; the
+DP noise comes from OS entropy unless `noise_seed` is given (tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import dp_accounting
+import numpy as np
+import tensorflow as tf
+
+from dpfl_tf._io import atomic_write, atomic_write_json
+from dpfl_tf._validation import check_count, check_number
+from dpfl_tf.federated.aggregators import Aggregator, ClientNoiseDPAggregator
+from dpfl_tf.federated.client import LocalTrainer, preprocess_images
+from dpfl_tf.federated.partition import ClientPartition
+from dpfl_tf.privacy.accountants import AccountantKind, compute_delta, compute_epsilon
+from dpfl_tf.privacy.events import SamplingMethod, describe_event
+from dpfl_tf.privacy.ledger import PrivacyBudget, PrivacyLedger
+
+__all__ = ["ClientSampling", "FederatedServer", "RoundRecord"]
+
+CHECKPOINT_FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientSampling:
+    """How the clients of a round are chosen.
+
+    Exactly one of `clients_per_round` (m) and `fraction` (C) is given.
+    ``POISSON``: every client joins independently with q = m/K (or C);
+    ``FIXED_SIZE``: m = clients_per_round (or round(C K), at least 1) drawn
+    uniformly without replacement.
+    """
+
+    method: SamplingMethod = SamplingMethod.POISSON
+    clients_per_round: int | None = None
+    fraction: float | None = None
+
+    def __post_init__(self):
+        method = SamplingMethod.parse(self.method)
+        if method not in (SamplingMethod.POISSON, SamplingMethod.FIXED_SIZE):
+            raise ValueError(f"client sampling must be 'poisson' or 'fixed_size', got "
+                             f"{method.value!r}")
+        object.__setattr__(self, "method", method)
+        if (self.clients_per_round is None) == (self.fraction is None):
+            raise ValueError("give exactly one of clients_per_round and fraction, got "
+                             f"clients_per_round={self.clients_per_round!r}, "
+                             f"fraction={self.fraction!r}")
+        if self.clients_per_round is not None:
+            object.__setattr__(self, "clients_per_round",
+                               check_count("clients_per_round", self.clients_per_round,
+                                           minimum=1))
+        else:
+            object.__setattr__(self, "fraction", check_number(
+                "fraction", self.fraction, low=0.0, high=1.0, low_open=True))
+
+    def clients_for(self, num_clients: int) -> int:
+        """m for K clients (expected m for Poisson sampling, as an int for fixed size)."""
+        k = check_count("num_clients", num_clients, minimum=1)
+        m = (self.clients_per_round if self.clients_per_round is not None
+             else max(1, int(round(self.fraction * k))))
+        if m > k:
+            raise ValueError(f"clients_per_round (m={m}) must be <= the number of clients "
+                             f"(K={k})")
+        return m
+
+    def rate(self, num_clients: int) -> float:
+        """q = m / K (or C)."""
+        if self.fraction is not None and self.method is SamplingMethod.POISSON:
+            return self.fraction
+        return self.clients_for(num_clients) / num_clients
+
+    def expected_clients(self, num_clients: int) -> float:
+        if self.method is SamplingMethod.POISSON:
+            self.clients_for(num_clients)  # validates m <= K
+            return self.rate(num_clients) * num_clients
+        return float(self.clients_for(num_clients))
+
+    def event_args(self, num_clients: int) -> dict:
+        """Keyword arguments for `gaussian_step_event` / `GaussianSanitizer.event`."""
+        if self.method is SamplingMethod.POISSON:
+            self.clients_for(num_clients)
+            return {"sampling_rate": self.rate(num_clients)}
+        return {"dataset_size": num_clients, "lot_size": self.clients_for(num_clients)}
+
+    def sample(self, rng: np.random.Generator, num_clients: int) -> np.ndarray:
+        """The sorted ids of this round's clients."""
+        if self.method is SamplingMethod.POISSON:
+            q = self.rate(num_clients)
+            self.clients_for(num_clients)
+            return np.flatnonzero(rng.random(num_clients) < q)
+        m = self.clients_for(num_clients)
+        return np.sort(rng.choice(num_clients, size=m, replace=False))
+
+    def to_dict(self) -> dict:
+        return {"method": self.method.value, "clients_per_round": self.clients_per_round,
+                "fraction": self.fraction}
+
+
+@dataclasses.dataclass
+class RoundRecord:
+    """One row of the history."""
+
+    round: int
+    clients: int
+    seconds: float          # wall time of sampling + local training + aggregation
+    accuracy: float | None
+    loss: float | None
+    epsilon: float | None   # at delta_max (None if not private)
+    delta: float | None     # at the target epsilon (None without a target)
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    cpu_seconds: float | None = None  # process CPU time of the same (less load-sensitive)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _json_float(x):
+    if x is None:
+        return None
+    x = float(x)
+    return None if math.isinf(x) or math.isnan(x) else x
+
+
+class FederatedServer:
+    """Runs federated rounds on one reused model.
+
+    Args:
+      trainer: the `LocalTrainer` (model + training arrays + local SGD settings).
+      partition: the clients' index lists into the trainer's training arrays.
+      aggregator: `MeanAggregator`, `MedianAggregator`, `GlobalDPAggregator`
+        or `ClientNoiseDPAggregator`.
+      sampling: `ClientSampling`.
+      test_data: (x_test, y_test) for the server's evaluation.
+      target_epsilon: stop before the round that would make delta at this
+        epsilon exceed `delta_max` (private aggregators only; None = no stop).
+      delta_max: the delta at which epsilon is reported and the stop rule's
+        bound; must be < 1/K (delta << 1/K is the usual rule).  Required for
+        private aggregators.
+      accountant: "moments" | "rdp" | "pld" | "strong".  Fixed-size sampling
+        is interpreted by "rdp" only.
+      seed: client sampling and local shuffling (per round: (seed, round)).
+      noise_seed: seeds the DP noise per round (tests only; default OS entropy).
+      eval_every: evaluate every n rounds (and after the last).
+      progress: show a progress bar over rounds (accuracy and epsilon).
+    """
+
+    def __init__(self, trainer: LocalTrainer, partition: ClientPartition, aggregator: Aggregator,
+                 *, sampling: ClientSampling, test_data: tuple[np.ndarray, np.ndarray] | None,
+                 target_epsilon: float | None = None, delta_max: float | None = None,
+                 accountant: AccountantKind | str = AccountantKind.MOMENTS, seed: int = 0,
+                 noise_seed: int | None = None, eval_every: int = 1,
+                 eval_batch_size: int = 2000, progress: bool = True):
+        if not isinstance(partition, ClientPartition):
+            raise TypeError(f"partition must be a ClientPartition, got {type(partition).__name__}")
+        if not isinstance(aggregator, Aggregator):
+            raise TypeError(f"aggregator must be an Aggregator, got {type(aggregator).__name__}")
+        if not isinstance(sampling, ClientSampling):
+            raise TypeError(f"sampling must be a ClientSampling, got {type(sampling).__name__}")
+        if int(partition.indices.max()) >= trainer.num_examples:
+            raise ValueError(f"the partition refers to example {int(partition.indices.max())} "
+                             f"but the training set has {trainer.num_examples} examples")
+        self.trainer = trainer
+        self.partition = partition
+        self.aggregator = aggregator
+        self.sampling = sampling
+        self.num_clients = partition.num_clients
+        self.expected_clients = sampling.expected_clients(self.num_clients)  # validates m <= K
+        self.seed = int(seed)
+        self.noise_seed = noise_seed
+        self.eval_every = check_count("eval_every", eval_every, minimum=1)
+        self.eval_batch_size = check_count("eval_batch_size", eval_batch_size, minimum=1)
+        self.progress = progress
+        self.accountant = AccountantKind.parse(accountant)
+        self.target_epsilon = (None if target_epsilon is None else
+                               check_number("target_epsilon", target_epsilon, low=0.0,
+                                            low_open=True))
+        self.delta_max = None
+        if delta_max is not None:
+            self.delta_max = check_number("delta_max", delta_max, low=0.0, high=1.0,
+                                          low_open=True, high_open=True)
+            if self.delta_max >= 1.0 / self.num_clients:
+                raise ValueError(f"delta_max must be < 1/K = {1.0 / self.num_clients:g} "
+                                 f"(delta << 1/K), got {self.delta_max:g}")
+        self.num_components = (aggregator.num_components(trainer.variables)
+                               if hasattr(aggregator, "num_components")
+                               else len(trainer.variables))
+        self.round_event: dp_accounting.DpEvent | None = None
+        budget = None
+        if aggregator.private:
+            if self.delta_max is None:
+                raise ValueError("a private aggregator needs delta_max (the delta at which "
+                                 "epsilon is reported and the stop rule's bound)")
+            self.round_event = aggregator.round_event(
+                self.num_components, sampling.method, **sampling.event_args(self.num_clients))
+            # fail now, not after the first round, if the accountant cannot read the event
+            compute_epsilon(self.round_event, self.delta_max, self.accountant)
+            if self.target_epsilon is not None:
+                budget = PrivacyBudget(self.target_epsilon, self.delta_max, self.accountant)
+        elif self.target_epsilon is not None:
+            raise ValueError("target_epsilon needs a private aggregator (global or client DP)")
+        self.ledger = PrivacyLedger(self.accountant, budget)
+        self.participations = np.zeros(self.num_clients, dtype=np.int32)
+        self.history: list[RoundRecord] = []
+        self.rounds_done = 0
+        self.stop_reason: str | None = None
+        self.notices: list[str] = []
+        if getattr(aggregator, "clip", "fixed") == "median":
+            self._notice("clip = median of the round's update norms (Geyer et al.): this step "
+                         "reads the clients' updates without noise and is NOT differentially "
+                         "private; the epsilon reported assumes a fixed clip bound")
+        self._test = None
+        if test_data is not None:
+            x, y = test_data
+            self._test = (tf.constant(preprocess_images(x)), tf.constant(np.asarray(y)))
+        self._eval_fn = tf.function(self._eval_batch, reduce_retracing=True)
+
+    # -- helpers ---------------------------------------------------------------
+    def _notice(self, text: str) -> None:
+        self.notices.append(text)
+        print(f"NOTE: {text}", file=sys.stderr)
+
+    def _eval_batch(self, x, y):
+        logits = self.trainer.model(x, training=False)
+        loss = self.trainer.loss(y, logits) * tf.cast(tf.shape(y)[0], tf.float32)
+        pred = tf.argmax(logits, axis=-1, output_type=tf.int32)
+        correct = tf.reduce_sum(tf.cast(pred == tf.cast(y, tf.int32), tf.int32))
+        return loss, correct
+
+    def evaluate(self) -> tuple[float, float]:
+        """(loss, accuracy) of the global model on the server's test set."""
+        if self._test is None:
+            raise ValueError("no test_data was given")
+        x, y = self._test
+        n = int(x.shape[0])
+        loss, correct = 0.0, 0
+        for s in range(0, n, self.eval_batch_size):
+            l, c = self._eval_fn(x[s:s + self.eval_batch_size], y[s:s + self.eval_batch_size])
+            loss += float(l)
+            correct += int(c)
+        return loss / n, correct / n
+
+    def epsilon(self) -> float | None:
+        """Epsilon spent so far at delta_max (None if not private)."""
+        if not self.aggregator.private:
+            return None
+        return self.ledger.epsilon(self.delta_max)
+
+    def delta_after(self, extra_rounds: int = 0) -> float:
+        """delta at the target epsilon after `extra_rounds` more rounds (compute_delta)."""
+        events = [self.ledger.event] if len(self.ledger) else []
+        if extra_rounds:
+            events.append(dp_accounting.SelfComposedDpEvent(self.round_event, extra_rounds))
+        if not events:
+            return 0.0
+        return compute_delta(dp_accounting.ComposedDpEvent(events), self.target_epsilon,
+                             self.accountant)
+
+    def would_exceed_budget(self) -> bool:
+        """The stop rule: True if running one more round makes delta(target eps) > delta_max."""
+        if not self.aggregator.private or self.target_epsilon is None:
+            return False
+        return self.delta_after(1) > self.delta_max
+
+    # -- the loop --------------------------------------------------------------
+    def run_round(self) -> RoundRecord:
+        """Runs one round (no budget check; `run` checks first)."""
+        t = self.rounds_done
+        start, cpu_start = time.perf_counter(), time.process_time()
+        rng = np.random.default_rng([self.seed, t])
+        if self.noise_seed is not None:
+            self.aggregator.reseed(int(np.random.default_rng([int(self.noise_seed), t])
+                                       .integers(2**62)))
+        selected = self.sampling.sample(rng, self.num_clients)
+        global_weights = self.trainer.get_weights()
+
+        def uploads():
+            for k in selected:
+                indices = self.partition.client(int(k))
+                delta = self.trainer.train(global_weights, indices, rng)
+                yield self.aggregator.client_transform(delta), float(len(indices))
+
+        result = self.aggregator.aggregate(uploads(), global_weights,
+                                           expected_clients=self.expected_clients)
+        self.trainer.set_weights([w + d for w, d in zip(global_weights, result.update)])
+        seconds = time.perf_counter() - start
+        cpu_seconds = time.process_time() - cpu_start
+        self.participations[selected] += 1
+        if self.round_event is not None:
+            self.ledger.record(self.round_event, 1, label="federated round")
+        self.rounds_done += 1
+        acc = loss = None
+        if self._test is not None and (self.rounds_done % self.eval_every == 0):
+            loss, acc = self.evaluate()
+        eps = self.epsilon()
+        delta = (self.delta_after(0) if self.aggregator.private and self.target_epsilon
+                 else None)
+        info = {k: v for k, v in result.info.items()}
+        record = RoundRecord(t + 1, len(selected), seconds, acc, loss, eps, delta, info,
+                             cpu_seconds)
+        self.history.append(record)
+        return record
+
+    def run(self, rounds: int, *, checkpoint_dir: str | os.PathLike | None = None,
+            resume: bool = True) -> list[RoundRecord]:
+        """Runs up to `rounds` rounds in total (counting rounds already done).
+
+        With `checkpoint_dir`, the state is written atomically after every
+        round and, if `resume`, read back first, so an interrupted run
+        continues where it stopped."""
+        rounds = check_count("rounds", rounds)
+        self.stop_reason = None
+        if checkpoint_dir is not None and resume:
+            self.load_checkpoint(checkpoint_dir, missing_ok=True)
+        bar = None
+        if self.progress:
+            import keras
+            bar = keras.utils.Progbar(rounds, stateful_metrics=["acc", "eps", "delta", "clients"])
+            bar.update(self.rounds_done)
+        while self.rounds_done < rounds:
+            if self.would_exceed_budget():
+                self.stop_reason = (
+                    f"privacy budget: round {self.rounds_done + 1} would make delta at "
+                    f"epsilon={self.target_epsilon:g} exceed delta_max={self.delta_max:g} "
+                    f"({self.accountant.value} accountant); stopped after "
+                    f"{self.rounds_done} rounds")
+                break
+            rec = self.run_round()
+            if checkpoint_dir is not None:
+                self.save_checkpoint(checkpoint_dir)
+            if bar is not None:
+                values = [("clients", rec.clients)]
+                if rec.accuracy is not None:
+                    values.append(("acc", rec.accuracy))
+                if rec.epsilon is not None:
+                    values.append(("eps", rec.epsilon))
+                bar.update(self.rounds_done, values=values)
+        if self.stop_reason is None and self.rounds_done >= rounds:
+            self.stop_reason = f"completed {self.rounds_done} rounds"
+        if self.history and self.history[-1].accuracy is None and self._test is not None:
+            self.history[-1].loss, self.history[-1].accuracy = self.evaluate()
+        if bar is not None and self.stop_reason.startswith("privacy"):
+            print(f"\n{self.stop_reason}", file=sys.stderr)
+        return self.history
+
+    # -- reports -----------------------------------------------------------------
+    def privacy_report(self) -> dict:
+        """What the run cost, for the released model and (client-side noise) per upload."""
+        if not self.aggregator.private:
+            return {"mechanism": "none", "epsilon": None, "epsilon_is_infinite": True,
+                    "note": "no noise: no differential privacy guarantee"}
+        eps = self.epsilon()
+        report = {
+            "epsilon": _json_float(eps), "delta": self.delta_max,
+            "accountant": self.accountant.value, "rounds": len(self.ledger),
+            "round_event": describe_event(self.round_event),
+            "neighbouring": "add/remove one client" if self.sampling.method is
+            SamplingMethod.POISSON else "replace one client",
+            "target_epsilon": self.target_epsilon,
+            "delta_at_target_epsilon": (_json_float(self.delta_after(0))
+                                        if self.target_epsilon else None),
+            "clip_is_private": getattr(self.aggregator, "clip", "fixed") == "fixed",
+        }
+        if isinstance(self.aggregator, ClientNoiseDPAggregator):
+            n_max = int(self.participations.max()) if len(self.participations) else 0
+            upload = self.aggregator.upload_event(self.num_components)
+            server_eps = (compute_epsilon(dp_accounting.SelfComposedDpEvent(upload, n_max),
+                                          self.delta_max, self.accountant) if n_max else 0.0)
+            report["against_server"] = {
+                "upload_event": describe_event(upload),
+                "max_participations": n_max,
+                "mean_participations": float(self.participations.mean()),
+                "epsilon": _json_float(server_eps), "delta": self.delta_max,
+                "note": "per client, over the rounds it uploaded in; no amplification by "
+                        "sampling (the server knows who uploaded)",
+            }
+            report["released_model_noise_multiplier"] = self.aggregator.aggregate_noise_multiplier(
+                self.num_components, self.sampling.clients_for(self.num_clients))
+        return report
+
+    # -- checkpoints ---------------------------------------------------------------
+    def _fingerprint(self) -> dict:
+        return {"num_clients": self.num_clients, "sampling": self.sampling.to_dict(),
+                "aggregator": self.aggregator.get_config(), "seed": self.seed,
+                "accountant": self.accountant.value,
+                "variables": [list(v.shape) for v in self.trainer.variables]}
+
+    def save_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Global weights + ledger + history + round index, written atomically:
+        the weights file of this round first, then the state file naming it."""
+        directory = os.fspath(directory)
+        os.makedirs(directory, exist_ok=True)
+        name = f"weights-{self.rounds_done:06d}.npz"
+        arrays = {f"w{i}": v.numpy() for i, v in enumerate(self.trainer.variables)}
+        arrays["participations"] = self.participations
+        atomic_write(os.path.join(directory, name), lambda f: np.savez(f, **arrays), binary=True)
+        state = {"format": CHECKPOINT_FORMAT, "round": self.rounds_done, "weights": name,
+                 "fingerprint": self._fingerprint(), "ledger": self.ledger.to_dict(),
+                 "history": [r.to_dict() for r in self.history], "notices": self.notices}
+        atomic_write_json(os.path.join(directory, "state.json"), state)
+        for old in glob.glob(os.path.join(directory, "weights-*.npz")):
+            if os.path.basename(old) != name:
+                os.unlink(old)
+
+    def load_checkpoint(self, directory: str | os.PathLike, *, missing_ok: bool = False) -> bool:
+        path = os.path.join(os.fspath(directory), "state.json")
+        if not os.path.exists(path):
+            if missing_ok:
+                return False
+            raise FileNotFoundError(f"no checkpoint at {path}")
+        with open(path) as f:
+            state = json.load(f)
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path}: not a dpfl_tf federated checkpoint "
+                             f"(format {CHECKPOINT_FORMAT})")
+        mine = json.loads(json.dumps(self._fingerprint()))
+        if state["fingerprint"] != mine:
+            diff = sorted(k for k in mine if state["fingerprint"].get(k) != mine[k])
+            raise ValueError(f"{path} belongs to a different run (differs in: "
+                             f"{', '.join(diff)}); use another checkpoint directory")
+        with np.load(os.path.join(os.fspath(directory), state["weights"])) as data:
+            self.trainer.set_weights([data[f"w{i}"] for i in range(len(self.trainer.variables))])
+            self.participations = data["participations"].astype(np.int32)
+        self.ledger = PrivacyLedger.from_dict(state["ledger"])
+        self.history = [RoundRecord(**r) for r in state["history"]]
+        self.rounds_done = int(state["round"])
+        return True

@@ -1,0 +1,116 @@
+"""Aggregators: FedAvg weighted mean, FedMedian, per-client clipping bounds."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dpfl_tf.federated.aggregators import (ClientNoiseDPAggregator, GlobalDPAggregator,
+                                           MeanAggregator, MedianAggregator, update_norms)
+from dpfl_tf.sanitizer import GaussianSanitizer
+
+
+def _updates(n=5, seed=0, scale=3.0):
+    rng = np.random.default_rng(seed)
+    return [[tf.constant(rng.normal(size=(4, 3)) * scale, tf.float32),
+             tf.constant(rng.normal(size=(3,)) * scale, tf.float32)] for _ in range(n)]
+
+
+def _template():
+    return [tf.zeros((4, 3)), tf.zeros((3,))]
+
+
+def test_mean_is_the_hand_computed_weighted_average():
+    ups = _updates(3)
+    weights = [10.0, 30.0, 60.0]
+    res = MeanAggregator().aggregate(zip(ups, weights), _template())
+    for j in range(2):
+        want = sum(w * u[j].numpy() for u, w in zip(ups, weights)) / 100.0
+        np.testing.assert_allclose(res.update[j].numpy(), want, rtol=1e-5, atol=1e-6)
+    assert res.num_clients == 3
+    plain = MeanAggregator(weighted=False).aggregate(zip(ups, weights), _template())
+    np.testing.assert_allclose(plain.update[0].numpy(),
+                               np.mean([u[0].numpy() for u in ups], axis=0), rtol=1e-5)
+
+
+def test_median_is_coordinatewise_and_robust_to_an_outlier():
+    ups = _updates(5)
+    res = MedianAggregator().aggregate(((u, 1.0) for u in ups), _template())
+    np.testing.assert_allclose(res.update[0].numpy(),
+                               np.median(np.stack([u[0].numpy() for u in ups]), axis=0))
+    bad = ups[:4] + [[tf.fill((4, 3), 1e6), tf.fill((3,), 1e6)]]
+    robust = MedianAggregator().aggregate(((u, 1.0) for u in bad), _template())
+    assert np.abs(robust.update[0].numpy()).max() < 20
+    even = MedianAggregator().aggregate(((u, 1.0) for u in ups[:4]), _template())
+    np.testing.assert_allclose(even.update[1].numpy(),
+                               np.median(np.stack([u[1].numpy() for u in ups[:4]]), axis=0))
+    empty = MedianAggregator().aggregate(iter(()), _template())
+    assert empty.num_clients == 0 and float(tf.reduce_sum(empty.update[0])) == 0.0
+
+
+def test_global_dp_clips_every_client_to_S_flat_and_per_layer():
+    ups = _updates(6, scale=5.0)
+    s = GaussianSanitizer(1.0, 0.0)  # no noise: the aggregate is the mean of clipped updates
+    res = GlobalDPAggregator(s).aggregate(((u, 1.0) for u in ups), _template(),
+                                          expected_clients=6)
+    clipped = [s.clip(u) for u in ups]
+    for c in clipped:
+        assert np.linalg.norm(np.concatenate([t.numpy().ravel() for t in c])) <= 1.0 + 1e-5
+    for j in range(2):
+        np.testing.assert_allclose(res.update[j].numpy(),
+                                   sum(c[j].numpy() for c in clipped) / 6, rtol=1e-5, atol=1e-6)
+    assert res.info["fraction_clipped"] == 1.0 and res.info["clip_is_private"]
+    # per-layer: each component of each client within its own bound
+    per = GaussianSanitizer([0.5, 0.2], 0.0)
+    agg = GlobalDPAggregator(per)
+    # with one client the sum is that client's clipped update: check the bounds on each
+    for u in ups:
+        single = agg.aggregate(iter([(u, 1.0)]), _template(), expected_clients=1)
+        norms = update_norms(single.update)
+        assert norms[0] <= 0.5 + 1e-5 and norms[1] <= 0.2 + 1e-5
+    # one layer spanning both tensors (groups): one bound on their joint norm
+    grouped = GlobalDPAggregator(GaussianSanitizer([0.7], 0.0), groups=[0, 0])
+    single = grouped.aggregate(iter([(ups[0], 1.0)]), _template(), expected_clients=1)
+    assert update_norms(single.update, [0, 0])[0] == pytest.approx(0.7, rel=1e-5)
+
+
+def test_small_updates_are_not_changed_by_clipping():
+    ups = _updates(2, scale=0.01)
+    res = GlobalDPAggregator(GaussianSanitizer(10.0, 0.0)).aggregate(
+        ((u, 1.0) for u in ups), _template(), expected_clients=2)
+    np.testing.assert_allclose(res.update[0].numpy(), (ups[0][0] + ups[1][0]).numpy() / 2,
+                               rtol=1e-5)
+    assert res.info["fraction_clipped"] == 0.0
+
+
+def test_client_side_clip_bound_holds_per_upload():
+    agg = ClientNoiseDPAggregator(GaussianSanitizer(0.8, 0.0))
+    for u in _updates(4, scale=4.0):
+        up = agg.client_transform(u)
+        assert update_norms(up).__pow__(2).sum() ** 0.5 <= 0.8 + 1e-5
+
+
+def test_median_clip_uses_the_median_norm_and_says_it_is_not_private():
+    ups = _updates(5, scale=2.0)
+    norms = [math.sqrt((update_norms(u) ** 2).sum()) for u in ups]
+    agg = GlobalDPAggregator(GaussianSanitizer(1.0, 0.0), clip="median")
+    res = agg.aggregate(((u, 1.0) for u in ups), _template(), expected_clients=5)
+    assert res.info["clip"] == pytest.approx(np.median(norms), rel=1e-5)
+    assert res.info["clip_is_private"] is False
+    assert not agg.streaming
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: GaussianSanitizer(0.0, 1.0), "l2_norm_clip must be > 0"),
+    (lambda: GaussianSanitizer(-1.0, 1.0), "l2_norm_clip must be > 0"),
+    (lambda: GlobalDPAggregator(GaussianSanitizer(1.0, 1.0), clip="mean"), "clip must be"),
+    (lambda: GlobalDPAggregator("not a sanitizer"), "must be a GaussianSanitizer"),
+    (lambda: GlobalDPAggregator(GaussianSanitizer(1.0, 1.0)).aggregate(
+        iter(()), _template(), expected_clients=0), "expected_clients must be > 0"),
+    (lambda: GlobalDPAggregator(GaussianSanitizer([1.0, 1.0, 1.0], 1.0)).aggregate(
+        iter(()), _template(), expected_clients=1), "3 bounds but the record has 2"),
+])
+def test_bad_aggregator_inputs(make, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        make()

@@ -1,0 +1,78 @@
+"""`dpfl-tf federated`: the parser, its errors, and a tiny end-to-end run."""
+
+import argparse
+import json
+
+import pytest
+
+from dpfl_tf.federated.cli import add_federated_parser, config_from_args
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="dpfl-tf")
+    sub = parser.add_subparsers(dest="command")
+    return parser, add_federated_parser(sub)
+
+
+def test_parser_reads_the_documented_flags():
+    parser, _ = _parser()
+    args = parser.parse_args(
+        "federated --dataset mnist --clients 1000 --partition shards --dp global --epsilon 8 "
+        "--clients-per-round 100 --sampling poisson --rounds 50 --local-epochs 4 "
+        "--local-batch-size 10 --lr 0.05 --momentum 0.9 --clip 1.5 --noise-multiplier 1.1 "
+        "--delta-max 1e-5 --accountant rdp --aggregator mean --seed 3 --output r.json".split())
+    c = config_from_args(args)
+    assert (c.clients, c.clients_per_round, c.rounds, c.local_epochs, c.local_batch_size) == \
+        (1000, 100, 50, 4, 10)
+    assert c.dp.value == "global" and c.target_epsilon == 8 and c.delta_max == 1e-5
+    assert c.clip == 1.5 and c.noise_multiplier == 1.1 and c.accountant.value == "rdp"
+    assert c.learning_rate == 0.05 and c.momentum == 0.9 and c.seed == 3
+    median = config_from_args(parser.parse_args(
+        ["federated", "--dp", "global", "--clip", "median"]))
+    assert median.clip == "median"
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("--clients 10 --clients-per-round 20", "--clients-per-round (m=20) must be <= the number"),
+    ("--dp global --clip 0", "--clip must be > 0"),
+    ("--dp global --clip -1", "--clip must be > 0"),
+    ("--dp global --delta-max 0.5 --clients 100", "--delta-max must be < 1/K = 0.01"),
+    ("--dp client --sampling poisson", "needs sampling='fixed_size'"),
+    ("--dp none --clip median", "offered for dp='global' only"),
+    ("--dp global --aggregator median", "aggregator must be 'mean'"),
+    ("--clients 0", "--clients must be a whole number >= 1"),
+    ("--lr 0", "--lr must be > 0"),
+])
+def test_bad_arguments_name_the_flag(argv, message, capsys):
+    parser, fed = _parser()
+    args = parser.parse_args(["federated", *argv.split()])
+    with pytest.raises(SystemExit):
+        config_from_args(args, fed.error)
+    err = " ".join(capsys.readouterr().err.split())
+    assert message in err, err
+
+
+def test_unknown_partition_is_refused(capsys):
+    parser, _ = _parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["federated", "--partition", "by_magic"])
+    assert "invalid choice: 'by_magic'" in capsys.readouterr().err
+
+
+def test_tiny_run_writes_a_results_file(tmp_path, capsys):
+    parser, fed = _parser()
+    out = tmp_path / "run.json"
+    args = parser.parse_args(
+        ["federated", "--clients", "10", "--train-subset", "1000", "--clients-per-round", "4",
+         "--rounds", "2", "--hidden", "16", "--dp", "global", "--epsilon", "20",
+         "--delta-max", "1e-3", "--no-progress", "--output", str(out)])
+    assert args.func(args, fed.error) == 0
+    printed = capsys.readouterr().out
+    assert "test accuracy =" in printed and "epsilon =" in printed
+    data = json.loads(out.read_text())
+    for key in ["dataset", "partition", "clients", "clients_per_round", "rounds", "mechanism",
+                "noise_multiplier", "clip", "epsilon", "delta", "accountant", "test_accuracy",
+                "seconds", "history"]:
+        assert key in data
+    assert data["mechanism"] == "global_dp" and data["rounds"] == 2
+    assert 0 < data["epsilon"] <= 20 and len(data["history"]) == 2

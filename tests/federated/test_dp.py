@@ -1,0 +1,182 @@
+"""Client-level DP: noise scales (KS tests that can fail), the DP-FedAvg event,
+one ledger event per round and the stop rule."""
+
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+import tensorflow as tf
+from scipy import stats
+
+from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator, GlobalDPAggregator
+from dpfl_tf.federated.client import LocalTrainer
+from dpfl_tf.federated.partition import iid_partition
+from dpfl_tf.federated.server import ClientSampling, FederatedServer
+from dpfl_tf.privacy import compute_delta, compute_epsilon, gaussian_step_event
+from dpfl_tf.sanitizer import GaussianSanitizer
+
+from tests.federated.conftest import tiny_model
+
+SIZE = 20000  # coordinates pooled for the KS tests
+
+
+def _zero_uploads(m):
+    return [([tf.zeros((SIZE // 2,)), tf.zeros((SIZE // 2,))], 1.0) for _ in range(m)]
+
+
+def _ks(values, std):
+    return stats.kstest(np.asarray(values).ravel() / std, "norm").pvalue
+
+
+def _global_noise(sigma, clip, m, seed=1):
+    agg = GlobalDPAggregator(GaussianSanitizer(clip, sigma, seed=seed))
+    res = agg.aggregate(iter(_zero_uploads(m)), [tf.zeros((SIZE // 2,))] * 2,
+                        expected_clients=m)
+    return np.concatenate([t.numpy() for t in res.update])
+
+
+def test_global_dp_noise_is_sigma_S_over_m():
+    sigma, clip, m = 1.2, 0.5, 8
+    want = sigma * clip / m  # N(0, sigma^2 S^2) on the sum, divided by m
+    noise = _global_noise(sigma, clip, m)
+    assert _ks(noise, want) > 1e-3
+    assert _ks(noise, want * 1.1) < 1e-6          # a 10% wrong scale is rejected
+    assert _ks(_global_noise(sigma * 1.1, clip, m), want) < 1e-6  # and a wrong sigma
+
+
+def test_client_side_noise_sum_has_std_z_sqrt_m_S():
+    z, clip, m = 0.7, 2.0, 9
+    agg = ClientNoiseDPAggregator(GaussianSanitizer(clip, z, seed=3))
+    uploads = [(agg.client_transform(u), w) for u, w in _zero_uploads(m)]
+    single = np.concatenate([t.numpy() for t in uploads[0][0]])
+    assert _ks(single, z * clip) > 1e-3          # each upload: N(0, z^2 S^2)
+    assert _ks(single, z * clip * 1.1) < 1e-6
+    res = agg.aggregate(iter(uploads), [tf.zeros((SIZE // 2,))] * 2, expected_clients=m)
+    total = np.concatenate([t.numpy() for t in res.update]) * m   # the sum of uploads
+    assert _ks(total, z * math.sqrt(m) * clip) > 1e-3
+    assert _ks(total, z * clip) < 1e-6            # not the single-upload scale
+
+
+def test_client_side_noise_events():
+    z, K, m = 0.8, 1000, 50
+    agg = ClientNoiseDPAggregator(GaussianSanitizer(1.0, z))
+    event = agg.round_event(1, "fixed_size", dataset_size=K, lot_size=m)
+    assert event == gaussian_step_event(z * math.sqrt(m), "fixed_size", dataset_size=K,
+                                        lot_size=m)
+    assert event == dp_accounting.SampledWithoutReplacementDpEvent(
+        K, m, dp_accounting.GaussianDpEvent(z * math.sqrt(m) / 2))
+    assert agg.upload_event(1) == dp_accounting.GaussianDpEvent(z)
+    assert agg.upload_event(1, dp_accounting.NeighboringRelation.REPLACE_ONE) == \
+        dp_accounting.GaussianDpEvent(z / 2)
+    # per-layer with proportional noise: z is the sanitizer's effective multiplier
+    per = ClientNoiseDPAggregator(GaussianSanitizer([1.0, 1.0, 1.0], z,
+                                                    noise_allocation="proportional"))
+    assert per.aggregate_noise_multiplier(3, m) == pytest.approx(z / math.sqrt(3) * math.sqrt(m))
+    with pytest.raises(ValueError, match="fixed-size client sampling only"):
+        agg.round_event(1, "poisson", sampling_rate=0.05)
+    # the released model is much more private than each upload is against the server
+    released = compute_epsilon(dp_accounting.SelfComposedDpEvent(event, 100), 1e-5, "rdp")
+    upload = compute_epsilon(dp_accounting.SelfComposedDpEvent(agg.upload_event(1), 5),
+                             1e-5, "rdp")
+    assert released < upload
+
+
+@pytest.fixture(scope="module")
+def small_setup(mnist_small):
+    model = tiny_model(hidden=8)
+    x, y = mnist_small.x_train[:1000], mnist_small.y_train[:1000]
+    trainer = LocalTrainer(model, x, y, local_epochs=1, batch_size=25, learning_rate=0.1)
+    return trainer, iid_partition(len(y), 20, seed=0), mnist_small
+
+
+def _server(setup, aggregator, **kw):
+    trainer, partition, ds = setup
+    defaults = dict(sampling=ClientSampling("poisson", clients_per_round=10),
+                    test_data=(ds.x_test[:200], ds.y_test[:200]), progress=False, seed=0)
+    defaults.update(kw)
+    return FederatedServer(trainer, partition, aggregator, **defaults)
+
+
+def test_ledger_has_one_event_per_round_and_the_stop_rule_fires_on_time(small_setup):
+    sigma, q, eps, delta_max = 1.5, 0.5, 5.0, 1e-3
+    event = gaussian_step_event(sigma, "poisson", sampling_rate=q)
+    # by hand: the last T with delta(eps) <= delta_max after T rounds
+    deltas = [compute_delta(dp_accounting.SelfComposedDpEvent(event, t), eps, "moments")
+              for t in range(1, 30)]
+    t_star = next(t for t, d in enumerate(deltas, 1) if d > delta_max) - 1
+    assert 2 <= t_star <= 20
+    server = _server(small_setup, GlobalDPAggregator(GaussianSanitizer(1.0, sigma)),
+                     target_epsilon=eps, delta_max=delta_max, noise_seed=0)
+    server.run(100)
+    assert server.rounds_done == t_star
+    assert server.ledger.count() == t_star
+    assert server.ledger.entries == [{"event": "Poisson(q=0.5) Gaussian(sigma=1.5)",
+                                      "count": t_star, "label": "federated round"}]
+    assert "privacy budget" in server.stop_reason
+    for rec, d in zip(server.history, deltas):
+        assert rec.delta == pytest.approx(d, rel=1e-9)
+    assert server.history[-1].epsilon == pytest.approx(
+        compute_epsilon(dp_accounting.SelfComposedDpEvent(event, t_star), delta_max, "moments"))
+    assert server.privacy_report()["epsilon"] <= eps
+    # the stop rule checks before the round: one more round would have exceeded
+    assert server.delta_after(1) > delta_max >= server.delta_after(0)
+
+
+def test_fixed_size_sampling_is_accounted_with_replace_one(small_setup):
+    agg = GlobalDPAggregator(GaussianSanitizer(1.0, 2.0))
+    fixed = ClientSampling("fixed_size", clients_per_round=5)
+    with pytest.raises(ValueError, match="'rdp' only"):
+        _server(small_setup, agg, sampling=fixed, delta_max=1e-3, accountant="moments")
+    server = _server(small_setup, agg, sampling=fixed, delta_max=1e-3, accountant="rdp")
+    server.run(2)
+    assert all(r.clients == 5 for r in server.history)
+    assert server.round_event == dp_accounting.SampledWithoutReplacementDpEvent(
+        20, 5, dp_accounting.GaussianDpEvent(1.0))
+    assert server.privacy_report()["neighbouring"] == "replace one client"
+
+
+def test_client_dp_run_reports_server_view_and_released_model(small_setup):
+    agg = ClientNoiseDPAggregator(GaussianSanitizer(1.0, 1.0))
+    server = _server(small_setup, agg, sampling=ClientSampling("fixed_size", clients_per_round=5),
+                     delta_max=1e-3, accountant="rdp")
+    server.run(3)
+    rep = server.privacy_report()
+    assert rep["released_model_noise_multiplier"] == pytest.approx(math.sqrt(5))
+    srv = rep["against_server"]
+    assert srv["upload_event"] == "Gaussian(sigma=1)"
+    assert srv["max_participations"] == int(server.participations.max()) >= 1
+    assert server.participations.sum() == 15
+    assert srv["epsilon"] > rep["epsilon"]
+
+
+def test_median_clip_is_flagged_not_private(small_setup, capsys):
+    agg = GlobalDPAggregator(GaussianSanitizer(1.0, 1.0), clip="median")
+    server = _server(small_setup, agg, delta_max=1e-3)
+    assert "NOT differentially private" in capsys.readouterr().err
+    server.run(1)
+    assert server.history[0].info["clip_is_private"] is False
+    assert server.privacy_report()["clip_is_private"] is False
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(sampling=ClientSampling("fixed_size", clients_per_round=21)),
+     r"clients_per_round \(m=21\) must be <= the number of clients \(K=20\)"),
+    (dict(delta_max=0.06), r"delta_max must be < 1/K = 0.05"),
+    (dict(delta_max=None), "needs delta_max"),
+    (dict(delta_max=0.0), "delta_max must be in"),
+    (dict(target_epsilon=-1.0, delta_max=1e-3), "target_epsilon must be > 0"),
+])
+def test_bad_server_inputs(small_setup, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _server(small_setup, GlobalDPAggregator(GaussianSanitizer(1.0, 1.0)), **kwargs)
+
+
+def test_bad_sampling_inputs():
+    with pytest.raises(ValueError, match="exactly one of clients_per_round and fraction"):
+        ClientSampling("poisson")
+    with pytest.raises(ValueError, match="fraction must be in"):
+        ClientSampling("poisson", fraction=1.5)
+    with pytest.raises(ValueError, match="client sampling must be 'poisson' or 'fixed_size'"):
+        ClientSampling("shuffle", clients_per_round=3)
+    assert ClientSampling("fixed_size", fraction=0.1).clients_for(1000) == 100
