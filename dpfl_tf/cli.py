@@ -2,7 +2,7 @@
 
 Commands:
   privacy   epsilon (or a calibrated noise multiplier) for DP-SGD-style training.
-  train     DP-SGD training of the paper's baselines (MNIST / Fashion-MNIST).
+  train     DP-SGD training of the paper's baselines (MNIST / Fashion-MNIST / CIFAR-10).
 """
 
 from __future__ import annotations
@@ -151,21 +151,32 @@ def _add_train_parser(sub) -> None:
     p = sub.add_parser(
         "train", help="DP-SGD training of a paper baseline; prints accuracy and (eps, delta)",
         description="Abadi et al. 2016 section 5.2: DP-PCA + MLP (or a tanh CNN) with "
-                    "DP-SGD, trained until the privacy budget is spent.")
-    p.add_argument("dataset", choices=["mnist", "fashion_mnist"])
+                    "DP-SGD, trained until the privacy budget is spent; section 5.3 "
+                    "(cifar10): frozen pretrained convolutions, DP-SGD on the dense layers.")
+    p.add_argument("dataset", choices=["mnist", "fashion_mnist", "cifar10"])
     p.add_argument("--epsilon", type=_float, default=2.0, help="target epsilon (budget)")
     p.add_argument("--delta", type=_float, default=1e-5)
     p.add_argument("--accountant", default="moments", choices=["moments", "rdp", "pld"])
     p.add_argument("--model", default="mlp", choices=["mlp", "tanh_cnn"])
     p.add_argument("--noise-multiplier", type=_float,
-                   help="sigma (default: the paper's setting for the epsilon: 2 / 4 / 8)")
+                   help="sigma (default: the paper's setting for the epsilon: 2 / 4 / 8; "
+                        "cifar10: calibrated so that --epochs epochs spend the budget)")
     p.add_argument("--pca-noise-multiplier", type=_float,
                    help="sigma_p of DP-PCA (default: the paper's 4 / 7 / 16)")
-    p.add_argument("--epochs", type=_float, default=1000,
-                   help="upper bound on epochs (training stops when the budget is spent)")
-    p.add_argument("--lot-size", type=_float, default=600)
-    p.add_argument("--clip", type=_float, default=4.0)
-    p.add_argument("--lr", type=_float, default=0.1)
+    p.add_argument("--epochs", type=_float, default=None,
+                   help="upper bound on epochs (training stops when the budget is spent; "
+                        "default 1000; cifar10: 30)")
+    p.add_argument("--lot-size", type=_float, default=None, help="default 600; cifar10: 2000")
+    p.add_argument("--clip", type=_float, default=None,
+                   help="clip bound (default 4; cifar10: 3 per hidden layer, twice that "
+                        "for the softmax layer)")
+    p.add_argument("--lr", type=_float, default=None, help="default 0.1; cifar10: 0.05")
+    p.add_argument("--trained-layers", default="top", choices=["softmax", "top", "dense"],
+                   help="cifar10: layers trained privately (the convolutions stay frozen)")
+    p.add_argument("--pretrained", default=None,
+                   help="cifar10: weights from experiments/cifar10_pretrain.py (default: "
+                        "models/cifar10_public_convnet.weights.h5 if present, else a short "
+                        "pretraining on the public split first)")
     p.add_argument("--seed", type=int, help="reproducible run (NOT for deployment)")
     p.add_argument("--output", default=None, help="results JSON (default results/train_<dataset>.json)")
     p.add_argument("--data-dir", default=None)
@@ -183,6 +194,11 @@ def _run_train(args, error) -> int:
 
     from dpfl_tf._io import atomic_write_json
 
+    cifar = args.dataset == "cifar10"
+    for name, mnist_default, cifar_default in (("epochs", 1000, 30), ("lot_size", 600, 2000),
+                                               ("clip", 4.0, 3.0), ("lr", 0.1, 0.05)):
+        if getattr(args, name) is None:
+            setattr(args, name, cifar_default if cifar else mnist_default)
     try:
         epsilon = check_number("--epsilon", args.epsilon, low=0.0, low_open=True)
         delta = check_number("--delta", args.delta, low=0.0, high=1.0, low_open=True,
@@ -197,6 +213,8 @@ def _run_train(args, error) -> int:
                              low_open=True)
     except ValueError as e:
         error(str(e))
+    if cifar:
+        return _run_train_cifar10(args, error, epsilon, delta, epochs, lot, clip, lr)
     from dpfl_tf.recipes.mnist import PAPER_SETTINGS, MnistConfig, train_mnist
 
     setting = _paper_setting_for(epsilon)
@@ -231,6 +249,60 @@ def _run_train(args, error) -> int:
     save_figure(fig, figure)
     print(f"test accuracy = {result['test_accuracy']:.4f} (train {result['train_accuracy']:.4f})"
           f" after {result['epochs']} epochs")
+    print(f"privacy spent: epsilon = {result['epsilon']:.4f} at delta = {delta:g} "
+          f"({args.accountant}; {result['events']})")
+    print(f"results: {out}  figure: {figure}")
+    return 0
+
+
+def _run_train_cifar10(args, error, epsilon, delta, epochs, lot, clip, lr) -> int:
+    """`dpfl-tf train cifar10`: DP-SGD on the private split, convolutions frozen."""
+    import os
+
+    from dpfl_tf._io import atomic_write_json
+    from dpfl_tf.recipes.cifar10 import CifarConfig, PretrainConfig, train_cifar10
+
+    weights = args.pretrained
+    default = os.path.join("models", "cifar10_public_convnet.weights.h5")
+    if weights is None and os.path.isfile(default):
+        weights = default
+    try:
+        config = CifarConfig(
+            setting="cli", trained_layers=args.trained_layers, pretrained_weights=weights,
+            pretrain=PretrainConfig(epochs=30, data_dir=args.data_dir, seed=args.seed),
+            noise_multiplier=args.noise_multiplier, l2_norm_clip=clip, lot_size=lot,
+            batch_size=min(lot, 1000), learning_rate=lr, target_epsilon=epsilon, delta=delta,
+            accountant=args.accountant, epochs=epochs, seed=args.seed, data_dir=args.data_dir)
+    except ValueError as e:
+        error(str(e))
+    sigma = "calibrated" if args.noise_multiplier is None else f"{args.noise_multiplier:g}"
+    print(f"DP-SGD on cifar10: convolutions frozen, training {args.trained_layers} layers, "
+          f"sigma={sigma}, lot={lot}, clip={config.clip_bounds}, target epsilon={epsilon:g} "
+          f"at delta={delta:g} ({args.accountant} accountant)")
+    if weights is None:
+        print("note: no pretrained weights given or found in models/; pretraining 30 epochs "
+              "on the public split first (python experiments/cifar10_pretrain.py makes "
+              "the full model)")
+    if args.seed is not None:
+        print(f"note: --seed {args.seed} makes the run reproducible; it is NOT for deployment")
+    try:
+        result = train_cifar10(config)
+    except (ValueError, FileNotFoundError) as e:
+        error(str(e))
+    out = args.output or os.path.join("results", "train_cifar10.json")
+    atomic_write_json(out, result)
+    from dpfl_tf.plotting import plot_accuracy_and_epsilon, save_figure
+
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    plot_accuracy_and_epsilon(result["history"], ax, f"{result['dataset']} DP-SGD")
+    ax.set_ylim(0.0, 1.0)
+    figure = os.path.splitext(out)[0] + ".png"
+    save_figure(fig, figure)
+    print(f"test accuracy = {result['test_accuracy']:.4f} after {result['epochs']} epochs on "
+          f"{result['dataset']} (start {result['pretrained_on_cifar10_test']:.4f}; "
+          f"pretraining: {result['pretraining']})")
     print(f"privacy spent: epsilon = {result['epsilon']:.4f} at delta = {delta:g} "
           f"({args.accountant}; {result['events']})")
     print(f"results: {out}  figure: {figure}")

@@ -90,3 +90,35 @@ def plot_best_accuracy_vs_epsilon(runs, deltas, ax=None):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return ax
+
+
+def plot_runs_accuracy_and_epsilon(runs, ax=None, title: str = "",
+                                   label_key: str = "lot_size"):
+    """Several runs on one panel (Abadi et al., Figure 6): test accuracy per
+    epoch (solid, left axis) and epsilon per epoch (dashed, right axis), one
+    colour per run, labelled by ``run[label_key]``."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5, 3.5))
+    ax2 = None
+    for i, run in enumerate(runs):
+        color = f"C{i % 10}"
+        rows = run["history"]
+        acc = [r for r in rows if "test_accuracy" in r]
+        label = f"{label_key} = {run.get(label_key)}"
+        final = f" ({acc[-1]['test_accuracy']:.3f})" if acc else ""
+        ax.plot([r["epoch"] for r in acc], [r["test_accuracy"] for r in acc], color=color,
+                label=f"{label}: accuracy{final}")
+        eps = [r for r in rows if r.get("epsilon") is not None]
+        if eps:
+            ax2 = ax2 or ax.twinx()
+            ax2.plot([r["epoch"] for r in eps], [r["epsilon"] for r in eps], color=color,
+                     ls="--", label=f"{label}: epsilon")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test accuracy (solid)")
+    ax.grid(alpha=0.3)
+    if ax2 is not None:
+        ax2.set_ylabel("epsilon (dashed)")
+        ax2.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="lower right", fontsize=7)
+    return ax
