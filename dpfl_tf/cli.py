@@ -3,6 +3,7 @@
 Commands:
   privacy   epsilon (or a calibrated noise multiplier) for DP-SGD-style training.
   train     DP-SGD training of the paper's baselines (MNIST / Fashion-MNIST / CIFAR-10).
+  federated FedAvg with client-level DP (Global DP, DP-FedAvg) or without.
 """
 
 from __future__ import annotations
@@ -316,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_privacy_parser(sub)
     _add_train_parser(sub)
+    from dpfl_tf.federated.cli import add_federated_parser
+
+    add_federated_parser(sub)
     return parser
 
 

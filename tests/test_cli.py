@@ -109,3 +109,8 @@ def test_train_unknown_dataset_and_missing_data(tmp_path, monkeypatch):
     if env_run.returncode == 0:
         pytest.skip("Fashion-MNIST found in a system location")
     assert str(tmp_path) in env_run.stderr and not (tmp_path / "r.json").exists()
+
+
+def test_federated_is_a_dpfl_tf_command():
+    out = run(["federated", "--help"])
+    assert out.returncode == 0 and "--clients-per-round" in out.stdout
