@@ -191,10 +191,6 @@ def _paper_setting_for(epsilon: float) -> str:
 
 
 def _run_train(args, error) -> int:
-    import os
-
-    from dpfl_tf._io import atomic_write_json
-
     cifar = args.dataset == "cifar10"
     for name, mnist_default, cifar_default in (("epochs", 1000, 30), ("lot_size", 600, 2000),
                                                ("clip", 4.0, 3.0), ("lr", 0.1, 0.05)):
@@ -232,35 +228,15 @@ def _run_train(args, error) -> int:
     print(f"DP-SGD on {args.dataset}: {config.model}, sigma={config.noise_multiplier:g}, "
           f"lot={lot}, clip={clip:g}, target epsilon={epsilon:g} at delta={delta:g} "
           f"({args.accountant} accountant)")
-    if args.seed is not None:
-        print(f"note: --seed {args.seed} makes the run reproducible; it is NOT for deployment")
-    try:
-        result = train_mnist(config)
-    except (ValueError, FileNotFoundError) as e:
-        error(str(e))
-    out = args.output or os.path.join("results", f"train_{args.dataset}.json")
-    atomic_write_json(out, result)
-    from dpfl_tf.plotting import plot_accuracy_and_epsilon, save_figure
-
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    plot_accuracy_and_epsilon(result["history"], ax, f"{args.dataset} DP-SGD")
-    figure = os.path.splitext(out)[0] + ".png"
-    save_figure(fig, figure)
-    print(f"test accuracy = {result['test_accuracy']:.4f} (train {result['train_accuracy']:.4f})"
-          f" after {result['epochs']} epochs")
-    print(f"privacy spent: epsilon = {result['epsilon']:.4f} at delta = {delta:g} "
-          f"({args.accountant}; {result['events']})")
-    print(f"results: {out}  figure: {figure}")
-    return 0
+    return _train_and_report(args, error, lambda: train_mnist(config), f"train_{args.dataset}",
+                             lambda r: f"test accuracy = {r['test_accuracy']:.4f} (train "
+                                       f"{r['train_accuracy']:.4f}) after {r['epochs']} epochs")
 
 
 def _run_train_cifar10(args, error, epsilon, delta, epochs, lot, clip, lr) -> int:
     """`dpfl-tf train cifar10`: DP-SGD on the private split, convolutions frozen."""
     import os
 
-    from dpfl_tf._io import atomic_write_json
     from dpfl_tf.recipes.cifar10 import CifarConfig, PretrainConfig, train_cifar10
 
     weights = args.pretrained
@@ -284,27 +260,39 @@ def _run_train_cifar10(args, error, epsilon, delta, epochs, lot, clip, lr) -> in
         print("note: no pretrained weights given or found in models/; pretraining 30 epochs "
               "on the public split first (python experiments/cifar10_pretrain.py makes "
               "the full model)")
-    if args.seed is not None:
-        print(f"note: --seed {args.seed} makes the run reproducible; it is NOT for deployment")
-    try:
-        result = train_cifar10(config)
-    except (ValueError, FileNotFoundError) as e:
-        error(str(e))
-    out = args.output or os.path.join("results", "train_cifar10.json")
-    atomic_write_json(out, result)
-    from dpfl_tf.plotting import plot_accuracy_and_epsilon, save_figure
+    return _train_and_report(
+        args, error, lambda: train_cifar10(config), "train_cifar10",
+        lambda r: f"test accuracy = {r['test_accuracy']:.4f} after {r['epochs']} epochs on "
+                  f"{r['dataset']} (start {r['pretrained_on_cifar10_test']:.4f}; "
+                  f"pretraining: {r['pretraining']})", ylim=(0.0, 1.0))
+
+
+def _train_and_report(args, error, train: Callable[[], dict], default_name: str,
+                      accuracy_line: Callable[[dict], str], ylim=None) -> int:
+    """Runs a training recipe, writes its results and figure, prints the summary."""
+    import os
 
     import matplotlib.pyplot as plt
 
+    from dpfl_tf._io import atomic_write_json
+    from dpfl_tf.plotting import plot_accuracy_and_epsilon, save_figure
+
+    if args.seed is not None:
+        print(f"note: --seed {args.seed} makes the run reproducible; it is NOT for deployment")
+    try:
+        result = train()
+    except (ValueError, FileNotFoundError) as e:
+        error(str(e))
+    out = args.output or os.path.join("results", default_name + ".json")
+    atomic_write_json(out, result)
     fig, ax = plt.subplots(figsize=(5, 3.5))
     plot_accuracy_and_epsilon(result["history"], ax, f"{result['dataset']} DP-SGD")
-    ax.set_ylim(0.0, 1.0)
+    if ylim:
+        ax.set_ylim(*ylim)
     figure = os.path.splitext(out)[0] + ".png"
     save_figure(fig, figure)
-    print(f"test accuracy = {result['test_accuracy']:.4f} after {result['epochs']} epochs on "
-          f"{result['dataset']} (start {result['pretrained_on_cifar10_test']:.4f}; "
-          f"pretraining: {result['pretraining']})")
-    print(f"privacy spent: epsilon = {result['epsilon']:.4f} at delta = {delta:g} "
+    print(accuracy_line(result))
+    print(f"privacy spent: epsilon = {result['epsilon']:.4f} at delta = {args.delta:g} "
           f"({args.accountant}; {result['events']})")
     print(f"results: {out}  figure: {figure}")
     return 0

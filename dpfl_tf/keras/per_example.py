@@ -32,7 +32,7 @@ run forward.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable
 
 import keras
 import tensorflow as tf

@@ -7,7 +7,6 @@ noise) and return the side of the bracket that never exceeds the target.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import dp_accounting

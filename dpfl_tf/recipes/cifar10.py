@@ -51,9 +51,8 @@ from dpfl_tf.keras import DPModel, DPSGD
 from dpfl_tf.models import cifar_convnet
 from dpfl_tf.privacy import (AccountantKind, calibrate_noise_multiplier, dp_sgd_event,
                              gaussian_step_event, max_steps)
-from dpfl_tf.privacy.events import describe_event
 from dpfl_tf.recipes.augment import Augmentation, Normalization, train_dataset
-from dpfl_tf.recipes.common import EpochHistory, accuracy, deployment_note, paper_learning_rate
+from dpfl_tf.recipes.common import EpochHistory, accuracy, paper_learning_rate, privacy_summary
 
 __all__ = ["CifarConfig", "Init", "PAPER_TARGETS", "PretrainConfig", "PublicData",
            "TrainedLayers", "build_private_model", "clip_bounds_for", "load_pretrained",
@@ -668,16 +667,9 @@ def train_cifar10(config: CifarConfig, *, pretrained: tuple[keras.Model, dict] |
         "train_accuracy": last.get("train_accuracy"),
         "seconds": time.perf_counter() - start,
         "augmentation": augmentation.get_config(),
-        "events": describe_event(ledger.event) if config.private else "non-private",
-        "ledger": ledger.entries if config.private else [],
         "history": [row0] + history.rows,
+        **privacy_summary(ledger if config.private else None, config.delta, config.seed),
     }
-    if config.private:
-        result["epsilon_by_accountant"] = {k: ledger.epsilon(config.delta, k)
-                                           for k in ("moments", "rdp", "pld")}
-    note = deployment_note(config.seed)
-    if note:
-        result["note"] = note
     return (result, model) if return_model else result
 
 

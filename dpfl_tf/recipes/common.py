@@ -9,7 +9,8 @@ from typing import Sequence
 import keras
 import numpy as np
 
-__all__ = ["EpochHistory", "paper_learning_rate", "accuracy", "deployment_note"]
+__all__ = ["EpochHistory", "paper_learning_rate", "accuracy", "deployment_note",
+           "privacy_summary"]
 
 
 def paper_learning_rate(initial: float, final: float, decay_epochs: int,
@@ -32,6 +33,22 @@ def deployment_note(seed) -> str | None:
         return None
     return (f"seed={seed}: sampling and noise are reproducible, so this run is NOT for "
             "deployment (DP noise must come from OS entropy)")
+
+
+def privacy_summary(ledger, delta: float, seed) -> dict:
+    """The privacy fields every recipe's result carries: the ledger entries, the
+    composed events, epsilon by each accountant, and the deployment note."""
+    from dpfl_tf.privacy.events import describe_event
+
+    out = {"ledger": ledger.entries if ledger is not None else [],
+           "events": describe_event(ledger.event) if ledger is not None else "non-private"}
+    if ledger is not None:
+        out["epsilon_by_accountant"] = {k: ledger.epsilon(delta, k)
+                                        for k in ("moments", "rdp", "pld")}
+    note = deployment_note(seed)
+    if note:
+        out["note"] = note
+    return out
 
 
 class EpochHistory(keras.callbacks.Callback):

@@ -21,8 +21,7 @@ from dpfl_tf.models import mlp, tanh_cnn
 from dpfl_tf.pca import DPPCA, PCAProjection, RandomProjection
 from dpfl_tf.privacy import (PrivacyLedger, calibrate_noise_multiplier, dp_sgd_event,
                              gaussian_step_event, max_steps)
-from dpfl_tf.privacy.events import describe_event
-from dpfl_tf.recipes.common import EpochHistory, accuracy, deployment_note, paper_learning_rate
+from dpfl_tf.recipes.common import EpochHistory, accuracy, paper_learning_rate, privacy_summary
 
 __all__ = ["MnistConfig", "train_mnist", "PAPER_SETTINGS"]
 
@@ -164,14 +163,7 @@ def train_mnist(config: MnistConfig, *, verbose: bool = True) -> dict:
         "test_accuracy": last.get("test_accuracy", accuracy(model, x_test, y_test)),
         "train_accuracy": last.get("train_accuracy", accuracy(model, x_train, y_train)),
         "seconds": time.perf_counter() - start,
-        "ledger": ledger.entries if config.private else [],
-        "events": describe_event(ledger.event) if config.private else "non-private",
         "history": history.rows,
+        **privacy_summary(ledger if config.private else None, config.delta, config.seed),
     }
-    if config.private:
-        result["epsilon_by_accountant"] = {k: ledger.epsilon(config.delta, k)
-                                           for k in ("moments", "rdp", "pld")}
-    note = deployment_note(config.seed)
-    if note:
-        result["note"] = note
     return result

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 from scipy import stats
 
-from dpfl_tf.keras import DPAdam, DPModel, DPOptimizer, DPSGD, PrivacyCallback
+from dpfl_tf.keras import DPAdam, DPModel, DPOptimizer, DPSGD
 from dpfl_tf.privacy import (BudgetExceededError, compute_epsilon, dp_sgd_event,
                              gaussian_step_event, max_steps)
 from tests.keras.helpers import loss, mlp, mnist_slice, mnist_test_slice

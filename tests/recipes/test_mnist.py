@@ -1,11 +1,10 @@
 """The MNIST recipe on a real slice: learns, and its epsilon is the accountant's."""
 
-import dataclasses
 import json
 
 import pytest
 
-from dpfl_tf.privacy import PrivacyLedger, compute_epsilon, dp_sgd_event
+from dpfl_tf.privacy import compute_epsilon, dp_sgd_event
 from dpfl_tf.recipes import mnist as recipe
 from dpfl_tf.recipes.mnist import MnistConfig, train_mnist
 
