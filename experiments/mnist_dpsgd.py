@@ -95,6 +95,7 @@ def draw_all(results: list[dict], out_dir: str, dataset: str) -> None:
             plot_accuracy_and_epsilon(run["history"], ax,
                                       f"{run['run']}: {run['test_accuracy']:.3f} at "
                                       f"eps={run['epsilon']:.2f}")
+        fig.tight_layout()
         save_figure(fig, os.path.join(out_dir, f"{dataset}_fig3_training.png"))
         fig, ax = plt.subplots(figsize=(5, 3.5))
         plot_best_accuracy_vs_epsilon([r for r in main_runs if r["model"] == "mlp"],
@@ -161,8 +162,9 @@ def main(argv=None) -> list[dict]:
         results = [r for r in _load(path) if r.get("run") != name] + [result]
         atomic_write_json(path, results)
         print(f"   test accuracy {result['test_accuracy']:.4f}  train {result['train_accuracy']:.4f}"
-              f"  epsilon {result['epsilon']:.3f} (delta {config.delta:g}, {config.accountant})"
-              f"  epochs {result['epochs']}  {result['seconds']:.0f} s", flush=True)
+              + (f"  epsilon {result['epsilon']:.3f} (delta {config.delta:g}, {config.accountant})"
+                 if result["epsilon"] is not None else "  non-private")
+              + f"  epochs {result['epochs']}  {result['seconds']:.0f} s", flush=True)
     draw_all(results, args.output_dir, args.dataset)
     print(f"wrote {path} and figures in {args.output_dir}")
     return results

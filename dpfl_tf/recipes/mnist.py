@@ -159,7 +159,7 @@ def train_mnist(config: MnistConfig, *, verbose: bool = True) -> dict:
         "noise_multiplier": config.noise_multiplier if config.private else None,
         "epochs": last["epoch"],
         "lots": model.lots_applied if config.private else last["epoch"] * lots_per_epoch,
-        "epsilon": ledger.epsilon(config.delta) if config.private else float("inf"),
+        "epsilon": ledger.epsilon(config.delta) if config.private else None,  # strict JSON
         "test_accuracy": last.get("test_accuracy", accuracy(model, x_test, y_test)),
         "train_accuracy": last.get("train_accuracy", accuracy(model, x_train, y_train)),
         "seconds": time.perf_counter() - start,
