@@ -43,7 +43,7 @@ class MnistConfig:
     projection: str = "dp_pca"         # "dp_pca" | "pca" | "random" | "none" (mlp only)
     pca_dim: int = 60
     pca_noise_multiplier: float = 7.0
-    pca_sample_size: int = 10000
+    pca_sample_size: int | None = None   # None: every training example (q_p = 1)
     hidden_units: int = 1000
     private: bool = True
     noise_multiplier: float | None = 4.0   # None: calibrate for target_epsilon in `epochs`
@@ -81,8 +81,8 @@ def _inputs(config: MnistConfig, data, ledger: PrivacyLedger | None):
     if config.projection == "none":
         return x_train.reshape(len(x_train), -1), x_test.reshape(len(x_test), -1), None
     if config.projection == "dp_pca":
-        proj = DPPCA(config.pca_dim, config.pca_noise_multiplier, config.pca_sample_size,
-                     seed=config.seed)
+        proj = DPPCA(config.pca_dim, config.pca_noise_multiplier,
+                     config.pca_sample_size or len(x_train), seed=config.seed)
     elif config.projection == "pca":
         proj = PCAProjection(config.pca_dim)
     else:
