@@ -1,0 +1,926 @@
+"""Run the federated wrapper on Flower (``pip install 'dpfl-tf[flower]'``).
+
+Our in-process loop (`FederatedServer`) serves one machine.  This module
+makes the same round run on Flower's Message API (``flwr >= 1.41``:
+``ClientApp`` / ``ServerApp`` / message-based ``Strategy``), so it can use
+Flower's Simulation Engine (Ray, one machine or a multi-node Ray cluster)
+or a real deployment, with OUR mechanisms and OUR accounting:
+
+* `make_client_app` -- a ``ClientApp`` whose ``train`` handler runs our
+  `LocalTrainer` (local SGD on one reused Keras model) on the client's
+  partition (``context.node_config["partition-id"]``) and applies the
+  client-side mechanisms *before* the update leaves the client:
+  DP-FedAvg clip + noise through the same code path as in-process
+  (`ClientNoiseDPAggregator.client_transform`, i.e. the shared
+  `GaussianSanitizer`), and/or any local-DP mechanism of `local_dp`
+  (`LocalDPUpload`).  The client keeps its own upload count in
+  ``context.state`` and reports its *composed* local guarantee after every
+  upload (Flower's ``LocalDpMod`` reports nothing across rounds).
+* `DPStrategy` -- a Flower ``Strategy`` that wraps an inner Flower strategy
+  (``FedAvg`` by default).  Its state is an ordinary `FederatedServer`
+  (built by `build_server` from the same `FederatedConfig`), so the client
+  sampling, the aggregator (Global DP: clip each update, noise the sum once
+  with the sanitizer, divide by m), the round's `DpEvent`, the
+  `PrivacyLedger`, the stop rule (`FederatedServer.would_exceed_budget`:
+  stop before a round that would make delta at the target epsilon exceed
+  delta_max), the evaluation and the privacy report are the in-process
+  objects themselves; Flower only carries the messages.
+* `run_on_flower(config)` -- the same `FederatedConfig` that `run_federated`
+  runs in-process, run on Flower's simulation engine (``backend="ray"``) or
+  on `LocalGrid` (``backend="local"``: Flower's ClientApp, ServerApp,
+  strategies and records, delivered by plain function calls in this process;
+  no Ray).  Returns the same result dict as `run_federated`.
+* ``client_app`` / ``server_app`` -- module-level apps for ``flwr run``; they
+  read the configuration from the run config (`config_from_run_config`).
+
+How a round maps (in-process -> Flower)
+---------------------------------------
+=================================  ============================================
+``FederatedServer.run_round``      ``DPStrategy``
+=================================  ============================================
+budget check before the round      ``configure_train`` (same method)
+sample with rng (seed, t)          ``configure_train``: the same
+                                   `ClientSampling` over the sorted node ids;
+                                   the inner strategy addresses exactly them
+trainer.train(w_t, idx_k, rng)     ClientApp ``train``: rng (seed, t, k) per
+                                   client (a client cannot share the server's
+                                   stream), same `LocalTrainer`
+aggregator.client_transform        ClientApp ``train`` (same object and method)
+aggregator.aggregate               ``aggregate_train`` (same object); without
+                                   DP the inner strategy aggregates the updates
+ledger.record(round_event)         ``aggregate_train`` (same ledger and event)
+evaluate                           ``aggregate_train`` (same method)
+=================================  ============================================
+
+Clients upload the *update* Delta_k (after their mechanism), not the new
+weights: that is the record the DP guarantees talk about, and the server
+adds the aggregate to w_t exactly as in-process.  (An inner strategy used
+without DP must therefore be translation-equivariant -- FedAvg, FedMedian,
+FedTrimmedAvg -- not a server-optimizer strategy such as FedAdam.)
+
+Sampling and the event.  Flower's own FedAvg samples a fixed number of
+nodes uniformly without replacement (``random.sample``).  `DPStrategy`
+samples itself, with the config's `ClientSampling` and the seeded
+generator of the in-process loop: ``fixed_size`` is exactly Flower's
+scheme (m of K without replacement, replace-one relation, event
+``gaussian_step_event(sigma, "fixed_size", dataset_size=K, lot_size=m)``,
+read by the ``rdp`` accountant), and ``poisson`` is implemented on the
+server (every node joins with q = m/K; add/remove-one; Poisson event; any
+accountant).  Both are the event FederatedServer records for the same
+config, so the two runtimes report exactly the same epsilon.  Flower's
+DP wrappers (``DifferentialPrivacy*FixedClipping``) only account with
+``sampling_method="no-amplification"``; ours credit the amplification the
+sampling really gives.
+
+Unit of privacy: one client (all its examples); the server is trusted
+with the raw updates under Global DP, not under DP-FedAvg with client-side
+noise or local DP.
+"""
+
+from __future__ import annotations
+
+try:
+    import flwr
+    from flwr.app import (ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord,
+                          RecordDict)
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.serverapp.strategy import FedAvg, FedMedian, Strategy
+    from flwr.supercore.run import Run
+except ImportError as _exc:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        "dpfl_tf.federated.flower needs Flower (flwr >= 1.41, the Message API with "
+        "flwr.app / flwr.clientapp / flwr.serverapp); install the extra with: "
+        "pip install 'dpfl-tf[flower]'") from _exc
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import time
+import uuid
+from typing import Any, Callable, Iterable, Sequence
+
+import dp_accounting
+import numpy as np
+import tensorflow as tf
+
+from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator
+from dpfl_tf.federated.local_dp import (DomainPolicy, GaussianMechanism, LocalDPMechanism,
+                                        privacy_report)
+from dpfl_tf.federated.runner import DPMode, FederatedConfig, build_server, peak_rss_mb
+from dpfl_tf.federated.server import FederatedServer, RoundRecord
+from dpfl_tf.privacy.accountants import compute_epsilon
+from dpfl_tf.sanitizer import make_generator
+
+__all__ = [
+    "DPStrategy", "LocalDPUpload", "LocalGrid", "client_app", "client_rng", "client_update",
+    "config_from_run_config", "config_to_run_config", "default_inner_strategy",
+    "make_client_app", "make_server_app", "run_on_flower", "server_app",
+    "FLOWER_VERSION", "PARTITION_ID_KEY", "NUM_PARTITIONS_KEY", "ROUND_KEY",
+]
+
+FLOWER_VERSION = getattr(flwr, "__version__", "unknown")
+#: node_config keys Flower's simulation engine sets for every (virtual) SuperNode.
+PARTITION_ID_KEY = "partition-id"
+NUM_PARTITIONS_KEY = "num-partitions"
+#: the round index t (0-based, as in FederatedServer) the server puts in every train config.
+ROUND_KEY = "dpfl-round"
+_STATE_KEY = "dpfl"
+_BACKENDS = ("ray", "local")
+_log = logging.getLogger("dpfl_tf.federated.flower")
+
+
+def _stream_seed(*parts: int) -> int:
+    """A 62-bit seed derived from integers (the formula FederatedServer uses to
+    reseed its noise per round: ``default_rng([noise_seed, t]).integers(2**62)``)."""
+    return int(np.random.default_rng([int(p) for p in parts]).integers(2**62))
+
+
+def client_rng(seed: int, round_index: int, client_id: int) -> np.random.Generator:
+    """The generator that shuffles client k's examples in round t: (seed, t, k).
+
+    In-process all clients of a round draw from one stream (seed, t); a
+    Flower client cannot see that stream, so it gets its own."""
+    return np.random.default_rng([int(seed), int(round_index), int(client_id)])
+
+
+# ---------------------------------------------------------------------------
+# Run configuration <-> FederatedConfig (for `flwr run`)
+
+_FIELDS = {f.name: f for f in dataclasses.fields(FederatedConfig)}
+#: run-config keys the apps read besides FederatedConfig's fields.
+_EXTRA_RUN_KEYS = ("results-path",)
+
+
+def config_from_run_config(run_config: dict) -> FederatedConfig:
+    """A `FederatedConfig` from a Flower run config (``[tool.flwr.app.config]``).
+
+    Keys are FederatedConfig's field names with ``-`` for ``_``
+    (``clients-per-round = 5``); ``hidden`` is a comma-separated string
+    (``"600,100"``); a field left out keeps its default (None fields are
+    simply omitted).  ``results-path`` is read by the ServerApp.  Any other
+    key is an error (a typo must not silently run the default)."""
+    if not isinstance(run_config, dict):
+        raise ValueError(f"run_config must be a mapping, got {type(run_config).__name__}")
+    kwargs: dict[str, Any] = {}
+    for key, value in run_config.items():
+        if key in _EXTRA_RUN_KEYS:
+            continue
+        name = str(key).replace("-", "_")
+        if name not in _FIELDS:
+            allowed = ", ".join(sorted(n.replace("_", "-") for n in _FIELDS))
+            raise ValueError(f"unknown run-config key {key!r}; allowed: {allowed}, "
+                             + ", ".join(_EXTRA_RUN_KEYS))
+        if name == "hidden":
+            if isinstance(value, str):
+                value = tuple(int(v) for v in value.replace(" ", "").split(",") if v)
+            elif isinstance(value, int):
+                value = (value,)
+        kwargs[name] = value
+    return FederatedConfig(**kwargs)
+
+
+def config_to_run_config(config: FederatedConfig) -> dict:
+    """The inverse of `config_from_run_config` (None fields left out)."""
+    out = {}
+    for key, value in config.to_dict().items():
+        if value is None:
+            continue
+        if key == "hidden":
+            value = ",".join(str(h) for h in value)
+        out[key.replace("_", "-")] = value
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Client side
+
+@dataclasses.dataclass(frozen=True)
+class LocalDPUpload:
+    """A local-DP mechanism applied by the client to what it uploads.
+
+    Args:
+      mechanism: any `dpfl_tf.federated.local_dp.LocalDPMechanism`.
+      policy: how values are brought into the mechanism's domain (default
+        `DomainPolicy.error()`: out-of-domain values raise).
+      perturb: ``"weights"`` (default; the local model w_k = w_t + Delta_k is
+        perturbed, as in LDP-FL and the local_dp module, and Delta_k' =
+        M(w_k) - w_t is uploaded) or ``"update"`` (M(Delta_k) is uploaded).
+
+    Accounting (per client, across rounds): each upload of d coordinates is
+    reported with `local_dp.privacy_report(mechanism, d, uploads)`, i.e.
+    d*eps per upload and uploads*d*eps in total (basic composition; for the
+    Gaussian mechanism also the accountant's exact composition).
+    """
+
+    mechanism: LocalDPMechanism
+    policy: DomainPolicy | None = None
+    perturb: str = "weights"
+
+    def __post_init__(self):
+        if not isinstance(self.mechanism, LocalDPMechanism):
+            raise TypeError(f"mechanism must be a LocalDPMechanism, got "
+                            f"{type(self.mechanism).__name__}")
+        if self.policy is not None and not isinstance(self.policy, DomainPolicy):
+            raise TypeError(f"policy must be a DomainPolicy, got {type(self.policy).__name__}")
+        if self.perturb not in ("weights", "update"):
+            raise ValueError(f"perturb must be 'weights' or 'update', got {self.perturb!r}")
+
+    def generator(self, round_index: int, client_id: int) -> tf.random.Generator:
+        """OS entropy, or (mechanism.seed, t, k) when the mechanism is seeded (tests)."""
+        seed = self.mechanism.seed
+        return make_generator(None if seed is None else _stream_seed(seed, round_index,
+                                                                     client_id))
+
+    def apply(self, global_weights: Sequence[tf.Tensor], update: Sequence[tf.Tensor],
+              generator: tf.random.Generator) -> list[tf.Tensor]:
+        if self.perturb == "update":
+            return self.mechanism.perturb_weights(update, self.policy, generator=generator)
+        local = [w + u for w, u in zip(global_weights, update)]
+        noisy = self.mechanism.perturb_weights(local, self.policy, generator=generator)
+        return [n - w for n, w in zip(noisy, global_weights)]
+
+    def metrics(self, num_coordinates: int, uploads: int) -> dict[str, float]:
+        """The client's own report after `uploads` uploads (what it has spent)."""
+        rep = privacy_report(self.mechanism, num_coordinates, uploads)
+        out = {"ldp-epsilon-coordinate": float(rep.epsilon_per_coordinate),
+               "ldp-epsilon-upload": float(rep.epsilon_per_upload),
+               "ldp-epsilon-total": float(rep.epsilon_total)}
+        if isinstance(self.mechanism, GaussianMechanism):
+            out["ldp-delta-total"] = float(rep.delta_total)
+            out["ldp-accountant-epsilon-total"] = float(rep.accountant_epsilon_total)
+        return out
+
+
+def client_update(server: FederatedServer, client_id: int, global_weights: Sequence[tf.Tensor],
+                  round_index: int, *, local_dp: LocalDPUpload | None = None
+                  ) -> tuple[list[tf.Tensor], int]:
+    """What client k uploads in round t, and its n_k.
+
+    ``Delta_k = server.trainer.train(w_t, partition.client(k), client_rng(seed, t, k))``,
+    then the aggregator's client-side step (`client_transform`: identity,
+    or clip + noise through the sanitizer for DP-FedAvg with client-side
+    noise), then the local-DP mechanism if any.  `server` is the
+    `FederatedServer` built from the run's config (the client uses its
+    trainer, partition and aggregator, never its ledger)."""
+    k = int(client_id)
+    if not 0 <= k < server.num_clients:
+        raise ValueError(f"client id (partition-id) must lie in [0, {server.num_clients}), "
+                         f"got {client_id!r}")
+    indices = server.partition.client(k)
+    rng = client_rng(server.seed, round_index, k)
+    delta = server.trainer.train(list(global_weights), indices, rng)
+    if server.noise_seed is not None:      # tests only: per (noise_seed, t, k)
+        server.aggregator.reseed(_stream_seed(server.noise_seed, round_index, k))
+    upload = server.aggregator.client_transform(delta)
+    if local_dp is not None:
+        upload = local_dp.apply(global_weights, upload, local_dp.generator(round_index, k))
+    return [tf.convert_to_tensor(u) for u in upload], len(indices)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ClientSpec:
+    """What a ClientApp needs; picklable (Ray ships it to its workers)."""
+
+    config: FederatedConfig | None
+    dataset: Any
+    local_dp: LocalDPUpload | None
+    key: str
+
+
+#: one built client runtime per process (Ray worker), keyed by the spec's key.
+_RUNTIMES: dict[str, FederatedServer] = {}
+
+
+def _dataset_fingerprint(dataset) -> str:
+    if dataset is None:
+        return "default"
+    h = hashlib.sha1()
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        arr = np.ascontiguousarray(getattr(dataset, name))
+        h.update(f"{name}{arr.shape}{arr.dtype}".encode())
+        h.update(arr.tobytes())
+    return h.hexdigest()
+
+
+def _runtime(spec: _ClientSpec, config: FederatedConfig) -> FederatedServer:
+    key = spec.key + json.dumps(config.to_dict(), sort_keys=True)
+    if key not in _RUNTIMES:
+        _RUNTIMES.clear()   # one run per process at a time: free the previous model
+        server, _ = build_server(config, spec.dataset, progress=False)
+        _RUNTIMES[key] = server
+    return _RUNTIMES[key]
+
+
+def _only(records: dict, what: str):
+    if len(records) != 1:
+        raise ValueError(f"expected exactly one {what} in the message, got {len(records)} "
+                         f"({', '.join(records) or 'none'})")
+    return next(iter(records.values()))
+
+
+def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
+    config = spec.config if spec.config is not None else config_from_run_config(
+        dict(context.run_config))
+    node_config = context.node_config
+    if PARTITION_ID_KEY not in node_config:
+        raise ValueError(f"the node config has no {PARTITION_ID_KEY!r}: start the SuperNode "
+                         f"with --node-config \"{PARTITION_ID_KEY}=<k> "
+                         f"{NUM_PARTITIONS_KEY}={config.clients}\" (the simulation engine "
+                         "sets both)")
+    k = int(node_config[PARTITION_ID_KEY])
+    if NUM_PARTITIONS_KEY in node_config and int(node_config[NUM_PARTITIONS_KEY]) != config.clients:
+        raise ValueError(f"{NUM_PARTITIONS_KEY}={node_config[NUM_PARTITIONS_KEY]} but the "
+                         f"config has clients={config.clients}: every client must build the "
+                         "same partition")
+    server = _runtime(spec, config)
+    arrays = _only(msg.content.array_records, "ArrayRecord").to_numpy_ndarrays()
+    train_config = _only(msg.content.config_records, "ConfigRecord")
+    if ROUND_KEY not in train_config:
+        raise ValueError(f"the train config has no {ROUND_KEY!r}: this ClientApp answers "
+                         "messages configured by dpfl_tf's DPStrategy")
+    t = int(train_config[ROUND_KEY])
+    shapes = [tuple(v.shape) for v in server.trainer.variables]
+    if [tuple(a.shape) for a in arrays] != shapes:
+        raise ValueError(f"the server sent arrays of shapes {[a.shape for a in arrays]}, the "
+                         f"client's model has {shapes}")
+    global_weights = [tf.constant(a) for a in arrays]
+    upload, n_k = client_update(server, k, global_weights, t, local_dp=spec.local_dp)
+
+    # the client's own accounting, composed over the rounds it took part in
+    state = context.state.config_records.get(_STATE_KEY, ConfigRecord({"uploads": 0}))
+    uploads = int(state["uploads"]) + 1
+    context.state[_STATE_KEY] = ConfigRecord({"uploads": uploads})
+    metrics: dict[str, float | int] = {"num-examples": int(n_k), "partition-id": k,
+                                       "uploads": uploads}
+    d = int(sum(int(np.prod(s)) for s in shapes))
+    if config.dp is DPMode.CLIENT:
+        event = server.aggregator.upload_event(server.num_components)
+        metrics["client-dp-epsilon-upload"] = _finite(compute_epsilon(
+            event, config.delta_max, config.accountant))
+        metrics["client-dp-epsilon-total"] = _finite(compute_epsilon(
+            dp_accounting.SelfComposedDpEvent(event, uploads), config.delta_max,
+            config.accountant))
+    if spec.local_dp is not None:
+        metrics.update(spec.local_dp.metrics(d, uploads))
+    content = RecordDict({"arrays": ArrayRecord([np.asarray(u) for u in upload]),
+                          "metrics": MetricRecord(metrics)})
+    return Message(content, reply_to=msg)
+
+
+def _finite(x: float) -> float:
+    return float(x) if math.isfinite(x) else float("inf")
+
+
+def make_client_app(config: FederatedConfig | None = None, dataset=None, *,
+                    local_dp: LocalDPUpload | None = None) -> ClientApp:
+    """A Flower ``ClientApp`` that trains with our `LocalTrainer`.
+
+    Args:
+      config: the run's `FederatedConfig`; None reads it from the Flower run
+        config (``flwr run``, see `config_from_run_config`).
+      dataset: the training/test arrays (default ``load_dataset(config.dataset)``
+        in each client process; pass small slices only: Ray ships the app,
+        dataset included, with every message).
+      local_dp: a `LocalDPUpload` applied after the config's own client step.
+
+    The client is identified by ``context.node_config["partition-id"]`` and
+    trains on that partition of `make_partition` (which every client
+    computes identically from the config's seed).  It replies with the
+    upload (an ArrayRecord) and a MetricRecord holding ``num-examples``,
+    its ``partition-id``, its upload count and, for DP-FedAvg with
+    client-side noise or local DP, its own epsilon per upload and composed
+    over all its uploads so far.
+    """
+    if config is not None and not isinstance(config, FederatedConfig):
+        raise TypeError(f"config must be a FederatedConfig or None, got "
+                        f"{type(config).__name__}")
+    if local_dp is not None and not isinstance(local_dp, LocalDPUpload):
+        raise TypeError(f"local_dp must be a LocalDPUpload, got {type(local_dp).__name__}")
+    spec = _ClientSpec(config, dataset, local_dp,
+                       key=f"{_dataset_fingerprint(dataset)}:{uuid.uuid4().hex}")
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        return _client_train(spec, msg, context)
+
+    return app
+
+
+# ---------------------------------------------------------------------------
+# Server side
+
+class _NodeSubset(Grid):
+    """The round's sampled nodes as a Grid view: the inner strategy sees only them."""
+
+    def __init__(self, grid: Grid, node_ids: Sequence[int]):
+        self._grid = grid
+        self._ids = [int(n) for n in node_ids]
+
+    def set_run(self, run):
+        self._grid.set_run(run)
+
+    @property
+    def run(self):
+        return self._grid.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self._ids)
+
+    def get_nodes(self):
+        ids = set(self._ids)
+        return [n for n in self._grid.get_nodes() if n.node_id in ids]
+
+    def push_messages(self, messages):
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids):
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return self._grid.send_and_receive(messages, timeout=timeout)
+
+
+def default_inner_strategy(config: FederatedConfig) -> Strategy:
+    """FedAvg (or FedMedian for ``aggregator="median"``) that addresses every node it
+    is offered and asks no client-side evaluation (the server evaluates centrally)."""
+    cls = FedMedian if config.aggregator == "median" else FedAvg
+    return cls(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=0,
+               min_evaluate_nodes=0, min_available_nodes=0)
+
+
+@dataclasses.dataclass
+class _Pending:
+    round_index: int
+    selected: np.ndarray
+    nodes: list[int]
+    weights: list[tf.Tensor]
+    start: float
+    cpu_start: float
+
+
+class DPStrategy(Strategy):
+    """A Flower strategy wrapping an inner one with dpfl_tf's private round.
+
+    Args:
+      strategy: the inner Flower ``Strategy`` (`default_inner_strategy`:
+        FedAvg).  It builds the train messages for the nodes `DPStrategy`
+        sampled (it must address all of them: FedAvg(fraction_train=1.0,
+        min_train_nodes=0, min_available_nodes=0)) and, without DP,
+        aggregates the uploaded updates; client evaluation is delegated to it.
+      server: the run's `FederatedServer` (`build_server(config)`): its
+        sampling, aggregator, ledger, stop rule, evaluation, history and
+        privacy report are used as they are.  Its trainer's model holds the
+        global weights; its local-training arrays are not used on Flower.
+      node_timeout: seconds to wait for the K nodes to connect.
+
+    Per round ``aggregate_train`` returns (new global weights, a
+    MetricRecord with ``epsilon`` (at delta_max, the ledger's), ``delta``
+    (at the target epsilon, when one is set), ``clients``, ``accuracy`` /
+    ``loss`` when evaluated, ``fraction-clipped`` and the largest composed
+    client-side epsilon reported so far).  Before a round that would exceed
+    the budget, ``configure_train`` sends nothing and the strategy stops:
+    later rounds are empty and ``server.stop_reason`` says why.
+    """
+
+    def __init__(self, strategy: Strategy, server: FederatedServer, *,
+                 node_timeout: float = 120.0):
+        super().__init__()
+        if not isinstance(strategy, Strategy):
+            raise TypeError(f"strategy must be a flwr Strategy, got {type(strategy).__name__}")
+        if isinstance(strategy, DPStrategy):
+            raise TypeError("strategy must be a plain Flower strategy, not another DPStrategy")
+        if not isinstance(server, FederatedServer):
+            raise TypeError(f"server must be a FederatedServer, got {type(server).__name__}")
+        self.strategy = strategy
+        self.server = server
+        self.node_timeout = float(node_timeout)
+        self.stopped = False
+        self.client_metrics: dict[int, dict] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._reported_round: int | None = None
+
+    @classmethod
+    def from_config(cls, config: FederatedConfig, dataset=None, *,
+                    strategy: Strategy | None = None, **kwargs) -> "DPStrategy":
+        server, _ = build_server(config, dataset, progress=False)
+        return cls(strategy if strategy is not None else default_inner_strategy(config),
+                   server, **kwargs)
+
+    # -- helpers -----------------------------------------------------------------
+    def initial_arrays(self) -> ArrayRecord:
+        """The global model w_0 (the in-process initial model for the same seed)."""
+        return ArrayRecord([np.asarray(w) for w in self.server.trainer.get_weights()])
+
+    def _nodes(self, grid: Grid) -> list[int]:
+        k = self.server.num_clients
+        deadline = time.monotonic() + self.node_timeout
+        while True:
+            ids = sorted(int(n) for n in grid.get_node_ids())
+            if len(ids) >= k or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        if len(ids) != k:
+            raise ValueError(f"the federation has {len(ids)} nodes but the config has "
+                             f"clients={k}: K enters the privacy event, so they must match "
+                             "(set num-supernodes / start K SuperNodes)")
+        return ids
+
+    def _stop(self, reason: str) -> None:
+        self.stopped = True
+        self.server.stop_reason = reason
+        _log.warning(reason)
+
+    def summary(self) -> None:
+        srv = self.server
+        _log.info("DPStrategy: %s, K=%d, %s sampling, expected m=%g, event %s",
+                  type(srv.aggregator).__name__, srv.num_clients, srv.sampling.method.value,
+                  srv.expected_clients, srv.round_event)
+        self.strategy.summary()
+
+    # -- train ---------------------------------------------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        srv = self.server
+        if self.stopped:
+            return []
+        if srv.would_exceed_budget():   # FederatedServer's stop rule, same method
+            self._stop(f"privacy budget: round {srv.rounds_done + 1} would make delta at "
+                       f"epsilon={srv.target_epsilon:g} exceed delta_max={srv.delta_max:g} "
+                       f"({srv.accountant.value} accountant); stopped after "
+                       f"{srv.rounds_done} rounds")
+            return []
+        node_ids = self._nodes(grid)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        t = srv.rounds_done
+        rng = np.random.default_rng([srv.seed, t])           # as FederatedServer.run_round
+        if srv.noise_seed is not None:
+            srv.aggregator.reseed(_stream_seed(srv.noise_seed, t))
+        selected = srv.sampling.sample(rng, srv.num_clients)
+        chosen = [node_ids[int(i)] for i in selected]
+        weights = [tf.constant(a) for a in arrays.to_numpy_ndarrays()]
+        config[ROUND_KEY] = int(t)
+        messages: list[Message] = []
+        if chosen:
+            messages = list(self.strategy.configure_train(server_round, arrays, config,
+                                                          _NodeSubset(grid, chosen)))
+            addressed = sorted(int(m.metadata.dst_node_id) for m in messages)
+            if addressed != sorted(chosen):
+                raise ValueError(
+                    f"the inner strategy addressed {len(addressed)} of the {len(chosen)} nodes "
+                    "DPStrategy sampled; it must address every node it is offered (e.g. "
+                    "FedAvg(fraction_train=1.0, min_train_nodes=0, min_available_nodes=0)), "
+                    "otherwise the sampling differs from the accounted event")
+        self._pending[server_round] = _Pending(t, selected, chosen, weights, start, cpu_start)
+        return messages
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        srv = self.server
+        pending = self._pending.pop(server_round, None)
+        if pending is None:          # stopped: nothing was sent
+            return None, None
+        replies = list(replies)
+        failed = [r for r in replies if r.has_error()]
+        by_node: dict[int, Message] = {}
+        for r in replies:
+            if r.has_error():
+                continue
+            node = int(r.metadata.src_node_id)
+            if node not in pending.nodes or node in by_node:
+                raise ValueError(f"reply from node {node}, which was not sampled this round "
+                                 "or replied twice")
+            by_node[node] = r
+        missing = len(pending.nodes) - len(by_node)
+        if missing:
+            reasons = "; ".join(str(r.error.reason) for r in failed) or "no reply"
+            if isinstance(srv.aggregator, ClientNoiseDPAggregator):
+                raise RuntimeError(
+                    f"{missing} of {len(pending.nodes)} clients did not upload ({reasons}); with "
+                    "client-side noise the released sum would carry less noise than the "
+                    "accounted event, so the round is refused")
+            _log.warning("round %d: %d of %d clients did not upload (%s)", pending.round_index + 1,
+                         missing, len(pending.nodes), reasons)
+        ordered = [by_node[n] for n in pending.nodes if n in by_node]   # selection order
+        for r in ordered:
+            metrics = dict(_only(r.content.metric_records, "MetricRecord"))
+            self.client_metrics[int(metrics.get("partition-id", -1))] = metrics
+
+        if srv.aggregator.private:
+            uploads = (([tf.constant(a) for a in _only(r.content.array_records,
+                                                       "ArrayRecord").to_numpy_ndarrays()],
+                        float(_only(r.content.metric_records, "MetricRecord")["num-examples"]))
+                       for r in ordered)
+            result = srv.aggregator.aggregate(uploads, pending.weights,
+                                              expected_clients=srv.expected_clients)
+            update, info = result.update, dict(result.info)
+        elif ordered:
+            agg, _ = self.strategy.aggregate_train(server_round, ordered)
+            if agg is None:
+                raise RuntimeError("the inner strategy returned no aggregate for "
+                                   f"{len(ordered)} uploads")
+            update = [tf.constant(a) for a in agg.to_numpy_ndarrays()]
+            info = {}
+        else:
+            update, info = [tf.zeros_like(w) for w in pending.weights], {}
+        if missing:
+            info["missing_clients"] = missing
+
+        new_weights = [w + tf.cast(d, w.dtype) for w, d in zip(pending.weights, update)]
+        srv.trainer.set_weights(new_weights)
+        seconds = time.perf_counter() - pending.start
+        cpu_seconds = time.process_time() - pending.cpu_start
+        srv.participations[pending.selected] += 1
+        if srv.round_event is not None:   # the same event, the same ledger as in-process
+            srv.ledger.record(srv.round_event, 1, label="federated round")
+        srv.rounds_done += 1
+        acc = loss = None
+        if srv._test is not None and srv.rounds_done % srv.eval_every == 0:
+            loss, acc = srv.evaluate()
+        eps = srv.epsilon()
+        delta = srv.delta_after(0) if srv.aggregator.private and srv.target_epsilon else None
+        record = RoundRecord(pending.round_index + 1, len(pending.selected), seconds, acc, loss,
+                             eps, delta, info, cpu_seconds)
+        srv.history.append(record)
+        return ArrayRecord([np.asarray(w) for w in new_weights]), self._metrics(record)
+
+    def _metrics(self, record: RoundRecord) -> MetricRecord:
+        out: dict[str, float | int] = {"round": record.round, "clients": record.clients,
+                                       "seconds": float(record.seconds)}
+        if record.epsilon is not None:
+            out["epsilon"] = _finite(record.epsilon)
+            out["delta-max"] = float(self.server.delta_max)
+        if record.delta is not None:
+            out["delta"] = float(record.delta)
+        if record.accuracy is not None:
+            out["accuracy"] = float(record.accuracy)
+            out["loss"] = float(record.loss)
+        if "fraction_clipped" in record.info:
+            out["fraction-clipped"] = float(record.info["fraction_clipped"])
+        for key in ("client-dp-epsilon-total", "ldp-epsilon-total",
+                    "ldp-accountant-epsilon-total"):
+            values = [m[key] for m in self.client_metrics.values() if key in m]
+            if values:
+                out[f"max-{key}"] = float(max(values))
+        return MetricRecord(out)
+
+    # -- evaluate --------------------------------------------------------------------
+    def configure_evaluate(self, server_round, arrays, config, grid):
+        if self.stopped:
+            return []
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round, replies):
+        return self.strategy.aggregate_evaluate(server_round, replies)
+
+    def evaluate_fn(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        """For ``Strategy.start(evaluate_fn=...)``: the round's central accuracy/loss
+        (computed in ``aggregate_train`` on the server's test set)."""
+        hist = self.server.history
+        if server_round == 0 or not hist or hist[-1].accuracy is None \
+                or self._reported_round == hist[-1].round:
+            return None
+        last = hist[-1]
+        self._reported_round = last.round
+        return MetricRecord({"accuracy": float(last.accuracy), "loss": float(last.loss)})
+
+    # -- the whole run -------------------------------------------------------------------
+    def run(self, grid: Grid, num_rounds: int, *, timeout: float = 3600.0):
+        """Runs up to `num_rounds` rounds in total (as `FederatedServer.run`) with
+        Flower's ``Strategy.start`` and returns its ``Result``."""
+        srv = self.server
+        srv.stop_reason = None
+        todo = max(0, int(num_rounds) - srv.rounds_done)
+        result = self.start(grid, self.initial_arrays(), num_rounds=todo, timeout=timeout,
+                            train_config=ConfigRecord(), evaluate_fn=self.evaluate_fn)
+        if srv.stop_reason is None and srv.rounds_done >= num_rounds:
+            srv.stop_reason = f"completed {srv.rounds_done} rounds"
+        if srv.history and srv.history[-1].accuracy is None and srv._test is not None:
+            srv.history[-1].loss, srv.history[-1].accuracy = srv.evaluate()
+        return result
+
+
+def make_server_app(config: FederatedConfig | None = None, dataset=None, *,
+                    strategy: Strategy | None = None,
+                    on_finish: Callable[[DPStrategy, Any, float], None] | None = None
+                    ) -> ServerApp:
+    """A Flower ``ServerApp`` running `DPStrategy` for `config.rounds` rounds.
+
+    `config` None reads it from the run config (``flwr run``); a run-config
+    key ``results-path`` makes the app write the result JSON there.
+    `on_finish(strategy, flower_result, seconds)` receives the finished
+    strategy (`run_on_flower` uses it to build its result)."""
+    if config is not None and not isinstance(config, FederatedConfig):
+        raise TypeError(f"config must be a FederatedConfig or None, got "
+                        f"{type(config).__name__}")
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        start = time.perf_counter()
+        run_config = dict(context.run_config)
+        cfg = config if config is not None else config_from_run_config(run_config)
+        dp = DPStrategy.from_config(cfg, dataset, strategy=strategy)
+        result = dp.run(grid, cfg.rounds)
+        seconds = time.perf_counter() - start
+        if on_finish is not None:
+            on_finish(dp, result, seconds)
+        report = dp.server.privacy_report()
+        last = dp.server.history[-1] if dp.server.history else None
+        _log.warning("dpfl_tf on Flower: %s; accuracy %s; epsilon %s at delta %s",
+                     dp.server.stop_reason, None if last is None else last.accuracy,
+                     report.get("epsilon"), report.get("delta"))
+        path = run_config.get("results-path")
+        if path:
+            from dpfl_tf._io import atomic_write_json
+            atomic_write_json(str(path), _result(cfg, dp, seconds, backend="flwr run"))
+
+    return app
+
+
+# ---------------------------------------------------------------------------
+# A Grid without Ray: Flower's apps, strategies and records, delivered in-process
+
+def _ensure_task_identity(run_id: int) -> None:
+    """Messages take their run id and source node from the process's task identity,
+    which Flower's runtimes set (`run_simulation` does the same for its process)."""
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.supercore.task_identity import TaskIdentity
+    if TaskIdentity._run_id is None:
+        TaskIdentity.run_id = int(run_id)
+        TaskIdentity.task_id = 1
+        TaskIdentity.node_id = SUPERLINK_NODE_ID
+
+
+class LocalGrid(Grid):
+    """Delivers messages by calling the ClientApp in this process, one node after
+    another (no Ray, no SuperLink).  Node k+1 holds partition k, so the sorted node
+    ids are in partition order.  For tests and small runs; the Simulation Engine
+    (`run_on_flower(..., backend="ray")`) is the scalable path."""
+
+    def __init__(self, client_app: ClientApp, num_nodes: int, *, run_config: dict | None = None,
+                 num_partitions: int | None = None, raise_client_errors: bool = True):
+        if not isinstance(client_app, ClientApp):
+            raise TypeError(f"client_app must be a flwr ClientApp, got "
+                            f"{type(client_app).__name__}")
+        if int(num_nodes) < 1:
+            raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
+        self._app = client_app
+        parts = int(num_partitions if num_partitions is not None else num_nodes)
+        self._run = Run.create_empty(run_id=1)
+        self.contexts = {
+            k + 1: Context(run_id=1, node_id=k + 1,
+                           node_config={PARTITION_ID_KEY: k, NUM_PARTITIONS_KEY: parts},
+                           state=RecordDict(), run_config=dict(run_config or {}))
+            for k in range(int(num_nodes))}
+        self._replies: dict[str, Message] = {}
+        self.raise_client_errors = bool(raise_client_errors)
+        _ensure_task_identity(1)
+
+    def set_run(self, run) -> None:
+        self._run = run
+
+    @property
+    def run(self):
+        return self._run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages) -> Iterable[str]:
+        ids = []
+        for msg in messages:
+            node = int(msg.metadata.dst_node_id)
+            if node not in self.contexts:
+                raise ValueError(f"no node {node} in this LocalGrid")
+            msg_id = uuid.uuid4().hex
+            try:
+                reply = self._app(msg, self.contexts[node])
+            except Exception as exc:
+                if self.raise_client_errors:
+                    raise
+                # as on Flower: a failing ClientApp becomes an error reply
+                reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"),
+                                reply_to=msg)
+            self._replies[msg_id] = reply
+            ids.append(msg_id)
+        return ids
+
+    def pull_messages(self, message_ids) -> Iterable[Message]:
+        return [self._replies.pop(i) for i in list(message_ids) if i in self._replies]
+
+    def send_and_receive(self, messages, *, timeout=None) -> Iterable[Message]:
+        return self.pull_messages(self.push_messages(messages))
+
+
+# ---------------------------------------------------------------------------
+# One config, on Flower
+
+def _result(config: FederatedConfig, dp: DPStrategy, seconds: float, *, backend: str) -> dict:
+    """The `run_federated` result dict, for a run on Flower."""
+    srv, c = dp.server, config
+    last = srv.history[-1] if srv.history else None
+    report = srv.privacy_report()
+    round_secs = [r.seconds for r in srv.history]
+    mechanism = ("fedavg" if c.aggregator == "mean" else "fedmedian") if c.dp is DPMode.NONE \
+        else ("global_dp" if c.dp is DPMode.GLOBAL else "client_dp")
+    client_side = {}
+    for key in ("client-dp-epsilon-total", "ldp-epsilon-total", "ldp-accountant-epsilon-total"):
+        values = [m[key] for m in dp.client_metrics.values() if key in m]
+        if values:
+            client_side[f"max_{key.replace('-', '_')}"] = float(max(values))
+    return {
+        "dataset": c.dataset, "partition": c.partition.value, "clients": c.clients,
+        "clients_per_round": srv.expected_clients, "sampling": c.sampling.value,
+        "rounds": srv.rounds_done, "rounds_requested": c.rounds, "mechanism": mechanism,
+        "noise_multiplier": c.noise_multiplier if c.dp is not DPMode.NONE else 0.0,
+        "clip": c.clip if c.dp is not DPMode.NONE else None, "per_layer": c.per_layer,
+        "epsilon": report.get("epsilon"), "delta": report.get("delta"),
+        "accountant": c.accountant.value if c.dp is not DPMode.NONE else None,
+        "test_accuracy": last.accuracy if last else None, "seconds": seconds,
+        "median_round_seconds": float(np.median(round_secs)) if round_secs else None,
+        "rounds_per_minute": 60.0 / float(np.median(round_secs)) if round_secs else None,
+        "peak_rss_mb": peak_rss_mb(), "stop_reason": srv.stop_reason, "notices": srv.notices,
+        "privacy": report, "local_epochs": c.local_epochs,
+        "local_batch_size": c.local_batch_size, "learning_rate": c.learning_rate,
+        "momentum": c.momentum, "config": c.to_dict(),
+        "history": [r.to_dict() for r in srv.history],
+        "runtime": "flower", "flower_backend": backend, "flwr_version": FLOWER_VERSION,
+        "client_reported": client_side,
+        # as run_federated: a seeded-noise run says it is not a deployment
+        **({"note": srv.notices[-1]} if c.noise_seed is not None and c.dp is not DPMode.NONE
+           and srv.notices else {}),
+    }
+
+
+def run_on_flower(config: FederatedConfig, dataset=None, *, backend: str = "ray",
+                  backend_config: dict | None = None, local_dp: LocalDPUpload | None = None,
+                  strategy: Strategy | None = None, verbose: bool = False) -> dict[str, Any]:
+    """Runs `config` on Flower and returns the `run_federated` result dict
+    (plus ``runtime``, ``flower_backend``, ``flwr_version``, ``client_reported``).
+
+    Args:
+      config: the same `FederatedConfig` `run_federated` takes; K =
+        ``config.clients`` simulated SuperNodes, one partition each.
+      dataset: as for `run_federated` (default: loaded by every process).
+      backend: ``"ray"`` -- Flower's Simulation Engine
+        (`flwr.simulation.run_simulation`; Ray starts locally, or joins the
+        cluster of ``ray start`` / ``RAY_ADDRESS``); ``"local"`` -- `LocalGrid`,
+        no Ray.
+      backend_config: Flower's backend config for ``"ray"`` (default: one CPU
+        per ClientApp, no GPU).
+      local_dp: a client-side `LocalDPUpload`.
+      strategy: the inner Flower strategy (default `default_inner_strategy`).
+      verbose: keep Flower's INFO logging (default: warnings only).
+    """
+    if not isinstance(config, FederatedConfig):
+        raise TypeError(f"config must be a FederatedConfig, got {type(config).__name__}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend_config is not None and backend != "ray":
+        raise ValueError("backend_config is for backend='ray' only")
+    finished: dict[str, Any] = {}
+
+    def on_finish(dp, result, seconds):
+        finished.update(strategy=dp, result=result, seconds=seconds)
+
+    client = make_client_app(config, dataset, local_dp=local_dp)
+    server = make_server_app(config, dataset, strategy=strategy, on_finish=on_finish)
+    flwr_logger = logging.getLogger("flwr")
+    level = flwr_logger.level
+    if not verbose:
+        flwr_logger.setLevel(logging.WARNING)
+    try:
+        if backend == "ray":
+            from flwr.simulation import run_simulation
+            run_simulation(server_app=server, client_app=client, num_supernodes=config.clients,
+                           backend_config=backend_config or {
+                               "client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+                           verbose_logging=verbose)
+        else:
+            grid = LocalGrid(client, config.clients)
+            server(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                 run_config={}))
+    finally:
+        flwr_logger.setLevel(level)
+    if "strategy" not in finished:
+        raise RuntimeError(f"the Flower run ({backend}) ended without finishing the ServerApp; "
+                           "see Flower's log above")
+    return _result(config, finished["strategy"], finished["seconds"], backend=backend)
+
+
+#: For ``flwr run``: in ``[tool.flwr.app.components]``,
+#: ``serverapp = "dpfl_tf.federated.flower:server_app"`` and
+#: ``clientapp = "dpfl_tf.federated.flower:client_app"``; the FederatedConfig comes
+#: from ``[tool.flwr.app.config]`` (see `config_from_run_config`).
+client_app = make_client_app()
+server_app = make_server_app()

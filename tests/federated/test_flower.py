@@ -1,0 +1,276 @@
+"""The Flower adapter: the client's upload equals the in-process client's, the
+strategy's epsilon equals the ledger's, the same config runs in-process and on
+Flower (LocalGrid without Ray; Flower's Simulation Engine on Ray), bad
+configurations are refused."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import dp_accounting
+import numpy as np
+import pytest
+
+# no telemetry calls from the test run (read when flwr is first imported; Ray workers inherit it)
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+flwr = pytest.importorskip("flwr", reason="Flower is not installed: pip install 'dpfl-tf[flower]'")
+
+import tensorflow as tf  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict  # noqa: E402
+from flwr.serverapp.strategy import FedAvg  # noqa: E402
+
+from dpfl_tf.federated import flower as fl  # noqa: E402
+from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator  # noqa: E402
+from dpfl_tf.federated.local_dp import DomainPolicy, PiecewiseMechanism  # noqa: E402
+from dpfl_tf.federated.runner import FederatedConfig, build_server, run_federated  # noqa: E402
+from dpfl_tf.privacy import compute_epsilon, gaussian_step_event  # noqa: E402
+from dpfl_tf.sanitizer import GaussianSanitizer, make_generator  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cfg(**kw):
+    base = dict(clients=4, clients_per_round=2, sampling="fixed_size", rounds=2, partition="iid",
+                hidden=(16,), accountant="rdp", dp="global", noise_multiplier=1.0, clip=1.0,
+                noise_seed=1, seed=0)
+    base.update(kw)
+    return FederatedConfig(**base)
+
+
+def _round_event(cfg):
+    """The event of one round, written from the papers' formulas (not from the code)."""
+    m, k = cfg.clients_per_round, cfg.clients
+    sigma = cfg.noise_multiplier * (np.sqrt(m) if cfg.dp.value == "client" else 1.0)
+    if cfg.sampling.value == "fixed_size":
+        return gaussian_step_event(sigma, "fixed_size", dataset_size=k, lot_size=m)
+    return gaussian_step_event(sigma, "poisson", sampling_rate=m / k)
+
+
+def _train_message(weights, round_index, node_id=3):
+    fl._ensure_task_identity(1)
+    content = RecordDict({"arrays": ArrayRecord([np.asarray(w) for w in weights]),
+                          "config": ConfigRecord({fl.ROUND_KEY: round_index})})
+    return Message(content, dst_node_id=node_id, message_type="train")
+
+
+def _context(partition_id, num_partitions=4):
+    return Context(run_id=1, node_id=partition_id + 1,
+                   node_config={fl.PARTITION_ID_KEY: partition_id,
+                                fl.NUM_PARTITIONS_KEY: num_partitions},
+                   state=RecordDict(), run_config={})
+
+
+def _arrays(reply):
+    return next(iter(reply.content.array_records.values())).to_numpy_ndarrays()
+
+
+def _metrics(reply):
+    return dict(next(iter(reply.content.metric_records.values())))
+
+
+# ---------------------------------------------------------------------------
+# the client
+
+@pytest.mark.parametrize("dp", ["none", "client"])
+def test_client_upload_equals_in_process_client_update(mnist_small, dp):
+    cfg = _cfg(dp=dp, noise_multiplier=0.7, clip=0.5)
+    ref, _ = build_server(cfg, mnist_small, progress=False)
+    w0 = ref.trainer.get_weights()
+    t, k = 3, 2
+    # in-process: LocalTrainer.train on the client's indices with the client's generator ...
+    expected = ref.trainer.train(w0, ref.partition.client(k), np.random.default_rng([0, t, k]))
+    if dp == "client":   # ... then the DP-FedAvg client step: clip + noise by the sanitizer
+        agg = ClientNoiseDPAggregator(GaussianSanitizer(0.5, 0.7))
+        agg.reseed(int(np.random.default_rng([1, t, k]).integers(2**62)))
+        expected = agg.client_transform(expected)
+        assert float(tf.linalg.global_norm(expected)) > 0.5   # noise was added
+    app = fl.make_client_app(cfg, mnist_small)
+    reply = app(_train_message(w0, t), _context(k))
+    got = _arrays(reply)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        np.testing.assert_array_equal(g, np.asarray(e))
+    m = _metrics(reply)
+    assert m["num-examples"] == len(ref.partition.client(k)) and m["partition-id"] == k
+    assert m["uploads"] == 1
+    if dp == "client":   # the client's own per-upload guarantee, Gaussian(z) against the server
+        assert m["client-dp-epsilon-upload"] == pytest.approx(
+            compute_epsilon(dp_accounting.GaussianDpEvent(0.7), cfg.delta_max, "rdp"))
+
+
+def test_client_local_dp_upload_and_its_composition_across_rounds(mnist_small):
+    cfg = _cfg(dp="none")
+    mech = PiecewiseMechanism(2.0, seed=5)
+    policy = DomainPolicy.clip(1.0)
+    ref, _ = build_server(cfg, mnist_small, progress=False)
+    w0 = ref.trainer.get_weights()
+    app = fl.make_client_app(cfg, mnist_small, local_dp=fl.LocalDPUpload(mech, policy))
+    ctx = _context(1)
+    reply = app(_train_message(w0, 0), ctx)
+    delta = ref.trainer.train(w0, ref.partition.client(1), np.random.default_rng([0, 0, 1]))
+    gen = make_generator(fl._stream_seed(5, 0, 1))
+    want = [p - w for p, w in zip(mech.perturb_weights([w + d for w, d in zip(w0, delta)],
+                                                       policy, generator=gen), w0)]
+    for g, e in zip(_arrays(reply), want):
+        np.testing.assert_allclose(g, np.asarray(e), rtol=0, atol=1e-6)
+    d = sum(int(np.prod(w.shape)) for w in w0)
+    first = _metrics(reply)
+    assert first["ldp-epsilon-upload"] == pytest.approx(d * 2.0)
+    assert first["ldp-epsilon-total"] == pytest.approx(d * 2.0)
+    # the same node again: its state counts the uploads and the total composes
+    second = _metrics(app(_train_message(w0, 1), ctx))
+    assert second["uploads"] == 2
+    assert second["ldp-epsilon-total"] == pytest.approx(2 * d * 2.0)
+
+
+def test_client_refuses_bad_messages_and_nodes(mnist_small):
+    cfg = _cfg(dp="none")
+    app = fl.make_client_app(cfg, mnist_small)
+    w0 = build_server(cfg, mnist_small, progress=False)[0].trainer.get_weights()
+    fl._ensure_task_identity(1)
+    no_round = Message(RecordDict({"arrays": ArrayRecord([np.asarray(w) for w in w0]),
+                                   "config": ConfigRecord({})}), dst_node_id=1,
+                       message_type="train")
+    with pytest.raises(ValueError, match="dpfl-round"):
+        app(no_round, _context(0))
+    with pytest.raises(ValueError, match="num-partitions=5 but the config has clients=4"):
+        app(_train_message(w0, 0), _context(0, num_partitions=5))
+    with pytest.raises(ValueError, match=r"partition-id\) must lie in \[0, 4\)"):
+        app(_train_message(w0, 0), _context(7))
+    with pytest.raises(ValueError, match="shapes"):
+        app(_train_message(w0[:1], 0), _context(0))
+
+
+# ---------------------------------------------------------------------------
+# the strategy and whole runs (LocalGrid: Flower's apps and strategy, no Ray)
+
+@pytest.mark.parametrize("dp,sampling,accountant", [
+    ("global", "fixed_size", "rdp"),     # Flower's own scheme: m of K without replacement
+    ("global", "poisson", "moments"),    # Poisson sampling implemented on the server
+    ("client", "fixed_size", "rdp"),     # DP-FedAvg with client-side noise
+])
+def test_same_config_same_epsilon_in_process_and_on_flower(mnist_small, dp, sampling, accountant):
+    cfg = _cfg(dp=dp, sampling=sampling, accountant=accountant)
+    inproc = run_federated(cfg, mnist_small, progress=False)
+    flower = fl.run_on_flower(cfg, mnist_small, backend="local")
+    assert set(inproc) <= set(flower)                  # the same result format
+    assert flower["rounds"] == inproc["rounds"] == 2
+    assert flower["epsilon"] == inproc["epsilon"]       # exactly: the same events
+    assert [r["epsilon"] for r in flower["history"]] == [r["epsilon"] for r in inproc["history"]]
+    assert flower["privacy"]["round_event"] == inproc["privacy"]["round_event"]
+    want = compute_epsilon(dp_accounting.SelfComposedDpEvent(_round_event(cfg), 2),
+                           cfg.delta_max, accountant)
+    assert flower["epsilon"] == pytest.approx(want, rel=1e-9)
+    if dp == "client":
+        # LocalGrid's node k+1 holds partition k: the same clients take part
+        against = flower["privacy"]["against_server"]
+        assert against == inproc["privacy"]["against_server"]
+        # what the clients themselves report equals the server's per-client report
+        assert flower["client_reported"]["max_client_dp_epsilon_total"] == pytest.approx(
+            against["epsilon"])
+
+
+def test_strategy_reports_the_ledger_epsilon_per_round_and_stops_at_the_budget(mnist_small):
+    base = _cfg(rounds=5)
+    event = _round_event(base)
+    eps2 = compute_epsilon(dp_accounting.SelfComposedDpEvent(event, 2), base.delta_max, "rdp")
+    cfg = _cfg(rounds=5, target_epsilon=eps2 * 1.001)
+    inproc = run_federated(cfg, mnist_small, progress=False)
+    strategy = fl.DPStrategy.from_config(cfg, mnist_small)
+    grid = fl.LocalGrid(fl.make_client_app(cfg, mnist_small), cfg.clients)
+    result = strategy.run(grid, cfg.rounds)
+    srv = strategy.server
+    assert srv.rounds_done == inproc["rounds"] == 2          # the same stop rule
+    assert srv.stop_reason == inproc["stop_reason"]
+    assert srv.stop_reason.startswith("privacy budget: round 3")
+    assert sorted(result.train_metrics_clientapp) == [1, 2]
+    for r in (1, 2):
+        metrics = result.train_metrics_clientapp[r]
+        want = compute_epsilon(dp_accounting.SelfComposedDpEvent(event, r), cfg.delta_max, "rdp")
+        assert metrics["epsilon"] == pytest.approx(want, rel=1e-9)
+        assert metrics["epsilon"] == srv.history[r - 1].epsilon
+        assert metrics["delta"] <= cfg.delta_max
+        assert metrics["clients"] == 2 and 0.0 <= metrics["fraction-clipped"] <= 1.0
+        assert result.evaluate_metrics_serverapp[r]["accuracy"] == metrics["accuracy"]
+    assert metrics["epsilon"] == srv.ledger.epsilon(cfg.delta_max)
+    assert len(srv.ledger) == 2 and srv.ledger.event == dp_accounting.ComposedDpEvent(
+        [dp_accounting.SelfComposedDpEvent(srv.round_event, 2)])
+
+
+def test_same_config_statistically_equivalent_accuracy(mnist_small):
+    """Without noise, the runs differ only in the clients' shuffling streams."""
+    cfg = _cfg(dp="none", clients_per_round=4, rounds=2)
+    inproc = run_federated(cfg, mnist_small, progress=False)
+    flower = fl.run_on_flower(cfg, mnist_small, backend="local")
+    assert inproc["test_accuracy"] > 0.6 and flower["test_accuracy"] > 0.6
+    assert abs(flower["test_accuracy"] - inproc["test_accuracy"]) < 0.05
+    assert flower["epsilon"] is None and flower["mechanism"] == "fedavg"
+
+
+# ---------------------------------------------------------------------------
+# Flower's Simulation Engine (Ray)
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                    reason="Ray is not installed: pip install 'dpfl-tf[flower]' "
+                           "(flwr[simulation])")
+def test_simulation_engine_run(mnist_small):
+    cfg = _cfg(clients=3, clients_per_round=2, rounds=2)
+    out = fl.run_on_flower(cfg, mnist_small, backend="ray")
+    assert out["flower_backend"] == "ray" and out["rounds"] == 2
+    assert [r["clients"] for r in out["history"]] == [2, 2]
+    want = compute_epsilon(dp_accounting.SelfComposedDpEvent(_round_event(cfg), 2),
+                           cfg.delta_max, "rdp")
+    assert out["epsilon"] == pytest.approx(want, rel=1e-9)
+    assert 0.0 <= out["test_accuracy"] <= 1.0
+
+
+# ---------------------------------------------------------------------------
+# bad configurations
+
+def test_bad_configurations_are_refused(mnist_small):
+    cfg = _cfg()
+    with pytest.raises(ValueError, match="backend must be one of"):
+        fl.run_on_flower(cfg, mnist_small, backend="spark")
+    with pytest.raises(TypeError, match="FederatedConfig"):
+        fl.run_on_flower({"clients": 4}, mnist_small, backend="local")
+    with pytest.raises(ValueError, match="backend_config is for backend='ray'"):
+        fl.run_on_flower(cfg, mnist_small, backend="local", backend_config={})
+    with pytest.raises(ValueError, match="unknown run-config key 'clinets'"):
+        fl.config_from_run_config({"clinets": 4})
+    with pytest.raises(ValueError, match="sampling='fixed_size'"):
+        fl.config_from_run_config({"dp": "client", "sampling": "poisson"})
+    assert fl.config_from_run_config(fl.config_to_run_config(cfg)) == cfg
+    assert fl.config_from_run_config({"hidden": "32,8", "clients-per-round": 3}).hidden == (32, 8)
+    with pytest.raises(ValueError, match="perturb must be"):
+        fl.LocalDPUpload(PiecewiseMechanism(1.0), perturb="gradient")
+    with pytest.raises(TypeError, match="LocalDPMechanism"):
+        fl.LocalDPUpload("piecewise")
+    with pytest.raises(TypeError, match="FederatedServer"):
+        fl.DPStrategy(FedAvg(), "server")
+    with pytest.raises(TypeError, match="flwr Strategy"):
+        fl.DPStrategy("fedavg", build_server(cfg, mnist_small, progress=False)[0])
+    # an inner strategy that samples on its own would break the accounted event
+    half = FedAvg(fraction_train=0.5, fraction_evaluate=0.0, min_train_nodes=0,
+                  min_available_nodes=0)
+    with pytest.raises(ValueError, match="must address every node it is offered"):
+        fl.run_on_flower(cfg, mnist_small, backend="local", strategy=half)
+    # K enters the event: the federation must have exactly config.clients nodes
+    strategy = fl.DPStrategy.from_config(cfg, mnist_small, node_timeout=0.2)
+    with pytest.raises(ValueError, match="the federation has 3 nodes but the config has "
+                                         "clients=4"):
+        strategy.run(fl.LocalGrid(fl.make_client_app(cfg, mnist_small), 3), 1)
+    assert len(strategy.server.ledger) == 0
+
+
+def test_without_flower_the_package_works_and_the_module_says_how_to_install():
+    code = ("import sys; sys.modules['flwr'] = None\n"
+            "import dpfl_tf, dpfl_tf.federated\n"
+            "from dpfl_tf.federated import FederatedConfig, run_federated\n"
+            "print('package ok')\n"
+            "import dpfl_tf.federated.flower\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert "package ok" in proc.stdout
+    assert proc.returncode != 0
+    assert "ImportError" in proc.stderr and "pip install 'dpfl-tf[flower]'" in proc.stderr
