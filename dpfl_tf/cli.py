@@ -279,9 +279,11 @@ def _train_and_report(args, error, train: Callable[[], dict], default_name: str,
 
     if args.seed is not None:
         print(f"note: --seed {args.seed} makes the run reproducible; it is NOT for deployment")
+    from dpfl_tf.privacy.ledger import BudgetExceededError
+
     try:
         result = train()
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, BudgetExceededError) as e:
         error(str(e))
     out = args.output or os.path.join("results", default_name + ".json")
     atomic_write_json(out, result)

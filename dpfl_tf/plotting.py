@@ -122,3 +122,42 @@ def plot_runs_accuracy_and_epsilon(runs, ax=None, title: str = "",
     ax.set_title(title, fontsize=9)
     ax.legend(loc="lower right", fontsize=7)
     return ax
+
+
+def plot_roc_curves(curves, ax=None, title: str = "", log_scale: bool = True):
+    """ROC curves of membership-inference attacks, one line per entry of
+    `curves` ({label: (fpr, tpr)}, or {label: object with .fpr, .tpr, .auc}),
+    with the chance diagonal.  Log-log axes by default: what matters is the
+    TPR at low FPR (Carlini et al. 2022)."""
+    import numpy as np
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(4.5, 4))
+    smallest = 1.0
+    for i, (label, curve) in enumerate(curves.items()):
+        if hasattr(curve, "fpr"):
+            fpr, tpr = curve.fpr, curve.tpr
+            label = f"{label} (AUC {curve.auc:.3f})"
+        else:
+            fpr, tpr = curve
+        fpr, tpr = np.asarray(fpr, float), np.asarray(tpr, float)
+        if log_scale:
+            keep = (fpr > 0) & (tpr > 0)
+            fpr, tpr = fpr[keep], tpr[keep]
+            if len(fpr):
+                smallest = min(smallest, fpr.min(), tpr.min())
+        ax.plot(fpr, tpr, color=f"C{i % 10}", label=label)
+    # log axes start one decade below the smallest rate plotted (at most 1e-1)
+    floor = 10.0 ** (np.floor(np.log10(min(smallest, 0.1)))) if log_scale else 0.0
+    ax.plot([floor, 1], [floor, 1], color="grey", ls=":", label="chance")
+    if log_scale:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(floor, 1)
+        ax.set_ylim(floor, 1)
+    ax.set_xlabel("false positive rate")
+    ax.set_ylabel("true positive rate")
+    ax.grid(alpha=0.3, which="both" if log_scale else "major")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    return ax

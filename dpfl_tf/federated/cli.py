@@ -134,8 +134,10 @@ def _run_federated(args, error) -> int:
     try:
         result = run_federated(config, progress=not args.no_progress,
                                checkpoint_dir=args.checkpoint_dir)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:  # FileNotFoundError: data missing offline
         error(str(e))
+    if result["rounds"] == 0 and config.rounds > 0:  # e.g. the budget allows no round
+        error(f"no round was run: {result['stop_reason']}")
     atomic_write_json(args.output, result)
     eps = result["epsilon"]
     print(f"test accuracy = {result['test_accuracy']:.4f} after {result['rounds']} rounds "

@@ -193,6 +193,10 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
                              target_epsilon=c.target_epsilon, delta_max=c.delta_max,
                              accountant=c.accountant, seed=c.seed, noise_seed=c.noise_seed,
                              eval_every=c.eval_every, progress=progress)
+    if c.noise_seed is not None and c.dp is not DPMode.NONE:
+        from dpfl_tf.recipes.common import deployment_note
+
+        server._notice(deployment_note(c.noise_seed))  # in the log and the results' notices
     return server, ds
 
 
@@ -231,6 +235,8 @@ def run_federated(config: FederatedConfig, dataset=None, *, progress: bool = Tru
         "peak_rss_mb": peak_rss_mb(),
         "stop_reason": server.stop_reason,
         "notices": server.notices,
+        **({"note": server.notices[-1]} if c.noise_seed is not None and c.dp is not DPMode.NONE
+           else {}),
         "privacy": report,
         "local_epochs": c.local_epochs, "local_batch_size": c.local_batch_size,
         "learning_rate": c.learning_rate, "momentum": c.momentum,

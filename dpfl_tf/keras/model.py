@@ -112,7 +112,7 @@ class DPModel(keras.Model):
         """Recompiles a loaded model with its DP optimizer and loss."""
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
-        if self.built:
+        if self.built or self.model.built:  # the optimizer's saved state loads into these
             self.optimizer.build(self.model.trainable_variables)
 
     # -- privacy bookkeeping ----------------------------------------------------
@@ -194,6 +194,7 @@ class DPModel(keras.Model):
                 "sampled as the privacy analysis assumes; got "
                 f"{type(x).__name__} and y={type(y).__name__}")
         n = _num_examples(x, y)
+        _check_inputs(self.model, x, y, check_shape=preprocess is None)
         sampler = LotSampler(n, lot_size, sampling, seed=sampling_seed)
         batch_size = min(sampler.lot_size, 256) if batch_size is None else \
             check_count("batch_size", batch_size, minimum=1)
@@ -380,3 +381,30 @@ def _num_examples(x, y) -> int:
             raise ValueError(f"x and y disagree on the number of examples: x has shape "
                              f"{np.shape(leaf)}, y has {n} labels")
     return n
+
+
+def _check_inputs(model, x, y, check_shape: bool = True) -> None:
+    """Clear errors, before any lot is drawn, for data the model cannot take:
+    non-numeric dtypes, and (single-input models, no `preprocess` that may
+    reshape) a per-example shape that does not match the model's input."""
+    for name, leaf in [("y", y)] + [("x", t) for t in tf.nest.flatten(x)]:
+        dtype = getattr(leaf, "dtype", None)
+        if isinstance(dtype, tf.DType):
+            numeric = dtype.is_floating or dtype.is_integer or dtype.is_bool
+        else:
+            dtype = np.asarray(leaf).dtype if dtype is None else np.dtype(dtype)
+            numeric = dtype.kind in "biuf"
+        if not numeric:
+            raise ValueError(f"{name} must be numeric (float, int or bool), got dtype {dtype}")
+    if not check_shape:
+        return
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
+        return  # subclassed model: no declared input
+    leaves = tf.nest.flatten(x)
+    if not inputs or len(inputs) != 1 or len(leaves) != 1:
+        return
+    want, got = tuple(inputs[0].shape[1:]), tuple(np.shape(leaves[0])[1:])
+    if len(want) != len(got) or any(w is not None and w != g for w, g in zip(want, got)):
+        raise ValueError(f"x has per-example shape {got} but the model takes {want}")
