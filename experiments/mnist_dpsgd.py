@@ -117,6 +117,7 @@ def draw_all(results: list[dict], out_dir: str, dataset: str) -> None:
             ax.set_ylim(0.8, 1.0)
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel("test accuracy at eps = 2")
+        fig.tight_layout()
         save_figure(fig, os.path.join(out_dir, f"{dataset}_fig5_sweep.png"))
 
 

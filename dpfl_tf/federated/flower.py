@@ -559,7 +559,7 @@ class DPStrategy(Strategy):
         node_ids = self._nodes(grid)
         start, cpu_start = time.perf_counter(), time.process_time()
         t = srv.rounds_done
-        rng = np.random.default_rng([srv.seed, t])           # as FederatedServer.run_round
+        rng = srv.round_rng(t)                              # as FederatedServer.run_round
         if srv.noise_seed is not None:
             srv.aggregator.reseed(_stream_seed(srv.noise_seed, t))
         selected = srv.sampling.sample(rng, srv.num_clients)

@@ -15,7 +15,7 @@ Each round t:
    matching how clients were really sampled), evaluate on the server's test
    set, write the checkpoint.
 
-Randomness is derived from (seed, round index) alone, so a run resumed from a
+Randomness is derived from (seed, round index, sampling key), so a run resumed from a
 checkpoint samples the same clients and batches as an uninterrupted one; the
 DP noise comes from OS entropy unless `noise_seed` is given (tests).
 """
@@ -27,6 +27,7 @@ import glob
 import json
 import math
 import os
+import secrets
 import sys
 import time
 from typing import Any
@@ -166,7 +167,8 @@ class FederatedServer:
         private aggregators.
       accountant: "moments" | "rdp" | "pld" | "strong".  Fixed-size sampling
         is interpreted by "rdp" only.
-      seed: client sampling and local shuffling (per round: (seed, round)).
+      seed: client sampling and local shuffling (per round: (seed, round, key));
+        the key is secret OS entropy unless `noise_seed` is given.
       noise_seed: seeds the DP noise per round (tests only; default OS entropy).
       eval_every: evaluate every n rounds (and after the last).
       progress: show a progress bar over rounds (accuracy and epsilon).
@@ -195,6 +197,12 @@ class FederatedServer:
         self.expected_clients = sampling.expected_clients(self.num_clients)  # validates m <= K
         self.seed = int(seed)
         self.noise_seed = noise_seed
+        # Which clients a round samples must stay secret for the amplification by
+        # sampling to hold: the sampling stream is keyed by OS entropy (kept in
+        # checkpoints only), unless the run was made reproducible on purpose with
+        # `noise_seed` (tests; such runs are flagged "NOT for deployment").
+        self._sampling_key = (int(noise_seed) if noise_seed is not None
+                              else secrets.randbits(63))
         self.eval_every = check_count("eval_every", eval_every, minimum=1)
         self.eval_batch_size = check_count("eval_batch_size", eval_batch_size, minimum=1)
         self.progress = progress
@@ -290,11 +298,15 @@ class FederatedServer:
         return self.delta_after(1) > self.delta_max
 
     # -- the loop --------------------------------------------------------------
+    def round_rng(self, t: int) -> np.random.Generator:
+        """Client sampling and local shuffling of round t: (seed, t, secret key)."""
+        return np.random.default_rng([self.seed, int(t), self._sampling_key])
+
     def run_round(self) -> RoundRecord:
         """Runs one round (no budget check; `run` checks first)."""
         t = self.rounds_done
         start, cpu_start = time.perf_counter(), time.process_time()
-        rng = np.random.default_rng([self.seed, t])
+        rng = self.round_rng(t)
         if self.noise_seed is not None:
             self.aggregator.reseed(int(np.random.default_rng([int(self.noise_seed), t])
                                        .integers(2**62)))
@@ -423,7 +435,8 @@ class FederatedServer:
         atomic_write(os.path.join(directory, name), lambda f: np.savez(f, **arrays), binary=True)
         state = {"format": CHECKPOINT_FORMAT, "round": self.rounds_done, "weights": name,
                  "fingerprint": self._fingerprint(), "ledger": self.ledger.to_dict(),
-                 "history": [r.to_dict() for r in self.history], "notices": self.notices}
+                 "history": [r.to_dict() for r in self.history], "notices": self.notices,
+                 "sampling_key": self._sampling_key}  # private state, like the weights
         atomic_write_json(os.path.join(directory, "state.json"), state)
         for old in glob.glob(os.path.join(directory, "weights-*.npz")):
             if os.path.basename(old) != name:
@@ -451,4 +464,5 @@ class FederatedServer:
         self.ledger = PrivacyLedger.from_dict(state["ledger"])
         self.history = [RoundRecord(**r) for r in state["history"]]
         self.rounds_done = int(state["round"])
+        self._sampling_key = int(state["sampling_key"])
         return True

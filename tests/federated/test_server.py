@@ -54,7 +54,7 @@ def test_one_round_equals_the_hand_computed_weighted_average(trainer):
                              test_data=None, seed=5, progress=False)
     w0 = trainer.get_weights()
     # the same randomness the server derives for round 0
-    rng = np.random.default_rng([5, 0])
+    rng = server.round_rng(0)
     chosen = sampling.sample(rng, 6)
     deltas, sizes = [], []
     for k in chosen:
@@ -134,3 +134,18 @@ def test_server_input_errors(trainer):
     with pytest.raises(ValueError, match="a client with no examples"):
         trainer.train(trainer.get_weights(), np.array([], dtype=np.int64),
                       np.random.default_rng(0))
+
+
+def test_client_sampling_is_secret_unless_reproducibility_is_asked_for(trainer):
+    """Amplification by sampling assumes nobody can predict who is sampled: two
+    servers with the same `seed` sample differently unless `noise_seed` is set."""
+    partition = unequal_partition(600, 50, seed=3)
+    sampling = ClientSampling("fixed_size", clients_per_round=5)
+
+    def chosen(**kw):
+        server = FederatedServer(trainer, partition, MeanAggregator(), sampling=sampling,
+                                 test_data=None, seed=5, progress=False, **kw)
+        return [tuple(sampling.sample(server.round_rng(t), 50)) for t in range(4)]
+
+    assert chosen() != chosen()
+    assert chosen(noise_seed=3) == chosen(noise_seed=3)
