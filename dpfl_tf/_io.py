@@ -2,30 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], binary: bool = False
-                 ) -> None:
-    """Calls `write(file)` on a temporary file beside `path`, then renames it into place."""
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[str]:
+    """Yields a temporary path beside `path`; when the block succeeds the file
+    is synced and renamed into place, when it fails it is removed."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
-                               suffix=".tmp")
+                               suffix=suffix)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb" if binary else "w") as f:
-            write(f)
-            f.flush()
+        yield tmp
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], binary: bool = False
+                 ) -> None:
+    """Calls `write(file)` on a temporary file beside `path`, then renames it into place."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb" if binary else "w") as f:
+            write(f)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -6,6 +6,7 @@ real exceptions, never `assert` (asserts vanish under ``python -O``).
 
 from __future__ import annotations
 
+import argparse
 import enum
 import math
 from typing import Any
@@ -73,3 +74,11 @@ class ChoiceEnum(str, enum.Enum):
     @classmethod
     def _argument_name(cls) -> str:
         return getattr(cls, "__argument__", cls.__name__)
+
+
+def float_arg(text: str) -> float:
+    """argparse type: a float, or an argparse error naming the text."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None

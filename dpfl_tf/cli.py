@@ -14,40 +14,33 @@ import math
 import sys
 from typing import Callable, Sequence
 
-from dpfl_tf._validation import check_count, check_number
+from dpfl_tf._validation import check_count, check_number, float_arg
 
 __all__ = ["main", "build_parser"]
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
 
 
 def _add_privacy_parser(sub) -> None:
     p = sub.add_parser(
         "privacy", help="epsilon spent by DP-SGD-style training, or the noise for a target",
         description="Privacy of T steps of the sampled Gaussian mechanism (DP-SGD lots).")
-    p.add_argument("--sampling-rate", "-q", type=_float,
+    p.add_argument("--sampling-rate", "-q", type=float_arg,
                    help="q = lot size / dataset size, in (0, 1] (Poisson sampling)")
     noise = p.add_mutually_exclusive_group(required=True)
-    noise.add_argument("--noise-multiplier", "-s", type=_float,
+    noise.add_argument("--noise-multiplier", "-s", type=float_arg,
                        help="sigma, noise std / clip bound (>= 0)")
-    noise.add_argument("--target-epsilon", type=_float,
+    noise.add_argument("--target-epsilon", type=float_arg,
                        help="print the smallest noise multiplier reaching this epsilon instead")
     length = p.add_mutually_exclusive_group(required=True)
-    length.add_argument("--steps", "-T", type=_float, help="number of lots (steps)")
-    length.add_argument("--epochs", "-E", type=_float, help="epochs; steps = epochs / q")
-    p.add_argument("--delta", "-d", type=_float, required=True, help="delta in (0, 1)")
+    length.add_argument("--steps", "-T", type=float_arg, help="number of lots (steps)")
+    length.add_argument("--epochs", "-E", type=float_arg, help="epochs; steps = epochs / q")
+    p.add_argument("--delta", "-d", type=float_arg, required=True, help="delta in (0, 1)")
     p.add_argument("--accountant", default="moments", choices=["moments", "rdp", "pld", "strong"])
     p.add_argument("--sampling", default="poisson",
                    choices=["poisson", "fixed_size", "shuffle"],
                    help="how lots are drawn (fixed_size and shuffle need --dataset-size "
                         "and --lot-size)")
-    p.add_argument("--dataset-size", type=_float, help="N (fixed_size / shuffle sampling)")
-    p.add_argument("--lot-size", type=_float, help="L (fixed_size / shuffle sampling)")
+    p.add_argument("--dataset-size", type=float_arg, help="N (fixed_size / shuffle sampling)")
+    p.add_argument("--lot-size", type=float_arg, help="L (fixed_size / shuffle sampling)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_privacy)
 
@@ -155,23 +148,23 @@ def _add_train_parser(sub) -> None:
                     "DP-SGD, trained until the privacy budget is spent; section 5.3 "
                     "(cifar10): frozen pretrained convolutions, DP-SGD on the dense layers.")
     p.add_argument("dataset", choices=["mnist", "fashion_mnist", "cifar10"])
-    p.add_argument("--epsilon", type=_float, default=2.0, help="target epsilon (budget)")
-    p.add_argument("--delta", type=_float, default=1e-5)
+    p.add_argument("--epsilon", type=float_arg, default=2.0, help="target epsilon (budget)")
+    p.add_argument("--delta", type=float_arg, default=1e-5)
     p.add_argument("--accountant", default="moments", choices=["moments", "rdp", "pld"])
     p.add_argument("--model", default="mlp", choices=["mlp", "tanh_cnn"])
-    p.add_argument("--noise-multiplier", type=_float,
+    p.add_argument("--noise-multiplier", type=float_arg,
                    help="sigma (default: the paper's setting for the epsilon: 2 / 4 / 8; "
                         "cifar10: calibrated so that --epochs epochs spend the budget)")
-    p.add_argument("--pca-noise-multiplier", type=_float,
+    p.add_argument("--pca-noise-multiplier", type=float_arg,
                    help="sigma_p of DP-PCA (default: the paper's 4 / 7 / 16)")
-    p.add_argument("--epochs", type=_float, default=None,
+    p.add_argument("--epochs", type=float_arg, default=None,
                    help="upper bound on epochs (training stops when the budget is spent; "
                         "default 1000; cifar10: 30)")
-    p.add_argument("--lot-size", type=_float, default=None, help="default 600; cifar10: 2000")
-    p.add_argument("--clip", type=_float, default=None,
+    p.add_argument("--lot-size", type=float_arg, default=None, help="default 600; cifar10: 2000")
+    p.add_argument("--clip", type=float_arg, default=None,
                    help="clip bound (default 4; cifar10: 3 per hidden layer, twice that "
                         "for the softmax layer)")
-    p.add_argument("--lr", type=_float, default=None, help="default 0.1; cifar10: 0.05")
+    p.add_argument("--lr", type=float_arg, default=None, help="default 0.1; cifar10: 0.05")
     p.add_argument("--trained-layers", default="top", choices=["softmax", "top", "dense"],
                    help="cifar10: layers trained privately (the convolutions stay frozen)")
     p.add_argument("--pretrained", default=None,

@@ -13,14 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dpfl_tf._validation import float_arg
+
 __all__ = ["add_federated_parser", "config_from_args"]
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
 
 
 def _int(text: str) -> int:
@@ -36,7 +31,7 @@ def _int(text: str) -> int:
 def _clip(text: str):
     if text == "median":
         return text
-    return _float(text)
+    return float_arg(text)
 
 
 def add_federated_parser(subparsers) -> argparse.ArgumentParser:
@@ -50,20 +45,20 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--clients", "-K", type=_int, default=100, help="number of clients K")
     d.add_argument("--partition", default="shards",
                    choices=["iid", "shards", "dirichlet", "unequal"])
-    d.add_argument("--dirichlet-alpha", type=_float, default=0.5)
+    d.add_argument("--dirichlet-alpha", type=float_arg, default=0.5)
     d.add_argument("--train-subset", type=_int, help="use only this many training examples")
     s = p.add_argument_group("rounds")
     who = s.add_mutually_exclusive_group()
     who.add_argument("--clients-per-round", "-m", type=_int, help="m clients per round")
-    who.add_argument("--fraction", "-C", type=_float, help="fraction C of clients per round")
+    who.add_argument("--fraction", "-C", type=float_arg, help="fraction C of clients per round")
     s.add_argument("--sampling", default="poisson", choices=["poisson", "fixed_size"],
                    help="Poisson (rate m/K) or m without replacement (needs --accountant rdp "
                         "with DP)")
     s.add_argument("--rounds", "-T", type=_int, default=100, help="maximum number of rounds")
     s.add_argument("--local-epochs", "-E", type=_int, default=1)
     s.add_argument("--local-batch-size", "-B", type=_int, default=10)
-    s.add_argument("--lr", type=_float, default=0.1, help="local learning rate")
-    s.add_argument("--momentum", type=_float, default=0.0)
+    s.add_argument("--lr", type=float_arg, default=0.1, help="local learning rate")
+    s.add_argument("--momentum", type=float_arg, default=0.0)
     s.add_argument("--aggregator", default="mean", choices=["mean", "median"])
     s.add_argument("--hidden", default="600,100", help="hidden layer widths, comma separated")
     q = p.add_argument_group("privacy")
@@ -71,9 +66,9 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
     q.add_argument("--clip", "-S", type=_clip, default=1.0,
                    help="clip bound S > 0, or 'median' (Geyer; NOT private; --dp global)")
     q.add_argument("--per-layer", action="store_true", help="one bound S per layer")
-    q.add_argument("--noise-multiplier", "-z", type=_float, default=1.0)
-    q.add_argument("--epsilon", type=_float, help="target epsilon: stop before exceeding it")
-    q.add_argument("--delta-max", type=_float, help="delta bound (< 1/K; default min(1e-5, 0.1/K))")
+    q.add_argument("--noise-multiplier", "-z", type=float_arg, default=1.0)
+    q.add_argument("--epsilon", type=float_arg, help="target epsilon: stop before exceeding it")
+    q.add_argument("--delta-max", type=float_arg, help="delta bound (< 1/K; default min(1e-5, 0.1/K))")
     q.add_argument("--accountant", default="moments", choices=["moments", "rdp", "pld", "strong"])
     o = p.add_argument_group("run")
     o.add_argument("--seed", type=_int, default=0)

@@ -30,11 +30,10 @@ from __future__ import annotations
 import glob
 import json
 import os
-import tempfile
 
 import keras
 
-from dpfl_tf._io import atomic_write_json
+from dpfl_tf._io import atomic_path, atomic_write_json
 
 __all__ = ["DPCheckpoint"]
 
@@ -77,18 +76,8 @@ class DPCheckpoint(keras.callbacks.Callback):
         """Writes the checkpoint for `epoch` finished epochs; returns the state."""
         name = f"model-{epoch:06d}.keras"
         path = os.path.join(self.directory, name)
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix="." + name + ".",
-                                   suffix=".keras")
-        os.close(fd)
-        try:
+        with atomic_path(path, suffix=".keras") as tmp:  # Keras wants a .keras name
             self.model.save(tmp, overwrite=True)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
         ledger = self.model.privacy_ledger
         state = {"format": CHECKPOINT_FORMAT, "epoch": int(epoch),
                  "model": name, "lots_applied": self.model.lots_applied,
