@@ -731,7 +731,26 @@ class LDPFLMechanism(LocalDPMechanism):
                         np.where(np.abs(y - (c - h)) <= tol, 1.0 - p_plus, 0.0))
 
 
-class LaplaceMechanism(LocalDPMechanism):
+class _AdditiveNoiseMechanism(LocalDPMechanism):
+    """y = t + zero-mean noise: unbiased, constant variance, unbounded output."""
+
+    @property
+    def noise_variance(self) -> float:
+        raise NotImplementedError
+
+    def mean(self, t):
+        return self._check_scalar_domain(t).copy()
+
+    def variance(self, t):
+        t = self._check_scalar_domain(t)
+        return np.full_like(t, self.noise_variance)
+
+    def output_range(self, t):
+        t = self._check_scalar_domain(t)
+        return np.full_like(t, -np.inf), np.full_like(t, np.inf)
+
+
+class LaplaceMechanism(_AdditiveNoiseMechanism):
     """Textbook Laplace baseline: t in [-1, 1] (sensitivity 2), y = t + Lap(2/eps).
 
     p(y|t) = exp(-|y - t|/s)/(2s), s = 2/eps; ratio <= exp(2/s) = e^eps.
@@ -756,16 +775,9 @@ class LaplaceMechanism(LocalDPMechanism):
         t = float(self._check_scalar_domain(t))
         return t + float(rng.laplace(0.0, 2.0 / self.epsilon))
 
-    def mean(self, t):
-        return self._check_scalar_domain(t).copy()
-
-    def variance(self, t):
-        t = self._check_scalar_domain(t)
-        return np.full_like(t, 2.0 * self.scale ** 2)
-
-    def output_range(self, t):
-        t = self._check_scalar_domain(t)
-        return np.full_like(t, -np.inf), np.full_like(t, np.inf)
+    @property
+    def noise_variance(self) -> float:
+        return 2.0 * self.scale ** 2
 
     def density(self, y, t):
         t = self._check_scalar_domain(t)
@@ -780,7 +792,7 @@ class LaplaceMechanism(LocalDPMechanism):
                                                  d)
 
 
-class GaussianMechanism(LocalDPMechanism):
+class GaussianMechanism(_AdditiveNoiseMechanism):
     """Textbook Gaussian baseline: t in [-1, 1] (sensitivity 2), y = t + N(0, (2 sigma)^2).
 
     Not pure: (eps, delta)-DP per coordinate with eps from the accountant on
@@ -845,16 +857,9 @@ class GaussianMechanism(LocalDPMechanism):
         t = float(self._check_scalar_domain(t))
         return t + float(rng.normal(0.0, 2.0 * self.noise_multiplier))
 
-    def mean(self, t):
-        return self._check_scalar_domain(t).copy()
-
-    def variance(self, t):
-        t = self._check_scalar_domain(t)
-        return np.full_like(t, self.stddev ** 2)
-
-    def output_range(self, t):
-        t = self._check_scalar_domain(t)
-        return np.full_like(t, -np.inf), np.full_like(t, np.inf)
+    @property
+    def noise_variance(self) -> float:
+        return self.stddev ** 2
 
     def density(self, y, t):
         t = self._check_scalar_domain(t)
