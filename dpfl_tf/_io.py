@@ -47,6 +47,21 @@ def atomic_write_json(path: str | os.PathLike, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, default=_default) + "\n")
 
 
+def merge_json_runs(path: str | os.PathLike, runs: list[dict],
+                    key: Callable[[dict], Any]) -> list[dict]:
+    """Writes `runs` into the JSON list at `path` (atomically), replacing the
+    runs already there with the same `key` and keeping every other one.
+    Returns the merged list."""
+    previous = []
+    if os.path.exists(path):
+        with open(path) as f:
+            previous = json.load(f)
+    new_keys = {key(r) for r in runs}
+    merged = [r for r in previous if key(r) not in new_keys] + list(runs)
+    atomic_write_json(path, merged)
+    return merged
+
+
 def _default(obj: Any):
     """JSON for numpy scalars and enums."""
     if hasattr(obj, "item"):

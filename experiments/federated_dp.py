@@ -27,12 +27,11 @@ epsilon versus round).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import numpy as np
 
-from dpfl_tf._io import atomic_write_json
+from dpfl_tf._io import atomic_write_json, merge_json_runs
 from dpfl_tf.federated.runner import FederatedConfig, peak_rss_mb, run_federated
 from dpfl_tf.plotting import save_figure
 
@@ -204,18 +203,8 @@ def main(argv=None) -> list[dict]:
     if args.speed_only:
         return speed
     path = os.path.join(args.output_dir, "federated_dp.json")
-    previous = []
-    if os.path.exists(path):
-        with open(path) as f:
-            previous = json.load(f)
-
-    def key(r):
-        return r["clients"], r.get("run"), r.get("quick"), r.get("seed")
-
-    new_keys = {key(r) for r in results}
-    merged = [r for r in previous if key(r) not in new_keys]
-    merged += results
-    atomic_write_json(path, merged)
+    merged = merge_json_runs(path, results, lambda r: (r["clients"], r.get("run"),
+                                                       r.get("quick"), r.get("seed")))
     _plot([r for r in merged if r.get("quick") == bool(args.quick)],
           os.path.join(args.output_dir, "federated_dp.png"))
     print(f"wrote {path} and federated_dp.png (peak RSS {peak_rss_mb():.0f} MiB)")

@@ -39,7 +39,7 @@ _EXPORTS = {
     "PiecewiseMechanism": "local_dp", "PNPMMechanism": "local_dp",
     "LDPFLMechanism": "local_dp", "LaplaceMechanism": "local_dp",
     "GaussianMechanism": "local_dp", "MechanismKind": "local_dp", "make_mechanism": "local_dp",
-    "DomainPolicy": "local_dp", "privacy_report": "local_dp",
+    "DomainPolicy": "local_dp", "privacy_report": "local_dp", "LocalDPUpload": "local_dp",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -61,8 +61,10 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--momentum", type=float_arg, default=0.0)
     s.add_argument("--aggregator", default="mean", choices=["mean", "median"])
     s.add_argument("--hidden", default="600,100", help="hidden layer widths, comma separated")
+    s.add_argument("--model", default="mlp", choices=["mlp", "cnn2", "cnn3"],
+                   help="mlp (--hidden), or the PNPM experiments' CNN with 2 or 3 conv layers")
     q = p.add_argument_group("privacy")
-    q.add_argument("--dp", default="none", choices=["none", "global", "client"])
+    q.add_argument("--dp", default="none", choices=["none", "global", "client", "local"])
     q.add_argument("--clip", "-S", type=_clip, default=1.0,
                    help="clip bound S > 0, or 'median' (Geyer; NOT private; --dp global)")
     q.add_argument("--per-layer", action="store_true", help="one bound S per layer")
@@ -70,6 +72,15 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
     q.add_argument("--epsilon", type=float_arg, help="target epsilon: stop before exceeding it")
     q.add_argument("--delta-max", type=float_arg, help="delta bound (< 1/K; default min(1e-5, 0.1/K))")
     q.add_argument("--accountant", default="moments", choices=["moments", "rdp", "pld", "strong"])
+    q.add_argument("--ldp-mechanism", default="pnpm",
+                   choices=["pnpm", "duchi", "piecewise", "ldp_fl", "laplace", "gaussian"],
+                   help="--dp local: the per-coordinate randomiser")
+    q.add_argument("--ldp-epsilon", type=float_arg, default=1.0,
+                   help="--dp local: epsilon per coordinate (NOT per model)")
+    q.add_argument("--ldp-bound", default="init",
+                   help="--dp local: public clip range [-r, r] of every weight, or 'init' "
+                        "(margin x the initial model's largest |w| per tensor)")
+    q.add_argument("--ldp-bound-margin", type=float_arg, default=2.0)
     o = p.add_argument_group("run")
     o.add_argument("--seed", type=_int, default=0)
     o.add_argument("--eval-every", type=_int, default=1)
@@ -100,7 +111,9 @@ def config_from_args(args, error=None):
         learning_rate=args.lr, momentum=args.momentum, aggregator=args.aggregator, dp=args.dp,
         clip=args.clip, per_layer=args.per_layer, noise_multiplier=args.noise_multiplier,
         target_epsilon=args.epsilon, delta_max=args.delta_max, accountant=args.accountant,
-        hidden=hidden, seed=args.seed, eval_every=args.eval_every,
+        hidden=hidden, model=args.model, ldp_mechanism=args.ldp_mechanism,
+        ldp_epsilon=args.ldp_epsilon, ldp_bound=args.ldp_bound,
+        ldp_bound_margin=args.ldp_bound_margin, seed=args.seed, eval_every=args.eval_every,
         train_subset=args.train_subset)
     try:
         config = FederatedConfig(**kwargs)
@@ -137,7 +150,13 @@ def _run_federated(args, error) -> int:
     eps = result["epsilon"]
     print(f"test accuracy = {result['test_accuracy']:.4f} after {result['rounds']} rounds "
           f"({result['mechanism']}, K={result['clients']})")
-    if config.dp.value == "none":
+    if config.dp.value == "local":
+        from dpfl_tf.federated.local_dp import LocalPrivacyReport
+
+        local = {k: v for k, v in result["privacy"]["local_dp"].items()
+                 if k not in ("max_participations", "mean_participations")}
+        print(LocalPrivacyReport(**local))
+    elif config.dp.value == "none":
         print("epsilon = inf: no noise, no differential privacy guarantee")
     else:
         print(f"epsilon = {eps:.4f} at delta = {result['delta']:g} "

@@ -107,12 +107,10 @@ import numpy as np
 import tensorflow as tf
 
 from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator
-from dpfl_tf.federated.local_dp import (DomainPolicy, GaussianMechanism, LocalDPMechanism,
-                                        privacy_report)
+from dpfl_tf.federated.local_dp import LocalDPUpload, stream_seed
 from dpfl_tf.federated.runner import DPMode, FederatedConfig, build_server, peak_rss_mb
 from dpfl_tf.federated.server import FederatedServer, RoundRecord
 from dpfl_tf.privacy.accountants import compute_epsilon
-from dpfl_tf.sanitizer import make_generator
 
 __all__ = [
     "DPStrategy", "LocalDPUpload", "LocalGrid", "client_app", "client_rng", "client_update",
@@ -130,12 +128,6 @@ ROUND_KEY = "dpfl-round"
 _STATE_KEY = "dpfl"
 _BACKENDS = ("ray", "local")
 _log = logging.getLogger("dpfl_tf.federated.flower")
-
-
-def _stream_seed(*parts: int) -> int:
-    """A 62-bit seed derived from integers (the formula FederatedServer uses to
-    reseed its noise per round: ``default_rng([noise_seed, t]).integers(2**62)``)."""
-    return int(np.random.default_rng([int(p) for p in parts]).integers(2**62))
 
 
 def client_rng(seed: int, round_index: int, client_id: int) -> np.random.Generator:
@@ -197,63 +189,6 @@ def config_to_run_config(config: FederatedConfig) -> dict:
 # ---------------------------------------------------------------------------
 # Client side
 
-@dataclasses.dataclass(frozen=True)
-class LocalDPUpload:
-    """A local-DP mechanism applied by the client to what it uploads.
-
-    Args:
-      mechanism: any `dpfl_tf.federated.local_dp.LocalDPMechanism`.
-      policy: how values are brought into the mechanism's domain (default
-        `DomainPolicy.error()`: out-of-domain values raise).
-      perturb: ``"weights"`` (default; the local model w_k = w_t + Delta_k is
-        perturbed, as in LDP-FL and the local_dp module, and Delta_k' =
-        M(w_k) - w_t is uploaded) or ``"update"`` (M(Delta_k) is uploaded).
-
-    Accounting (per client, across rounds): each upload of d coordinates is
-    reported with `local_dp.privacy_report(mechanism, d, uploads)`, i.e.
-    d*eps per upload and uploads*d*eps in total (basic composition; for the
-    Gaussian mechanism also the accountant's exact composition).
-    """
-
-    mechanism: LocalDPMechanism
-    policy: DomainPolicy | None = None
-    perturb: str = "weights"
-
-    def __post_init__(self):
-        if not isinstance(self.mechanism, LocalDPMechanism):
-            raise TypeError(f"mechanism must be a LocalDPMechanism, got "
-                            f"{type(self.mechanism).__name__}")
-        if self.policy is not None and not isinstance(self.policy, DomainPolicy):
-            raise TypeError(f"policy must be a DomainPolicy, got {type(self.policy).__name__}")
-        if self.perturb not in ("weights", "update"):
-            raise ValueError(f"perturb must be 'weights' or 'update', got {self.perturb!r}")
-
-    def generator(self, round_index: int, client_id: int) -> tf.random.Generator:
-        """OS entropy, or (mechanism.seed, t, k) when the mechanism is seeded (tests)."""
-        seed = self.mechanism.seed
-        return make_generator(None if seed is None else _stream_seed(seed, round_index,
-                                                                     client_id))
-
-    def apply(self, global_weights: Sequence[tf.Tensor], update: Sequence[tf.Tensor],
-              generator: tf.random.Generator) -> list[tf.Tensor]:
-        if self.perturb == "update":
-            return self.mechanism.perturb_weights(update, self.policy, generator=generator)
-        local = [w + u for w, u in zip(global_weights, update)]
-        noisy = self.mechanism.perturb_weights(local, self.policy, generator=generator)
-        return [n - w for n, w in zip(noisy, global_weights)]
-
-    def metrics(self, num_coordinates: int, uploads: int) -> dict[str, float]:
-        """The client's own report after `uploads` uploads (what it has spent)."""
-        rep = privacy_report(self.mechanism, num_coordinates, uploads)
-        out = {"ldp-epsilon-coordinate": float(rep.epsilon_per_coordinate),
-               "ldp-epsilon-upload": float(rep.epsilon_per_upload),
-               "ldp-epsilon-total": float(rep.epsilon_total)}
-        if isinstance(self.mechanism, GaussianMechanism):
-            out["ldp-delta-total"] = float(rep.delta_total)
-            out["ldp-accountant-epsilon-total"] = float(rep.accountant_epsilon_total)
-        return out
-
-
 def client_update(server: FederatedServer, client_id: int, global_weights: Sequence[tf.Tensor],
                   round_index: int, *, local_dp: LocalDPUpload | None = None
                   ) -> tuple[list[tf.Tensor], int]:
@@ -273,7 +208,7 @@ def client_update(server: FederatedServer, client_id: int, global_weights: Seque
     rng = client_rng(server.seed, round_index, k)
     delta = server.trainer.train(list(global_weights), indices, rng)
     if server.noise_seed is not None:      # tests only: per (noise_seed, t, k)
-        server.aggregator.reseed(_stream_seed(server.noise_seed, round_index, k))
+        server.aggregator.reseed(stream_seed(server.noise_seed, round_index, k))
     upload = server.aggregator.client_transform(delta)
     if local_dp is not None:
         upload = local_dp.apply(global_weights, upload, local_dp.generator(round_index, k))
@@ -561,7 +496,7 @@ class DPStrategy(Strategy):
         t = srv.rounds_done
         rng = srv.round_rng(t)                              # as FederatedServer.run_round
         if srv.noise_seed is not None:
-            srv.aggregator.reseed(_stream_seed(srv.noise_seed, t))
+            srv.aggregator.reseed(stream_seed(srv.noise_seed, t))
         selected = srv.sampling.sample(rng, srv.num_clients)
         chosen = [node_ids[int(i)] for i in selected]
         weights = [tf.constant(a) for a in arrays.to_numpy_ndarrays()]

@@ -101,7 +101,7 @@ __all__ = [
     "MechanismKind", "make_mechanism",
     "DomainMode", "DomainPolicy", "out_of_domain_counts",
     "LocalPrivacyReport", "privacy_report", "gaussian_upload_report",
-    "pnpm_magnitude_distinguishability",
+    "pnpm_magnitude_distinguishability", "LocalDPUpload", "stream_seed",
 ]
 
 #: eps above this makes e^eps overflow the constants' useful precision; such a
@@ -921,6 +921,81 @@ def out_of_domain_counts(weights: Sequence[Any], policy: DomainPolicy,
             lo, hi = c - r, c + r
         out.append(int(np.sum(~np.isfinite(w) | (w < lo) | (w > hi))))
     return out
+
+
+# ---------------------------------------------------------------------------
+# The client's local-DP step (shared by FederatedServer and the Flower ClientApp)
+
+def stream_seed(*parts: int) -> int:
+    """A 62-bit seed derived from integers, e.g. (noise_seed, round, client): the
+    formula FederatedServer uses to reseed its noise per round."""
+    return int(np.random.default_rng([int(p) for p in parts]).integers(2**62))
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalDPUpload:
+    """A local-DP mechanism applied by the client to what it uploads.
+
+    Args:
+      mechanism: any `dpfl_tf.federated.local_dp.LocalDPMechanism`.
+      policy: how values are brought into the mechanism's domain (default
+        `DomainPolicy.error()`: out-of-domain values raise).
+      perturb: ``"weights"`` (default; the local model w_k = w_t + Delta_k is
+        perturbed, as in LDP-FL and the local_dp module, and Delta_k' =
+        M(w_k) - w_t is uploaded) or ``"update"`` (M(Delta_k) is uploaded).
+
+    Accounting (per client, across rounds): each upload of d coordinates is
+    reported with `local_dp.privacy_report(mechanism, d, uploads)`, i.e.
+    d*eps per upload and uploads*d*eps in total (basic composition; for the
+    Gaussian mechanism also the accountant's exact composition).
+    """
+
+    mechanism: LocalDPMechanism
+    policy: DomainPolicy | None = None
+    perturb: str = "weights"
+
+    def __post_init__(self):
+        if not isinstance(self.mechanism, LocalDPMechanism):
+            raise TypeError(f"mechanism must be a LocalDPMechanism, got "
+                            f"{type(self.mechanism).__name__}")
+        if self.policy is not None and not isinstance(self.policy, DomainPolicy):
+            raise TypeError(f"policy must be a DomainPolicy, got {type(self.policy).__name__}")
+        if self.perturb not in ("weights", "update"):
+            raise ValueError(f"perturb must be 'weights' or 'update', got {self.perturb!r}")
+
+    def generator(self, round_index: int, client_id: int) -> tf.random.Generator:
+        """OS entropy, or (mechanism.seed, t, k) when the mechanism is seeded (tests)."""
+        seed = self.mechanism.seed
+        return make_generator(None if seed is None else stream_seed(seed, round_index,
+                                                                     client_id))
+
+    def apply(self, global_weights: Sequence[tf.Tensor], update: Sequence[tf.Tensor],
+              generator: tf.random.Generator) -> list[tf.Tensor]:
+        if self.perturb == "update":
+            return self.mechanism.perturb_weights(update, self.policy, generator=generator)
+        local = [w + u for w, u in zip(global_weights, update)]
+        noisy = self.mechanism.perturb_weights(local, self.policy, generator=generator)
+        return [n - w for n, w in zip(noisy, global_weights)]
+
+    def report(self, num_coordinates: int, uploads: int) -> "LocalPrivacyReport":
+        """`privacy_report` of `uploads` uploads of `num_coordinates` coordinates."""
+        return privacy_report(self.mechanism, num_coordinates, uploads)
+
+    def get_config(self) -> dict:
+        return {"mechanism": type(self.mechanism).__name__, **self.mechanism.get_config(),
+                "policy": None if self.policy is None else self.policy.to_dict(),
+                "perturb": self.perturb}
+
+    def metrics(self, num_coordinates: int, uploads: int) -> dict[str, float]:
+        """The client's own report after `uploads` uploads (what it has spent)."""
+        rep = self.report(num_coordinates, uploads)
+        out = {"ldp-epsilon-coordinate": float(rep.epsilon_per_coordinate),
+               "ldp-epsilon-upload": float(rep.epsilon_per_upload),
+               "ldp-epsilon-total": float(rep.epsilon_total)}
+        if isinstance(self.mechanism, GaussianMechanism):
+            out["ldp-delta-total"] = float(rep.delta_total)
+            out["ldp-accountant-epsilon-total"] = float(rep.accountant_epsilon_total)
+        return out
 
 
 # ---------------------------------------------------------------------------

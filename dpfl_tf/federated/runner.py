@@ -20,7 +20,8 @@ from dpfl_tf.federated.partition import PartitionScheme, make_partition
 from dpfl_tf.privacy.accountants import AccountantKind
 from dpfl_tf.privacy.events import SamplingMethod
 
-__all__ = ["DPMode", "FederatedConfig", "build_server", "fully_connected_model",
+__all__ = ["DPMode", "FederatedConfig", "MODELS", "build_model", "build_server",
+           "fully_connected_model", "local_dp_upload",
            "peak_rss_mb", "run_federated"]
 
 
@@ -29,6 +30,11 @@ class DPMode(ChoiceEnum):
     NONE = "none"        # plain FedAvg / FedMedian
     GLOBAL = "global"    # Geyer et al.: server clips and noises the sum
     CLIENT = "client"    # DP-FedAvg with client-side noise
+    LOCAL = "local"      # local DP: every client perturbs its model before upload
+
+
+#: Model builders by name: (input_shape, num_classes, hidden, seed) -> keras.Model.
+MODELS = ("mlp", "cnn2", "cnn3")
 
 
 def fully_connected_model(input_shape: Sequence[int] = (28, 28),
@@ -49,7 +55,18 @@ def fully_connected_model(input_shape: Sequence[int] = (28, 28),
 class FederatedConfig:
     """Everything one federated run needs.  Checked in ``__post_init__``.
 
-    Privacy arguments: ``dp`` (none | global | client), ``clip`` (S > 0, or
+    ``model``: "mlp" (`fully_connected_model` with ``hidden``), "cnn2" or
+    "cnn3" (`dpfl_tf.models.pnpm_cnn` of depth 2 or 3).
+
+    Local DP (``dp="local"``): every client perturbs its local model with
+    ``ldp_mechanism`` at ``ldp_epsilon`` per coordinate before upload.
+    Mechanisms with a bounded domain (all but PNPM) clip each weight tensor to
+    [-r, r] with ``ldp_bound`` = r, or "init": r = ``ldp_bound_margin`` x the
+    largest |w| of that tensor in the initial global model (public: the server
+    draws and broadcasts it); a zero-initialised tensor (a bias) takes the
+    bound of the tensor before it.
+
+    Privacy arguments: ``dp`` (none | global | client | local), ``clip`` (S > 0, or
     "median" for Geyer's non-private median-of-norms bound, global DP only),
     ``per_layer`` (one bound S per layer, the S given for each), ``noise_multiplier``
     (sigma or z), ``target_epsilon`` and ``delta_max`` (stop rule),
@@ -77,6 +94,11 @@ class FederatedConfig:
     delta_max: float | None = None
     accountant: AccountantKind = AccountantKind.MOMENTS
     hidden: tuple[int, ...] = (600, 100)
+    model: str = "mlp"
+    ldp_mechanism: str = "pnpm"
+    ldp_epsilon: float = 1.0
+    ldp_bound: float | str = "init"
+    ldp_bound_margin: float = 2.0
     seed: int = 0
     noise_seed: int | None = None
     eval_every: int = 1
@@ -118,7 +140,7 @@ class FederatedConfig:
                              "dp='global' only")
         s(self, "noise_multiplier", check_number("noise_multiplier", self.noise_multiplier,
                                                  low=0.0))
-        if self.dp is not DPMode.NONE and self.delta_max is None:
+        if self.dp in (DPMode.GLOBAL, DPMode.CLIENT) and self.delta_max is None:
             s(self, "delta_max", min(1e-5, 0.1 / self.clients))
         if self.delta_max is not None:
             s(self, "delta_max", check_number("delta_max", self.delta_max, low=0.0, high=1.0,
@@ -126,14 +148,32 @@ class FederatedConfig:
         if self.target_epsilon is not None:
             s(self, "target_epsilon", check_number("target_epsilon", self.target_epsilon,
                                                    low=0.0, low_open=True))
-            if self.dp is DPMode.NONE:
-                raise ValueError("target_epsilon needs dp='global' or dp='client'")
+            if self.dp in (DPMode.NONE, DPMode.LOCAL):
+                raise ValueError("target_epsilon needs dp='global' or dp='client' (local DP "
+                                 "has a per-coordinate ldp_epsilon instead)")
         if self.dp is DPMode.CLIENT and self.sampling is not SamplingMethod.FIXED_SIZE:
             raise ValueError("dp='client' (client-side noise) needs sampling='fixed_size': "
                              "the released sum's noise depends on the number of uploads")
         if self.train_subset is not None:
             s(self, "train_subset", check_count("train_subset", self.train_subset, minimum=1))
         s(self, "hidden", tuple(check_count("hidden", h, minimum=1) for h in self.hidden))
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.dp is DPMode.LOCAL:
+            from dpfl_tf.federated.local_dp import MAX_EPSILON, MechanismKind
+
+            s(self, "ldp_mechanism", MechanismKind.parse(self.ldp_mechanism).value)
+            s(self, "ldp_epsilon", check_number("ldp_epsilon", self.ldp_epsilon, low=0.0,
+                                                high=MAX_EPSILON, low_open=True))
+            if self.ldp_bound != "init":
+                try:
+                    bound = float(self.ldp_bound)
+                except (TypeError, ValueError):
+                    raise ValueError(f"ldp_bound must be a number > 0 or 'init', got "
+                                     f"{self.ldp_bound!r}") from None
+                s(self, "ldp_bound", check_number("ldp_bound", bound, low=0.0, low_open=True))
+            s(self, "ldp_bound_margin", check_number("ldp_bound_margin", self.ldp_bound_margin,
+                                                     low=0.0, low_open=True))
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -167,12 +207,15 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
         x, y = x[np.sort(keep)], y[np.sort(keep)]
     kwargs = {"alpha": c.dirichlet_alpha} if c.partition is PartitionScheme.DIRICHLET else {}
     partition = make_partition(y, c.clients, c.partition, seed=c.seed, **kwargs)
-    model = fully_connected_model(ds.input_shape, c.hidden, ds.num_classes, seed=c.seed)
+    model = build_model(c, ds.input_shape, ds.num_classes)
     trainer = LocalTrainer(model, x, y, local_epochs=c.local_epochs,
                            batch_size=c.local_batch_size, learning_rate=c.learning_rate,
                            momentum=c.momentum)
-    if c.dp is DPMode.NONE:
+    local_dp = None
+    if c.dp in (DPMode.NONE, DPMode.LOCAL):
         aggregator = MeanAggregator() if c.aggregator == "mean" else MedianAggregator()
+        if c.dp is DPMode.LOCAL:
+            local_dp = local_dp_upload(c, trainer.get_weights())
     else:
         groups = layer_groups(model) if c.per_layer else None
         n_layers = (max(groups) + 1) if groups else 1
@@ -192,7 +235,7 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
                              test_data=(ds.x_test, ds.y_test),
                              target_epsilon=c.target_epsilon, delta_max=c.delta_max,
                              accountant=c.accountant, seed=c.seed, noise_seed=c.noise_seed,
-                             eval_every=c.eval_every, progress=progress)
+                             eval_every=c.eval_every, progress=progress, local_dp=local_dp)
     if c.noise_seed is not None and c.dp is not DPMode.NONE:
         from dpfl_tf.recipes.common import deployment_note
 
@@ -200,7 +243,52 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
     return server, ds
 
 
+def build_model(config: FederatedConfig, input_shape: Sequence[int], num_classes: int):
+    """The config's model, initialised from ``config.seed``."""
+    if config.model == "mlp":
+        return fully_connected_model(input_shape, config.hidden, num_classes, seed=config.seed)
+    import keras
+
+    from dpfl_tf.models import pnpm_cnn
+
+    keras.utils.set_random_seed(int(config.seed))
+    return pnpm_cnn(tuple(input_shape), num_classes, depth=2 if config.model == "cnn2" else 3)
+
+
+def local_dp_upload(config: FederatedConfig, initial_weights: Sequence[Any]):
+    """The clients' `LocalDPUpload` for ``dp="local"`` (see `FederatedConfig`)."""
+    from dpfl_tf.federated.local_dp import (DomainPolicy, LocalDPUpload, MechanismKind,
+                                            make_mechanism)
+
+    c = config
+    kind = MechanismKind.parse(c.ldp_mechanism)
+    mechanism = make_mechanism(kind, c.ldp_epsilon,
+                               **({"seed": c.noise_seed} if c.noise_seed is not None else {}))
+    if mechanism.input_domain() is None:          # PNPM: any finite weight
+        return LocalDPUpload(mechanism)
+    if c.ldp_bound == "init":
+        bounds, previous = [], 1.0
+        for w in initial_weights:
+            top = float(np.max(np.abs(np.asarray(w)))) if np.size(w) else 0.0
+            previous = c.ldp_bound_margin * top if top > 0 else previous
+            bounds.append(previous)
+        policy = DomainPolicy.clip(tuple(bounds))
+    else:
+        policy = DomainPolicy.clip(float(c.ldp_bound))
+    return LocalDPUpload(mechanism, policy)
+
+
+def _local_summary(local: dict) -> dict:
+    """The local-DP budget fields of a result (per client, basic composition)."""
+    return {"epsilon_per_coordinate": local["epsilon_per_coordinate"],
+            "epsilon_per_upload": local["epsilon_per_upload"],
+            "epsilon_total_per_client": local["epsilon_total"],
+            "num_coordinates": local["num_coordinates"]}
+
+
 def _mechanism(c: FederatedConfig) -> str:
+    if c.dp is DPMode.LOCAL:
+        return f"ldp_{c.ldp_mechanism}"
     if c.dp is DPMode.NONE:
         return "fedavg" if c.aggregator == "mean" else "fedmedian"
     return "global_dp" if c.dp is DPMode.GLOBAL else "client_dp"
@@ -238,6 +326,8 @@ def run_federated(config: FederatedConfig, dataset=None, *, progress: bool = Tru
         **({"note": server.notices[-1]} if c.noise_seed is not None and c.dp is not DPMode.NONE
            else {}),
         "privacy": report,
+        **({"model": c.model} if c.model != "mlp" else {}),
+        **(_local_summary(report["local_dp"]) if "local_dp" in report else {}),
         "local_epochs": c.local_epochs, "local_batch_size": c.local_batch_size,
         "learning_rate": c.learning_rate, "momentum": c.momentum,
         "config": c.to_dict(),

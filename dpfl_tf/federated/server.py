@@ -40,6 +40,7 @@ from dpfl_tf._io import atomic_write, atomic_write_json
 from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.federated.aggregators import Aggregator, ClientNoiseDPAggregator
 from dpfl_tf.federated.client import LocalTrainer, preprocess_images
+from dpfl_tf.federated.local_dp import LocalDPUpload
 from dpfl_tf.federated.partition import ClientPartition
 from dpfl_tf.privacy.accountants import AccountantKind, compute_delta, compute_epsilon
 from dpfl_tf.privacy.events import SamplingMethod, describe_event
@@ -172,6 +173,9 @@ class FederatedServer:
       noise_seed: seeds the DP noise per round (tests only; default OS entropy).
       eval_every: evaluate every n rounds (and after the last).
       progress: show a progress bar over rounds (accuracy and epsilon).
+      local_dp: a `LocalDPUpload` every client applies to its upload after the
+        aggregator's client step (local DP: Duchi, PM, PNPM, LDP-FL, ...); its
+        per-client budget is in `privacy_report()["local_dp"]`.
     """
 
     def __init__(self, trainer: LocalTrainer, partition: ClientPartition, aggregator: Aggregator,
@@ -179,7 +183,8 @@ class FederatedServer:
                  target_epsilon: float | None = None, delta_max: float | None = None,
                  accountant: AccountantKind | str = AccountantKind.MOMENTS, seed: int = 0,
                  noise_seed: int | None = None, eval_every: int = 1,
-                 eval_batch_size: int = 2000, progress: bool = True):
+                 eval_batch_size: int = 2000, progress: bool = True,
+                 local_dp: LocalDPUpload | None = None):
         if not isinstance(partition, ClientPartition):
             raise TypeError(f"partition must be a ClientPartition, got {type(partition).__name__}")
         if not isinstance(aggregator, Aggregator):
@@ -189,6 +194,9 @@ class FederatedServer:
         if int(partition.indices.max()) >= trainer.num_examples:
             raise ValueError(f"the partition refers to example {int(partition.indices.max())} "
                              f"but the training set has {trainer.num_examples} examples")
+        if local_dp is not None and not isinstance(local_dp, LocalDPUpload):
+            raise TypeError(f"local_dp must be a LocalDPUpload, got {type(local_dp).__name__}")
+        self.local_dp = local_dp
         self.trainer = trainer
         self.partition = partition
         self.aggregator = aggregator
@@ -317,7 +325,11 @@ class FederatedServer:
             for k in selected:
                 indices = self.partition.client(int(k))
                 delta = self.trainer.train(global_weights, indices, rng)
-                yield self.aggregator.client_transform(delta), float(len(indices))
+                upload = self.aggregator.client_transform(delta)
+                if self.local_dp is not None:
+                    upload = self.local_dp.apply(global_weights, upload,
+                                                 self.local_dp.generator(t, int(k)))
+                yield upload, float(len(indices))
 
         result = self.aggregator.aggregate(uploads(), global_weights,
                                            expected_clients=self.expected_clients)
@@ -384,8 +396,21 @@ class FederatedServer:
 
     # -- reports -----------------------------------------------------------------
     def privacy_report(self) -> dict:
-        """What the run cost, for the released model and (client-side noise) per upload."""
+        """What the run cost, for the released model and (client-side noise) per upload;
+        with local DP also each client's local budget (``"local_dp"``)."""
+        local = None
+        if self.local_dp is not None:
+            n_max = max(1, int(self.participations.max()) if len(self.participations) else 0)
+            d = int(sum(int(np.prod(v.shape)) for v in self.trainer.variables))
+            local = {**self.local_dp.report(d, n_max).to_dict(),
+                     "max_participations": int(self.participations.max()),
+                     "mean_participations": float(self.participations.mean())}
         if not self.aggregator.private:
+            if local is not None:
+                return {"mechanism": "local_dp", "epsilon": None, "epsilon_is_infinite": True,
+                        "note": "no central DP accounting: the released model inherits only "
+                                "the local guarantee of every upload (see local_dp)",
+                        "local_dp": local}
             return {"mechanism": "none", "epsilon": None, "epsilon_is_infinite": True,
                     "note": "no noise: no differential privacy guarantee"}
         eps = self.epsilon()
@@ -415,12 +440,15 @@ class FederatedServer:
             }
             report["released_model_noise_multiplier"] = self.aggregator.aggregate_noise_multiplier(
                 self.num_components, self.sampling.clients_for(self.num_clients))
+        if local is not None:
+            report["local_dp"] = local
         return report
 
     # -- checkpoints ---------------------------------------------------------------
     def _fingerprint(self) -> dict:
         return {"num_clients": self.num_clients, "sampling": self.sampling.to_dict(),
                 "aggregator": self.aggregator.get_config(), "seed": self.seed,
+                "local_dp": None if self.local_dp is None else self.local_dp.get_config(),
                 "accountant": self.accountant.value,
                 "variables": [list(v.shape) for v in self.trainer.variables]}
 

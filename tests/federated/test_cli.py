@@ -76,3 +76,41 @@ def test_tiny_run_writes_a_results_file(tmp_path, capsys):
         assert key in data
     assert data["mechanism"] == "global_dp" and data["rounds"] == 2
     assert 0 < data["epsilon"] <= 20 and len(data["history"]) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("--dp local --ldp-epsilon 0", "--ldp-epsilon must be in (0, 50], got 0.0"),
+    ("--dp local --ldp-mechanism duchi --ldp-bound wide", "--ldp-bound must be a number > 0 or 'init', got 'wide'"),
+    ("--dp local --ldp-mechanism duchi --ldp-bound -1", "--ldp-bound must be > 0"),
+    ("--dp local --epsilon 8", "--epsilon needs dp='global' or dp='client'"),
+])
+def test_bad_local_dp_arguments_are_refused(argv, message, capsys):
+    parser, fed = _parser()
+    args = parser.parse_args(["federated", *argv.split()])
+    with pytest.raises(SystemExit):
+        config_from_args(args, fed.error)
+    err = " ".join(capsys.readouterr().err.split())
+    assert message in err, err
+
+
+def test_local_dp_run_reports_the_budget_per_coordinate_upload_and_total(tmp_path, capsys):
+    parser, fed = _parser()
+    out = tmp_path / "ldp.json"
+    args = parser.parse_args(
+        ["federated", "--clients", "5", "--train-subset", "500", "--clients-per-round", "5",
+         "--sampling", "fixed_size", "--partition", "iid", "--rounds", "2", "--model", "cnn2",
+         "--dp", "local", "--ldp-mechanism", "pnpm", "--ldp-epsilon", "0.5", "--no-progress",
+         "--output", str(out)])
+    assert args.func(args, fed.error) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    data = json.loads(out.read_text())
+    d = 21_840  # pnpm_cnn(depth=2): 21,750 kernel weights + 90 biases, all perturbed
+    assert data["mechanism"] == "ldp_pnpm" and data["num_coordinates"] == d
+    assert data["epsilon_per_coordinate"] == 0.5
+    assert data["epsilon_per_upload"] == pytest.approx(0.5 * d)
+    # every client took part in both rounds: two uploads each
+    assert data["privacy"]["local_dp"]["max_participations"] == 2
+    assert data["epsilon_total_per_client"] == pytest.approx(2 * 0.5 * d)
+    assert data["epsilon"] is None  # no central guarantee is claimed
+    assert "per upload (d = 21840): eps = 10920" in printed
+    assert "SIGN of each weight only" in printed

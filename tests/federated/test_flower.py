@@ -109,7 +109,7 @@ def test_client_local_dp_upload_and_its_composition_across_rounds(mnist_small):
     ctx = _context(1)
     reply = app(_train_message(w0, 0), ctx)
     delta = ref.trainer.train(w0, ref.partition.client(1), np.random.default_rng([0, 0, 1]))
-    gen = make_generator(fl._stream_seed(5, 0, 1))
+    gen = make_generator(fl.stream_seed(5, 0, 1))
     want = [p - w for p, w in zip(mech.perturb_weights([w + d for w, d in zip(w0, delta)],
                                                        policy, generator=gen), w0)]
     for g, e in zip(_arrays(reply), want):
