@@ -51,14 +51,19 @@ def merge_json_runs(path: str | os.PathLike, runs: list[dict],
                     key: Callable[[dict], Any]) -> list[dict]:
     """Writes `runs` into the JSON list at `path` (atomically), replacing the
     runs already there with the same `key` and keeping every other one.
-    Returns the merged list."""
-    previous = []
-    if os.path.exists(path):
-        with open(path) as f:
-            previous = json.load(f)
-    new_keys = {key(r) for r in runs}
-    merged = [r for r in previous if key(r) not in new_keys] + list(runs)
-    atomic_write_json(path, merged)
+    Returns the merged list.  An exclusive lock on ``path + ".lock"`` makes
+    the read-merge-write safe between experiment processes sharing a file."""
+    import fcntl
+
+    with open(os.fspath(path) + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        previous = []
+        if os.path.exists(path):
+            with open(path) as f:
+                previous = json.load(f)
+        new_keys = {key(r) for r in runs}
+        merged = [r for r in previous if key(r) not in new_keys] + list(runs)
+        atomic_write_json(path, merged)
     return merged
 
 

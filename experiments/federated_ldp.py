@@ -125,7 +125,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--mechanisms", nargs="+", default=list(MECHANISMS),
                    choices=list(MECHANISMS) + ["laplace", "gaussian"])
     p.add_argument("--epsilon", type=float, help="eps per coordinate (default per setting)")
-    p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument("--local-epochs", type=int, default=5)
     p.add_argument("--local-batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=0.05, help="local learning rate (paper: 0.01-0.06)")
     p.add_argument("--momentum", type=float, default=0.5)

@@ -9,9 +9,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import dp_accounting
+import numpy as np
 from dp_accounting import pld as _pld
 from dp_accounting import rdp as _rdp
 
@@ -39,11 +41,44 @@ def make_accountant(kind: AccountantKind | str = AccountantKind.MOMENTS, *,
     if kind is AccountantKind.MOMENTS:
         return MomentsAccountant(neighboring_relation=neighboring_relation)
     if kind is AccountantKind.RDP:
-        return _rdp.RdpAccountant(neighboring_relation=neighboring_relation)
+        return CachedRdpAccountant(neighboring_relation=neighboring_relation)
     if kind is AccountantKind.PLD:
         return _pld.PLDAccountant(neighboring_relation=neighboring_relation,
                                   value_discretization_interval=pld_discretization)
     return StrongCompositionAccountant(neighboring_relation=neighboring_relation)
+
+
+@functools.lru_cache(maxsize=256)
+def _rdp_of_leaf(leaf: dp_accounting.DpEvent, relation) -> tuple[tuple, np.ndarray]:
+    """(orders, RDP curve) of one non-composite event, from dp_accounting's RdpAccountant."""
+    acc = _rdp.RdpAccountant(neighboring_relation=relation)
+    acc.compose(leaf)
+    return tuple(acc._orders), np.asarray(acc._rdp, dtype=float)
+
+
+class CachedRdpAccountant(_rdp.RdpAccountant):
+    """dp_accounting's RDP accountant, with each distinct leaf event's RDP curve
+    computed once per process.  RDP composes additively, so an event tree
+    costs sum(count x curve(leaf)): logging epsilon after every lot of a long
+    run no longer recomputes the sampled-Gaussian curve (tens of ms) each time.
+    Same numbers as `dp_accounting.rdp.RdpAccountant` (tested)."""
+
+    def _maybe_compose(self, event, count, do_compose):
+        if isinstance(event, dp_accounting.SelfComposedDpEvent):
+            return self._maybe_compose(event.event, event.count * count, do_compose)
+        if isinstance(event, dp_accounting.ComposedDpEvent):
+            for e in event.events:
+                err = self._maybe_compose(e, count, do_compose)
+                if err is not None:
+                    return err
+            return None
+        err = super()._maybe_compose(event, count, do_compose=False)  # support check only
+        if err is None and do_compose and count > 0:
+            orders, curve = _rdp_of_leaf(event, self._neighboring_relation)
+            if orders != tuple(self._orders):   # other orders: the uncached path
+                return super()._maybe_compose(event, count, do_compose)
+            self._rdp = self._rdp + count * curve
+        return err
 
 
 def _accountant_for(event: dp_accounting.DpEvent, kind) -> dp_accounting.PrivacyAccountant:

@@ -76,3 +76,26 @@ def test_zero_noise_gives_infinite_epsilon_everywhere():
     event = dp_sgd_event(0.0, 10, sampling_rate=0.1)
     for kind in ["moments", "rdp", "pld", "strong"]:
         assert compute_epsilon(event, 1e-5, kind) == math.inf, kind
+
+
+@pytest.mark.parametrize("event", [
+    dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(dp_sgd_event(1.1, 1, sampling_rate=0.01), 700),
+        dp_accounting.GaussianDpEvent(7.0),
+        dp_accounting.SelfComposedDpEvent(dp_accounting.ComposedDpEvent([
+            dp_sgd_event(2.0, 3, sampling_rate=0.05), dp_accounting.NoOpDpEvent()]), 4)]),
+    dp_accounting.SelfComposedDpEvent(dp_accounting.SampledWithoutReplacementDpEvent(
+        60000, 256, dp_accounting.GaussianDpEvent(0.55)), 900),
+    dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(1.0),
+                                   dp_accounting.NonPrivateDpEvent()]),
+])
+def test_cached_rdp_accountant_gives_dp_accountings_numbers(event):
+    relation = neighboring_relation_of(event)
+    plain = rdp.RdpAccountant(neighboring_relation=relation).compose(event)
+    ours = make_accountant("rdp", neighboring_relation=relation).compose(event)
+    ours_again = make_accountant("rdp", neighboring_relation=relation).compose(event)  # cached
+    for delta in (1e-5, 1e-3):
+        want = plain.get_epsilon(delta)
+        assert ours.get_epsilon(delta) == pytest.approx(want, rel=1e-12)
+        assert ours_again.get_epsilon(delta) == pytest.approx(want, rel=1e-12)
+    assert ours.get_delta(2.0) == pytest.approx(plain.get_delta(2.0), rel=1e-12)
