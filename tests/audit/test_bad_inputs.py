@@ -425,6 +425,30 @@ def _(ctx):
     _cli(ctx, "federated", "--rounds", "2.5")
 
 
+@row("cli/federated/ldp-epsilon", "out of range", SystemExit,
+     "--ldp-epsilon must be in (0, 50], got 0.0")
+def _(ctx):
+    _cli(ctx, "federated", "--dp", "local", "--ldp-epsilon", "0")
+
+
+@row("federated/ldp-pnpm-nan-weight", "wrong dtype", ValueError,
+     "1 of 2 entries of weight tensor 0 (shape [2]) are NaN or inf")
+def _(ctx):
+    from dpfl_tf.federated.local_dp import LocalDPUpload, PNPMMechanism
+
+    upload = LocalDPUpload(PNPMMechanism(1.0, seed=0))
+    upload.apply([tf.zeros([2])], [tf.constant([0.1, np.nan])], upload.generator(0, 0))
+
+
+@row("federated/ldp-duchi-out-of-domain", "out of range", ValueError,
+     "outside the input range [-1, 1]")
+def _(ctx):
+    from dpfl_tf.federated.local_dp import DuchiMechanism, LocalDPUpload
+
+    upload = LocalDPUpload(DuchiMechanism(1.0, seed=0))     # no policy: never clipped silently
+    upload.apply([tf.zeros([2])], [tf.constant([0.5, 3.0])], upload.generator(0, 0))
+
+
 @pytest.mark.parametrize("case", ROWS, ids=[r.id for r in ROWS])
 def test_bad_input_gives_a_clear_error_and_leaves_no_results_file(case, tmp_path, monkeypatch,
                                                                    capsys):
