@@ -303,7 +303,8 @@ class DPModel(keras.Model):
         def take(t, start, size):
             begin = tf.concat([[start], tf.zeros([t.shape.rank - 1], tf.int32)], 0)
             sizes = tf.concat([[size], -tf.ones([t.shape.rank - 1], tf.int32)], 0)
-            return tf.slice(t, begin, sizes)
+            # keep the static feature shape (layers such as GroupNormalization need it)
+            return tf.ensure_shape(tf.slice(t, begin, sizes), [None, *t.shape[1:]])
 
         def body(i, acc, loss_sum):
             start = i * bsz

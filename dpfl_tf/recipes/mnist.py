@@ -5,6 +5,16 @@ clip 4; learning rate 0.1 decaying linearly to 0.052 over 10 epochs, then
 constant; delta = 1e-5; train until the target epsilon is spent.  The DP-PCA
 release and every DP-SGD lot go into one ledger.  `model="tanh_cnn"` trains
 the small tanh CNN of Papernot et al. 2021 end to end on the images instead.
+
+`model="scatter_linear"` is Tramer & Boneh 2021 ("Differentially Private
+Learning Needs Better Features"): order-2 scattering features (J=2, L=8:
+7x7x81 per image, `dpfl_tf.scattering`) computed once, then per-example
+GroupNormalization (27 groups, no parameters) and a linear softmax layer
+trained with DP-SGD.  The scattering transform is fixed and data-independent
+and the normalisation acts on each example alone, so neither costs privacy:
+the ledger holds only the DP-SGD lots.  Their MNIST setting: lot 4096 (ours
+4096 or 2048), clip 0.1, momentum 0.9, ~40 epochs, noise calibrated for the
+epochs; they report 98.7% at epsilon = 3.
 """
 
 from __future__ import annotations
@@ -19,11 +29,14 @@ from dpfl_tf.data import load_dataset
 from dpfl_tf.keras import DPModel, DPSGD
 from dpfl_tf.models import mlp, tanh_cnn
 from dpfl_tf.pca import DPPCA, PCAProjection, RandomProjection
+from dpfl_tf.scattering import Scattering2D, scatter_linear
 from dpfl_tf.privacy import (PrivacyLedger, calibrate_noise_multiplier, dp_sgd_event,
                              gaussian_step_event, max_steps)
 from dpfl_tf.recipes.common import EpochHistory, accuracy, paper_learning_rate, privacy_summary
 
-__all__ = ["MnistConfig", "train_mnist", "PAPER_SETTINGS"]
+__all__ = ["MnistConfig", "train_mnist", "PAPER_SETTINGS", "MODELS"]
+
+MODELS = ("mlp", "tanh_cnn", "scatter_linear")
 
 PAPER_SETTINGS = {  # Abadi et al. 2016, section 5.2
     "small_noise": {"noise_multiplier": 2.0, "pca_noise_multiplier": 4.0, "target_epsilon": 8.0,
@@ -39,7 +52,7 @@ PAPER_SETTINGS = {  # Abadi et al. 2016, section 5.2
 class MnistConfig:
     dataset: str = "mnist"
     setting: str = "custom"
-    model: str = "mlp"                 # "mlp" | "tanh_cnn"
+    model: str = "mlp"                 # "mlp" | "tanh_cnn" | "scatter_linear"
     projection: str = "dp_pca"         # "dp_pca" | "pca" | "random" | "none" (mlp only)
     pca_dim: int = 60
     pca_noise_multiplier: float = 7.0
@@ -64,8 +77,9 @@ class MnistConfig:
     data_dir: str | None = None
 
     def __post_init__(self):
-        if self.model not in ("mlp", "tanh_cnn"):
-            raise ValueError(f"model must be 'mlp' or 'tanh_cnn', got {self.model!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"model must be 'mlp', 'tanh_cnn' or 'scatter_linear', got "
+                             f"{self.model!r}")
         if self.projection not in ("dp_pca", "pca", "random", "none"):
             raise ValueError("projection must be 'dp_pca', 'pca', 'random' or 'none', got "
                              f"{self.projection!r}")
@@ -78,6 +92,9 @@ def _inputs(config: MnistConfig, data, ledger: PrivacyLedger | None):
     x_test = data.x_test.astype("float32") / 255.0
     if config.model == "tanh_cnn":
         return x_train[..., None], x_test[..., None], None
+    if config.model == "scatter_linear":  # fixed, data-independent: no privacy cost
+        scattering = Scattering2D(J=2, L=8, shape=x_train.shape[1:3])
+        return scattering.transform(x_train), scattering.transform(x_test), scattering
     if config.projection == "none":
         return x_train.reshape(len(x_train), -1), x_test.reshape(len(x_test), -1), None
     if config.projection == "dp_pca":
@@ -103,8 +120,12 @@ def train_mnist(config: MnistConfig, *, verbose: bool = True) -> dict:
     y_test = data.y_test.astype("int64")
     n = len(y_train)
     lots_per_epoch = max(1, n // config.lot_size)
-    net = (tanh_cnn(x_train.shape[1:]) if config.model == "tanh_cnn"
-           else mlp(x_train.shape[1], config.hidden_units))
+    if config.model == "tanh_cnn":
+        net = tanh_cnn(x_train.shape[1:])
+    elif config.model == "scatter_linear":
+        net = scatter_linear(x_train.shape[1:])
+    else:
+        net = mlp(x_train.shape[1], config.hidden_units)
     lr = paper_learning_rate(config.learning_rate, config.final_learning_rate,
                              config.decay_epochs, lots_per_epoch)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -57,3 +57,29 @@ def test_bad_configs():
         MnistConfig(projection="pca")
     with pytest.raises(ValueError, match="model must be"):
         MnistConfig(model="resnet")
+
+
+class _SmallSlice:
+    """The real MNIST, cut to 4000 / 1000 examples (the scattering runs on all)."""
+
+    def __init__(self, full):
+        self.x_train, self.y_train = full.x_train[:4000], full.y_train[:4000]
+        self.x_test, self.y_test = full.x_test[:1000], full.y_test[:1000]
+
+
+def test_scatter_linear_learns_and_costs_only_the_dp_sgd_lots(monkeypatch):
+    real = recipe.load_dataset
+    monkeypatch.setattr(recipe, "load_dataset", lambda *a, **k: _SmallSlice(real(*a, **k)))
+    config = MnistConfig(model="scatter_linear", noise_multiplier=1.0, l2_norm_clip=0.1,
+                         lot_size=400, batch_size=400, learning_rate=2.0,
+                         final_learning_rate=2.0, momentum=0.9, target_epsilon=None,
+                         epochs=4, accountant="pld", seed=0, eval_every=4)
+    result = train_mnist(config, verbose=False)
+    assert result["test_accuracy"] > 0.8  # chance is 0.1
+    assert result["lots"] == 4 * 10
+    assert result["pca_noise_multiplier"] is None
+    # the scattering is data-independent: the ledger holds the DP-SGD lots alone
+    assert len(result["ledger"]) == 1
+    assert result["epsilon"] == pytest.approx(
+        compute_epsilon(dp_sgd_event(1.0, 40, sampling_rate=400 / 4000), 1e-5, "pld"),
+        rel=1e-9)

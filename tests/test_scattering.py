@@ -1,0 +1,129 @@
+"""The scattering transform on real MNIST digits: shape, moduli, low-pass,
+translation invariance, energy bounds, and a full-resolution numpy reference."""
+
+import numpy as np
+import pytest
+
+from dpfl_tf.data import load_dataset
+from dpfl_tf.scattering import Scattering2D, morlet_filter_bank, scattering_channels
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("mnist").x_test[:16].astype("float32") / 255.0
+
+
+@pytest.fixture(scope="module")
+def scat():
+    return Scattering2D(J=2, L=8, shape=(28, 28))
+
+
+def _lp_sum(psi, phi):
+    """|phi_hat|^2 + 1/2 sum (|psi_hat(w)|^2 + |psi_hat(-w)|^2) on the DFT grid."""
+    neg = np.roll(psi[..., ::-1, ::-1], 1, axis=(-2, -1))  # psi_hat(-w)
+    return phi ** 2 + 0.5 * (np.abs(psi) ** 2 + np.abs(neg) ** 2).sum(axis=(0, 1))
+
+
+def test_shape_channels_and_dtype(scat, digits):
+    assert scattering_channels(2, 8) == 81
+    assert scattering_channels(3, 4) == 1 + 12 + 16 * 3
+    out = scat(digits[:4])
+    assert out.shape == (4, 7, 7, 81) and out.dtype.name == "float32"
+    rgb = np.stack([digits[:2], 0.5 * digits[:2], digits[2:4]], axis=-1)  # (2, 28, 28, 3)
+    out3 = scat(rgb).numpy()
+    assert out3.shape == (2, 7, 7, 243)
+    # channel c's coefficients are channels c K .. c K + K - 1
+    np.testing.assert_allclose(out3[..., 81:162], 0.5 * out[:2].numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(out3[..., 162:], out[2:4].numpy(), rtol=1e-4, atol=1e-6)
+    j3 = Scattering2D(J=3, L=4, shape=(32, 16), padding="periodic")
+    assert j3(np.zeros((1, 32, 16))).shape == (1, 4, 2, 61)
+    np.testing.assert_allclose(scat.transform(digits, batch_size=5), scat(digits).numpy(),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_moduli_are_nonnegative_and_order_zero_is_the_lowpassed_image(scat, digits):
+    out = scat(digits).numpy()
+    # orders 1 and 2: a low-pass of a modulus with a positive Gaussian: >= 0
+    assert out[..., 1:].min() > -1e-5
+    assert out[..., 1:].max() > 0.01
+    # order 0: the reflect-padded image circularly convolved with phi_J, every 4th sample
+    pad = np.pad(digits, [(0, 0), (4, 4), (4, 4)], mode="reflect")
+    low = np.real(np.fft.ifft2(np.fft.fft2(pad) * scat.phi_hat))[:, ::4, ::4][:, 1:-1, 1:-1]
+    np.testing.assert_allclose(out[..., 0], low, atol=1e-5)
+    # phi_hat(0) = 1: the mean is kept; psi_hat(0) = 0: constants vanish
+    flat = scat(np.full((1, 28, 28), 0.7, np.float32)).numpy()
+    np.testing.assert_allclose(flat[..., 0], 0.7, atol=1e-5)
+    assert np.abs(flat[..., 1:]).max() < 1e-4
+
+
+def test_matches_a_full_resolution_reference(digits):
+    """The transform without the coarse-grid shortcut, written out in numpy."""
+    J, L = 2, 8
+    img = digits[0]
+    xp = np.pad(img, 4, mode="reflect")
+    psi, phi = morlet_filter_bank(xp.shape, J, L)
+
+    def low(u_hat):
+        return np.real(np.fft.ifft2(u_hat * phi))[::4, ::4][1:-1, 1:-1]
+
+    x_hat = np.fft.fft2(xp)
+    u1 = {(j, t): np.abs(np.fft.ifft2(x_hat * psi[j, t])) for j in range(J) for t in range(L)}
+    ref = [low(x_hat)] + [low(np.fft.fft2(u1[k])) for k in sorted(u1)]
+    for t1 in range(L):  # j1 = 0, j2 = 1
+        u1_hat = np.fft.fft2(u1[0, t1])
+        ref += [low(np.fft.fft2(np.abs(np.fft.ifft2(u1_hat * psi[1, t2])))) for t2 in range(L)]
+    ref = np.stack(ref, axis=-1)
+    out = Scattering2D(J, L, (28, 28))(img[None]).numpy()[0]
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 0.01
+
+
+def test_small_translations_barely_change_the_features(scat, digits):
+    # MNIST digits sit on a zero border, so np.roll is a true translation
+    x = digits[:8]
+    rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)  # noqa: E731
+    s = scat(x).numpy()
+    one = np.roll(x, 1, axis=2)
+    raw_change = rel(one, x)
+    feature_change = rel(scat(one).numpy(), s)
+    assert raw_change > 0.5            # the pixels move a lot ...
+    assert feature_change < 0.25 * raw_change  # ... the features much less
+    # the invariance is local (scale 2^J = 4): a 6-pixel shift changes the features
+    six = np.roll(x, 6, axis=2)
+    assert rel(scat(six).numpy(), s) > 2 * feature_change
+    assert rel(scat(six).numpy(), s) > 0.3
+
+
+def test_littlewood_paley_energy_bounds(scat, digits):
+    psi, phi = morlet_filter_bank((36, 36), 2, 8)
+    assert np.abs(psi[:, :, 0, 0]).max() < 1e-12 and phi[0, 0] == pytest.approx(1.0)
+    lp = _lp_sum(psi, phi)
+    w = 2 * np.pi * np.fft.fftfreq(36)
+    radius = np.hypot(w[:, None], w[None, :])
+    a_all, a_disc, b = lp.min(), lp[radius <= np.pi].min(), lp.max()
+    assert 0.1 < a_all and 0.3 < a_disc and b <= 1.0 + 1e-9
+    # Parseval: the energy of all (unsubsampled) filter outputs of a real image
+    x = np.pad(digits[3], 4, mode="reflect")
+    x_hat = np.fft.fft2(x)
+    energy = (np.sum(np.real(np.fft.ifft2(x_hat * phi)) ** 2)
+              + sum(np.sum(np.abs(np.fft.ifft2(x_hat * p)) ** 2) for p in psi.reshape(-1, 36, 36)))
+    ratio = energy / np.sum(x ** 2)
+    assert a_all <= ratio <= b
+    # the bound is the symmetrised sum: one-sided |psi_hat|^2 leaves half the plane empty
+    assert (np.abs(psi) ** 2).sum(axis=(0, 1)).min() < 0.01
+
+
+def test_bad_inputs_raise_clear_errors(scat):
+    with pytest.raises(ValueError, match="rank 3"):
+        scat(np.zeros((28, 28)))
+    with pytest.raises(ValueError, match="28x28"):
+        scat(np.zeros((2, 32, 32)))
+    with pytest.raises(ValueError, match="multiple of 2\\^J = 4"):
+        Scattering2D(2, 8, shape=(30, 28))
+    with pytest.raises(ValueError, match="J must be"):
+        Scattering2D(0, 8, shape=(28, 28))
+    with pytest.raises(ValueError, match="L must be"):
+        Scattering2D(2, 0, shape=(28, 28))
+    with pytest.raises(ValueError, match="padding='reflect' needs"):
+        Scattering2D(2, 8, shape=(4, 8))
+    with pytest.raises(ValueError, match="padding must be"):
+        Scattering2D(2, 8, shape=(28, 28), padding="zeros")
