@@ -282,7 +282,13 @@ def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
         raise ValueError(f"the server sent arrays of shapes {[a.shape for a in arrays]}, the "
                          f"client's model has {shapes}")
     global_weights = [tf.constant(a) for a in arrays]
-    upload, n_k = client_update(server, k, global_weights, t, local_dp=spec.local_dp)
+    local_dp = spec.local_dp
+    if server.local_dp is not None:      # the config says dp="local"
+        if local_dp is not None:
+            raise ValueError("the config has dp='local' and make_client_app got a local_dp "
+                             "too: give the local-DP mechanism in one place")
+        local_dp = server.local_dp
+    upload, n_k = client_update(server, k, global_weights, t, local_dp=local_dp)
 
     # the client's own accounting, composed over the rounds it took part in
     state = context.state.config_records.get(_STATE_KEY, ConfigRecord({"uploads": 0}))
@@ -298,8 +304,8 @@ def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
         metrics["client-dp-epsilon-total"] = _finite(compute_epsilon(
             dp_accounting.SelfComposedDpEvent(event, uploads), config.delta_max,
             config.accountant))
-    if spec.local_dp is not None:
-        metrics.update(spec.local_dp.metrics(d, uploads))
+    if local_dp is not None:
+        metrics.update(local_dp.metrics(d, uploads))
     content = RecordDict({"arrays": ArrayRecord([np.asarray(u) for u in upload]),
                           "metrics": MetricRecord(metrics)})
     return Message(content, reply_to=msg)
@@ -319,7 +325,9 @@ def make_client_app(config: FederatedConfig | None = None, dataset=None, *,
       dataset: the training/test arrays (default ``load_dataset(config.dataset)``
         in each client process; pass small slices only: Ray ships the app,
         dataset included, with every message).
-      local_dp: a `LocalDPUpload` applied after the config's own client step.
+      local_dp: a `LocalDPUpload` applied after the config's own client step
+        (for a config without ``dp="local"``; with it, the config's mechanism
+        is used, as in-process).
 
     The client is identified by ``context.node_config["partition-id"]`` and
     trains on that partition of `make_partition` (which every client

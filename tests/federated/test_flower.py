@@ -274,3 +274,24 @@ def test_without_flower_the_package_works_and_the_module_says_how_to_install():
     assert "package ok" in proc.stdout
     assert proc.returncode != 0
     assert "ImportError" in proc.stderr and "pip install 'dpfl-tf[flower]'" in proc.stderr
+
+
+def test_client_applies_the_configs_local_dp_like_the_in_process_server(mnist_small):
+    cfg = _cfg(dp="local", ldp_mechanism="duchi", ldp_epsilon=1.5, ldp_bound=0.5, hidden=(8,),
+               accountant="moments", noise_multiplier=1.0)
+    ref, _ = build_server(cfg, mnist_small, progress=False)
+    w0 = ref.trainer.get_weights()
+    t, k = 1, 2
+    want, _ = fl.client_update(ref, k, w0, t, local_dp=ref.local_dp)
+    reply = fl.make_client_app(cfg, mnist_small)(_train_message(w0, t), _context(k))
+    got = _arrays(reply)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(g, np.asarray(e), rtol=0, atol=1e-6)
+    # Duchi on [-0.5, 0.5]: every uploaded weight w0 + Delta' is +-B r (the mechanism ran)
+    b = ref.local_dp.mechanism.B * 0.5
+    for g, w in zip(got, w0):
+        np.testing.assert_allclose(np.abs(g + np.asarray(w)), b, rtol=1e-5)
+    assert _metrics(reply)["ldp-epsilon-coordinate"] == 1.5
+    with pytest.raises(ValueError, match="give the local-DP mechanism in one place"):
+        fl.make_client_app(cfg, mnist_small, local_dp=ref.local_dp)(
+            _train_message(w0, t), _context(k))
