@@ -45,9 +45,17 @@ import tensorflow as tf
 from dpfl_tf._validation import check_number
 from dpfl_tf.privacy.events import SamplingMethod, gaussian_step_event
 
-__all__ = ["GaussianSanitizer", "NoiseAllocation", "make_generator"]
+__all__ = ["GaussianSanitizer", "NoiseAllocation", "deployment_note", "make_generator"]
 
 NoiseAllocation = ("global", "proportional")
+
+
+def deployment_note(seed) -> str | None:
+    """What a run with a fixed seed must say (None without a seed)."""
+    if seed is None:
+        return None
+    return (f"seed={seed}: sampling and noise are reproducible, so this run is NOT for "
+            "deployment (DP noise must come from OS entropy)")
 
 
 def make_generator(seed: int | None = None) -> tf.random.Generator:

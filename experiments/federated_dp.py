@@ -62,7 +62,7 @@ def _runs(k: int, args, seed: int | None = None) -> list[tuple[str, FederatedCon
     hidden = tuple(args.hidden) if args.hidden else s["hidden"]
     common = dict(dataset="mnist", clients=k, clients_per_round=s["m"], sampling="poisson",
                   rounds=rounds, local_epochs=epochs, local_batch_size=args.local_batch_size,
-                  learning_rate=args.lr, momentum=args.momentum,
+                  learning_rate=args.lr or s.get("lr", 0.1), momentum=args.momentum,
                   seed=args.seed if seed is None else seed, eval_every=args.eval_every,
                   hidden=hidden)
     sigma = args.noise_multiplier or s["sigma"]
@@ -149,7 +149,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--rounds", type=int, help="round cap (default per K)")
     p.add_argument("--local-epochs", type=int, help="E (default per K)")
     p.add_argument("--local-batch-size", type=int, default=10)
-    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--lr", type=float, help="local learning rate (default per K)")
     p.add_argument("--momentum", type=float, default=0.0)
     p.add_argument("--hidden", type=int, nargs="+",
                    help="hidden layer widths (default per K; Geyer's code: 600 100)")

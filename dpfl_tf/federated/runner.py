@@ -237,7 +237,7 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
                              accountant=c.accountant, seed=c.seed, noise_seed=c.noise_seed,
                              eval_every=c.eval_every, progress=progress, local_dp=local_dp)
     if c.noise_seed is not None and c.dp is not DPMode.NONE:
-        from dpfl_tf.recipes.common import deployment_note
+        from dpfl_tf.sanitizer import deployment_note
 
         server._notice(deployment_note(c.noise_seed))  # in the log and the results' notices
     return server, ds

@@ -14,12 +14,13 @@ refuse to run, so a DP optimizer can never train a plain model without privacy.
 
 from __future__ import annotations
 
+import warnings
 from typing import Mapping, Sequence
 
 import keras
 
 from dpfl_tf._validation import check_number
-from dpfl_tf.sanitizer import GaussianSanitizer
+from dpfl_tf.sanitizer import GaussianSanitizer, deployment_note
 
 __all__ = ["DPOptimizer", "DPSGD", "DPAdam"]
 
@@ -75,6 +76,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
                              f"{noise_allocation!r}")
         self.noise_allocation = noise_allocation
         self.seed = seed
+        if seed is not None:
+            warnings.warn(deployment_note(seed), UserWarning, stacklevel=2)
 
     # -- the sanitizer for a model's variables -------------------------------
     def clip_groups(self, variables, layer_of: Mapping[int, str]) -> tuple[list[int], ClipSpec]:

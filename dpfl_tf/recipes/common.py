@@ -9,6 +9,8 @@ from typing import Sequence
 import keras
 import numpy as np
 
+from dpfl_tf.sanitizer import deployment_note  # noqa: F401  (re-exported for the recipes)
+
 __all__ = ["EpochHistory", "paper_learning_rate", "accuracy", "deployment_note",
            "privacy_summary"]
 
@@ -26,13 +28,6 @@ def paper_learning_rate(initial: float, final: float, decay_epochs: int,
 def accuracy(model: keras.Model, x, y, batch_size: int = 2000) -> float:
     logits = model.predict(x, batch_size=batch_size, verbose=0)
     return float(np.mean(np.argmax(logits, axis=-1) == np.asarray(y).reshape(-1)))
-
-
-def deployment_note(seed) -> str | None:
-    if seed is None:
-        return None
-    return (f"seed={seed}: sampling and noise are reproducible, so this run is NOT for "
-            "deployment (DP noise must come from OS entropy)")
 
 
 def privacy_summary(ledger, delta: float, seed) -> dict:

@@ -87,3 +87,15 @@ def test_federated_cli_cannot_seed_the_noise():
     assert config_from_args(args).noise_seed is None
     assert not any("noise-seed" in a.option_strings[0] for a in parser._subparsers
                    ._group_actions[0].choices["federated"]._actions if a.option_strings)
+
+
+def test_a_seeded_dp_optimizer_warns_that_it_is_not_for_deployment():
+    import warnings
+
+    from dpfl_tf.keras import DPSGD
+
+    with pytest.warns(UserWarning, match="seed=7: .* NOT for deployment"):
+        DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # no warning without a seed
+        DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0)
