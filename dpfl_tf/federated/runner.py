@@ -33,7 +33,7 @@ class DPMode(ChoiceEnum):
     LOCAL = "local"      # local DP: every client perturbs its model before upload
 
 
-#: Model builders by name: (input_shape, num_classes, hidden, seed) -> keras.Model.
+#: The models a config can name (`build_model`).
 MODELS = ("mlp", "cnn2", "cnn3")
 
 
