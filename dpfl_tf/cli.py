@@ -154,7 +154,7 @@ def _add_train_parser(sub) -> None:
     p.add_argument("--model", default="mlp", choices=["mlp", "tanh_cnn", "scatter_linear"],
                    help="mlp: DP-PCA + MLP (Abadi et al.); tanh_cnn: Papernot et al. 2021; "
                         "scatter_linear: ScatterNet features + linear model (Tramer & Boneh "
-                        "2021; defaults lot 4096, clip 0.1, lr 4, momentum 0.9, 40 epochs, "
+                        "2021; defaults lot 4096, clip 0.1, lr 8, momentum 0.9, 60 epochs, "
                         "noise calibrated for the epochs)")
     p.add_argument("--noise-multiplier", type=float_arg,
                    help="sigma (default: the paper's setting for the epsilon: 2 / 4 / 8; "
@@ -192,8 +192,8 @@ def _run_train(args, error) -> int:
     cifar = args.dataset == "cifar10"
     scatter = not cifar and args.model == "scatter_linear"
     column = 1 if cifar else 2 if scatter else 0
-    for name, *defaults in (("epochs", 1000, 30, 40), ("lot_size", 600, 2000, 4096),
-                            ("clip", 4.0, 3.0, 0.1), ("lr", 0.1, 0.05, 4.0)):
+    for name, *defaults in (("epochs", 1000, 30, 60), ("lot_size", 600, 2000, 4096),
+                            ("clip", 4.0, 3.0, 0.1), ("lr", 0.1, 0.05, 8.0)):
         if getattr(args, name) is None:  # mnist, cifar10, scatter_linear (Tramer & Boneh)
             setattr(args, name, defaults[column])
     try:
