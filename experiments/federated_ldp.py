@@ -82,6 +82,19 @@ def config(setting: dict, mechanism: str, args) -> FederatedConfig:
                            ldp_bound="init" if bound is None else bound, **common)
 
 
+def diverged_run(c: FederatedConfig, ds, error: str) -> dict:
+    """The record of a run whose local training produced NaN / inf weights: the
+    mechanism refuses to perturb them, so the run stops there (no accuracy)."""
+    from dpfl_tf.federated.runner import build_model
+
+    d = build_model(c, ds.input_shape, ds.num_classes).count_params()
+    return {"dataset": ds.source.label, "mechanism": f"ldp_{c.ldp_mechanism}",
+            "clients": c.clients, "rounds": None, "rounds_requested": c.rounds,
+            "test_accuracy": None, "status": "diverged", "error": error,
+            "epsilon_per_coordinate": c.ldp_epsilon, "epsilon_per_upload": d * c.ldp_epsilon,
+            "num_coordinates": d, "seconds": None, "config": c.to_dict()}
+
+
 def plot(runs: list[dict], path: str) -> None:
     """Grouped bars: one group per setting, one bar per mechanism; paper values as markers."""
     names = [n for n in SETTINGS if any(r["setting"] == n for r in runs)]
@@ -92,7 +105,12 @@ def plot(runs: list[dict], path: str) -> None:
     for j, mech in enumerate(mechs):
         xs, ys, paper_x, paper_y = [], [], [], []
         for i, name in enumerate(names):
-            accs = [r["test_accuracy"] for r in runs if r["setting"] == name and r["run"] == mech]
+            accs = [r["test_accuracy"] or 0.0 for r in runs
+                    if r["setting"] == name and r["run"] == mech]
+            if any(r.get("status") == "diverged" for r in runs
+                   if r["setting"] == name and r["run"] == mech):
+                ax.text(i + (j - (len(mechs) - 1) / 2) * width, 0.02, "diverged (NaN)",
+                        ha="center", fontsize=5, rotation=90)
             x = i + (j - (len(mechs) - 1) / 2) * width
             if accs:
                 xs.append(x)
@@ -161,17 +179,24 @@ def main(argv=None) -> list[dict]:
             print(f"== {name} {mech}: {c.clients} users, {c.rounds} rounds, model {c.model}, "
                   f"E={c.local_epochs}, B={c.local_batch_size}, lr={c.learning_rate}",
                   flush=True)
-            r = run_federated(c, ds, progress=not args.no_progress)
+            try:
+                r = run_federated(c, ds, progress=not args.no_progress)
+            except ValueError as e:   # local training blew up on the noisy global model
+                if "NaN or inf" not in str(e):
+                    raise
+                r = diverged_run(c, ds, str(e))
             r.update(setting=name, run=mech, users=c.clients, quick=bool(args.quick),
                      seed=c.seed, paper_accuracy=setting["paper"].get(mech),
                      domain=DOMAINS.get(mech, (None, "none"))[1] if mech != "nonprivate"
                      else None)
             if mech == "nonprivate":
                 r.update(epsilon_per_coordinate=None, epsilon_per_upload=None)
+            r.setdefault("status", "completed")
             results.append(r)
-            print(f"   accuracy={r['test_accuracy']:.4f} eps/coordinate="
+            acc = "diverged" if r["test_accuracy"] is None else f"{r['test_accuracy']:.4f}"
+            print(f"   accuracy={acc} eps/coordinate="
                   f"{r.get('epsilon_per_coordinate')} eps/upload={r.get('epsilon_per_upload')} "
-                  f"({r['seconds']:.0f} s)", flush=True)
+                  f"({r['seconds'] or 0:.0f} s)", flush=True)
             # after every run: nothing is lost if a later one fails
             merged = merge_json_runs(path, [r], lambda x: (x["setting"], x["run"],
                                                            x.get("quick"), x.get("seed")))
