@@ -278,7 +278,8 @@ def _(ctx):
 
 
 # -- recipes and configs ------------------------------------------------------------------------
-@row("MnistConfig/model", "unknown name", ValueError, "model must be 'mlp' or 'tanh_cnn'")
+@row("MnistConfig/model", "unknown name", ValueError,
+     "model must be 'mlp', 'tanh_cnn' or 'scatter_linear', got 'resnet'")
 def _(ctx):
     MnistConfig(model="resnet")
 
