@@ -1,6 +1,8 @@
-"""Shared event traversal for the accountants written here (moments, strong).
+"""Shared event traversal for the accountants written here (moments, strong,
+and the cached RDP accountant of `dpfl_tf.privacy.accountants`).
 
-Both interpret the same family of events -- Gaussian, Poisson-sampled
+`walk_composition` unfolds compositions into (leaf event, count) pairs.  The
+moments and strong accountants interpret the same family of leaf events -- Gaussian, Poisson-sampled
 Gaussian, their self-compositions and compositions, no-ops and non-private
 events -- and differ only in what one (q, sigma) step costs.
 """
@@ -8,10 +10,27 @@ events -- and differ only in what one (q, sigma) step costs.
 from __future__ import annotations
 
 import abc
-from typing import Optional
+from typing import Callable, Optional
 
 import dp_accounting
 from dp_accounting import dp_event as _dp_event
+
+
+def walk_composition(event: dp_accounting.DpEvent, count: int,
+                     leaf: Callable[[dp_accounting.DpEvent, int], Optional[object]]
+                     ) -> Optional[object]:
+    """Calls ``leaf(e, n)`` for every non-composite event e of `event`, n being
+    `count` times the product of the self-composition counts above it; returns
+    the first non-None result of `leaf` (an error), else None."""
+    if isinstance(event, _dp_event.SelfComposedDpEvent):
+        return walk_composition(event.event, event.count * count, leaf)
+    if isinstance(event, _dp_event.ComposedDpEvent):
+        for e in event.events:
+            err = walk_composition(e, count, leaf)
+            if err is not None:
+                return err
+        return None
+    return leaf(event, count)
 
 
 class SampledGaussianAccountant(dp_accounting.PrivacyAccountant, abc.ABC):
@@ -29,19 +48,15 @@ class SampledGaussianAccountant(dp_accounting.PrivacyAccountant, abc.ABC):
 
     def _maybe_compose(self, event, count: int, do_compose: bool
                        ) -> Optional[dp_accounting.PrivacyAccountant.CompositionErrorDetails]:
+        return walk_composition(event, count, lambda e, n: self._compose_leaf(e, n, do_compose))
+
+    def _compose_leaf(self, event, count: int, do_compose: bool
+                      ) -> Optional[dp_accounting.PrivacyAccountant.CompositionErrorDetails]:
         if isinstance(event, _dp_event.NoOpDpEvent):
             return None
         if isinstance(event, _dp_event.NonPrivateDpEvent):
             if do_compose:
                 self._non_private = True
-            return None
-        if isinstance(event, _dp_event.SelfComposedDpEvent):
-            return self._maybe_compose(event.event, event.count * count, do_compose)
-        if isinstance(event, _dp_event.ComposedDpEvent):
-            for e in event.events:
-                err = self._maybe_compose(e, count, do_compose)
-                if err is not None:
-                    return err
             return None
         q, inner = 1.0, event
         if isinstance(event, _dp_event.PoissonSampledDpEvent):

@@ -18,6 +18,7 @@ from dp_accounting import pld as _pld
 from dp_accounting import rdp as _rdp
 
 from dpfl_tf._validation import ChoiceEnum, check_number
+from dpfl_tf.privacy._gaussian_accountant import walk_composition
 from dpfl_tf.privacy.events import neighboring_relation_of
 from dpfl_tf.privacy.moments import MomentsAccountant
 from dpfl_tf.privacy.strong import StrongCompositionAccountant
@@ -64,14 +65,9 @@ class CachedRdpAccountant(_rdp.RdpAccountant):
     Same numbers as `dp_accounting.rdp.RdpAccountant` (tested)."""
 
     def _maybe_compose(self, event, count, do_compose):
-        if isinstance(event, dp_accounting.SelfComposedDpEvent):
-            return self._maybe_compose(event.event, event.count * count, do_compose)
-        if isinstance(event, dp_accounting.ComposedDpEvent):
-            for e in event.events:
-                err = self._maybe_compose(e, count, do_compose)
-                if err is not None:
-                    return err
-            return None
+        return walk_composition(event, count, lambda e, n: self._compose_leaf(e, n, do_compose))
+
+    def _compose_leaf(self, event, count, do_compose):
         err = super()._maybe_compose(event, count, do_compose=False)  # support check only
         if err is None and do_compose and count > 0:
             orders, curve = _rdp_of_leaf(event, self._neighboring_relation)
