@@ -214,41 +214,34 @@ def _run_train(args, error) -> int:
         return _run_train_cifar10(args, error, epsilon, delta, epochs, lot, clip, lr)
     from dpfl_tf.recipes.mnist import PAPER_SETTINGS, MnistConfig, train_mnist
 
-    setting = _paper_setting_for(epsilon)
-    paper = PAPER_SETTINGS[setting]
+    common = dict(dataset=args.dataset, model=args.model, target_epsilon=epsilon, delta=delta,
+                  accountant=args.accountant, epochs=epochs, lot_size=lot, l2_norm_clip=clip,
+                  learning_rate=lr, seed=args.seed, data_dir=args.data_dir, eval_every=5)
     if scatter:  # Tramer & Boneh 2021: constant lr, momentum, noise calibrated for the epochs
-        config = MnistConfig(
-            dataset=args.dataset, model=args.model, projection="none",
-            noise_multiplier=args.noise_multiplier, target_epsilon=epsilon, delta=delta,
-            accountant=args.accountant, epochs=epochs, lot_size=lot,
-            batch_size=min(lot, 4096), l2_norm_clip=clip, learning_rate=lr,
-            final_learning_rate=lr, momentum=0.9, seed=args.seed, data_dir=args.data_dir,
-            eval_every=5)
+        config = MnistConfig(projection="none", noise_multiplier=args.noise_multiplier,
+                             batch_size=min(lot, 4096), final_learning_rate=lr, momentum=0.9,
+                             **common)
         sigma = "calibrated" if args.noise_multiplier is None else f"{args.noise_multiplier:g}"
-        print(f"DP-SGD on {args.dataset}: scattering features (J=2, L=8) + linear, "
-              f"sigma={sigma}, lot={lot}, clip={clip:g}, lr={lr:g}, momentum 0.9, "
-              f"{epochs} epochs, target epsilon={epsilon:g} at delta={delta:g} "
-              f"({args.accountant} accountant)")
-        return _train_and_report(args, error, lambda: train_mnist(config),
-                                 f"train_{args.dataset}",
-                                 lambda r: f"test accuracy = {r['test_accuracy']:.4f} (train "
-                                           f"{r['train_accuracy']:.4f}) after {r['epochs']} "
-                                           f"epochs, sigma = {r['noise_multiplier']:.3f}")
-    config = MnistConfig(
-        dataset=args.dataset, setting=setting if args.noise_multiplier is None else "custom",
-        model=args.model, projection="dp_pca" if args.model == "mlp" else "none",
-        noise_multiplier=args.noise_multiplier or paper["noise_multiplier"],
-        pca_noise_multiplier=args.pca_noise_multiplier or paper["pca_noise_multiplier"],
-        target_epsilon=epsilon, delta=delta, accountant=args.accountant, epochs=epochs,
-        lot_size=lot, batch_size=1024 if args.model == "mlp" else 256, l2_norm_clip=clip,
-        learning_rate=lr, final_learning_rate=lr * 0.52, seed=args.seed, data_dir=args.data_dir,
-        eval_every=5)
-    print(f"DP-SGD on {args.dataset}: {config.model}, sigma={config.noise_multiplier:g}, "
-          f"lot={lot}, clip={clip:g}, target epsilon={epsilon:g} at delta={delta:g} "
+        what = (f"scattering features (J=2, L=8) + linear, sigma={sigma}, lot={lot}, "
+                f"clip={clip:g}, lr={lr:g}, momentum 0.9, {epochs} epochs")
+    else:
+        setting = _paper_setting_for(epsilon)
+        paper = PAPER_SETTINGS[setting]
+        config = MnistConfig(
+            setting=setting if args.noise_multiplier is None else "custom",
+            projection="dp_pca" if args.model == "mlp" else "none",
+            noise_multiplier=args.noise_multiplier or paper["noise_multiplier"],
+            pca_noise_multiplier=args.pca_noise_multiplier or paper["pca_noise_multiplier"],
+            batch_size=1024 if args.model == "mlp" else 256, final_learning_rate=lr * 0.52,
+            **common)
+        what = f"{config.model}, sigma={config.noise_multiplier:g}, lot={lot}, clip={clip:g}"
+    print(f"DP-SGD on {args.dataset}: {what}, target epsilon={epsilon:g} at delta={delta:g} "
           f"({args.accountant} accountant)")
     return _train_and_report(args, error, lambda: train_mnist(config), f"train_{args.dataset}",
                              lambda r: f"test accuracy = {r['test_accuracy']:.4f} (train "
-                                       f"{r['train_accuracy']:.4f}) after {r['epochs']} epochs")
+                                       f"{r['train_accuracy']:.4f}) after {r['epochs']} epochs"
+                                       + (f", sigma = {r['noise_multiplier']:.3f}" if scatter
+                                          else ""))
 
 
 def _run_train_cifar10(args, error, epsilon, delta, epochs, lot, clip, lr) -> int:
