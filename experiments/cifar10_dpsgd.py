@@ -25,7 +25,8 @@ Public data: by default the offline substitute (10,000 CIFAR-10 training images
 as public data, 40,000 private, see dpfl_tf.recipes.cifar10); `--public-data
 cifar100` uses the paper's CIFAR-100 weights (pretrain them first with
 `cifar10_pretrain.py --public-data cifar100`).  Each run is merged into
-results/cifar10_dpsgd.json as soon as it finishes (same name: replaced), then
+results/cifar10_dpsgd.json as soon as it finishes (same name: replaced; safe
+with several processes sharing the file), then
 the Figure 6 equivalent is redrawn (results/cifar10_fig6.png: accuracy and
 epsilon per epoch, one panel per epsilon, one line per lot size).
 """
@@ -42,7 +43,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dpfl_tf._io import atomic_write_json  # noqa: E402
+from dpfl_tf._io import atomic_write_json, merge_json_runs  # noqa: E402
 from dpfl_tf.recipes.cifar10 import (CifarConfig, Init, PretrainConfig,  # noqa: E402
                                      TrainedLayers, load_pretrained, train_cifar10)
 
@@ -267,7 +268,10 @@ def main(argv=None) -> list[dict]:
                    help="layers trained privately in the dp group")
     p.add_argument("--epochs", type=int, default=30,
                    help="epochs of the dp and layers groups (the noise is calibrated to them)")
-    p.add_argument("--lr", type=float, help="override the learning rate of every run")
+    p.add_argument("--lr", type=float, help="override the learning rate of every run "
+                                            "(the run name gets '/lr<value>')")
+    p.add_argument("--momentum", type=float, help="override the momentum of every run "
+                                                  "(the run name gets '/mom<value>')")
     p.add_argument("--public-data", default="cifar10_split", choices=["cifar10_split", "cifar100"])
     p.add_argument("--pretrained", default=None,
                    help="weights from cifar10_pretrain.py (default: models/"
@@ -324,19 +328,25 @@ def main(argv=None) -> list[dict]:
     for name, config in runs.items():
         if c100:
             name = "cifar100:" + name
+        overrides = {}
+        if args.lr is not None:
+            overrides["learning_rate"] = args.lr
+            name += f"/lr{args.lr:g}"
+        if args.momentum is not None:
+            overrides["momentum"] = args.momentum
+            name += f"/mom{args.momentum:g}"
         config = dataclasses.replace(
             config, pretrain=pretrain, pretrained_weights=_shown(weights)
             if config.init is not Init.SCRATCH else None, data_dir=args.data_dir,
-            seed=args.seed, limit_private=limit_private, limit_test=limit_test,
-            **({"learning_rate": args.lr} if args.lr else {}))
+            seed=args.seed, limit_private=limit_private, limit_test=limit_test, **overrides)
         if args.quick:
             config = _quick(config, limit_private, limit_test)
         print(f"== {name}", flush=True)
         result = train_cifar10(config, pretrained=pretrained)
         result["run"] = name
         result["quick"] = bool(args.quick)
-        results = [r for r in results if r.get("run") != name] + [result]
-        atomic_write_json(path, results)
+        # merged under a lock: several experiment processes may share the file
+        results = merge_json_runs(path, [result], key=lambda r: r.get("run"))
         eps = (f"epsilon {result['epsilon']:.3f} (delta {result['delta']:g}, "
                f"{result['accountant']}, sigma {result['noise_multiplier']:.3f})"
                if config.private else "non-private")
