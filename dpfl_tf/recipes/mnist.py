@@ -14,16 +14,20 @@ trained with DP-SGD.  The scattering transform is fixed and data-independent
 and the normalisation acts on each example alone, so neither costs privacy:
 the ledger holds only the DP-SGD lots.  Their MNIST setting: lot 4096 (ours
 4096 or 2048), clip 0.1, momentum 0.9, ~40 epochs, noise calibrated for the
-epochs; they report 98.7% at epsilon = 3.
+epochs; they report 98.7% at epsilon = 3.  The same model runs on colour
+images (``dataset="cifar10"``: 8x8x243 features, every training image
+private, no public data); they report 67.0% on CIFAR-10 at epsilon = 3.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 
 import dp_accounting
 import keras
+import numpy as np
 
 from dpfl_tf.data import load_dataset
 from dpfl_tf.keras import DPModel, DPSGD
@@ -37,6 +41,9 @@ from dpfl_tf.recipes.common import EpochHistory, accuracy, paper_learning_rate, 
 __all__ = ["MnistConfig", "train_mnist", "PAPER_SETTINGS", "MODELS"]
 
 MODELS = ("mlp", "tanh_cnn", "scatter_linear")
+#: datasets each model accepts (the paper models need 28x28 grey images)
+DATASETS = {"mlp": ("mnist", "fashion_mnist"), "tanh_cnn": ("mnist", "fashion_mnist"),
+            "scatter_linear": ("mnist", "fashion_mnist", "cifar10")}
 
 PAPER_SETTINGS = {  # Abadi et al. 2016, section 5.2
     "small_noise": {"noise_multiplier": 2.0, "pca_noise_multiplier": 4.0, "target_epsilon": 8.0,
@@ -80,6 +87,9 @@ class MnistConfig:
         if self.model not in MODELS:
             raise ValueError(f"model must be 'mlp', 'tanh_cnn' or 'scatter_linear', got "
                              f"{self.model!r}")
+        if self.dataset not in DATASETS[self.model]:
+            raise ValueError(f"dataset must be one of {', '.join(DATASETS[self.model])} for "
+                             f"model={self.model!r}, got {self.dataset!r}")
         if self.projection not in ("dp_pca", "pca", "random", "none"):
             raise ValueError("projection must be 'dp_pca', 'pca', 'random' or 'none', got "
                              f"{self.projection!r}")
@@ -87,14 +97,38 @@ class MnistConfig:
             raise ValueError("projection='pca' is not private; use 'dp_pca' (or private=False)")
 
 
+_SCATTERING_CACHE: dict = {}   # one entry: {fingerprint of the images: features}
+
+
+def _scattering_features(data):
+    """(train, test) order-2 scattering features (J=2, L=8) of the images scaled
+    to [0, 1].  The transform is fixed, so the features of the same images are
+    kept for the next run in this process (keyed by a hash of the pixels)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for x in (data.x_train, data.x_test):
+        x = np.ascontiguousarray(x)
+        digest.update(repr((x.shape, x.dtype.str)).encode())
+        digest.update(x.data)
+    key = digest.hexdigest()
+    if key not in _SCATTERING_CACHE:
+        scattering = Scattering2D(J=2, L=8, shape=data.x_train.shape[1:3])
+        features = tuple(scattering.transform(x.astype("float32") / 255.0)
+                         for x in (data.x_train, data.x_test))
+        for f in features:
+            f.setflags(write=False)
+        _SCATTERING_CACHE.clear()
+        _SCATTERING_CACHE[key] = features
+    return _SCATTERING_CACHE[key]
+
+
 def _inputs(config: MnistConfig, data, ledger: PrivacyLedger | None):
+    if config.model == "scatter_linear":  # fixed, data-independent: no privacy cost
+        x_train, x_test = _scattering_features(data)
+        return x_train, x_test, None
     x_train = data.x_train.astype("float32") / 255.0
     x_test = data.x_test.astype("float32") / 255.0
     if config.model == "tanh_cnn":
         return x_train[..., None], x_test[..., None], None
-    if config.model == "scatter_linear":  # fixed, data-independent: no privacy cost
-        scattering = Scattering2D(J=2, L=8, shape=x_train.shape[1:3])
-        return scattering.transform(x_train), scattering.transform(x_test), scattering
     if config.projection == "none":
         return x_train.reshape(len(x_train), -1), x_test.reshape(len(x_test), -1), None
     if config.projection == "dp_pca":
@@ -184,6 +218,7 @@ def train_mnist(config: MnistConfig, *, verbose: bool = True) -> dict:
         "test_accuracy": last.get("test_accuracy", accuracy(model, x_test, y_test)),
         "train_accuracy": last.get("train_accuracy", accuracy(model, x_train, y_train)),
         "seconds": time.perf_counter() - start,
+        "dataset_source": getattr(getattr(data, "source", None), "label", config.dataset),
         "history": history.rows,
         **privacy_summary(ledger if config.private else None, config.delta, config.seed),
     }

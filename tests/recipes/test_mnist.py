@@ -1,5 +1,6 @@
 """The MNIST recipe on a real slice: learns, and its epsilon is the accountant's."""
 
+import dataclasses
 import json
 
 import pytest
@@ -83,3 +84,45 @@ def test_scatter_linear_learns_and_costs_only_the_dp_sgd_lots(monkeypatch):
     assert result["epsilon"] == pytest.approx(
         compute_epsilon(dp_sgd_event(1.0, 40, sampling_rate=400 / 4000), 1e-5, "pld"),
         rel=1e-9)
+
+
+class _CifarSlice:
+    """The real CIFAR-10 (JPEG copy), cut to 2000 / 500 images."""
+
+    def __init__(self, full, n=2000):
+        self.source = full.source
+        self.x_train, self.y_train = full.x_train[:n], full.y_train[:n]
+        self.x_test, self.y_test = full.x_test[:500], full.y_test[:500]
+
+
+def test_scatter_linear_on_cifar10_learns_and_reuses_the_features(monkeypatch):
+    """Colour images: 8x8x243 features; the scattering of the same pixels runs once per
+    process, other pixels get their own features."""
+    real = recipe.load_dataset
+    sizes = iter([2000, 2000, 1000])
+    monkeypatch.setattr(recipe, "load_dataset",
+                        lambda *a, **k: _CifarSlice(real(*a, **k), next(sizes)))
+    calls = []
+    transform = recipe.Scattering2D.transform
+    monkeypatch.setattr(recipe.Scattering2D, "transform",
+                        lambda self, x, **k: calls.append(len(x)) or transform(self, x, **k))
+    config = MnistConfig(dataset="cifar10", model="scatter_linear", noise_multiplier=1.0,
+                         l2_norm_clip=0.1, lot_size=200, batch_size=200, learning_rate=4.0,
+                         final_learning_rate=4.0, momentum=0.9, target_epsilon=None, epochs=3,
+                         accountant="pld", seed=0, eval_every=3)
+    result = train_mnist(config, verbose=False)
+    assert result["test_accuracy"] > 0.2  # chance is 0.1
+    assert result["dataset_source"] == "CIFAR-10 (JPEG copy)"
+    assert calls == [2000, 500]
+    assert len(result["ledger"]) == 1 and result["lots"] == 3 * 10
+    train_mnist(config, verbose=False)              # the same pixels: no new scattering
+    assert calls == [2000, 500]
+    train_mnist(dataclasses.replace(config, epochs=1), verbose=False)  # 1000 images: new
+    assert calls == [2000, 500, 1000, 500]
+
+
+def test_only_the_scatternet_takes_colour_images():
+    with pytest.raises(ValueError, match="dataset must be one of mnist, fashion_mnist for "
+                                         "model='mlp'"):
+        MnistConfig(dataset="cifar10")
+    MnistConfig(dataset="cifar10", model="scatter_linear")
