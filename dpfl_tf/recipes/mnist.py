@@ -41,9 +41,8 @@ from dpfl_tf.recipes.common import EpochHistory, accuracy, paper_learning_rate, 
 __all__ = ["MnistConfig", "train_mnist", "PAPER_SETTINGS", "MODELS"]
 
 MODELS = ("mlp", "tanh_cnn", "scatter_linear")
-#: datasets each model accepts (the paper models need 28x28 grey images)
-DATASETS = {"mlp": ("mnist", "fashion_mnist"), "tanh_cnn": ("mnist", "fashion_mnist"),
-            "scatter_linear": ("mnist", "fashion_mnist", "cifar10")}
+#: colour datasets: the ScatterNet model takes them, the paper models need 28x28 grey images
+COLOUR_DATASETS = ("cifar10", "cifar100")
 
 PAPER_SETTINGS = {  # Abadi et al. 2016, section 5.2
     "small_noise": {"noise_multiplier": 2.0, "pca_noise_multiplier": 4.0, "target_epsilon": 8.0,
@@ -87,9 +86,10 @@ class MnistConfig:
         if self.model not in MODELS:
             raise ValueError(f"model must be 'mlp', 'tanh_cnn' or 'scatter_linear', got "
                              f"{self.model!r}")
-        if self.dataset not in DATASETS[self.model]:
-            raise ValueError(f"dataset must be one of {', '.join(DATASETS[self.model])} for "
-                             f"model={self.model!r}, got {self.dataset!r}")
+        if self.model != "scatter_linear" and self.dataset in COLOUR_DATASETS:
+            raise ValueError(f"model={self.model!r} needs 28x28 grey images (mnist, "
+                             f"fashion_mnist), got dataset={self.dataset!r}; colour images "
+                             f"take model='scatter_linear'")
         if self.projection not in ("dp_pca", "pca", "random", "none"):
             raise ValueError("projection must be 'dp_pca', 'pca', 'random' or 'none', got "
                              f"{self.projection!r}")

@@ -374,6 +374,12 @@ def _(ctx):
     _cli(ctx, "train", "cifar1000")
 
 
+@row("cli/train/model-for-dataset", "wrong shape", SystemExit,
+     "--model tanh_cnn needs 28x28 grey images")
+def _(ctx):
+    _cli(ctx, "train", "cifar10", "--model", "tanh_cnn")
+
+
 @row("cli/train/offline", "missing offline", SystemExit, "download disabled")
 def _(ctx):
     ctx.offline_without_data()

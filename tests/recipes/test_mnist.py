@@ -122,7 +122,6 @@ def test_scatter_linear_on_cifar10_learns_and_reuses_the_features(monkeypatch):
 
 
 def test_only_the_scatternet_takes_colour_images():
-    with pytest.raises(ValueError, match="dataset must be one of mnist, fashion_mnist for "
-                                         "model='mlp'"):
+    with pytest.raises(ValueError, match="model='mlp' needs 28x28 grey images"):
         MnistConfig(dataset="cifar10")
     MnistConfig(dataset="cifar10", model="scatter_linear")
