@@ -53,7 +53,7 @@ from dpfl_tf.recipes.mnist import MnistConfig, train_mnist  # noqa: E402
 EPSILONS = (2.0, 4.0, 8.0)
 LOTS = (600, 2000, 4000)
 DP_BASE = dict(private=True, init="pretrained", l2_norm_clip=3.0, softmax_clip_ratio=2.0,
-               learning_rate=0.05, momentum=0.0, delta=1e-5, accountant="moments",
+               learning_rate=0.2, momentum=0.0, delta=1e-5, accountant="moments",
                noise_multiplier=None, epochs=30, eval_every=1)
 
 
@@ -148,6 +148,11 @@ def run_scatternet(name: str, config: MnistConfig) -> dict:
 # ---------------------------------------------------------------------- figures
 
 
+def _is_variant(name: str) -> bool:
+    """Runs with --lr / --momentum overrides (tuning trials), left out of the figures."""
+    return any(part.startswith(("lr", "mom")) for part in name.split("/")[1:])
+
+
 def draw_all(results: list[dict], out_dir: str) -> list[str]:
     """Figure 6 equivalents from whatever runs the results file holds."""
     import matplotlib.pyplot as plt
@@ -159,7 +164,7 @@ def draw_all(results: list[dict], out_dir: str) -> list[str]:
                          ("paper/", "cifar10_fig6_paper.png"),
                          ("scatternet/", "cifar10_scatternet.png")):
         runs = [r for r in results if r.get("run", "").split(":")[-1].startswith(prefix)
-                and r.get("history")]
+                and r.get("history") and not _is_variant(r["run"])]
         if not runs:
             continue
         targets = sorted({r["target_epsilon"] for r in runs})

@@ -114,3 +114,26 @@ def test_train_unknown_dataset_and_missing_data(tmp_path, monkeypatch):
 def test_federated_is_a_dpfl_tf_command():
     out = run(["federated", "--help"])
     assert out.returncode == 0 and "--clients-per-round" in out.stdout
+
+
+def test_train_cifar10_scatter_linear_uses_the_colour_defaults(monkeypatch, tmp_path):
+    """`train cifar10 --model scatter_linear` goes to the ScatterNet recipe (lot 8192,
+    lr 4, clip 0.1, momentum 0.9, 60 epochs, noise calibrated), not the frozen convnet."""
+    from dpfl_tf import cli
+    from dpfl_tf.recipes import mnist
+
+    class Seen(Exception):
+        pass
+
+    def fake_train(config, **_):
+        raise Seen(config)
+
+    monkeypatch.setattr(mnist, "train_mnist", fake_train)
+    with pytest.raises(Seen) as seen:
+        cli.main(["train", "cifar10", "--model", "scatter_linear", "--epsilon", "3",
+                  "--output", str(tmp_path / "r.json")])
+    config = seen.value.args[0]
+    assert (config.dataset, config.model, config.lot_size, config.learning_rate,
+            config.l2_norm_clip, config.momentum, config.epochs, config.noise_multiplier,
+            config.target_epsilon) == ("cifar10", "scatter_linear", 8192, 4.0, 0.1, 0.9, 60,
+                                       None, 3.0)
