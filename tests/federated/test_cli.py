@@ -14,6 +14,17 @@ def _parser():
     return parser, add_federated_parser(sub)
 
 
+def _run(tmp_path, capsys, *argv) -> tuple[dict, str]:
+    """Runs `dpfl-tf federated ... --no-progress`; (results file, printed text with
+    whitespace collapsed)."""
+    parser, fed = _parser()
+    out = tmp_path / "run.json"
+    args = parser.parse_args(["federated", *argv, "--no-progress", "--output", str(out)])
+    assert args.func(args, fed.error) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    return json.loads(out.read_text()), printed
+
+
 def test_parser_reads_the_documented_flags():
     parser, _ = _parser()
     args = parser.parse_args(
@@ -65,16 +76,11 @@ def test_unknown_partition_is_refused(capsys):
 
 
 def test_tiny_run_writes_a_results_file(tmp_path, capsys):
-    parser, fed = _parser()
-    out = tmp_path / "run.json"
-    args = parser.parse_args(
-        ["federated", "--clients", "10", "--train-subset", "1000", "--clients-per-round", "4",
-         "--rounds", "2", "--hidden", "16", "--dp", "global", "--epsilon", "20",
-         "--delta-max", "1e-3", "--no-progress", "--output", str(out)])
-    assert args.func(args, fed.error) == 0
-    printed = capsys.readouterr().out
+    data, printed = _run(
+        tmp_path, capsys, "--clients", "10", "--train-subset", "1000", "--clients-per-round",
+        "4", "--rounds", "2", "--hidden", "16", "--dp", "global", "--epsilon", "20",
+        "--delta-max", "1e-3")
     assert "test accuracy =" in printed and "epsilon =" in printed
-    data = json.loads(out.read_text())
     for key in ["dataset", "partition", "clients", "clients_per_round", "rounds", "mechanism",
                 "noise_multiplier", "clip", "epsilon", "delta", "accountant", "test_accuracy",
                 "seconds", "history"]:
@@ -83,18 +89,11 @@ def test_tiny_run_writes_a_results_file(tmp_path, capsys):
     assert 0 < data["epsilon"] <= 20 and len(data["history"]) == 2
 
 
-
 def test_local_dp_run_reports_the_budget_per_coordinate_upload_and_total(tmp_path, capsys):
-    parser, fed = _parser()
-    out = tmp_path / "ldp.json"
-    args = parser.parse_args(
-        ["federated", "--clients", "5", "--train-subset", "500", "--clients-per-round", "5",
-         "--sampling", "fixed_size", "--partition", "iid", "--rounds", "2", "--model", "cnn2",
-         "--dp", "local", "--ldp-mechanism", "pnpm", "--ldp-epsilon", "0.5", "--no-progress",
-         "--output", str(out)])
-    assert args.func(args, fed.error) == 0
-    printed = " ".join(capsys.readouterr().out.split())
-    data = json.loads(out.read_text())
+    data, printed = _run(
+        tmp_path, capsys, "--clients", "5", "--train-subset", "500", "--clients-per-round", "5",
+        "--sampling", "fixed_size", "--partition", "iid", "--rounds", "2", "--model", "cnn2",
+        "--dp", "local", "--ldp-mechanism", "pnpm", "--ldp-epsilon", "0.5")
     d = 21_840  # pnpm_cnn(depth=2): 21,750 kernel weights + 90 biases, all perturbed
     assert data["mechanism"] == "ldp_pnpm" and data["num_coordinates"] == d
     assert data["epsilon_per_coordinate"] == 0.5
