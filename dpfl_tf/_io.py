@@ -55,7 +55,9 @@ def merge_json_runs(path: str | os.PathLike, runs: list[dict],
     the read-merge-write safe between experiment processes sharing a file."""
     import fcntl
 
-    with open(os.fspath(path) + ".lock", "a") as lock:
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # as atomic writes do
+    with open(path + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         previous = []
         if os.path.exists(path):
