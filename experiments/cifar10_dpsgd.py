@@ -390,12 +390,12 @@ def main(argv=None) -> list[dict]:
         if args.momentum is not None:
             overrides["momentum"] = args.momentum
             name += f"/mom{args.momentum:g}"
+        print(f"== {name}", flush=True)
         if isinstance(config, MnistConfig):  # ScatterNet: no public data, no augmentation
             if "learning_rate" in overrides:  # constant learning rate
                 overrides["final_learning_rate"] = overrides["learning_rate"]
             config = dataclasses.replace(config, data_dir=args.data_dir, seed=args.seed,
                                          **overrides, **({"epochs": 2} if args.quick else {}))
-            print(f"== {name}", flush=True)
             result = run_scatternet(name, config)
         else:
             config = dataclasses.replace(
@@ -405,7 +405,6 @@ def main(argv=None) -> list[dict]:
                 **overrides)
             if args.quick:
                 config = _quick(config, limit_private, limit_test)
-            print(f"== {name}", flush=True)
             result = train_cifar10(config, pretrained=pretrained)
         result["run"] = name
         result["quick"] = bool(args.quick)
