@@ -19,6 +19,17 @@ Clipping
   so the clipped record's total norm is at most C_tot = sqrt(sum_j C_j^2).
   Norms are guarded: the factor is computed as C / max(||g||, C), never C / 0.
 
+Non-finite records
+  A record whose norm is NaN or inf (a NaN pixel, an overflowing loss) cannot
+  be clipped.  Its factor is 0 and its every component is zeroed with
+  ``tf.where`` (not multiplied: 0 * NaN is NaN), so the sum stays finite and the
+  sensitivity stays C: the lot is applied and counted as usual, and the record
+  is reported as *dropped* (`dropped_records`).  The rule is part of the
+  computation (no assert, which XLA would drop), so it holds in eager, graph,
+  XLA and distributed execution alike.  Note that dropping is itself
+  data-dependent only through the dropped record, exactly like clipping it to
+  norm 0, which is within the add/remove-one analysis.
+
 Noise and sensitivity
   Component j of the sum gets N(0, s_j^2) noise.  Adding or removing one
   record moves component j by at most C_j, so after scaling component j by
@@ -42,6 +53,7 @@ from typing import Sequence
 import dp_accounting
 import tensorflow as tf
 
+from dpfl_tf import secure_random
 from dpfl_tf._validation import check_number
 from dpfl_tf.privacy.events import SamplingMethod, gaussian_step_event
 
@@ -58,8 +70,15 @@ def deployment_note(seed) -> str | None:
             "deployment (DP noise must come from OS entropy)")
 
 
-def make_generator(seed: int | None = None) -> tf.random.Generator:
-    """OS-entropy generator by default; a seeded one only when asked (tests, debugging)."""
+def make_generator(seed: int | None = None, *, secure_mode: bool = False) -> tf.random.Generator:
+    """OS-entropy generator by default; a seeded one only when asked (tests,
+    debugging); with `secure_mode`, keyed from the OS's secure source
+    (`dpfl_tf.secure_random`)."""
+    if secure_mode:
+        if seed is not None:
+            raise ValueError(f"secure_mode=True refuses a seed (got seed={seed!r}): secure "
+                             "noise must come from the OS's secure source")
+        return secure_random.secure_generator()
     if seed is None:
         return tf.random.Generator.from_non_deterministic_state()
     # The seed is the Philox *key*: distinct seeds give independent streams.
@@ -80,11 +99,14 @@ class GaussianSanitizer:
       noise_allocation: per-layer only; "global" or "proportional" (see module).
       seed: seeds the noise generator (tests only; default is OS entropy).
       generator: an explicit `tf.random.Generator` (overrides seed).
+      secure_mode: noise keyed from the OS's secure source and drawn so that
+        floating-point attacks do not apply (`dpfl_tf.secure_random`); refuses
+        a seed.
     """
 
     def __init__(self, l2_norm_clip: float | Sequence[float], noise_multiplier: float, *,
                  noise_allocation: str = "global", seed: int | None = None,
-                 generator: tf.random.Generator | None = None):
+                 generator: tf.random.Generator | None = None, secure_mode: bool = False):
         if isinstance(l2_norm_clip, (list, tuple)):
             if len(l2_norm_clip) == 0:
                 raise ValueError("l2_norm_clip must be a float or a non-empty list, got []")
@@ -99,8 +121,16 @@ class GaussianSanitizer:
             raise ValueError(f"noise_allocation must be one of {NoiseAllocation}, "
                              f"got {noise_allocation!r}")
         self.noise_allocation = noise_allocation
+        self.secure_mode = bool(secure_mode)
+        if self.secure_mode and seed is not None:
+            raise ValueError(f"secure_mode=True refuses a seed (got seed={seed!r}): secure "
+                             "noise must come from the OS's secure source")
         self.seed = seed
         self._generator = generator
+        # key of the stateless per-lot noise stream (`add_noise(..., step=t)`): the
+        # seed when seeded (so a resumed run continues the same stream at lot t),
+        # otherwise fresh secure bits held in memory only, never saved.
+        self.noise_key = int(seed) % 2**63 if seed is not None else secure_random.secure_key()
 
     # -- configuration ------------------------------------------------------
     @property
@@ -110,7 +140,7 @@ class GaussianSanitizer:
     @property
     def generator(self) -> tf.random.Generator:
         if self._generator is None:  # created lazily, inside whatever scope first needs it
-            self._generator = make_generator(self.seed)
+            self._generator = make_generator(self.seed, secure_mode=self.secure_mode)
         return self._generator
 
     def clip_bounds(self, num_components: int) -> tuple[float, ...]:
@@ -156,7 +186,8 @@ class GaussianSanitizer:
     def get_config(self) -> dict:
         return {"l2_norm_clip": list(self._clips) if self.per_layer else self._clips[0],
                 "noise_multiplier": self.noise_multiplier,
-                "noise_allocation": self.noise_allocation, "seed": self.seed}
+                "noise_allocation": self.noise_allocation, "seed": self.seed,
+                "secure_mode": self.secure_mode}
 
     @classmethod
     def from_config(cls, config: dict) -> "GaussianSanitizer":
@@ -166,6 +197,9 @@ class GaussianSanitizer:
     def clip_factors(self, squared_norms: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """Per-record scale factors min(1, C/||g||) from per-component squared norms.
 
+        A record with any non-finite squared norm gets factor 0 in every
+        component (module docstring); apply factors with `apply_factors`.
+
         Args:
           squared_norms: one tensor of shape [B] per component: ||g_j^(i)||^2.
         Returns:
@@ -174,20 +208,31 @@ class GaussianSanitizer:
         bounds = self.clip_bounds(len(squared_norms))
         squared_norms = [tf.convert_to_tensor(s) for s in squared_norms]
         total = tf.add_n(squared_norms) if len(squared_norms) > 1 else squared_norms[0]
-        tf.debugging.assert_all_finite(
-            total, "a per-record gradient or update norm is NaN or inf; the record cannot be "
-                   "clipped (check the loss and inputs, or lower the learning rate)")
+        finite = tf.math.is_finite(total)
         if not self.per_layer:
-            norm = tf.sqrt(total)
+            norm = tf.sqrt(tf.where(finite, total, 0.0))
             c = tf.cast(bounds[0], norm.dtype)
-            factor = c / tf.maximum(norm, c)
+            factor = tf.where(finite, c / tf.maximum(norm, c), 0.0)
             return [factor] * len(squared_norms)
         out = []
         for sq, bound in zip(squared_norms, bounds):
-            norm = tf.sqrt(sq)
+            norm = tf.sqrt(tf.where(finite, sq, 0.0))
             c = tf.cast(bound, norm.dtype)
-            out.append(c / tf.maximum(norm, c))
+            out.append(tf.where(finite, c / tf.maximum(norm, c), 0.0))
         return out
+
+    @staticmethod
+    def dropped_records(factors: Sequence[tf.Tensor]) -> tf.Tensor:
+        """Number of records zeroed as non-finite (factor 0: a finite norm never
+        gives 0, since C / max(||g||, C) > 0)."""
+        return tf.reduce_sum(tf.cast(tf.equal(factors[0], 0.0), tf.int64))
+
+    @staticmethod
+    def apply_factors(records: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
+        """records[i] * factor[i], with records of factor 0 set to exactly 0
+        (even if they hold NaN or inf)."""
+        f = tf.reshape(tf.cast(factor, records.dtype), [-1] + [1] * (records.shape.rank - 1))
+        return tf.where(f > 0, records * f, tf.zeros_like(records))
 
     def clip_batch(self, records: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """Clips a batch of records given as per-component tensors of shape [B, ...]."""
@@ -195,8 +240,7 @@ class GaussianSanitizer:
         sq = [tf.reduce_sum(tf.reshape(tf.square(r), [tf.shape(r)[0], -1]), axis=1)
               for r in records]
         factors = self.clip_factors(sq)
-        return [r * tf.reshape(f, [-1] + [1] * (r.shape.rank - 1))
-                for r, f in zip(records, factors)]
+        return [self.apply_factors(r, f) for r, f in zip(records, factors)]
 
     def clip_and_sum(self, records: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """sum_i clip(record_i), for records stacked as [B, ...] per component."""
@@ -216,18 +260,40 @@ class GaussianSanitizer:
         return [s + c for s, c in zip(state, clipped_sum)]
 
     def add_noise(self, summed: Sequence[tf.Tensor],
-                  groups: Sequence[int] | None = None) -> list[tf.Tensor]:
-        """sum + N(0, s_j^2) on each component, drawn from the injected generator.
+                  groups: Sequence[int] | None = None, *, step=None) -> list[tf.Tensor]:
+        """sum + N(0, s_j^2) on each component.
 
         `groups` maps each tensor to its clipping component when one component
-        (e.g. a layer) spans several tensors (its kernel and bias)."""
+        (e.g. a layer) spans several tensors (its kernel and bias).
+
+        Without `step`, the noise comes from the stateful `generator`.  With
+        `step` (an integer tensor, e.g. DP-SGD's monotonic lot counter) it is
+        drawn statelessly from (noise_key, step): lot t always gets the stream
+        position t, so a seeded run continues its stream across `fit` calls and
+        resumes, and never reuses a position.  Secure mode draws each value as
+        in `dpfl_tf.secure_random` and rounds once."""
         groups = list(range(len(summed))) if groups is None else list(groups)
         stds = self.noise_stddevs(max(groups) + 1 if groups else 0)
         if self.noise_multiplier == 0:
             return list(summed)
-        gen = self.generator
-        return [s + tf.cast(stds[g], s.dtype) * gen.normal(tf.shape(s), dtype=s.dtype)
-                for s, g in zip(summed, groups)]
+        if step is None:
+            gen, lot_seed = self.generator, None
+        else:
+            gen = None
+            key = tf.constant([self.noise_key >> 32, self.noise_key & 0xFFFFFFFF], tf.int64)
+            lot_seed = tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64))
+        out = []
+        for j, (s, g) in enumerate(zip(summed, groups)):
+            seed = (None if lot_seed is None
+                    else tf.random.experimental.stateless_fold_in(lot_seed, j))
+            if self.secure_mode:
+                out.append(secure_random.secure_add_noise(s, gen, stds[g], seed=seed))
+            elif gen is not None:
+                out.append(s + tf.cast(stds[g], s.dtype) * gen.normal(tf.shape(s), dtype=s.dtype))
+            else:
+                out.append(s + tf.cast(stds[g], s.dtype) * tf.random.stateless_normal(
+                    tf.shape(s), seed=seed, dtype=s.dtype, alg="philox"))
+        return out
 
     def noised_sum(self, state: Sequence[tf.Tensor],
                    sampling: SamplingMethod | str = SamplingMethod.POISSON,
@@ -241,4 +307,4 @@ class GaussianSanitizer:
         return (f"GaussianSanitizer(l2_norm_clip={self.l2_norm_clip!r}, "
                 f"noise_multiplier={self.noise_multiplier!r}"
                 + (f", noise_allocation={self.noise_allocation!r}" if self.per_layer else "")
-                + ")")
+                + (", secure_mode=True" if self.secure_mode else "") + ")")

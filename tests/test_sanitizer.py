@@ -51,13 +51,42 @@ def test_per_layer_clipping_bounds_hold_per_component():
     assert s.total_clip(2) == pytest.approx(math.sqrt(0.25 + 4.0))
 
 
-def test_zero_records_are_guarded_and_nan_records_are_refused():
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+@pytest.mark.parametrize("clip", [1.0, [1.0, 2.0]])
+def test_non_finite_records_are_zeroed_and_counted_in_every_mode(mode, clip):
+    """A NaN or inf record is dropped (zeroed, factor 0); the others are clipped
+    as usual, and the sum stays finite -- without asserts, so also under XLA."""
+    s = GaussianSanitizer(clip, 1.0)
+    a = tf.constant([[1.0, float("nan")], [3.0, 4.0], [0.0, 0.0], [float("inf"), 1.0]])
+    b = tf.constant([[1.0], [0.0], [0.0], [2.0]])
+
+    def run(a, b):
+        records = [a, b] if isinstance(clip, list) else [tf.concat([a, b], 1)]
+        sq = [tf.reduce_sum(tf.square(r), 1) for r in records]
+        factors = s.clip_factors(sq)
+        sums = [tf.reduce_sum(s.apply_factors(r, f), 0) for r, f in zip(records, factors)]
+        return sums, s.dropped_records(factors)
+
+    if mode != "eager":
+        run = tf.function(run, jit_compile=mode == "xla")
+    sums, dropped = run(a, b)
+    assert int(dropped) == 2
+    total = np.concatenate([t.numpy().ravel() for t in sums])
+    assert np.all(np.isfinite(total))
+    # only record 1 ([3, 4] | [0]) contributes, clipped to its bound
+    bound = 1.0 if not isinstance(clip, list) else 1.0
+    np.testing.assert_allclose(total[:2], np.array([3.0, 4.0]) * bound / 5.0, rtol=1e-6)
+    np.testing.assert_allclose(total[2:], 0.0)
+
+
+def test_zero_records_are_guarded():
     s = GaussianSanitizer(1.0, 1.0)
     out = s.clip_batch([tf.zeros((3, 4))])
     assert np.all(np.isfinite(out[0].numpy())) and np.all(out[0].numpy() == 0)
     bad = tf.constant([[1.0, float("nan")], [1.0, 2.0]])
-    with pytest.raises(tf.errors.InvalidArgumentError, match="NaN or inf"):
-        s.clip_batch([bad])
+    out = s.clip_batch([bad])[0].numpy()
+    np.testing.assert_array_equal(out[0], [0.0, 0.0])
+    np.testing.assert_allclose(out[1], np.array([1.0, 2.0]) / math.sqrt(5.0), rtol=1e-6)
 
 
 def test_clip_and_sum_equals_sum_of_single_clips():
@@ -166,3 +195,46 @@ def test_flat_clipping_event_does_not_depend_on_the_number_of_components():
         assert s.event(k, sampling_rate=0.1) == gaussian_step_event(1.5, sampling_rate=0.1)
     noised, event = s.noised_sum([tf.zeros((3,)), tf.zeros((4, 2))], sampling_rate=0.1)
     assert event == gaussian_step_event(1.5, sampling_rate=0.1)
+
+
+@pytest.mark.parametrize("stateless", [False, True])
+def test_secure_mode_noise_has_the_claimed_scale_and_refuses_a_seed(stateless):
+    from scipy import stats
+    s = GaussianSanitizer(1.5, 2.0, secure_mode=True)
+    assert s.secure_mode and "secure_mode=True" in repr(s)
+    step = tf.constant(7, tf.int64) if stateless else None
+    z = s.add_noise([tf.zeros((20000,))], step=step)[0].numpy() / 3.0
+    assert z.dtype == np.float32
+    assert stats.kstest(z, "norm").pvalue > 1e-3
+    # a wrong scale is rejected by the same test (it can fail)
+    assert stats.kstest(z * 1.1, "norm").pvalue < 1e-3
+    with pytest.raises(ValueError, match="secure_mode=True refuses a seed"):
+        GaussianSanitizer(1.0, 1.0, seed=1, secure_mode=True)
+
+
+def test_secure_keys_differ_and_are_not_in_the_config():
+    a, b = GaussianSanitizer(1.0, 1.0, secure_mode=True), GaussianSanitizer(1.0, 1.0)
+    assert a.noise_key != b.noise_key
+    assert "noise_key" not in a.get_config() and a.get_config()["secure_mode"] is True
+
+
+def test_stateless_noise_continues_the_seeded_stream_by_step():
+    s = GaussianSanitizer(1.0, 1.0, seed=11)
+    draw = lambda t: s.add_noise([tf.zeros((8,))], step=tf.constant(t, tf.int64))[0].numpy()
+    np.testing.assert_array_equal(draw(3), draw(3))           # position t is reproducible
+    assert not np.allclose(draw(3), draw(4))                  # and never reused for t + 1
+    other = GaussianSanitizer(1.0, 1.0, seed=12)
+    assert not np.allclose(draw(3), other.add_noise([tf.zeros((8,))],
+                                                    step=tf.constant(3, tf.int64))[0].numpy())
+
+
+def test_secure_uniform_is_uniform_and_fresh():
+    from scipy import stats
+    from dpfl_tf.secure_random import secure_uniform
+    u = secure_uniform(20000)
+    assert u.dtype == np.float64 and u.min() >= 0.0 and u.max() < 1.0
+    assert stats.kstest(u, "uniform").pvalue > 1e-3
+    assert stats.kstest(u ** 1.1, "uniform").pvalue < 1e-3
+    assert not np.array_equal(secure_uniform(16), secure_uniform(16))
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        secure_uniform(-1)
