@@ -19,8 +19,11 @@ class PrivacyCallback(keras.callbacks.Callback):
 
     The stop is exact: at the start of training the callback computes how many
     more lots the budget allows with the current settings and sets the model's
-    in-graph lot limit; training stops after the last allowed lot, and a lot
-    beyond the limit could not be applied anyway (it raises).
+    in-graph lot limit on the monotonic count of lots computed; a lot beyond the
+    limit is skipped inside the computation (so also under XLA and with
+    ``steps_per_execution > 1``), training stops after the last allowed lot,
+    the model's ``stop_reason`` becomes "budget_spent", and (verbose) one line
+    says so.
 
     Args:
       target_epsilon: optional budget; None only logs.
@@ -55,23 +58,19 @@ class PrivacyCallback(keras.callbacks.Callback):
                 f"the privacy budget (epsilon={self.budget.epsilon:g}, delta={self.delta:g}, "
                 f"{kind.value}) allows no further lot with these settings; spent so far "
                 f"epsilon={self.model.epsilon(self.delta, kind):.4g}")
-        self.allowed_lots = self.model.lots_applied + remaining
+        self.allowed_lots = self.model.lots_computed + remaining
         self.model.set_lot_limit(self.allowed_lots)
 
     def _epsilon(self) -> float:
         return self.model.epsilon(self.delta, self._kind())
 
-    def on_train_batch_begin(self, batch, logs=None):
-        # Python-side guard (the in-graph one is dropped under XLA): never start a
-        # lot the budget does not allow.
-        if self.allowed_lots is not None and self.model.lots_applied >= self.allowed_lots:
-            raise BudgetExceededError(
-                "the next lot would exceed the privacy budget "
-                f"(epsilon={self.budget.epsilon:g}, delta={self.delta:g}); nothing was applied")
+    def _budget_spent(self) -> bool:
+        return self.allowed_lots is not None and self.model.lots_computed >= self.allowed_lots
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.allowed_lots is not None and self.model.lots_applied >= self.allowed_lots:
+        if self._budget_spent():
             self.model.stop_training = True
+            self.model.stop_reason = "budget_spent"
         if logs is not None and self.log_every_batch and self._kind() in _FAST:
             logs["epsilon"] = self._epsilon()
 
@@ -79,7 +78,15 @@ class PrivacyCallback(keras.callbacks.Callback):
         if logs is not None:
             logs["epsilon"] = self._epsilon()
             logs["delta"] = self.delta
-            logs["lots"] = self.model.lots_applied
+            logs["lots"] = self.model.lots_computed
+            logs["dropped_examples"] = self.model.dropped_examples
 
     def on_train_end(self, logs=None):
         self.model.set_lot_limit(None)
+        if self._budget_spent():
+            self.model.stop_reason = "budget_spent"
+            if (self.params or {}).get("verbose", 1):
+                print(f"privacy budget spent: epsilon = {self._epsilon():.4g} of "
+                      f"{self.budget.epsilon:g} at delta = {self.delta:g} "
+                      f"({self._kind().value}) after {self.model.lots_computed} lots; "
+                      "training stopped")

@@ -12,9 +12,24 @@ One Keras step is one *lot* (the privacy unit): the lot is drawn by the
 `LotSampler` (Poisson by default, rate q = L/N), walked in physical batches
 of `batch_size` examples (memory), the clipped per-example gradients of all its
 batches are summed, Gaussian noise is added **once per lot** and the update is
-(sum + noise) / L.  Every applied lot increments an in-graph counter saved with
-the weights; the `PrivacyLedger` turns the counter into recorded events, so
-epsilon is always the accountant's figure for the lots actually applied.
+(sum + noise) / L.
+
+Privacy counts computations, not weights.  Two counters move with every
+released lot:
+
+* ``lots_computed`` -- every noised lot this model has ever released.  It lives
+  outside the Keras weights, so restoring earlier weights
+  (``EarlyStopping(restore_best_weights=True)``, ``BackupAndRestore``,
+  ``set_weights``) cannot move it back; the `PrivacyLedger` records exactly this
+  count (a saved ``.keras`` model keeps it in its config, so a resumed run
+  neither loses nor double-counts).
+* ``lots_applied`` -- a weight: the lots behind the current weights.  It moves
+  back with a rollback, which refunds nothing.
+
+The budget guard is part of the computation: a lot beyond the lot limit is
+skipped in-graph (nothing computed, noised, applied or counted), so the stop
+holds under XLA and with ``steps_per_execution > 1``; training then ends
+cleanly and says that the budget is spent.
 """
 
 from __future__ import annotations
@@ -66,10 +81,9 @@ class DPModel(keras.Model):
         self.ledger = ledger if ledger is not None else PrivacyLedger(accountant)
         self._lots_applied = self.add_weight(shape=(), dtype="int64", initializer="zeros",
                                              trainable=False, name="dp_lots_applied")
-        self._lot_limit = self.add_weight(shape=(), dtype="int64",
-                                          initializer=keras.initializers.Constant(_NO_LIMIT),
-                                          trainable=False, name="dp_lot_limit")
         self._recorded_lots = int(recorded_lots)
+        # monotonic counters outside the weights (see module docstring)
+        self._counters = _Counters(self._recorded_lots)
         self._step_event = None       # event of one lot with the current fit settings
         self._epoch_event = None      # shuffle sampling: one Gaussian per epoch
         self._lots_per_epoch = None
@@ -81,6 +95,8 @@ class DPModel(keras.Model):
         self._batch_size = None
         self._expected_lot = None
         self._pad_to_batch = False
+        self._log_metrics = True
+        self.stop_reason = None
 
     # -- Keras plumbing -------------------------------------------------------
     def call(self, inputs, training=None):
@@ -118,12 +134,22 @@ class DPModel(keras.Model):
     # -- privacy bookkeeping ----------------------------------------------------
     @property
     def lots_applied(self) -> int:
-        """Number of noised lot updates applied to the weights (saved with them)."""
+        """Lots behind the current weights (a weight: moves back with a rollback)."""
         return int(keras.ops.convert_to_numpy(self._lots_applied))
 
     @property
+    def lots_computed(self) -> int:
+        """Every noised lot this model has released (monotonic; what the ledger counts)."""
+        return self._counters.computed_value()
+
+    @property
+    def dropped_examples(self) -> int:
+        """Examples whose gradient was non-finite and was zeroed (dropped) so far."""
+        return self._counters.dropped_value()
+
+    @property
     def privacy_ledger(self) -> PrivacyLedger:
-        """The ledger, brought up to date with the lots applied so far."""
+        """The ledger, brought up to date with the lots computed so far."""
         self._sync_ledger()
         return self.ledger
 
@@ -132,12 +158,9 @@ class DPModel(keras.Model):
         return self.privacy_ledger.epsilon(delta, accountant)
 
     def _sync_ledger(self) -> None:
-        applied = self.lots_applied
-        pending = applied - self._recorded_lots
-        if pending < 0:  # weights rolled back: spent privacy is never refunded
-            self._recorded_lots = applied
-            return
-        if pending == 0:
+        computed = self.lots_computed
+        pending = computed - self._recorded_lots
+        if pending <= 0:
             return
         if self._step_event is None:
             raise RuntimeError(
@@ -145,17 +168,18 @@ class DPModel(keras.Model):
                 "settings that produced them are unknown here; call fit() with the same "
                 "settings to resume, or load the full model (.keras) which keeps its ledger")
         if self._epoch_event is not None:  # shuffle: one Gaussian per epoch touched
-            epochs = math.ceil((applied - self._fit_start_lots) / self._lots_per_epoch)
+            epochs = math.ceil((computed - self._fit_start_lots) / self._lots_per_epoch)
             self.ledger.record(self._epoch_event, epochs - self._recorded_epochs,
                                label="dpsgd")
             self._recorded_epochs = epochs
         else:
             self.ledger.record(self._step_event, pending, label="dpsgd")
-        self._recorded_lots = applied
+        self._recorded_lots = computed
 
     def set_lot_limit(self, limit: int | None) -> None:
-        """In-graph guard: a lot beyond `limit` total lots raises instead of applying."""
-        self._lot_limit.assign(_NO_LIMIT if limit is None else int(limit))
+        """In-graph guard: once `lots_computed` reaches `limit`, further lots are
+        skipped (nothing computed, applied or counted)."""
+        self._counters.set_limit(_NO_LIMIT if limit is None else int(limit))
 
     # -- training -----------------------------------------------------------
     def fit(self, x=None, y=None, *, lot_size: int, batch_size: int | None = None,
@@ -163,7 +187,7 @@ class DPModel(keras.Model):
             target_epsilon: float | None = None, target_delta: float = 1e-5,
             accountant: str | None = None, verbose="auto", callbacks=None,
             validation_data=None, initial_epoch: int = 0, preprocess=None,
-            sampling_seed: int | None = None, **kwargs):
+            sampling_seed: int | None = None, log_train_metrics: bool = True, **kwargs):
         """DP-SGD training on in-memory data.
 
         Args:
@@ -173,11 +197,20 @@ class DPModel(keras.Model):
           epochs: epochs of N / L lots each.
           sampling: "poisson" (default), "fixed_size" or "shuffle".
           target_epsilon, target_delta: stop before the lot that would exceed
-            (target_epsilon, target_delta); epsilon is logged either way.
+            (target_epsilon, target_delta); epsilon is logged either way.  When
+            the budget stops training, `stop_reason` (and the History's
+            ``stop_reason``) is "budget_spent".
           accountant: accountant for the budget and the logs (default: ledger's).
           preprocess: a function applied to each lot's x inside tf.data (e.g.
             augmentation; it must act on each example independently).
           sampling_seed: seeds lot sampling (tests only; default OS entropy).
+          log_train_metrics: the loss and metrics of the training lots are
+            computed on private data without noise: they are NON-PRIVATE
+            statistics.  Set False to not compute or log them (epsilon, lots
+            and dropped examples are still logged).
+
+        Examples whose gradient is NaN or inf are dropped (zeroed; the lot is
+        applied and counted) and counted in `dropped_examples`, with a warning.
         """
         for name in ("validation_split", "sample_weight", "class_weight", "shuffle",
                      "steps_per_epoch", "validation_steps"):
@@ -195,16 +228,15 @@ class DPModel(keras.Model):
                 f"{type(x).__name__} and y={type(y).__name__}")
         n = _num_examples(x, y)
         _check_inputs(self.model, x, y, check_shape=preprocess is None)
-        sampler = LotSampler(n, lot_size, sampling, seed=sampling_seed)
+        optimizer: DPOptimizer = self.optimizer
+        sampler = LotSampler(n, lot_size, sampling, seed=sampling_seed,
+                             secure_mode=optimizer.secure_mode)
         batch_size = min(sampler.lot_size, 256) if batch_size is None else \
             check_count("batch_size", batch_size, minimum=1)
         check_count("epochs", epochs, minimum=1)
         target_delta = check_number("target_delta", target_delta, low=0.0, high=1.0,
                                     low_open=True, high_open=True)
 
-        self._prepare(sampler, batch_size)
-        data = sampler.dataset(x, y, batch_size=batch_size if self._pad_to_batch else 1,
-                               epochs=epochs - initial_epoch, preprocess=preprocess)
         from dpfl_tf.keras.callbacks import PrivacyCallback
 
         callbacks = list(callbacks or [])
@@ -214,14 +246,53 @@ class DPModel(keras.Model):
                                          accountant=accountant)
         elif target_epsilon is not None:
             raise ValueError("pass target_epsilon either to fit() or to the PrivacyCallback")
+        self._log_metrics = bool(log_train_metrics)
+        self._prepare(sampler, batch_size)
+        self._check_accountants(privacy_cb, target_delta)
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        if replicas > 1 and int(getattr(self, "steps_per_execution", 1) or 1) > 1:
+            raise ValueError(
+                f"steps_per_execution must be 1 under a distribution strategy with "
+                f"{replicas} replicas, got {self.steps_per_execution}: TensorFlow cannot run "
+                "the lot's loop over physical batches inside the multi-step loop of "
+                "replicated training (this mode is not supported, so it is refused)")
+        data = sampler.dataset(x, y, batch_size=batch_size if self._pad_to_batch else 1,
+                               epochs=epochs - initial_epoch, preprocess=preprocess,
+                               replicas=replicas)
         callbacks = [privacy_cb] + [c for c in callbacks if c is not privacy_cb]
-        return super().fit(data, epochs=epochs, initial_epoch=initial_epoch,
-                           steps_per_epoch=sampler.lots_per_epoch, verbose=verbose,
-                           callbacks=callbacks, validation_data=validation_data, shuffle=False)
+        self.stop_reason = None
+        dropped_before = self.dropped_examples
+        history = super().fit(data, epochs=epochs, initial_epoch=initial_epoch,
+                              steps_per_epoch=sampler.lots_per_epoch, verbose=verbose,
+                              callbacks=callbacks, validation_data=validation_data,
+                              shuffle=False)
+        self.stop_reason = self.stop_reason or "completed"
+        if history is not None:
+            history.stop_reason = self.stop_reason
+        dropped = self.dropped_examples - dropped_before
+        if dropped:
+            warnings.warn(
+                f"{dropped} training examples had a NaN or inf gradient and were dropped "
+                "(their contribution zeroed; the lots were applied and counted): check the "
+                "data and the loss", RuntimeWarning, stacklevel=2)
+        return history
+
+    def _check_accountants(self, privacy_cb, delta: float) -> None:
+        """Refuses, before any lot, an accountant of this fit (the callback's, else
+        the ledger's) that cannot analyse this fit's lots."""
+        from dpfl_tf.privacy.accountants import AccountantKind
+
+        kind = privacy_cb.accountant or self.ledger.accountant
+        if not _accounts(self._step_event, delta, kind):
+            allowed = [k.value for k in AccountantKind if _accounts(self._step_event, delta, k)]
+            raise ValueError(
+                f"accountant {kind.value!r} cannot account for lots of "
+                f"{describe_event(self._step_event)}; pass accountant= one of {allowed}, or "
+                "use another sampling (nothing was trained)")
 
     def _prepare(self, sampler: LotSampler, batch_size: int) -> None:
         """Fixes the settings of this fit: sanitizer, groups, the lot's event."""
-        restored = self._step_event is None and self.lots_applied > self._recorded_lots
+        restored = self.lots_applied > self.lots_computed
         if not restored:
             self._sync_ledger()  # lots of an earlier fit are recorded with their own event
         optimizer: DPOptimizer = self.optimizer
@@ -234,8 +305,7 @@ class DPModel(keras.Model):
                     for v in layer.trainable_variables}
         self._groups, bounds = optimizer.clip_groups(variables, layer_of)
         self._sanitizer = optimizer.make_sanitizer(bounds)
-        with self.distribute_strategy.scope():
-            _ = self._sanitizer.generator  # created outside tf.function
+        self._counters.create(self.distribute_strategy)
         self._batch_size = batch_size
         self._expected_lot = float(sampler.lot_size)
         self._pad_to_batch = bool(self.jit_compile)
@@ -247,7 +317,7 @@ class DPModel(keras.Model):
                 self._sanitizer.effective_noise_multiplier(num_groups))
             self._step_event = self._epoch_event
             self._lots_per_epoch = sampler.lots_per_epoch
-            self._fit_start_lots = self.lots_applied
+            self._fit_start_lots = self.lots_computed
             self._recorded_epochs = 0
         else:
             self._epoch_event = None
@@ -256,12 +326,13 @@ class DPModel(keras.Model):
         self.sampler = sampler
         self.train_function = None  # retrace with the new settings
         if restored:
-            pending = self.lots_applied - self._recorded_lots
+            pending = self.lots_applied - self.lots_computed
             warnings.warn(
                 f"{pending} lots restored with the weights are recorded in the privacy ledger "
                 f"as {describe_event(self._step_event)} (the settings of this fit): resume "
                 "with the settings that produced them, or load the full .keras model, whose "
                 "ledger keeps its own history", RuntimeWarning, stacklevel=3)
+            self._counters.set_computed(self.lots_applied)
             if self._epoch_event is not None:
                 self._fit_start_lots = self._recorded_lots
             self._sync_ledger()
@@ -278,7 +349,7 @@ class DPModel(keras.Model):
                                           "budget": budget.to_dict()})
         if self._epoch_event is not None:
             epochs = ledger.steps_within_budget(self._epoch_event)
-            done = self.lots_applied - self._fit_start_lots
+            done = self.lots_computed - self._fit_start_lots
             partial = done % self._lots_per_epoch
             # the current partial epoch is already recorded as a whole epoch
             return epochs * self._lots_per_epoch + ((self._lots_per_epoch - partial)
@@ -287,17 +358,61 @@ class DPModel(keras.Model):
 
     def train_step(self, data):
         x, y, mask = data
+        counters = self._counters
+        variables = self.model.trainable_variables
+        # The budget guard is a branch of the computation, not an assert (XLA drops
+        # asserts): a lot at or beyond the limit is skipped -- its data is not read,
+        # no noise is drawn, nothing is counted.
+        allowed = counters.computed < counters.limit
+        replica = tf.distribute.get_replica_context()
+        if replica is not None and replica.num_replicas_in_sync > 1:
+            # Under a distribution strategy the optimizer's all-reduce is a
+            # synchronisation point, which TensorFlow does not allow inside a branch
+            # (and a branch around the lot breaks inside steps_per_execution's loop):
+            # the lot is computed, then multiplied away -- a skipped lot releases a
+            # zero gradient (no noise, nothing counted; weights move only by optimizer
+            # state such as momentum, a function of earlier noised updates).
+            gate = tf.cast(allowed, tf.float32)
+            grads, loss_sum, count, dropped = self._dp_lot(x, y, mask, gate=gate)
+            grads = [tf.where(allowed, g, tf.zeros_like(g)) for g in grads]
+            dropped = dropped * tf.cast(allowed, tf.int64)
+            self.optimizer.apply_noised_gradients(grads, variables)
+        else:
+            grads, loss_sum, count, dropped = tf.cond(
+                allowed, lambda: self._dp_lot(x, y, mask),
+                lambda: ([tf.zeros(v.shape, v.dtype) for v in variables], tf.constant(0.0),
+                         tf.constant(0.0), tf.constant(0, tf.int64)))
+            tf.cond(allowed, lambda: self._apply(grads, variables), lambda: tf.constant(False))
+        step = tf.cast(allowed, tf.int64)
+        with tf.control_dependencies(grads):
+            counters.dropped.assign_add(dropped)
+            counters.computed.assign_add(step)
+            self._lots_applied.assign_add(step)
+        if not self._log_metrics:
+            return {}
+        self._loss_tracker.update_state(loss_sum / tf.maximum(count, 1.0), sample_weight=count)
+        return self.get_metrics_result()
+
+    def _apply(self, grads, variables):
+        self.optimizer.apply_noised_gradients(grads, variables)
+        return tf.constant(True)
+
+    def _dp_lot(self, x, y, mask, gate=None):
+        """One lot: clipped per-example sums over physical batches, noise once;
+        returns (noised gradient / L, loss sum, examples kept, examples dropped)."""
         variables = self.model.trainable_variables
         bsz = self._batch_size
         n = tf.shape(mask)[0]
         num_batches = (n + bsz - 1) // bsz
-        sanitizer, groups = self._sanitizer, self._groups
+        sanitizer, groups, counters = self._sanitizer, self._groups, self._counters
+        last_factors = []
 
         def clip_factors(sq_norms):
             grouped = [None] * (max(groups) + 1)
             for g, s in zip(groups, sq_norms):
                 grouped[g] = s if grouped[g] is None else grouped[g] + s
             factors = sanitizer.clip_factors(grouped)
+            last_factors.append(factors[0])
             return [factors[g] for g in groups]
 
         def take(t, start, size):
@@ -306,23 +421,38 @@ class DPModel(keras.Model):
             # keep the static feature shape (layers such as GroupNormalization need it)
             return tf.ensure_shape(tf.slice(t, begin, sizes), [None, *t.shape[1:]])
 
-        def body(i, acc, loss_sum):
+        def body(i, acc, loss_sum, count, dropped):
             start = i * bsz
             size = bsz if self._pad_to_batch else tf.minimum(bsz, n - start)
             xb = tf.nest.map_structure(lambda t: take(t, start, size), x)
             yb, mb = take(y, start, size), take(mask, start, size)
             sums, losses, y_pred = self._per_example.compute(xb, yb, mb, clip_factors)
-            if self._compile_metrics is not None:
-                self._compile_metrics.update_state(yb, y_pred, sample_weight=mb)
-            return (i + 1, [a + s for a, s in zip(acc, sums)],
-                    loss_sum + tf.reduce_sum(losses))
+            real = mb > 0
+            bad = tf.logical_and(real, tf.equal(last_factors[-1], 0.0))
+            kept = tf.cast(tf.logical_and(real, tf.logical_not(bad)), tf.float32)
+            if gate is not None:
+                kept = kept * gate
+            if self._log_metrics:  # non-private statistics of the kept examples
+                if self._compile_metrics is not None:
+                    self._compile_metrics.update_state(yb, y_pred, sample_weight=kept)
+                losses = tf.where(kept > 0, tf.cast(losses, tf.float32), 0.0)
+                loss_sum += tf.reduce_sum(losses)
+                count += tf.reduce_sum(kept)
+            return (i + 1, [a + s for a, s in zip(acc, sums)], loss_sum, count,
+                    dropped + tf.reduce_sum(tf.cast(bad, tf.int64)))
 
         acc0 = [tf.zeros(v.shape, v.dtype) for v in variables]
-        _, clipped_sum, loss_sum = tf.while_loop(
-            lambda i, *_: i < num_batches, body, (tf.constant(0), acc0, tf.constant(0.0)),
+        _, clipped_sum, loss_sum, count, dropped = tf.while_loop(
+            lambda i, *_: i < num_batches, body,
+            (tf.constant(0), acc0, tf.constant(0.0), tf.constant(0.0),
+             tf.constant(0, tf.int64)),
             parallel_iterations=1)
 
-        noised = sanitizer.add_noise(clipped_sum, groups)
+        if gate is not None:
+            loss_sum, count = loss_sum * gate, count * gate
+        # lot t's noise is stream position t of the sanitizer's key: a seeded run
+        # continues its stream across fits and resumes and never reuses a position
+        noised = sanitizer.add_noise(clipped_sum, groups, step=counters.computed)
         replica = tf.distribute.get_replica_context()
         if replica is not None and replica.num_replicas_in_sync > 1:
             # each replica sums its share of the lot; the optimizer all-reduces the
@@ -330,17 +460,8 @@ class DPModel(keras.Model):
             first = tf.cast(tf.equal(replica.replica_id_in_sync_group, 0), tf.float32)
             noised = [c + first * (z - c) for c, z in zip(clipped_sum, noised)]
         grads = [g / self._expected_lot for g in noised]
-        # the counter moves only with an applied update (and after every check on it)
-        with tf.control_dependencies(grads + [tf.debugging.assert_less(
-                self._lots_applied, self._lot_limit,
-                message="privacy budget exhausted: this lot would exceed the target "
-                        "(epsilon, delta); nothing was applied")]):
-            self.optimizer.apply_noised_gradients(grads, variables)
-            self._lots_applied.assign_add(1)
+        return grads, loss_sum, count, dropped
 
-        count = tf.reduce_sum(mask)
-        self._loss_tracker.update_state(loss_sum / tf.maximum(count, 1.0), sample_weight=count)
-        return self.get_metrics_result()
 
     # -- serialisation ----------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
@@ -363,11 +484,71 @@ class DPModel(keras.Model):
 
     def summary_privacy(self, delta: float = 1e-5) -> str:
         ledger = self.privacy_ledger
-        lines = [f"lots applied: {self.lots_applied}"]
+        lines = [f"lots computed (released): {self.lots_computed}; behind the current "
+                 f"weights: {self.lots_applied}; examples dropped as non-finite: "
+                 f"{self.dropped_examples}"]
         lines += [f"  {e['count']} x {e['event']}" for e in ledger.entries]
         lines.append(f"epsilon = {ledger.epsilon(delta):.4f} at delta = {delta:g} "
                      f"({ledger.accountant.value})")
         return "\n".join(lines)
+
+
+class _Counters:
+    """Monotonic lot and drop counters, kept outside the Keras weights (so that
+    no weight rollback moves them) and outside Keras tracking.
+
+    ``computed`` and ``limit`` are the same on every replica (first replica's
+    value); ``dropped`` is summed over replicas when read."""
+
+    def __init__(self, computed: int = 0):
+        self._initial = int(computed)
+        self._limit_value = _NO_LIMIT
+        self.computed = self.limit = self.dropped = None
+        self._strategy = None
+
+    def create(self, strategy) -> None:
+        if self.computed is not None and self._strategy is strategy:
+            return
+        initial = self.computed_value() if self.computed is not None else self._initial
+        dropped = self.dropped_value() if self.dropped is not None else 0
+        first = tf.VariableAggregation.ONLY_FIRST_REPLICA
+        with strategy.scope():
+            self.computed = tf.Variable(initial, dtype=tf.int64, trainable=False,
+                                        aggregation=first, name="dp_lots_computed")
+            self.limit = tf.Variable(self._limit_value, dtype=tf.int64, trainable=False,
+                                     aggregation=first, name="dp_lot_limit")
+            self.dropped = tf.Variable(dropped, dtype=tf.int64, trainable=False,
+                                       synchronization=tf.VariableSynchronization.ON_READ,
+                                       aggregation=tf.VariableAggregation.SUM,
+                                       name="dp_dropped_examples")
+        self._strategy = strategy
+
+    def computed_value(self) -> int:
+        return self._initial if self.computed is None else int(self.computed.numpy())
+
+    def dropped_value(self) -> int:
+        return 0 if self.dropped is None else int(self.dropped.numpy())
+
+    def set_computed(self, value: int) -> None:
+        if self.computed is None:
+            self._initial = int(value)
+        else:
+            self.computed.assign(int(value))
+
+    def set_limit(self, value: int) -> None:
+        self._limit_value = int(value)
+        if self.limit is not None:
+            self.limit.assign(self._limit_value)
+
+
+def _accounts(event, delta: float, kind) -> bool:
+    from dpfl_tf.privacy.accountants import compute_epsilon
+
+    try:
+        compute_epsilon(event, delta, kind)
+        return True
+    except Exception:
+        return False
 
 
 def _num_examples(x, y) -> int:

@@ -54,11 +54,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
         for per-layer bounds, see `GaussianSanitizer`).
       noise_allocation: per-layer only, "global" or "proportional".
       seed: seeds the noise (tests only; results then say "not for deployment").
+        The noise of lot t is position t of the seed's stream, so the stream
+        continues across `fit` calls and resumes.
+      secure_mode: noise and lot sampling from the OS's secure source, Gaussian
+        samples drawn against floating-point attacks (`dpfl_tf.secure_random`);
+        refuses a seed.
     """
 
     def __init__(self, inner_optimizer: keras.optimizers.Optimizer, *, l2_norm_clip: ClipSpec,
                  noise_multiplier: float, noise_allocation: str = "global",
-                 seed: int | None = None, name: str | None = None, **kwargs):
+                 seed: int | None = None, secure_mode: bool = False,
+                 name: str | None = None, **kwargs):
         if kwargs:
             raise ValueError(f"DPOptimizer does not support arguments {sorted(kwargs)}; set "
                              "them on the inner optimizer")
@@ -75,6 +81,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
             raise ValueError("noise_allocation must be 'global' or 'proportional', got "
                              f"{noise_allocation!r}")
         self.noise_allocation = noise_allocation
+        self.secure_mode = bool(secure_mode)
+        if self.secure_mode and seed is not None:
+            raise ValueError(f"secure_mode=True refuses a seed (got seed={seed!r}): secure "
+                             "noise must come from the OS's secure source")
         self.seed = seed
         if seed is not None:
             warnings.warn(deployment_note(seed), UserWarning, stacklevel=2)
@@ -102,7 +112,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     def make_sanitizer(self, bounds: ClipSpec) -> GaussianSanitizer:
         return GaussianSanitizer(bounds, self.noise_multiplier,
-                                 noise_allocation=self.noise_allocation, seed=self.seed)
+                                 noise_allocation=self.noise_allocation, seed=self.seed,
+                                 secure_mode=self.secure_mode)
 
     # -- optimizer protocol ---------------------------------------------------
     def build(self, var_list):
@@ -148,7 +159,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         clip = self.l2_norm_clip
         return {"l2_norm_clip": dict(clip) if isinstance(clip, Mapping) else clip,
                 "noise_multiplier": self.noise_multiplier,
-                "noise_allocation": self.noise_allocation, "seed": self.seed}
+                "noise_allocation": self.noise_allocation, "seed": self.seed,
+                "secure_mode": self.secure_mode}
 
     def get_config(self):
         return {"name": self.name,
@@ -187,11 +199,12 @@ class DPSGD(DPOptimizer):
     def __init__(self, learning_rate=0.01, momentum: float = 0.0, nesterov: bool = False, *,
                  l2_norm_clip: ClipSpec, noise_multiplier: float,
                  noise_allocation: str = "global", seed: int | None = None,
-                 name: str = "dp_sgd"):
+                 secure_mode: bool = False, name: str = "dp_sgd"):
         super().__init__(keras.optimizers.SGD(learning_rate=learning_rate, momentum=momentum,
                                               nesterov=nesterov),
                          l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
-                         noise_allocation=noise_allocation, seed=seed, name=name)
+                         noise_allocation=noise_allocation, seed=seed,
+                         secure_mode=secure_mode, name=name)
 
     def get_config(self):
         inner = self.inner_optimizer
@@ -210,11 +223,12 @@ class DPAdam(DPOptimizer):
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999,
                  epsilon: float = 1e-7, *, l2_norm_clip: ClipSpec, noise_multiplier: float,
                  noise_allocation: str = "global", seed: int | None = None,
-                 name: str = "dp_adam"):
+                 secure_mode: bool = False, name: str = "dp_adam"):
         super().__init__(keras.optimizers.Adam(learning_rate=learning_rate, beta_1=beta_1,
                                                beta_2=beta_2, epsilon=epsilon),
                          l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
-                         noise_allocation=noise_allocation, seed=seed, name=name)
+                         noise_allocation=noise_allocation, seed=seed,
+                         secure_mode=secure_mode, name=name)
 
     def get_config(self):
         inner = self.inner_optimizer

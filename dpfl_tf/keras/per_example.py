@@ -203,6 +203,18 @@ def _conv_patches(tap: _Tap) -> tf.Tensor:
     return tf.ensure_shape(patches, [None, None, None, depth])
 
 
+def _kept(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
+    """t with the rows of examples whose clip factor is 0 (dropped as non-finite)
+    set to exactly 0: 0 * NaN would be NaN."""
+    keep = tf.reshape(c > 0, [-1] + [1] * (t.shape.rank - 1))
+    return tf.where(keep, t, tf.zeros_like(t))
+
+
+def _scaled(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
+    """c_i * t_i per example, dropped examples exactly 0 (see `_kept`)."""
+    return _kept(t * tf.reshape(tf.cast(c, t.dtype), [-1] + [1] * (t.shape.rank - 1)), c)
+
+
 class PerExampleGradients:
     """Per-example squared norms and clipped sums for one model and loss."""
 
@@ -248,7 +260,7 @@ class PerExampleGradients:
         for var, j in zip(generic, jac):
             j = tf.zeros((tf.shape(losses)[0],) + tuple(var.shape), var.dtype) if j is None else j
             sq_norms[id(var)] = tf.reduce_sum(tf.reshape(tf.square(j), [tf.shape(j)[0], -1]), 1)
-            sum_fns[id(var)] = (lambda c, j=j: tf.tensordot(c, j, axes=[[0], [0]]))
+            sum_fns[id(var)] = (lambda c, j=j: tf.reduce_sum(_scaled(j, c), axis=0))
 
         factors = clip_factors_fn([sq_norms[id(v)] for v in variables])
         sums = [sum_fns[id(v)](tf.cast(f, v.dtype)) for v, f in zip(variables, factors)]
@@ -268,7 +280,7 @@ class PerExampleGradients:
             sq_norms[id(layer.embeddings)] = tf.reduce_sum(same * gg, axis=[1, 2])
 
             def emb_sum(c, gf=gf, ids=ids, layer=layer):
-                weighted = tf.reshape(gf * c[:, None, None], [-1, gf.shape[-1]])
+                weighted = tf.reshape(_scaled(gf, c), [-1, gf.shape[-1]])
                 return tf.math.unsorted_segment_sum(weighted, tf.reshape(ids, [-1]),
                                                     layer.input_dim)
 
@@ -280,7 +292,7 @@ class PerExampleGradients:
             sq_norms[id(layer.kernel)] = (tf.reduce_sum(tf.square(a), 1)
                                           * tf.reduce_sum(tf.square(g), 1))
             sum_fns[id(layer.kernel)] = (
-                lambda c, a=a, g=g: tf.matmul(a, g * c[:, None], transpose_a=True))
+                lambda c, a=a, g=g: tf.matmul(_kept(a, c), _scaled(g, c), transpose_a=True))
             g_example = g
         else:
             a3, g3 = _flatten_positions(a, g)
@@ -291,7 +303,7 @@ class PerExampleGradients:
             shape = layer.kernel.shape
 
             def kernel_sum(c, a3=a3, g3=g3, shape=shape):
-                s = tf.tensordot(a3, g3 * c[:, None, None], axes=[[0, 1], [0, 1]])
+                s = tf.tensordot(_kept(a3, c), _scaled(g3, c), axes=[[0, 1], [0, 1]])
                 return tf.reshape(s, shape)
 
             sum_fns[id(layer.kernel)] = kernel_sum
@@ -299,4 +311,4 @@ class PerExampleGradients:
         if layer.use_bias:
             sq_norms[id(layer.bias)] = tf.reduce_sum(tf.square(g_example), 1)
             sum_fns[id(layer.bias)] = (
-                lambda c, ge=g_example: tf.reduce_sum(ge * c[:, None], axis=0))
+                lambda c, ge=g_example: tf.reduce_sum(_scaled(ge, c), axis=0))

@@ -10,7 +10,8 @@ in physical batches of B and add noise once for the whole lot.
 * ``fixed_size``: L examples drawn uniformly without replacement for each lot.
 * ``shuffle``: each epoch a fresh permutation is cut into N // L lots of L.
 
-Sampling randomness comes from OS entropy unless a seed is given.
+Sampling randomness comes from OS entropy unless a seed is given; in secure
+mode every decision is drawn from ``os.urandom`` (`dpfl_tf.secure_random`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import tensorflow as tf
 
 from dpfl_tf._validation import check_count
 from dpfl_tf.privacy.events import SamplingMethod
+from dpfl_tf.secure_random import secure_uniform
 
 __all__ = ["LotSampler"]
 
@@ -35,11 +37,12 @@ class LotSampler:
       lot_size: L (expected lot size for Poisson sampling).
       sampling: a `SamplingMethod` (or its name).
       seed: seeds the sampler (tests only); default OS entropy.
+      secure_mode: draw every sampling decision from ``os.urandom`` (refuses a seed).
     """
 
     def __init__(self, dataset_size: int, lot_size: int,
                  sampling: SamplingMethod | str = SamplingMethod.POISSON,
-                 seed: int | None = None):
+                 seed: int | None = None, secure_mode: bool = False):
         self.dataset_size = check_count("dataset_size", dataset_size, minimum=1)
         self.lot_size = check_count("lot_size", lot_size, minimum=1)
         if self.lot_size > self.dataset_size:
@@ -48,8 +51,15 @@ class LotSampler:
         self.sampling = SamplingMethod.parse(sampling)
         if self.sampling is SamplingMethod.FULL_BATCH and self.lot_size != self.dataset_size:
             raise ValueError("full_batch sampling needs lot_size == dataset_size")
+        self.secure_mode = bool(secure_mode)
+        if self.secure_mode and seed is not None:
+            raise ValueError(f"secure_mode=True refuses a sampling seed (got {seed!r}): "
+                             "secure sampling draws from the OS's secure source")
         self.seed = seed
         self._rng = np.random.default_rng(seed)
+
+    def _uniform(self, n: int) -> np.ndarray:
+        return secure_uniform(n) if self.secure_mode else self._rng.random(n)
 
     @property
     def sampling_rate(self) -> float:
@@ -74,22 +84,26 @@ class LotSampler:
         perm = None
         for i in range(num_lots):
             if self.sampling is SamplingMethod.POISSON:
-                yield np.flatnonzero(self._rng.random(n) < lot / n)
+                yield np.flatnonzero(self._uniform(n) < lot / n)
             elif self.sampling is SamplingMethod.FIXED_SIZE:
-                yield np.sort(self._rng.choice(n, size=lot, replace=False))
+                # the L smallest of N uniforms: a uniform L-subset
+                yield np.sort(np.argpartition(self._uniform(n), lot - 1)[:lot])
             elif self.sampling is SamplingMethod.FULL_BATCH:
                 yield np.arange(n)
             else:  # shuffle: a new permutation each epoch
                 j = i % self.lots_per_epoch
                 if j == 0:
-                    perm = self._rng.permutation(n)
+                    perm = np.argsort(self._uniform(n), kind="stable")
                 yield np.sort(perm[j * lot:(j + 1) * lot])
 
     def dataset(self, x, y, *, batch_size: int, epochs: int,
-                preprocess: Callable | None = None) -> tf.data.Dataset:
-        """A `tf.data.Dataset` of (x_lot, y_lot, mask), lots padded to a multiple
-        of `batch_size` with zero-weight examples; `epochs * lots_per_epoch` lots."""
-        batch_size = check_count("batch_size", batch_size, minimum=1)
+                preprocess: Callable | None = None, replicas: int = 1) -> tf.data.Dataset:
+        """A `tf.data.Dataset` of (x_lot, y_lot, mask), lots padded with
+        zero-weight examples to a multiple of `batch_size` x `replicas` (so that
+        a distribution strategy splits every lot, even of size 0 or 1, into equal
+        per-replica shares); `epochs * lots_per_epoch` lots."""
+        batch_size = check_count("batch_size", batch_size, minimum=1) * \
+            check_count("replicas", replicas, minimum=1)
         total = check_count("epochs", epochs, minimum=1) * self.lots_per_epoch
         x_t = tf.nest.map_structure(tf.convert_to_tensor, x)
         y_t = tf.convert_to_tensor(y)
