@@ -10,11 +10,17 @@ from dpfl_tf.keras.per_example import (BatchMixingLayerError, PerExampleGradient
 from tests.keras.helpers import loss, mnist_slice
 
 
+def _example(x, i):
+    """Example i of an input (an array or a list of arrays), batch axis kept."""
+    return [t[i:i + 1] for t in x] if isinstance(x, (list, tuple)) else x[i:i + 1]
+
+
 def _reference(model, x, y):
+    """Per-example gradients by brute force: one GradientTape per example."""
     grads = []
     for i in range(len(y)):
         with tf.GradientTape() as tape:
-            li = tf.reduce_sum(loss().call(y[i:i + 1], model(x[i:i + 1], training=True)))
+            li = tf.reduce_sum(loss().call(y[i:i + 1], model(_example(x, i), training=True)))
         g = tape.gradient(li, model.trainable_variables)
         grads.append([np.zeros(v.shape) if gi is None else tf.convert_to_tensor(gi).numpy()
                       for gi, v in zip(g, model.trainable_variables)])
@@ -138,3 +144,136 @@ def test_reduced_loss_is_refused():
     with pytest.raises(ValueError, match="one loss value per example"):
         PerExampleGradients(model, mean_loss).compute(
             tf.ones((4, 3)), tf.zeros(4), tf.ones(4), lambda sq: sq)
+
+
+# ---------------------------------------------------------------------------
+# Layers called more than once and variables used outside the layer's own call:
+# an example's gradient of such a variable is the sum over all its uses.
+
+class TiedProjection(keras.layers.Layer):
+    """Output logits h @ E^T with the embedding table E of an Embedding (weight tying)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, h):
+        return tf.matmul(h, self.embedding.embeddings, transpose_b=True)
+
+
+class CallsInside(keras.layers.Layer):
+    """Calls a layer that is also a node of the functional graph (a use no tap sees)."""
+
+    def __init__(self, layer, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = layer
+
+    def call(self, h):
+        return self.inner(h) * 0.5
+
+
+def shared_dense_two_inputs():
+    keras.utils.set_random_seed(3)
+    a, b = keras.Input((20,)), keras.Input((20,))
+    shared = keras.layers.Dense(8, activation="tanh")
+    h = keras.layers.Concatenate()([shared(a), shared(b)])
+    return keras.Model([a, b], keras.layers.Dense(10)(h))
+
+
+def dense_twice_in_sequence():
+    keras.utils.set_random_seed(4)
+    inp = keras.Input((20,))
+    shared = keras.layers.Dense(20, activation="tanh")
+    return keras.Model(inp, keras.layers.Dense(10)(shared(shared(inp))))
+
+
+def conv_twice():
+    keras.utils.set_random_seed(5)
+    inp = keras.Input((28, 28, 1))
+    h = keras.layers.Conv2D(4, 5, strides=2, padding="same", activation="relu")(inp)
+    shared = keras.layers.Conv2D(4, 3, padding="same", activation="tanh")
+    h = keras.layers.MaxPooling2D(2)(shared(shared(h)))
+    h = keras.layers.Flatten()(h)
+    return keras.Model(inp, keras.layers.Dense(10)(h))
+
+
+def embedding_twice():
+    keras.utils.set_random_seed(6)
+    first, second = keras.Input((6,), dtype="int32"), keras.Input((6,), dtype="int32")
+    emb = keras.layers.Embedding(16, 4)
+    e = keras.layers.Concatenate(axis=1)([emb(first), emb(second)])
+    e = keras.layers.GlobalAveragePooling1D()(keras.layers.Dense(5, activation="relu")(e))
+    return keras.Model([first, second], keras.layers.Dense(10)(e))
+
+
+def tied_embedding():
+    keras.utils.set_random_seed(7)
+    tokens = keras.Input((12,), dtype="int32")
+    emb = keras.layers.Embedding(16, 8)
+    h = keras.layers.Dense(8, activation="tanh")(emb(tokens))
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return keras.Model(tokens, TiedProjection(emb)(h))  # 16 logits, labels 0..9
+
+
+def dense_also_called_inside_a_layer():
+    keras.utils.set_random_seed(8)
+    inp = keras.Input((20,))
+    shared = keras.layers.Dense(20, activation="tanh")
+    h = CallsInside(shared)(shared(inp))
+    return keras.Model(inp, keras.layers.Dense(10)(h))
+
+
+SHARED = {"dense_two_inputs": ("dense2", shared_dense_two_inputs),
+          "dense_twice_in_sequence": ("dense", dense_twice_in_sequence),
+          "conv2d_twice": ("conv", conv_twice),
+          "embedding_twice": ("embedding2", embedding_twice),
+          "tied_embedding": ("embedding", tied_embedding),
+          "dense_also_called_inside_a_layer": ("dense", dense_also_called_inside_a_layer)}
+
+
+def _shared_data(kind, n=6):
+    if kind == "dense2":
+        x, y = mnist_slice(n, flat=True)
+        return [x[:, 150:170], x[:, 400:420]], y
+    if kind == "embedding2":
+        x, y = _data("embedding", n)
+        return [x[:, :6], x[:, 6:]], y
+    return _data(kind, n)
+
+
+def _clipped_reference(ref, clip):
+    expected = [np.zeros_like(g) for g in ref[0]]
+    for r in ref:
+        norm = np.sqrt(sum(np.sum(g ** 2) for g in r))
+        assert norm > clip  # the bound binds: every clip factor is < 1
+        for j, g in enumerate(r):
+            expected[j] += g * min(1.0, clip / norm)
+    return expected
+
+
+@pytest.mark.parametrize("name", list(SHARED))
+def test_shared_layers_and_tied_weights_equal_reference_loop(name):
+    kind, make = SHARED[name]
+    x, y = _shared_data(kind)
+    model = make()
+    ref = _reference(model, x, y)
+    ref_sum = [sum(r[j] for r in ref) for j in range(len(ref[0]))]
+    ref_sq = [np.array([np.sum(r[j] ** 2) for r in ref]) for j in range(len(ref[0]))]
+    for fast in (True, False):
+        sums, sq = _compute(model, x, y, fast)
+        for a, b in zip(sq, ref_sq):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-8)
+        for a, b in zip(sums, ref_sum):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", list(SHARED))
+def test_shared_layers_and_tied_weights_clipped_sums(name):
+    kind, make = SHARED[name]
+    x, y = _shared_data(kind)
+    model = make()
+    clip = 0.01
+    expected = _clipped_reference(_reference(model, x, y), clip)
+    sums, _ = _compute(model, x, y, fast=True, clip=clip)
+    for a, b in zip(sums, expected):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-7)
