@@ -215,6 +215,16 @@ def tied_embedding():
     return keras.Model(tokens, TiedProjection(emb)(h))  # 16 logits, labels 0..9
 
 
+def tied_embedding_by_keras_ops():
+    keras.utils.set_random_seed(10)
+    tokens = keras.Input((12,), dtype="int32")
+    emb = keras.layers.Embedding(16, 10)
+    h = keras.layers.Dense(16, activation="tanh")(emb(tokens))
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    # the graph node keeps the Variable itself (a transpose would be a constant copy)
+    return keras.Model(tokens, keras.ops.matmul(h, emb.embeddings))
+
+
 def dense_also_called_inside_a_layer():
     keras.utils.set_random_seed(8)
     inp = keras.Input((20,))
@@ -228,6 +238,7 @@ SHARED = {"dense_two_inputs": ("dense2", shared_dense_two_inputs),
           "conv2d_twice": ("conv", conv_twice),
           "embedding_twice": ("embedding2", embedding_twice),
           "tied_embedding": ("embedding", tied_embedding),
+          "tied_embedding_by_keras_ops": ("embedding", tied_embedding_by_keras_ops),
           "dense_also_called_inside_a_layer": ("dense", dense_also_called_inside_a_layer)}
 
 
