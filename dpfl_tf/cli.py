@@ -61,8 +61,18 @@ def _privacy_inputs(args, error: Callable[[str], None]) -> dict:
             else:
                 q = check_number("--sampling-rate", args.sampling_rate, low=0.0, high=1.0,
                                  low_open=True)
+                if args.dataset_size is not None and args.lot_size is not None:
+                    n = check_count("--dataset-size", args.dataset_size, minimum=1)
+                    implied = check_count("--lot-size", args.lot_size, minimum=1) / n
+                    if not math.isclose(q, implied, rel_tol=1e-9):
+                        error(f"--sampling-rate {q:g} contradicts --lot-size / --dataset-size "
+                              f"= {implied:g}; give one of them")
             sampling_args = {"sampling_rate": q}
         else:
+            if args.sampling_rate is not None:
+                error(f"--sampling-rate is for --sampling poisson; --sampling {sampling} takes "
+                      f"--dataset-size and --lot-size, got --sampling-rate "
+                      f"{args.sampling_rate:g}")
             if args.dataset_size is None or args.lot_size is None:
                 error(f"--sampling {sampling} needs --dataset-size and --lot-size")
             n = check_count("--dataset-size", args.dataset_size, minimum=1)

@@ -65,6 +65,15 @@ def test_privacy_shuffle_counts_every_epoch_touched(capsys):
     assert "11 epochs" in capsys.readouterr().out
 
 
+def test_privacy_refuses_a_sampling_rate_that_contradicts_the_sizes():
+    out = run(["privacy", "-q", "0.01", "--dataset-size", "60000", "--lot-size", "256",
+               "-s", "4", "-E", "1", "-d", "1e-5"])
+    assert out.returncode != 0 and "--sampling-rate" in out.stderr and "0.01" in out.stderr
+    out = run(["privacy", "--sampling", "shuffle", "-q", "0.01", "--dataset-size", "60000",
+               "--lot-size", "256", "-s", "4", "-E", "1", "-d", "1e-5"])
+    assert out.returncode != 0 and "--sampling-rate" in out.stderr and "shuffle" in out.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["-q", "1.5", "-s", "1", "-E", "1", "-d", "1e-5"], "--sampling-rate must be in (0, 1]"),
     (["-q", "0", "-s", "1", "-E", "1", "-d", "1e-5"], "--sampling-rate must be in (0, 1]"),
