@@ -269,10 +269,12 @@ def _run_train(args, error) -> int:
     print(f"DP-SGD on {args.dataset}: {what}, target epsilon={epsilon:g} at delta={delta:g} "
           f"({args.accountant} accountant)")
     return _train_and_report(args, error, lambda: train_mnist(config), f"train_{args.dataset}",
-                             lambda r: f"test accuracy = {r['test_accuracy']:.4f} (train "
-                                       f"{r['train_accuracy']:.4f}) after {r['epochs']} epochs"
+                             lambda r: f"test accuracy = {r['test_accuracy']:.4f} after "
+                                       f"{r['epochs']} epochs"
                                        + (f", sigma = {r['noise_multiplier']:.3f}" if scatter
-                                          else ""))
+                                          else "")
+                                       + f"; train accuracy = {r['train_accuracy']:.4f} "
+                                         "(non-private statistic)")
 
 
 def _run_train_cifar10(args, error, epsilon, delta, epochs, lot, clip, lr) -> int:

@@ -112,6 +112,8 @@ def test_train_runs_end_to_end_and_writes_results(tmp_path):
     assert data["epochs"] == 1 and data["test_accuracy"] > 0.5
     assert data["epsilon"] <= 2.0
     assert "test accuracy =" in res.stdout and "epsilon =" in res.stdout
+    assert "(non-private statistic)" in res.stdout   # train accuracy is on the private data
+    assert "train_accuracy" in data["non_private_statistics"]
     assert "NOT for deployment" in res.stdout
     assert (tmp_path / "train.png").exists()
 
