@@ -147,8 +147,10 @@ def gaussian_step_event(
       sampling_rate: q for Poisson sampling (defaults to lot_size/dataset_size).
       dataset_size, lot_size: N and L, needed for fixed-size sampling.
 
-    For ``SHUFFLE`` the per-step event is a no-op: the whole epoch is one
-    Gaussian release, see `dp_sgd_event` and `shuffle_epoch_event`.
+    ``SHUFFLE`` has no per-lot event and raises: an epoch of shuffled lots is one
+    Gaussian release, recorded once per epoch touched (`shuffle_epoch_event`,
+    `dp_sgd_event(..., epochs=)`); a per-lot no-op would let a caller record a
+    noised lot at no cost.
     """
     sigma = _check_number("noise_multiplier", noise_multiplier, low=0.0)
     method = SamplingMethod.parse(sampling)
@@ -169,8 +171,10 @@ def gaussian_step_event(
             raise ValueError(f"lot_size must be <= dataset_size ({n}), got {lot}")
         return dp_accounting.SampledWithoutReplacementDpEvent(
             n, lot, dp_accounting.GaussianDpEvent(sigma / 2.0))
-    # SHUFFLE: per-step nothing new is released beyond the epoch's Gaussian.
-    return dp_accounting.NoOpDpEvent()
+    raise ValueError(
+        "sampling='shuffle' has no per-lot event: an epoch of shuffled lots is one "
+        "replace-one Gaussian, recorded once per epoch touched -- use "
+        "shuffle_epoch_event(noise_multiplier) or dp_sgd_event(..., 'shuffle', epochs=E)")
 
 
 def shuffle_epoch_event(noise_multiplier: float) -> dp_accounting.DpEvent:

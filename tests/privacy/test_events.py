@@ -86,3 +86,14 @@ def test_describe_event_names_the_relation():
     mixed = dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(1.0),
                                            shuffle_epoch_event(1.0)])
     assert "MIXED" in describe_event(mixed)
+
+
+def test_a_shuffled_lot_has_no_per_lot_event_that_costs_nothing():
+    """A noised shuffled lot is a release; its cost is the epoch's Gaussian, recorded
+    per epoch touched.  A per-lot no-op event would let a caller record it for free."""
+    from dpfl_tf.sanitizer import GaussianSanitizer
+
+    with pytest.raises(ValueError, match="sampling='shuffle'.*shuffle_epoch_event"):
+        gaussian_step_event(4.0, "shuffle")
+    with pytest.raises(ValueError, match="sampling='shuffle'.*shuffle_epoch_event"):
+        GaussianSanitizer(1.0, 4.0).event(1, "shuffle")
