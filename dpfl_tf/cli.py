@@ -32,7 +32,9 @@ def _add_privacy_parser(sub) -> None:
                        help="print the smallest noise multiplier reaching this epsilon instead")
     length = p.add_mutually_exclusive_group(required=True)
     length.add_argument("--steps", "-T", type=float_arg, help="number of lots (steps)")
-    length.add_argument("--epochs", "-E", type=float_arg, help="epochs; steps = epochs / q")
+    length.add_argument("--epochs", "-E", type=float_arg,
+                        help="epochs; steps = epochs / q (shuffle: epochs x (N // L), an "
+                             "epoch being N // L lots)")
     p.add_argument("--delta", "-d", type=float_arg, required=True, help="delta in (0, 1)")
     p.add_argument("--accountant", default="moments", choices=["moments", "rdp", "pld", "strong"])
     p.add_argument("--sampling", default="poisson",
@@ -49,6 +51,7 @@ def _privacy_inputs(args, error: Callable[[str], None]) -> dict:
     """Validates the privacy command's numbers; every message names the argument."""
     try:
         sampling = args.sampling
+        lots_per_epoch = None
         if sampling == "poisson":
             if args.sampling_rate is None:
                 if args.dataset_size is None or args.lot_size is None:
@@ -58,8 +61,18 @@ def _privacy_inputs(args, error: Callable[[str], None]) -> dict:
             else:
                 q = check_number("--sampling-rate", args.sampling_rate, low=0.0, high=1.0,
                                  low_open=True)
+                if args.dataset_size is not None and args.lot_size is not None:
+                    n = check_count("--dataset-size", args.dataset_size, minimum=1)
+                    implied = check_count("--lot-size", args.lot_size, minimum=1) / n
+                    if not math.isclose(q, implied, rel_tol=1e-9):
+                        error(f"--sampling-rate {q:g} contradicts --lot-size / --dataset-size "
+                              f"= {implied:g}; give one of them")
             sampling_args = {"sampling_rate": q}
         else:
+            if args.sampling_rate is not None:
+                error(f"--sampling-rate is for --sampling poisson; --sampling {sampling} takes "
+                      f"--dataset-size and --lot-size, got --sampling-rate "
+                      f"{args.sampling_rate:g}")
             if args.dataset_size is None or args.lot_size is None:
                 error(f"--sampling {sampling} needs --dataset-size and --lot-size")
             n = check_count("--dataset-size", args.dataset_size, minimum=1)
@@ -68,14 +81,18 @@ def _privacy_inputs(args, error: Callable[[str], None]) -> dict:
                 error(f"--lot-size must be <= --dataset-size ({n}), got {lot}")
             q = lot / n
             sampling_args = {"dataset_size": n, "lot_size": lot}
+            if sampling == "shuffle":   # an epoch: a permutation cut into N // L lots of L
+                lots_per_epoch = n // lot
         delta = check_number("--delta", args.delta, low=0.0, high=1.0, low_open=True,
                              high_open=True)
         if args.steps is not None:
             steps = check_count("--steps", args.steps)
-            epochs = steps * q
+            epochs = steps / lots_per_epoch if lots_per_epoch else steps * q
         else:
             epochs = check_number("--epochs", args.epochs, low=0.0)
-            steps = int(round(epochs / q))
+            steps = int(round(epochs * lots_per_epoch if lots_per_epoch else epochs / q))
+        # shuffle: one Gaussian per epoch touched, a partial epoch counting whole
+        epochs_accounted = -(-steps // lots_per_epoch) if lots_per_epoch else None
         sigma = target = None
         if args.noise_multiplier is not None:
             sigma = check_number("--noise-multiplier", args.noise_multiplier, low=0.0)
@@ -85,7 +102,8 @@ def _privacy_inputs(args, error: Callable[[str], None]) -> dict:
     except ValueError as e:
         error(str(e))
     return dict(sampling=sampling, sampling_args=sampling_args, q=q, delta=delta, steps=steps,
-                epochs=epochs, sigma=sigma, target=target)
+                epochs=epochs, lots_per_epoch=lots_per_epoch,
+                epochs_accounted=epochs_accounted, sigma=sigma, target=target)
 
 
 def _run_privacy(args, error) -> int:
@@ -94,10 +112,8 @@ def _run_privacy(args, error) -> int:
 
     v = _privacy_inputs(args, error)
     if v["sampling"] == "shuffle":
-        epochs_whole = math.ceil(v["epochs"] - 1e-9)
-
         def make_event(sigma):
-            return dp_sgd_event(sigma, v["steps"], "shuffle", epochs=epochs_whole)
+            return dp_sgd_event(sigma, v["steps"], "shuffle", epochs=v["epochs_accounted"])
     else:
         def make_event(sigma):
             return dp_sgd_event(sigma, v["steps"], v["sampling"], **v["sampling_args"])
@@ -120,6 +136,9 @@ def _run_privacy(args, error) -> int:
         "steps": v["steps"], "epochs": v["epochs"], "sampling": v["sampling"],
         "sampling_rate": v["q"], "noise_multiplier": sigma, "event": describe_event(event),
     }
+    if v["lots_per_epoch"] is not None:
+        result["lots_per_epoch"] = v["lots_per_epoch"]
+        result["epochs_accounted"] = v["epochs_accounted"]
     if v["target"] is not None:
         result["target_epsilon"] = v["target"]
     if args.json:
@@ -136,8 +155,12 @@ def _run_privacy(args, error) -> int:
               f"(target {v['target']:g}) at delta = {v['delta']:g}")
     else:
         print(f"epsilon = {eps:.4f} at delta = {v['delta']:g}")
-    print(f"  {args.accountant} accountant, {v['steps']} steps ({v['epochs']:g} epochs): "
-          f"{describe_event(event)}")
+    if v["lots_per_epoch"] is not None:
+        length = (f"{v['steps']} steps: {v['epochs_accounted']} epochs of "
+                  f"{v['lots_per_epoch']} lots touched")
+    else:
+        length = f"{v['steps']} steps ({v['epochs']:g} epochs)"
+    print(f"  {args.accountant} accountant, {length}: {describe_event(event)}")
     return 0
 
 
@@ -246,10 +269,12 @@ def _run_train(args, error) -> int:
     print(f"DP-SGD on {args.dataset}: {what}, target epsilon={epsilon:g} at delta={delta:g} "
           f"({args.accountant} accountant)")
     return _train_and_report(args, error, lambda: train_mnist(config), f"train_{args.dataset}",
-                             lambda r: f"test accuracy = {r['test_accuracy']:.4f} (train "
-                                       f"{r['train_accuracy']:.4f}) after {r['epochs']} epochs"
+                             lambda r: f"test accuracy = {r['test_accuracy']:.4f} after "
+                                       f"{r['epochs']} epochs"
                                        + (f", sigma = {r['noise_multiplier']:.3f}" if scatter
-                                          else ""))
+                                          else "")
+                                       + f"; train accuracy = {r['train_accuracy']:.4f} "
+                                         "(non-private statistic)")
 
 
 def _run_train_cifar10(args, error, epsilon, delta, epochs, lot, clip, lr) -> int:

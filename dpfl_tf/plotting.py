@@ -52,7 +52,7 @@ def plot_accuracy_and_epsilon(rows, ax=None, title: str = ""):
             color="tab:blue", label="test accuracy")
     if acc_rows and "train_accuracy" in acc_rows[0]:
         ax.plot([r["epoch"] for r in acc_rows], [r["train_accuracy"] for r in acc_rows],
-                color="tab:orange", ls="--", label="train accuracy")
+                color="tab:orange", ls="--", label="train accuracy (non-private)")
     ax.set_xlabel("epoch")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0.5, 1.0)

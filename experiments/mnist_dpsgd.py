@@ -177,6 +177,7 @@ def main(argv=None) -> list[dict]:
         results = [r for r in _load(path) if r.get("run") != name] + [result]
         atomic_write_json(path, results)
         print(f"   test accuracy {result['test_accuracy']:.4f}  train {result['train_accuracy']:.4f}"
+              " (non-private statistic)"
               + (f"  epsilon {result['epsilon']:.3f} (delta {config.delta:g}, {config.accountant})"
                  if result["epsilon"] is not None else "  non-private")
               + f"  epochs {result['epochs']}  {result['seconds']:.0f} s", flush=True)

@@ -42,6 +42,38 @@ def test_zero_noise_is_said_plainly(capsys):
     assert data["epsilon"] is None and data["epsilon_is_infinite"] is True
 
 
+def test_privacy_shuffle_counts_every_epoch_touched(capsys):
+    """An epoch of shuffled lots is N // L lots: 2341 lots of 256 from 60000 touch
+    ceil(2341 / 234) = 11 epochs, and --epochs 10 means 10 * 234 lots."""
+    from dpfl_tf.privacy import compute_epsilon, dp_sgd_event
+
+    base = ["privacy", "--sampling", "shuffle", "--dataset-size", "60000", "--lot-size", "256",
+            "-s", "4", "-d", "1e-5", "--json"]
+    assert main(base + ["-T", "2341"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["event"] == "11 x Gaussian(sigma=2) (replace-one)"
+    assert data["epochs_accounted"] == 11 and data["lots_per_epoch"] == 234
+    assert data["epsilon"] == compute_epsilon(dp_sgd_event(4.0, 2341, "shuffle", epochs=11),
+                                              1e-5, "moments")
+    assert main(base + ["-T", "2340"]) == 0
+    assert json.loads(capsys.readouterr().out)["epochs_accounted"] == 10
+    assert main(base + ["--epochs", "10"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["steps"] == 2340 and data["epochs_accounted"] == 10
+    assert data["event"] == "10 x Gaussian(sigma=2) (replace-one)"
+    assert main(base[:-1] + ["-T", "2341"]) == 0
+    assert "11 epochs" in capsys.readouterr().out
+
+
+def test_privacy_refuses_a_sampling_rate_that_contradicts_the_sizes():
+    out = run(["privacy", "-q", "0.01", "--dataset-size", "60000", "--lot-size", "256",
+               "-s", "4", "-E", "1", "-d", "1e-5"])
+    assert out.returncode != 0 and "--sampling-rate" in out.stderr and "0.01" in out.stderr
+    out = run(["privacy", "--sampling", "shuffle", "-q", "0.01", "--dataset-size", "60000",
+               "--lot-size", "256", "-s", "4", "-E", "1", "-d", "1e-5"])
+    assert out.returncode != 0 and "--sampling-rate" in out.stderr and "shuffle" in out.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["-q", "1.5", "-s", "1", "-E", "1", "-d", "1e-5"], "--sampling-rate must be in (0, 1]"),
     (["-q", "0", "-s", "1", "-E", "1", "-d", "1e-5"], "--sampling-rate must be in (0, 1]"),
@@ -80,6 +112,8 @@ def test_train_runs_end_to_end_and_writes_results(tmp_path):
     assert data["epochs"] == 1 and data["test_accuracy"] > 0.5
     assert data["epsilon"] <= 2.0
     assert "test accuracy =" in res.stdout and "epsilon =" in res.stdout
+    assert "(non-private statistic)" in res.stdout   # train accuracy is on the private data
+    assert "train_accuracy" in data["non_private_statistics"]
     assert "NOT for deployment" in res.stdout
     assert (tmp_path / "train.png").exists()
 

@@ -64,7 +64,8 @@ import dp_accounting
 import numpy as np
 import tensorflow as tf
 
-from dpfl_tf.privacy.events import NeighboringRelation, SamplingMethod, gaussian_step_event
+from dpfl_tf.privacy.events import (NeighboringRelation, ReplaceOneGaussianDpEvent,
+                                    SamplingMethod, gaussian_step_event)
 from dpfl_tf.sanitizer import GaussianSanitizer
 
 __all__ = ["AggregateResult", "Aggregator", "ClientNoiseDPAggregator", "GlobalDPAggregator",
@@ -354,7 +355,7 @@ class ClientNoiseDPAggregator(_SanitizedAggregator):
         if z == 0:
             return dp_accounting.NonPrivateDpEvent()
         if relation == NeighboringRelation.REPLACE_ONE:
-            return dp_accounting.GaussianDpEvent(z / 2.0)
+            return ReplaceOneGaussianDpEvent(z / 2.0)
         return dp_accounting.GaussianDpEvent(z)
 
     def round_event(self, num_components, sampling, **sampling_args):

@@ -46,6 +46,11 @@ class PrivacyCallback(keras.callbacks.Callback):
         return self.accountant or self.model.ledger.accountant
 
     def on_train_begin(self, logs=None):
+        event = getattr(self.model, "lot_event", None)
+        if event is not None:
+            # before any lot: a ledger of another neighbouring relation refuses this
+            # fit's event (e.g. add/remove DP-PCA, then shuffled lots, replace-one)
+            self.model.ledger.admit(event)
         kind = self._kind()
         if self.target_epsilon is None:
             PrivacyBudget(1.0, self.delta)  # validates delta

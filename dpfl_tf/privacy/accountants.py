@@ -14,12 +14,13 @@ import math
 
 import dp_accounting
 import numpy as np
+from dp_accounting import dp_event as _dp_event
 from dp_accounting import pld as _pld
 from dp_accounting import rdp as _rdp
 
 from dpfl_tf._validation import ChoiceEnum, check_number
 from dpfl_tf.privacy._gaussian_accountant import walk_composition
-from dpfl_tf.privacy.events import neighboring_relation_of
+from dpfl_tf.privacy.events import iter_events, describe_event, neighboring_relation_of
 from dpfl_tf.privacy.moments import MomentsAccountant
 from dpfl_tf.privacy.strong import StrongCompositionAccountant
 
@@ -77,14 +78,29 @@ class CachedRdpAccountant(_rdp.RdpAccountant):
         return err
 
 
+def _accountant_relation(event: dp_accounting.DpEvent) -> dp_accounting.NeighboringRelation:
+    """The relation to build a dp_accounting accountant with for `event`.
+
+    REPLACE_ONE only if the event holds fixed-size sampling (RDP's Wang-Balle-
+    Kasiviswanathan bound needs it; its multiplier is std / sensitivity).  Every
+    other event here has multipliers normalised by its own relation's
+    sensitivity (``ReplaceOneGaussianDpEvent``: std / 2C), which is what
+    dp_accounting reads under ADD_OR_REMOVE_ONE; its PLD accountant under
+    REPLACE_ONE would double a Gaussian's sensitivity a second time.
+    """
+    if any(isinstance(e, _dp_event.SampledWithoutReplacementDpEvent) for e in iter_events(event)):
+        return dp_accounting.NeighboringRelation.REPLACE_ONE
+    return dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+
+
 def _accountant_for(event: dp_accounting.DpEvent, kind) -> dp_accounting.PrivacyAccountant:
-    accountant = make_accountant(kind, neighboring_relation=neighboring_relation_of(event))
+    neighboring_relation_of(event)  # refuses add/remove-one mixed with replace-one
+    accountant = make_accountant(kind, neighboring_relation=_accountant_relation(event))
     if not accountant.supports(event):
         raise ValueError(
-            f"the {AccountantKind.parse(kind).value!r} accountant cannot interpret {event}; "
-            "fixed-size sampling without replacement is supported by 'rdp' only, and it "
-            "cannot be composed with Poisson-sampled events (they use different "
-            "neighbouring relations)")
+            f"the {AccountantKind.parse(kind).value!r} accountant cannot interpret "
+            f"{describe_event(event)}; fixed-size sampling without replacement is supported "
+            "by 'rdp' only")
     return accountant.compose(event)
 
 

@@ -21,9 +21,35 @@ Conventions
 * ``SamplingMethod.SHUFFLE``: each epoch a random permutation is cut into
   disjoint lots.  No amplification is claimed: under replace-one the changed
   record sits in exactly one lot per epoch, so an epoch is one Gaussian
-  mechanism with sensitivity 2C, ``GaussianDpEvent(sigma/2)`` per epoch.
+  mechanism with sensitivity 2C, ``ReplaceOneGaussianDpEvent(sigma/2)`` per
+  epoch (a `GaussianDpEvent` whose type says "replace-one").
 * ``SamplingMethod.FULL_BATCH``: every record in every step,
   ``GaussianDpEvent(sigma)`` per step (add/remove relation).
+
+Neighbouring relations are never mixed
+--------------------------------------
+An (eps, delta) guarantee is stated for one relation.  Composing an
+add/remove-one event with a replace-one event gives a number that bounds
+neither (e.g. DP-PCA, add/remove, then shuffled DP-SGD, replace-one), so
+`neighboring_relation_of` -- which every accountant of `dpfl_tf.privacy`
+consults -- refuses such a composition, and so does the `PrivacyLedger`.  An
+event's relation is read from the event: ``SampledWithoutReplacementDpEvent``
+and ``ReplaceOneGaussianDpEvent`` are replace-one; no-op and non-private
+events have none; every other event is add/remove-one.
+
+Conversion is possible in one direction only, and is explicit
+(`to_replace_one`): replacing a record is removing it and adding another, so
+a sum of records clipped to C moves by up to 2C, and an add/remove
+``GaussianDpEvent(sigma)`` (sensitivity C) is the replace-one mechanism
+``ReplaceOneGaussianDpEvent(sigma/2)``.  A Poisson-sampled event with q < 1 has
+no such one-event form for the accountants here.
+
+Noise multipliers are normalised by the sensitivity of the event's own
+relation (std / 2C under replace-one).  `dp_accounting`'s PLD accountant,
+built with ``REPLACE_ONE``, would double a Gaussian's sensitivity a second
+time, so the accountants of `dpfl_tf.privacy.accountants` are built with
+``REPLACE_ONE`` only where dp_accounting requires it (fixed-size sampling,
+RDP's Wang-Balle-Kasiviswanathan bound, whose multiplier is std / sensitivity).
 """
 
 from __future__ import annotations
@@ -31,6 +57,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import attr
 import dp_accounting
 from dp_accounting import dp_event as _dp_event
 
@@ -44,7 +71,12 @@ __all__ = [
     "gaussian_step_event",
     "dp_sgd_event",
     "shuffle_epoch_event",
+    "ReplaceOneGaussianDpEvent",
     "neighboring_relation_of",
+    "relations_of",
+    "parse_relation",
+    "relation_name",
+    "to_replace_one",
     "event_to_dict",
     "event_from_dict",
     "event_to_json",
@@ -53,6 +85,40 @@ __all__ = [
 ]
 
 NeighboringRelation = dp_accounting.NeighboringRelation
+
+_RELATION_NAMES = {NeighboringRelation.ADD_OR_REMOVE_ONE: "add/remove-one",
+                   NeighboringRelation.REPLACE_ONE: "replace-one"}
+
+
+def relation_name(relation: NeighboringRelation) -> str:
+    """'add/remove-one' or 'replace-one' (for messages and descriptions)."""
+    return _RELATION_NAMES.get(relation, str(relation))
+
+
+def parse_relation(relation: NeighboringRelation | str, argument: str = "relation"
+                   ) -> NeighboringRelation:
+    """A `NeighboringRelation` from itself or its name ('add_or_remove_one', 'replace_one')."""
+    allowed = tuple(_RELATION_NAMES)
+    if isinstance(relation, NeighboringRelation) and relation in allowed:
+        return relation
+    if isinstance(relation, str):
+        key = relation.strip().upper().replace("-", "_").replace("/", "_OR_")
+        if key in NeighboringRelation.__members__ and NeighboringRelation[key] in allowed:
+            return NeighboringRelation[key]
+    raise ValueError(f"{argument} must be one of 'add_or_remove_one', 'replace_one', "
+                     f"got {relation!r}")
+
+
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class ReplaceOneGaussianDpEvent(dp_accounting.GaussianDpEvent):
+    """A Gaussian mechanism stated under the replace-one relation.
+
+    ``noise_multiplier`` = noise std / (2C): replacing one record of a sum of
+    records clipped to C moves the sum by up to 2C.  Numerically it is the
+    `GaussianDpEvent` it subclasses (every dp_accounting accountant reads it as
+    one); the type only records which neighbouring relation the guarantee is
+    about, so that it is never composed with add/remove-one events.
+    """
 
 
 class SamplingMethod(ChoiceEnum):
@@ -81,8 +147,10 @@ def gaussian_step_event(
       sampling_rate: q for Poisson sampling (defaults to lot_size/dataset_size).
       dataset_size, lot_size: N and L, needed for fixed-size sampling.
 
-    For ``SHUFFLE`` the per-step event is a no-op: the whole epoch is one
-    Gaussian release, see `dp_sgd_event` and `shuffle_epoch_event`.
+    ``SHUFFLE`` has no per-lot event and raises: an epoch of shuffled lots is one
+    Gaussian release, recorded once per epoch touched (`shuffle_epoch_event`,
+    `dp_sgd_event(..., epochs=)`); a per-lot no-op would let a caller record a
+    noised lot at no cost.
     """
     sigma = _check_number("noise_multiplier", noise_multiplier, low=0.0)
     method = SamplingMethod.parse(sampling)
@@ -103,14 +171,21 @@ def gaussian_step_event(
             raise ValueError(f"lot_size must be <= dataset_size ({n}), got {lot}")
         return dp_accounting.SampledWithoutReplacementDpEvent(
             n, lot, dp_accounting.GaussianDpEvent(sigma / 2.0))
-    # SHUFFLE: per-step nothing new is released beyond the epoch's Gaussian.
-    return dp_accounting.NoOpDpEvent()
+    raise ValueError(
+        "sampling='shuffle' has no per-lot event: an epoch of shuffled lots is one "
+        "replace-one Gaussian, recorded once per epoch touched -- use "
+        "shuffle_epoch_event(noise_multiplier) or dp_sgd_event(..., 'shuffle', epochs=E)")
 
 
 def shuffle_epoch_event(noise_multiplier: float) -> dp_accounting.DpEvent:
-    """One epoch of shuffle-and-split lots: one Gaussian, replace-one, sensitivity 2C."""
+    """One epoch of shuffle-and-split lots: ``ReplaceOneGaussianDpEvent(sigma / 2)``.
+
+    Under replace-one the changed record sits in exactly one lot of the epoch,
+    whose clipped sum moves by up to 2C; the lot's noise has std sigma C, so the
+    epoch is one Gaussian mechanism with multiplier sigma C / 2C = sigma / 2.
+    """
     sigma = _check_number("noise_multiplier", noise_multiplier, low=0.0)
-    return dp_accounting.GaussianDpEvent(sigma / 2.0)
+    return ReplaceOneGaussianDpEvent(sigma / 2.0)
 
 
 def dp_sgd_event(
@@ -135,33 +210,100 @@ def dp_sgd_event(
     return dp_accounting.SelfComposedDpEvent(step, _check_count("steps", steps))
 
 
-def _walk(event: dp_accounting.DpEvent):
+def iter_events(event: dp_accounting.DpEvent):
+    """`event` and every event nested in it, depth first."""
     yield event
     if isinstance(event, (_dp_event.SelfComposedDpEvent, _dp_event.PoissonSampledDpEvent,
                           _dp_event.SampledWithoutReplacementDpEvent,
                           _dp_event.SampledWithReplacementDpEvent)):
-        yield from _walk(event.event)
+        yield from iter_events(event.event)
     elif isinstance(event, _dp_event.ComposedDpEvent):
         for e in event.events:
-            yield from _walk(e)
+            yield from iter_events(e)
+
+
+def relations_of(event: dp_accounting.DpEvent) -> frozenset:
+    """The neighbouring relations of the mechanisms in `event` (empty: none applies;
+    two: a mixture, which no accountant here interprets)."""
+    if isinstance(event, (_dp_event.NoOpDpEvent, _dp_event.NonPrivateDpEvent)):
+        return frozenset()
+    if isinstance(event, _dp_event.SelfComposedDpEvent):
+        return relations_of(event.event)
+    if isinstance(event, _dp_event.ComposedDpEvent):
+        return frozenset().union(*(relations_of(e) for e in event.events))
+    if isinstance(event, (_dp_event.SampledWithoutReplacementDpEvent,
+                          ReplaceOneGaussianDpEvent)):
+        return frozenset({NeighboringRelation.REPLACE_ONE})
+    if isinstance(event, (_dp_event.PoissonSampledDpEvent,
+                          _dp_event.SampledWithReplacementDpEvent)):
+        return frozenset({NeighboringRelation.ADD_OR_REMOVE_ONE}) | relations_of(event.event)
+    return frozenset({NeighboringRelation.ADD_OR_REMOVE_ONE})
+
+
+def mixed_relations_message(what: str) -> str:
+    """The error for a composition of add/remove-one and replace-one events."""
+    return (f"{what} mixes add/remove-one and replace-one events (different neighbouring "
+            "relations): an epsilon composed from both bounds neither relation.  Account "
+            "everything under replace-one instead: an add/remove Gaussian(sigma) is the "
+            "replace-one Gaussian(sigma/2) (sensitivity 2C), see "
+            "dpfl_tf.privacy.events.to_replace_one and PrivacyLedger(relation='replace_one'); "
+            "Poisson-sampled events with q < 1 cannot be converted: keep them in a separate "
+            "ledger, or train with poisson sampling throughout")
 
 
 def neighboring_relation_of(event: dp_accounting.DpEvent) -> NeighboringRelation:
-    """The relation an event's noise multipliers refer to (see module docstring)."""
-    if any(isinstance(e, _dp_event.SampledWithoutReplacementDpEvent) for e in _walk(event)):
-        return NeighboringRelation.REPLACE_ONE
-    return NeighboringRelation.ADD_OR_REMOVE_ONE
+    """The relation the event's guarantee is stated under (see module docstring).
+
+    ADD_OR_REMOVE_ONE for events without any (no-ops, non-private events).
+    Raises ValueError if `event` composes events of both relations.
+    """
+    relations = relations_of(event)
+    if len(relations) > 1:
+        raise ValueError(mixed_relations_message(describe_event(event)))
+    return next(iter(relations), NeighboringRelation.ADD_OR_REMOVE_ONE)
+
+
+def to_replace_one(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+    """`event` stated under replace-one: add/remove ``GaussianDpEvent(sigma)`` (and a
+    Poisson-sampled one with q = 1, i.e. every record) becomes
+    ``ReplaceOneGaussianDpEvent(sigma / 2)`` -- replacing a record moves a sum of
+    records clipped to C by up to 2C.  Replace-one, no-op and non-private events
+    are kept; compositions are converted part by part.
+
+    Raises ValueError for events with no replace-one form here (Poisson sampling
+    with q < 1, non-Gaussian mechanisms).
+    """
+    if isinstance(event, (_dp_event.NoOpDpEvent, _dp_event.NonPrivateDpEvent,
+                          _dp_event.SampledWithoutReplacementDpEvent,
+                          ReplaceOneGaussianDpEvent)):
+        return event
+    if isinstance(event, _dp_event.SelfComposedDpEvent):
+        return _dp_event.SelfComposedDpEvent(to_replace_one(event.event), event.count)
+    if isinstance(event, _dp_event.ComposedDpEvent):
+        return _dp_event.ComposedDpEvent([to_replace_one(e) for e in event.events])
+    if type(event) is _dp_event.GaussianDpEvent:
+        return ReplaceOneGaussianDpEvent(event.noise_multiplier / 2.0)
+    if isinstance(event, _dp_event.PoissonSampledDpEvent) and event.sampling_probability == 1:
+        return to_replace_one(event.event)
+    if isinstance(event, _dp_event.PoissonSampledDpEvent):
+        raise ValueError(
+            f"{describe_event(event)} has no replace-one form the accountants here interpret "
+            f"(Poisson sampling_probability={event.sampling_probability:g} < 1): keep it in a "
+            "separate ledger, under add/remove-one")
+    raise ValueError(f"{describe_event(event)} has no replace-one form here (only Gaussian "
+                     "events and their compositions are converted)")
 
 
 # --------------------------------------------------------------------------
 # Serialisation: events are attrs classes of dp_accounting; store class + fields.
 
+_OWN_EVENTS = {"ReplaceOneGaussianDpEvent": ReplaceOneGaussianDpEvent}
+
+
 def event_to_dict(event: dp_accounting.DpEvent) -> dict:
     """A JSON-ready dict; `event_from_dict` restores an equal event."""
     if not isinstance(event, dp_accounting.DpEvent):
         raise TypeError(f"event must be a dp_accounting.DpEvent, got {type(event).__name__}")
-    import attr
-
     out: dict[str, Any] = {"type": type(event).__name__}
     for field in attr.fields(type(event)):
         value = getattr(event, field.name)
@@ -177,7 +319,7 @@ def event_to_dict(event: dp_accounting.DpEvent) -> dict:
 def event_from_dict(data: dict) -> dp_accounting.DpEvent:
     if not isinstance(data, dict) or "type" not in data:
         raise ValueError(f"not a serialised DpEvent: {data!r}")
-    cls = getattr(_dp_event, data["type"], None)
+    cls = _OWN_EVENTS.get(data["type"]) or getattr(_dp_event, data["type"], None)
     if not (isinstance(cls, type) and issubclass(cls, dp_accounting.DpEvent)):
         raise ValueError(f"unknown DpEvent type {data['type']!r}")
     kwargs = {}
@@ -202,16 +344,27 @@ def event_from_json(text: str) -> dp_accounting.DpEvent:
 
 
 def describe_event(event: dp_accounting.DpEvent) -> str:
-    """A short human-readable description, e.g. '10000 x Poisson(q=0.01) Gaussian(sigma=4)'."""
+    """A short human-readable description naming the neighbouring relation, e.g.
+    '10000 x Poisson(q=0.01) Gaussian(sigma=4) (add/remove-one)'."""
+    relations = relations_of(event)
+    text = _describe(event)
+    if len(relations) > 1:
+        return text + " (MIXED add/remove-one and replace-one: no epsilon)"
+    if relations:
+        return f"{text} ({relation_name(next(iter(relations)))})"
+    return text
+
+
+def _describe(event: dp_accounting.DpEvent) -> str:
     if isinstance(event, _dp_event.SelfComposedDpEvent):
-        return f"{event.count} x {describe_event(event.event)}"
+        return f"{event.count} x {_describe(event.event)}"
     if isinstance(event, _dp_event.ComposedDpEvent):
-        return " + ".join(describe_event(e) for e in event.events) or "nothing"
+        return " + ".join(_describe(e) for e in event.events) or "nothing"
     if isinstance(event, _dp_event.PoissonSampledDpEvent):
-        return f"Poisson(q={event.sampling_probability:g}) {describe_event(event.event)}"
+        return f"Poisson(q={event.sampling_probability:g}) {_describe(event.event)}"
     if isinstance(event, _dp_event.SampledWithoutReplacementDpEvent):
-        return (f"fixed-size(L={event.sample_size} of N={event.source_dataset_size}, "
-                f"replace-one) {describe_event(event.event)}")
+        return (f"fixed-size(L={event.sample_size} of N={event.source_dataset_size}) "
+                f"{_describe(event.event)}")
     if isinstance(event, _dp_event.GaussianDpEvent):
         return f"Gaussian(sigma={event.noise_multiplier:g})"
     if isinstance(event, _dp_event.NoOpDpEvent):

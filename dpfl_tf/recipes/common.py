@@ -30,13 +30,25 @@ def accuracy(model: keras.Model, x, y, batch_size: int = 2000) -> float:
     return float(np.mean(np.argmax(logits, axis=-1) == np.asarray(y).reshape(-1)))
 
 
+#: result fields measured on the private training data without noise
+NON_PRIVATE_STATISTICS = ("train_accuracy", "history[].train_accuracy")
+NON_PRIVATE_STATISTICS_NOTE = (
+    "train_accuracy (final, and per epoch in history) is computed on private training "
+    "examples without noise, like the loss / accuracy Keras logs while DPModel.fit runs: "
+    "a non-private statistic, not covered by epsilon. Releasing it leaks information about "
+    "the training data; release test_accuracy (held-out data) and the model instead.")
+
+
 def privacy_summary(ledger, delta: float, seed) -> dict:
     """The privacy fields every recipe's result carries: the ledger entries, the
-    composed events, epsilon by each accountant, and the deployment note."""
+    composed events, epsilon by each accountant, the deployment note, and which
+    fields are non-private statistics of the training data (`NON_PRIVATE_STATISTICS`)."""
     from dpfl_tf.privacy.events import describe_event
 
     out = {"ledger": ledger.entries if ledger is not None else [],
-           "events": describe_event(ledger.event) if ledger is not None else "non-private"}
+           "events": describe_event(ledger.event) if ledger is not None else "non-private",
+           "non_private_statistics": list(NON_PRIVATE_STATISTICS),
+           "non_private_statistics_note": NON_PRIVATE_STATISTICS_NOTE}
     if ledger is not None:
         out["epsilon_by_accountant"] = {k: ledger.epsilon(delta, k)
                                         for k in ("moments", "rdp", "pld")}

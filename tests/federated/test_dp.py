@@ -13,7 +13,8 @@ from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator, GlobalDPAggre
 from dpfl_tf.federated.client import LocalTrainer
 from dpfl_tf.federated.partition import iid_partition
 from dpfl_tf.federated.server import ClientSampling, FederatedServer
-from dpfl_tf.privacy import compute_delta, compute_epsilon, gaussian_step_event
+from dpfl_tf.privacy import (ReplaceOneGaussianDpEvent, compute_delta, compute_epsilon,
+                             gaussian_step_event)
 from dpfl_tf.sanitizer import GaussianSanitizer
 
 from tests.federated.conftest import tiny_model
@@ -68,7 +69,7 @@ def test_client_side_noise_events():
         K, m, dp_accounting.GaussianDpEvent(z * math.sqrt(m) / 2))
     assert agg.upload_event(1) == dp_accounting.GaussianDpEvent(z)
     assert agg.upload_event(1, dp_accounting.NeighboringRelation.REPLACE_ONE) == \
-        dp_accounting.GaussianDpEvent(z / 2)
+        ReplaceOneGaussianDpEvent(z / 2)
     # per-layer with proportional noise: z is the sanitizer's effective multiplier
     per = ClientNoiseDPAggregator(GaussianSanitizer([1.0, 1.0, 1.0], z,
                                                     noise_allocation="proportional"))
@@ -111,8 +112,9 @@ def test_ledger_has_one_event_per_round_and_the_stop_rule_fires_on_time(small_se
     server.run(100)
     assert server.rounds_done == t_star
     assert server.ledger.count() == t_star
-    assert server.ledger.entries == [{"event": "Poisson(q=0.5) Gaussian(sigma=1.5)",
-                                      "count": t_star, "label": "federated round"}]
+    assert server.ledger.entries == [
+        {"event": "Poisson(q=0.5) Gaussian(sigma=1.5) (add/remove-one)", "count": t_star,
+         "label": "federated round"}]
     assert "privacy budget" in server.stop_reason
     for rec, d in zip(server.history, deltas):
         assert rec.delta == pytest.approx(d, rel=1e-9)
@@ -144,7 +146,7 @@ def test_client_dp_run_reports_server_view_and_released_model(small_setup):
     rep = server.privacy_report()
     assert rep["released_model_noise_multiplier"] == pytest.approx(math.sqrt(5))
     srv = rep["against_server"]
-    assert srv["upload_event"] == "Gaussian(sigma=1)"
+    assert srv["upload_event"] == "Gaussian(sigma=1) (add/remove-one)"
     assert srv["max_participations"] == int(server.participations.max()) >= 1
     assert server.participations.sum() == 15
     assert srv["epsilon"] > rep["epsilon"]

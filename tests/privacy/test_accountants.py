@@ -8,7 +8,7 @@ from dp_accounting import pld, rdp
 
 from dpfl_tf.privacy import (NeighboringRelation, compute_delta, compute_epsilon,
                              dp_sgd_event, gaussian_step_event, make_accountant)
-from dpfl_tf.privacy.events import neighboring_relation_of
+from dpfl_tf.privacy.events import ReplaceOneGaussianDpEvent, neighboring_relation_of
 
 
 @pytest.mark.parametrize("sigma, steps", [(4.0, 10000), (1.1, 3000), (0.8, 500)])
@@ -45,7 +45,9 @@ def test_fixed_size_sampling_uses_replace_one_and_twice_the_sensitivity():
 
 def test_shuffle_is_one_gaussian_per_epoch_without_amplification():
     event = dp_sgd_event(4.0, 1000, "shuffle", epochs=10)
-    assert event == dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(2.0), 10)
+    assert event == dp_accounting.SelfComposedDpEvent(ReplaceOneGaussianDpEvent(2.0), 10)
+    assert isinstance(event.event, dp_accounting.GaussianDpEvent)  # sensitivity 2C
+    assert neighboring_relation_of(event) is NeighboringRelation.REPLACE_ONE
     # shuffled lots never get the Poisson amplification
     assert compute_epsilon(event, 1e-5, "rdp") > 5 * compute_epsilon(
         dp_sgd_event(4.0, 1000, sampling_rate=0.01), 1e-5, "rdp")

@@ -157,6 +157,8 @@ def test_short_dp_run_learns_and_reports_everything(env, pretrained):
     assert eps == sorted(eps) and eps[-1] == result["epsilon"]
     assert all("epsilon@0.001" in row and "test_accuracy" in row for row in result["history"])
     assert "NOT for deployment" in result["note"]
+    assert "train_accuracy" in result["non_private_statistics"]   # private data, no noise
+    assert "not covered by epsilon" in result["non_private_statistics_note"]
     json.dumps(result, allow_nan=False)  # strict JSON
 
 

@@ -38,6 +38,9 @@ def test_short_dp_run_learns_and_reports_the_accountants_epsilon(small_mnist):
         dp_sgd_event(1.5, 120, sampling_rate=200 / 6000)])
     assert result["epsilon"] == pytest.approx(compute_epsilon(event, 1e-5, "moments"), rel=1e-9)
     assert "NOT for deployment" in result["note"]
+    # train accuracy is measured on the private data without noise: labelled as such
+    assert "train_accuracy" in result["non_private_statistics"]
+    assert "not covered by epsilon" in result["non_private_statistics_note"]
     json.dumps(result)  # JSON-ready
     for key in ["dataset", "setting", "noise_multiplier", "pca_noise_multiplier", "epsilon",
                 "delta", "accountant", "epochs", "test_accuracy", "train_accuracy", "seconds"]:
