@@ -256,6 +256,11 @@ class DPModel(keras.Model):
                 f"{replicas} replicas, got {self.steps_per_execution}: TensorFlow cannot run "
                 "the lot's loop over physical batches inside the multi-step loop of "
                 "replicated training (this mode is not supported, so it is refused)")
+        if replicas > 1 and self.jit_compile:
+            raise ValueError(
+                f"jit_compile must be False under a distribution strategy with {replicas} "
+                "replicas: XLA cannot read the replicas' privacy counters across devices "
+                "(this mode is not supported, so it is refused)")
         data = sampler.dataset(x, y, batch_size=batch_size if self._pad_to_batch else 1,
                                epochs=epochs - initial_epoch, preprocess=preprocess,
                                replicas=replicas)
