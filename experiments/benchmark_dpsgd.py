@@ -6,6 +6,8 @@ median seconds per epoch and peak memory of:
 
   keras_nonprivate  plain Keras 3 `fit` (SGD, batch = lot)         -- the baseline
   dpfl_tf           our DPModel + DPSGD (Poisson lots, noise once per lot)
+  dpfl_tf_secure    the same with secure_mode=True (os.urandom sampling, secure keys,
+                    four-draw float64 Gaussian noise)
   tfp_*             tensorflow-privacy 0.9.0 in its own virtual environment
   opacus*           Opacus on CPU PyTorch in its own virtual environment
 
@@ -33,7 +35,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("mnist_mlp", "cifar_frozen_conv", "cifar_full_conv")
-OURS = ("keras_nonprivate", "dpfl_tf")
+OURS = ("keras_nonprivate", "dpfl_tf", "dpfl_tf_secure")
 TFP = ("nonprivate", "dp_keras_sgd_microbatch", "dp_keras_sgd_vectorized",
        "dp_sequential_fast_clipping")
 OPACUS = ("nonprivate", "opacus", "opacus_ghost")
@@ -101,17 +103,19 @@ def worker(args) -> dict:
                       callbacks=[EpochTimer()])
         else:
             dp = DPModel(model)
-            dp.compile(optimizer=DPSGD(LR, l2_norm_clip=CLIP, noise_multiplier=NOISE), loss=loss)
+            dp.compile(optimizer=DPSGD(LR, l2_norm_clip=CLIP, noise_multiplier=NOISE,
+                                       secure_mode=args.implementation == "dpfl_tf_secure"),
+                       loss=loss)
             dp.fit(x, y, lot_size=args.lot_size, epochs=args.epochs, verbose=0,
                    callbacks=[EpochTimer()])
     return {"model": args.model, "implementation": args.implementation, "library": "dpfl_tf"
-            if args.implementation == "dpfl_tf" else "keras", "library_version": keras.__version__,
+            if args.implementation.startswith("dpfl_tf") else "keras", "library_version": keras.__version__,
             "seconds_per_epoch": statistics.median(timed), "epoch_seconds": timed,
             "warmup_seconds": warmup,
             "peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "examples": args.examples, "lot_size": args.lot_size,
             "settings": {"l2_norm_clip": CLIP, "noise_multiplier": NOISE, "learning_rate": LR,
-                         "sampling": "poisson" if args.implementation == "dpfl_tf" else
+                         "sampling": "poisson" if args.implementation.startswith("dpfl_tf") else
                          "keras batches", "physical_batch": "default (min(L, 256))"}}
 
 

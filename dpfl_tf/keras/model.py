@@ -267,10 +267,13 @@ class DPModel(keras.Model):
         callbacks = [privacy_cb] + [c for c in callbacks if c is not privacy_cb]
         self.stop_reason = None
         dropped_before = self.dropped_examples
-        history = super().fit(data, epochs=epochs, initial_epoch=initial_epoch,
-                              steps_per_epoch=sampler.lots_per_epoch, verbose=verbose,
-                              callbacks=callbacks, validation_data=validation_data,
-                              shuffle=False)
+        try:
+            history = super().fit(data, epochs=epochs, initial_epoch=initial_epoch,
+                                  steps_per_epoch=sampler.lots_per_epoch, verbose=verbose,
+                                  callbacks=callbacks, validation_data=validation_data,
+                                  shuffle=False)
+        finally:
+            self._log_metrics = True  # evaluate() and later calls report metrics again
         self.stop_reason = self.stop_reason or "completed"
         if history is not None:
             history.stop_reason = self.stop_reason
@@ -393,10 +396,15 @@ class DPModel(keras.Model):
             counters.dropped.assign_add(dropped)
             counters.computed.assign_add(step)
             self._lots_applied.assign_add(step)
-        if not self._log_metrics:
-            return {}
+        if not self._log_metrics:  # only the (public) count of lots released
+            return {"lots": tf.identity(counters.computed)}
         self._loss_tracker.update_state(loss_sum / tf.maximum(count, 1.0), sample_weight=count)
         return self.get_metrics_result()
+
+    def get_metrics_result(self):
+        if not self._log_metrics:  # fit(log_train_metrics=False): nothing computed
+            return {}
+        return super().get_metrics_result()
 
     def _apply(self, grads, variables):
         self.optimizer.apply_noised_gradients(grads, variables)

@@ -41,7 +41,32 @@ one_clean, _ = update(plain, 0.0)
 noisy_m, _ = update(mirrored, 2.0, seed=5)
 noisy_x, _ = update(plain, 2.0, jit=True, seed=5)
 scale = 2.0 * 1.0 / 600  # lr * sigma * C / L
-json.dump({
+
+
+def tiny_lots():
+    """Poisson lots of expected size 1 from 7 examples (sizes 0, 1, 2, 3 ...),
+    one with a NaN pixel, on 2 replicas: every lot trains, the NaN example is
+    dropped and counted, the ledger equals the lots."""
+    xs, ys = x[:7].copy(), y[:7]
+    xs[2, 0] = np.nan
+    with mirrored.scope():
+        model = keras.Sequential([keras.Input((60,)), keras.layers.Dense(10)])
+        dp = DPModel(model)
+        dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss())
+    sizes = [len(i) for i in dp_sampler_sizes(dp, 40)]
+    with np.errstate(all="ignore"):
+        dp.fit(xs, ys, lot_size=1, batch_size=1, epochs=40, verbose=0)
+    return {"tiny_lot_sizes_seen": sorted(set(sizes)), "tiny_lots": dp.lots_computed,
+            "tiny_ledger": dp.privacy_ledger.count(), "tiny_dropped": dp.dropped_examples,
+            "tiny_finite": bool(all(np.all(np.isfinite(w)) for w in model.get_weights()))}
+
+
+def dp_sampler_sizes(dp, epochs):
+    from dpfl_tf.keras import LotSampler
+    return list(LotSampler(7, 1, seed=0).lots(7 * epochs))
+
+
+json.dump({**tiny_lots(),
     "replicas": mirrored.num_replicas_in_sync,
     "mirrored_max_diff": float(np.max(np.abs(clean - clean_m))),
     "xla_max_diff": float(np.max(np.abs(clean - clean_x))),

@@ -296,3 +296,85 @@ def test_nan_example_is_dropped_and_counted_and_the_update_stays_finite(mode):
     # same sum, but normalised by L = 200 vs 198
     for a, b, c in zip(w, after, weights(clean.model)):
         np.testing.assert_allclose((b - a) * 200, (c - a) * keep.sum(), rtol=1e-4, atol=1e-5)
+
+
+def test_restoring_best_weights_refunds_no_privacy_and_the_limit_still_holds():
+    """EarlyStopping(restore_best_weights) and a plain set_weights move the lot
+    counter in the weights back; lots computed afterwards are all recorded and the
+    target still stops training (the old counter gave 20 computed -> 10 recorded)."""
+    x, y = mnist_slice(1000, features=60)
+    dp = dp_model(noise=1.0)
+    target = compute_epsilon(dp_sgd_event(1.0, 25, sampling_rate=0.1), 1e-5) + 1e-9
+
+    class Rewind(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.start = self.model.get_weights()
+
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                self.model.set_weights(self.start)
+
+    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=100,
+                                         restore_best_weights=True)
+    dp.fit(x, y, lot_size=100, epochs=10, verbose=0, target_epsilon=target,
+           callbacks=[Rewind(), stop])
+    assert dp.lots_computed == dp.privacy_ledger.count() == 25
+    assert dp.lots_applied < 25
+    assert dp.epsilon(1e-5) <= target
+    assert dp.stop_reason == "budget_spent"
+
+
+def test_a_seeded_optimizer_continues_its_noise_stream_across_fits(tmp_path):
+    """Seeded noise is position t of the seed's stream for lot t: a second fit (and
+    a reloaded model) continues the stream instead of repeating it."""
+    x, y = mnist_slice(100, features=60)
+    x = np.zeros_like(x)  # no gradient reaches the first kernel: its change is noise
+
+    def first_lot_noise(dp):
+        before = dp.model.layers[0].kernel.numpy().copy()
+        dp.fit(x, y, lot_size=100, epochs=1, verbose=0, sampling="full_batch")
+        return dp.model.layers[0].kernel.numpy() - before
+
+    dp = dp_model(noise=1.0, seed=7)
+    first, second = first_lot_noise(dp), first_lot_noise(dp)
+    assert np.abs(first).max() > 0 and not np.allclose(first, second)
+    np.testing.assert_allclose(first_lot_noise(dp_model(noise=1.0, seed=7)), first,
+                               rtol=1e-5, atol=1e-7)  # reproducible from the seed
+    path = tmp_path / "seeded.keras"
+    dp.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.lots_computed == 2
+    third = first_lot_noise(loaded)
+    assert not np.allclose(third, first) and not np.allclose(third, second)
+
+
+def test_fixed_size_with_the_moments_accountant_is_refused_before_any_lot():
+    x, y = mnist_slice(200, features=60)
+    dp = dp_model()
+    w = weights(dp.model)
+    with pytest.raises(ValueError, match="accountant 'moments' cannot account .*'rdp'"):
+        dp.fit(x, y, lot_size=20, epochs=1, verbose=0, sampling="fixed_size")
+    assert dp.lots_computed == 0 and dp.privacy_ledger.count() == 0
+    for a, b in zip(w, weights(dp.model)):
+        np.testing.assert_array_equal(a, b)
+    dp.fit(x, y, lot_size=20, epochs=1, verbose=0, sampling="fixed_size", accountant="rdp")
+    assert dp.lots_computed == 10
+
+
+def test_budget_stop_says_so_and_records_why(capsys):
+    x, y = mnist_slice(1000, features=60)
+    dp = dp_model(noise=2.0)
+    history = dp.fit(x, y, lot_size=100, epochs=50, verbose=1, target_epsilon=1.0)
+    out = capsys.readouterr().out
+    assert "privacy budget spent: epsilon = " in out and "training stopped" in out
+    assert history.stop_reason == dp.stop_reason == "budget_spent"
+    done = dp.fit(x, y, lot_size=100, epochs=1, verbose=0)
+    assert done.stop_reason == "completed"
+
+
+def test_train_metrics_can_be_switched_off():
+    x, y = mnist_slice(200, features=60)
+    dp = dp_model()
+    history = dp.fit(x, y, lot_size=100, epochs=1, verbose=0, log_train_metrics=False)
+    assert "loss" not in history.history and "accuracy" not in history.history
+    assert "epsilon" in history.history and dp.lots_computed == 2
