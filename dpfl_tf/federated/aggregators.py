@@ -47,11 +47,14 @@ noise variance) changes with the client's presence, which no Gaussian event
 describes, so client-side noise is accounted only for fixed-size sampling.
 
 Against the server (who sees each upload and knows who sent it), sampling
-gives no amplification and summing gives no extra noise: every participation
-of a client is ``GaussianDpEvent(z)`` (its update vs. a zero update; under
-replace-one of the client's data it is ``GaussianDpEvent(z / 2)``), composed
-over the rounds that client took part in.  With per-layer clipping z is the
-sanitizer's effective multiplier.
+gives no amplification and summing gives no extra noise; nor can the client's
+presence be hidden, so the only neighbouring relation is replace-one (the
+client's clipped update replaced by another: sensitivity 2S).  Every
+participation of a client is ``GaussianDpEvent(z / 2)``
+(`dpfl_tf.privacy.events.clipped_upload_event`), composed over the rounds
+that client took part in; `dpfl_tf.federated.local_dp.gaussian_upload_report`
+turns that into epsilon for the server's report, the Flower client and the
+CLI alike.  With per-layer clipping z is the sanitizer's effective multiplier.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ import dp_accounting
 import numpy as np
 import tensorflow as tf
 
-from dpfl_tf.privacy.events import NeighboringRelation, SamplingMethod, gaussian_step_event
+from dpfl_tf.privacy.events import SamplingMethod, clipped_upload_event, gaussian_step_event
 from dpfl_tf.sanitizer import GaussianSanitizer
 
 __all__ = ["AggregateResult", "Aggregator", "ClientNoiseDPAggregator", "GlobalDPAggregator",
@@ -346,16 +349,10 @@ class ClientNoiseDPAggregator(_SanitizedAggregator):
         """z * sqrt(m): the noise multiplier of the sum of m noisy uploads."""
         return self.upload_noise_multiplier(num_components) * math.sqrt(num_uploads)
 
-    def upload_event(self, num_components: int,
-                     relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE
-                     ) -> dp_accounting.DpEvent:
-        """One upload as seen by the server: Gaussian(z) (Gaussian(z/2) under replace-one)."""
-        z = self.upload_noise_multiplier(num_components)
-        if z == 0:
-            return dp_accounting.NonPrivateDpEvent()
-        if relation == NeighboringRelation.REPLACE_ONE:
-            return dp_accounting.GaussianDpEvent(z / 2.0)
-        return dp_accounting.GaussianDpEvent(z)
+    def upload_event(self, num_components: int) -> dp_accounting.DpEvent:
+        """One upload as seen by the server, replace-one: ``GaussianDpEvent(z / 2)``
+        (`clipped_upload_event`; module docstring)."""
+        return clipped_upload_event(self.upload_noise_multiplier(num_components))
 
     def round_event(self, num_components, sampling, **sampling_args):
         method = SamplingMethod.parse(sampling)

@@ -134,6 +134,11 @@ def config_from_args(args, error=None):
     return config
 
 
+def _eps(value) -> str:
+    """An epsilon of a results dict for printing (None there means inf)."""
+    return "inf" if value is None else f"{value:.4f}"
+
+
 def _run_federated(args, error) -> int:
     from dpfl_tf._io import atomic_write_json
     from dpfl_tf.federated.runner import run_federated
@@ -159,14 +164,17 @@ def _run_federated(args, error) -> int:
     elif config.dp.value == "none":
         print("epsilon = inf: no noise, no differential privacy guarantee")
     else:
-        print(f"epsilon = {eps:.4f} at delta = {result['delta']:g} "
-              f"({result['accountant']} accountant; {result['privacy']['round_event']})"
-              + ("" if result["privacy"]["clip_is_private"] else
+        privacy = result["privacy"]
+        print(f"epsilon = {_eps(eps)} at delta = {result['delta']:g} "
+              f"({result['accountant']} accountant; {privacy['round_event']}; "
+              f"{privacy['relation']})"
+              + ("" if privacy["clip_is_private"] else
                  " -- NOT a DP guarantee: the clip bound was read from the updates"))
-        if "against_server" in result["privacy"]:
-            srv = result["privacy"]["against_server"]
-            print(f"against the server: epsilon = {srv['epsilon']:.4f} per client "
-                  f"(up to {srv['max_participations']} uploads of {srv['upload_event']})")
+        if "against_server" in privacy:
+            srv = privacy["against_server"]
+            print(f"against the server: epsilon = {_eps(srv['epsilon'])} per client "
+                  f"(up to {srv['max_participations']} uploads of {srv['upload_event']}; "
+                  f"{srv['relation']})")
     for note in result["notices"]:
         print(f"NOTE: {note}")
     print(f"{result['stop_reason']}; wrote {args.output}")

@@ -102,15 +102,13 @@ import time
 import uuid
 from typing import Any, Callable, Iterable, Sequence
 
-import dp_accounting
 import numpy as np
 import tensorflow as tf
 
 from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator
-from dpfl_tf.federated.local_dp import LocalDPUpload, stream_seed
+from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report, stream_seed
 from dpfl_tf.federated.runner import DPMode, FederatedConfig, build_server, peak_rss_mb
 from dpfl_tf.federated.server import FederatedServer, RoundRecord
-from dpfl_tf.privacy.accountants import compute_epsilon
 
 __all__ = [
     "DPStrategy", "LocalDPUpload", "LocalGrid", "client_app", "client_rng", "client_update",
@@ -297,13 +295,12 @@ def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
     metrics: dict[str, float | int] = {"num-examples": int(n_k), "partition-id": k,
                                        "uploads": uploads}
     d = int(sum(int(np.prod(s)) for s in shapes))
-    if config.dp is DPMode.CLIENT:
-        event = server.aggregator.upload_event(server.num_components)
-        metrics["client-dp-epsilon-upload"] = _finite(compute_epsilon(
-            event, config.delta_max, config.accountant))
-        metrics["client-dp-epsilon-total"] = _finite(compute_epsilon(
-            dp_accounting.SelfComposedDpEvent(event, uploads), config.delta_max,
-            config.accountant))
+    if config.dp is DPMode.CLIENT:   # replace-one against the server: the one report
+        rep = gaussian_upload_report(
+            server.aggregator.upload_noise_multiplier(server.num_components), uploads,
+            delta=config.delta_max, accountant=config.accountant)
+        metrics["client-dp-epsilon-upload"] = _finite(rep.accountant_epsilon_per_upload)
+        metrics["client-dp-epsilon-total"] = _finite(rep.accountant_epsilon_total)
     if local_dp is not None:
         metrics.update(local_dp.metrics(d, uploads))
     content = RecordDict({"arrays": ArrayRecord([np.asarray(u) for u in upload]),

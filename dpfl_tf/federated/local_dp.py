@@ -93,6 +93,7 @@ import tensorflow as tf
 
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
 from dpfl_tf.privacy.accountants import AccountantKind, compute_epsilon
+from dpfl_tf.privacy.events import REPLACE_ONE_UPDATE, clipped_upload_event
 from dpfl_tf.sanitizer import make_generator
 
 __all__ = [
@@ -1001,6 +1002,10 @@ class LocalDPUpload:
 # ---------------------------------------------------------------------------
 # Honest privacy reporting
 
+#: The neighbouring relation of a local randomiser: any two inputs of its domain.
+LDP_RELATION = "any two values of each coordinate (local DP)"
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalPrivacyReport:
     """What an LDP upload scheme guarantees, in numbers and words.
@@ -1025,6 +1030,7 @@ class LocalPrivacyReport:
     accountant_delta: float | None = None
     accountant_epsilon_per_upload: float | None = None
     accountant_epsilon_total: float | None = None
+    relation: str = LDP_RELATION
     protected_input: str = ""
     note: str = ""
 
@@ -1047,6 +1053,7 @@ class LocalPrivacyReport:
             lines.append(f"  {self.accountant} accountant at delta = {self.accountant_delta:.3g}: "
                          f"eps per upload = {self.accountant_epsilon_per_upload:.6g}, "
                          f"total = {self.accountant_epsilon_total:.6g}")
+        lines.append(f"  neighbouring relation: {self.relation}")
         lines.append(f"  protects: {self.protected_input}")
         lines.append(f"  note: {self.note}")
         return "\n".join(lines)
@@ -1126,34 +1133,45 @@ def gaussian_upload_report(noise_multiplier: float, rounds: int = 1, *, delta: f
                            accountant: AccountantKind | str = AccountantKind.RDP
                            ) -> LocalPrivacyReport:
     """Local Gaussian noise on an L2-clipped upload: clip the whole update to norm S,
-    add N(0, sigma^2 S^2) to every coordinate (the client side of DP-FedAvg).
+    add N(0, z^2 S^2) to every coordinate (the client side of DP-FedAvg).
 
-    In the local model the server sees this one upload, and any two uploads of
-    the client are neighbours: they differ by up to 2S in L2 norm, so one upload
-    is the Gaussian mechanism with multiplier sigma/2, `GaussianDpEvent(sigma/2)`,
-    (eps, delta)-DP with eps from the accountant; rounds uploads compose.  (The
-    central add/remove-one-client view, multiplier sigma, is NOT the local
-    guarantee.)
+    The one place the guarantee of such uploads is computed: the in-process
+    server's ``privacy_report()["against_server"]``, the Flower client's
+    metrics and the CLI all call it.
+
+    The receiver sees this one upload and knows who sent it, so the relation is
+    replace-one (`dpfl_tf.privacy.events.REPLACE_ONE_UPDATE`): any two clipped
+    updates differ by up to 2S in L2 norm, and one upload is the Gaussian
+    mechanism with multiplier z/2, `clipped_upload_event(z)` =
+    ``GaussianDpEvent(z/2)``, (eps, delta)-DP with eps from the accountant;
+    `rounds` uploads compose (``SelfComposedDpEvent``).  (The central
+    add/remove-one-client view, multiplier z, is NOT the guarantee against the
+    receiver.)  z = 0 is reported as eps = inf.
     """
-    sigma = check_number("noise_multiplier", noise_multiplier, low=0.0, low_open=True)
+    sigma = check_number("noise_multiplier", noise_multiplier, low=0.0)
     rounds = check_count("rounds", rounds, minimum=1)
     delta = check_number("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
     kind = AccountantKind.parse(accountant)
-    event = dp_accounting.GaussianDpEvent(sigma / 2.0)
+    event = clipped_upload_event(sigma)
     eps_upload = compute_epsilon(event, delta, kind)
     eps_total = compute_epsilon(dp_accounting.SelfComposedDpEvent(event, rounds), delta, kind)
-    note = (f"One L2-clipped upload with noise multiplier {sigma:g} is ({eps_upload:.4g}, "
-            f"{delta:.3g})-LDP for the whole upload (sensitivity 2S between any two clipped "
-            f"uploads: GaussianDpEvent({sigma / 2:g})); {rounds} upload(s) compose to "
-            f"({eps_total:.4g}, {delta:.3g}) ({kind.value} accountant). This is a guarantee for "
-            "the client's whole update, not per coordinate.")
+    if sigma == 0:
+        note = ("No noise: each upload is the client's clipped update itself; no finite eps "
+                "holds against its receiver.")
+    else:
+        note = (f"One L2-clipped upload with noise multiplier {sigma:g} is ({eps_upload:.4g}, "
+                f"{delta:.3g})-DP against its receiver for the whole upload (replace-one: any "
+                f"two clipped uploads differ by up to 2S, GaussianDpEvent({sigma / 2:g})); "
+                f"{rounds} upload(s) compose to ({eps_total:.4g}, {delta:.3g}) ({kind.value} "
+                "accountant). This is a guarantee for the client's whole update, not per "
+                "coordinate.")
     return LocalPrivacyReport(
         mechanism=f"gaussian on L2-clipped upload (noise_multiplier={sigma:g})",
         num_coordinates=None, rounds=rounds, epsilon_per_coordinate=None,
         epsilon_per_upload=eps_upload, epsilon_total=eps_total, delta_per_upload=delta,
         delta_total=delta, composition=f"{kind.value} accountant", accountant=kind.value,
         accountant_delta=delta, accountant_epsilon_per_upload=eps_upload,
-        accountant_epsilon_total=eps_total,
+        accountant_epsilon_total=eps_total, relation=REPLACE_ONE_UPDATE,
         protected_input="the whole clipped upload (any two uploads of norm <= S)", note=note)
 
 

@@ -40,7 +40,7 @@ from dpfl_tf._io import atomic_write, atomic_write_json
 from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.federated.aggregators import Aggregator, ClientNoiseDPAggregator
 from dpfl_tf.federated.client import LocalTrainer, preprocess_images
-from dpfl_tf.federated.local_dp import LocalDPUpload
+from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report
 from dpfl_tf.federated.partition import ClientPartition
 from dpfl_tf.privacy.accountants import AccountantKind, compute_delta, compute_epsilon
 from dpfl_tf.privacy.events import SamplingMethod, describe_event
@@ -49,6 +49,12 @@ from dpfl_tf.privacy.ledger import PrivacyBudget, PrivacyLedger
 __all__ = ["ClientSampling", "FederatedServer", "RoundRecord"]
 
 CHECKPOINT_FORMAT = 1
+
+#: The neighbouring relation of the released model, by client sampling scheme
+#: (`dpfl_tf.privacy.events`): Poisson -> add/remove one client, m of K without
+#: replacement -> replace one client.
+RELATIONS = {SamplingMethod.POISSON: "add/remove-one client (Poisson client sampling)",
+             SamplingMethod.FIXED_SIZE: "replace-one client (fixed-size client sampling)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,10 +422,10 @@ class FederatedServer:
         eps = self.epsilon()
         report = {
             "epsilon": _json_float(eps), "delta": self.delta_max,
+            "epsilon_is_infinite": eps is not None and math.isinf(eps),
             "accountant": self.accountant.value, "rounds": len(self.ledger),
             "round_event": describe_event(self.round_event),
-            "neighbouring": "add/remove one client" if self.sampling.method is
-            SamplingMethod.POISSON else "replace one client",
+            "relation": RELATIONS[self.sampling.method],
             "target_epsilon": self.target_epsilon,
             "delta_at_target_epsilon": (_json_float(self.delta_after(0))
                                         if self.target_epsilon else None),
@@ -427,16 +433,22 @@ class FederatedServer:
         }
         if isinstance(self.aggregator, ClientNoiseDPAggregator):
             n_max = int(self.participations.max()) if len(self.participations) else 0
-            upload = self.aggregator.upload_event(self.num_components)
-            server_eps = (compute_epsilon(dp_accounting.SelfComposedDpEvent(upload, n_max),
-                                          self.delta_max, self.accountant) if n_max else 0.0)
+            z = self.aggregator.upload_noise_multiplier(self.num_components)
+            upload = gaussian_upload_report(z, max(n_max, 1), delta=self.delta_max,
+                                            accountant=self.accountant)
+            server_eps = upload.accountant_epsilon_total if n_max else 0.0
             report["against_server"] = {
-                "upload_event": describe_event(upload),
+                "upload_event": describe_event(self.aggregator.upload_event(
+                    self.num_components)),
+                "relation": upload.relation,
                 "max_participations": n_max,
                 "mean_participations": float(self.participations.mean()),
+                "epsilon_per_upload": _json_float(upload.accountant_epsilon_per_upload),
                 "epsilon": _json_float(server_eps), "delta": self.delta_max,
+                "epsilon_is_infinite": math.isinf(server_eps),
                 "note": "per client, over the rounds it uploaded in; no amplification by "
-                        "sampling (the server knows who uploaded)",
+                        "sampling (the server knows who uploaded); local_dp."
+                        "gaussian_upload_report",
             }
             report["released_model_noise_multiplier"] = self.aggregator.aggregate_noise_multiplier(
                 self.num_components, self.sampling.clients_for(self.num_clients))

@@ -44,6 +44,8 @@ __all__ = [
     "gaussian_step_event",
     "dp_sgd_event",
     "shuffle_epoch_event",
+    "clipped_upload_event",
+    "REPLACE_ONE_UPDATE",
     "neighboring_relation_of",
     "event_to_dict",
     "event_from_dict",
@@ -111,6 +113,28 @@ def shuffle_epoch_event(noise_multiplier: float) -> dp_accounting.DpEvent:
     """One epoch of shuffle-and-split lots: one Gaussian, replace-one, sensitivity 2C."""
     sigma = _check_number("noise_multiplier", noise_multiplier, low=0.0)
     return dp_accounting.GaussianDpEvent(sigma / 2.0)
+
+
+#: The relation of one upload seen by its receiver (who knows who sent it).
+REPLACE_ONE_UPDATE = "replace-one (one client's update replaced)"
+
+
+def clipped_upload_event(noise_multiplier: float) -> dp_accounting.DpEvent:
+    """One upload u = clip_S(Delta) + N(0, z^2 S^2 I), as seen by whoever receives it.
+
+    The receiver (the server, under DP-FedAvg with client-side noise) sees the
+    upload and knows who sent it, so adding or removing the client is not a
+    neighbouring relation it can be blind to: the only one is replace-one,
+    `REPLACE_ONE_UPDATE` -- the client's clipped update (norm <= S) replaced by
+    any other, which moves u by up to 2S.  The upload is then the Gaussian
+    mechanism with multiplier z S / 2S = z/2, ``GaussianDpEvent(z / 2)``
+    (Dwork & Roth 2014, Theorem A.1 with L2 sensitivity 2S).  z = 0: the
+    clipped update itself, ``NonPrivateDpEvent``.
+    """
+    z = _check_number("noise_multiplier", noise_multiplier, low=0.0)
+    if z == 0:
+        return dp_accounting.NonPrivateDpEvent()
+    return dp_accounting.GaussianDpEvent(z / 2.0)
 
 
 def dp_sgd_event(

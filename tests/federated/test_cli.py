@@ -104,3 +104,21 @@ def test_local_dp_run_reports_the_budget_per_coordinate_upload_and_total(tmp_pat
     assert data["epsilon"] is None  # no central guarantee is claimed
     assert "per upload (d = 21840): eps = 10920" in printed
     assert "SIGN of each weight only" in printed
+
+
+def test_client_dp_run_prints_the_replace_one_upload_epsilon(tmp_path, capsys):
+    from dpfl_tf.federated.local_dp import gaussian_upload_report
+
+    data, printed = _run(
+        tmp_path, capsys, "--clients", "5", "--train-subset", "500", "--clients-per-round", "5",
+        "--sampling", "fixed_size", "--partition", "iid", "--rounds", "2", "--hidden", "16",
+        "--dp", "client", "--noise-multiplier", "1.0", "--accountant", "rdp",
+        "--delta-max", "1e-5")
+    srv = data["privacy"]["against_server"]
+    want = gaussian_upload_report(1.0, 2, delta=1e-5, accountant="rdp")  # 2 uploads each
+    assert srv["epsilon"] == pytest.approx(want.accountant_epsilon_total, rel=1e-12)
+    assert srv["relation"] == "replace-one (one client's update replaced)"
+    assert data["privacy"]["relation"] == "replace-one client (fixed-size client sampling)"
+    assert (f"against the server: epsilon = {want.accountant_epsilon_total:.4f} per client"
+            in printed)
+    assert "replace-one (one client's update replaced)" in printed

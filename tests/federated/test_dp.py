@@ -11,6 +11,7 @@ from scipy import stats
 
 from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator, GlobalDPAggregator
 from dpfl_tf.federated.client import LocalTrainer
+from dpfl_tf.federated.local_dp import gaussian_upload_report
 from dpfl_tf.federated.partition import iid_partition
 from dpfl_tf.federated.server import ClientSampling, FederatedServer
 from dpfl_tf.privacy import compute_delta, compute_epsilon, gaussian_step_event
@@ -66,9 +67,7 @@ def test_client_side_noise_events():
                                         lot_size=m)
     assert event == dp_accounting.SampledWithoutReplacementDpEvent(
         K, m, dp_accounting.GaussianDpEvent(z * math.sqrt(m) / 2))
-    assert agg.upload_event(1) == dp_accounting.GaussianDpEvent(z)
-    assert agg.upload_event(1, dp_accounting.NeighboringRelation.REPLACE_ONE) == \
-        dp_accounting.GaussianDpEvent(z / 2)
+    assert agg.upload_event(1) == dp_accounting.GaussianDpEvent(z / 2)   # replace-one
     # per-layer with proportional noise: z is the sanitizer's effective multiplier
     per = ClientNoiseDPAggregator(GaussianSanitizer([1.0, 1.0, 1.0], z,
                                                     noise_allocation="proportional"))
@@ -133,7 +132,26 @@ def test_fixed_size_sampling_is_accounted_with_replace_one(small_setup):
     assert all(r.clients == 5 for r in server.history)
     assert server.round_event == dp_accounting.SampledWithoutReplacementDpEvent(
         20, 5, dp_accounting.GaussianDpEvent(1.0))
-    assert server.privacy_report()["neighbouring"] == "replace one client"
+    assert server.privacy_report()["relation"] == \
+        "replace-one client (fixed-size client sampling)"
+
+
+def test_one_upload_against_the_server_is_replace_one_gaussian_z_over_2():
+    """The server sees every upload and who sent it, so the only neighbouring
+    relation one upload can be private under is replace-one: one clipped update
+    (norm <= S) replaced by another moves it by up to 2S, Gaussian(z/2).  At
+    z = 1, delta = 1e-5 (RDP) that is 10.73, not Gaussian(z)'s 4.73."""
+    z, delta = 1.0, 1e-5
+    agg = ClientNoiseDPAggregator(GaussianSanitizer(1.0, z))
+    assert agg.upload_event(1) == dp_accounting.GaussianDpEvent(0.5)
+    rep = gaussian_upload_report(z, 1, delta=delta, accountant="rdp")
+    assert rep.accountant_epsilon_per_upload == pytest.approx(10.7255, abs=1e-3)
+    assert rep.accountant_epsilon_per_upload == pytest.approx(
+        compute_epsilon(dp_accounting.GaussianDpEvent(0.5), delta, "rdp"))
+    assert rep.relation == "replace-one (one client's update replaced)"
+    # z = 0: the upload is the clipped update itself, eps = inf
+    bare = gaussian_upload_report(0.0, 2, delta=delta)
+    assert math.isinf(bare.epsilon_per_upload) and math.isinf(bare.epsilon_total)
 
 
 def test_client_dp_run_reports_server_view_and_released_model(small_setup):
@@ -143,10 +161,18 @@ def test_client_dp_run_reports_server_view_and_released_model(small_setup):
     server.run(3)
     rep = server.privacy_report()
     assert rep["released_model_noise_multiplier"] == pytest.approx(math.sqrt(5))
+    assert rep["relation"] == "replace-one client (fixed-size client sampling)"
     srv = rep["against_server"]
-    assert srv["upload_event"] == "Gaussian(sigma=1)"
-    assert srv["max_participations"] == int(server.participations.max()) >= 1
+    assert srv["upload_event"] == "Gaussian(sigma=0.5)"
+    assert srv["relation"] == "replace-one (one client's update replaced)"
+    n_max = int(server.participations.max())
+    assert srv["max_participations"] == n_max >= 1
     assert server.participations.sum() == 15
+    # the one function that computes a client's upload guarantee
+    want = gaussian_upload_report(1.0, n_max, delta=1e-3, accountant="rdp")
+    assert srv["epsilon"] == pytest.approx(want.accountant_epsilon_total, rel=1e-12)
+    assert srv["epsilon_per_upload"] == pytest.approx(want.accountant_epsilon_per_upload,
+                                                      rel=1e-12)
     assert srv["epsilon"] > rep["epsilon"]
 
 

@@ -22,7 +22,8 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from dpfl_tf.federated import flower as fl  # noqa: E402
 from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator  # noqa: E402
-from dpfl_tf.federated.local_dp import DomainPolicy, PiecewiseMechanism  # noqa: E402
+from dpfl_tf.federated.local_dp import (DomainPolicy, PiecewiseMechanism,  # noqa: E402
+                                        gaussian_upload_report)
 from dpfl_tf.federated.runner import FederatedConfig, build_server, run_federated  # noqa: E402
 from dpfl_tf.privacy import compute_epsilon, gaussian_step_event  # noqa: E402
 from dpfl_tf.sanitizer import GaussianSanitizer, make_generator  # noqa: E402
@@ -94,9 +95,12 @@ def test_client_upload_equals_in_process_client_update(mnist_small, dp):
     m = _metrics(reply)
     assert m["num-examples"] == len(ref.partition.client(k)) and m["partition-id"] == k
     assert m["uploads"] == 1
-    if dp == "client":   # the client's own per-upload guarantee, Gaussian(z) against the server
+    if dp == "client":   # the client's own per-upload guarantee: replace-one, Gaussian(z/2)
         assert m["client-dp-epsilon-upload"] == pytest.approx(
-            compute_epsilon(dp_accounting.GaussianDpEvent(0.7), cfg.delta_max, "rdp"))
+            compute_epsilon(dp_accounting.GaussianDpEvent(0.35), cfg.delta_max, "rdp"))
+        want = gaussian_upload_report(0.7, 1, delta=cfg.delta_max, accountant="rdp")
+        assert m["client-dp-epsilon-upload"] == want.accountant_epsilon_per_upload
+        assert m["client-dp-epsilon-total"] == want.accountant_epsilon_total
 
 
 def test_client_local_dp_upload_and_its_composition_across_rounds(mnist_small):
