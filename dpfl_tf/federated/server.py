@@ -39,7 +39,7 @@ import tensorflow as tf
 from dpfl_tf._io import atomic_write, atomic_write_json
 from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.federated.aggregators import Aggregator, ClientNoiseDPAggregator
-from dpfl_tf.federated.client import LocalTrainer, preprocess_images
+from dpfl_tf.federated.client import LocalTrainer, preprocess_images, refuse_unprotected_state
 from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report
 from dpfl_tf.federated.partition import ClientPartition
 from dpfl_tf.privacy.accountants import AccountantKind, compute_delta, compute_epsilon
@@ -182,6 +182,11 @@ class FederatedServer:
       local_dp: a `LocalDPUpload` every client applies to its upload after the
         aggregator's client step (local DP: Duchi, PM, PNPM, LDP-FL, ...); its
         per-client budget is in `privacy_report()["local_dp"]`.
+
+    With a private aggregator or local DP, a model whose local training updates
+    unprotected state from client data (BatchNormalization in training mode) is
+    refused (`dpfl_tf.federated.client.refuse_unprotected_state`); on Flower the
+    same check runs where `DPStrategy` and every ClientApp build this object.
     """
 
     def __init__(self, trainer: LocalTrainer, partition: ClientPartition, aggregator: Aggregator,
@@ -202,6 +207,9 @@ class FederatedServer:
                              f"but the training set has {trainer.num_examples} examples")
         if local_dp is not None and not isinstance(local_dp, LocalDPUpload):
             raise TypeError(f"local_dp must be a LocalDPUpload, got {type(local_dp).__name__}")
+        if aggregator.private or local_dp is not None:
+            refuse_unprotected_state(trainer.model, "client-level DP" if aggregator.private
+                                     else "local DP")
         self.local_dp = local_dp
         self.trainer = trainer
         self.partition = partition

@@ -206,3 +206,45 @@ def test_bad_sampling_inputs():
     with pytest.raises(ValueError, match="client sampling must be 'poisson' or 'fixed_size'"):
         ClientSampling("shuffle", clients_per_round=3)
     assert ClientSampling("fixed_size", fraction=0.1).clients_for(1000) == 100
+
+
+def _bn_trainer(mnist_small, trainable=True):
+    import keras
+    keras.utils.set_random_seed(0)
+    bn = keras.layers.BatchNormalization(name="bn")
+    bn.trainable = trainable
+    model = keras.Sequential([keras.Input((28, 28)), keras.layers.Flatten(),
+                              keras.layers.Dense(8), bn, keras.layers.Dense(10)])
+    x, y = mnist_small.x_train[:400], mnist_small.y_train[:400]
+    return LocalTrainer(model, x, y, local_epochs=1, batch_size=20, learning_rate=0.1), bn
+
+
+def test_batch_norm_is_refused_under_client_level_dp(mnist_small):
+    """BatchNormalization's moving mean/variance are updated from the clients' raw
+    data in local training, never clipped or noised, and used by the released
+    model's evaluation: client-level DP refuses such models."""
+    from dpfl_tf.federated.local_dp import DuchiMechanism, DomainPolicy, LocalDPUpload
+    from dpfl_tf.federated.aggregators import MeanAggregator
+
+    trainer, bn = _bn_trainer(mnist_small)
+    partition = iid_partition(400, 4, seed=0)
+    kw = dict(sampling=ClientSampling("fixed_size", clients_per_round=2), test_data=None,
+              progress=False, delta_max=1e-3, accountant="rdp")
+    # why: one non-private round moves the statistics with the clients' data
+    before = bn.moving_mean.numpy().copy()
+    plain = FederatedServer(trainer, partition, MeanAggregator(), sampling=kw["sampling"],
+                            test_data=None, progress=False)
+    plain.run(1)
+    assert not np.allclose(bn.moving_mean.numpy(), before)
+    for aggregator, extra in [
+            (GlobalDPAggregator(GaussianSanitizer(1.0, 1.0)), {}),
+            (ClientNoiseDPAggregator(GaussianSanitizer(1.0, 1.0)), {}),
+            (MeanAggregator(), dict(local_dp=LocalDPUpload(DuchiMechanism(1.0),
+                                                           DomainPolicy.clip(1.0)),
+                                    delta_max=None))]:
+        with pytest.raises(ValueError, match=r"layer 'bn' is BatchNormalization.*moving "
+                                             r"mean and variance.*LayerNormalization"):
+            FederatedServer(trainer, partition, aggregator, **{**kw, **extra})
+    # frozen (trainable=False: inference mode, statistics never updated) is fine
+    frozen, _ = _bn_trainer(mnist_small, trainable=False)
+    FederatedServer(frozen, partition, GlobalDPAggregator(GaussianSanitizer(1.0, 1.0)), **kw)
