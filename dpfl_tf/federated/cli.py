@@ -158,9 +158,7 @@ def _run_federated(args, error) -> int:
     if config.dp.value == "local":
         from dpfl_tf.federated.local_dp import LocalPrivacyReport
 
-        local = {k: v for k, v in result["privacy"]["local_dp"].items()
-                 if k not in ("max_participations", "mean_participations")}
-        print(LocalPrivacyReport(**local))
+        print(LocalPrivacyReport.from_dict(result["privacy"]["local_dp"]))
     elif config.dp.value == "none":
         print("epsilon = inf: no noise, no differential privacy guarantee")
     else:

@@ -107,7 +107,8 @@ import tensorflow as tf
 
 from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator
 from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report, stream_seed
-from dpfl_tf.federated.runner import DPMode, FederatedConfig, build_server, peak_rss_mb
+from dpfl_tf.federated.runner import (DPMode, FederatedConfig, _local_summary, build_server,
+                                     peak_rss_mb)
 from dpfl_tf.federated.server import FederatedServer, RoundRecord
 
 __all__ = [
@@ -604,7 +605,7 @@ class DPStrategy(Strategy):
         if "fraction_clipped" in record.info:
             out["fraction-clipped"] = float(record.info["fraction_clipped"])
         for key in ("client-dp-epsilon-total", "ldp-epsilon-total",
-                    "ldp-accountant-epsilon-total"):
+                    "ldp-accountant-epsilon-total", "ldp-epsilon-total-sign-only"):
             values = [m[key] for m in self.client_metrics.values() if key in m]
             if values:
                 out[f"max-{key}"] = float(max(values))
@@ -774,10 +775,15 @@ def _result(config: FederatedConfig, dp: DPStrategy, seconds: float, *, backend:
     mechanism = ("fedavg" if c.aggregator == "mean" else "fedmedian") if c.dp is DPMode.NONE \
         else ("global_dp" if c.dp is DPMode.GLOBAL else "client_dp")
     client_side = {}
-    for key in ("client-dp-epsilon-total", "ldp-epsilon-total", "ldp-accountant-epsilon-total"):
+    for key in ("client-dp-epsilon-total", "ldp-epsilon-total", "ldp-accountant-epsilon-total",
+                "ldp-epsilon-total-sign-only"):
         values = [m[key] for m in dp.client_metrics.values() if key in m]
-        if values:
-            client_side[f"max_{key.replace('-', '_')}"] = float(max(values))
+        if values:   # JSON-ready: an infinite epsilon is None with a flag
+            top = float(max(values))
+            name = f"max_{key.replace('-', '_')}"
+            client_side[name] = top if math.isfinite(top) else None
+            if not math.isfinite(top):
+                client_side[f"{name}_is_infinite"] = True
     return {
         "dataset": c.dataset, "partition": c.partition.value, "clients": c.clients,
         "clients_per_round": srv.expected_clients, "sampling": c.sampling.value,
@@ -796,6 +802,7 @@ def _result(config: FederatedConfig, dp: DPStrategy, seconds: float, *, backend:
         "history": [r.to_dict() for r in srv.history],
         "runtime": "flower", "flower_backend": backend, "flwr_version": FLOWER_VERSION,
         "client_reported": client_side,
+        **(_local_summary(report["local_dp"]) if "local_dp" in report else {}),
         # as run_federated: a seeded-noise run says it is not a deployment
         **({"note": srv.notices[-1]} if c.noise_seed is not None and c.dp is not DPMode.NONE
            and srv.notices else {}),

@@ -10,7 +10,9 @@ of its domain and every output set S, P[M(t) in S] <= e^eps P[M(t') in S]
 A model upload perturbs d coordinates independently; with basic composition
 it is (d * eps)-LDP, and R uploads (rounds the client takes part in) are
 (R * d * eps)-LDP.  `privacy_report` states these three numbers; a
-per-coordinate eps is never a model-level guarantee.
+per-coordinate eps is never a model-level guarantee.  PNPM randomises only
+signs, so its upload and client figures are inf, with the sign-only
+composition reported beside them under its own name.
 
 Mechanisms (a = e^eps; all vectorised over whole tensors in TensorFlow)
 ----------------------------------------------------------------------
@@ -948,7 +950,8 @@ class LocalDPUpload:
     Accounting (per client, across rounds): each upload of d coordinates is
     reported with `local_dp.privacy_report(mechanism, d, uploads)`, i.e.
     d*eps per upload and uploads*d*eps in total (basic composition; for the
-    Gaussian mechanism also the accountant's exact composition).
+    Gaussian mechanism also the accountant's exact composition; for PNPM inf,
+    the d*eps figures labelled sign-only).
     """
 
     mechanism: LocalDPMechanism
@@ -993,6 +996,9 @@ class LocalDPUpload:
         out = {"ldp-epsilon-coordinate": float(rep.epsilon_per_coordinate),
                "ldp-epsilon-upload": float(rep.epsilon_per_upload),
                "ldp-epsilon-total": float(rep.epsilon_total)}
+        if rep.epsilon_per_upload_sign_only is not None:   # PNPM: the upload's eps is inf
+            out["ldp-epsilon-upload-sign-only"] = float(rep.epsilon_per_upload_sign_only)
+            out["ldp-epsilon-total-sign-only"] = float(rep.epsilon_total_sign_only)
         if isinstance(self.mechanism, GaussianMechanism):
             out["ldp-delta-total"] = float(rep.delta_total)
             out["ldp-accountant-epsilon-total"] = float(rep.accountant_epsilon_total)
@@ -1011,9 +1017,17 @@ class LocalPrivacyReport:
     """What an LDP upload scheme guarantees, in numbers and words.
 
     ``epsilon_per_upload`` and ``epsilon_total`` are basic composition
-    (d * eps and rounds * d * eps; deltas add up the same way).  The
-    ``accountant_*`` fields, when present, are the accountant's (eps, delta)
-    for Gaussian noise (exact Gaussian composition), at ``accountant_delta``.
+    (d * eps and rounds * d * eps; deltas add up the same way) for the whole
+    upload, or inf when part of the upload has no finite guarantee
+    (``epsilon_infinite_reason`` says why: PNPM's magnitudes).  Then
+    ``epsilon_per_upload_sign_only`` / ``epsilon_total_sign_only`` carry the
+    basic composition over the part that IS randomised (PNPM: the signs),
+    labelled as such.  The ``accountant_*`` fields, when present, are the
+    accountant's (eps, delta) for Gaussian noise (exact Gaussian composition),
+    at ``accountant_delta``.
+
+    `to_dict` is JSON-ready: non-finite floats become None and are listed in
+    ``infinite_fields``; `from_dict` restores them.
     """
 
     mechanism: str
@@ -1031,11 +1045,30 @@ class LocalPrivacyReport:
     accountant_epsilon_per_upload: float | None = None
     accountant_epsilon_total: float | None = None
     relation: str = LDP_RELATION
+    epsilon_per_upload_sign_only: float | None = None
+    epsilon_total_sign_only: float | None = None
+    epsilon_infinite_reason: str = ""
     protected_input: str = ""
     note: str = ""
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """A JSON-ready dict (inf -> None, named in ``infinite_fields``)."""
+        out = dataclasses.asdict(self)
+        infinite = [k for k, v in out.items() if isinstance(v, float) and not math.isfinite(v)]
+        for k in infinite:
+            out[k] = None
+        out["infinite_fields"] = infinite
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LocalPrivacyReport":
+        """The inverse of `to_dict` (extra keys, e.g. a server's participation counts,
+        are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in names}
+        for k in data.get("infinite_fields", ()):
+            kwargs[k] = math.inf
+        return cls(**kwargs)
 
     def __str__(self) -> str:
         lines = [f"local DP report: {self.mechanism}"]
@@ -1049,6 +1082,12 @@ class LocalPrivacyReport:
                      + f"  [{self.composition}]")
         lines.append(f"  over {self.rounds} round(s): eps = {self.epsilon_total:.6g}"
                      + (f", delta = {self.delta_total:.3g}" if self.delta_total else ""))
+        if self.epsilon_infinite_reason:
+            lines.append(f"  not finite because: {self.epsilon_infinite_reason}")
+        if self.epsilon_per_upload_sign_only is not None:
+            lines.append(f"  signs only: eps = {self.epsilon_per_upload_sign_only:.6g} per "
+                         f"upload, {self.epsilon_total_sign_only:.6g} over {self.rounds} "
+                         "round(s) [basic; NOT a guarantee for the upload]")
         if self.accountant_epsilon_per_upload is not None:
             lines.append(f"  {self.accountant} accountant at delta = {self.accountant_delta:.3g}: "
                          f"eps per upload = {self.accountant_epsilon_per_upload:.6g}, "
@@ -1112,15 +1151,24 @@ def privacy_report(mechanism: LocalDPMechanism, num_coordinates: int, rounds: in
             note=note)
     if isinstance(mechanism, PNPMMechanism):
         big_c = mechanism.C
+        reason = (f"PNPM uploads each weight's magnitude as |w| U, U ~ Uniform[1, {big_c:.4g}], "
+                  "whatever its sign: two different magnitudes have different supports, so no "
+                  "finite eps covers the upload (or the client)")
         note = (f"PNPM randomises only the sign of each weight: each sign is {eps:.4g}-LDP. "
                 f"The magnitude enters the upload as |w| U with U ~ Uniform[1, C], C = "
                 f"(e^eps+3)/(e^eps-1) = {big_c:.4g}, independent of the sign: one upload reveals "
                 f"|w| to within a factor {big_c:.4g} (|w| in [|y|/C, |y|]), reveals w = 0 "
                 "exactly, and repeated uploads of a slowly changing weight narrow |w| further. "
                 "No eps guarantee covers |w| (two different magnitudes are not "
-                "eps-indistinguishable for any finite eps). "
-                + _model_level_warning(eps_upload, eps_total))
-        return LocalPrivacyReport(**common, note=note)
+                "eps-indistinguishable for any finite eps), so the upload's eps is inf. "
+                f"Basic composition over the signs alone gives {eps_upload:.4g} per upload and "
+                f"{eps_total:.4g} over {rounds} round(s): a figure for the signs, not for the "
+                "model or the client's data.")
+        return LocalPrivacyReport(**{**common, "epsilon_per_upload": math.inf,
+                                     "epsilon_total": math.inf},
+                                  epsilon_per_upload_sign_only=eps_upload,
+                                  epsilon_total_sign_only=eps_total,
+                                  epsilon_infinite_reason=reason, note=note)
     note = (f"Each coordinate is {eps:.4g}-LDP." + domain_note + " "
             + _model_level_warning(eps_upload, eps_total))
     if isinstance(mechanism, LDPFLMechanism):

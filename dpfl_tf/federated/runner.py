@@ -279,11 +279,22 @@ def local_dp_upload(config: FederatedConfig, initial_weights: Sequence[Any]):
 
 
 def _local_summary(local: dict) -> dict:
-    """The local-DP budget fields of a result (per client, basic composition)."""
-    return {"epsilon_per_coordinate": local["epsilon_per_coordinate"],
-            "epsilon_per_upload": local["epsilon_per_upload"],
-            "epsilon_total_per_client": local["epsilon_total"],
-            "num_coordinates": local["num_coordinates"]}
+    """The local-DP budget fields of a result (per client, basic composition).
+
+    From the report's JSON-ready dict: an infinite figure is None with
+    ``epsilon_per_upload_is_infinite`` and the reason (PNPM: magnitudes are
+    not randomised); the sign-only figures are then given under their own names."""
+    out = {"epsilon_per_coordinate": local["epsilon_per_coordinate"],
+           "epsilon_per_upload": local["epsilon_per_upload"],
+           "epsilon_total_per_client": local["epsilon_total"],
+           "epsilon_per_upload_is_infinite": "epsilon_per_upload" in local["infinite_fields"],
+           "num_coordinates": local["num_coordinates"]}
+    if local.get("epsilon_infinite_reason"):
+        out["epsilon_infinite_reason"] = local["epsilon_infinite_reason"]
+    if local.get("epsilon_per_upload_sign_only") is not None:
+        out["epsilon_per_upload_sign_only"] = local["epsilon_per_upload_sign_only"]
+        out["epsilon_total_per_client_sign_only"] = local["epsilon_total_sign_only"]
+    return out
 
 
 def _mechanism(c: FederatedConfig) -> str:

@@ -97,12 +97,18 @@ def test_local_dp_run_reports_the_budget_per_coordinate_upload_and_total(tmp_pat
     d = 21_840  # pnpm_cnn(depth=2): 21,750 kernel weights + 90 biases, all perturbed
     assert data["mechanism"] == "ldp_pnpm" and data["num_coordinates"] == d
     assert data["epsilon_per_coordinate"] == 0.5
-    assert data["epsilon_per_upload"] == pytest.approx(0.5 * d)
+    # PNPM leaves magnitudes unprotected: no finite eps per upload or per client ...
+    assert data["epsilon_per_upload"] is None and data["epsilon_total_per_client"] is None
+    assert data["epsilon_per_upload_is_infinite"] is True
+    assert "magnitude" in data["epsilon_infinite_reason"]
+    # ... and d x eps is a figure for the signs only
+    assert data["epsilon_per_upload_sign_only"] == pytest.approx(0.5 * d)
     # every client took part in both rounds: two uploads each
     assert data["privacy"]["local_dp"]["max_participations"] == 2
-    assert data["epsilon_total_per_client"] == pytest.approx(2 * 0.5 * d)
+    assert data["epsilon_total_per_client_sign_only"] == pytest.approx(2 * 0.5 * d)
     assert data["epsilon"] is None  # no central guarantee is claimed
-    assert "per upload (d = 21840): eps = 10920" in printed
+    assert "per upload (d = 21840): eps = inf" in printed
+    assert "signs only: eps = 10920 per upload" in printed
     assert "SIGN of each weight only" in printed
 
 

@@ -299,3 +299,18 @@ def test_client_applies_the_configs_local_dp_like_the_in_process_server(mnist_sm
     with pytest.raises(ValueError, match="give the local-DP mechanism in one place"):
         fl.make_client_app(cfg, mnist_small, local_dp=ref.local_dp)(
             _train_message(w0, t), _context(k))
+
+
+def test_pnpm_on_flower_reports_an_infinite_upload_epsilon_and_a_sign_only_figure(mnist_small):
+    cfg = _cfg(dp="local", ldp_mechanism="pnpm", ldp_epsilon=1.0, rounds=1, hidden=(8,),
+               accountant="moments", clients_per_round=4)
+    inproc = run_federated(cfg, mnist_small, progress=False)
+    flower = fl.run_on_flower(cfg, mnist_small, backend="local")
+    d = inproc["num_coordinates"]
+    for out in (inproc, flower):
+        assert out["epsilon_per_upload"] is None and out["epsilon_per_upload_is_infinite"]
+        assert out["epsilon_per_upload_sign_only"] == pytest.approx(d * 1.0)
+    reported = flower["client_reported"]
+    assert reported["max_ldp_epsilon_total"] is None
+    assert reported["max_ldp_epsilon_total_is_infinite"]
+    assert reported["max_ldp_epsilon_total_sign_only"] == pytest.approx(d * 1.0)
