@@ -3,14 +3,15 @@
 An aggregator sees the round's uploads as a stream of ``(update, weight)``
 pairs (update = Delta_k, a list of tensors; weight = n_k) and returns the
 update to add to the global model.  Streaming aggregators (mean, both DP
-ones with a fixed clip) hold one running sum, so a round costs O(model)
-memory however many clients take part; the median and the median-of-norms
-clip need every update of the round at once (O(m x model)).
+ones, fixed or adaptive clip) hold one running sum, so a round costs O(model)
+memory however many clients take part; the median needs every update of the
+round at once (O(m x model)).
 
 * `MeanAggregator` -- FedAvg (McMahan et al. 2017): sum_k n_k Delta_k / sum_k n_k.
 * `MedianAggregator` -- FedMedian: coordinate-wise median (Yin et al. 2018).
 * `GlobalDPAggregator` -- Global DP (Geyer, Klein, Nabi 2017, Algorithm 1):
-  clip each Delta_k to norm S, sum, add N(0, sigma^2 S^2) once, divide by m.
+  clip each Delta_k to norm S, sum, add N(0, sigma^2 S^2) once, divide by m;
+  S fixed, or adapted privately each round (Andrew et al. 2021).
 * `ClientNoiseDPAggregator` -- DP-FedAvg with client-side noise: each client
   clips to S and adds N(0, z^2 S^2) before upload; the server averages.
 
@@ -67,7 +68,10 @@ import dp_accounting
 import numpy as np
 import tensorflow as tf
 
-from dpfl_tf.privacy.events import SamplingMethod, clipped_upload_event, gaussian_step_event
+from dpfl_tf._validation import check_number
+from dpfl_tf.privacy.events import (SamplingMethod, clipped_upload_event,
+                                    complementary_noise_multiplier, gaussian_step_event,
+                                    joint_gaussian_step_event)
 from dpfl_tf.sanitizer import GaussianSanitizer
 
 __all__ = ["AggregateResult", "Aggregator", "ClientNoiseDPAggregator", "GlobalDPAggregator",
@@ -117,6 +121,13 @@ class Aggregator:
 
     def reseed(self, seed: int) -> None:
         """Re-seeds the noise generator (tests and exact resume only)."""
+
+    def get_state(self) -> dict:
+        """State that changes from round to round (checkpointed; e.g. an adaptive clip)."""
+        return {}
+
+    def set_state(self, state: dict) -> None:
+        """Restores `get_state` (from a checkpoint)."""
 
     def get_config(self) -> dict:
         return {"name": type(self).__name__}
@@ -244,58 +255,136 @@ class GlobalDPAggregator(_SanitizedAggregator):
     sampling, qK for Poisson sampling): dividing by the realised count under
     Poisson sampling would leak that count.
 
+    Adaptive clipping (``clip="adaptive"``; Andrew, Thakkar, McMahan,
+    Ramaswamy 2021, "Differentially private learning with adaptive clipping",
+    Algorithm 1 with geometric updates).  Round t clips at C_t (C_0 = the
+    sanitizer's l2_norm_clip) and, from the same sampled clients, releases a
+    second noised sum, of the centred bits b_k - 1/2 with
+    b_k = [ ||Delta_k|| <= C_t ]:
+
+        R_t = sum_k (b_k - 1/2) + N(0, sigma_b^2),
+        b_t = clip_[0,1]( R_t / m + 1/2 ),
+        C_{t+1} = C_t exp( -eta_C (b_t - gamma) ),
+
+    so C_t moves towards the gamma-quantile of the update norms.  One client
+    moves the centred sum by at most 1/2 (add/remove; 1 under replace-one), so
+    this count release is a Gaussian mechanism with multiplier 2 sigma_b, drawn
+    by its own `GaussianSanitizer` (bound 1/2, multiplier 2 sigma_b).  Both
+    releases read the same sample, so the round's event is ONE sampled event
+    over both, ``Sampled(ComposedDpEvent([Gaussian(z_Delta), Gaussian(2
+    sigma_b)]))`` (`dpfl_tf.privacy.events.joint_gaussian_step_event`),
+    whose joint multiplier is (z_Delta^-2 + (2 sigma_b)^-2)^(-1/2) (the
+    paper's Theorem 1).  As in TensorFlow Federated's ``gaussian_adaptive``,
+    ``noise_multiplier`` (the sanitizer's sigma) is that JOINT multiplier z:
+    the update sum gets z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) > z
+    (`complementary_noise_multiplier`), so a round costs exactly what a
+    fixed-clip round at sigma = z costs.  sigma_b = 0 releases the count
+    exactly: the round's event is then ``NonPrivateDpEvent`` (eps = inf).
+    The bits and the noise are the server's (it is trusted with raw updates
+    under Global DP); nothing else about the norms is released.
+
     Args:
       sanitizer: the shared `GaussianSanitizer` (S = its l2_norm_clip, flat or
-        one bound per component; sigma = its noise_multiplier).
-      clip: "fixed" (S from the sanitizer) or "median": Geyer's per-round S_t =
-        median of the round's update norms (per component when per-layer).
-        The median is computed from the clients' data without noise, so with
-        "median" the round is NOT differentially private; the result says so
-        (``info["clip_is_private"] = False``).
+        one bound per component; sigma = its noise_multiplier).  With
+        ``clip="adaptive"``: flat only; S = C_0 and sigma = the joint z.
+      clip: "fixed" or "adaptive".  ("median", the per-round median of the raw
+        update norms, read the clients' data without noise and was removed.)
       groups: component index of each tensor for per-layer clipping (see
         `dpfl_tf.federated.client.layer_groups`); None = one per tensor.
+      target_quantile: gamma in [0, 1] (adaptive; default 0.5).
+      clip_learning_rate: eta_C > 0 (adaptive; default 0.2).
+      count_stddev: sigma_b >= 0, the std of the noise on the count (adaptive;
+        required: the paper and TFF use 0.05 x the expected clients per round).
     """
 
     def __init__(self, sanitizer: GaussianSanitizer, *, clip: str = "fixed",
-                 groups: Sequence[int] | None = None):
+                 groups: Sequence[int] | None = None, target_quantile: float = 0.5,
+                 clip_learning_rate: float = 0.2, count_stddev: float | None = None):
         super().__init__(sanitizer, groups)
-        if clip not in ("fixed", "median"):
-            raise ValueError(f"clip must be 'fixed' or 'median', got {clip!r}")
+        if clip == "median":
+            raise ValueError("clip='median' (the median of the round's raw update norms, read "
+                             "without noise: not differentially private) is no longer offered; "
+                             "use clip='adaptive' (DP adaptive clipping, Andrew et al. 2021)")
+        if clip not in ("fixed", "adaptive"):
+            raise ValueError(f"clip must be 'fixed' or 'adaptive', got {clip!r}")
         self.clip = clip
-        self.streaming = clip == "fixed"
+        self.target_quantile = check_number("target_quantile", target_quantile, low=0.0,
+                                            high=1.0)
+        self.clip_learning_rate = check_number("clip_learning_rate", clip_learning_rate,
+                                               low=0.0, low_open=True)
+        self.count_stddev = None
+        if clip == "adaptive":
+            if sanitizer.per_layer:
+                raise ValueError("clip='adaptive' adapts one flat bound; got a per-layer "
+                                 f"sanitizer (l2_norm_clip={sanitizer.l2_norm_clip!r})")
+            if count_stddev is None:
+                raise ValueError("clip='adaptive' needs count_stddev (sigma_b, the noise std "
+                                 "of the count of unclipped clients; Andrew et al. use 0.05 x "
+                                 "the expected clients per round)")
+            self.count_stddev = check_number("count_stddev", count_stddev, low=0.0)
+            z = sanitizer.noise_multiplier
+            if z > 0 and self.count_stddev > 0 and 2 * self.count_stddev <= z:
+                raise ValueError(
+                    f"count_stddev must be > noise_multiplier / 2 = {z / 2:g} (the count "
+                    f"release alone, multiplier 2 x count_stddev = {2 * self.count_stddev:g}, "
+                    f"would cost more than the round's noise_multiplier {z:g} allows), got "
+                    f"{self.count_stddev:g}")
+            self._count = GaussianSanitizer(
+                0.5, 2.0 * self.count_stddev,
+                seed=None if sanitizer.seed is None else _derived_seed(sanitizer.seed, 1),
+                secure_mode=sanitizer.secure_mode)
+        self.clip_bound = float(sanitizer.l2_norm_clip) if not sanitizer.per_layer else None
+
+    # -- the noise multipliers of the two releases --------------------------------
+    def update_noise_multiplier(self) -> float:
+        """z_Delta: the update sum's noise std / C_t (= sigma for a fixed clip)."""
+        z = self.sanitizer.noise_multiplier
+        if self.clip == "fixed" or z == 0 or self.count_stddev == 0:
+            return z
+        return complementary_noise_multiplier(z, 2.0 * self.count_stddev)
+
+    def count_noise_multiplier(self) -> float | None:
+        """2 sigma_b: the count's noise std / its add-remove sensitivity 1/2 (None: fixed)."""
+        return None if self.clip == "fixed" else 2.0 * self.count_stddev
+
+    def _round_sanitizer(self) -> GaussianSanitizer:
+        """This round's update sanitizer: bound C_t, multiplier z_Delta, the same generator."""
+        if self.clip == "fixed":
+            return self.sanitizer
+        return GaussianSanitizer(self.clip_bound, self.update_noise_multiplier(),
+                                 generator=self.sanitizer.generator,
+                                 secure_mode=self.sanitizer.secure_mode)
 
     def aggregate(self, uploads, template, *, expected_clients: float) -> AggregateResult:
         if not expected_clients or expected_clients <= 0:
             raise ValueError(f"expected_clients must be > 0, got {expected_clients}")
         self._check_template(template)
-        sanitizer = self.sanitizer
-        info: dict[str, Any] = {"clip_is_private": self.clip == "fixed"}
-        if self.clip == "median":
-            updates = [list(u) for u, _ in uploads]
-            if updates:
-                norms = np.stack([update_norms(u, self.groups) for u in updates])
-                if not sanitizer.per_layer:
-                    norms = np.sqrt((norms ** 2).sum(axis=1, keepdims=True))
-                med = np.maximum(np.median(norms, axis=0), 1e-12)
-                bound = float(med[0]) if not sanitizer.per_layer else [float(x) for x in med]
-                # same class, same generator: only the bound changes this round
-                sanitizer = GaussianSanitizer(bound, self.sanitizer.noise_multiplier,
-                                              noise_allocation=self.sanitizer.noise_allocation,
-                                              generator=self.sanitizer.generator)
-                info["clip"] = bound
-            uploads = ((u, 1.0) for u in updates)
+        sanitizer = self._round_sanitizer()
+        adaptive = self.clip == "adaptive"
         state = sanitizer.initial_state(template)
+        bits = self._count.initial_state([tf.zeros([1])]) if adaptive else None
         squared = []
         for update, _ in uploads:
-            if sanitizer is self.sanitizer:   # fixed S: one compiled call per client
+            if not adaptive:                   # fixed S: one compiled call per client
                 state, sq = self._clip_accumulate(state, list(update))
-            else:                              # this round's median S
-                clipped, sq = _clip_update_tensors(sanitizer, update, self.groups)
+            else:                              # this round's C_t
+                clipped, sq = _clip_update_tensors(sanitizer, list(update), self.groups)
                 state = sanitizer.accumulate(state, clipped)
+                norm = tf.sqrt(tf.reduce_sum(sq))
+                below = tf.cast(norm <= tf.cast(self.clip_bound, norm.dtype), tf.float32)
+                bits = self._count.accumulate(bits, [tf.reshape(below - 0.5, [1])])
             squared.append(sq)
         noised = sanitizer.add_noise(state, self.groups)
         count = len(squared)
-        if count:
+        info: dict[str, Any] = {"clip": sanitizer.l2_norm_clip if not sanitizer.per_layer
+                                else list(sanitizer.l2_norm_clip)}
+        if adaptive:
+            released = float(self._count.add_noise(bits)[0][0])     # R_t, the noised count
+            below = min(1.0, max(0.0, released / expected_clients + 0.5))
+            self.clip_bound = self.clip_bound * math.exp(
+                -self.clip_learning_rate * (below - self.target_quantile))
+            info.update(unclipped_fraction_noised=below, clip_next=self.clip_bound)
+        elif count:
             norms = np.sqrt(tf.stack(squared).numpy())            # [clients, components]
             bounds = np.array(sanitizer.clip_bounds(self.num_components(template)))
             over = (np.sqrt((norms ** 2).sum(axis=1)) > bounds[0] if not sanitizer.per_layer
@@ -303,17 +392,55 @@ class GlobalDPAggregator(_SanitizedAggregator):
             info["fraction_clipped"] = float(over.mean())
         else:
             info["fraction_clipped"] = 0.0
-        if "clip" not in info:
-            info["clip"] = sanitizer.l2_norm_clip if not sanitizer.per_layer \
-                else list(sanitizer.l2_norm_clip)
         return AggregateResult([t / expected_clients for t in noised], count, info)
 
     def round_event(self, num_components, sampling, **sampling_args):
-        return self.sanitizer.event(num_components, sampling, **sampling_args)
+        if self.clip == "fixed":
+            return self.sanitizer.event(num_components, sampling, **sampling_args)
+        z_delta, z_count = self.update_noise_multiplier(), self.count_noise_multiplier()
+        if z_delta == 0 or z_count == 0:   # an exact update sum or an exact count
+            return dp_accounting.NonPrivateDpEvent()
+        return joint_gaussian_step_event([z_delta, z_count], sampling, **sampling_args)
+
+    def reseed(self, seed: int) -> None:
+        super().reseed(seed)
+        if self.clip == "adaptive":
+            self._count.generator.reset_from_seed(_derived_seed(seed, 1))
+
+    def get_state(self) -> dict:
+        return {"clip_bound": self.clip_bound} if self.clip == "adaptive" else {}
+
+    def set_state(self, state: dict) -> None:
+        if self.clip == "adaptive":
+            self.clip_bound = check_number("clip_bound", state["clip_bound"], low=0.0,
+                                           low_open=True)
+
+    def clipping_report(self) -> dict:
+        """How updates were clipped, for the privacy report."""
+        if self.clip == "fixed":
+            return {"mode": "fixed", "clip": self.sanitizer.l2_norm_clip}
+        return {"mode": "adaptive (Andrew et al. 2021)",
+                "initial_clip": self.sanitizer.l2_norm_clip, "current_clip": self.clip_bound,
+                "target_quantile": self.target_quantile,
+                "clip_learning_rate": self.clip_learning_rate,
+                "count_stddev": self.count_stddev,
+                "update_noise_multiplier": self.update_noise_multiplier(),
+                "count_noise_multiplier": self.count_noise_multiplier(),
+                "joint_noise_multiplier": self.sanitizer.noise_multiplier}
 
     def get_config(self) -> dict:
-        return {"name": "global_dp", "clip": self.clip, "groups": self.groups,
-                "sanitizer": self.sanitizer.get_config()}
+        config = {"name": "global_dp", "clip": self.clip, "groups": self.groups,
+                  "sanitizer": self.sanitizer.get_config()}
+        if self.clip == "adaptive":
+            config.update(target_quantile=self.target_quantile,
+                          clip_learning_rate=self.clip_learning_rate,
+                          count_stddev=self.count_stddev)
+        return config
+
+
+def _derived_seed(seed: int, stream: int) -> int:
+    """An independent seed for a second noise stream of a seeded run (tests only)."""
+    return int(np.random.default_rng([int(seed), int(stream)]).integers(2**62))
 
 
 class ClientNoiseDPAggregator(_SanitizedAggregator):
@@ -339,7 +466,7 @@ class ClientNoiseDPAggregator(_SanitizedAggregator):
             total = [s + u for s, u in zip(total, update)]
             count += 1
         return AggregateResult([t / expected_clients for t in total], count,
-                               {"clip": self.sanitizer.l2_norm_clip, "clip_is_private": True})
+                               {"clip": self.sanitizer.l2_norm_clip})
 
     def upload_noise_multiplier(self, num_components: int) -> float:
         """z: noise std / sensitivity of one upload (the sanitizer's effective multiplier)."""

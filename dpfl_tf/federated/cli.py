@@ -29,7 +29,7 @@ def _int(text: str) -> int:
 
 
 def _clip(text: str):
-    if text == "median":
+    if text in ("adaptive", "median"):   # "median" reaches the config, which names its successor
         return text
     return float_arg(text)
 
@@ -66,7 +66,17 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
     q = p.add_argument_group("privacy")
     q.add_argument("--dp", default="none", choices=["none", "global", "client", "local"])
     q.add_argument("--clip", "-S", type=_clip, default=1.0,
-                   help="clip bound S > 0, or 'median' (Geyer; NOT private; --dp global)")
+                   help="clip bound S > 0, or 'adaptive' (DP adaptive clipping, Andrew et al. "
+                        "2021; --dp global, flat)")
+    q.add_argument("--clip-initial", type=float_arg, default=0.1,
+                   help="--clip adaptive: the first round's bound C_0")
+    q.add_argument("--clip-quantile", type=float_arg, default=0.5,
+                   help="--clip adaptive: target quantile gamma of the update norms")
+    q.add_argument("--clip-lr", type=float_arg, default=0.2,
+                   help="--clip adaptive: learning rate eta_C of the geometric update")
+    q.add_argument("--clip-count-stddev", type=float_arg,
+                   help="--clip adaptive: noise std sigma_b of the count of unclipped clients "
+                        "(default 0.05 x the expected clients per round)")
     q.add_argument("--per-layer", action="store_true", help="one bound S per layer")
     q.add_argument("--noise-multiplier", "-z", type=float_arg, default=1.0)
     q.add_argument("--epsilon", type=float_arg, help="target epsilon: stop before exceeding it")
@@ -109,7 +119,9 @@ def config_from_args(args, error=None):
         fraction=args.fraction, sampling=args.sampling, rounds=args.rounds,
         local_epochs=args.local_epochs, local_batch_size=args.local_batch_size,
         learning_rate=args.lr, momentum=args.momentum, aggregator=args.aggregator, dp=args.dp,
-        clip=args.clip, per_layer=args.per_layer, noise_multiplier=args.noise_multiplier,
+        clip=args.clip, clip_initial=args.clip_initial, clip_quantile=args.clip_quantile,
+        clip_lr=args.clip_lr, clip_count_stddev=args.clip_count_stddev,
+        per_layer=args.per_layer, noise_multiplier=args.noise_multiplier,
         target_epsilon=args.epsilon, delta_max=args.delta_max, accountant=args.accountant,
         hidden=hidden, model=args.model, ldp_mechanism=args.ldp_mechanism,
         ldp_epsilon=args.ldp_epsilon, ldp_bound=args.ldp_bound,
@@ -165,9 +177,13 @@ def _run_federated(args, error) -> int:
         privacy = result["privacy"]
         print(f"epsilon = {_eps(eps)} at delta = {result['delta']:g} "
               f"({result['accountant']} accountant; {privacy['round_event']}; "
-              f"{privacy['relation']})"
-              + ("" if privacy["clip_is_private"] else
-                 " -- NOT a DP guarantee: the clip bound was read from the updates"))
+              f"{privacy['relation']})")
+        clipping = privacy.get("clipping", {})
+        if clipping.get("mode", "").startswith("adaptive"):
+            print(f"adaptive clip: {clipping['initial_clip']:g} -> {clipping['current_clip']:.4g} "
+                  f"(target quantile {clipping['target_quantile']:g}; count noise std "
+                  f"{clipping['count_stddev']:g}; update noise multiplier "
+                  f"{clipping['update_noise_multiplier']:.4g})")
         if "against_server" in privacy:
             srv = privacy["against_server"]
             print(f"against the server: epsilon = {_eps(srv['epsilon'])} per client "

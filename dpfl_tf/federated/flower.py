@@ -604,6 +604,9 @@ class DPStrategy(Strategy):
             out["loss"] = float(record.loss)
         if "fraction_clipped" in record.info:
             out["fraction-clipped"] = float(record.info["fraction_clipped"])
+        if "unclipped_fraction_noised" in record.info:     # adaptive clipping's release
+            out["unclipped-fraction-noised"] = float(record.info["unclipped_fraction_noised"])
+            out["clip"] = float(record.info["clip"])
         for key in ("client-dp-epsilon-total", "ldp-epsilon-total",
                     "ldp-accountant-epsilon-total", "ldp-epsilon-total-sign-only"):
             values = [m[key] for m in self.client_metrics.values() if key in m]

@@ -262,10 +262,6 @@ class FederatedServer:
         self.rounds_done = 0
         self.stop_reason: str | None = None
         self.notices: list[str] = []
-        if getattr(aggregator, "clip", "fixed") == "median":
-            self._notice("clip = median of the round's update norms (Geyer et al.): this step "
-                         "reads the clients' updates without noise and is NOT differentially "
-                         "private; the epsilon reported assumes a fixed clip bound")
         self._test = None
         if test_data is not None:
             x, y = test_data
@@ -437,8 +433,9 @@ class FederatedServer:
             "target_epsilon": self.target_epsilon,
             "delta_at_target_epsilon": (_json_float(self.delta_after(0))
                                         if self.target_epsilon else None),
-            "clip_is_private": getattr(self.aggregator, "clip", "fixed") == "fixed",
         }
+        if hasattr(self.aggregator, "clipping_report"):
+            report["clipping"] = self.aggregator.clipping_report()
         if isinstance(self.aggregator, ClientNoiseDPAggregator):
             n_max = int(self.participations.max()) if len(self.participations) else 0
             z = self.aggregator.upload_noise_multiplier(self.num_components)
@@ -484,6 +481,7 @@ class FederatedServer:
         state = {"format": CHECKPOINT_FORMAT, "round": self.rounds_done, "weights": name,
                  "fingerprint": self._fingerprint(), "ledger": self.ledger.to_dict(),
                  "history": [r.to_dict() for r in self.history], "notices": self.notices,
+                 "aggregator_state": self.aggregator.get_state(),
                  "sampling_key": self._sampling_key}  # private state, like the weights
         atomic_write_json(os.path.join(directory, "state.json"), state)
         for old in glob.glob(os.path.join(directory, "weights-*.npz")):
@@ -513,4 +511,5 @@ class FederatedServer:
         self.history = [RoundRecord(**r) for r in state["history"]]
         self.rounds_done = int(state["round"])
         self._sampling_key = int(state["sampling_key"])
+        self.aggregator.set_state(state.get("aggregator_state", {}))
         return True

@@ -20,7 +20,8 @@ from dpfl_tf._io import atomic_write_text
 from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.privacy.accountants import AccountantKind, compute_delta, compute_epsilon
 from dpfl_tf.privacy.calibration import max_steps
-from dpfl_tf.privacy.events import describe_event, event_from_dict, event_to_dict
+from dpfl_tf.privacy.events import (describe_event, event_from_dict, event_to_dict,
+                                    event_to_json)
 
 __all__ = ["PrivacyBudget", "PrivacyLedger", "BudgetExceededError"]
 
@@ -112,7 +113,7 @@ class PrivacyLedger:
         if self.budget is None:
             raise ValueError("this ledger has no budget; pass budget=PrivacyBudget(...)")
         b = self.budget
-        key = (event, b)
+        key = (event_to_json(event), b)   # events holding lists are not hashable
         if key not in self._steps_cache:
             self._steps_cache[key] = max_steps(b.epsilon, b.delta, event, b.accountant,
                                                already_spent=self.event if self._entries else None)

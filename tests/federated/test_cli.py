@@ -38,9 +38,14 @@ def test_parser_reads_the_documented_flags():
     assert c.dp.value == "global" and c.target_epsilon == 8 and c.delta_max == 1e-5
     assert c.clip == 1.5 and c.noise_multiplier == 1.1 and c.accountant.value == "rdp"
     assert c.learning_rate == 0.05 and c.momentum == 0.9 and c.seed == 3
-    median = config_from_args(parser.parse_args(
-        ["federated", "--dp", "global", "--clip", "median"]))
-    assert median.clip == "median"
+    adaptive = config_from_args(parser.parse_args(
+        "federated --dp global --clip adaptive --clip-initial 0.3 --clip-quantile 0.7 "
+        "--clip-lr 0.1 --clip-count-stddev 4".split()))
+    assert (adaptive.clip, adaptive.clip_initial, adaptive.clip_quantile, adaptive.clip_lr,
+            adaptive.clip_count_stddev) == ("adaptive", 0.3, 0.7, 0.1, 4.0)
+    defaults = config_from_args(parser.parse_args("federated --dp global --clip adaptive".split()))
+    assert (defaults.clip_quantile, defaults.clip_lr, defaults.clip_count_stddev) == \
+        (0.5, 0.2, None)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -49,7 +54,11 @@ def test_parser_reads_the_documented_flags():
     ("--dp global --clip -1", "--clip must be > 0"),
     ("--dp global --delta-max 0.5 --clients 100", "--delta-max must be < 1/K = 0.01"),
     ("--dp client --sampling poisson", "needs sampling='fixed_size'"),
-    ("--dp none --clip median", "offered for dp='global' only"),
+    ("--dp global --clip median", "no longer offered; use clip='adaptive'"),
+    ("--dp none --clip adaptive", "offered for dp='global' only"),
+    ("--dp global --clip adaptive --per-layer", "per_layer must be False"),
+    ("--dp global --clip adaptive --clip-quantile 2", "--clip-quantile must be in [0, 1]"),
+    ("--dp global --clip adaptive --clip-lr 0", "--clip-lr must be > 0"),
     ("--dp global --aggregator median", "aggregator must be 'mean'"),
     ("--clients 0", "--clients must be a whole number >= 1"),
     ("--lr 0", "--lr must be > 0"),
@@ -128,3 +137,17 @@ def test_client_dp_run_prints_the_replace_one_upload_epsilon(tmp_path, capsys):
     assert (f"against the server: epsilon = {want.accountant_epsilon_total:.4f} per client"
             in printed)
     assert "replace-one (one client's update replaced)" in printed
+
+
+def test_adaptive_clip_run_reports_both_releases(tmp_path, capsys):
+    data, printed = _run(
+        tmp_path, capsys, "--clients", "10", "--train-subset", "1000", "--clients-per-round",
+        "5", "--rounds", "2", "--hidden", "16", "--dp", "global", "--clip", "adaptive",
+        "--clip-count-stddev", "2", "--noise-multiplier", "1.0", "--accountant", "rdp",
+        "--delta-max", "1e-3")
+    privacy = data["privacy"]
+    assert privacy["round_event"].startswith("Poisson(q=0.5) [Gaussian(sigma=")
+    assert privacy["round_event"].endswith("+ Gaussian(sigma=4)]")
+    assert privacy["clipping"]["initial_clip"] == 0.1
+    assert [h["info"]["clip"] for h in data["history"]][0] == 0.1
+    assert "adaptive clip: 0.1 ->" in printed

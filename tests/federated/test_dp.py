@@ -12,7 +12,7 @@ from scipy import stats
 from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator, GlobalDPAggregator
 from dpfl_tf.federated.client import LocalTrainer
 from dpfl_tf.federated.local_dp import gaussian_upload_report
-from dpfl_tf.federated.partition import iid_partition
+from dpfl_tf.federated.partition import iid_partition, unequal_partition
 from dpfl_tf.federated.server import ClientSampling, FederatedServer
 from dpfl_tf.privacy import compute_delta, compute_epsilon, gaussian_step_event
 from dpfl_tf.sanitizer import GaussianSanitizer
@@ -176,13 +176,91 @@ def test_client_dp_run_reports_server_view_and_released_model(small_setup):
     assert srv["epsilon"] > rep["epsilon"]
 
 
-def test_median_clip_is_flagged_not_private(small_setup, capsys):
-    agg = GlobalDPAggregator(GaussianSanitizer(1.0, 1.0), clip="median")
-    server = _server(small_setup, agg, delta_max=1e-3)
-    assert "NOT differentially private" in capsys.readouterr().err
+@pytest.fixture(scope="module")
+def real_updates(mnist_small):
+    """30 clients' real local updates (one epoch of local SGD on MNIST from one model;
+    unequal client sizes, so the norms spread)."""
+    trainer = LocalTrainer(tiny_model(hidden=16, seed=2), mnist_small.x_train[:1500],
+                           mnist_small.y_train[:1500], local_epochs=1, batch_size=10,
+                           learning_rate=0.1)
+    partition = unequal_partition(1500, 30, seed=1)
+    w0 = trainer.get_weights()
+    rng = np.random.default_rng(0)
+    ups = [list(trainer.train(w0, partition.client(k), rng)) for k in range(30)]
+    trainer.set_weights(w0)
+    norms = np.array([math.sqrt(sum(float(tf.reduce_sum(t * t)) for t in u)) for u in ups])
+    return ups, norms, w0
+
+
+@pytest.mark.parametrize("gamma", [0.2, 0.5, 0.8])
+@pytest.mark.parametrize("start", [0.05, 20.0])
+def test_adaptive_clip_moves_to_the_target_quantile_of_real_update_norms(real_updates, gamma,
+                                                                         start):
+    """Andrew et al. 2021: from far below or far above, C_t settles near the
+    gamma-quantile of the clients' update norms (noised count, sigma_b = 1)."""
+    ups, norms, w0 = real_updates
+    c0 = start * float(np.median(norms))
+    agg = GlobalDPAggregator(GaussianSanitizer(c0, 1.0, seed=3), clip="adaptive",
+                             target_quantile=gamma, clip_learning_rate=0.5, count_stddev=1.0)
+    bounds = []
+    for _ in range(45):
+        agg.aggregate(((u, 1.0) for u in ups), w0, expected_clients=len(ups))
+        bounds.append(agg.clip_bound)
+    settled = np.median(bounds[-10:])
+    low, high = np.quantile(norms, [gamma - 0.1, gamma + 0.1])
+    assert low <= settled <= high, (gamma, start, settled, np.quantile(norms, gamma))
+    assert abs(np.mean(norms <= settled) - gamma) <= 0.1
+
+
+def test_adaptive_clip_round_is_one_sampled_event_over_both_releases(small_setup, tmp_path):
+    """The ledger holds the update release and the count release, under the one
+    sampling they share; epsilon is dp-accounting's RDP on that composed event
+    and equals a fixed-clip round's at the joint multiplier."""
+    from dp_accounting import rdp
+
+    z, sigma_b, q, delta = 1.0, 2.0, 0.5, 1e-3
+    agg = GlobalDPAggregator(GaussianSanitizer(0.05, z), clip="adaptive", count_stddev=sigma_b)
+    z_delta = (z ** -2 - (2 * sigma_b) ** -2) ** -0.5
+    server = _server(small_setup, agg, delta_max=delta, accountant="rdp", noise_seed=4)
+    server.run(2)
+    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.ComposedDpEvent(
+        [dp_accounting.GaussianDpEvent(z_delta), dp_accounting.GaussianDpEvent(2 * sigma_b)]))
+    assert server.round_event == event
+    assert server.ledger.event == dp_accounting.ComposedDpEvent(
+        [dp_accounting.SelfComposedDpEvent(event, 2)])
+    assert server.ledger.entries[0]["event"] == (
+        f"Poisson(q=0.5) [Gaussian(sigma={z_delta:g}) + Gaussian(sigma=4)]")
+    acc = rdp.RdpAccountant()
+    acc.compose(dp_accounting.SelfComposedDpEvent(event, 2))
+    assert server.epsilon() == pytest.approx(acc.get_epsilon(delta), rel=1e-12)
+    fixed = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), 2)
+    for kind in ("rdp", "moments", "pld"):   # the joint multiplier is z
+        assert compute_epsilon(server.ledger.event, delta, kind) == pytest.approx(
+            compute_epsilon(fixed, delta, kind), rel=1e-9)
+    clips = [r.info["clip"] for r in server.history]
+    assert clips[0] == 0.05 and clips[1] == pytest.approx(server.history[0].info["clip_next"])
+    rep = server.privacy_report()
+    assert rep["clipping"]["mode"].startswith("adaptive")
+    assert rep["clipping"]["update_noise_multiplier"] == pytest.approx(z_delta)
+    # the bound is round state: checkpointed and restored
+    server.save_checkpoint(tmp_path)
+    again = _server(small_setup, GlobalDPAggregator(GaussianSanitizer(0.05, z), clip="adaptive",
+                                                    count_stddev=sigma_b),
+                    delta_max=delta, accountant="rdp", noise_seed=4)
+    again.load_checkpoint(tmp_path)
+    assert again.aggregator.clip_bound == agg.clip_bound != 0.05
+
+
+def test_adaptive_clip_with_an_exact_count_reports_infinite_epsilon(small_setup):
+    agg = GlobalDPAggregator(GaussianSanitizer(0.5, 1.0), clip="adaptive", count_stddev=0.0)
+    assert agg.round_event(1, "poisson", sampling_rate=0.5) == \
+        dp_accounting.NonPrivateDpEvent()
+    server = _server(small_setup, agg, delta_max=1e-3, noise_seed=0)
     server.run(1)
-    assert server.history[0].info["clip_is_private"] is False
-    assert server.privacy_report()["clip_is_private"] is False
+    assert math.isinf(server.epsilon())
+    rep = server.privacy_report()
+    assert rep["epsilon"] is None and rep["epsilon_is_infinite"] is True
 
 
 @pytest.mark.parametrize("kwargs, message", [

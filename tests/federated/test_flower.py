@@ -43,6 +43,11 @@ def _round_event(cfg):
     """The event of one round, written from the papers' formulas (not from the code)."""
     m, k = cfg.clients_per_round, cfg.clients
     sigma = cfg.noise_multiplier * (np.sqrt(m) if cfg.dp.value == "client" else 1.0)
+    if cfg.clip == "adaptive":   # Andrew et al.: the update and the count, one sample
+        z_count = 2 * cfg.clip_count_stddev
+        z_delta = (sigma ** -2 - z_count ** -2) ** -0.5
+        return dp_accounting.PoissonSampledDpEvent(m / k, dp_accounting.ComposedDpEvent(
+            [dp_accounting.GaussianDpEvent(z_delta), dp_accounting.GaussianDpEvent(z_count)]))
     if cfg.sampling.value == "fixed_size":
         return gaussian_step_event(sigma, "fixed_size", dataset_size=k, lot_size=m)
     return gaussian_step_event(sigma, "poisson", sampling_rate=m / k)
@@ -149,13 +154,16 @@ def test_client_refuses_bad_messages_and_nodes(mnist_small):
 # ---------------------------------------------------------------------------
 # the strategy and whole runs (LocalGrid: Flower's apps and strategy, no Ray)
 
-@pytest.mark.parametrize("dp,sampling,accountant", [
-    ("global", "fixed_size", "rdp"),     # Flower's own scheme: m of K without replacement
-    ("global", "poisson", "moments"),    # Poisson sampling implemented on the server
-    ("client", "fixed_size", "rdp"),     # DP-FedAvg with client-side noise
+@pytest.mark.parametrize("dp,sampling,accountant,clip", [
+    ("global", "fixed_size", "rdp", 1.0),     # Flower's own scheme: m of K without replacement
+    ("global", "poisson", "moments", 1.0),    # Poisson sampling implemented on the server
+    ("client", "fixed_size", "rdp", 1.0),     # DP-FedAvg with client-side noise
+    ("global", "poisson", "rdp", "adaptive"),  # DP adaptive clipping: update + count release
 ])
-def test_same_config_same_epsilon_in_process_and_on_flower(mnist_small, dp, sampling, accountant):
-    cfg = _cfg(dp=dp, sampling=sampling, accountant=accountant)
+def test_same_config_same_epsilon_in_process_and_on_flower(mnist_small, dp, sampling, accountant,
+                                                           clip):
+    cfg = _cfg(dp=dp, sampling=sampling, accountant=accountant, clip=clip,
+               clip_count_stddev=2.0)
     inproc = run_federated(cfg, mnist_small, progress=False)
     flower = fl.run_on_flower(cfg, mnist_small, backend="local")
     assert set(inproc) <= set(flower)                  # the same result format
@@ -166,6 +174,9 @@ def test_same_config_same_epsilon_in_process_and_on_flower(mnist_small, dp, samp
     want = compute_epsilon(dp_accounting.SelfComposedDpEvent(_round_event(cfg), 2),
                            cfg.delta_max, accountant)
     assert flower["epsilon"] == pytest.approx(want, rel=1e-9)
+    if clip == "adaptive":   # the server adapted the bound from the noised count
+        assert flower["history"][0]["info"]["clip"] == cfg.clip_initial == 0.1
+        assert flower["history"][1]["info"]["clip"] == flower["history"][0]["info"]["clip_next"]
     if dp == "client":
         # LocalGrid's node k+1 holds partition k: the same clients take part
         against = flower["privacy"]["against_server"]
