@@ -207,10 +207,17 @@ def _clip_update(sanitizer: GaussianSanitizer, update: Update,
 class _SanitizedAggregator(Aggregator):
     private = True
 
-    def __init__(self, sanitizer: GaussianSanitizer, groups: Sequence[int] | None = None):
+    def __init__(self, sanitizer: GaussianSanitizer, groups: Sequence[int] | None = None,
+                 secure_mode: bool = False):
         if not isinstance(sanitizer, GaussianSanitizer):
             raise TypeError(f"sanitizer must be a GaussianSanitizer, got "
                             f"{type(sanitizer).__name__}")
+        if secure_mode and not sanitizer.secure_mode:
+            raise ValueError("secure_mode=True needs the sanitizer built with secure_mode=True "
+                             f"(noise resistant to floating-point attacks), got {sanitizer!r}")
+        #: secure mode (`dpfl_tf.secure_random`): every noise draw of this aggregator is
+        #: secure and no seed is accepted (`reseed` refuses).
+        self.secure_mode = bool(secure_mode) or sanitizer.secure_mode
         self.sanitizer = sanitizer
         self.groups = None if groups is None else [int(g) for g in groups]
         # one graph call per client for clip (+ noise / + accumulate): no per-op overhead
@@ -236,6 +243,9 @@ class _SanitizedAggregator(Aggregator):
         return len(template) if self.groups is None else max(self.groups) + 1
 
     def reseed(self, seed: int) -> None:
+        if self.secure_mode:
+            raise ValueError(f"secure_mode=True refuses a seed (got seed={seed!r}): secure "
+                             "noise must come from the OS's secure source")
         self.sanitizer.generator.reset_from_seed(int(seed))
 
     def _check_template(self, template: Update) -> None:
@@ -295,12 +305,16 @@ class GlobalDPAggregator(_SanitizedAggregator):
       clip_learning_rate: eta_C > 0 (adaptive; default 0.2).
       count_stddev: sigma_b >= 0, the std of the noise on the count (adaptive;
         required: the paper and TFF use 0.05 x the expected clients per round).
+      secure_mode: the sanitizer must be secure (`GaussianSanitizer(...,
+        secure_mode=True)`); the count's sanitizer and every round's update
+        sanitizer are built secure too, and `reseed` refuses.
     """
 
     def __init__(self, sanitizer: GaussianSanitizer, *, clip: str = "fixed",
                  groups: Sequence[int] | None = None, target_quantile: float = 0.5,
-                 clip_learning_rate: float = 0.2, count_stddev: float | None = None):
-        super().__init__(sanitizer, groups)
+                 clip_learning_rate: float = 0.2, count_stddev: float | None = None,
+                 secure_mode: bool = False):
+        super().__init__(sanitizer, groups, secure_mode)
         if clip == "median":
             raise ValueError("clip='median' (the median of the round's raw update norms, read "
                              "without noise: not differentially private) is no longer offered; "
@@ -332,7 +346,7 @@ class GlobalDPAggregator(_SanitizedAggregator):
             self._count = GaussianSanitizer(
                 0.5, 2.0 * self.count_stddev,
                 seed=None if sanitizer.seed is None else _derived_seed(sanitizer.seed, 1),
-                secure_mode=sanitizer.secure_mode)
+                secure_mode=self.secure_mode)
         self.clip_bound = float(sanitizer.l2_norm_clip) if not sanitizer.per_layer else None
 
     # -- the noise multipliers of the two releases --------------------------------
@@ -353,7 +367,7 @@ class GlobalDPAggregator(_SanitizedAggregator):
             return self.sanitizer
         return GaussianSanitizer(self.clip_bound, self.update_noise_multiplier(),
                                  generator=self.sanitizer.generator,
-                                 secure_mode=self.sanitizer.secure_mode)
+                                 secure_mode=self.secure_mode)
 
     def aggregate(self, uploads, template, *, expected_clients: float) -> AggregateResult:
         if not expected_clients or expected_clients <= 0:
@@ -403,7 +417,7 @@ class GlobalDPAggregator(_SanitizedAggregator):
         return joint_gaussian_step_event([z_delta, z_count], sampling, **sampling_args)
 
     def reseed(self, seed: int) -> None:
-        super().reseed(seed)
+        super().reseed(seed)      # refuses in secure mode
         if self.clip == "adaptive":
             self._count.generator.reset_from_seed(_derived_seed(seed, 1))
 
@@ -430,7 +444,7 @@ class GlobalDPAggregator(_SanitizedAggregator):
 
     def get_config(self) -> dict:
         config = {"name": "global_dp", "clip": self.clip, "groups": self.groups,
-                  "sanitizer": self.sanitizer.get_config()}
+                  "sanitizer": self.sanitizer.get_config(), "secure_mode": self.secure_mode}
         if self.clip == "adaptive":
             config.update(target_quantile=self.target_quantile,
                           clip_learning_rate=self.clip_learning_rate,
@@ -450,7 +464,16 @@ class ClientNoiseDPAggregator(_SanitizedAggregator):
     drawn with the sanitizer (in a deployment each client builds its own
     `GaussianSanitizer(**sanitizer.get_config())`; in simulation the clients
     share one generator).  The server averages: (1/m) sum_k u_k.
+
+    Args:
+      sanitizer: the clients' `GaussianSanitizer` (S, z).
+      groups: as for `GlobalDPAggregator`.
+      secure_mode: the sanitizer must be secure; `reseed` refuses.
     """
+
+    def __init__(self, sanitizer: GaussianSanitizer, *, groups: Sequence[int] | None = None,
+                 secure_mode: bool = False):
+        super().__init__(sanitizer, groups, secure_mode)
 
     def client_transform(self, update: Update) -> list[tf.Tensor]:
         _ = self.sanitizer.generator  # created outside the tf.function
@@ -498,4 +521,4 @@ class ClientNoiseDPAggregator(_SanitizedAggregator):
 
     def get_config(self) -> dict:
         return {"name": "client_dp", "groups": self.groups,
-                "sanitizer": self.sanitizer.get_config()}
+                "sanitizer": self.sanitizer.get_config(), "secure_mode": self.secure_mode}

@@ -82,6 +82,10 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
     q.add_argument("--epsilon", type=float_arg, help="target epsilon: stop before exceeding it")
     q.add_argument("--delta-max", type=float_arg, help="delta bound (< 1/K; default min(1e-5, 0.1/K))")
     q.add_argument("--accountant", default="moments", choices=["moments", "rdp", "pld", "strong"])
+    q.add_argument("--secure-mode", action="store_true",
+                   help="--dp global/client: noise resistant to floating-point attacks and "
+                        "client sampling from os.urandom (dpfl_tf.secure_random); no seed "
+                        "reaches the DP randomness")
     q.add_argument("--ldp-mechanism", default="pnpm",
                    choices=["pnpm", "duchi", "piecewise", "ldp_fl", "laplace", "gaussian"],
                    help="--dp local: the per-coordinate randomiser")
@@ -126,6 +130,7 @@ def config_from_args(args, error=None):
         hidden=hidden, model=args.model, ldp_mechanism=args.ldp_mechanism,
         ldp_epsilon=args.ldp_epsilon, ldp_bound=args.ldp_bound,
         ldp_bound_margin=args.ldp_bound_margin, seed=args.seed, eval_every=args.eval_every,
+        secure_mode=args.secure_mode,
         train_subset=args.train_subset)
     try:
         config = FederatedConfig(**kwargs)

@@ -503,7 +503,7 @@ class DPStrategy(Strategy):
         rng = srv.round_rng(t)                              # as FederatedServer.run_round
         if srv.noise_seed is not None:
             srv.aggregator.reseed(stream_seed(srv.noise_seed, t))
-        selected = srv.sampling.sample(rng, srv.num_clients)
+        selected = srv.sample_clients(rng)                  # os.urandom in secure mode
         chosen = [node_ids[int(i)] for i in selected]
         weights = [tf.constant(a) for a in arrays.to_numpy_ndarrays()]
         config[ROUND_KEY] = int(t)

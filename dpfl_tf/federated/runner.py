@@ -75,7 +75,10 @@ class FederatedConfig:
     then the round's joint multiplier, see `GlobalDPAggregator`),
     ``per_layer`` (one bound S per layer, the S given for each), ``noise_multiplier``
     (sigma or z), ``target_epsilon`` and ``delta_max`` (stop rule),
-    ``accountant``.
+    ``accountant``, ``secure_mode`` (dp global or client: secure noise and
+    client sampling from the OS's secure source, `dpfl_tf.secure_random`;
+    refuses ``noise_seed``; ``seed`` then seeds only the data partition, the
+    initial model and local batch order, none of which a privacy claim rests on).
     """
 
     dataset: str = "mnist"
@@ -110,6 +113,7 @@ class FederatedConfig:
     ldp_bound_margin: float = 2.0
     seed: int = 0
     noise_seed: int | None = None
+    secure_mode: bool = False
     eval_every: int = 1
     train_subset: int | None = None
 
@@ -176,6 +180,17 @@ class FederatedConfig:
         if self.dp is DPMode.CLIENT and self.sampling is not SamplingMethod.FIXED_SIZE:
             raise ValueError("dp='client' (client-side noise) needs sampling='fixed_size': "
                              "the released sum's noise depends on the number of uploads")
+        if not isinstance(self.secure_mode, bool):
+            raise ValueError(f"secure_mode must be True or False, got {self.secure_mode!r}")
+        if self.secure_mode:
+            if self.dp not in (DPMode.GLOBAL, DPMode.CLIENT):
+                raise ValueError("secure_mode=True secures the Gaussian noise and the client "
+                                 "sampling of dp='global' and dp='client'; got "
+                                 f"dp={self.dp.value!r}")
+            if self.noise_seed is not None:
+                raise ValueError(f"secure_mode=True refuses a seed (got noise_seed="
+                                 f"{self.noise_seed!r}): sampling and noise must come from "
+                                 "the OS's secure source")
         if self.train_subset is not None:
             s(self, "train_subset", check_count("train_subset", self.train_subset, minimum=1))
         s(self, "hidden", tuple(check_count("hidden", h, minimum=1) for h in self.hidden))
@@ -248,14 +263,15 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
         clip_arg = [bound] * n_layers if c.per_layer else bound
         sanitizer = GaussianSanitizer(clip_arg, c.noise_multiplier,
                                       noise_allocation="proportional" if c.per_layer
-                                      else "global")
+                                      else "global", secure_mode=c.secure_mode)
         if c.dp is DPMode.GLOBAL and adaptive:
             count_stddev = (c.clip_count_stddev if c.clip_count_stddev is not None
                             else 0.05 * sampling.expected_clients(c.clients))
             try:
                 aggregator = GlobalDPAggregator(
                     sanitizer, clip="adaptive", groups=groups, target_quantile=c.clip_quantile,
-                    clip_learning_rate=c.clip_lr, count_stddev=count_stddev)
+                    clip_learning_rate=c.clip_lr, count_stddev=count_stddev,
+                    secure_mode=c.secure_mode)
             except ValueError as e:
                 if c.clip_count_stddev is None and "count_stddev" in str(e):
                     raise ValueError(f"{e} (the default clip_count_stddev is 0.05 x the "
@@ -263,14 +279,16 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
                         from None
                 raise
         elif c.dp is DPMode.GLOBAL:
-            aggregator = GlobalDPAggregator(sanitizer, groups=groups)
+            aggregator = GlobalDPAggregator(sanitizer, groups=groups, secure_mode=c.secure_mode)
         else:
-            aggregator = ClientNoiseDPAggregator(sanitizer, groups=groups)
+            aggregator = ClientNoiseDPAggregator(sanitizer, groups=groups,
+                                                 secure_mode=c.secure_mode)
     server = FederatedServer(trainer, partition, aggregator, sampling=sampling,
                              test_data=(ds.x_test, ds.y_test),
                              target_epsilon=c.target_epsilon, delta_max=c.delta_max,
                              accountant=c.accountant, seed=c.seed, noise_seed=c.noise_seed,
-                             eval_every=c.eval_every, progress=progress, local_dp=local_dp)
+                             eval_every=c.eval_every, progress=progress, local_dp=local_dp,
+                             secure_mode=c.secure_mode)
     if c.noise_seed is not None and c.dp is not DPMode.NONE:
         from dpfl_tf.sanitizer import deployment_note
 

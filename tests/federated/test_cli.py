@@ -67,6 +67,8 @@ def test_parser_reads_the_documented_flags():
      "--ldp-bound must be a number > 0 or 'init', got 'wide'"),
     ("--dp local --ldp-mechanism duchi --ldp-bound -1", "--ldp-bound must be > 0"),
     ("--dp local --epsilon 8", "--epsilon needs dp='global' or dp='client'"),
+    ("--dp local --secure-mode", "secure_mode=True secures the Gaussian noise"),
+    ("--dp none --secure-mode", "got dp='none'"),
 ])
 def test_bad_arguments_name_the_flag(argv, message, capsys):
     parser, fed = _parser()
@@ -151,3 +153,12 @@ def test_adaptive_clip_run_reports_both_releases(tmp_path, capsys):
     assert privacy["clipping"]["initial_clip"] == 0.1
     assert [h["info"]["clip"] for h in data["history"]][0] == 0.1
     assert "adaptive clip: 0.1 ->" in printed
+
+
+def test_secure_mode_run(tmp_path, capsys):
+    data, _ = _run(
+        tmp_path, capsys, "--clients", "10", "--train-subset", "1000", "--clients-per-round",
+        "4", "--rounds", "1", "--hidden", "16", "--dp", "global", "--secure-mode",
+        "--delta-max", "1e-3")
+    assert data["config"]["secure_mode"] is True and data["privacy"]["secure_mode"] is True
+    assert data["rounds"] == 1 and data["epsilon"] > 0

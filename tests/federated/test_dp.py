@@ -326,3 +326,75 @@ def test_batch_norm_is_refused_under_client_level_dp(mnist_small):
     # frozen (trainable=False: inference mode, statistics never updated) is fine
     frozen, _ = _bn_trainer(mnist_small, trainable=False)
     FederatedServer(frozen, partition, GlobalDPAggregator(GaussianSanitizer(1.0, 1.0)), **kw)
+
+
+# --------------------------------------------------------------------------
+# secure mode
+
+def test_secure_mode_noise_has_the_right_scale():
+    """Secure draws (os.urandom-keyed, four-draw float64 normals): the released
+    noise is still N(0, sigma^2 S^2)/m (Global DP) and N(0, z^2 S^2) per upload
+    (DP-FedAvg); a 10% wrong scale is rejected."""
+    sigma, clip, m = 1.2, 0.5, 8
+    agg = GlobalDPAggregator(GaussianSanitizer(clip, sigma, secure_mode=True), secure_mode=True)
+    res = agg.aggregate(iter(_zero_uploads(m)), [tf.zeros((SIZE // 2,))] * 2, expected_clients=m)
+    noise = np.concatenate([t.numpy() for t in res.update])
+    want = sigma * clip / m
+    assert _ks(noise, want) > 1e-3
+    assert _ks(noise, want * 1.1) < 1e-6 and _ks(noise, want / 1.1) < 1e-6
+    z = 0.7
+    client = ClientNoiseDPAggregator(GaussianSanitizer(2.0, z, secure_mode=True),
+                                     secure_mode=True)
+    single = np.concatenate([t.numpy() for t in client.client_transform(_zero_uploads(1)[0][0])])
+    assert _ks(single, z * 2.0) > 1e-3
+    assert _ks(single, z * 2.0 * 1.1) < 1e-6
+    # adaptive clipping's count release is secure too
+    adaptive = GlobalDPAggregator(GaussianSanitizer(clip, sigma, secure_mode=True),
+                                  clip="adaptive", count_stddev=2.0, secure_mode=True)
+    assert adaptive._count.secure_mode and adaptive._round_sanitizer().secure_mode
+
+
+def test_secure_mode_refuses_seeds(small_setup):
+    with pytest.raises(ValueError, match="secure_mode=True refuses a seed"):
+        GaussianSanitizer(1.0, 1.0, seed=3, secure_mode=True)
+    agg = GlobalDPAggregator(GaussianSanitizer(1.0, 1.0, secure_mode=True), secure_mode=True)
+    with pytest.raises(ValueError, match=r"secure_mode=True refuses a seed \(got seed=5\)"):
+        agg.reseed(5)
+    with pytest.raises(ValueError, match="needs the sanitizer built with secure_mode=True"):
+        GlobalDPAggregator(GaussianSanitizer(1.0, 1.0), secure_mode=True)
+    with pytest.raises(ValueError, match="needs the sanitizer built with secure_mode=True"):
+        ClientNoiseDPAggregator(GaussianSanitizer(1.0, 1.0), secure_mode=True)
+    with pytest.raises(ValueError, match=r"refuses a seed \(got noise_seed=2\)"):
+        _server(small_setup, agg, delta_max=1e-3, noise_seed=2, secure_mode=True)
+    with pytest.raises(ValueError, match="needs the aggregator in secure mode"):
+        _server(small_setup, GlobalDPAggregator(GaussianSanitizer(1.0, 1.0)), delta_max=1e-3,
+                secure_mode=True)
+    from dpfl_tf.federated.runner import FederatedConfig
+    with pytest.raises(ValueError, match=r"refuses a seed \(got noise_seed=1\)"):
+        FederatedConfig(dp="global", secure_mode=True, noise_seed=1)
+    with pytest.raises(ValueError, match="dp='global' and dp='client'; got dp='local'"):
+        FederatedConfig(dp="local", secure_mode=True)
+
+
+def test_secure_mode_samples_clients_from_os_entropy(small_setup):
+    """Without secure mode a round's clients follow (seed, round, key); in secure
+    mode every draw is fresh OS randomness, with the right inclusion rates."""
+    agg = GlobalDPAggregator(GaussianSanitizer(1.0, 1.0, secure_mode=True), secure_mode=True)
+    server = _server(small_setup, agg, delta_max=1e-3, secure_mode=True,
+                     sampling=ClientSampling("poisson", clients_per_round=5))   # q = 1/4
+    plain = _server(small_setup, GlobalDPAggregator(GaussianSanitizer(1.0, 1.0)),
+                    delta_max=1e-3, noise_seed=1)
+    assert [tuple(plain.sample_clients(plain.round_rng(0))) for _ in range(3)] == \
+        [tuple(plain.sample_clients(plain.round_rng(0)))] * 3
+    draws = [server.sample_clients(server.round_rng(0)) for _ in range(2000)]
+    assert len({tuple(d) for d in draws[:20]}) > 15        # not a function of the round
+    counts = np.bincount(np.concatenate(draws), minlength=20)
+    # each client joins with q = 0.25: 2000 draws, binomial sd ~ 19
+    assert np.all(np.abs(counts - 500) < 100), counts
+    fixed = ClientSampling("fixed_size", clients_per_round=5)
+    sets = [fixed.sample(None, 20) for _ in range(2000)]
+    assert all(len(set(x)) == 5 and list(x) == sorted(x) for x in sets)
+    counts = np.bincount(np.concatenate(sets), minlength=20)
+    assert np.all(np.abs(counts - 500) < 100), counts
+    server.run(1)
+    assert server.privacy_report()["secure_mode"] is True

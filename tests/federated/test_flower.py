@@ -325,3 +325,17 @@ def test_pnpm_on_flower_reports_an_infinite_upload_epsilon_and_a_sign_only_figur
     assert reported["max_ldp_epsilon_total"] is None
     assert reported["max_ldp_epsilon_total_is_infinite"]
     assert reported["max_ldp_epsilon_total_sign_only"] == pytest.approx(d * 1.0)
+
+
+def test_secure_mode_on_flower(mnist_small):
+    """The strategy samples with os.urandom and every client draws secure noise; the
+    event, and so epsilon, is the in-process one."""
+    cfg = _cfg(dp="client", secure_mode=True, noise_seed=None, rounds=1)
+    strategy = fl.DPStrategy.from_config(cfg, mnist_small)
+    assert strategy.server.secure_mode and strategy.server.aggregator.secure_mode
+    out = fl.run_on_flower(cfg, mnist_small, backend="local")
+    want = compute_epsilon(dp_accounting.SelfComposedDpEvent(_round_event(cfg), 1),
+                           cfg.delta_max, "rdp")
+    assert out["epsilon"] == pytest.approx(want, rel=1e-9)
+    assert out["privacy"]["secure_mode"] is True
+    assert fl.config_from_run_config(fl.config_to_run_config(cfg)) == cfg
