@@ -390,6 +390,10 @@ class GlobalDPAggregator(_SanitizedAggregator):
             squared.append(sq)
         noised = sanitizer.add_noise(state, self.groups)
         count = len(squared)
+        # Only what the mechanism released goes into `info` (it is written to the
+        # history, the results file and Flower's metrics): the bound used and, with
+        # adaptive clipping, the noised fraction and the next bound.  No statistic of
+        # the raw norms (such as the fraction clipped) leaves the aggregator.
         info: dict[str, Any] = {"clip": sanitizer.l2_norm_clip if not sanitizer.per_layer
                                 else list(sanitizer.l2_norm_clip)}
         if adaptive:
@@ -398,14 +402,6 @@ class GlobalDPAggregator(_SanitizedAggregator):
             self.clip_bound = self.clip_bound * math.exp(
                 -self.clip_learning_rate * (below - self.target_quantile))
             info.update(unclipped_fraction_noised=below, clip_next=self.clip_bound)
-        elif count:
-            norms = np.sqrt(tf.stack(squared).numpy())            # [clients, components]
-            bounds = np.array(sanitizer.clip_bounds(self.num_components(template)))
-            over = (np.sqrt((norms ** 2).sum(axis=1)) > bounds[0] if not sanitizer.per_layer
-                    else np.any(norms > bounds[None, :], axis=1))
-            info["fraction_clipped"] = float(over.mean())
-        else:
-            info["fraction_clipped"] = 0.0
         return AggregateResult([t / expected_clients for t in noised], count, info)
 
     def round_event(self, num_components, sampling, **sampling_args):

@@ -424,7 +424,8 @@ class DPStrategy(Strategy):
     Per round ``aggregate_train`` returns (new global weights, a
     MetricRecord with ``epsilon`` (at delta_max, the ledger's), ``delta``
     (at the target epsilon, when one is set), ``clients``, ``accuracy`` /
-    ``loss`` when evaluated, ``fraction-clipped`` and the largest composed
+    ``loss`` when evaluated, the adaptive clip's ``clip`` and
+    ``unclipped-fraction-noised`` (its noised release), and the largest composed
     client-side epsilon reported so far).  Before a round that would exceed
     the budget, ``configure_train`` sends nothing and the strategy stops:
     later rounds are empty and ``server.stop_reason`` says why.
@@ -602,8 +603,6 @@ class DPStrategy(Strategy):
         if record.accuracy is not None:
             out["accuracy"] = float(record.accuracy)
             out["loss"] = float(record.loss)
-        if "fraction_clipped" in record.info:
-            out["fraction-clipped"] = float(record.info["fraction_clipped"])
         if "unclipped_fraction_noised" in record.info:     # adaptive clipping's release
             out["unclipped-fraction-noised"] = float(record.info["unclipped_fraction_noised"])
             out["clip"] = float(record.info["clip"])
