@@ -293,8 +293,13 @@ def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
     state = context.state.config_records.get(_STATE_KEY, ConfigRecord({"uploads": 0}))
     uploads = int(state["uploads"]) + 1
     context.state[_STATE_KEY] = ConfigRecord({"uploads": uploads})
-    metrics: dict[str, float | int] = {"num-examples": int(n_k), "partition-id": k,
-                                       "uploads": uploads}
+    # n_k is the client's data, which no mechanism protects: a server that is not
+    # trusted (client-side noise, local DP) gets 1, so FedAvg's weighting is the
+    # unweighted mean, as in-process (`build_server`); a trusted Global DP server
+    # ignores the weights anyway.
+    untrusted = config.dp in (DPMode.CLIENT, DPMode.LOCAL) or local_dp is not None
+    metrics: dict[str, float | int] = {"num-examples": 1 if untrusted else int(n_k),
+                                       "partition-id": k, "uploads": uploads}
     d = int(sum(int(np.prod(s)) for s in shapes))
     if config.dp is DPMode.CLIENT:   # replace-one against the server: the one report
         rep = gaussian_upload_report(

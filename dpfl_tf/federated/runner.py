@@ -252,7 +252,10 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
     sampling = ClientSampling(c.sampling, clients_per_round=c.clients_per_round,
                               fraction=c.fraction if c.clients_per_round is None else None)
     if c.dp in (DPMode.NONE, DPMode.LOCAL):
-        aggregator = MeanAggregator() if c.aggregator == "mean" else MedianAggregator()
+        # local DP: the server is not trusted with n_k (client data no mechanism
+        # protects), so the mean is unweighted
+        aggregator = (MeanAggregator(weighted=c.dp is DPMode.NONE) if c.aggregator == "mean"
+                      else MedianAggregator())
         if c.dp is DPMode.LOCAL:
             local_dp = local_dp_upload(c, trainer.get_weights())
     else:

@@ -98,7 +98,9 @@ def test_client_upload_equals_in_process_client_update(mnist_small, dp):
     for g, e in zip(got, expected):
         np.testing.assert_array_equal(g, np.asarray(e))
     m = _metrics(reply)
-    assert m["num-examples"] == len(ref.partition.client(k)) and m["partition-id"] == k
+    assert m["partition-id"] == k
+    # n_k is client data: sent to a trusted (or non-private) server only
+    assert m["num-examples"] == (len(ref.partition.client(k)) if dp == "none" else 1)
     assert m["uploads"] == 1
     if dp == "client":   # the client's own per-upload guarantee: replace-one, Gaussian(z/2)
         assert m["client-dp-epsilon-upload"] == pytest.approx(
@@ -307,6 +309,8 @@ def test_client_applies_the_configs_local_dp_like_the_in_process_server(mnist_sm
     for g, w in zip(got, w0):
         np.testing.assert_allclose(np.abs(g + np.asarray(w)), b, rtol=1e-5)
     assert _metrics(reply)["ldp-epsilon-coordinate"] == 1.5
+    assert _metrics(reply)["num-examples"] == 1           # n_k is not sent under local DP
+    assert ref.aggregator.weighted is False               # in-process: the unweighted mean
     with pytest.raises(ValueError, match="give the local-DP mechanism in one place"):
         fl.make_client_app(cfg, mnist_small, local_dp=ref.local_dp)(
             _train_message(w0, t), _context(k))
