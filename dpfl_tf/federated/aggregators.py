@@ -377,19 +377,18 @@ class GlobalDPAggregator(_SanitizedAggregator):
         adaptive = self.clip == "adaptive"
         state = sanitizer.initial_state(template)
         bits = self._count.initial_state([tf.zeros([1])]) if adaptive else None
-        squared = []
+        count = 0
         for update, _ in uploads:
             if not adaptive:                   # fixed S: one compiled call per client
-                state, sq = self._clip_accumulate(state, list(update))
-            else:                              # this round's C_t
+                state, _ = self._clip_accumulate(state, list(update))
+            else:                              # this round's C_t; b_k - 1/2 into the count
                 clipped, sq = _clip_update_tensors(sanitizer, list(update), self.groups)
                 state = sanitizer.accumulate(state, clipped)
-                norm = tf.sqrt(tf.reduce_sum(sq))
+                norm = tf.sqrt(tf.reduce_sum(sq))     # NaN (non-finite update): b_k = 0
                 below = tf.cast(norm <= tf.cast(self.clip_bound, norm.dtype), tf.float32)
                 bits = self._count.accumulate(bits, [tf.reshape(below - 0.5, [1])])
-            squared.append(sq)
+            count += 1
         noised = sanitizer.add_noise(state, self.groups)
-        count = len(squared)
         # Only what the mechanism released goes into `info` (it is written to the
         # history, the results file and Flower's metrics): the bound used and, with
         # adaptive clipping, the noised fraction and the next bound.  No statistic of
