@@ -10,7 +10,8 @@ SGD at learning rate 0.1; target eps = 8 with delta_max = 1e-3 / 1e-5 / 1e-6
 and m = 30 / 100 / 300 clients per round for K = 100 / 1,000 / 10,000.
 Their code clips each layer at the median update norm (not private) and
 samples m clients without replacement while accounting as if Poisson with
-q = m/K; here the clip is a fixed S (private), clients are Poisson-sampled
+q = m/K; here the clip is a fixed S (private; or --clip adaptive: DP adaptive
+clipping, Andrew et al. 2021, accounted), clients are Poisson-sampled
 with q = m/K, so the moments-accountant event matches the sampling.  Same
 (eps, delta_max) per K; m, sigma, network and learning rate are ours (SETTINGS).
 
@@ -158,7 +159,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--momentum", type=float, default=0.0)
     p.add_argument("--hidden", type=int, nargs="+",
                    help="hidden layer widths (default per K; Geyer's code: 600 100)")
-    p.add_argument("--clip", default=1.0, help="S, or 'median' (Geyer; not private)")
+    p.add_argument("--clip", default=1.0,
+                   help="S, or 'adaptive' (DP adaptive clipping, Andrew et al. 2021)")
     p.add_argument("--per-layer", action="store_true")
     p.add_argument("--noise-multiplier", type=float, help="sigma (default per K)")
     p.add_argument("--epsilon", type=float, default=8.0)
@@ -173,7 +175,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--output-dir", default="results")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    args.clip = args.clip if args.clip == "median" else float(args.clip)
+    args.clip = args.clip if args.clip == "adaptive" else float(args.clip)
 
     from dpfl_tf.data import load_dataset
     ds = load_dataset("mnist")

@@ -85,13 +85,17 @@ def config(setting: dict, mechanism: str, args) -> FederatedConfig:
 def diverged_run(c: FederatedConfig, ds, error: str) -> dict:
     """The record of a run whose local training produced NaN / inf weights: the
     mechanism refuses to perturb them, so the run stops there (no accuracy)."""
+    from dpfl_tf.federated.local_dp import make_mechanism, privacy_report
     from dpfl_tf.federated.runner import build_model
 
     d = build_model(c, ds.input_shape, ds.num_classes).count_params()
+    report = privacy_report(make_mechanism(c.ldp_mechanism, c.ldp_epsilon), d).to_dict()
     return {"dataset": ds.source.label, "mechanism": f"ldp_{c.ldp_mechanism}",
             "clients": c.clients, "rounds": None, "rounds_requested": c.rounds,
             "test_accuracy": None, "status": "diverged", "error": error,
-            "epsilon_per_coordinate": c.ldp_epsilon, "epsilon_per_upload": d * c.ldp_epsilon,
+            "epsilon_per_coordinate": c.ldp_epsilon,
+            "epsilon_per_upload": report["epsilon_per_upload"],   # None = inf (PNPM)
+            "epsilon_per_upload_sign_only": report["epsilon_per_upload_sign_only"],
             "num_coordinates": d, "seconds": None, "config": c.to_dict()}
 
 
@@ -194,8 +198,12 @@ def main(argv=None) -> list[dict]:
             r.setdefault("status", "completed")
             results.append(r)
             acc = "diverged" if r["test_accuracy"] is None else f"{r['test_accuracy']:.4f}"
+            upload = ("inf" if r.get("epsilon_per_upload_is_infinite")
+                      else r.get("epsilon_per_upload"))
+            if r.get("epsilon_per_upload_sign_only") is not None:   # PNPM
+                upload = f"{upload} (signs only: {r['epsilon_per_upload_sign_only']})"
             print(f"   accuracy={acc} eps/coordinate="
-                  f"{r.get('epsilon_per_coordinate')} eps/upload={r.get('epsilon_per_upload')} "
+                  f"{r.get('epsilon_per_coordinate')} eps/upload={upload} "
                   f"({r['seconds'] or 0:.0f} s)", flush=True)
             # after every run: nothing is lost if a later one fails
             merged = merge_json_runs(path, [r], lambda x: (x["setting"], x["run"],

@@ -3,14 +3,15 @@
 An aggregator sees the round's uploads as a stream of ``(update, weight)``
 pairs (update = Delta_k, a list of tensors; weight = n_k) and returns the
 update to add to the global model.  Streaming aggregators (mean, both DP
-ones with a fixed clip) hold one running sum, so a round costs O(model)
-memory however many clients take part; the median and the median-of-norms
-clip need every update of the round at once (O(m x model)).
+ones, fixed or adaptive clip) hold one running sum, so a round costs O(model)
+memory however many clients take part; the median needs every update of the
+round at once (O(m x model)).
 
 * `MeanAggregator` -- FedAvg (McMahan et al. 2017): sum_k n_k Delta_k / sum_k n_k.
 * `MedianAggregator` -- FedMedian: coordinate-wise median (Yin et al. 2018).
 * `GlobalDPAggregator` -- Global DP (Geyer, Klein, Nabi 2017, Algorithm 1):
-  clip each Delta_k to norm S, sum, add N(0, sigma^2 S^2) once, divide by m.
+  clip each Delta_k to norm S, sum, add N(0, sigma^2 S^2) once, divide by m;
+  S fixed, or adapted privately each round (Andrew et al. 2021).
 * `ClientNoiseDPAggregator` -- DP-FedAvg with client-side noise: each client
   clips to S and adds N(0, z^2 S^2) before upload; the server averages.
 
@@ -47,11 +48,14 @@ noise variance) changes with the client's presence, which no Gaussian event
 describes, so client-side noise is accounted only for fixed-size sampling.
 
 Against the server (who sees each upload and knows who sent it), sampling
-gives no amplification and summing gives no extra noise: every participation
-of a client is ``GaussianDpEvent(z)`` (its update vs. a zero update; under
-replace-one of the client's data it is ``GaussianDpEvent(z / 2)``), composed
-over the rounds that client took part in.  With per-layer clipping z is the
-sanitizer's effective multiplier.
+gives no amplification and summing gives no extra noise; nor can the client's
+presence be hidden, so the only neighbouring relation is replace-one (the
+client's clipped update replaced by another: sensitivity 2S).  Every
+participation of a client is ``GaussianDpEvent(z / 2)``
+(`dpfl_tf.privacy.events.clipped_upload_event`), composed over the rounds
+that client took part in; `dpfl_tf.federated.local_dp.gaussian_upload_report`
+turns that into epsilon for the server's report, the Flower client and the
+CLI alike.  With per-layer clipping z is the sanitizer's effective multiplier.
 """
 
 from __future__ import annotations
@@ -64,8 +68,10 @@ import dp_accounting
 import numpy as np
 import tensorflow as tf
 
-from dpfl_tf.privacy.events import (NeighboringRelation, ReplaceOneGaussianDpEvent,
-                                    SamplingMethod, gaussian_step_event)
+from dpfl_tf._validation import check_number
+from dpfl_tf.privacy.events import (SamplingMethod, clipped_upload_event,
+                                    complementary_noise_multiplier, gaussian_step_event,
+                                    joint_gaussian_step_event)
 from dpfl_tf.sanitizer import GaussianSanitizer
 
 __all__ = ["AggregateResult", "Aggregator", "ClientNoiseDPAggregator", "GlobalDPAggregator",
@@ -115,6 +121,13 @@ class Aggregator:
 
     def reseed(self, seed: int) -> None:
         """Re-seeds the noise generator (tests and exact resume only)."""
+
+    def get_state(self) -> dict:
+        """State that changes from round to round (checkpointed; e.g. an adaptive clip)."""
+        return {}
+
+    def set_state(self, state: dict) -> None:
+        """Restores `get_state` (from a checkpoint)."""
 
     def get_config(self) -> dict:
         return {"name": type(self).__name__}
@@ -194,10 +207,17 @@ def _clip_update(sanitizer: GaussianSanitizer, update: Update,
 class _SanitizedAggregator(Aggregator):
     private = True
 
-    def __init__(self, sanitizer: GaussianSanitizer, groups: Sequence[int] | None = None):
+    def __init__(self, sanitizer: GaussianSanitizer, groups: Sequence[int] | None = None,
+                 secure_mode: bool = False):
         if not isinstance(sanitizer, GaussianSanitizer):
             raise TypeError(f"sanitizer must be a GaussianSanitizer, got "
                             f"{type(sanitizer).__name__}")
+        if secure_mode and not sanitizer.secure_mode:
+            raise ValueError("secure_mode=True needs the sanitizer built with secure_mode=True "
+                             f"(noise resistant to floating-point attacks), got {sanitizer!r}")
+        #: secure mode (`dpfl_tf.secure_random`): every noise draw of this aggregator is
+        #: secure and no seed is accepted (`reseed` refuses).
+        self.secure_mode = bool(secure_mode) or sanitizer.secure_mode
         self.sanitizer = sanitizer
         self.groups = None if groups is None else [int(g) for g in groups]
         # one graph call per client for clip (+ noise / + accumulate): no per-op overhead
@@ -223,6 +243,9 @@ class _SanitizedAggregator(Aggregator):
         return len(template) if self.groups is None else max(self.groups) + 1
 
     def reseed(self, seed: int) -> None:
+        if self.secure_mode:
+            raise ValueError(f"secure_mode=True refuses a seed (got seed={seed!r}): secure "
+                             "noise must come from the OS's secure source")
         self.sanitizer.generator.reset_from_seed(int(seed))
 
     def _check_template(self, template: Update) -> None:
@@ -242,76 +265,191 @@ class GlobalDPAggregator(_SanitizedAggregator):
     sampling, qK for Poisson sampling): dividing by the realised count under
     Poisson sampling would leak that count.
 
+    Adaptive clipping (``clip="adaptive"``; Andrew, Thakkar, McMahan,
+    Ramaswamy 2021, "Differentially private learning with adaptive clipping",
+    Algorithm 1 with geometric updates).  Round t clips at C_t (C_0 = the
+    sanitizer's l2_norm_clip) and, from the same sampled clients, releases a
+    second noised sum, of the centred bits b_k - 1/2 with
+    b_k = [ ||Delta_k|| <= C_t ]:
+
+        R_t = sum_k (b_k - 1/2) + N(0, sigma_b^2),
+        b_t = clip_[0,1]( R_t / m + 1/2 ),
+        C_{t+1} = C_t exp( -eta_C (b_t - gamma) ),
+
+    so C_t moves towards the gamma-quantile of the update norms.  One client
+    moves the centred sum by at most 1/2 (add/remove; 1 under replace-one), so
+    this count release is a Gaussian mechanism with multiplier 2 sigma_b, drawn
+    by its own `GaussianSanitizer` (bound 1/2, multiplier 2 sigma_b).  Both
+    releases read the same sample, so the round's event is ONE sampled event
+    over both, ``Sampled(ComposedDpEvent([Gaussian(z_Delta), Gaussian(2
+    sigma_b)]))`` (`dpfl_tf.privacy.events.joint_gaussian_step_event`),
+    whose joint multiplier is (z_Delta^-2 + (2 sigma_b)^-2)^(-1/2) (the
+    paper's Theorem 1).  As in TensorFlow Federated's ``gaussian_adaptive``,
+    ``noise_multiplier`` (the sanitizer's sigma) is that JOINT multiplier z:
+    the update sum gets z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) > z
+    (`complementary_noise_multiplier`), so a round costs exactly what a
+    fixed-clip round at sigma = z costs.  sigma_b = 0 releases the count
+    exactly: the round's event is then ``NonPrivateDpEvent`` (eps = inf).
+    The bits and the noise are the server's (it is trusted with raw updates
+    under Global DP); nothing else about the norms is released.
+
     Args:
       sanitizer: the shared `GaussianSanitizer` (S = its l2_norm_clip, flat or
-        one bound per component; sigma = its noise_multiplier).
-      clip: "fixed" (S from the sanitizer) or "median": Geyer's per-round S_t =
-        median of the round's update norms (per component when per-layer).
-        The median is computed from the clients' data without noise, so with
-        "median" the round is NOT differentially private; the result says so
-        (``info["clip_is_private"] = False``).
+        one bound per component; sigma = its noise_multiplier).  With
+        ``clip="adaptive"``: flat only; S = C_0 and sigma = the joint z.
+      clip: "fixed" or "adaptive".  ("median", the per-round median of the raw
+        update norms, read the clients' data without noise and was removed.)
       groups: component index of each tensor for per-layer clipping (see
         `dpfl_tf.federated.client.layer_groups`); None = one per tensor.
+      target_quantile: gamma in [0, 1] (adaptive; default 0.5).
+      clip_learning_rate: eta_C > 0 (adaptive; default 0.2).
+      count_stddev: sigma_b >= 0, the std of the noise on the count (adaptive;
+        required: the paper and TFF use 0.05 x the expected clients per round).
+      secure_mode: the sanitizer must be secure (`GaussianSanitizer(...,
+        secure_mode=True)`); the count's sanitizer and every round's update
+        sanitizer are built secure too, and `reseed` refuses.
     """
 
     def __init__(self, sanitizer: GaussianSanitizer, *, clip: str = "fixed",
-                 groups: Sequence[int] | None = None):
-        super().__init__(sanitizer, groups)
-        if clip not in ("fixed", "median"):
-            raise ValueError(f"clip must be 'fixed' or 'median', got {clip!r}")
+                 groups: Sequence[int] | None = None, target_quantile: float = 0.5,
+                 clip_learning_rate: float = 0.2, count_stddev: float | None = None,
+                 secure_mode: bool = False):
+        super().__init__(sanitizer, groups, secure_mode)
+        if clip == "median":
+            raise ValueError("clip='median' (the median of the round's raw update norms, read "
+                             "without noise: not differentially private) is no longer offered; "
+                             "use clip='adaptive' (DP adaptive clipping, Andrew et al. 2021)")
+        if clip not in ("fixed", "adaptive"):
+            raise ValueError(f"clip must be 'fixed' or 'adaptive', got {clip!r}")
         self.clip = clip
-        self.streaming = clip == "fixed"
+        self.target_quantile = check_number("target_quantile", target_quantile, low=0.0,
+                                            high=1.0)
+        self.clip_learning_rate = check_number("clip_learning_rate", clip_learning_rate,
+                                               low=0.0, low_open=True)
+        self.count_stddev = None
+        if clip == "adaptive":
+            if sanitizer.per_layer:
+                raise ValueError("clip='adaptive' adapts one flat bound; got a per-layer "
+                                 f"sanitizer (l2_norm_clip={sanitizer.l2_norm_clip!r})")
+            if count_stddev is None:
+                raise ValueError("clip='adaptive' needs count_stddev (sigma_b, the noise std "
+                                 "of the count of unclipped clients; Andrew et al. use 0.05 x "
+                                 "the expected clients per round)")
+            self.count_stddev = check_number("count_stddev", count_stddev, low=0.0)
+            z = sanitizer.noise_multiplier
+            if z > 0 and self.count_stddev > 0 and 2 * self.count_stddev <= z:
+                raise ValueError(
+                    f"count_stddev must be > noise_multiplier / 2 = {z / 2:g} (the count "
+                    f"release alone, multiplier 2 x count_stddev = {2 * self.count_stddev:g}, "
+                    f"would cost more than the round's noise_multiplier {z:g} allows), got "
+                    f"{self.count_stddev:g}")
+            self._count = GaussianSanitizer(
+                0.5, 2.0 * self.count_stddev,
+                seed=None if sanitizer.seed is None else _derived_seed(sanitizer.seed, 1),
+                secure_mode=self.secure_mode)
+        self.clip_bound = float(sanitizer.l2_norm_clip) if not sanitizer.per_layer else None
+
+    # -- the noise multipliers of the two releases --------------------------------
+    def update_noise_multiplier(self) -> float:
+        """z_Delta: the update sum's noise std / C_t (= sigma for a fixed clip)."""
+        z = self.sanitizer.noise_multiplier
+        if self.clip == "fixed" or z == 0 or self.count_stddev == 0:
+            return z
+        return complementary_noise_multiplier(z, 2.0 * self.count_stddev)
+
+    def count_noise_multiplier(self) -> float | None:
+        """2 sigma_b: the count's noise std / its add-remove sensitivity 1/2 (None: fixed)."""
+        return None if self.clip == "fixed" else 2.0 * self.count_stddev
+
+    def _round_sanitizer(self) -> GaussianSanitizer:
+        """This round's update sanitizer: bound C_t, multiplier z_Delta, the same generator."""
+        if self.clip == "fixed":
+            return self.sanitizer
+        return GaussianSanitizer(self.clip_bound, self.update_noise_multiplier(),
+                                 generator=self.sanitizer.generator,
+                                 secure_mode=self.secure_mode)
 
     def aggregate(self, uploads, template, *, expected_clients: float) -> AggregateResult:
         if not expected_clients or expected_clients <= 0:
             raise ValueError(f"expected_clients must be > 0, got {expected_clients}")
         self._check_template(template)
-        sanitizer = self.sanitizer
-        info: dict[str, Any] = {"clip_is_private": self.clip == "fixed"}
-        if self.clip == "median":
-            updates = [list(u) for u, _ in uploads]
-            if updates:
-                norms = np.stack([update_norms(u, self.groups) for u in updates])
-                if not sanitizer.per_layer:
-                    norms = np.sqrt((norms ** 2).sum(axis=1, keepdims=True))
-                med = np.maximum(np.median(norms, axis=0), 1e-12)
-                bound = float(med[0]) if not sanitizer.per_layer else [float(x) for x in med]
-                # same class, same generator: only the bound changes this round
-                sanitizer = GaussianSanitizer(bound, self.sanitizer.noise_multiplier,
-                                              noise_allocation=self.sanitizer.noise_allocation,
-                                              generator=self.sanitizer.generator)
-                info["clip"] = bound
-            uploads = ((u, 1.0) for u in updates)
+        sanitizer = self._round_sanitizer()
+        adaptive = self.clip == "adaptive"
         state = sanitizer.initial_state(template)
-        squared = []
+        bits = self._count.initial_state([tf.zeros([1])]) if adaptive else None
+        count = 0
         for update, _ in uploads:
-            if sanitizer is self.sanitizer:   # fixed S: one compiled call per client
-                state, sq = self._clip_accumulate(state, list(update))
-            else:                              # this round's median S
-                clipped, sq = _clip_update_tensors(sanitizer, update, self.groups)
+            if not adaptive:                   # fixed S: one compiled call per client
+                state, _ = self._clip_accumulate(state, list(update))
+            else:                              # this round's C_t; b_k - 1/2 into the count
+                clipped, sq = _clip_update_tensors(sanitizer, list(update), self.groups)
                 state = sanitizer.accumulate(state, clipped)
-            squared.append(sq)
+                norm = tf.sqrt(tf.reduce_sum(sq))     # NaN (non-finite update): b_k = 0
+                below = tf.cast(norm <= tf.cast(self.clip_bound, norm.dtype), tf.float32)
+                bits = self._count.accumulate(bits, [tf.reshape(below - 0.5, [1])])
+            count += 1
         noised = sanitizer.add_noise(state, self.groups)
-        count = len(squared)
-        if count:
-            norms = np.sqrt(tf.stack(squared).numpy())            # [clients, components]
-            bounds = np.array(sanitizer.clip_bounds(self.num_components(template)))
-            over = (np.sqrt((norms ** 2).sum(axis=1)) > bounds[0] if not sanitizer.per_layer
-                    else np.any(norms > bounds[None, :], axis=1))
-            info["fraction_clipped"] = float(over.mean())
-        else:
-            info["fraction_clipped"] = 0.0
-        if "clip" not in info:
-            info["clip"] = sanitizer.l2_norm_clip if not sanitizer.per_layer \
-                else list(sanitizer.l2_norm_clip)
+        # Only what the mechanism released goes into `info` (it is written to the
+        # history, the results file and Flower's metrics): the bound used and, with
+        # adaptive clipping, the noised fraction and the next bound.  No statistic of
+        # the raw norms (such as the fraction clipped) leaves the aggregator.
+        info: dict[str, Any] = {"clip": sanitizer.l2_norm_clip if not sanitizer.per_layer
+                                else list(sanitizer.l2_norm_clip)}
+        if adaptive:
+            released = float(self._count.add_noise(bits)[0][0])     # R_t, the noised count
+            below = min(1.0, max(0.0, released / expected_clients + 0.5))
+            self.clip_bound = self.clip_bound * math.exp(
+                -self.clip_learning_rate * (below - self.target_quantile))
+            info.update(unclipped_fraction_noised=below, clip_next=self.clip_bound)
         return AggregateResult([t / expected_clients for t in noised], count, info)
 
     def round_event(self, num_components, sampling, **sampling_args):
-        return self.sanitizer.event(num_components, sampling, **sampling_args)
+        if self.clip == "fixed":
+            return self.sanitizer.event(num_components, sampling, **sampling_args)
+        z_delta, z_count = self.update_noise_multiplier(), self.count_noise_multiplier()
+        if z_delta == 0 or z_count == 0:   # an exact update sum or an exact count
+            return dp_accounting.NonPrivateDpEvent()
+        return joint_gaussian_step_event([z_delta, z_count], sampling, **sampling_args)
+
+    def reseed(self, seed: int) -> None:
+        super().reseed(seed)      # refuses in secure mode
+        if self.clip == "adaptive":
+            self._count.generator.reset_from_seed(_derived_seed(seed, 1))
+
+    def get_state(self) -> dict:
+        return {"clip_bound": self.clip_bound} if self.clip == "adaptive" else {}
+
+    def set_state(self, state: dict) -> None:
+        if self.clip == "adaptive":
+            self.clip_bound = check_number("clip_bound", state["clip_bound"], low=0.0,
+                                           low_open=True)
+
+    def clipping_report(self) -> dict:
+        """How updates were clipped, for the privacy report."""
+        if self.clip == "fixed":
+            return {"mode": "fixed", "clip": self.sanitizer.l2_norm_clip}
+        return {"mode": "adaptive (Andrew et al. 2021)",
+                "initial_clip": self.sanitizer.l2_norm_clip, "current_clip": self.clip_bound,
+                "target_quantile": self.target_quantile,
+                "clip_learning_rate": self.clip_learning_rate,
+                "count_stddev": self.count_stddev,
+                "update_noise_multiplier": self.update_noise_multiplier(),
+                "count_noise_multiplier": self.count_noise_multiplier(),
+                "joint_noise_multiplier": self.sanitizer.noise_multiplier}
 
     def get_config(self) -> dict:
-        return {"name": "global_dp", "clip": self.clip, "groups": self.groups,
-                "sanitizer": self.sanitizer.get_config()}
+        config = {"name": "global_dp", "clip": self.clip, "groups": self.groups,
+                  "sanitizer": self.sanitizer.get_config(), "secure_mode": self.secure_mode}
+        if self.clip == "adaptive":
+            config.update(target_quantile=self.target_quantile,
+                          clip_learning_rate=self.clip_learning_rate,
+                          count_stddev=self.count_stddev)
+        return config
+
+
+def _derived_seed(seed: int, stream: int) -> int:
+    """An independent seed for a second noise stream of a seeded run (tests only)."""
+    return int(np.random.default_rng([int(seed), int(stream)]).integers(2**62))
 
 
 class ClientNoiseDPAggregator(_SanitizedAggregator):
@@ -321,7 +459,16 @@ class ClientNoiseDPAggregator(_SanitizedAggregator):
     drawn with the sanitizer (in a deployment each client builds its own
     `GaussianSanitizer(**sanitizer.get_config())`; in simulation the clients
     share one generator).  The server averages: (1/m) sum_k u_k.
+
+    Args:
+      sanitizer: the clients' `GaussianSanitizer` (S, z).
+      groups: as for `GlobalDPAggregator`.
+      secure_mode: the sanitizer must be secure; `reseed` refuses.
     """
+
+    def __init__(self, sanitizer: GaussianSanitizer, *, groups: Sequence[int] | None = None,
+                 secure_mode: bool = False):
+        super().__init__(sanitizer, groups, secure_mode)
 
     def client_transform(self, update: Update) -> list[tf.Tensor]:
         _ = self.sanitizer.generator  # created outside the tf.function
@@ -337,7 +484,7 @@ class ClientNoiseDPAggregator(_SanitizedAggregator):
             total = [s + u for s, u in zip(total, update)]
             count += 1
         return AggregateResult([t / expected_clients for t in total], count,
-                               {"clip": self.sanitizer.l2_norm_clip, "clip_is_private": True})
+                               {"clip": self.sanitizer.l2_norm_clip})
 
     def upload_noise_multiplier(self, num_components: int) -> float:
         """z: noise std / sensitivity of one upload (the sanitizer's effective multiplier)."""
@@ -347,16 +494,10 @@ class ClientNoiseDPAggregator(_SanitizedAggregator):
         """z * sqrt(m): the noise multiplier of the sum of m noisy uploads."""
         return self.upload_noise_multiplier(num_components) * math.sqrt(num_uploads)
 
-    def upload_event(self, num_components: int,
-                     relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE
-                     ) -> dp_accounting.DpEvent:
-        """One upload as seen by the server: Gaussian(z) (Gaussian(z/2) under replace-one)."""
-        z = self.upload_noise_multiplier(num_components)
-        if z == 0:
-            return dp_accounting.NonPrivateDpEvent()
-        if relation == NeighboringRelation.REPLACE_ONE:
-            return ReplaceOneGaussianDpEvent(z / 2.0)
-        return dp_accounting.GaussianDpEvent(z)
+    def upload_event(self, num_components: int) -> dp_accounting.DpEvent:
+        """One upload as seen by the server, replace-one: ``GaussianDpEvent(z / 2)``
+        (`clipped_upload_event`; module docstring)."""
+        return clipped_upload_event(self.upload_noise_multiplier(num_components))
 
     def round_event(self, num_components, sampling, **sampling_args):
         method = SamplingMethod.parse(sampling)
@@ -375,4 +516,4 @@ class ClientNoiseDPAggregator(_SanitizedAggregator):
 
     def get_config(self) -> dict:
         return {"name": "client_dp", "groups": self.groups,
-                "sanitizer": self.sanitizer.get_config()}
+                "sanitizer": self.sanitizer.get_config(), "secure_mode": self.secure_mode}

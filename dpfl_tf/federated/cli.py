@@ -29,7 +29,7 @@ def _int(text: str) -> int:
 
 
 def _clip(text: str):
-    if text == "median":
+    if text in ("adaptive", "median"):   # "median" reaches the config, which names its successor
         return text
     return float_arg(text)
 
@@ -66,12 +66,26 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
     q = p.add_argument_group("privacy")
     q.add_argument("--dp", default="none", choices=["none", "global", "client", "local"])
     q.add_argument("--clip", "-S", type=_clip, default=1.0,
-                   help="clip bound S > 0, or 'median' (Geyer; NOT private; --dp global)")
+                   help="clip bound S > 0, or 'adaptive' (DP adaptive clipping, Andrew et al. "
+                        "2021; --dp global, flat)")
+    q.add_argument("--clip-initial", type=float_arg, default=0.1,
+                   help="--clip adaptive: the first round's bound C_0")
+    q.add_argument("--clip-quantile", type=float_arg, default=0.5,
+                   help="--clip adaptive: target quantile gamma of the update norms")
+    q.add_argument("--clip-lr", type=float_arg, default=0.2,
+                   help="--clip adaptive: learning rate eta_C of the geometric update")
+    q.add_argument("--clip-count-stddev", type=float_arg,
+                   help="--clip adaptive: noise std sigma_b of the count of unclipped clients "
+                        "(default 0.05 x the expected clients per round)")
     q.add_argument("--per-layer", action="store_true", help="one bound S per layer")
     q.add_argument("--noise-multiplier", "-z", type=float_arg, default=1.0)
     q.add_argument("--epsilon", type=float_arg, help="target epsilon: stop before exceeding it")
     q.add_argument("--delta-max", type=float_arg, help="delta bound (< 1/K; default min(1e-5, 0.1/K))")
     q.add_argument("--accountant", default="moments", choices=["moments", "rdp", "pld", "strong"])
+    q.add_argument("--secure-mode", action="store_true",
+                   help="--dp global/client: noise resistant to floating-point attacks and "
+                        "client sampling from os.urandom (dpfl_tf.secure_random); no seed "
+                        "reaches the DP randomness")
     q.add_argument("--ldp-mechanism", default="pnpm",
                    choices=["pnpm", "duchi", "piecewise", "ldp_fl", "laplace", "gaussian"],
                    help="--dp local: the per-coordinate randomiser")
@@ -109,11 +123,14 @@ def config_from_args(args, error=None):
         fraction=args.fraction, sampling=args.sampling, rounds=args.rounds,
         local_epochs=args.local_epochs, local_batch_size=args.local_batch_size,
         learning_rate=args.lr, momentum=args.momentum, aggregator=args.aggregator, dp=args.dp,
-        clip=args.clip, per_layer=args.per_layer, noise_multiplier=args.noise_multiplier,
+        clip=args.clip, clip_initial=args.clip_initial, clip_quantile=args.clip_quantile,
+        clip_lr=args.clip_lr, clip_count_stddev=args.clip_count_stddev,
+        per_layer=args.per_layer, noise_multiplier=args.noise_multiplier,
         target_epsilon=args.epsilon, delta_max=args.delta_max, accountant=args.accountant,
         hidden=hidden, model=args.model, ldp_mechanism=args.ldp_mechanism,
         ldp_epsilon=args.ldp_epsilon, ldp_bound=args.ldp_bound,
         ldp_bound_margin=args.ldp_bound_margin, seed=args.seed, eval_every=args.eval_every,
+        secure_mode=args.secure_mode,
         train_subset=args.train_subset)
     try:
         config = FederatedConfig(**kwargs)
@@ -132,6 +149,11 @@ def config_from_args(args, error=None):
             error(msg)
         raise
     return config
+
+
+def _eps(value) -> str:
+    """An epsilon of a results dict for printing (None there means inf)."""
+    return "inf" if value is None else f"{value:.4f}"
 
 
 def _run_federated(args, error) -> int:
@@ -153,20 +175,25 @@ def _run_federated(args, error) -> int:
     if config.dp.value == "local":
         from dpfl_tf.federated.local_dp import LocalPrivacyReport
 
-        local = {k: v for k, v in result["privacy"]["local_dp"].items()
-                 if k not in ("max_participations", "mean_participations")}
-        print(LocalPrivacyReport(**local))
+        print(LocalPrivacyReport.from_dict(result["privacy"]["local_dp"]))
     elif config.dp.value == "none":
         print("epsilon = inf: no noise, no differential privacy guarantee")
     else:
-        print(f"epsilon = {eps:.4f} at delta = {result['delta']:g} "
-              f"({result['accountant']} accountant; {result['privacy']['round_event']})"
-              + ("" if result["privacy"]["clip_is_private"] else
-                 " -- NOT a DP guarantee: the clip bound was read from the updates"))
-        if "against_server" in result["privacy"]:
-            srv = result["privacy"]["against_server"]
-            print(f"against the server: epsilon = {srv['epsilon']:.4f} per client "
-                  f"(up to {srv['max_participations']} uploads of {srv['upload_event']})")
+        privacy = result["privacy"]
+        print(f"epsilon = {_eps(eps)} at delta = {result['delta']:g} "
+              f"({result['accountant']} accountant; {privacy['round_event']}; "
+              f"{privacy['relation']})")
+        clipping = privacy.get("clipping", {})
+        if clipping.get("mode", "").startswith("adaptive"):
+            print(f"adaptive clip: {clipping['initial_clip']:g} -> {clipping['current_clip']:.4g} "
+                  f"(target quantile {clipping['target_quantile']:g}; count noise std "
+                  f"{clipping['count_stddev']:g}; update noise multiplier "
+                  f"{clipping['update_noise_multiplier']:.4g})")
+        if "against_server" in privacy:
+            srv = privacy["against_server"]
+            print(f"against the server: epsilon = {_eps(srv['epsilon'])} per client "
+                  f"(up to {srv['max_participations']} uploads of {srv['upload_event']}; "
+                  f"{srv['relation']})")
     for note in result["notices"]:
         print(f"NOTE: {note}")
     print(f"{result['stop_reason']}; wrote {args.output}")

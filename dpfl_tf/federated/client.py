@@ -16,7 +16,11 @@ memory is O(model + data).
 SGD with momentum is written out (v <- mu v + g; w <- w - eta v, the Keras
 `SGD(momentum=mu)` rule); the velocity is reset for every client, so a client
 starts from the global model with no state from other clients.
-Non-trainable variables (e.g. BatchNorm statistics) are not federated.
+Non-trainable variables are not federated.  BatchNormalization in training
+mode updates its moving statistics from the client's raw data on the shared
+model, unclipped and un-noised, and the released model is evaluated with
+them: `refuse_unprotected_state` refuses such models whenever client-level
+DP is on (`FederatedServer` calls it).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import tensorflow as tf
 
 from dpfl_tf._validation import check_count, check_number
 
-__all__ = ["LocalTrainer", "layer_groups", "preprocess_images"]
+__all__ = ["LocalTrainer", "layer_groups", "preprocess_images", "refuse_unprotected_state"]
 
 
 def preprocess_images(x: np.ndarray) -> np.ndarray:
@@ -37,6 +41,27 @@ def preprocess_images(x: np.ndarray) -> np.ndarray:
     if x.dtype == np.uint8:
         return x.astype(np.float32) / 255.0
     return x.astype(np.float32)
+
+
+def refuse_unprotected_state(model, why: str) -> None:
+    """Raises ValueError for a layer whose non-trainable state local training
+    updates from the client's data: BatchNormalization with ``trainable=True``
+    (Keras runs it in training mode: its moving mean and variance move towards
+    each client's batch statistics).  Under client-level DP only the clipped,
+    noised update of the trainable variables is protected; that state would be
+    a release outside the mechanism (and the ledger).  A frozen
+    BatchNormalization (``trainable=False``: inference mode, statistics fixed)
+    is accepted.  `why` names the DP mode in the message."""
+    import keras
+
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+            raise ValueError(
+                f"layer {layer.name!r} is BatchNormalization in training mode: local training "
+                "updates its moving mean and variance from each client's raw data, which are "
+                f"never clipped or noised and are used by the released model, so {why} does "
+                "not cover them. Use LayerNormalization or GroupNormalization, or freeze it "
+                "(trainable=False).")
 
 
 def layer_groups(model) -> list[int]:

@@ -102,15 +102,14 @@ import time
 import uuid
 from typing import Any, Callable, Iterable, Sequence
 
-import dp_accounting
 import numpy as np
 import tensorflow as tf
 
 from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator
-from dpfl_tf.federated.local_dp import LocalDPUpload, stream_seed
-from dpfl_tf.federated.runner import DPMode, FederatedConfig, build_server, peak_rss_mb
+from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report, stream_seed
+from dpfl_tf.federated.runner import (DPMode, FederatedConfig, _local_summary, build_server,
+                                     peak_rss_mb)
 from dpfl_tf.federated.server import FederatedServer, RoundRecord
-from dpfl_tf.privacy.accountants import compute_epsilon
 
 __all__ = [
     "DPStrategy", "LocalDPUpload", "LocalGrid", "client_app", "client_rng", "client_update",
@@ -294,16 +293,20 @@ def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
     state = context.state.config_records.get(_STATE_KEY, ConfigRecord({"uploads": 0}))
     uploads = int(state["uploads"]) + 1
     context.state[_STATE_KEY] = ConfigRecord({"uploads": uploads})
-    metrics: dict[str, float | int] = {"num-examples": int(n_k), "partition-id": k,
-                                       "uploads": uploads}
+    # n_k is the client's data, which no mechanism protects: a server that is not
+    # trusted (client-side noise, local DP) gets 1, so FedAvg's weighting is the
+    # unweighted mean, as in-process (`build_server`); a trusted Global DP server
+    # ignores the weights anyway.
+    untrusted = config.dp in (DPMode.CLIENT, DPMode.LOCAL) or local_dp is not None
+    metrics: dict[str, float | int] = {"num-examples": 1 if untrusted else int(n_k),
+                                       "partition-id": k, "uploads": uploads}
     d = int(sum(int(np.prod(s)) for s in shapes))
-    if config.dp is DPMode.CLIENT:
-        event = server.aggregator.upload_event(server.num_components)
-        metrics["client-dp-epsilon-upload"] = _finite(compute_epsilon(
-            event, config.delta_max, config.accountant))
-        metrics["client-dp-epsilon-total"] = _finite(compute_epsilon(
-            dp_accounting.SelfComposedDpEvent(event, uploads), config.delta_max,
-            config.accountant))
+    if config.dp is DPMode.CLIENT:   # replace-one against the server: the one report
+        rep = gaussian_upload_report(
+            server.aggregator.upload_noise_multiplier(server.num_components), uploads,
+            delta=config.delta_max, accountant=config.accountant)
+        metrics["client-dp-epsilon-upload"] = _finite(rep.accountant_epsilon_per_upload)
+        metrics["client-dp-epsilon-total"] = _finite(rep.accountant_epsilon_total)
     if local_dp is not None:
         metrics.update(local_dp.metrics(d, uploads))
     content = RecordDict({"arrays": ArrayRecord([np.asarray(u) for u in upload]),
@@ -426,7 +429,8 @@ class DPStrategy(Strategy):
     Per round ``aggregate_train`` returns (new global weights, a
     MetricRecord with ``epsilon`` (at delta_max, the ledger's), ``delta``
     (at the target epsilon, when one is set), ``clients``, ``accuracy`` /
-    ``loss`` when evaluated, ``fraction-clipped`` and the largest composed
+    ``loss`` when evaluated, the adaptive clip's ``clip`` and
+    ``unclipped-fraction-noised`` (its noised release), and the largest composed
     client-side epsilon reported so far).  Before a round that would exceed
     the budget, ``configure_train`` sends nothing and the strategy stops:
     later rounds are empty and ``server.stop_reason`` says why.
@@ -505,7 +509,7 @@ class DPStrategy(Strategy):
         rng = srv.round_rng(t)                              # as FederatedServer.run_round
         if srv.noise_seed is not None:
             srv.aggregator.reseed(stream_seed(srv.noise_seed, t))
-        selected = srv.sampling.sample(rng, srv.num_clients)
+        selected = srv.sample_clients(rng)                  # os.urandom in secure mode
         chosen = [node_ids[int(i)] for i in selected]
         weights = [tf.constant(a) for a in arrays.to_numpy_ndarrays()]
         config[ROUND_KEY] = int(t)
@@ -604,10 +608,11 @@ class DPStrategy(Strategy):
         if record.accuracy is not None:
             out["accuracy"] = float(record.accuracy)
             out["loss"] = float(record.loss)
-        if "fraction_clipped" in record.info:
-            out["fraction-clipped"] = float(record.info["fraction_clipped"])
+        if "unclipped_fraction_noised" in record.info:     # adaptive clipping's release
+            out["unclipped-fraction-noised"] = float(record.info["unclipped_fraction_noised"])
+            out["clip"] = float(record.info["clip"])
         for key in ("client-dp-epsilon-total", "ldp-epsilon-total",
-                    "ldp-accountant-epsilon-total"):
+                    "ldp-accountant-epsilon-total", "ldp-epsilon-total-sign-only"):
             values = [m[key] for m in self.client_metrics.values() if key in m]
             if values:
                 out[f"max-{key}"] = float(max(values))
@@ -777,10 +782,15 @@ def _result(config: FederatedConfig, dp: DPStrategy, seconds: float, *, backend:
     mechanism = ("fedavg" if c.aggregator == "mean" else "fedmedian") if c.dp is DPMode.NONE \
         else ("global_dp" if c.dp is DPMode.GLOBAL else "client_dp")
     client_side = {}
-    for key in ("client-dp-epsilon-total", "ldp-epsilon-total", "ldp-accountant-epsilon-total"):
+    for key in ("client-dp-epsilon-total", "ldp-epsilon-total", "ldp-accountant-epsilon-total",
+                "ldp-epsilon-total-sign-only"):
         values = [m[key] for m in dp.client_metrics.values() if key in m]
-        if values:
-            client_side[f"max_{key.replace('-', '_')}"] = float(max(values))
+        if values:   # JSON-ready: an infinite epsilon is None with a flag
+            top = float(max(values))
+            name = f"max_{key.replace('-', '_')}"
+            client_side[name] = top if math.isfinite(top) else None
+            if not math.isfinite(top):
+                client_side[f"{name}_is_infinite"] = True
     return {
         "dataset": c.dataset, "partition": c.partition.value, "clients": c.clients,
         "clients_per_round": srv.expected_clients, "sampling": c.sampling.value,
@@ -799,6 +809,7 @@ def _result(config: FederatedConfig, dp: DPStrategy, seconds: float, *, backend:
         "history": [r.to_dict() for r in srv.history],
         "runtime": "flower", "flower_backend": backend, "flwr_version": FLOWER_VERSION,
         "client_reported": client_side,
+        **(_local_summary(report["local_dp"]) if "local_dp" in report else {}),
         # as run_federated: a seeded-noise run says it is not a deployment
         **({"note": srv.notices[-1]} if c.noise_seed is not None and c.dp is not DPMode.NONE
            and srv.notices else {}),

@@ -10,7 +10,9 @@ of its domain and every output set S, P[M(t) in S] <= e^eps P[M(t') in S]
 A model upload perturbs d coordinates independently; with basic composition
 it is (d * eps)-LDP, and R uploads (rounds the client takes part in) are
 (R * d * eps)-LDP.  `privacy_report` states these three numbers; a
-per-coordinate eps is never a model-level guarantee.
+per-coordinate eps is never a model-level guarantee.  PNPM randomises only
+signs, so its upload and client figures are inf, with the sign-only
+composition reported beside them under its own name.
 
 Mechanisms (a = e^eps; all vectorised over whole tensors in TensorFlow)
 ----------------------------------------------------------------------
@@ -93,6 +95,7 @@ import tensorflow as tf
 
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
 from dpfl_tf.privacy.accountants import AccountantKind, compute_epsilon
+from dpfl_tf.privacy.events import REPLACE_ONE_UPDATE, clipped_upload_event
 from dpfl_tf.sanitizer import make_generator
 
 __all__ = [
@@ -947,7 +950,8 @@ class LocalDPUpload:
     Accounting (per client, across rounds): each upload of d coordinates is
     reported with `local_dp.privacy_report(mechanism, d, uploads)`, i.e.
     d*eps per upload and uploads*d*eps in total (basic composition; for the
-    Gaussian mechanism also the accountant's exact composition).
+    Gaussian mechanism also the accountant's exact composition; for PNPM inf,
+    the d*eps figures labelled sign-only).
     """
 
     mechanism: LocalDPMechanism
@@ -992,6 +996,9 @@ class LocalDPUpload:
         out = {"ldp-epsilon-coordinate": float(rep.epsilon_per_coordinate),
                "ldp-epsilon-upload": float(rep.epsilon_per_upload),
                "ldp-epsilon-total": float(rep.epsilon_total)}
+        if rep.epsilon_per_upload_sign_only is not None:   # PNPM: the upload's eps is inf
+            out["ldp-epsilon-upload-sign-only"] = float(rep.epsilon_per_upload_sign_only)
+            out["ldp-epsilon-total-sign-only"] = float(rep.epsilon_total_sign_only)
         if isinstance(self.mechanism, GaussianMechanism):
             out["ldp-delta-total"] = float(rep.delta_total)
             out["ldp-accountant-epsilon-total"] = float(rep.accountant_epsilon_total)
@@ -1001,14 +1008,26 @@ class LocalDPUpload:
 # ---------------------------------------------------------------------------
 # Honest privacy reporting
 
+#: The neighbouring relation of a local randomiser: any two inputs of its domain.
+LDP_RELATION = "any two values of each coordinate (local DP)"
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalPrivacyReport:
     """What an LDP upload scheme guarantees, in numbers and words.
 
     ``epsilon_per_upload`` and ``epsilon_total`` are basic composition
-    (d * eps and rounds * d * eps; deltas add up the same way).  The
-    ``accountant_*`` fields, when present, are the accountant's (eps, delta)
-    for Gaussian noise (exact Gaussian composition), at ``accountant_delta``.
+    (d * eps and rounds * d * eps; deltas add up the same way) for the whole
+    upload, or inf when part of the upload has no finite guarantee
+    (``epsilon_infinite_reason`` says why: PNPM's magnitudes).  Then
+    ``epsilon_per_upload_sign_only`` / ``epsilon_total_sign_only`` carry the
+    basic composition over the part that IS randomised (PNPM: the signs),
+    labelled as such.  The ``accountant_*`` fields, when present, are the
+    accountant's (eps, delta) for Gaussian noise (exact Gaussian composition),
+    at ``accountant_delta``.
+
+    `to_dict` is JSON-ready: non-finite floats become None and are listed in
+    ``infinite_fields``; `from_dict` restores them.
     """
 
     mechanism: str
@@ -1025,11 +1044,31 @@ class LocalPrivacyReport:
     accountant_delta: float | None = None
     accountant_epsilon_per_upload: float | None = None
     accountant_epsilon_total: float | None = None
+    relation: str = LDP_RELATION
+    epsilon_per_upload_sign_only: float | None = None
+    epsilon_total_sign_only: float | None = None
+    epsilon_infinite_reason: str = ""
     protected_input: str = ""
     note: str = ""
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """A JSON-ready dict (inf -> None, named in ``infinite_fields``)."""
+        out = dataclasses.asdict(self)
+        infinite = [k for k, v in out.items() if isinstance(v, float) and not math.isfinite(v)]
+        for k in infinite:
+            out[k] = None
+        out["infinite_fields"] = infinite
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LocalPrivacyReport":
+        """The inverse of `to_dict` (extra keys, e.g. a server's participation counts,
+        are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in names}
+        for k in data.get("infinite_fields", ()):
+            kwargs[k] = math.inf
+        return cls(**kwargs)
 
     def __str__(self) -> str:
         lines = [f"local DP report: {self.mechanism}"]
@@ -1043,10 +1082,17 @@ class LocalPrivacyReport:
                      + f"  [{self.composition}]")
         lines.append(f"  over {self.rounds} round(s): eps = {self.epsilon_total:.6g}"
                      + (f", delta = {self.delta_total:.3g}" if self.delta_total else ""))
+        if self.epsilon_infinite_reason:
+            lines.append(f"  not finite because: {self.epsilon_infinite_reason}")
+        if self.epsilon_per_upload_sign_only is not None:
+            lines.append(f"  signs only: eps = {self.epsilon_per_upload_sign_only:.6g} per "
+                         f"upload, {self.epsilon_total_sign_only:.6g} over {self.rounds} "
+                         "round(s) [basic; NOT a guarantee for the upload]")
         if self.accountant_epsilon_per_upload is not None:
             lines.append(f"  {self.accountant} accountant at delta = {self.accountant_delta:.3g}: "
                          f"eps per upload = {self.accountant_epsilon_per_upload:.6g}, "
                          f"total = {self.accountant_epsilon_total:.6g}")
+        lines.append(f"  neighbouring relation: {self.relation}")
         lines.append(f"  protects: {self.protected_input}")
         lines.append(f"  note: {self.note}")
         return "\n".join(lines)
@@ -1105,15 +1151,24 @@ def privacy_report(mechanism: LocalDPMechanism, num_coordinates: int, rounds: in
             note=note)
     if isinstance(mechanism, PNPMMechanism):
         big_c = mechanism.C
+        reason = (f"PNPM uploads each weight's magnitude as |w| U, U ~ Uniform[1, {big_c:.4g}], "
+                  "whatever its sign: two different magnitudes have different supports, so no "
+                  "finite eps covers the upload (or the client)")
         note = (f"PNPM randomises only the sign of each weight: each sign is {eps:.4g}-LDP. "
                 f"The magnitude enters the upload as |w| U with U ~ Uniform[1, C], C = "
                 f"(e^eps+3)/(e^eps-1) = {big_c:.4g}, independent of the sign: one upload reveals "
                 f"|w| to within a factor {big_c:.4g} (|w| in [|y|/C, |y|]), reveals w = 0 "
                 "exactly, and repeated uploads of a slowly changing weight narrow |w| further. "
                 "No eps guarantee covers |w| (two different magnitudes are not "
-                "eps-indistinguishable for any finite eps). "
-                + _model_level_warning(eps_upload, eps_total))
-        return LocalPrivacyReport(**common, note=note)
+                "eps-indistinguishable for any finite eps), so the upload's eps is inf. "
+                f"Basic composition over the signs alone gives {eps_upload:.4g} per upload and "
+                f"{eps_total:.4g} over {rounds} round(s): a figure for the signs, not for the "
+                "model or the client's data.")
+        return LocalPrivacyReport(**{**common, "epsilon_per_upload": math.inf,
+                                     "epsilon_total": math.inf},
+                                  epsilon_per_upload_sign_only=eps_upload,
+                                  epsilon_total_sign_only=eps_total,
+                                  epsilon_infinite_reason=reason, note=note)
     note = (f"Each coordinate is {eps:.4g}-LDP." + domain_note + " "
             + _model_level_warning(eps_upload, eps_total))
     if isinstance(mechanism, LDPFLMechanism):
@@ -1126,34 +1181,45 @@ def gaussian_upload_report(noise_multiplier: float, rounds: int = 1, *, delta: f
                            accountant: AccountantKind | str = AccountantKind.RDP
                            ) -> LocalPrivacyReport:
     """Local Gaussian noise on an L2-clipped upload: clip the whole update to norm S,
-    add N(0, sigma^2 S^2) to every coordinate (the client side of DP-FedAvg).
+    add N(0, z^2 S^2) to every coordinate (the client side of DP-FedAvg).
 
-    In the local model the server sees this one upload, and any two uploads of
-    the client are neighbours: they differ by up to 2S in L2 norm, so one upload
-    is the Gaussian mechanism with multiplier sigma/2, `GaussianDpEvent(sigma/2)`,
-    (eps, delta)-DP with eps from the accountant; rounds uploads compose.  (The
-    central add/remove-one-client view, multiplier sigma, is NOT the local
-    guarantee.)
+    The one place the guarantee of such uploads is computed: the in-process
+    server's ``privacy_report()["against_server"]``, the Flower client's
+    metrics and the CLI all call it.
+
+    The receiver sees this one upload and knows who sent it, so the relation is
+    replace-one (`dpfl_tf.privacy.events.REPLACE_ONE_UPDATE`): any two clipped
+    updates differ by up to 2S in L2 norm, and one upload is the Gaussian
+    mechanism with multiplier z/2, `clipped_upload_event(z)` =
+    ``GaussianDpEvent(z/2)``, (eps, delta)-DP with eps from the accountant;
+    `rounds` uploads compose (``SelfComposedDpEvent``).  (The central
+    add/remove-one-client view, multiplier z, is NOT the guarantee against the
+    receiver.)  z = 0 is reported as eps = inf.
     """
-    sigma = check_number("noise_multiplier", noise_multiplier, low=0.0, low_open=True)
+    sigma = check_number("noise_multiplier", noise_multiplier, low=0.0)
     rounds = check_count("rounds", rounds, minimum=1)
     delta = check_number("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
     kind = AccountantKind.parse(accountant)
-    event = dp_accounting.GaussianDpEvent(sigma / 2.0)
+    event = clipped_upload_event(sigma)
     eps_upload = compute_epsilon(event, delta, kind)
     eps_total = compute_epsilon(dp_accounting.SelfComposedDpEvent(event, rounds), delta, kind)
-    note = (f"One L2-clipped upload with noise multiplier {sigma:g} is ({eps_upload:.4g}, "
-            f"{delta:.3g})-LDP for the whole upload (sensitivity 2S between any two clipped "
-            f"uploads: GaussianDpEvent({sigma / 2:g})); {rounds} upload(s) compose to "
-            f"({eps_total:.4g}, {delta:.3g}) ({kind.value} accountant). This is a guarantee for "
-            "the client's whole update, not per coordinate.")
+    if sigma == 0:
+        note = ("No noise: each upload is the client's clipped update itself; no finite eps "
+                "holds against its receiver.")
+    else:
+        note = (f"One L2-clipped upload with noise multiplier {sigma:g} is ({eps_upload:.4g}, "
+                f"{delta:.3g})-DP against its receiver for the whole upload (replace-one: any "
+                f"two clipped uploads differ by up to 2S, GaussianDpEvent({sigma / 2:g})); "
+                f"{rounds} upload(s) compose to ({eps_total:.4g}, {delta:.3g}) ({kind.value} "
+                "accountant). This is a guarantee for the client's whole update, not per "
+                "coordinate.")
     return LocalPrivacyReport(
         mechanism=f"gaussian on L2-clipped upload (noise_multiplier={sigma:g})",
         num_coordinates=None, rounds=rounds, epsilon_per_coordinate=None,
         epsilon_per_upload=eps_upload, epsilon_total=eps_total, delta_per_upload=delta,
         delta_total=delta, composition=f"{kind.value} accountant", accountant=kind.value,
         accountant_delta=delta, accountant_epsilon_per_upload=eps_upload,
-        accountant_epsilon_total=eps_total,
+        accountant_epsilon_total=eps_total, relation=REPLACE_ONE_UPDATE,
         protected_input="the whole clipped upload (any two uploads of norm <= S)", note=note)
 
 

@@ -67,10 +67,18 @@ class FederatedConfig:
     bound of the tensor before it.
 
     Privacy arguments: ``dp`` (none | global | client | local), ``clip`` (S > 0, or
-    "median" for Geyer's non-private median-of-norms bound, global DP only),
+    "adaptive": DP adaptive clipping, Andrew et al. 2021, global DP with flat
+    clipping only: the bound starts at ``clip_initial`` and moves each round
+    towards the ``clip_quantile`` quantile of the update norms at rate
+    ``clip_lr``, from a count released with noise std ``clip_count_stddev``
+    (default 0.05 x the expected clients per round); ``noise_multiplier`` is
+    then the round's joint multiplier, see `GlobalDPAggregator`),
     ``per_layer`` (one bound S per layer, the S given for each), ``noise_multiplier``
     (sigma or z), ``target_epsilon`` and ``delta_max`` (stop rule),
-    ``accountant``.
+    ``accountant``, ``secure_mode`` (dp global or client: secure noise and
+    client sampling from the OS's secure source, `dpfl_tf.secure_random`;
+    refuses ``noise_seed``; ``seed`` then seeds only the data partition, the
+    initial model and local batch order, none of which a privacy claim rests on).
     """
 
     dataset: str = "mnist"
@@ -88,6 +96,10 @@ class FederatedConfig:
     aggregator: str = "mean"
     dp: DPMode = DPMode.NONE
     clip: float | str = 1.0
+    clip_initial: float = 0.1
+    clip_quantile: float = 0.5
+    clip_lr: float = 0.2
+    clip_count_stddev: float | None = None
     per_layer: bool = False
     noise_multiplier: float = 1.0
     target_epsilon: float | None = None
@@ -101,6 +113,7 @@ class FederatedConfig:
     ldp_bound_margin: float = 2.0
     seed: int = 0
     noise_seed: int | None = None
+    secure_mode: bool = False
     eval_every: int = 1
     train_subset: int | None = None
 
@@ -126,18 +139,31 @@ class FederatedConfig:
                              f"with dp={self.dp.value!r}, got {self.aggregator!r}")
         if self.clients_per_round is None and self.fraction is None:
             s(self, "fraction", 0.1)
-        if isinstance(self.clip, str):
-            if self.clip != "median":
-                try:
-                    s(self, "clip", float(self.clip))
-                except ValueError:
-                    raise ValueError(f"clip must be a number > 0 or 'median', got "
-                                     f"{self.clip!r}") from None
+        if self.clip == "median":
+            raise ValueError("clip='median' (the median of the round's raw update norms, read "
+                             "without noise: not differentially private) is no longer offered; "
+                             "use clip='adaptive' (DP adaptive clipping, Andrew et al. 2021)")
+        if isinstance(self.clip, str) and self.clip != "adaptive":
+            try:
+                s(self, "clip", float(self.clip))
+            except ValueError:
+                raise ValueError(f"clip must be a number > 0 or 'adaptive', got "
+                                 f"{self.clip!r}") from None
         if not isinstance(self.clip, str):
             s(self, "clip", check_number("clip", self.clip, low=0.0, low_open=True))
         elif self.dp is not DPMode.GLOBAL:
-            raise ValueError("clip='median' (Geyer's median-of-norms bound) is offered for "
-                             "dp='global' only")
+            raise ValueError("clip='adaptive' (DP adaptive clipping) is offered for "
+                             f"dp='global' only, got dp={self.dp.value!r}")
+        elif self.per_layer:
+            raise ValueError("clip='adaptive' adapts one flat bound; per_layer must be False")
+        s(self, "clip_initial", check_number("clip_initial", self.clip_initial, low=0.0,
+                                             low_open=True))
+        s(self, "clip_quantile", check_number("clip_quantile", self.clip_quantile, low=0.0,
+                                              high=1.0))
+        s(self, "clip_lr", check_number("clip_lr", self.clip_lr, low=0.0, low_open=True))
+        if self.clip_count_stddev is not None:
+            s(self, "clip_count_stddev", check_number("clip_count_stddev",
+                                                      self.clip_count_stddev, low=0.0))
         s(self, "noise_multiplier", check_number("noise_multiplier", self.noise_multiplier,
                                                  low=0.0))
         if self.dp in (DPMode.GLOBAL, DPMode.CLIENT) and self.delta_max is None:
@@ -154,6 +180,17 @@ class FederatedConfig:
         if self.dp is DPMode.CLIENT and self.sampling is not SamplingMethod.FIXED_SIZE:
             raise ValueError("dp='client' (client-side noise) needs sampling='fixed_size': "
                              "the released sum's noise depends on the number of uploads")
+        if not isinstance(self.secure_mode, bool):
+            raise ValueError(f"secure_mode must be True or False, got {self.secure_mode!r}")
+        if self.secure_mode:
+            if self.dp not in (DPMode.GLOBAL, DPMode.CLIENT):
+                raise ValueError("secure_mode=True secures the Gaussian noise and the client "
+                                 "sampling of dp='global' and dp='client'; got "
+                                 f"dp={self.dp.value!r}")
+            if self.noise_seed is not None:
+                raise ValueError(f"secure_mode=True refuses a seed (got noise_seed="
+                                 f"{self.noise_seed!r}): sampling and noise must come from "
+                                 "the OS's secure source")
         if self.train_subset is not None:
             s(self, "train_subset", check_count("train_subset", self.train_subset, minimum=1))
         s(self, "hidden", tuple(check_count("hidden", h, minimum=1) for h in self.hidden))
@@ -212,30 +249,49 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
                            batch_size=c.local_batch_size, learning_rate=c.learning_rate,
                            momentum=c.momentum)
     local_dp = None
+    sampling = ClientSampling(c.sampling, clients_per_round=c.clients_per_round,
+                              fraction=c.fraction if c.clients_per_round is None else None)
     if c.dp in (DPMode.NONE, DPMode.LOCAL):
-        aggregator = MeanAggregator() if c.aggregator == "mean" else MedianAggregator()
+        # local DP: the server is not trusted with n_k (client data no mechanism
+        # protects), so the mean is unweighted
+        aggregator = (MeanAggregator(weighted=c.dp is DPMode.NONE) if c.aggregator == "mean"
+                      else MedianAggregator())
         if c.dp is DPMode.LOCAL:
             local_dp = local_dp_upload(c, trainer.get_weights())
     else:
         groups = layer_groups(model) if c.per_layer else None
         n_layers = (max(groups) + 1) if groups else 1
-        bound = 1.0 if c.clip == "median" else c.clip
+        adaptive = c.clip == "adaptive"
+        bound = c.clip_initial if adaptive else c.clip
         clip_arg = [bound] * n_layers if c.per_layer else bound
         sanitizer = GaussianSanitizer(clip_arg, c.noise_multiplier,
                                       noise_allocation="proportional" if c.per_layer
-                                      else "global")
-        if c.dp is DPMode.GLOBAL:
-            aggregator = GlobalDPAggregator(sanitizer, clip="median" if c.clip == "median"
-                                            else "fixed", groups=groups)
+                                      else "global", secure_mode=c.secure_mode)
+        if c.dp is DPMode.GLOBAL and adaptive:
+            count_stddev = (c.clip_count_stddev if c.clip_count_stddev is not None
+                            else 0.05 * sampling.expected_clients(c.clients))
+            try:
+                aggregator = GlobalDPAggregator(
+                    sanitizer, clip="adaptive", groups=groups, target_quantile=c.clip_quantile,
+                    clip_learning_rate=c.clip_lr, count_stddev=count_stddev,
+                    secure_mode=c.secure_mode)
+            except ValueError as e:
+                if c.clip_count_stddev is None and "count_stddev" in str(e):
+                    raise ValueError(f"{e} (the default clip_count_stddev is 0.05 x the "
+                                     "expected clients per round; set clip_count_stddev)") \
+                        from None
+                raise
+        elif c.dp is DPMode.GLOBAL:
+            aggregator = GlobalDPAggregator(sanitizer, groups=groups, secure_mode=c.secure_mode)
         else:
-            aggregator = ClientNoiseDPAggregator(sanitizer, groups=groups)
-    sampling = ClientSampling(c.sampling, clients_per_round=c.clients_per_round,
-                              fraction=c.fraction if c.clients_per_round is None else None)
+            aggregator = ClientNoiseDPAggregator(sanitizer, groups=groups,
+                                                 secure_mode=c.secure_mode)
     server = FederatedServer(trainer, partition, aggregator, sampling=sampling,
                              test_data=(ds.x_test, ds.y_test),
                              target_epsilon=c.target_epsilon, delta_max=c.delta_max,
                              accountant=c.accountant, seed=c.seed, noise_seed=c.noise_seed,
-                             eval_every=c.eval_every, progress=progress, local_dp=local_dp)
+                             eval_every=c.eval_every, progress=progress, local_dp=local_dp,
+                             secure_mode=c.secure_mode)
     if c.noise_seed is not None and c.dp is not DPMode.NONE:
         from dpfl_tf.sanitizer import deployment_note
 
@@ -279,11 +335,22 @@ def local_dp_upload(config: FederatedConfig, initial_weights: Sequence[Any]):
 
 
 def _local_summary(local: dict) -> dict:
-    """The local-DP budget fields of a result (per client, basic composition)."""
-    return {"epsilon_per_coordinate": local["epsilon_per_coordinate"],
-            "epsilon_per_upload": local["epsilon_per_upload"],
-            "epsilon_total_per_client": local["epsilon_total"],
-            "num_coordinates": local["num_coordinates"]}
+    """The local-DP budget fields of a result (per client, basic composition).
+
+    From the report's JSON-ready dict: an infinite figure is None with
+    ``epsilon_per_upload_is_infinite`` and the reason (PNPM: magnitudes are
+    not randomised); the sign-only figures are then given under their own names."""
+    out = {"epsilon_per_coordinate": local["epsilon_per_coordinate"],
+           "epsilon_per_upload": local["epsilon_per_upload"],
+           "epsilon_total_per_client": local["epsilon_total"],
+           "epsilon_per_upload_is_infinite": "epsilon_per_upload" in local["infinite_fields"],
+           "num_coordinates": local["num_coordinates"]}
+    if local.get("epsilon_infinite_reason"):
+        out["epsilon_infinite_reason"] = local["epsilon_infinite_reason"]
+    if local.get("epsilon_per_upload_sign_only") is not None:
+        out["epsilon_per_upload_sign_only"] = local["epsilon_per_upload_sign_only"]
+        out["epsilon_total_per_client_sign_only"] = local["epsilon_total_sign_only"]
+    return out
 
 
 def _mechanism(c: FederatedConfig) -> str:

@@ -38,9 +38,10 @@ import tensorflow as tf
 
 from dpfl_tf._io import atomic_write, atomic_write_json
 from dpfl_tf._validation import check_count, check_number
+from dpfl_tf.secure_random import secure_uniform
 from dpfl_tf.federated.aggregators import Aggregator, ClientNoiseDPAggregator
-from dpfl_tf.federated.client import LocalTrainer, preprocess_images
-from dpfl_tf.federated.local_dp import LocalDPUpload
+from dpfl_tf.federated.client import LocalTrainer, preprocess_images, refuse_unprotected_state
+from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report
 from dpfl_tf.federated.partition import ClientPartition
 from dpfl_tf.privacy.accountants import AccountantKind, compute_delta, compute_epsilon
 from dpfl_tf.privacy.events import SamplingMethod, describe_event
@@ -49,6 +50,12 @@ from dpfl_tf.privacy.ledger import PrivacyBudget, PrivacyLedger
 __all__ = ["ClientSampling", "FederatedServer", "RoundRecord"]
 
 CHECKPOINT_FORMAT = 1
+
+#: The neighbouring relation of the released model, by client sampling scheme
+#: (`dpfl_tf.privacy.events`): Poisson -> add/remove one client, m of K without
+#: replacement -> replace one client.
+RELATIONS = {SamplingMethod.POISSON: "add/remove-one client (Poisson client sampling)",
+             SamplingMethod.FIXED_SIZE: "replace-one client (fixed-size client sampling)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,13 +119,19 @@ class ClientSampling:
             return {"sampling_rate": self.rate(num_clients)}
         return {"dataset_size": num_clients, "lot_size": self.clients_for(num_clients)}
 
-    def sample(self, rng: np.random.Generator, num_clients: int) -> np.ndarray:
-        """The sorted ids of this round's clients."""
+    def sample(self, rng: np.random.Generator | None, num_clients: int) -> np.ndarray:
+        """The sorted ids of this round's clients, from `rng`, or -- `rng` None, secure
+        mode -- from ``os.urandom`` (`dpfl_tf.secure_random.secure_uniform`, 53 bits per
+        client): Poisson keeps client k when u_k < q; fixed size keeps the m clients
+        with the smallest u_k (a uniformly random m-subset)."""
         if self.method is SamplingMethod.POISSON:
             q = self.rate(num_clients)
             self.clients_for(num_clients)
-            return np.flatnonzero(rng.random(num_clients) < q)
+            u = secure_uniform(num_clients) if rng is None else rng.random(num_clients)
+            return np.flatnonzero(u < q)
         m = self.clients_for(num_clients)
+        if rng is None:
+            return np.sort(np.argsort(secure_uniform(num_clients), kind="stable")[:m])
         return np.sort(rng.choice(num_clients, size=m, replace=False))
 
     def to_dict(self) -> dict:
@@ -176,6 +189,16 @@ class FederatedServer:
       local_dp: a `LocalDPUpload` every client applies to its upload after the
         aggregator's client step (local DP: Duchi, PM, PNPM, LDP-FL, ...); its
         per-client budget is in `privacy_report()["local_dp"]`.
+      secure_mode: client sampling from ``os.urandom`` (`ClientSampling.sample`
+        with no generator), the aggregator must be in secure mode, `noise_seed`
+        is refused, and so is local DP (its randomisers have no secure
+        sampler).  `seed` then seeds only what no privacy claim rests on (local
+        batch order).
+
+    With a private aggregator or local DP, a model whose local training updates
+    unprotected state from client data (BatchNormalization in training mode) is
+    refused (`dpfl_tf.federated.client.refuse_unprotected_state`); on Flower the
+    same check runs where `DPStrategy` and every ClientApp build this object.
     """
 
     def __init__(self, trainer: LocalTrainer, partition: ClientPartition, aggregator: Aggregator,
@@ -184,7 +207,7 @@ class FederatedServer:
                  accountant: AccountantKind | str = AccountantKind.MOMENTS, seed: int = 0,
                  noise_seed: int | None = None, eval_every: int = 1,
                  eval_batch_size: int = 2000, progress: bool = True,
-                 local_dp: LocalDPUpload | None = None):
+                 local_dp: LocalDPUpload | None = None, secure_mode: bool = False):
         if not isinstance(partition, ClientPartition):
             raise TypeError(f"partition must be a ClientPartition, got {type(partition).__name__}")
         if not isinstance(aggregator, Aggregator):
@@ -196,6 +219,22 @@ class FederatedServer:
                              f"but the training set has {trainer.num_examples} examples")
         if local_dp is not None and not isinstance(local_dp, LocalDPUpload):
             raise TypeError(f"local_dp must be a LocalDPUpload, got {type(local_dp).__name__}")
+        self.secure_mode = bool(secure_mode)
+        if self.secure_mode:
+            if noise_seed is not None:
+                raise ValueError(f"secure_mode=True refuses a seed (got noise_seed="
+                                 f"{noise_seed!r}): sampling and noise must come from the OS's "
+                                 "secure source")
+            if local_dp is not None:
+                raise ValueError("secure_mode=True covers the Gaussian mechanisms (Global DP, "
+                                 "DP-FedAvg); the local-DP randomisers have no secure sampler, "
+                                 "so local_dp must be None")
+            if aggregator.private and not getattr(aggregator, "secure_mode", False):
+                raise ValueError("secure_mode=True needs the aggregator in secure mode "
+                                 f"(secure_mode=True and a secure sanitizer), got {aggregator!r}")
+        if aggregator.private or local_dp is not None:
+            refuse_unprotected_state(trainer.model, "client-level DP" if aggregator.private
+                                     else "local DP")
         self.local_dp = local_dp
         self.trainer = trainer
         self.partition = partition
@@ -248,10 +287,6 @@ class FederatedServer:
         self.rounds_done = 0
         self.stop_reason: str | None = None
         self.notices: list[str] = []
-        if getattr(aggregator, "clip", "fixed") == "median":
-            self._notice("clip = median of the round's update norms (Geyer et al.): this step "
-                         "reads the clients' updates without noise and is NOT differentially "
-                         "private; the epsilon reported assumes a fixed clip bound")
         self._test = None
         if test_data is not None:
             x, y = test_data
@@ -310,6 +345,12 @@ class FederatedServer:
         """Client sampling and local shuffling of round t: (seed, t, secret key)."""
         return np.random.default_rng([self.seed, int(t), self._sampling_key])
 
+    def sample_clients(self, rng: np.random.Generator) -> np.ndarray:
+        """This round's clients: from the round's `rng`, or in secure mode from
+        ``os.urandom`` (`ClientSampling.sample`).  The in-process loop and the
+        Flower strategy both call this."""
+        return self.sampling.sample(None if self.secure_mode else rng, self.num_clients)
+
     def run_round(self) -> RoundRecord:
         """Runs one round (no budget check; `run` checks first)."""
         t = self.rounds_done
@@ -318,7 +359,7 @@ class FederatedServer:
         if self.noise_seed is not None:
             self.aggregator.reseed(int(np.random.default_rng([int(self.noise_seed), t])
                                        .integers(2**62)))
-        selected = self.sampling.sample(rng, self.num_clients)
+        selected = self.sample_clients(rng)
         global_weights = self.trainer.get_weights()
 
         def uploads():
@@ -416,27 +457,35 @@ class FederatedServer:
         eps = self.epsilon()
         report = {
             "epsilon": _json_float(eps), "delta": self.delta_max,
+            "epsilon_is_infinite": eps is not None and math.isinf(eps),
             "accountant": self.accountant.value, "rounds": len(self.ledger),
+            "secure_mode": self.secure_mode,
             "round_event": describe_event(self.round_event),
-            "neighbouring": "add/remove one client" if self.sampling.method is
-            SamplingMethod.POISSON else "replace one client",
+            "relation": RELATIONS[self.sampling.method],
             "target_epsilon": self.target_epsilon,
             "delta_at_target_epsilon": (_json_float(self.delta_after(0))
                                         if self.target_epsilon else None),
-            "clip_is_private": getattr(self.aggregator, "clip", "fixed") == "fixed",
         }
+        if hasattr(self.aggregator, "clipping_report"):
+            report["clipping"] = self.aggregator.clipping_report()
         if isinstance(self.aggregator, ClientNoiseDPAggregator):
             n_max = int(self.participations.max()) if len(self.participations) else 0
-            upload = self.aggregator.upload_event(self.num_components)
-            server_eps = (compute_epsilon(dp_accounting.SelfComposedDpEvent(upload, n_max),
-                                          self.delta_max, self.accountant) if n_max else 0.0)
+            z = self.aggregator.upload_noise_multiplier(self.num_components)
+            upload = gaussian_upload_report(z, max(n_max, 1), delta=self.delta_max,
+                                            accountant=self.accountant)
+            server_eps = upload.accountant_epsilon_total if n_max else 0.0
             report["against_server"] = {
-                "upload_event": describe_event(upload),
+                "upload_event": describe_event(self.aggregator.upload_event(
+                    self.num_components)),
+                "relation": upload.relation,
                 "max_participations": n_max,
                 "mean_participations": float(self.participations.mean()),
+                "epsilon_per_upload": _json_float(upload.accountant_epsilon_per_upload),
                 "epsilon": _json_float(server_eps), "delta": self.delta_max,
+                "epsilon_is_infinite": math.isinf(server_eps),
                 "note": "per client, over the rounds it uploaded in; no amplification by "
-                        "sampling (the server knows who uploaded)",
+                        "sampling (the server knows who uploaded); local_dp."
+                        "gaussian_upload_report",
             }
             report["released_model_noise_multiplier"] = self.aggregator.aggregate_noise_multiplier(
                 self.num_components, self.sampling.clients_for(self.num_clients))
@@ -447,6 +496,7 @@ class FederatedServer:
     # -- checkpoints ---------------------------------------------------------------
     def _fingerprint(self) -> dict:
         return {"num_clients": self.num_clients, "sampling": self.sampling.to_dict(),
+                "secure_mode": self.secure_mode,
                 "aggregator": self.aggregator.get_config(), "seed": self.seed,
                 "local_dp": None if self.local_dp is None else self.local_dp.get_config(),
                 "accountant": self.accountant.value,
@@ -464,6 +514,7 @@ class FederatedServer:
         state = {"format": CHECKPOINT_FORMAT, "round": self.rounds_done, "weights": name,
                  "fingerprint": self._fingerprint(), "ledger": self.ledger.to_dict(),
                  "history": [r.to_dict() for r in self.history], "notices": self.notices,
+                 "aggregator_state": self.aggregator.get_state(),
                  "sampling_key": self._sampling_key}  # private state, like the weights
         atomic_write_json(os.path.join(directory, "state.json"), state)
         for old in glob.glob(os.path.join(directory, "weights-*.npz")):
@@ -493,4 +544,5 @@ class FederatedServer:
         self.history = [RoundRecord(**r) for r in state["history"]]
         self.rounds_done = int(state["round"])
         self._sampling_key = int(state["sampling_key"])
+        self.aggregator.set_state(state.get("aggregator_state", {}))
         return True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 
+import attr
 import dp_accounting
 import numpy as np
 from dp_accounting import dp_event as _dp_event
@@ -20,7 +21,8 @@ from dp_accounting import rdp as _rdp
 
 from dpfl_tf._validation import ChoiceEnum, check_number
 from dpfl_tf.privacy._gaussian_accountant import walk_composition
-from dpfl_tf.privacy.events import iter_events, describe_event, neighboring_relation_of
+from dpfl_tf.privacy.events import (describe_event, event_to_json, iter_events,
+                                    joint_noise_multiplier, neighboring_relation_of)
 from dpfl_tf.privacy.moments import MomentsAccountant
 from dpfl_tf.privacy.strong import StrongCompositionAccountant
 
@@ -50,11 +52,35 @@ def make_accountant(kind: AccountantKind | str = AccountantKind.MOMENTS, *,
     return StrongCompositionAccountant(neighboring_relation=neighboring_relation)
 
 
+class _EventKey:
+    """A cache key for an event attrs cannot hash (a ComposedDpEvent holds a list):
+    equal events have equal JSON."""
+
+    def __init__(self, event: dp_accounting.DpEvent):
+        self.event = event
+        self.text = event_to_json(event)
+
+    def __hash__(self):
+        return hash(self.text)
+
+    def __eq__(self, other):
+        return isinstance(other, _EventKey) and self.text == other.text
+
+
+def _cache_key(event: dp_accounting.DpEvent):
+    try:
+        hash(event)
+    except TypeError:      # e.g. a sampled [Gaussian + Gaussian] (joint_gaussian_step_event)
+        return _EventKey(event)
+    return event
+
+
 @functools.lru_cache(maxsize=256)
-def _rdp_of_leaf(leaf: dp_accounting.DpEvent, relation) -> tuple[tuple, np.ndarray]:
-    """(orders, RDP curve) of one non-composite event, from dp_accounting's RdpAccountant."""
+def _rdp_of_leaf(leaf, relation) -> tuple[tuple, np.ndarray]:
+    """(orders, RDP curve) of one non-composite event (or its `_EventKey`), from
+    dp_accounting's RdpAccountant."""
     acc = _rdp.RdpAccountant(neighboring_relation=relation)
-    acc.compose(leaf)
+    acc.compose(leaf.event if isinstance(leaf, _EventKey) else leaf)
     return tuple(acc._orders), np.asarray(acc._rdp, dtype=float)
 
 
@@ -71,7 +97,7 @@ class CachedRdpAccountant(_rdp.RdpAccountant):
     def _compose_leaf(self, event, count, do_compose):
         err = super()._maybe_compose(event, count, do_compose=False)  # support check only
         if err is None and do_compose and count > 0:
-            orders, curve = _rdp_of_leaf(event, self._neighboring_relation)
+            orders, curve = _rdp_of_leaf(_cache_key(event), self._neighboring_relation)
             if orders != tuple(self._orders):   # other orders: the uncached path
                 return super()._maybe_compose(event, count, do_compose)
             self._rdp = self._rdp + count * curve
@@ -93,8 +119,45 @@ def _accountant_relation(event: dp_accounting.DpEvent) -> dp_accounting.Neighbor
     return dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
 
 
+def _gaussian_tree_multiplier(event: dp_accounting.DpEvent) -> float | None:
+    """The joint multiplier of a composition tree of Gaussian events (None if the
+    tree holds anything else): SelfComposed(G(s), n) counts as n releases."""
+    if isinstance(event, _dp_event.GaussianDpEvent):
+        return float(event.noise_multiplier)
+    if isinstance(event, _dp_event.SelfComposedDpEvent):
+        inner = _gaussian_tree_multiplier(event.event)
+        if inner is None or event.count < 1:
+            return None
+        return inner / math.sqrt(event.count)   # joint_noise_multiplier of `count` copies
+    if isinstance(event, _dp_event.ComposedDpEvent) and event.events:
+        parts = [_gaussian_tree_multiplier(e) for e in event.events]
+        return None if any(p is None for p in parts) else joint_noise_multiplier(parts)
+    return None
+
+
+def _one_gaussian_per_sample(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+    """Rewrites every sampled event whose inner event is a composition of Gaussians
+    (several releases of one sample, `dpfl_tf.privacy.events.joint_gaussian_step_event`)
+    as the same sampling of ONE Gaussian with the joint multiplier -- the
+    interpretation dp-accounting's RDP accountant applies itself -- for the
+    accountants that read only a sampled single Gaussian (moments, strong, PLD)."""
+    if isinstance(event, _dp_event.SelfComposedDpEvent):
+        return _dp_event.SelfComposedDpEvent(_one_gaussian_per_sample(event.event), event.count)
+    if isinstance(event, _dp_event.ComposedDpEvent):
+        return _dp_event.ComposedDpEvent([_one_gaussian_per_sample(e) for e in event.events])
+    if isinstance(event, (_dp_event.PoissonSampledDpEvent,
+                          _dp_event.SampledWithoutReplacementDpEvent)) and \
+            not isinstance(event.event, _dp_event.GaussianDpEvent):
+        sigma = _gaussian_tree_multiplier(event.event)
+        if sigma is not None:
+            return attr.evolve(event, event=dp_accounting.GaussianDpEvent(sigma))
+    return event
+
+
 def _accountant_for(event: dp_accounting.DpEvent, kind) -> dp_accounting.PrivacyAccountant:
     neighboring_relation_of(event)  # refuses add/remove-one mixed with replace-one
+    if AccountantKind.parse(kind) is not AccountantKind.RDP:
+        event = _one_gaussian_per_sample(event)
     accountant = make_accountant(kind, neighboring_relation=_accountant_relation(event))
     if not accountant.supports(event):
         raise ValueError(

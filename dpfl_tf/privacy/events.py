@@ -50,6 +50,21 @@ built with ``REPLACE_ONE``, would double a Gaussian's sensitivity a second
 time, so the accountants of `dpfl_tf.privacy.accountants` are built with
 ``REPLACE_ONE`` only where dp_accounting requires it (fixed-size sampling,
 RDP's Wang-Balle-Kasiviswanathan bound, whose multiplier is std / sensitivity).
+
+Several releases from one sample
+--------------------------------
+When one sampled lot feeds several independently noised sums (DP adaptive
+clipping releases the clipped updates and a count of clients under the clip
+bound, Andrew et al. 2021), the event is ONE sampled event over their
+composition, ``PoissonSampledDpEvent(q, ComposedDpEvent([GaussianDpEvent(s_1),
+GaussianDpEvent(s_2)]))`` (`joint_gaussian_step_event`): the releases share
+the sample, so two separately sampled events would under-count.  Gaussian
+releases of the same records with multipliers s_i are together one Gaussian
+mechanism with multiplier ``(sum_i s_i^-2)^(-1/2)`` (`joint_noise_multiplier`;
+Mironov, Talwar, Zhang 2019, "Renyi DP of the sampled Gaussian mechanism",
+section 3; Andrew et al. 2021, Theorem 1), which is how dp-accounting's RDP
+accountant reads such an event and how `dpfl_tf.privacy.accountants` rewrites
+it for the accountants that read only a sampled single Gaussian.
 """
 
 from __future__ import annotations
@@ -69,9 +84,14 @@ __all__ = [
     "SamplingMethod",
     "NeighboringRelation",
     "gaussian_step_event",
+    "joint_gaussian_step_event",
+    "joint_noise_multiplier",
+    "complementary_noise_multiplier",
     "dp_sgd_event",
     "shuffle_epoch_event",
     "ReplaceOneGaussianDpEvent",
+    "clipped_upload_event",
+    "REPLACE_ONE_UPDATE",
     "neighboring_relation_of",
     "relations_of",
     "parse_relation",
@@ -153,9 +173,38 @@ def gaussian_step_event(
     noised lot at no cost.
     """
     sigma = _check_number("noise_multiplier", noise_multiplier, low=0.0)
+    return _sampled([sigma], sampling, sampling_rate, dataset_size, lot_size)
+
+
+def joint_gaussian_step_event(
+    noise_multipliers,
+    sampling: SamplingMethod | str = SamplingMethod.POISSON,
+    *,
+    sampling_rate: float | None = None,
+    dataset_size: int | None = None,
+    lot_size: int | None = None,
+) -> dp_accounting.DpEvent:
+    """One sampled lot released as several independently noised sums (module
+    docstring): the sampling event over ``ComposedDpEvent`` of one Gaussian per
+    release, each multiplier being noise std / add-remove sensitivity of its
+    sum (halved under fixed-size sampling's replace-one relation, as for
+    `gaussian_step_event`)."""
+    sigmas = [_check_number(f"noise_multipliers[{i}]", s, low=0.0)
+              for i, s in enumerate(noise_multipliers)]
+    if not sigmas:
+        raise ValueError("noise_multipliers must name at least one release, got []")
+    return _sampled(sigmas, sampling, sampling_rate, dataset_size, lot_size)
+
+
+def _sampled(sigmas, sampling, sampling_rate, dataset_size, lot_size) -> dp_accounting.DpEvent:
     method = SamplingMethod.parse(sampling)
+
+    def inner(scale):
+        gaussians = [dp_accounting.GaussianDpEvent(s * scale) for s in sigmas]
+        return gaussians[0] if len(gaussians) == 1 else dp_accounting.ComposedDpEvent(gaussians)
+
     if method is SamplingMethod.FULL_BATCH:
-        return dp_accounting.GaussianDpEvent(sigma)
+        return inner(1.0)
     if method is SamplingMethod.POISSON:
         if sampling_rate is None:
             if dataset_size is None or lot_size is None:
@@ -163,18 +212,43 @@ def gaussian_step_event(
             sampling_rate = _check_count("lot_size", lot_size, minimum=1) / _check_count(
                 "dataset_size", dataset_size, minimum=1)
         q = _check_number("sampling_rate", sampling_rate, low=0.0, high=1.0, low_open=True)
-        return dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+        return dp_accounting.PoissonSampledDpEvent(q, inner(1.0))
     if method is SamplingMethod.FIXED_SIZE:
         n = _check_count("dataset_size", dataset_size, minimum=1)
         lot = _check_count("lot_size", lot_size, minimum=1)
         if lot > n:
             raise ValueError(f"lot_size must be <= dataset_size ({n}), got {lot}")
-        return dp_accounting.SampledWithoutReplacementDpEvent(
-            n, lot, dp_accounting.GaussianDpEvent(sigma / 2.0))
+        return dp_accounting.SampledWithoutReplacementDpEvent(n, lot, inner(0.5))
     raise ValueError(
         "sampling='shuffle' has no per-lot event: an epoch of shuffled lots is one "
         "replace-one Gaussian, recorded once per epoch touched -- use "
         "shuffle_epoch_event(noise_multiplier) or dp_sgd_event(..., 'shuffle', epochs=E)")
+
+
+def joint_noise_multiplier(noise_multipliers) -> float:
+    """(sum_i s_i^-2)^(-1/2): independent Gaussian releases of the same records,
+    multipliers s_i, as one Gaussian mechanism (module docstring).  Any s_i = 0
+    gives 0 (that release is exact)."""
+    sigmas = [_check_number(f"noise_multipliers[{i}]", s, low=0.0)
+              for i, s in enumerate(noise_multipliers)]
+    if not sigmas:
+        raise ValueError("noise_multipliers must name at least one release, got []")
+    if any(s == 0 for s in sigmas):
+        return 0.0
+    return sum(s ** -2 for s in sigmas) ** -0.5
+
+
+def complementary_noise_multiplier(joint: float, other: float) -> float:
+    """The s with ``joint_noise_multiplier([s, other]) == joint``:
+    s = (joint^-2 - other^-2)^(-1/2) (Andrew et al. 2021, section 3: the update
+    noise that keeps the round's multiplier at `joint` beside a count release
+    of multiplier `other`).  Needs other > joint > 0."""
+    joint = _check_number("joint", joint, low=0.0, low_open=True)
+    other = _check_number("other", other, low=0.0, low_open=True)
+    if other <= joint:
+        raise ValueError(f"the other release's noise multiplier ({other:g}) must exceed the "
+                         f"joint one ({joint:g}): alone it would already cost more")
+    return (joint ** -2 - other ** -2) ** -0.5
 
 
 def shuffle_epoch_event(noise_multiplier: float) -> dp_accounting.DpEvent:
@@ -186,6 +260,28 @@ def shuffle_epoch_event(noise_multiplier: float) -> dp_accounting.DpEvent:
     """
     sigma = _check_number("noise_multiplier", noise_multiplier, low=0.0)
     return ReplaceOneGaussianDpEvent(sigma / 2.0)
+
+
+#: The relation of one upload seen by its receiver (who knows who sent it).
+REPLACE_ONE_UPDATE = "replace-one (one client's update replaced)"
+
+
+def clipped_upload_event(noise_multiplier: float) -> dp_accounting.DpEvent:
+    """One upload u = clip_S(Delta) + N(0, z^2 S^2 I), as seen by whoever receives it.
+
+    The receiver (the server, under DP-FedAvg with client-side noise) sees the
+    upload and knows who sent it, so adding or removing the client is not a
+    neighbouring relation it can be blind to: the only one is replace-one,
+    `REPLACE_ONE_UPDATE` -- the client's clipped update (norm <= S) replaced by
+    any other, which moves u by up to 2S.  The upload is then the Gaussian
+    mechanism with multiplier z S / 2S = z/2, ``GaussianDpEvent(z / 2)``
+    (Dwork & Roth 2014, Theorem A.1 with L2 sensitivity 2S).  z = 0: the
+    clipped update itself, ``NonPrivateDpEvent``.
+    """
+    z = _check_number("noise_multiplier", noise_multiplier, low=0.0)
+    if z == 0:
+        return dp_accounting.NonPrivateDpEvent()
+    return ReplaceOneGaussianDpEvent(z / 2.0)
 
 
 def dp_sgd_event(
@@ -361,10 +457,10 @@ def _describe(event: dp_accounting.DpEvent) -> str:
     if isinstance(event, _dp_event.ComposedDpEvent):
         return " + ".join(_describe(e) for e in event.events) or "nothing"
     if isinstance(event, _dp_event.PoissonSampledDpEvent):
-        return f"Poisson(q={event.sampling_probability:g}) {_describe(event.event)}"
+        return f"Poisson(q={event.sampling_probability:g}) {_describe_inner(event.event)}"
     if isinstance(event, _dp_event.SampledWithoutReplacementDpEvent):
         return (f"fixed-size(L={event.sample_size} of N={event.source_dataset_size}) "
-                f"{_describe(event.event)}")
+                f"{_describe_inner(event.event)}")
     if isinstance(event, _dp_event.GaussianDpEvent):
         return f"Gaussian(sigma={event.noise_multiplier:g})"
     if isinstance(event, _dp_event.NoOpDpEvent):
@@ -372,3 +468,9 @@ def _describe(event: dp_accounting.DpEvent) -> str:
     if isinstance(event, _dp_event.NonPrivateDpEvent):
         return "NON-PRIVATE"
     return type(event).__name__
+
+
+def _describe_inner(event: dp_accounting.DpEvent) -> str:
+    """A sampled event's inner event; brackets several releases of one sample."""
+    text = _describe(event)
+    return f"[{text}]" if isinstance(event, _dp_event.ComposedDpEvent) else text

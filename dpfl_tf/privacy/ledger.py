@@ -30,8 +30,9 @@ from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.privacy.accountants import AccountantKind, compute_delta, compute_epsilon
 from dpfl_tf.privacy.calibration import max_steps
 from dpfl_tf.privacy.events import (NeighboringRelation, describe_event, event_from_dict,
-                                    event_to_dict, mixed_relations_message, parse_relation,
-                                    relation_name, relations_of, to_replace_one)
+                                    event_to_dict, event_to_json, mixed_relations_message,
+                                    parse_relation, relation_name, relations_of,
+                                    to_replace_one)
 
 __all__ = ["PrivacyBudget", "PrivacyLedger", "BudgetExceededError"]
 
@@ -187,7 +188,7 @@ class PrivacyLedger:
             raise ValueError("this ledger has no budget; pass budget=PrivacyBudget(...)")
         event = self.admit(event)
         b = self.budget
-        key = (event, b)
+        key = (event_to_json(event), b)   # events holding lists are not hashable
         if key not in self._steps_cache:
             self._steps_cache[key] = max_steps(b.epsilon, b.delta, event, b.accountant,
                                                already_spent=self.event if self._entries else None)

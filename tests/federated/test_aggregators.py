@@ -60,7 +60,9 @@ def test_global_dp_clips_every_client_to_S_flat_and_per_layer():
     for j in range(2):
         np.testing.assert_allclose(res.update[j].numpy(),
                                    sum(c[j].numpy() for c in clipped) / 6, rtol=1e-5, atol=1e-6)
-    assert res.info["fraction_clipped"] == 1.0 and res.info["clip_is_private"]
+    # what the round reports is what the mechanism released: the bound, no statistic of
+    # the raw norms (a fraction clipped would be an un-noised release outside the ledger)
+    assert res.info == {"clip": 1.0}
     # per-layer: each component of each client within its own bound
     per = GaussianSanitizer([0.5, 0.2], 0.0)
     agg = GlobalDPAggregator(per)
@@ -81,7 +83,7 @@ def test_small_updates_are_not_changed_by_clipping():
         ((u, 1.0) for u in ups), _template(), expected_clients=2)
     np.testing.assert_allclose(res.update[0].numpy(), (ups[0][0] + ups[1][0]).numpy() / 2,
                                rtol=1e-5)
-    assert res.info["fraction_clipped"] == 0.0
+    assert "fraction_clipped" not in res.info
 
 
 def test_client_side_clip_bound_holds_per_upload():
@@ -91,14 +93,58 @@ def test_client_side_clip_bound_holds_per_upload():
         assert update_norms(up).__pow__(2).sum() ** 0.5 <= 0.8 + 1e-5
 
 
-def test_median_clip_uses_the_median_norm_and_says_it_is_not_private():
-    ups = _updates(5, scale=2.0)
-    norms = [math.sqrt((update_norms(u) ** 2).sum()) for u in ups]
-    agg = GlobalDPAggregator(GaussianSanitizer(1.0, 0.0), clip="median")
-    res = agg.aggregate(((u, 1.0) for u in ups), _template(), expected_clients=5)
-    assert res.info["clip"] == pytest.approx(np.median(norms), rel=1e-5)
-    assert res.info["clip_is_private"] is False
-    assert not agg.streaming
+def test_median_clip_is_refused_and_names_adaptive_clipping():
+    """The median of the raw update norms is not private: refused, with its successor."""
+    with pytest.raises(ValueError, match=r"clip='median'.*not differentially private.*"
+                                         r"use clip='adaptive'"):
+        GlobalDPAggregator(GaussianSanitizer(1.0, 1.0), clip="median")
+
+
+def test_adaptive_clip_update_rule_by_hand():
+    """C_1 = C_0 exp(-eta (b - gamma)), b = the fraction of clients with norm <= C_0
+    (no update noise, a negligible count noise: the rule itself)."""
+    ups = _updates(8, scale=1.0)
+    norms = np.array([math.sqrt((update_norms(u) ** 2).sum()) for u in ups])
+    c0 = float(np.quantile(norms, 0.3))
+    agg = GlobalDPAggregator(GaussianSanitizer(c0, 0.0, seed=1), clip="adaptive",
+                             target_quantile=0.5, clip_learning_rate=0.2, count_stddev=1e-9)
+    assert agg.streaming
+    res = agg.aggregate(((u, 1.0) for u in ups), _template(), expected_clients=8)
+    below = float(np.mean(norms <= c0))
+    assert res.info["clip"] == c0
+    assert res.info["unclipped_fraction_noised"] == pytest.approx(below, abs=1e-6)
+    assert agg.clip_bound == pytest.approx(c0 * math.exp(-0.2 * (below - 0.5)), rel=1e-6)
+    assert res.info["clip_next"] == agg.clip_bound > c0       # too few under C_0: it grows
+    assert "fraction_clipped" not in res.info                 # no raw statistic is released
+    # the round clipped at C_0: the mean of the clipped updates
+    clipped = [GaussianSanitizer(c0, 0.0).clip(u) for u in ups]
+    np.testing.assert_allclose(res.update[0].numpy(), sum(c[0].numpy() for c in clipped) / 8,
+                               rtol=1e-5, atol=1e-6)
+    # the next round uses C_1
+    res2 = agg.aggregate(((u, 1.0) for u in ups), _template(), expected_clients=8)
+    assert res2.info["clip"] == pytest.approx(res.info["clip_next"])
+
+
+def test_adaptive_clip_noise_multipliers():
+    """The count's sanitizer adds N(0, sigma_b^2) (bound 1/2, multiplier 2 sigma_b); the
+    update's multiplier is chosen so the pair is one Gaussian of multiplier z."""
+    from dpfl_tf.privacy.events import joint_noise_multiplier
+
+    agg = GlobalDPAggregator(GaussianSanitizer(0.5, 1.2), clip="adaptive", count_stddev=2.0)
+    assert agg._count.noise_stddevs(1) == (2.0,)
+    assert agg.count_noise_multiplier() == 4.0
+    z_delta = agg.update_noise_multiplier()
+    assert z_delta == pytest.approx((1.2 ** -2 - 4.0 ** -2) ** -0.5) and z_delta > 1.2
+    assert joint_noise_multiplier([z_delta, 4.0]) == pytest.approx(1.2, rel=1e-12)
+    with pytest.raises(ValueError, match=r"count_stddev must be > noise_multiplier / 2 = 0.6"):
+        GlobalDPAggregator(GaussianSanitizer(0.5, 1.2), clip="adaptive", count_stddev=0.5)
+    with pytest.raises(ValueError, match="needs count_stddev"):
+        GlobalDPAggregator(GaussianSanitizer(0.5, 1.2), clip="adaptive")
+    with pytest.raises(ValueError, match="one flat bound"):
+        GlobalDPAggregator(GaussianSanitizer([0.5, 0.5], 1.2), clip="adaptive", count_stddev=2)
+    with pytest.raises(ValueError, match="target_quantile must be in"):
+        GlobalDPAggregator(GaussianSanitizer(0.5, 1.2), clip="adaptive", count_stddev=2,
+                           target_quantile=1.5)
 
 
 @pytest.mark.parametrize("make, message", [

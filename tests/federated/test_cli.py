@@ -38,9 +38,14 @@ def test_parser_reads_the_documented_flags():
     assert c.dp.value == "global" and c.target_epsilon == 8 and c.delta_max == 1e-5
     assert c.clip == 1.5 and c.noise_multiplier == 1.1 and c.accountant.value == "rdp"
     assert c.learning_rate == 0.05 and c.momentum == 0.9 and c.seed == 3
-    median = config_from_args(parser.parse_args(
-        ["federated", "--dp", "global", "--clip", "median"]))
-    assert median.clip == "median"
+    adaptive = config_from_args(parser.parse_args(
+        "federated --dp global --clip adaptive --clip-initial 0.3 --clip-quantile 0.7 "
+        "--clip-lr 0.1 --clip-count-stddev 4".split()))
+    assert (adaptive.clip, adaptive.clip_initial, adaptive.clip_quantile, adaptive.clip_lr,
+            adaptive.clip_count_stddev) == ("adaptive", 0.3, 0.7, 0.1, 4.0)
+    defaults = config_from_args(parser.parse_args("federated --dp global --clip adaptive".split()))
+    assert (defaults.clip_quantile, defaults.clip_lr, defaults.clip_count_stddev) == \
+        (0.5, 0.2, None)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -49,7 +54,11 @@ def test_parser_reads_the_documented_flags():
     ("--dp global --clip -1", "--clip must be > 0"),
     ("--dp global --delta-max 0.5 --clients 100", "--delta-max must be < 1/K = 0.01"),
     ("--dp client --sampling poisson", "needs sampling='fixed_size'"),
-    ("--dp none --clip median", "offered for dp='global' only"),
+    ("--dp global --clip median", "no longer offered; use clip='adaptive'"),
+    ("--dp none --clip adaptive", "offered for dp='global' only"),
+    ("--dp global --clip adaptive --per-layer", "per_layer must be False"),
+    ("--dp global --clip adaptive --clip-quantile 2", "--clip-quantile must be in [0, 1]"),
+    ("--dp global --clip adaptive --clip-lr 0", "--clip-lr must be > 0"),
     ("--dp global --aggregator median", "aggregator must be 'mean'"),
     ("--clients 0", "--clients must be a whole number >= 1"),
     ("--lr 0", "--lr must be > 0"),
@@ -58,6 +67,8 @@ def test_parser_reads_the_documented_flags():
      "--ldp-bound must be a number > 0 or 'init', got 'wide'"),
     ("--dp local --ldp-mechanism duchi --ldp-bound -1", "--ldp-bound must be > 0"),
     ("--dp local --epsilon 8", "--epsilon needs dp='global' or dp='client'"),
+    ("--dp local --secure-mode", "secure_mode=True secures the Gaussian noise"),
+    ("--dp none --secure-mode", "got dp='none'"),
 ])
 def test_bad_arguments_name_the_flag(argv, message, capsys):
     parser, fed = _parser()
@@ -97,10 +108,57 @@ def test_local_dp_run_reports_the_budget_per_coordinate_upload_and_total(tmp_pat
     d = 21_840  # pnpm_cnn(depth=2): 21,750 kernel weights + 90 biases, all perturbed
     assert data["mechanism"] == "ldp_pnpm" and data["num_coordinates"] == d
     assert data["epsilon_per_coordinate"] == 0.5
-    assert data["epsilon_per_upload"] == pytest.approx(0.5 * d)
+    # PNPM leaves magnitudes unprotected: no finite eps per upload or per client ...
+    assert data["epsilon_per_upload"] is None and data["epsilon_total_per_client"] is None
+    assert data["epsilon_per_upload_is_infinite"] is True
+    assert "magnitude" in data["epsilon_infinite_reason"]
+    # ... and d x eps is a figure for the signs only
+    assert data["epsilon_per_upload_sign_only"] == pytest.approx(0.5 * d)
     # every client took part in both rounds: two uploads each
     assert data["privacy"]["local_dp"]["max_participations"] == 2
-    assert data["epsilon_total_per_client"] == pytest.approx(2 * 0.5 * d)
+    assert data["epsilon_total_per_client_sign_only"] == pytest.approx(2 * 0.5 * d)
     assert data["epsilon"] is None  # no central guarantee is claimed
-    assert "per upload (d = 21840): eps = 10920" in printed
+    assert "per upload (d = 21840): eps = inf" in printed
+    assert "signs only: eps = 10920 per upload" in printed
     assert "SIGN of each weight only" in printed
+
+
+def test_client_dp_run_prints_the_replace_one_upload_epsilon(tmp_path, capsys):
+    from dpfl_tf.federated.local_dp import gaussian_upload_report
+
+    data, printed = _run(
+        tmp_path, capsys, "--clients", "5", "--train-subset", "500", "--clients-per-round", "5",
+        "--sampling", "fixed_size", "--partition", "iid", "--rounds", "2", "--hidden", "16",
+        "--dp", "client", "--noise-multiplier", "1.0", "--accountant", "rdp",
+        "--delta-max", "1e-5")
+    srv = data["privacy"]["against_server"]
+    want = gaussian_upload_report(1.0, 2, delta=1e-5, accountant="rdp")  # 2 uploads each
+    assert srv["epsilon"] == pytest.approx(want.accountant_epsilon_total, rel=1e-12)
+    assert srv["relation"] == "replace-one (one client's update replaced)"
+    assert data["privacy"]["relation"] == "replace-one client (fixed-size client sampling)"
+    assert (f"against the server: epsilon = {want.accountant_epsilon_total:.4f} per client"
+            in printed)
+    assert "replace-one (one client's update replaced)" in printed
+
+
+def test_adaptive_clip_run_reports_both_releases(tmp_path, capsys):
+    data, printed = _run(
+        tmp_path, capsys, "--clients", "10", "--train-subset", "1000", "--clients-per-round",
+        "5", "--rounds", "2", "--hidden", "16", "--dp", "global", "--clip", "adaptive",
+        "--clip-count-stddev", "2", "--noise-multiplier", "1.0", "--accountant", "rdp",
+        "--delta-max", "1e-3")
+    privacy = data["privacy"]
+    assert privacy["round_event"].startswith("Poisson(q=0.5) [Gaussian(sigma=")
+    assert privacy["round_event"].endswith("+ Gaussian(sigma=4)]")
+    assert privacy["clipping"]["initial_clip"] == 0.1
+    assert [h["info"]["clip"] for h in data["history"]][0] == 0.1
+    assert "adaptive clip: 0.1 ->" in printed
+
+
+def test_secure_mode_run(tmp_path, capsys):
+    data, _ = _run(
+        tmp_path, capsys, "--clients", "10", "--train-subset", "1000", "--clients-per-round",
+        "4", "--rounds", "1", "--hidden", "16", "--dp", "global", "--secure-mode",
+        "--delta-max", "1e-3")
+    assert data["config"]["secure_mode"] is True and data["privacy"]["secure_mode"] is True
+    assert data["rounds"] == 1 and data["epsilon"] > 0

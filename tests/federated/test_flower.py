@@ -22,7 +22,8 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from dpfl_tf.federated import flower as fl  # noqa: E402
 from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator  # noqa: E402
-from dpfl_tf.federated.local_dp import DomainPolicy, PiecewiseMechanism  # noqa: E402
+from dpfl_tf.federated.local_dp import (DomainPolicy, PiecewiseMechanism,  # noqa: E402
+                                        gaussian_upload_report)
 from dpfl_tf.federated.runner import FederatedConfig, build_server, run_federated  # noqa: E402
 from dpfl_tf.privacy import compute_epsilon, gaussian_step_event  # noqa: E402
 from dpfl_tf.sanitizer import GaussianSanitizer, make_generator  # noqa: E402
@@ -42,6 +43,11 @@ def _round_event(cfg):
     """The event of one round, written from the papers' formulas (not from the code)."""
     m, k = cfg.clients_per_round, cfg.clients
     sigma = cfg.noise_multiplier * (np.sqrt(m) if cfg.dp.value == "client" else 1.0)
+    if cfg.clip == "adaptive":   # Andrew et al.: the update and the count, one sample
+        z_count = 2 * cfg.clip_count_stddev
+        z_delta = (sigma ** -2 - z_count ** -2) ** -0.5
+        return dp_accounting.PoissonSampledDpEvent(m / k, dp_accounting.ComposedDpEvent(
+            [dp_accounting.GaussianDpEvent(z_delta), dp_accounting.GaussianDpEvent(z_count)]))
     if cfg.sampling.value == "fixed_size":
         return gaussian_step_event(sigma, "fixed_size", dataset_size=k, lot_size=m)
     return gaussian_step_event(sigma, "poisson", sampling_rate=m / k)
@@ -92,11 +98,16 @@ def test_client_upload_equals_in_process_client_update(mnist_small, dp):
     for g, e in zip(got, expected):
         np.testing.assert_array_equal(g, np.asarray(e))
     m = _metrics(reply)
-    assert m["num-examples"] == len(ref.partition.client(k)) and m["partition-id"] == k
+    assert m["partition-id"] == k
+    # n_k is client data: sent to a trusted (or non-private) server only
+    assert m["num-examples"] == (len(ref.partition.client(k)) if dp == "none" else 1)
     assert m["uploads"] == 1
-    if dp == "client":   # the client's own per-upload guarantee, Gaussian(z) against the server
+    if dp == "client":   # the client's own per-upload guarantee: replace-one, Gaussian(z/2)
         assert m["client-dp-epsilon-upload"] == pytest.approx(
-            compute_epsilon(dp_accounting.GaussianDpEvent(0.7), cfg.delta_max, "rdp"))
+            compute_epsilon(dp_accounting.GaussianDpEvent(0.35), cfg.delta_max, "rdp"))
+        want = gaussian_upload_report(0.7, 1, delta=cfg.delta_max, accountant="rdp")
+        assert m["client-dp-epsilon-upload"] == want.accountant_epsilon_per_upload
+        assert m["client-dp-epsilon-total"] == want.accountant_epsilon_total
 
 
 def test_client_local_dp_upload_and_its_composition_across_rounds(mnist_small):
@@ -145,13 +156,16 @@ def test_client_refuses_bad_messages_and_nodes(mnist_small):
 # ---------------------------------------------------------------------------
 # the strategy and whole runs (LocalGrid: Flower's apps and strategy, no Ray)
 
-@pytest.mark.parametrize("dp,sampling,accountant", [
-    ("global", "fixed_size", "rdp"),     # Flower's own scheme: m of K without replacement
-    ("global", "poisson", "moments"),    # Poisson sampling implemented on the server
-    ("client", "fixed_size", "rdp"),     # DP-FedAvg with client-side noise
+@pytest.mark.parametrize("dp,sampling,accountant,clip", [
+    ("global", "fixed_size", "rdp", 1.0),     # Flower's own scheme: m of K without replacement
+    ("global", "poisson", "moments", 1.0),    # Poisson sampling implemented on the server
+    ("client", "fixed_size", "rdp", 1.0),     # DP-FedAvg with client-side noise
+    ("global", "poisson", "rdp", "adaptive"),  # DP adaptive clipping: update + count release
 ])
-def test_same_config_same_epsilon_in_process_and_on_flower(mnist_small, dp, sampling, accountant):
-    cfg = _cfg(dp=dp, sampling=sampling, accountant=accountant)
+def test_same_config_same_epsilon_in_process_and_on_flower(mnist_small, dp, sampling, accountant,
+                                                           clip):
+    cfg = _cfg(dp=dp, sampling=sampling, accountant=accountant, clip=clip,
+               clip_count_stddev=2.0)
     inproc = run_federated(cfg, mnist_small, progress=False)
     flower = fl.run_on_flower(cfg, mnist_small, backend="local")
     assert set(inproc) <= set(flower)                  # the same result format
@@ -162,6 +176,9 @@ def test_same_config_same_epsilon_in_process_and_on_flower(mnist_small, dp, samp
     want = compute_epsilon(dp_accounting.SelfComposedDpEvent(_round_event(cfg), 2),
                            cfg.delta_max, accountant)
     assert flower["epsilon"] == pytest.approx(want, rel=1e-9)
+    if clip == "adaptive":   # the server adapted the bound from the noised count
+        assert flower["history"][0]["info"]["clip"] == cfg.clip_initial == 0.1
+        assert flower["history"][1]["info"]["clip"] == flower["history"][0]["info"]["clip_next"]
     if dp == "client":
         # LocalGrid's node k+1 holds partition k: the same clients take part
         against = flower["privacy"]["against_server"]
@@ -191,7 +208,7 @@ def test_strategy_reports_the_ledger_epsilon_per_round_and_stops_at_the_budget(m
         assert metrics["epsilon"] == pytest.approx(want, rel=1e-9)
         assert metrics["epsilon"] == srv.history[r - 1].epsilon
         assert metrics["delta"] <= cfg.delta_max
-        assert metrics["clients"] == 2 and 0.0 <= metrics["fraction-clipped"] <= 1.0
+        assert metrics["clients"] == 2 and "fraction-clipped" not in metrics   # raw: not sent
         assert result.evaluate_metrics_serverapp[r]["accuracy"] == metrics["accuracy"]
     assert metrics["epsilon"] == srv.ledger.epsilon(cfg.delta_max)
     assert len(srv.ledger) == 2 and srv.ledger.event == dp_accounting.ComposedDpEvent(
@@ -292,6 +309,37 @@ def test_client_applies_the_configs_local_dp_like_the_in_process_server(mnist_sm
     for g, w in zip(got, w0):
         np.testing.assert_allclose(np.abs(g + np.asarray(w)), b, rtol=1e-5)
     assert _metrics(reply)["ldp-epsilon-coordinate"] == 1.5
+    assert _metrics(reply)["num-examples"] == 1           # n_k is not sent under local DP
+    assert ref.aggregator.weighted is False               # in-process: the unweighted mean
     with pytest.raises(ValueError, match="give the local-DP mechanism in one place"):
         fl.make_client_app(cfg, mnist_small, local_dp=ref.local_dp)(
             _train_message(w0, t), _context(k))
+
+
+def test_pnpm_on_flower_reports_an_infinite_upload_epsilon_and_a_sign_only_figure(mnist_small):
+    cfg = _cfg(dp="local", ldp_mechanism="pnpm", ldp_epsilon=1.0, rounds=1, hidden=(8,),
+               accountant="moments", clients_per_round=4)
+    inproc = run_federated(cfg, mnist_small, progress=False)
+    flower = fl.run_on_flower(cfg, mnist_small, backend="local")
+    d = inproc["num_coordinates"]
+    for out in (inproc, flower):
+        assert out["epsilon_per_upload"] is None and out["epsilon_per_upload_is_infinite"]
+        assert out["epsilon_per_upload_sign_only"] == pytest.approx(d * 1.0)
+    reported = flower["client_reported"]
+    assert reported["max_ldp_epsilon_total"] is None
+    assert reported["max_ldp_epsilon_total_is_infinite"]
+    assert reported["max_ldp_epsilon_total_sign_only"] == pytest.approx(d * 1.0)
+
+
+def test_secure_mode_on_flower(mnist_small):
+    """The strategy samples with os.urandom and every client draws secure noise; the
+    event, and so epsilon, is the in-process one."""
+    cfg = _cfg(dp="client", secure_mode=True, noise_seed=None, rounds=1)
+    strategy = fl.DPStrategy.from_config(cfg, mnist_small)
+    assert strategy.server.secure_mode and strategy.server.aggregator.secure_mode
+    out = fl.run_on_flower(cfg, mnist_small, backend="local")
+    want = compute_epsilon(dp_accounting.SelfComposedDpEvent(_round_event(cfg), 1),
+                           cfg.delta_max, "rdp")
+    assert out["epsilon"] == pytest.approx(want, rel=1e-9)
+    assert out["privacy"]["secure_mode"] is True
+    assert fl.config_from_run_config(fl.config_to_run_config(cfg)) == cfg

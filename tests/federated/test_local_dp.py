@@ -14,10 +14,11 @@ from scipy import stats
 
 from dpfl_tf.federated.local_dp import (DomainMode, DomainPolicy, DuchiMechanism,
                                         GaussianMechanism, LaplaceMechanism, LDPFLMechanism,
-                                        LocalDPMechanism, MechanismKind, PiecewiseMechanism,
-                                        PNPMMechanism, gaussian_upload_report, make_mechanism,
-                                        out_of_domain_counts, pnpm_magnitude_distinguishability,
-                                        privacy_report)
+                                        LocalDPMechanism, LocalDPUpload, LocalPrivacyReport,
+                                        MechanismKind,
+                                        PiecewiseMechanism, PNPMMechanism, gaussian_upload_report,
+                                        make_mechanism, out_of_domain_counts,
+                                        pnpm_magnitude_distinguishability, privacy_report)
 from dpfl_tf.privacy import compute_epsilon
 
 EPS = 1.0
@@ -538,10 +539,26 @@ def test_privacy_report_basic_composition_numbers():
 
 
 def test_pnpm_report_says_only_the_sign_is_protected():
+    """PNPM uploads |w| U: the whole upload has no finite eps (inf, with the reason);
+    d x eps is a figure for the signs only and is labelled so."""
     pn = PNPMMechanism(1.0)
     rep = privacy_report(pn, 56_560, 20)
-    assert rep.epsilon_per_upload == pytest.approx(56_560.0)
-    assert rep.epsilon_total == pytest.approx(20 * 56_560.0)
+    assert math.isinf(rep.epsilon_per_upload) and math.isinf(rep.epsilon_total)
+    assert "magnitude" in rep.epsilon_infinite_reason
+    assert rep.epsilon_per_upload_sign_only == pytest.approx(56_560.0)
+    assert rep.epsilon_total_sign_only == pytest.approx(20 * 56_560.0)
+    text = str(rep)
+    assert "per upload (d = 56560): eps = inf" in text
+    assert "signs only: eps = 56560 per upload" in text
+    # JSON-ready: inf becomes None, named in infinite_fields, and comes back
+    data = rep.to_dict()
+    assert data["epsilon_per_upload"] is None and data["epsilon_total"] is None
+    assert set(data["infinite_fields"]) == {"epsilon_per_upload", "epsilon_total"}
+    json.dumps(data, allow_nan=False)
+    assert LocalPrivacyReport.from_dict(data) == rep
+    # a mechanism that protects every value keeps finite figures and no sign-only ones
+    duchi = privacy_report(DuchiMechanism(1.0), 10, 2)
+    assert duchi.epsilon_per_upload == 10.0 and duchi.epsilon_per_upload_sign_only is None
     assert "SIGN" in rep.protected_input
     assert f"{pn.C:.4g}" in rep.note and "w = 0 exactly" in rep.note
     assert "No eps guarantee covers |w|" in rep.note
@@ -644,3 +661,13 @@ def test_other_bad_arguments():
         DuchiMechanism(1.0).perturb_scalar(1.5, np.random.default_rng(0))
     with pytest.raises(ValueError, match="input must be finite"):
         PiecewiseMechanism(1.0).variance(float("nan"))
+
+
+def test_pnpm_client_metrics_report_inf_per_upload_and_a_labelled_sign_only_figure():
+    """What a Flower client sends after its uploads (`LocalDPUpload.metrics`)."""
+    metrics = LocalDPUpload(PNPMMechanism(1.0)).metrics(100, 3)
+    assert math.isinf(metrics["ldp-epsilon-upload"]) and math.isinf(metrics["ldp-epsilon-total"])
+    assert metrics["ldp-epsilon-upload-sign-only"] == pytest.approx(100.0)
+    assert metrics["ldp-epsilon-total-sign-only"] == pytest.approx(300.0)
+    duchi = LocalDPUpload(DuchiMechanism(1.0), DomainPolicy.clip(1.0)).metrics(100, 3)
+    assert duchi["ldp-epsilon-upload"] == 100.0 and "ldp-epsilon-upload-sign-only" not in duchi

@@ -8,7 +8,9 @@ from dp_accounting import pld, rdp
 
 from dpfl_tf.privacy import (NeighboringRelation, compute_delta, compute_epsilon,
                              dp_sgd_event, gaussian_step_event, make_accountant)
-from dpfl_tf.privacy.events import ReplaceOneGaussianDpEvent, neighboring_relation_of
+from dpfl_tf.privacy.events import (ReplaceOneGaussianDpEvent, complementary_noise_multiplier,
+                                    describe_event, joint_gaussian_step_event,
+                                    joint_noise_multiplier, neighboring_relation_of)
 
 
 @pytest.mark.parametrize("sigma, steps", [(4.0, 10000), (1.1, 3000), (0.8, 500)])
@@ -101,3 +103,33 @@ def test_cached_rdp_accountant_gives_dp_accountings_numbers(event):
         assert ours.get_epsilon(delta) == pytest.approx(want, rel=1e-12)
         assert ours_again.get_epsilon(delta) == pytest.approx(want, rel=1e-12)
     assert ours.get_delta(2.0) == pytest.approx(plain.get_delta(2.0), rel=1e-12)
+
+
+def test_several_releases_of_one_sample_are_one_sampled_event():
+    """Adaptive clipping releases an update sum and a count from one sample:
+    Sampled([G(a) + G(b)]).  dp-accounting's RDP reads it directly; the front end
+    reads it as Sampled(G((a^-2 + b^-2)^-1/2)) for every accountant; and two
+    separately sampled events would under-count (the releases share the sample)."""
+    q, z_count = 0.1, 4.0
+    z_delta = complementary_noise_multiplier(1.0, z_count)
+    assert joint_noise_multiplier([z_delta, z_count]) == pytest.approx(1.0, rel=1e-12)
+    joint = dp_accounting.SelfComposedDpEvent(
+        joint_gaussian_step_event([z_delta, z_count], "poisson", sampling_rate=q), 20)
+    single = dp_sgd_event(1.0, 20, sampling_rate=q)
+    assert compute_epsilon(joint, 1e-5, "rdp") == pytest.approx(
+        rdp.RdpAccountant().compose(joint).get_epsilon(1e-5), rel=1e-12)
+    for kind in ("rdp", "moments", "pld", "strong"):
+        assert compute_epsilon(joint, 1e-5, kind) == pytest.approx(
+            compute_epsilon(single, 1e-5, kind), rel=1e-9), kind
+    separate = dp_accounting.SelfComposedDpEvent(dp_accounting.ComposedDpEvent(
+        [dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(s))
+         for s in (z_delta, z_count)]), 20)
+    assert compute_epsilon(separate, 1e-5, "rdp") < 0.97 * compute_epsilon(joint, 1e-5, "rdp")
+    # fixed-size sampling: both multipliers halved (replace-one), read by rdp
+    fixed = joint_gaussian_step_event([2.0, 6.0], "fixed_size", dataset_size=100, lot_size=10)
+    assert fixed == dp_accounting.SampledWithoutReplacementDpEvent(100, 10,
+        dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(1.0),
+                                       dp_accounting.GaussianDpEvent(3.0)]))
+    assert describe_event(fixed).endswith("[Gaussian(sigma=1) + Gaussian(sigma=3)] (replace-one)")
+    with pytest.raises(ValueError, match=r"must exceed the joint one"):
+        complementary_noise_multiplier(1.0, 0.9)
