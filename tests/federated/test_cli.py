@@ -149,7 +149,7 @@ def test_adaptive_clip_run_reports_both_releases(tmp_path, capsys):
         "--delta-max", "1e-3")
     privacy = data["privacy"]
     assert privacy["round_event"].startswith("Poisson(q=0.5) [Gaussian(sigma=")
-    assert privacy["round_event"].endswith("+ Gaussian(sigma=4)]")
+    assert privacy["round_event"].endswith("+ Gaussian(sigma=4)] (add/remove-one)")
     assert privacy["clipping"]["initial_clip"] == 0.1
     assert [h["info"]["clip"] for h in data["history"]][0] == 0.1
     assert "adaptive clip: 0.1 ->" in printed

@@ -146,7 +146,7 @@ def test_one_upload_against_the_server_is_replace_one_gaussian_z_over_2():
     z = 1, delta = 1e-5 (RDP) that is 10.73, not Gaussian(z)'s 4.73."""
     z, delta = 1.0, 1e-5
     agg = ClientNoiseDPAggregator(GaussianSanitizer(1.0, z))
-    assert agg.upload_event(1) == dp_accounting.GaussianDpEvent(0.5)
+    assert agg.upload_event(1) == ReplaceOneGaussianDpEvent(0.5)
     rep = gaussian_upload_report(z, 1, delta=delta, accountant="rdp")
     assert rep.accountant_epsilon_per_upload == pytest.approx(10.7255, abs=1e-3)
     assert rep.accountant_epsilon_per_upload == pytest.approx(
@@ -232,7 +232,7 @@ def test_adaptive_clip_round_is_one_sampled_event_over_both_releases(small_setup
     assert server.ledger.event == dp_accounting.ComposedDpEvent(
         [dp_accounting.SelfComposedDpEvent(event, 2)])
     assert server.ledger.entries[0]["event"] == (
-        f"Poisson(q=0.5) [Gaussian(sigma={z_delta:g}) + Gaussian(sigma=4)]")
+        f"Poisson(q=0.5) [Gaussian(sigma={z_delta:g}) + Gaussian(sigma=4)] (add/remove-one)")
     acc = rdp.RdpAccountant()
     acc.compose(dp_accounting.SelfComposedDpEvent(event, 2))
     assert server.epsilon() == pytest.approx(acc.get_epsilon(delta), rel=1e-12)
