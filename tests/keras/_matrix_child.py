@@ -224,14 +224,21 @@ def _target(cell) -> float:
 
 
 def main():
+    """Arguments: cell indices to run, or ``--shard K/S`` (cells i with i % S == K)."""
     x, y = data()
-    only = sys.argv[1:] or None
+    args = sys.argv[1:]
+    shard = None
+    if args[:1] == ["--shard"]:
+        k, total = (int(v) for v in args[1].split("/"))
+        shard, args = (k, total), args[2:]
+    only = set(args) or None
     for i, cell in enumerate(cells()):
-        if only and str(i) not in only:
+        if (only and str(i) not in only) or (shard and i % shard[1] != shard[0]):
             continue
         t0 = time.time()
         out = run_cell(cell, x, y)
         out["seconds"] = round(time.time() - t0, 2)
+        out["index"] = i
         print(json.dumps(out), flush=True)
 
 
