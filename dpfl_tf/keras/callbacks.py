@@ -66,6 +66,19 @@ class PrivacyCallback(keras.callbacks.Callback):
         self.allowed_lots = self.model.lots_computed + remaining
         self.model.set_lot_limit(self.allowed_lots)
 
+    def on_epoch_begin(self, epoch, logs=None):
+        # weights restored by another callback's on_train_begin (BackupAndRestore
+        # in a new process) may carry lots this model never computed: record them
+        # and recompute the limit before the next lot
+        if self.model.lots_applied > self.model.lots_computed:
+            self.model._adopt_restored_lots()
+            if self.budget is not None:
+                remaining = self.model.steps_within_budget(self.budget)
+                self.allowed_lots = self.model.lots_computed + max(remaining, 0)
+                self.model.set_lot_limit(self.allowed_lots)
+                if remaining <= 0:
+                    self.model.stop_training = True
+
     def _epsilon(self) -> float:
         return self.model.epsilon(self.delta, self._kind())
 

@@ -334,16 +334,24 @@ class DPModel(keras.Model):
         self.sampler = sampler
         self.train_function = None  # retrace with the new settings
         if restored:
-            pending = self.lots_applied - self.lots_computed
-            warnings.warn(
-                f"{pending} lots restored with the weights are recorded in the privacy ledger "
-                f"as {describe_event(self._step_event)} (the settings of this fit): resume "
-                "with the settings that produced them, or load the full .keras model, whose "
-                "ledger keeps its own history", RuntimeWarning, stacklevel=3)
-            self._counters.set_computed(self.lots_applied)
-            if self._epoch_event is not None:
-                self._fit_start_lots = self._recorded_lots
-            self._sync_ledger()
+            self._adopt_restored_lots(stacklevel=4)
+
+    def _adopt_restored_lots(self, stacklevel: int = 3) -> None:
+        """Weights restored from elsewhere carry more lots than this model has
+        computed (a weights-only checkpoint, BackupAndRestore in a new process):
+        those lots were spent and are recorded now, with the current settings."""
+        pending = self.lots_applied - self.lots_computed
+        if pending <= 0:
+            return
+        warnings.warn(
+            f"{pending} lots restored with the weights are recorded in the privacy ledger "
+            f"as {describe_event(self._step_event)} (the settings of this fit): resume "
+            "with the settings that produced them, or load the full .keras model, whose "
+            "ledger keeps its own history", RuntimeWarning, stacklevel=stacklevel)
+        self._counters.set_computed(self.lots_applied)
+        if self._epoch_event is not None:
+            self._fit_start_lots = self._recorded_lots
+        self._sync_ledger()
 
     @property
     def lot_event(self):

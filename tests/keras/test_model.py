@@ -378,3 +378,28 @@ def test_train_metrics_can_be_switched_off():
     history = dp.fit(x, y, lot_size=100, epochs=1, verbose=0, log_train_metrics=False)
     assert "loss" not in history.history and "accuracy" not in history.history
     assert "epsilon" in history.history and dp.lots_computed == 2
+
+
+def test_backup_and_restore_in_a_new_model_records_the_restored_lots(tmp_path):
+    """BackupAndRestore restores weights (and their lot counter) in on_train_begin,
+    after fit's own checks: the lots behind those weights are still recorded."""
+    x, y = mnist_slice(1000, features=60)
+    backup = str(tmp_path / "backup")
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("crash")
+
+    first = dp_model(noise=1.0, seed=None)
+    first.build((None, 60))
+    with pytest.raises(RuntimeError, match="crash"):
+        first.fit(x, y, lot_size=100, epochs=4, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(backup), Crash()])
+    second = dp_model(noise=1.0, seed=None)
+    second.build((None, 60))
+    with pytest.warns(RuntimeWarning, match="lots restored with the weights"):
+        second.fit(x, y, lot_size=100, epochs=4, verbose=0,
+                   callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    assert second.lots_applied == second.lots_computed == second.privacy_ledger.count()
+    assert second.lots_computed >= 30
