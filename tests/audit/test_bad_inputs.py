@@ -130,16 +130,21 @@ def _(ctx):
     _dp().fit(x, y + 10, lot_size=50, verbose=0)
 
 
-@row("fit/nan-in-x", "out of range", tf.errors.InvalidArgumentError, "NaN or inf")
-def _(ctx):  # one example's gradient norm is NaN: an error, and no lot is applied
+@row("fit/fixed-size-with-moments", "out of range", ValueError,
+     "accountant 'moments' cannot account for lots of")
+def _(ctx):  # refused before any lot (a NaN example, by contrast, is dropped and counted)
     x, y = _data()
-    x = x.copy()
-    x[3, 0] = np.nan
     model = _dp()
     try:
-        model.fit(x, y, lot_size=200, epochs=1, verbose=0, sampling="full_batch")
+        model.fit(x, y, lot_size=50, epochs=1, verbose=0, sampling="fixed_size")
     finally:
-        assert model.lots_applied == 0
+        assert model.lots_computed == 0
+
+
+@row("fit/secure-mode-with-seed", "out of range", ValueError, "secure_mode=True refuses a seed")
+def _(ctx):
+    from dpfl_tf.keras import DPSGD
+    DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=3, secure_mode=True)
 
 
 @row("fit/tf.data", "wrong dtype", TypeError, "needs the training data as arrays")
