@@ -38,18 +38,21 @@ SHARDS = 2  # one child process per core: the cells are independent
 
 
 @pytest.fixture(scope="module")
-def results():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3",
-               OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
-    children = [subprocess.Popen([sys.executable, "-m", "tests.keras._matrix_child", "--shard",
-                                  f"{k}/{SHARDS}"], cwd=ROOT, env=env, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                for k in range(SHARDS)]
+def results(tmp_path_factory):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
+    logs = tmp_path_factory.mktemp("matrix")
+    children = []
+    for k in range(SHARDS):  # output to files: a full pipe would stall a child
+        out, err = open(logs / f"{k}.out", "w+"), open(logs / f"{k}.err", "w+")
+        children.append((subprocess.Popen(
+            [sys.executable, "-m", "tests.keras._matrix_child", "--shard", f"{k}/{SHARDS}"],
+            cwd=ROOT, env=env, text=True, stdout=out, stderr=err), out, err))
     rows = {}
-    for child in children:
-        stdout, stderr = child.communicate(timeout=1500)
-        assert child.returncode == 0, stderr[-4000:]
-        for line in stdout.splitlines():
+    for child, out, err in children:
+        child.wait(timeout=1500)
+        out.seek(0), err.seek(0)
+        assert child.returncode == 0, err.read()[-4000:]
+        for line in out.read().splitlines():
             if line.startswith("{"):
                 row = json.loads(line)
                 rows[row["index"]] = row
