@@ -116,6 +116,7 @@ class DPModel(keras.Model):
         if loss is None:
             raise ValueError("DPModel.compile needs a loss (one value per example)")
         refuse_batch_mixing_layers(self.model)
+        _refuse_regularizers(self.model)
         self._dp_loss = keras.losses.get(loss) if isinstance(loss, str) else loss
         if isinstance(self._dp_loss, (list, dict)):
             raise ValueError("DPModel supports a single loss")
@@ -560,6 +561,24 @@ class _Counters:
         self._limit_value = int(value)
         if self.limit is not None:
             self.limit.assign(self._limit_value)
+
+
+def _refuse_regularizers(model) -> None:
+    """Regularisation losses are not part of the per-example loss that is clipped
+    and noised (an activity regulariser even depends on the data): refuse them
+    rather than drop them silently."""
+    for layer in _leaf_layers(model):
+        for attr_name in ("kernel_regularizer", "bias_regularizer", "embeddings_regularizer",
+                          "activity_regularizer", "depthwise_regularizer",
+                          "pointwise_regularizer", "recurrent_regularizer",
+                          "beta_regularizer", "gamma_regularizer"):
+            if getattr(layer, attr_name, None) is not None:
+                raise ValueError(
+                    f"layer {layer.name!r} has {attr_name}={getattr(layer, attr_name)!r}: "
+                    "DPModel clips and noises the per-example loss only, so a regularisation "
+                    "loss would be silently ignored. For weight decay use the inner "
+                    "optimizer's weight_decay= (it acts on the weights, not the data); "
+                    "remove activity regularisers")
 
 
 def _accounts(event, delta: float, kind) -> bool:

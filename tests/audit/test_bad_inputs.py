@@ -141,9 +141,16 @@ def _(ctx):  # refused before any lot (a NaN example, by contrast, is dropped an
         assert model.lots_computed == 0
 
 
+@row("compile/regularizer", "out of range", ValueError, "a regularisation loss would be silently")
+def _(ctx):
+    inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+        3, kernel_regularizer=keras.regularizers.L2(1e-3))])
+    DPModel(inner).compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                           loss=loss())
+
+
 @row("fit/secure-mode-with-seed", "out of range", ValueError, "secure_mode=True refuses a seed")
 def _(ctx):
-    from dpfl_tf.keras import DPSGD
     DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=3, secure_mode=True)
 
 
