@@ -185,7 +185,9 @@ def _clip_update_tensors(sanitizer: GaussianSanitizer, update: Update,
                          groups: Sequence[int] | None) -> tuple[list[tf.Tensor], tf.Tensor]:
     """One update clipped by the sanitizer (flat, or per component given by `groups`):
     the clipped tensors and the per-component squared norms before clipping.
-    Pure TensorFlow, so it runs inside a `tf.function`."""
+    An update with a NaN or inf entry is zeroed (the sanitizer's factor 0 applied
+    with `tf.where`: 0 x NaN would be NaN), so the client contributes nothing and
+    the sensitivity stays S.  Pure TensorFlow, so it runs inside a `tf.function`."""
     if groups is None:
         groups = list(range(len(update)))
     k = max(groups) + 1
@@ -193,7 +195,8 @@ def _clip_update_tensors(sanitizer: GaussianSanitizer, update: Update,
     for t, g in zip(update, groups):
         sq[g] = sq[g] + tf.reshape(tf.reduce_sum(tf.square(t)), [1])
     factors = sanitizer.clip_factors(sq)
-    clipped = [t * tf.cast(factors[g][0], t.dtype) for t, g in zip(update, groups)]
+    clipped = [sanitizer.apply_factors(t[None], factors[g])[0]
+               for t, g in zip(update, groups)]
     return clipped, tf.concat(sq, axis=0)
 
 

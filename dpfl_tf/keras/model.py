@@ -443,6 +443,30 @@ class DPModel(keras.Model):
             # keep the static feature shape (layers such as GroupNormalization need it)
             return tf.ensure_shape(tf.slice(t, begin, sizes), [None, *t.shape[1:]])
 
+        def one_by_one(xb, yb, mb):
+            """The clipped sum recomputed one example at a time (no example's
+            values can reach another's gradient), and the examples dropped."""
+            def one(i):
+                xs = tf.nest.map_structure(lambda t: take(t, i, 1), xb)
+                mine = []
+
+                def factors_of_one(sq_norms):
+                    factors = clip_factors(sq_norms)
+                    mine.append(last_factors.pop())
+                    return factors
+
+                sums, _, _ = self._per_example.compute(xs, take(yb, i, 1), take(mb, i, 1),
+                                                       factors_of_one)
+                bad = tf.logical_and(mb[i] > 0, tf.equal(mine[-1][0], 0.0))
+                return [tf.cast(s, v.dtype) for s, v in zip(sums, variables)] + [
+                    tf.cast(bad, tf.int64)]
+
+            spec = [tf.TensorSpec(v.shape, v.dtype) for v in variables] + [
+                tf.TensorSpec([], tf.int64)]
+            out = tf.map_fn(one, tf.range(tf.shape(mb)[0]), fn_output_signature=spec,
+                            parallel_iterations=1)
+            return [tf.reduce_sum(t, axis=0) for t in out[:-1]], tf.reduce_sum(out[-1])
+
         def body(i, acc, loss_sum, count, dropped):
             start = i * bsz
             size = bsz if self._pad_to_batch else tf.minimum(bsz, n - start)
@@ -450,8 +474,16 @@ class DPModel(keras.Model):
             yb, mb = take(y, start, size), take(mask, start, size)
             sums, losses, y_pred = self._per_example.compute(xb, yb, mb, clip_factors)
             real = mb > 0
-            bad = tf.logical_and(real, tf.equal(last_factors[-1], 0.0))
-            kept = tf.cast(tf.logical_and(real, tf.logical_not(bad)), tf.float32)
+            bad = tf.logical_and(real, tf.equal(last_factors.pop(), 0.0))
+            n_bad = tf.reduce_sum(tf.cast(bad, tf.int64))
+            # A non-finite value can cross examples inside one batched backward pass
+            # (0 x NaN in a shared matmul of the generic path): then every example of
+            # the batch looks non-finite.  Whenever any example is non-finite, the
+            # batch is recomputed one example at a time, so only the offending
+            # examples are dropped and the sensitivity stays C.
+            sums, n_bad = tf.cond(n_bad > 0, lambda: one_by_one(xb, yb, mb),
+                                  lambda: (sums, n_bad))
+            kept = tf.cast(tf.logical_and(real, tf.math.is_finite(losses)), tf.float32)
             if gate is not None:
                 kept = kept * gate
             if self._log_metrics:  # non-private statistics of the kept examples
@@ -460,8 +492,7 @@ class DPModel(keras.Model):
                 losses = tf.where(kept > 0, tf.cast(losses, tf.float32), 0.0)
                 loss_sum += tf.reduce_sum(losses)
                 count += tf.reduce_sum(kept)
-            return (i + 1, [a + s for a, s in zip(acc, sums)], loss_sum, count,
-                    dropped + tf.reduce_sum(tf.cast(bad, tf.int64)))
+            return (i + 1, [a + s for a, s in zip(acc, sums)], loss_sum, count, dropped + n_bad)
 
         acc0 = [tf.zeros(v.shape, v.dtype) for v in variables]
         _, clipped_sum, loss_sum, count, dropped = tf.while_loop(
@@ -479,8 +510,8 @@ class DPModel(keras.Model):
         if replica is not None and replica.num_replicas_in_sync > 1:
             # each replica sums its share of the lot; the optimizer all-reduces the
             # sum, so exactly one replica contributes the (single) noise draw
-            first = tf.cast(tf.equal(replica.replica_id_in_sync_group, 0), tf.float32)
-            noised = [c + first * (z - c) for c, z in zip(clipped_sum, noised)]
+            first = tf.equal(replica.replica_id_in_sync_group, 0)
+            noised = [tf.where(first, z, c) for c, z in zip(clipped_sum, noised)]
         grads = [g / self._expected_lot for g in noised]
         return grads, loss_sum, count, dropped
 

@@ -160,3 +160,24 @@ def test_adaptive_clip_noise_multipliers():
 def test_bad_aggregator_inputs(make, message):
     with pytest.raises((ValueError, TypeError), match=message):
         make()
+
+
+@pytest.mark.parametrize("kind", ["fixed", "adaptive", "client"])
+def test_a_non_finite_client_update_is_zeroed_not_published(kind):
+    """One client's update holds NaN / inf: it contributes nothing (factor 0 applied
+    with tf.where), and the released aggregate stays finite."""
+    template = [tf.zeros([3]), tf.zeros([2])]
+    good = [tf.ones([3]), tf.ones([2])]
+    bad = [tf.constant([np.nan, 1.0, np.inf]), tf.ones([2])]
+    if kind == "client":
+        upload = ClientNoiseDPAggregator(GaussianSanitizer(1.0, 0.0)).client_transform(bad)
+        for t in upload:
+            np.testing.assert_array_equal(t.numpy(), 0.0)
+        return
+    extra = {"count_stddev": 1.0} if kind == "adaptive" else {}
+    agg = GlobalDPAggregator(GaussianSanitizer(1.0, 0.0), clip=kind, **extra)
+    result = agg.aggregate([(good, 1.0), (bad, 1.0)], template, expected_clients=2)
+    flat = np.concatenate([t.numpy().ravel() for t in result.update])
+    assert np.all(np.isfinite(flat))
+    # no noise: the mean over 2 expected clients of the good update clipped to 1
+    np.testing.assert_allclose(flat, np.ones(5) / np.sqrt(5) / 2, rtol=1e-5)

@@ -403,3 +403,29 @@ def test_backup_and_restore_in_a_new_model_records_the_restored_lots(tmp_path):
                    callbacks=[keras.callbacks.BackupAndRestore(backup)])
     assert second.lots_applied == second.lots_computed == second.privacy_ledger.count()
     assert second.lots_computed >= 30
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_nan_example_cannot_drop_its_neighbours_on_the_generic_path(mode, fast):
+    """LayerNormalization (generic Jacobian path, and everything with
+    fast_gradients=False): a batched backward pass spreads 0 x NaN to every
+    example of the batch; the batch is then recomputed one example at a time, so
+    exactly the NaN example is dropped and the clipped sum of the other seven
+    has norm 7 C (it was 0: one record moved the sum by 8 C)."""
+    n = 8
+    x = np.tile(np.array([[3.0, -2.0, 1.0, 5.0]], "float32"), (n, 1))
+    x[3, 0] = np.nan
+    y = np.zeros(n, "int64")
+    keras.utils.set_random_seed(0)
+    inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                              keras.layers.LayerNormalization(), keras.layers.Dense(2)])
+    w0 = weights(inner)
+    dp = DPModel(inner, fast_gradients=fast)
+    dp.compile(optimizer=DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=0.0), loss=loss(),
+               run_eagerly=mode == "eager", jit_compile=mode == "xla")
+    with pytest.warns(RuntimeWarning, match="1 training examples had a NaN"):
+        dp.fit(x, y, lot_size=n, batch_size=4, epochs=1, verbose=0, sampling="full_batch")
+    assert dp.dropped_examples == 1
+    norm = np.sqrt(sum(np.sum((b - a) ** 2) for a, b in zip(w0, weights(inner)))) * n
+    assert norm == pytest.approx(7.0, rel=1e-4)
