@@ -129,8 +129,10 @@ class GaussianSanitizer:
         self._generator = generator
         # key of the stateless per-lot noise stream (`add_noise(..., step=t)`): the
         # seed when seeded (so a resumed run continues the same stream at lot t),
-        # otherwise fresh secure bits held in memory only, never saved.
-        self.noise_key = int(seed) % 2**63 if seed is not None else secure_random.secure_key()
+        # otherwise two fresh 63-bit words from `secrets` (126 bits), held in
+        # memory only, never saved.
+        self.noise_key = ((int(seed) % 2**63, 0) if seed is not None
+                          else (secure_random.secure_key(), secure_random.secure_key()))
 
     # -- configuration ------------------------------------------------------
     @property
@@ -280,7 +282,7 @@ class GaussianSanitizer:
             gen, lot_seed = self.generator, None
         else:
             gen = None
-            key = tf.constant([self.noise_key >> 32, self.noise_key & 0xFFFFFFFF], tf.int64)
+            key = tf.constant(list(self.noise_key), tf.int64)  # 2 x 63 secret bits
             lot_seed = tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64))
         out = []
         for j, (s, g) in enumerate(zip(summed, groups)):

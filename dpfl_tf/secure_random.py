@@ -8,8 +8,11 @@ Two implementation attacks break textbook DP noise even when the analysis is rig
    (`secrets`, i.e. ``os.urandom``), keeps the key in process memory only (it is
    never saved with a model or a checkpoint), and refuses a user seed.  The
    in-graph generator is Philox-4x32-10 (Salmon et al. 2011), a counter-based
-   generator built from a cipher-like round function; it is keyed from 64
-   secure bits and started at a secure 128-bit counter.  Philox is not a proven
+   generator built from a cipher-like round function.  DP-SGD's per-lot noise
+   is drawn statelessly from a seed of two 63-bit words from `secrets` (126
+   secret bits) folded with the public lot index; the stateful generator of
+   the federated aggregators is keyed with 63 secure bits and started at a
+   126-bit secure counter.  Philox is not a proven
    CSPRNG: an attacker who sees many raw outputs might in principle learn the
    key.  A DP release exposes no raw outputs (only noise added to data), which
    is the threat model Opacus's secure mode also assumes.

@@ -97,7 +97,10 @@ class PrivacyCallback(keras.callbacks.Callback):
             logs["epsilon"] = self._epsilon()
             logs["delta"] = self.delta
             logs["lots"] = self.model.lots_computed
-            logs["dropped_examples"] = self.model.dropped_examples
+            if getattr(self.model, "_log_metrics", True):
+                # an un-noised count over private lots: a non-private statistic,
+                # logged only with the other training statistics
+                logs["dropped_examples"] = self.model.dropped_examples
 
     def on_train_end(self, logs=None):
         self.model.set_lot_limit(None)

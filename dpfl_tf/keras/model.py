@@ -145,7 +145,11 @@ class DPModel(keras.Model):
 
     @property
     def dropped_examples(self) -> int:
-        """Examples whose gradient was non-finite and was zeroed (dropped) so far."""
+        """Examples whose gradient was non-finite and was zeroed (dropped) so far.
+
+        An un-noised count over private lots: a NON-PRIVATE statistic (whether a
+        NaN record was sampled), like the training loss; not logged with
+        ``fit(log_train_metrics=False)``."""
         return self._counters.dropped_value()
 
     @property
@@ -205,10 +209,10 @@ class DPModel(keras.Model):
           preprocess: a function applied to each lot's x inside tf.data (e.g.
             augmentation; it must act on each example independently).
           sampling_seed: seeds lot sampling (tests only; default OS entropy).
-          log_train_metrics: the loss and metrics of the training lots are
-            computed on private data without noise: they are NON-PRIVATE
-            statistics.  Set False to not compute or log them (epsilon, lots
-            and dropped examples are still logged).
+          log_train_metrics: the loss and metrics of the training lots, and the
+            count of dropped examples, are computed on private data without
+            noise: they are NON-PRIVATE statistics.  Set False to not compute or
+            log them (epsilon and the lots released are still logged).
 
         Examples whose gradient is NaN or inf are dropped (zeroed; the lot is
         applied and counted) and counted in `dropped_examples`, with a warning.
@@ -257,6 +261,12 @@ class DPModel(keras.Model):
                 f"{replicas} replicas, got {self.steps_per_execution}: TensorFlow cannot run "
                 "the lot's loop over physical batches inside the multi-step loop of "
                 "replicated training (this mode is not supported, so it is refused)")
+        if replicas > 1 and optimizer.secure_mode:
+            raise ValueError(
+                f"secure_mode=True is not supported under a distribution strategy with "
+                f"{replicas} replicas: the replicas' all-reduce adds float32 partial sums "
+                "after the noise, a second rounding that secure mode's one-rounding "
+                "defence does not cover (this mode is refused)")
         if replicas > 1 and self.jit_compile:
             raise ValueError(
                 f"jit_compile must be False under a distribution strategy with {replicas} "
@@ -349,9 +359,18 @@ class DPModel(keras.Model):
             f"as {describe_event(self._step_event)} (the settings of this fit): resume "
             "with the settings that produced them, or load the full .keras model, whose "
             "ledger keeps its own history", RuntimeWarning, stacklevel=stacklevel)
-        self._counters.set_computed(self.lots_applied)
         if self._epoch_event is not None:
-            self._fit_start_lots = self._recorded_lots
+            # shuffle: the restored lots came from permutations of their own; they
+            # are ceil(pending / lots per epoch) epochs, and this fit's lots start a
+            # new epoch (one accounting epoch never straddles two permutations)
+            self.ledger.record(self._epoch_event, math.ceil(pending / self._lots_per_epoch),
+                               label="dpsgd")
+            self._counters.set_computed(self.lots_applied)
+            self._recorded_lots = self.lots_computed
+            self._fit_start_lots = self.lots_computed
+            self._recorded_epochs = 0
+            return
+        self._counters.set_computed(self.lots_applied)
         self._sync_ledger()
 
     @property

@@ -31,11 +31,12 @@ def accuracy(model: keras.Model, x, y, batch_size: int = 2000) -> float:
 
 
 #: result fields measured on the private training data without noise
-NON_PRIVATE_STATISTICS = ("train_accuracy", "history[].train_accuracy")
+NON_PRIVATE_STATISTICS = ("train_accuracy", "history[].train_accuracy", "dropped_examples")
 NON_PRIVATE_STATISTICS_NOTE = (
     "train_accuracy (final, and per epoch in history) is computed on private training "
     "examples without noise, like the loss / accuracy Keras logs while DPModel.fit runs: "
-    "a non-private statistic, not covered by epsilon. Releasing it leaks information about "
+    "a non-private statistic, not covered by epsilon (so is dropped_examples, the count of "
+    "examples whose gradient was NaN or inf). Releasing it leaks information about "
     "the training data; release test_accuracy (held-out data) and the model instead.")
 
 

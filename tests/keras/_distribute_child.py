@@ -66,7 +66,19 @@ def dp_sampler_sizes(dp, epochs):
     return list(LotSampler(7, 1, seed=0).lots(7 * epochs))
 
 
-json.dump({**tiny_lots(),
+def secure_refusal():
+    with mirrored.scope():
+        dp = DPModel(keras.Sequential([keras.Input((60,)), keras.layers.Dense(10)]))
+        dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0,
+                                   secure_mode=True), loss=loss())
+    try:
+        dp.fit(x[:20], y[:20], lot_size=5, epochs=1, verbose=0)
+    except ValueError as err:
+        return {"secure_refusal": str(err), "secure_lots": dp.lots_computed}
+    return {"secure_refusal": None, "secure_lots": dp.lots_computed}
+
+
+json.dump({**tiny_lots(), **secure_refusal(),
     "replicas": mirrored.num_replicas_in_sync,
     "mirrored_max_diff": float(np.max(np.abs(clean - clean_m))),
     "xla_max_diff": float(np.max(np.abs(clean - clean_x))),

@@ -48,3 +48,9 @@ def test_mirrored_strategy_trains_lots_of_every_size_and_drops_nan_examples(chil
     assert child["tiny_lots"] == child["tiny_ledger"] == 7 * 40
     assert child["tiny_dropped"] >= 1
     assert child["tiny_finite"]
+
+
+def test_secure_mode_is_refused_under_mirrored_strategy(child):
+    assert "secure_mode=True is not supported under a distribution strategy" in \
+        child["secure_refusal"]
+    assert child["secure_lots"] == 0

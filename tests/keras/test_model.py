@@ -429,3 +429,38 @@ def test_a_nan_example_cannot_drop_its_neighbours_on_the_generic_path(mode, fast
     assert dp.dropped_examples == 1
     norm = np.sqrt(sum(np.sum((b - a) ** 2) for a, b in zip(w0, weights(inner)))) * n
     assert norm == pytest.approx(7.0, rel=1e-4)
+
+
+def test_shuffled_lots_restored_from_weights_are_epochs_of_their_own(tmp_path):
+    """7 shuffled lots (2 permutations) restored into a new model, then 3 lots of a
+    new permutation: 3 epochs touched, not 2 (one accounting epoch must not
+    straddle two permutations)."""
+    x, y = mnist_slice(50, features=60)
+
+    class StopAfter(keras.callbacks.Callback):
+        def __init__(self, lots):
+            super().__init__()
+            self.lots = lots
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.lots -= 1
+            if self.lots == 0:
+                self.model.stop_training = True
+
+    first = dp_model(noise=2.0, seed=None)
+    first.build((None, 60))
+    first.fit(x, y, lot_size=10, sampling="shuffle", epochs=2, verbose=0,
+              callbacks=[StopAfter(7)], accountant="rdp")
+    assert first.privacy_ledger.count() == 2
+    path = tmp_path / "w.weights.h5"
+    first.save_weights(path)
+    second = dp_model(noise=2.0, seed=None)
+    second.build((None, 60))
+    second.load_weights(path)
+    with pytest.warns(RuntimeWarning, match="7 lots restored"):
+        second.fit(x, y, lot_size=10, sampling="shuffle", epochs=1, verbose=0,
+                   callbacks=[StopAfter(3)], accountant="rdp")
+    assert second.lots_computed == 10
+    assert second.privacy_ledger.count() == 3
+    assert second.epsilon(1e-5, "rdp") == pytest.approx(compute_epsilon(
+        dp_sgd_event(2.0, 0, "shuffle", epochs=3), 1e-5, "rdp"))
