@@ -197,6 +197,7 @@ def main(argv=None) -> list[dict]:
                    "library": result.get("library"),
                    "library_version": result.get("library_version"),
                    "epochs_timed": len(result.get("epoch_seconds") or []),
+                   "examples": args.examples, "lot_size": args.lot_size,
                    "wall_seconds": time.perf_counter() - start}
             if result.get("error"):
                 row["error"] = result["error"].strip().splitlines()[-1][:300]
