@@ -12,7 +12,7 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["check_output_file", "check_output_dir", "ResultsFile", "Interrupts",
            "RunInterrupted", "quiet_tensorflow", "STATUSES", "EXIT_CODES"]
@@ -188,10 +188,3 @@ def quiet_tensorflow(verbose: bool) -> None:
         os.dup2(saved, 2)
         os.close(saved)
 
-
-def note_time(seconds: float) -> str:
-    return f"{seconds / 60:.1f} min" if seconds >= 120 else f"{seconds:.0f} s"
-
-
-def call_quietly(fn: Callable[[], Any]) -> Any:
-    return fn()
