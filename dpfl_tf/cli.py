@@ -14,6 +14,7 @@ import math
 import sys
 from typing import Callable, Sequence
 
+from dpfl_tf._runs import quiet_tensorflow
 from dpfl_tf._validation import check_count, check_number, float_arg
 
 __all__ = ["main", "build_parser"]
@@ -202,9 +203,24 @@ def _add_train_parser(sub) -> None:
                         "models/cifar10_public_convnet.weights.h5 if present, else a short "
                         "pretraining on the public split first)")
     p.add_argument("--seed", type=int, help="reproducible run (NOT for deployment)")
-    p.add_argument("--output", default=None, help="results JSON (default results/train_<dataset>.json)")
+    p.add_argument("--output", default=None,
+                   help="results JSON (default results/train_<dataset>.json), rewritten after "
+                        "every epoch with a status (running, completed, budget_spent, "
+                        "interrupted, failed); the figure goes beside it (.png)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="checkpoint here after every epoch, and resume from it if it holds "
+                        "a checkpoint of the same run (mnist, fashion_mnist, scatter_linear)")
+    p.add_argument("--tensorboard", default=None, metavar="LOG_DIR",
+                   help="TensorBoard logs (epsilon per lot and epoch); needs "
+                        "pip install 'dpfl-tf[tensorboard]'")
     p.add_argument("--data-dir", default=None)
+    _add_verbose(p)
     p.set_defaults(func=_run_train)
+
+
+def _add_verbose(p) -> None:
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="show TensorFlow's start-up and log messages")
 
 
 def _paper_setting_for(epsilon: float) -> str:
@@ -241,6 +257,11 @@ def _run_train(args, error) -> int:
                              low_open=True)
     except ValueError as e:
         error(str(e))
+    _check_outputs(args, error, f"train_{args.dataset}")
+    if cifar and args.checkpoint_dir is not None:
+        error("--checkpoint-dir is not offered for the cifar10 convnet yet (it is for mnist, "
+              "fashion_mnist and --model scatter_linear)")
+    quiet_tensorflow(args.verbose)
     if cifar:
         return _run_train_cifar10(args, error, epsilon, delta, epochs, lot, clip, lr)
     from dpfl_tf.recipes.mnist import PAPER_SETTINGS, MnistConfig, train_mnist
@@ -268,7 +289,7 @@ def _run_train(args, error) -> int:
         what = f"{config.model}, sigma={config.noise_multiplier:g}, lot={lot}, clip={clip:g}"
     print(f"DP-SGD on {args.dataset}: {what}, target epsilon={epsilon:g} at delta={delta:g} "
           f"({args.accountant} accountant)")
-    return _train_and_report(args, error, lambda: train_mnist(config), f"train_{args.dataset}",
+    return _train_and_report(args, error, lambda **kw: train_mnist(config, **kw),
                              lambda r: f"test accuracy = {r['test_accuracy']:.4f} after "
                                        f"{r['epochs']} epochs"
                                        + (f", sigma = {r['noise_multiplier']:.3f}" if scatter
@@ -305,38 +326,125 @@ def _run_train_cifar10(args, error, epsilon, delta, epochs, lot, clip, lr) -> in
               "on the public split first (python experiments/cifar10_pretrain.py makes "
               "the full model)")
     return _train_and_report(
-        args, error, lambda: train_cifar10(config), "train_cifar10",
+        args, error, lambda **kw: train_cifar10(config), 
         lambda r: f"test accuracy = {r['test_accuracy']:.4f} after {r['epochs']} epochs on "
                   f"{r['dataset']} (start {r['pretrained_on_cifar10_test']:.4f}; "
                   f"pretraining: {r['pretraining']})", ylim=(0.0, 1.0))
 
 
-def _train_and_report(args, error, train: Callable[[], dict], default_name: str,
-                      accuracy_line: Callable[[dict], str], ylim=None) -> int:
-    """Runs a training recipe, writes its results and figure, prints the summary."""
+def _check_outputs(args, error, default_name: str) -> None:
+    """Before any data is loaded: the results file (and checkpoint / TensorBoard
+    directories) can be written -- missing parents are created -- or the run is
+    refused with one line (exit code 2)."""
+    from dpfl_tf._runs import check_output_dir, check_output_file
+
     import os
 
-    import matplotlib.pyplot as plt
+    args.output = args.output or os.path.join("results", default_name + ".json")
+    try:
+        check_output_file("--output", args.output)
+        if getattr(args, "checkpoint_dir", None) is not None:
+            check_output_dir("--checkpoint-dir", args.checkpoint_dir)
+        if getattr(args, "tensorboard", None) is not None:
+            from dpfl_tf.keras.tensorboard import require_tensorboard
 
-    from dpfl_tf._io import atomic_write_json
-    from dpfl_tf.plotting import plot_accuracy_and_epsilon, save_figure
+            try:
+                require_tensorboard("--tensorboard")
+            except ImportError as e:
+                raise ValueError(str(e)) from None
+            check_output_dir("--tensorboard", args.tensorboard)
+    except ValueError as e:
+        error(str(e))
+
+
+def _resume_command(args, checkpoint_dir: str) -> str:
+    import shlex
+
+    argv = list(getattr(args, "argv", None) or sys.argv[1:])
+    if "--checkpoint-dir" not in argv and not any(a.startswith("--checkpoint-dir=")
+                                                  for a in argv):
+        argv += ["--checkpoint-dir", checkpoint_dir]
+    return "dpfl-tf " + " ".join(shlex.quote(a) for a in argv)
+
+
+def _status(stop_reason: str | None) -> str:
+    return {"completed": "completed", "budget_spent": "budget_spent",
+            "interrupted": "interrupted"}.get(stop_reason or "", "completed")
+
+
+def _train_and_report(args, error, train: Callable[..., dict],
+                      accuracy_line: Callable[[dict], str], ylim=None) -> int:
+    """Runs a training recipe, writing its results after every epoch (and its
+    figure at the end), and prints the summary.  Ctrl-C / SIGTERM stop after the
+    current lot: results marked interrupted, a checkpoint, exit code 130 / 143."""
+    import gc
+    import os
+
+    from dpfl_tf._runs import Interrupts, ResultsFile, RunInterrupted
+    from dpfl_tf.privacy.ledger import BudgetExceededError
 
     if args.seed is not None:
         print(f"note: --seed {args.seed} makes the run reproducible; it is NOT for deployment")
-    from dpfl_tf.privacy.ledger import BudgetExceededError
-
-    try:
-        result = train()
-    except (ValueError, FileNotFoundError, BudgetExceededError) as e:
-        error(str(e))
-    out = args.output or os.path.join("results", default_name + ".json")
-    atomic_write_json(out, result)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    plot_accuracy_and_epsilon(result["history"], ax, f"{result['dataset']} DP-SGD")
-    if ylim:
-        ax.set_ylim(*ylim)
+    out = args.output
+    results = ResultsFile(out)
     figure = os.path.splitext(out)[0] + ".png"
-    save_figure(fig, figure)
+    checkpoint_dir = args.checkpoint_dir or os.path.splitext(out)[0] + ".checkpoint"
+    resumable = args.dataset != "cifar10" or args.model == "scatter_linear"
+
+    def resumed(info):
+        print(f"resumed from {info['directory']}: {info['lots']} lots "
+              f"({info['epoch']:.2f} epochs), epsilon so far {info['epsilon']:.4f}", flush=True)
+
+    extra = {}
+    if args.tensorboard is not None:
+        from dpfl_tf.keras.tensorboard import tensorboard_callback
+
+        extra["callbacks"] = [tensorboard_callback(args.tensorboard)]
+    with Interrupts() as interrupts:
+        try:
+            if resumable:
+                with interrupts.deferred():
+                    result = train(checkpoint_dir=checkpoint_dir,
+                                   checkpoint_every_epoch=args.checkpoint_dir is not None,
+                                   on_epoch=lambda r: results.write("running", r),
+                                   should_stop=lambda: interrupts.requested,
+                                   on_resume=resumed, **extra)
+            else:
+                result = train()
+        except RunInterrupted:
+            kept = "nothing measured yet"
+            if results.written:
+                results.write("interrupted", results.last)
+                kept = f"results of {results.last.get('epochs')} epochs in {out}"
+            else:
+                results.write("interrupted", {"command": _resume_command(args, checkpoint_dir)})
+            has_ckpt = os.path.exists(os.path.join(checkpoint_dir, "state.json"))
+            how = (f"; resume with: {_resume_command(args, checkpoint_dir)}" if has_ckpt
+                   else "; no checkpoint was written yet: run the command again")
+            print(f"\ninterrupted ({interrupts.name}): kept {kept} (status interrupted){how}",
+                  file=sys.stderr)
+            return interrupts.exit_code
+        except (ValueError, FileNotFoundError, BudgetExceededError) as e:
+            if results.written:
+                results.write("failed", results.last, error=str(e))
+            message = str(e)
+            if message.startswith("lot_size ("):
+                message = "--lot-size" + message[len("lot_size"):]
+            error(message)
+        except Exception as e:
+            if results.written:
+                results.write("failed", results.last, error=f"{type(e).__name__}: {e}")
+            raise
+    gc.collect()  # finalise tf.data's generator iterators now, not at interpreter exit
+    status = _status(result.get("stop_reason"))
+    results.write(status, result)
+    _save_training_figure(result, figure, ylim)
+    if status == "interrupted":
+        print(f"\ninterrupted ({interrupts.name}) after {result['lots']} lots "
+              f"(in epoch {result['epochs']}; epsilon = {result['epsilon']:.4f}): results in {out} "
+              f"(status interrupted), checkpoint in {checkpoint_dir}; resume with: "
+              f"{_resume_command(args, checkpoint_dir)}", file=sys.stderr)
+        return interrupts.exit_code
     print(accuracy_line(result))
     print(f"privacy spent: epsilon = {result['epsilon']:.4f} at delta = {args.delta:g} "
           f"({args.accountant}; {result['events']})")
@@ -344,9 +452,24 @@ def _train_and_report(args, error, train: Callable[[], dict], default_name: str,
     return 0
 
 
+def _save_training_figure(result: dict, path: str, ylim=None) -> None:
+    from matplotlib.figure import Figure
+
+    from dpfl_tf.plotting import plot_accuracy_and_epsilon, save_figure
+
+    fig = Figure(figsize=(5, 3.5))
+    ax = fig.add_subplot()
+    plot_accuracy_and_epsilon(result["history"], ax, f"{result['dataset']} DP-SGD")
+    if ylim:
+        ax.set_ylim(*ylim)
+    save_figure(fig, path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dpfl-tf", description="Differentially private deep learning for Keras 3.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show TensorFlow's start-up and log messages (quiet by default)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_privacy_parser(sub)
@@ -359,7 +482,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
+    if not args.verbose:  # before TensorFlow is imported (by the command)
+        import os
+
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sub_parser = parser._subparsers._group_actions[0].choices[args.command]  # for error()
     return args.func(args, sub_parser.error)
 

@@ -1,13 +1,25 @@
-"""Figures shared by experiments and notebooks (matplotlib, no screen needed)."""
+"""Figures shared by experiments, the CLI and notebooks.
+
+Object-oriented matplotlib only: importing this module never changes the global
+backend (a notebook keeps its inline backend).  Each ``plot_*`` function draws
+on the `ax` it is given; without one it makes a new `matplotlib.figure.Figure`
+(not registered with pyplot: show it with ``ax.figure`` or pass an axis from
+``plt.subplots``).  `save_figure` writes PNG through `FigureCanvasAgg`.
+"""
 
 from __future__ import annotations
 
-import matplotlib
+__all__ = ["plot_epsilon_curves", "plot_accuracy_and_epsilon", "plot_best_accuracy_vs_epsilon",
+           "plot_runs_accuracy_and_epsilon", "plot_roc_curves", "plot_federated_rounds",
+           "new_axes", "save_figure"]
 
-matplotlib.use("Agg", force=False)
-import matplotlib.pyplot as plt  # noqa: E402
 
-__all__ = ["plot_epsilon_curves", "save_figure"]
+def new_axes(figsize=(5, 3.5)):
+    """One axis on a new `Figure` (no pyplot, no backend change)."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=figsize).add_subplot()
+
 
 _STYLE = {"moments": ("tab:blue", "-", "moments accountant (ours)"),
           "strong": ("tab:red", "--", "strong composition"),
@@ -18,7 +30,7 @@ _STYLE = {"moments": ("tab:blue", "-", "moments accountant (ours)"),
 def plot_epsilon_curves(curves: dict, ax=None):
     """Epsilon versus epochs, one line per accountant (output of `epsilon_curves`)."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(6, 4))
+        ax = new_axes((6, 4))
     for name, (color, style, label) in _STYLE.items():
         if name in curves:
             ax.plot(curves["epochs"], curves[name], style, color=color, label=label)
@@ -32,21 +44,73 @@ def plot_epsilon_curves(curves: dict, ax=None):
 
 
 def save_figure(fig, path) -> None:
-    """Saves a figure as PNG atomically and closes it."""
+    """Saves a figure as PNG atomically (through the Agg canvas, whatever the
+    backend) and, if pyplot manages it, closes it."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     from dpfl_tf._io import atomic_write
 
+    managed = getattr(fig.canvas, "manager", None) is not None
     try:
-        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"),
-                     binary=True)
+        if managed:  # a pyplot figure, maybe on another backend: print via Agg
+            def write(f):
+                fig.savefig(f, format="png", dpi=120, bbox_inches="tight", backend="agg")
+        else:        # a bare Figure: give it the Agg canvas
+            canvas = FigureCanvasAgg(fig)
+
+            def write(f):
+                canvas.print_figure(f, format="png", dpi=120, bbox_inches="tight")
+        atomic_write(path, write, binary=True)
     finally:
-        plt.close(fig)
+        if managed:
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
+
+
+def plot_federated_rounds(runs, ax_accuracy=None, ax_epsilon=None, title: str = ""):
+    """Test accuracy (left) and epsilon (right) per round, one line per run,
+    labelled by its mechanism (results of `run_federated` / ``dpfl-tf
+    federated``).  Runs without client-level DP have no epsilon line (their
+    epsilon is infinite; the panel's title says so)."""
+    if ax_accuracy is None or ax_epsilon is None:
+        from matplotlib.figure import Figure
+
+        ax_accuracy, ax_epsilon = Figure(figsize=(10, 3.8)).subplots(1, 2)
+    no_dp = []
+    for i, run in enumerate(runs):
+        color = f"C{i % 10}"
+        label = run.get("mechanism", f"run {i + 1}")
+        rows = run["history"]
+        acc = [r for r in rows if r.get("accuracy") is not None]
+        ax_accuracy.plot([r["round"] for r in acc], [r["accuracy"] for r in acc], color=color,
+                         marker="o" if len(acc) < 20 else None, label=label)
+        eps = [r for r in rows if r.get("epsilon") is not None]
+        if eps:
+            ax_epsilon.plot([r["round"] for r in eps], [r["epsilon"] for r in eps],
+                            color=color, marker="o" if len(eps) < 20 else None, label=label)
+        else:
+            no_dp.append(label)
+    ax_accuracy.set_xlabel("round")
+    ax_accuracy.set_ylabel("test accuracy")
+    ax_accuracy.grid(alpha=0.3)
+    ax_accuracy.legend(fontsize=8)
+    ax_accuracy.set_title(title or "accuracy per round", fontsize=9)
+    ax_epsilon.set_xlabel("round")
+    ax_epsilon.set_ylabel("epsilon (client level)")
+    ax_epsilon.grid(alpha=0.3)
+    ax_epsilon.set_title("epsilon per round" + (f" ({', '.join(no_dp)}: no DP, epsilon = inf)"
+                                                if no_dp else ""), fontsize=9)
+    if len(no_dp) < len(runs):
+        ax_epsilon.legend(fontsize=8)
+    return ax_accuracy, ax_epsilon
 
 
 def plot_accuracy_and_epsilon(rows, ax=None, title: str = ""):
     """Train / test accuracy (left axis) and epsilon (right axis) per epoch,
     from the per-epoch history rows of a training recipe (Abadi et al., Figure 3)."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(5, 3.5))
+        ax = new_axes((5, 3.5))
     acc_rows = [r for r in rows if "test_accuracy" in r]
     ax.plot([r["epoch"] for r in acc_rows], [r["test_accuracy"] for r in acc_rows],
             color="tab:blue", label="test accuracy")
@@ -73,7 +137,7 @@ def plot_best_accuracy_vs_epsilon(runs, deltas, ax=None):
     import numpy as np
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(5, 3.5))
+        ax = new_axes((5, 3.5))
     for delta in deltas:
         key = f"epsilon@{delta:g}"
         points = [(r[key], r["test_accuracy"]) for run in runs for r in run["history"]
@@ -98,7 +162,7 @@ def plot_runs_accuracy_and_epsilon(runs, ax=None, title: str = "",
     epoch (solid, left axis) and epsilon per epoch (dashed, right axis), one
     colour per run, labelled by ``run[label_key]``."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(5, 3.5))
+        ax = new_axes((5, 3.5))
     ax2 = None
     for i, run in enumerate(runs):
         color = f"C{i % 10}"
@@ -132,7 +196,7 @@ def plot_roc_curves(curves, ax=None, title: str = "", log_scale: bool = True):
     import numpy as np
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(4.5, 4))
+        ax = new_axes((4.5, 4))
     smallest = 1.0
     for i, (label, curve) in enumerate(curves.items()):
         if hasattr(curve, "fpr"):

@@ -100,8 +100,12 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
     o.add_argument("--eval-every", type=_int, default=1)
     o.add_argument("--checkpoint-dir", help="write (and resume from) checkpoints here")
     o.add_argument("--output", "-o", default="results/federated_run.json",
-                   help="results JSON file")
+                   help="results JSON file, rewritten after every round with a status "
+                        "(running, completed, budget_spent, interrupted, failed); the figure "
+                        "(accuracy and epsilon per round) goes beside it (.png)")
     o.add_argument("--no-progress", action="store_true")
+    o.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="show TensorFlow's start-up and log messages")
     p.set_defaults(func=_run_federated)
     return p
 
@@ -156,19 +160,85 @@ def _eps(value) -> str:
     return "inf" if value is None else f"{value:.4f}"
 
 
+def _status(stop_reason: str) -> str:
+    if stop_reason == "interrupted":
+        return "interrupted"
+    return "budget_spent" if stop_reason.startswith("privacy budget") else "completed"
+
+
 def _run_federated(args, error) -> int:
-    from dpfl_tf._io import atomic_write_json
+    import gc
+    import os
+
+    from dpfl_tf._runs import (Interrupts, ResultsFile, RunInterrupted, check_output_dir,
+                               check_output_file, quiet_tensorflow)
+
+    try:  # before any data is loaded
+        check_output_file("--output", args.output)
+        if args.checkpoint_dir is not None:
+            check_output_dir("--checkpoint-dir", args.checkpoint_dir)
+    except ValueError as e:
+        error(str(e))
+    config = config_from_args(args, error)
+    quiet_tensorflow(getattr(args, "verbose", False))
     from dpfl_tf.federated.runner import run_federated
 
-    config = config_from_args(args, error)
-    try:
-        result = run_federated(config, progress=not args.no_progress,
-                               checkpoint_dir=args.checkpoint_dir)
-    except (ValueError, FileNotFoundError) as e:  # FileNotFoundError: data missing offline
-        error(str(e))
-    if result["rounds"] == 0 and config.rounds > 0:  # e.g. the budget allows no round
-        error(f"no round was run: {result['stop_reason']}")
-    atomic_write_json(args.output, result)
+    results = ResultsFile(args.output)
+    figure = os.path.splitext(args.output)[0] + ".png"
+    checkpoint_dir = args.checkpoint_dir or os.path.splitext(args.output)[0] + ".checkpoint"
+
+    def resumed(info):
+        eps = info["epsilon"]
+        print(f"resumed from {info['directory']}: {info['rounds']} rounds, epsilon so far "
+              f"{'n/a (no client-level DP)' if eps is None else f'{eps:.4f}'}", flush=True)
+
+    def resume_command() -> str:
+        import shlex
+
+        argv = list(getattr(args, "argv", None) or ["federated", *sys.argv[1:]])
+        if "--checkpoint-dir" not in argv:
+            argv += ["--checkpoint-dir", checkpoint_dir]
+        return "dpfl-tf " + " ".join(shlex.quote(a) for a in argv)
+
+    with Interrupts() as interrupts:
+        try:
+            with interrupts.deferred():
+                result = run_federated(config, progress=not args.no_progress,
+                                       checkpoint_dir=checkpoint_dir,
+                                       checkpoint_every_round=args.checkpoint_dir is not None,
+                                       should_stop=lambda: interrupts.requested,
+                                       on_round=lambda r: results.write("running", r),
+                                       on_resume=resumed)
+        except RunInterrupted:
+            kept = (f"results of {results.last.get('rounds')} rounds in {args.output}"
+                    if results.written else "nothing measured yet")
+            results.write("interrupted", results.last or {})
+            print(f"\ninterrupted ({interrupts.name}): kept {kept} (status interrupted); "
+                  "run the command again to start over" if args.checkpoint_dir is None else
+                  f"\ninterrupted ({interrupts.name}): kept {kept} (status interrupted); "
+                  f"resume with: {resume_command()}", file=sys.stderr)
+            return interrupts.exit_code
+        except (ValueError, FileNotFoundError) as e:  # FileNotFoundError: data missing offline
+            if results.written:
+                results.write("failed", results.last, error=str(e))
+            error(str(e))
+        except Exception as e:
+            if results.written:
+                results.write("failed", results.last, error=f"{type(e).__name__}: {e}")
+            raise
+    gc.collect()
+    if result["rounds"] == 0 and config.rounds > 0 and result["stop_reason"] != "interrupted":
+        error(f"no round was run: {result['stop_reason']}")  # e.g. the budget allows none
+    status = _status(result["stop_reason"])
+    results.write(status, result)
+    if result["history"]:
+        save_round_figure([result], figure)
+    if status == "interrupted":
+        print(f"\ninterrupted ({interrupts.name}) after {result['rounds']} rounds "
+              f"(epsilon = {_eps(result['epsilon'])}): results in {args.output} (status "
+              f"interrupted), checkpoint in {checkpoint_dir}; resume with: {resume_command()}",
+              file=sys.stderr)
+        return interrupts.exit_code
     eps = result["epsilon"]
     print(f"test accuracy = {result['test_accuracy']:.4f} after {result['rounds']} rounds "
           f"({result['mechanism']}, K={result['clients']})")
@@ -196,8 +266,20 @@ def _run_federated(args, error) -> int:
                   f"{srv['relation']})")
     for note in result["notices"]:
         print(f"NOTE: {note}")
-    print(f"{result['stop_reason']}; wrote {args.output}")
+    print(f"{result['stop_reason']}; wrote {args.output}"
+          + (f" and {figure}" if result["history"] else ""))
     return 0
+
+
+def save_round_figure(results: list, path: str) -> None:
+    """Accuracy and epsilon per round, one line per run (labelled by mechanism)."""
+    from matplotlib.figure import Figure
+
+    from dpfl_tf.plotting import plot_federated_rounds, save_figure
+
+    fig = Figure(figsize=(10, 3.8))
+    plot_federated_rounds(results, *fig.subplots(1, 2))
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:

@@ -139,6 +139,12 @@ class FederatedConfig:
                              f"with dp={self.dp.value!r}, got {self.aggregator!r}")
         if self.clients_per_round is None and self.fraction is None:
             s(self, "fraction", 0.1)
+        if self.fraction is not None:
+            s(self, "fraction", check_number("fraction", self.fraction, low=0.0, high=1.0,
+                                             low_open=True))
+        if self.clients_per_round is not None:
+            s(self, "clients_per_round", check_count("clients_per_round",
+                                                     self.clients_per_round, minimum=1))
         if self.clip == "median":
             raise ValueError("clip='median' (the median of the round's raw update norms, read "
                              "without noise: not differentially private) is no longer offered; "
@@ -362,11 +368,34 @@ def _mechanism(c: FederatedConfig) -> str:
 
 
 def run_federated(config: FederatedConfig, dataset=None, *, progress: bool = True,
-                  checkpoint_dir: str | None = None) -> dict[str, Any]:
-    """Runs one configuration and returns a JSON-ready result (with history)."""
+                  checkpoint_dir: str | None = None, checkpoint_every_round: bool = True,
+                  should_stop=None, on_round=None, on_resume=None) -> dict[str, Any]:
+    """Runs one configuration and returns a JSON-ready result (with history).
+
+    checkpoint_dir: with `checkpoint_every_round`, the run resumes from it and
+      checkpoints there after every round; otherwise a checkpoint is written
+      there only when `should_stop` ends the run.
+    should_stop(): polled before every client; True ends the run after the last
+      complete round (``stop_reason`` "interrupted").
+    on_round(result): after every round, with everything measured so far.
+    on_resume(info): once, when resuming ({"directory", "rounds", "epsilon"}).
+    """
     start = time.perf_counter()
     server, ds = build_server(config, dataset, progress=progress)
-    server.run(config.rounds, checkpoint_dir=checkpoint_dir)
+    every = checkpoint_dir if checkpoint_every_round else None
+    if every is not None and server.load_checkpoint(every, missing_ok=True) and on_resume:
+        on_resume({"directory": every, "rounds": server.rounds_done,
+                   "epsilon": server.epsilon()})
+    server.run(config.rounds, checkpoint_dir=every, resume=False, should_stop=should_stop,
+               on_round=None if on_round is None else
+               (lambda srv: on_round(federated_result(config, srv, ds, start))))
+    if server.stop_reason == "interrupted" and checkpoint_dir is not None and every is None:
+        server.save_checkpoint(checkpoint_dir)
+    return federated_result(config, server, ds, start)
+
+
+def federated_result(config: FederatedConfig, server, ds, start: float) -> dict[str, Any]:
+    """The JSON-ready result of `server`'s run so far."""
     seconds = time.perf_counter() - start
     c = config
     last = server.history[-1] if server.history else None

@@ -139,6 +139,10 @@ class ClientSampling:
                 "fraction": self.fraction}
 
 
+class RoundAbandoned(Exception):
+    """A round stopped before its update was released (see `FederatedServer.run_round`)."""
+
+
 @dataclasses.dataclass
 class RoundRecord:
     """One row of the history."""
@@ -351,8 +355,10 @@ class FederatedServer:
         Flower strategy both call this."""
         return self.sampling.sample(None if self.secure_mode else rng, self.num_clients)
 
-    def run_round(self) -> RoundRecord:
-        """Runs one round (no budget check; `run` checks first)."""
+    def run_round(self, should_stop=None) -> RoundRecord:
+        """Runs one round (no budget check; `run` checks first).  `should_stop()`
+        is polled before each client; True abandons the round (`RoundAbandoned`):
+        no update is released or recorded and the global weights are restored."""
         t = self.rounds_done
         start, cpu_start = time.perf_counter(), time.process_time()
         rng = self.round_rng(t)
@@ -364,6 +370,8 @@ class FederatedServer:
 
         def uploads():
             for k in selected:
+                if should_stop is not None and should_stop():
+                    raise RoundAbandoned(t + 1)
                 indices = self.partition.client(int(k))
                 delta = self.trainer.train(global_weights, indices, rng)
                 upload = self.aggregator.client_transform(delta)
@@ -372,8 +380,12 @@ class FederatedServer:
                                                  self.local_dp.generator(t, int(k)))
                 yield upload, float(len(indices))
 
-        result = self.aggregator.aggregate(uploads(), global_weights,
-                                           expected_clients=self.expected_clients)
+        try:
+            result = self.aggregator.aggregate(uploads(), global_weights,
+                                               expected_clients=self.expected_clients)
+        except RoundAbandoned:  # nothing released: the global model stays as it was
+            self.trainer.set_weights(global_weights)
+            raise
         self.trainer.set_weights([w + d for w, d in zip(global_weights, result.update)])
         seconds = time.perf_counter() - start
         cpu_seconds = time.process_time() - cpu_start
@@ -394,12 +406,15 @@ class FederatedServer:
         return record
 
     def run(self, rounds: int, *, checkpoint_dir: str | os.PathLike | None = None,
-            resume: bool = True) -> list[RoundRecord]:
+            resume: bool = True, should_stop=None, on_round=None) -> list[RoundRecord]:
         """Runs up to `rounds` rounds in total (counting rounds already done).
 
         With `checkpoint_dir`, the state is written atomically after every
         round and, if `resume`, read back first, so an interrupted run
-        continues where it stopped."""
+        continues where it stopped.  `should_stop()` is polled before every
+        client: True ends the run with ``stop_reason`` "interrupted" (the round
+        under way is abandoned, see `run_round`).  `on_round(server)` is called
+        after every round (after its checkpoint)."""
         rounds = check_count("rounds", rounds)
         self.stop_reason = None
         if checkpoint_dir is not None and resume:
@@ -417,9 +432,15 @@ class FederatedServer:
                     f"({self.accountant.value} accountant); stopped after "
                     f"{self.rounds_done} rounds")
                 break
-            rec = self.run_round()
+            try:
+                rec = self.run_round(should_stop)
+            except RoundAbandoned:
+                self.stop_reason = "interrupted"
+                break
             if checkpoint_dir is not None:
                 self.save_checkpoint(checkpoint_dir)
+            if on_round is not None:
+                on_round(self)
             if bar is not None:
                 values = [("clients", rec.clients)]
                 if rec.accuracy is not None:
@@ -527,9 +548,13 @@ class FederatedServer:
             if missing_ok:
                 return False
             raise FileNotFoundError(f"no checkpoint at {path}")
-        with open(path) as f:
-            state = json.load(f)
-        if state.get("format") != CHECKPOINT_FORMAT:
+        try:
+            with open(path) as f:
+                state = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is damaged (not valid JSON: {e}); delete the checkpoint "
+                             "directory or use another one") from None
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: not a dpfl_tf federated checkpoint "
                              f"(format {CHECKPOINT_FORMAT})")
         mine = json.loads(json.dumps(self._fingerprint()))

@@ -95,9 +95,13 @@ class DPCheckpoint(keras.callbacks.Callback):
         path = os.path.join(os.fspath(directory), STATE_FILE)
         if not os.path.exists(path):
             return None
-        with open(path) as f:
-            state = json.load(f)
-        if state.get("format") != CHECKPOINT_FORMAT:
+        try:
+            with open(path) as f:
+                state = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is damaged (not valid JSON: {e}); delete the checkpoint "
+                             "directory or use another one") from None
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: not a dpfl_tf DPCheckpoint (format {CHECKPOINT_FORMAT})")
         return state
 
@@ -112,7 +116,13 @@ class DPCheckpoint(keras.callbacks.Callback):
         if state is None:
             raise FileNotFoundError(f"no DPCheckpoint in {os.fspath(directory)!r} "
                                     f"({STATE_FILE} is missing)")
-        model = keras.saving.load_model(os.path.join(os.fspath(directory), state["model"]))
+        path = os.path.join(os.fspath(directory), state["model"])
+        try:
+            model = keras.saving.load_model(path)
+        except Exception as e:  # a truncated or overwritten .keras file
+            raise ValueError(f"{path} cannot be loaded ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}); delete the "
+                             "checkpoint directory or use another one") from None
         if not isinstance(model, DPModel):
             raise ValueError(f"{state['model']} does not hold a DPModel")
         if model.lots_applied != state["lots_applied"]:

@@ -429,6 +429,11 @@ class DPModel(keras.Model):
         self._loss_tracker.update_state(loss_sum / tf.maximum(count, 1.0), sample_weight=count)
         return self.get_metrics_result()
 
+    def train_on_batch(self, *args, **kwargs):
+        raise NotImplementedError(
+            "DPModel.train_on_batch is not supported: a lot must be sampled by the DP "
+            "sampler; use fit(x, y, lot_size=...) (the privacy analysis assumes its lots)")
+
     def get_metrics_result(self):
         if not self._log_metrics:  # fit(log_train_metrics=False): nothing computed
             return {}

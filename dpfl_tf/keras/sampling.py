@@ -105,6 +105,8 @@ class LotSampler:
         batch_size = check_count("batch_size", batch_size, minimum=1) * \
             check_count("replicas", replicas, minimum=1)
         total = check_count("epochs", epochs, minimum=1) * self.lots_per_epoch
+        if isinstance(x, list):  # a multi-input model's inputs given as a list: a
+            x = tuple(x)         # structure tf.data keeps (a list would be stacked)
         x_t = tf.nest.map_structure(tf.convert_to_tensor, x)
         y_t = tf.convert_to_tensor(y)
 

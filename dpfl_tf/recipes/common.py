@@ -88,6 +88,7 @@ class EpochHistory(keras.callbacks.Callback):
         done = epoch + 1
         row = {"epoch": done, "seconds": time.perf_counter() - self._start}
         if self.private:
+            row["lots"] = int(self.model.lots_computed)
             for d in self.deltas:
                 row[f"epsilon@{d:g}"] = self.model.epsilon(d)
             row["epsilon"] = row[f"epsilon@{self.deltas[-1]:g}"]

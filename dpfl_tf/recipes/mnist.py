@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import os
 import time
+import warnings
 
 import dp_accounting
 import keras
@@ -32,7 +35,7 @@ import numpy as np
 from dpfl_tf.data import load_dataset
 from dpfl_tf.keras import DPModel, DPSGD
 from dpfl_tf.models import mlp, tanh_cnn
-from dpfl_tf.pca import DPPCA, PCAProjection, RandomProjection
+from dpfl_tf.pca import DPPCA, PCAProjection, RandomProjection, _Projection
 from dpfl_tf.scattering import Scattering2D, scatter_linear
 from dpfl_tf.privacy import (PrivacyLedger, calibrate_noise_multiplier, dp_sgd_event,
                              gaussian_step_event, max_steps)
@@ -142,18 +145,148 @@ def _inputs(config: MnistConfig, data, ledger: PrivacyLedger | None):
     return proj.transform(x_train), proj.transform(x_test), proj
 
 
-def train_mnist(config: MnistConfig, *, verbose: bool = True) -> dict:
-    """Trains one configuration; returns a JSON-ready result with per-epoch history."""
+RUN_STATE = "run.json"        # beside DPCheckpoint's files: what the recipe needs to resume
+PROJECTION_FILE = "projection.npy"
+#: config fields a resumed run may change (they do not change what is trained)
+_RESUMABLE_CHANGES = ("data_dir", "eval_every")
+
+
+class _SavedProjection(_Projection):
+    def __init__(self, components):
+        self.components = components
+
+
+class _LotStopper(keras.callbacks.Callback):
+    """Stops after exactly `total_lots` lots in all (so a resumed run ends where
+    an uninterrupted one would), or after the current lot when `should_stop()`."""
+
+    def __init__(self, total_lots: int, should_stop=None):
+        super().__init__()
+        self.total_lots = total_lots
+        self.should_stop = should_stop
+        self.interrupted = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.lots_applied >= self.total_lots:
+            self.model.stop_training = True
+        if self.should_stop is not None and self.should_stop():
+            self.interrupted = True
+            self.model.stop_reason = "interrupted"
+            self.model.stop_training = True
+
+
+class _RunCheckpoint(keras.callbacks.Callback):
+    """After every epoch (or only when interrupted): the `DPCheckpoint` of the
+    model, then the recipe's state (history, settings), then `on_epoch(result)`."""
+
+    def __init__(self, directory, every_epoch, stopper, state, snapshot, on_epoch):
+        super().__init__()
+        self.directory, self.every_epoch, self.stopper = directory, every_epoch, stopper
+        self.state, self.snapshot, self.on_epoch = state, snapshot, on_epoch
+        self.saved = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.directory is not None and (self.every_epoch or self.stopper.interrupted):
+            from dpfl_tf._io import atomic_write_json
+            from dpfl_tf.keras.checkpoint import DPCheckpoint
+
+            ckpt = DPCheckpoint(self.directory)
+            ckpt.set_model(self.model)
+            with warnings.catch_warnings():  # the wrapper is saved whole; its model is built
+                warnings.filterwarnings("ignore", "You are saving a model that has not")
+                ckpt.save(epoch + 1)
+            state = self.state()
+            atomic_write_json(os.path.join(self.directory, RUN_STATE), state)
+            self.saved = state
+        if self.on_epoch is not None:
+            self.on_epoch(self.snapshot(self.model))
+
+
+def _comparable(config: MnistConfig) -> dict:
+    d = json.loads(json.dumps(dataclasses.asdict(config)))
+    return {k: v for k, v in d.items() if k not in _RESUMABLE_CHANGES}
+
+
+def read_run_state(directory: str) -> dict | None:
+    """The recipe state of a checkpoint directory (None if it holds none); a
+    damaged file is named in the error."""
+    path = os.path.join(directory, RUN_STATE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is damaged (not valid JSON: {e}); delete the checkpoint "
+                         "directory or use another one") from None
+
+
+def train_mnist(config: MnistConfig, *, verbose: bool = True,
+                checkpoint_dir: str | None = None, checkpoint_every_epoch: bool = True,
+                on_epoch=None, should_stop=None, on_resume=None, callbacks=()) -> dict:
+    """Trains one configuration; returns a JSON-ready result with per-epoch history.
+
+    checkpoint_dir: if it holds a checkpoint of the same configuration, training
+      resumes from it exactly (weights, ledger, lot counter, optimizer state and
+      so the learning-rate schedule, the DP-PCA projection, the history) and
+      ends after the same number of lots as an uninterrupted run; checkpoints
+      are written there after every epoch (`checkpoint_every_epoch`) or only
+      when `should_stop` ends the run early.
+    on_epoch(result): called after every epoch with everything measured so far.
+    should_stop(): polled after every lot; True ends training after that lot
+      (``stop_reason`` "interrupted"; a checkpoint is written).
+    on_resume(info): called once when resuming ({"directory", "lots", "epoch",
+      "epsilon"}).
+    """
+    from dpfl_tf.keras.checkpoint import DPCheckpoint
+
     start = time.perf_counter()
+    original_config = config
+    state = None
+    if checkpoint_dir is not None and DPCheckpoint.latest(checkpoint_dir) is not None:
+        state = read_run_state(checkpoint_dir)
+        if state is None:
+            raise ValueError(f"{checkpoint_dir} holds a DPCheckpoint but no {RUN_STATE}: it "
+                             "was not written by this recipe; use another checkpoint directory")
+        diff = sorted(k for k, v in _comparable(config).items() if state["config"].get(k) != v)
+        if diff:
+            raise ValueError(f"{checkpoint_dir} holds a checkpoint of a different run "
+                             f"(differs in: {', '.join(diff)}); use another checkpoint "
+                             "directory")
+        if state.get("finished"):
+            raise ValueError(f"{checkpoint_dir} holds a finished run ({state['finished']}); "
+                             "nothing to resume: use another checkpoint directory")
     if config.seed is not None:
-        keras.utils.set_random_seed(config.seed)
+        seed = config.seed if state is None else config.seed + 1000003 * state["lots"]
+        keras.utils.set_random_seed(seed)
     data = load_dataset(config.dataset, data_dir=config.data_dir)
-    ledger = PrivacyLedger(config.accountant) if config.private else None
-    x_train, x_test, _ = _inputs(config, data, ledger)
+    n = len(data.y_train)
+    if config.lot_size > n:
+        raise ValueError(f"lot_size ({config.lot_size}) exceeds the dataset size: "
+                         f"{config.dataset} has {n} training examples")
     y_train = data.y_train.astype("int64")
     y_test = data.y_test.astype("int64")
-    n = len(y_train)
     lots_per_epoch = max(1, n // config.lot_size)
+    if state is not None:   # resume: the same inputs, the model as it was
+        if state["projection"] is not None:
+            proj = _SavedProjection(np.load(os.path.join(checkpoint_dir, state["projection"])))
+            x_train, x_test = proj.transform(data.x_train), proj.transform(data.x_test)
+        else:
+            x_train, x_test, proj = _inputs(config, data, None)
+        model, _ = DPCheckpoint.restore(checkpoint_dir)
+        config = dataclasses.replace(config, noise_multiplier=state["noise_multiplier"])
+        total_epochs = state["total_epochs"]
+        initial_epoch = model.lots_applied // lots_per_epoch
+        ledger = model.privacy_ledger
+        if on_resume is not None:
+            on_resume({"directory": checkpoint_dir, "lots": model.lots_applied,
+                       "epoch": model.lots_applied / lots_per_epoch,
+                       "epsilon": model.epsilon(config.delta)})
+    else:
+        ledger = PrivacyLedger(config.accountant) if config.private else None
+        x_train, x_test, proj = _inputs(config, data, ledger)
+        initial_epoch = 0
+        total_epochs = config.epochs
     if config.model == "tanh_cnn":
         net = tanh_cnn(x_train.shape[1:])
     elif config.model == "scatter_linear":
@@ -164,8 +297,7 @@ def train_mnist(config: MnistConfig, *, verbose: bool = True) -> dict:
                              config.decay_epochs, lots_per_epoch)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-    total_epochs = config.epochs
-    if config.private and config.noise_multiplier is None:
+    if state is None and config.private and config.noise_multiplier is None:
         if config.target_epsilon is None:
             raise ValueError("noise_multiplier=None needs a target_epsilon to calibrate for")
         prior = [ledger.event]
@@ -177,7 +309,7 @@ def train_mnist(config: MnistConfig, *, verbose: bool = True) -> dict:
         sigma, _ = calibrate_noise_multiplier(config.target_epsilon, config.delta, event_for,
                                               config.accountant, tolerance=1e-3)
         config = dataclasses.replace(config, noise_multiplier=sigma)
-    if config.private and config.target_epsilon is not None:
+    if state is None and config.private and config.target_epsilon is not None:
         lots = max_steps(config.target_epsilon, config.delta,
                          gaussian_step_event(config.noise_multiplier,
                                              sampling_rate=config.lot_size / n),
@@ -186,40 +318,93 @@ def train_mnist(config: MnistConfig, *, verbose: bool = True) -> dict:
     history = EpochHistory(x_test, y_test, x_train, y_train, every=config.eval_every,
                            deltas=config.deltas, total_epochs=total_epochs,
                            private=config.private, verbose=verbose)
+    seconds_before = 0.0
+    if state is not None:
+        history.rows = [r for r in state["history"] if r["epoch"] <= initial_epoch]
+        seconds_before = state["seconds"]
+    stopper = _LotStopper(total_epochs * lots_per_epoch, should_stop)
+    projection_name = state["projection"] if state is not None else None
+
+    def result_of(model, final: bool = False) -> dict:
+        rows = history.rows
+        last = rows[-1] if rows else {"epoch": initial_epoch}
+        evaluated = [r for r in rows if "test_accuracy" in r]
+        test_acc = last.get("test_accuracy", evaluated[-1]["test_accuracy"] if evaluated
+                            else None)
+        train_acc = last.get("train_accuracy", evaluated[-1].get("train_accuracy")
+                             if evaluated else None)
+        if final:
+            test_acc = last.get("test_accuracy", accuracy(model, x_test, y_test))
+            train_acc = last.get("train_accuracy", accuracy(model, x_train, y_train))
+        dp_ledger = model.privacy_ledger if config.private else None
+        return {
+            **dataclasses.asdict(config),
+            "deltas": list(config.deltas),
+            "pca_noise_multiplier": (config.pca_noise_multiplier
+                                     if config.projection == "dp_pca" and config.model == "mlp"
+                                     else None),
+            "noise_multiplier": config.noise_multiplier if config.private else None,
+            "epochs": last["epoch"],
+            "lots": (model.lots_applied if config.private
+                     else last["epoch"] * lots_per_epoch),
+            "epsilon": dp_ledger.epsilon(config.delta) if config.private else None,
+            "test_accuracy": test_acc,
+            "train_accuracy": train_acc,
+            "seconds": seconds_before + time.perf_counter() - start,
+            "dataset_source": getattr(getattr(data, "source", None), "label", config.dataset),
+            "stop_reason": getattr(model, "stop_reason", None) or "running",
+            "history": rows,
+            **privacy_summary(dp_ledger, config.delta, config.seed),
+        }
+
+    def run_state() -> dict:
+        nonlocal projection_name
+        if projection_name is None and isinstance(proj, (DPPCA, RandomProjection)):
+            from dpfl_tf._io import atomic_write
+
+            # the released DP-PCA projection (its privacy cost is in the ledger)
+            atomic_write(os.path.join(checkpoint_dir, PROJECTION_FILE),
+                         lambda f: np.save(f, proj.components), binary=True)
+            projection_name = PROJECTION_FILE
+        return {"config": _comparable(original_config),
+                "noise_multiplier": config.noise_multiplier, "total_epochs": total_epochs,
+                "lots_per_epoch": lots_per_epoch, "lots": model.lots_applied,
+                "projection": projection_name, "history": history.rows,
+                "seconds": seconds_before + time.perf_counter() - start, "finished": None}
+
     if config.private:
-        model = DPModel(net, ledger=ledger)
-        model.compile(optimizer=DPSGD(lr, momentum=config.momentum,
-                                      l2_norm_clip=config.l2_norm_clip,
-                                      noise_multiplier=config.noise_multiplier,
-                                      seed=config.seed),
-                      loss=loss)
-        model.fit(x_train, y_train, lot_size=config.lot_size, batch_size=config.batch_size,
-                  epochs=total_epochs, target_epsilon=config.target_epsilon,
-                  target_delta=config.delta, callbacks=[history], verbose=0,
-                  sampling_seed=config.seed)
-        ledger = model.privacy_ledger
+        if state is None:
+            model = DPModel(net, ledger=ledger)
+            model.compile(optimizer=DPSGD(lr, momentum=config.momentum,
+                                          l2_norm_clip=config.l2_norm_clip,
+                                          noise_multiplier=config.noise_multiplier,
+                                          seed=config.seed),
+                          loss=loss)
+        saver = _RunCheckpoint(checkpoint_dir, checkpoint_every_epoch, stopper, run_state,
+                               result_of, on_epoch)
+        if model.lots_applied < stopper.total_lots:
+            model.fit(x_train, y_train, lot_size=config.lot_size, batch_size=config.batch_size,
+                      epochs=total_epochs, initial_epoch=initial_epoch,
+                      target_epsilon=config.target_epsilon, target_delta=config.delta,
+                      callbacks=[history, stopper, saver, *callbacks], verbose=0,
+                      sampling_seed=None if config.seed is None else config.seed + initial_epoch)
+        else:
+            model.stop_reason = "completed"
     else:
+        if state is not None:
+            raise ValueError("checkpoint_dir: resuming is for private runs (private=True)")
         model = net
         model.compile(optimizer=keras.optimizers.SGD(lr, momentum=config.momentum), loss=loss)
         model.fit(x_train, y_train, batch_size=config.lot_size, epochs=total_epochs,
-                  callbacks=[history], verbose=0)
+                  callbacks=[history, *callbacks], verbose=0)
+        model.stop_reason = "completed"
 
-    last = history.rows[-1]
-    result = {
-        **dataclasses.asdict(config),
-        "deltas": list(config.deltas),
-        "pca_noise_multiplier": (config.pca_noise_multiplier
-                                 if config.projection == "dp_pca" and config.model == "mlp"
-                                 else None),
-        "noise_multiplier": config.noise_multiplier if config.private else None,
-        "epochs": last["epoch"],
-        "lots": model.lots_applied if config.private else last["epoch"] * lots_per_epoch,
-        "epsilon": ledger.epsilon(config.delta) if config.private else None,  # strict JSON
-        "test_accuracy": last.get("test_accuracy", accuracy(model, x_test, y_test)),
-        "train_accuracy": last.get("train_accuracy", accuracy(model, x_train, y_train)),
-        "seconds": time.perf_counter() - start,
-        "dataset_source": getattr(getattr(data, "source", None), "label", config.dataset),
-        "history": history.rows,
-        **privacy_summary(ledger if config.private else None, config.delta, config.seed),
-    }
-    return result
+    if checkpoint_dir is not None and config.private and model.stop_reason != "interrupted" \
+            and os.path.exists(os.path.join(checkpoint_dir, RUN_STATE)):
+        from dpfl_tf._io import atomic_write_json
+
+        atomic_write_json(os.path.join(checkpoint_dir, RUN_STATE),
+                          {**run_state(), "finished": model.stop_reason})
+    if model.stop_reason == "interrupted":
+        return result_of(model)
+    return result_of(model, final=True)

@@ -468,6 +468,100 @@ def _(ctx):
     upload.apply([tf.zeros([2])], [tf.constant([0.5, 3.0])], upload.generator(0, 0))
 
 
+# -- issue 17: runs that respect a user's time ------------------------------------------------
+@row("cli/train/lot-size>N", "out of range", SystemExit,
+     "--lot-size (1000000000) exceeds the dataset size: mnist has 60000 training examples")
+def _(ctx):
+    _cli(ctx, "train", "mnist", "--lot-size", "1e9", "--epochs", "1")
+
+
+@row("cli/federated/fraction", "out of range", SystemExit, "--fraction must be in (0, 1], got 1.5")
+def _(ctx):  # refused from the arguments: with no data reachable, loading would fail otherwise
+    ctx.offline_without_data()
+    _cli(ctx, "federated", "--fraction", "1.5", "--rounds", "1", "--no-progress")
+
+
+@row("cli/train/output-parent-is-a-file", "wrong dtype", SystemExit,
+     "/afile/r.json: cannot write there:")
+def _(ctx):
+    ctx.offline_without_data()   # checked before the data is loaded
+    (ctx.tmp / "afile").write_text("x")
+    from dpfl_tf.cli import main
+    main(["train", "mnist", "--epochs", "1", "--output", str(ctx.tmp / "afile" / "r.json")])
+
+
+@row("cli/train/checkpoint-dir-is-a-file", "wrong dtype", SystemExit,
+     "/afile: cannot write there: it is a file, not a directory")
+def _(ctx):
+    ctx.offline_without_data()
+    (ctx.tmp / "afile").write_text("x")
+    _cli(ctx, "train", "mnist", "--epochs", "1", "--checkpoint-dir", str(ctx.tmp / "afile"))
+
+
+@row("cli/federated/output-unwritable", "out of range", SystemExit,
+     "--output /proc/dpfl_out/r.json: cannot write there")
+def _(ctx):
+    ctx.offline_without_data()
+    from dpfl_tf.cli import main
+    main(["federated", "--rounds", "1", "--output", "/proc/dpfl_out/r.json"])
+
+
+@row("cli/train/tensorboard-missing", "missing offline", SystemExit,
+     "pip install 'dpfl-tf[tensorboard]'")
+def _(ctx):
+    import importlib.util
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed")
+    ctx.offline_without_data()
+    _cli(ctx, "train", "mnist", "--epochs", "1", "--tensorboard", str(ctx.tmp / "tb"))
+
+
+def _damaged_checkpoint(ctx):
+    ckpt = ctx.tmp / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "state.json").write_text('{"format": 1, "epoch": ')   # cut off mid-write
+    return ckpt
+
+
+@row("DPCheckpoint/damaged-state", "wrong dtype", ValueError,
+     "/ckpt/state.json is damaged (not valid JSON")
+def _(ctx):
+    DPCheckpoint.restore(_damaged_checkpoint(ctx))
+
+
+@row("DPCheckpoint/damaged-model", "wrong dtype", ValueError, "/ckpt/model-000001.keras cannot be loaded")
+def _(ctx):
+    ckpt = ctx.tmp / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "state.json").write_text('{"format": 1, "epoch": 1, "model": "model-000001.keras", '
+                                     '"lots_applied": 3, "ledger_count": 3, "ledger": []}')
+    (ckpt / "model-000001.keras").write_bytes(b"PK\x03\x04 not a zip")
+    DPCheckpoint.restore(ckpt)
+
+
+@row("cli/train/damaged-checkpoint", "wrong dtype", SystemExit,
+     "/ckpt/state.json is damaged (not valid JSON")
+def _(ctx):
+    _cli(ctx, "train", "mnist", "--epochs", "1", "--checkpoint-dir", str(_damaged_checkpoint(ctx)))
+
+
+@row("cli/federated/damaged-checkpoint", "wrong dtype", SystemExit,
+     "/ckpt/state.json is damaged (not valid JSON")
+def _(ctx):
+    _cli(ctx, "federated", "--clients", "10", "--train-subset", "300", "--rounds", "1",
+         "--hidden", "8", "--no-progress", "--checkpoint-dir", str(_damaged_checkpoint(ctx)))
+
+
+@row("DPModel/train_on_batch", "wrong shape", NotImplementedError,
+     "DPModel.train_on_batch is not supported: a lot must be sampled by the DP sampler; "
+     "use fit(x, y, lot_size=...)")
+def _(ctx):
+    x, y = _data()
+    model = _dp()
+    model.build((None, 60))
+    model.train_on_batch(x[:10], y[:10])
+
+
 @pytest.mark.parametrize("case", ROWS, ids=[r.id for r in ROWS])
 def test_bad_input_gives_a_clear_error_and_leaves_no_results_file(case, tmp_path, monkeypatch,
                                                                    capsys):
@@ -493,3 +587,15 @@ def test_catalogue_covers_every_kind_of_problem():
     assert kinds == {"wrong shape", "wrong dtype", "empty", "unknown name", "missing offline",
                      "out of range", "budget spent"}
     assert len({r.id for r in ROWS}) == len(ROWS) >= 50
+
+
+def test_multi_input_model_takes_its_inputs_as_a_list():
+    """Issue 17: a list of input arrays used to fail inside tf.data ("not convertible
+    to a tensor ... shape (2, None, None)"); it trains like a tuple now."""
+    a, b = keras.Input((4,)), keras.Input((3,))
+    out = keras.layers.Dense(10)(keras.layers.Concatenate()([a, b]))
+    model = DPModel(keras.Model([a, b], out))
+    model.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss())
+    x, y = _data(40)
+    model.fit([x[:, :4], x[:, 4:7]], y, lot_size=10, epochs=1, verbose=0)
+    assert model.lots_computed == 4 and model.privacy_ledger.count() == 4

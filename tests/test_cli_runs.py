@@ -1,0 +1,189 @@
+"""The `dpfl-tf` commands that train, run as real processes: output paths checked
+before any data is loaded, results rewritten with a status as the run goes,
+Ctrl-C / SIGTERM ending a run cleanly (exit code 130 / 143, no traceback, a
+checkpoint), exact resume, a quiet start-up and a --help without TensorFlow."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOISE = ("oneDNN", "cuda", "absl::InitializeLog", "Error occurred when finalizing",
+         "Traceback")
+
+
+def _env(**extra):
+    env = {**os.environ, "PYTHONPATH": ROOT, **extra}
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)   # the CLI must be quiet by itself
+    return env
+
+
+def _run(args, timeout=300, **env):
+    return subprocess.run([sys.executable, "-m", "dpfl_tf", *args], capture_output=True,
+                          text=True, cwd=ROOT, env=_env(**env), timeout=timeout)
+
+
+def _start(args):
+    return subprocess.Popen([sys.executable, "-m", "dpfl_tf", *args], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _wait_for(condition, proc, timeout=240.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if proc.poll() is not None:
+            raise AssertionError("the run ended before the signal: " + proc.stderr.read()[-3000:])
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("timed out waiting for the run")
+
+
+# -- --help and start-up --------------------------------------------------------------------
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["federated", "--help"]])
+def test_help_answers_without_importing_tensorflow(args):
+    code = ("import sys\nfrom dpfl_tf.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n"
+            "    pass\nprint('TF-LOADED' if 'tensorflow' in sys.modules else 'NO-TF')" % (args,))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, env=_env(), timeout=120)
+    assert out.stdout.strip().endswith("NO-TF"), out.stdout[-500:] + out.stderr[-500:]
+    assert "usage: dpfl-tf" in out.stdout
+
+
+def test_help_import_time_has_no_tensorflow():
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "dpfl_tf", "--help"],
+                         capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=120)
+    assert out.returncode == 0
+    imported = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()]
+    assert "dpfl_tf.cli" in imported and "tensorflow" not in imported and "keras" not in imported
+
+
+# -- output paths -----------------------------------------------------------------------------
+@pytest.mark.parametrize("command", [["train", "mnist", "--epochs", "1"],
+                                     ["federated", "--rounds", "1", "--no-progress"]])
+def test_unwritable_output_is_refused_before_data_loads(command, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    offline = dict(DPFL_DATA_DIR=str(empty), HOME=str(empty), KERAS_HOME=str(empty),
+                   DPFL_NO_DOWNLOAD="1")   # loading data would fail with another message
+    for flag, value, message in [
+            ("--output", str(tmp_path / "afile" / "r.json"), "is a file, not a directory"),
+            ("--output", "/proc/dpfl_out/r.json", "cannot write there"),
+            ("--checkpoint-dir", str(tmp_path / "afile"), "it is a file, not a directory")]:
+        args = [*command, flag, value]
+        if flag != "--output":
+            args += ["--output", str(tmp_path / "ok" / "r.json")]
+        res = _run(args, **offline)
+        assert res.returncode == 2, res.stderr[-2000:]
+        last = res.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"dpfl-tf {command[0]}: error: {flag} {value}: ") and message \
+            in last, res.stderr[-2000:]
+        assert "download disabled" not in res.stderr and "Traceback" not in res.stderr
+
+
+def test_missing_parents_of_the_output_are_created(tmp_path):
+    out = tmp_path / "new" / "deeper" / "run.json"
+    res = _run(["federated", "--clients", "10", "--train-subset", "300", "--clients-per-round",
+                "4", "--rounds", "2", "--hidden", "8", "--no-progress", "--output", str(out)])
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["status"] == "completed" and data["rounds"] == 2
+    assert (tmp_path / "new" / "deeper" / "run.png").read_bytes()[:4] == b"\x89PNG"
+    assert not [n for n in NOISE if n in res.stderr], res.stderr[-2000:]
+
+
+# -- train: Ctrl-C, SIGTERM, resume --------------------------------------------------------------
+TRAIN = ["train", "mnist", "--epochs", "8", "--epsilon", "8"]
+
+
+def test_train_ctrl_c_keeps_results_and_checkpoint_and_resumes_exactly(tmp_path):
+    out, ckpt = tmp_path / "t.json", tmp_path / "ckpt"
+    args = [*TRAIN, "--output", str(out), "--checkpoint-dir", str(ckpt)]
+    proc = _start(args)
+    _wait_for(lambda: (_read(out) or {}).get("status") == "running", proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    message = [line for line in err.splitlines() if line.startswith("interrupted (Ctrl-C)")]
+    assert len(message) == 1 and "checkpoint in" in message[0]
+    assert f"resume with: dpfl-tf {' '.join(args)}" in message[0]
+    data = _read(out)
+    lots = data["lots"]
+    assert data["status"] == "interrupted" and 0 < lots < 800
+    assert [e["count"] for e in data["ledger"]] == [1, lots]   # DP-PCA, then the lots
+    state = _read(ckpt / "state.json")
+    assert state["lots_applied"] == state["ledger_count"] - 1 == lots
+
+    resumed = _run(args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {ckpt}: {lots} lots" in resumed.stdout
+    assert "epsilon so far" in resumed.stdout
+    final = _read(out)
+    assert final["status"] == "completed" and final["lots"] == 800   # as if never stopped
+    assert [e["count"] for e in final["ledger"]] == [1, 800]
+    assert final["history"][-1]["lots"] == 800
+    assert _read(ckpt / "state.json")["lots_applied"] == 800
+    assert not [n for n in NOISE if n in resumed.stderr], resumed.stderr[-2000:]
+    # a finished run is not resumed again
+    again = _run(args)
+    assert again.returncode == 2 and "holds a finished run" in again.stderr
+
+
+def test_train_sigterm_marks_results_interrupted_and_writes_a_checkpoint(tmp_path):
+    out = tmp_path / "t.json"
+    proc = _start([*TRAIN, "--output", str(out)])
+    _wait_for(lambda: (_read(out) or {}).get("status") == "running", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "interrupted (SIGTERM)" in err
+    data = _read(out)
+    assert data["status"] == "interrupted" and data["ledger"][-1]["count"] == data["lots"]
+    default = tmp_path / "t.checkpoint"
+    assert _read(default / "state.json")["lots_applied"] == data["lots"]
+    assert f"--checkpoint-dir {default}" in err
+
+
+# -- federated: Ctrl-C and resume -------------------------------------------------------------------
+FED = ["federated", "--clients", "10", "--train-subset", "600", "--clients-per-round", "5",
+       "--rounds", "12", "--local-epochs", "4", "--hidden", "16", "--dp", "global",
+       "--delta-max", "1e-3", "--no-progress"]
+
+
+def test_federated_ctrl_c_then_resume(tmp_path):
+    out, ckpt = tmp_path / "f.json", tmp_path / "ckpt"
+    args = [*FED, "--output", str(out), "--checkpoint-dir", str(ckpt)]
+    proc = _start(args)
+    _wait_for(lambda: (_read(out) or {}).get("status") == "running", proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "resume with:" in err
+    data = _read(out)
+    done = data["rounds"]
+    assert data["status"] == "interrupted" and 1 <= done < 12
+    assert data["privacy"]["rounds"] == done == len(data["history"])
+    assert _read(ckpt / "state.json")["round"] == done
+
+    resumed = _run(args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {ckpt}: {done} rounds, epsilon so far" in resumed.stdout
+    final = _read(out)
+    assert final["status"] == "completed" and final["rounds"] == final["privacy"]["rounds"] == 12
+    assert [r["round"] for r in final["history"]] == list(range(1, 13))

@@ -1,0 +1,84 @@
+"""dpfl_tf._runs: output paths checked before a run, results files with a status,
+signals turned into a clean stop.  No TensorFlow here."""
+
+import json
+import os
+import signal
+
+import pytest
+
+from dpfl_tf._runs import (Interrupts, ResultsFile, RunInterrupted, check_output_dir,
+                           check_output_file)
+
+
+def test_missing_parents_are_created(tmp_path):
+    path = tmp_path / "a" / "b" / "r.json"
+    assert check_output_file("--output", str(path)) == str(path)
+    assert (tmp_path / "a" / "b").is_dir() and not path.exists()
+    assert os.listdir(tmp_path / "a" / "b") == []   # the write test leaves nothing
+
+
+def test_parent_that_is_a_file_is_refused_naming_the_flag(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError) as e:
+        check_output_file("--output", str(tmp_path / "afile" / "sub" / "r.json"))
+    assert str(e.value) == (f"--output {tmp_path / 'afile' / 'sub' / 'r.json'}: cannot write "
+                            f"there: {tmp_path / 'afile'} is a file, not a directory")
+    with pytest.raises(ValueError, match="--checkpoint-dir .*: cannot write there: it is a file"):
+        check_output_dir("--checkpoint-dir", str(tmp_path / "afile"))
+
+
+def test_output_that_is_a_directory_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="--output .*: is a directory; give a file name"):
+        check_output_file("--output", str(tmp_path))
+
+
+def test_unwritable_place_is_refused():
+    # /proc refuses new files even to root (a chmod'ed directory does not stop root)
+    with pytest.raises(ValueError, match=r"^--output /proc/dpfl_out/r.json: cannot write there"):
+        check_output_file("--output", "/proc/dpfl_out/r.json")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_directory_is_refused(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(ValueError, match="cannot write there: Permission denied"):
+            check_output_file("--output", str(ro / "r.json"))
+    finally:
+        ro.chmod(0o755)
+
+
+def test_results_file_is_written_only_when_asked_and_carries_a_status(tmp_path):
+    path = tmp_path / "r.json"
+    results = ResultsFile(str(path))
+    assert not path.exists() and not results.written
+    results.write("running", {"epochs": 1, "ledger": [{"count": 10}]})
+    assert json.loads(path.read_text())["status"] == "running"
+    results.write("failed", results.last, error="boom")
+    data = json.loads(path.read_text())
+    assert (data["status"], data["epochs"], data["error"]) == ("failed", 1, "boom")
+    with pytest.raises(ValueError, match="status must be one of running, completed, "
+                                         "budget_spent, interrupted, failed, got 'done'"):
+        results.write("done", {})
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_inside_a_deferred_section_only_asks_to_stop(sig, code, capsys):
+    with Interrupts() as interrupts:
+        with interrupts.deferred():
+            os.kill(os.getpid(), sig)
+            assert interrupts.requested and interrupts.exit_code == code
+            with pytest.raises(RunInterrupted):   # a second signal stops at once
+                os.kill(os.getpid(), sig)
+    assert "stopping after the current step" in capsys.readouterr().err
+    assert signal.getsignal(sig) in (signal.default_int_handler, signal.SIG_DFL)
+
+
+def test_a_signal_outside_a_deferred_section_raises_at_once():
+    with Interrupts() as interrupts:
+        with pytest.raises(RunInterrupted) as e:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert e.value.signum == signal.SIGTERM and interrupts.exit_code == 143
