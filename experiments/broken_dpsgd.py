@@ -16,6 +16,10 @@ more:
   has std sigma C / sqrt(k).
 * ``reused_noise``: the noise is drawn once and the same draw is added to every
   lot (stream position 0 for every lot).
+
+Client level (Global DP, `dpfl_tf.federated`): ``SkipClippingGlobalDP`` is a
+`GlobalDPAggregator` whose sanitizer never clips the client updates (the round's
+event, from the honest noise multiplier, is unchanged).
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ import math
 
 import tensorflow as tf
 
+from dpfl_tf.federated.aggregators import GlobalDPAggregator
 from dpfl_tf.keras import DPModel
 from dpfl_tf.sanitizer import GaussianSanitizer
 
 __all__ = ["BROKEN_VARIANTS", "HalfNoiseDPModel", "SkipClippingDPModel",
-           "PerBatchNoiseDPModel", "ReusedNoiseDPModel"]
+           "PerBatchNoiseDPModel", "ReusedNoiseDPModel", "SkipClippingGlobalDP"]
 
 
 class _HalfNoiseSanitizer(GaussianSanitizer):
@@ -105,3 +110,10 @@ class PerBatchNoiseDPModel(DPModel):
 BROKEN_VARIANTS = {"half_noise": HalfNoiseDPModel, "skip_clipping": SkipClippingDPModel,
                    "per_batch_noise": PerBatchNoiseDPModel,
                    "reused_noise": ReusedNoiseDPModel}
+
+
+class SkipClippingGlobalDP(GlobalDPAggregator):
+    """Global DP that forgets to clip the client updates (fixed clip only)."""
+
+    def __init__(self, sanitizer: GaussianSanitizer, **kwargs):
+        super().__init__(_swap(sanitizer, _NoClipSanitizer), **kwargs)

@@ -54,6 +54,16 @@ Every score is a function of the released models only, so the one-run bound
 applies to each (a score is chosen before the run; do not try several and
 keep the best without a Bonferroni correction).
 
+Client-level canaries (`DiracCanaries.federated_data`, `observe_rounds`).
+The same construction at the federated wrapper's unit of privacy, one client
+(Global DP, Geyer et al. 2017): each included canary is a *canary client*
+holding only its canary example; with one local SGD step its update is
+-eta g, a Dirac update in its own kernel row (norm about eta * value, chosen
+>= the clip S).  The rounds run through `FederatedServer.run_round` unchanged
+(same client sampling, clipping at S, noise N(0, sigma^2 S^2) on the sum,
+division by the expected clients); the observer reads the global model before
+and after each round.
+
 Black-box canaries (`MislabelledCanaries`): real examples given a wrong
 label; score = -loss of the *final* model on the canary (Steinke et al. 2023,
 section 6).  Much weaker: the final model averages away most of the signal.
@@ -76,7 +86,8 @@ from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.audit.one_run import (DEFAULT_GUESS_FRACTIONS, OneRunResult,
                                    epsilon_lower_bound_from_scores)
 
-__all__ = ["DiracCanaries", "MislabelledCanaries", "WhiteBoxObserver", "STATISTICS"]
+__all__ = ["DiracCanaries", "MislabelledCanaries", "WhiteBoxObserver", "STATISTICS",
+           "observe_rounds"]
 
 STATISTICS = ("sum", "spread")
 
@@ -159,6 +170,22 @@ class DiracCanaries:
                              f"{len(y)}")
         return np.concatenate([self.pad(x), xc]), np.concatenate([y, yc])
 
+    def federated_data(self, x, y, partition):
+        """Client-level canaries (unit: one client): the real clients' data
+        padded, plus one *canary client* per included canary holding only its
+        canary example.  With one local step (E = 1 and a batch size >= 1) a
+        canary client's update is -eta g, g its canary's gradient: a Dirac
+        update in its own kernel row.  Returns (x, y, partition) for
+        `LocalTrainer` and `FederatedServer`; real clients keep their ids."""
+        from dpfl_tf.federated.partition import ClientPartition
+
+        x_all, y_all = self.training_data(x, y)
+        n = len(np.asarray(y).reshape(-1))
+        clients = [partition.client(k) for k in range(partition.num_clients)]
+        clients += [[n + j] for j in range(len(y_all) - n)]
+        return x_all, y_all, ClientPartition.from_lists(clients, scheme=f"{partition.scheme}"
+                                                        "+canary_clients")
+
     def observer(self, dp_model, *, loss=None, kernel=None,
                  chunk: int = 1024) -> "WhiteBoxObserver":
         """A `WhiteBoxObserver` of these canaries for `dp_model` (it sees the
@@ -180,8 +207,15 @@ class WhiteBoxObserver(keras.callbacks.Callback):
     """Records, for every released lot, the projection of each canary row's
     change on the canary's descent direction (module docstring).
 
+    As a Keras callback of `DPModel.fit` it observes every lot (a lot counts
+    when `DPModel.lots_computed` moved).  For other training loops -- the
+    federated rounds of `dpfl_tf.federated.FederatedServer` -- call `begin()`
+    before and `end()` after each release, with the loop's model as `dp_model`
+    and its loss as `loss` (`observe_rounds` does this).
+
     Args:
-      dp_model: the `DPModel` being trained.
+      dp_model: the `DPModel` being trained, or the plain Keras model whose
+        weights each release changes (e.g. ``LocalTrainer.model``).
       canary_x, canary_y: the m canary examples (all of them, in or out).
       rows: the kernel row of each canary.
       loss: per-example loss for the directions (default: the DPModel's loss).
@@ -207,12 +241,20 @@ class WhiteBoxObserver(keras.callbacks.Callback):
         self.projections: list[np.ndarray] = []
         self._before = None
 
+    @property
+    def _inner(self):
+        from dpfl_tf.keras import DPModel
+
+        return self.dp_model.model if isinstance(self.dp_model, DPModel) else self.dp_model
+
+    def _released_count(self) -> int | None:
+        return getattr(self.dp_model, "lots_computed", None)
     # -- helpers ----------------------------------------------------------------
     def _find_kernel(self):
         if self._kernel is not None:
             return self._kernel
         width = self.canary_x.shape[1]
-        for v in self.dp_model.model.trainable_variables:
+        for v in self._inner.trainable_variables:
             if len(v.shape) == 2 and int(v.shape[0]) == width:
                 self._kernel = v
                 return v
@@ -220,7 +262,8 @@ class WhiteBoxObserver(keras.callbacks.Callback):
                          "was found: pass kernel= the variable of the first Dense layer")
 
     def _loss_fn(self):
-        loss = self._loss if self._loss is not None else self.dp_model._dp_loss
+        loss = self._loss if self._loss is not None else getattr(self.dp_model, "_dp_loss",
+                                                                  None)
         if loss is None:
             raise ValueError("no loss: compile the DPModel or pass loss=")
         return keras.losses.get(loss) if isinstance(loss, str) else loss
@@ -230,7 +273,7 @@ class WhiteBoxObserver(keras.callbacks.Callback):
         weights (a zero gradient gives a zero direction)."""
         kernel = self._find_kernel()
         loss_fn = self._loss_fn()
-        model = self.dp_model.model
+        model = self._inner
         out = np.zeros((len(self.canary_rows), int(kernel.shape[1])), np.float32)
         for start in range(0, len(self.canary_rows), self.chunk):
             sl = slice(start, start + self.chunk)
@@ -246,22 +289,31 @@ class WhiteBoxObserver(keras.callbacks.Callback):
         norm = np.linalg.norm(out, axis=1, keepdims=True)
         return np.where(norm > 0, -out / np.maximum(norm, 1e-30), 0.0).astype(np.float32)
 
-    # -- Keras hooks --------------------------------------------------------------
-    def on_train_batch_begin(self, batch, logs=None):
+    # -- observation ----------------------------------------------------------------
+    def begin(self) -> None:
+        """Before a release: the canary rows and their directions now."""
         kernel = self._find_kernel()
         rows = np.asarray(kernel.numpy())[self.canary_rows]
-        self._before = (self.dp_model.lots_computed, rows, self.directions())
+        self._before = (self._released_count(), rows, self.directions())
 
-    def on_train_batch_end(self, batch, logs=None):
+    def end(self) -> None:
+        """After a release: records the projections of the rows' change."""
         if self._before is None:
             return
         lots, rows, dirs = self._before
         self._before = None
-        if self.dp_model.lots_computed <= lots:  # nothing released (budget spent)
+        now = self._released_count()
+        if lots is not None and now <= lots:  # nothing released (budget spent)
             return
         after = np.asarray(self._find_kernel().numpy())[self.canary_rows]
         delta = (after.astype(np.float64) - rows.astype(np.float64))
         self.projections.append(np.sum(delta * dirs, axis=1))
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.begin()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.end()
 
     # -- scores -------------------------------------------------------------------
     @property
@@ -331,3 +383,17 @@ class MislabelledCanaries:
                                                self._coins, delta=delta,
                                                confidence=confidence,
                                                guess_fractions=guess_fractions)
+
+
+def observe_rounds(server, rounds: int, observer: WhiteBoxObserver) -> None:
+    """Runs `rounds` rounds of a `dpfl_tf.federated.FederatedServer` (its
+    ordinary `run_round`: same client sampling, clipping and noise), with the
+    observer around each round.  Stops early, like `FederatedServer.run`, when
+    the next round would exceed the server's privacy budget."""
+    check_count("rounds", rounds, minimum=1)
+    for _ in range(rounds):
+        if server.would_exceed_budget():
+            break
+        observer.begin()
+        server.run_round()
+        observer.end()

@@ -168,3 +168,46 @@ def test_half_noise_shows_more_leakage_than_the_library(mnist_slice):
     _, lib, _ = _audit(DPModel, 1.0, "full_batch", mnist_slice, seed=5)
     _, half, _ = _audit(broken.HalfNoiseDPModel, 1.0, "full_batch", mnist_slice, seed=5)
     assert half.epsilon_lower_bound > lib.epsilon_lower_bound + 0.3
+
+
+# -- client level: Global DP with canary clients ---------------------------------------
+def _federated_audit(aggregator_cls, eps, mnist_slice, seed=0):
+    from dpfl_tf.audit.canary import observe_rounds
+    from dpfl_tf.federated.client import LocalTrainer
+    from dpfl_tf.federated.partition import ClientPartition
+    from dpfl_tf.federated.server import ClientSampling, FederatedServer
+    from dpfl_tf.sanitizer import GaussianSanitizer
+
+    x, y, *_ = mnist_slice
+    keras.utils.set_random_seed(seed)
+    partition = ClientPartition.from_lists([list(range(i * 10, (i + 1) * 10))
+                                            for i in range(30)])
+    canaries = DiracCanaries(1000, input_dim=784, num_classes=10, value=10.0, seed=seed)
+    xa, ya, pa = canaries.federated_data(x, y, partition)
+    assert pa.num_clients == 30 + canaries.coins().sum()
+    model = keras.Sequential([keras.Input((canaries.total_dim,)),
+                              keras.layers.Dense(10, kernel_initializer="zeros")])
+    trainer = LocalTrainer(model, xa, ya, local_epochs=1, batch_size=10, learning_rate=0.1)
+    sigma = calibrate_noise_multiplier(
+        eps, DELTA, lambda s: dp_sgd_event(s, STEPS, "poisson", sampling_rate=1.0), "pld")[0]
+    server = FederatedServer(trainer, pa, aggregator_cls(GaussianSanitizer(0.1, sigma, seed=7)),
+                             sampling=ClientSampling("poisson", fraction=1.0), test_data=None,
+                             delta_max=DELTA, accountant="pld", seed=seed, noise_seed=7,
+                             progress=False)
+    observer = canaries.observer(trainer.model, loss=trainer.loss)
+    observe_rounds(server, STEPS, observer)
+    assert observer.lots_observed == server.rounds_done == STEPS
+    return server.epsilon(), canaries.audit(observer, delta=DELTA)
+
+
+def test_global_dp_stays_within_its_claim(mnist_slice):
+    from dpfl_tf.federated.aggregators import GlobalDPAggregator
+
+    claimed, result = _federated_audit(GlobalDPAggregator, 4.0, mnist_slice)
+    assert claimed == pytest.approx(4.0, abs=0.01)
+    assert 0.5 < result.epsilon_lower_bound <= claimed
+
+
+def test_global_dp_without_clipping_is_caught(mnist_slice):
+    claimed, result = _federated_audit(broken.SkipClippingGlobalDP, 2.0, mnist_slice)
+    assert result.epsilon_lower_bound > claimed
