@@ -32,6 +32,10 @@ audit gives for an exactly Gaussian canary with the claimed privacy
 The membership-inference audit (`experiments/audit_mia.py`) is copied in as
 the black-box baseline rows from ``results/audit_mia.json`` (not rerun).
 
+Repeated runs (``--repeats``, default 10): the library at each epsilon and
+the noise-halving copy at epsilon 1 and 2, each with fresh coins, sampling and
+noise seeds: how often a bound lands above the claim.
+
 Writes ``results/audit_canary.json`` and ``results/audit_canary.png``
 (``*_quick.*`` with ``--quick``).  Seeds: the canaries' coins, the data slice
 and the lot sampling are seeded (reproducible audit); the DP noise is seeded
@@ -90,7 +94,7 @@ def calibrate(target_epsilon: float, sampling: str, steps: int, q: float | None,
 def audit_run(variant: str, target_epsilon: float, *, sampling: str, canaries: int,
               real, black_box=None, seed: int = 0, noise_seed: int | None = 1,
               accountant: str = "pld", learning_rate: float = 1.0,
-              batches_per_lot: int = 16) -> dict:
+              batches_per_lot: int = 16, statistic: str | None = None) -> dict:
     """One training run with canaries; returns the run's rows and facts."""
     import keras
 
@@ -99,6 +103,7 @@ def audit_run(variant: str, target_epsilon: float, *, sampling: str, canaries: i
     from dpfl_tf.keras import DPSGD, DPModel
 
     x, y, *_ = real
+    keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
     dirac = DiracCanaries(canaries, input_dim=x.shape[1], num_classes=10, value=VALUE,
                           seed=seed)
@@ -135,7 +140,8 @@ def audit_run(variant: str, target_epsilon: float, *, sampling: str, canaries: i
            log_train_metrics=False)
     seconds = time.perf_counter() - t0
     eps = dp.epsilon(DELTA, accountant)
-    statistic = "sum" if sampling == "full_batch" else "spread"
+    if statistic is None:
+        statistic = "sum" if sampling == "full_batch" else "spread"
     wb = dirac.audit(observer, delta=DELTA, confidence=CONFIDENCE, statistic=statistic)
     common = {"variant": variant, "target_epsilon": target_epsilon, "epsilon": eps,
               "delta": DELTA, "accountant": accountant, "confidence": CONFIDENCE,
@@ -177,6 +183,7 @@ def federated_run(variant: str, target_epsilon: float, *, canaries: int, real,
     from dpfl_tf.sanitizer import GaussianSanitizer
 
     x, y, *_ = real
+    keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
     per = len(y) // clients
     partition = ClientPartition.from_lists([list(range(i * per, (i + 1) * per))
@@ -262,7 +269,7 @@ def plot(rows, path):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 5))
+    fig = Figure(figsize=(11, 5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     top = max([r["epsilon"] for r in rows] + [8.0]) * 1.1
@@ -273,17 +280,29 @@ def plot(rows, path):
     seen = set()
     for r in rows:
         color, marker = style.get(r["variant"], ("k", "."))
-        label = f"{r['variant']} ({r['access']}, {r['method']})"
+        setting = r.get("unit", "example")
+        if r["variant"] == "dpfl_tf":
+            if r["unit"] == "client":
+                marker, setting = "P", "client, Global DP"
+            elif str(r.get("sampling", "")).startswith("poisson"):
+                marker, setting = "h", "example, Poisson lots"
+            elif r["method"].startswith("membership"):
+                color, marker, setting = "tab:gray", "s", "example, MIA baseline"
+            else:
+                setting = "example, full-batch lots"
+        elif r["unit"] == "client":
+            marker, setting = "X", "client, Global DP"
+        label = f"{r['variant']} ({r['access'].replace('_', '-')}, {setting}, {r['method']})"
         filled = r["access"] == "white_box"
         ax.scatter(r["epsilon"], r["epsilon_lower_bound"], color=color, marker=marker,
-                   facecolors=color if filled else "none",
+                   facecolors=color if filled else "none", s=40,
                    label=None if label in seen else label)
         seen.add(label)
     ax.set_xlabel("claimed epsilon (accountant, delta = 1e-5)")
     ax.set_ylabel("epsilon lower bound (95 %)")
     ax.set_title("One-run canary audit: library vs broken DP-SGD copies")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     from dpfl_tf._io import atomic_write
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"),
                  binary=True)
@@ -293,21 +312,27 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--output", default=None)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="independent runs (new coins, sampling and noise) per repeated "
+                             "setting (default 10; 3 with --quick)")
     args = parser.parse_args(argv)
     m = 1000 if args.quick else 5000
     n_real = 500 if args.quick else 1000
     real = load_mnist(n_real, 1000)
     targets = (1.0, 2.0, 4.0, 8.0)
-    plan = [("dpfl_tf", t, "full_batch", True) for t in targets]
-    plan += [("dpfl_tf", 2.0, "poisson", False)]
-    plan += [("half_noise", t, "full_batch", False) for t in (1.0, 2.0)]
-    plan += [("skip_clipping", 2.0, "full_batch", False),
-             ("per_batch_noise", 2.0, "full_batch", False),
-             ("reused_noise", 2.0, "poisson", False)]
+    # (variant, claimed eps, lot sampling, white-box statistic, with black-box canaries)
+    plan = [("dpfl_tf", t, "full_batch", "sum", True) for t in targets]
+    plan += [("dpfl_tf", 2.0, "poisson", "spread", False),
+             ("dpfl_tf", 8.0, "poisson", "sum", False)]
+    plan += [("half_noise", t, "full_batch", "sum", False) for t in (1.0, 2.0)]
+    plan += [("skip_clipping", 2.0, "full_batch", "sum", False),
+             ("per_batch_noise", 2.0, "full_batch", "sum", False),
+             ("reused_noise", 2.0, "poisson", "spread", False)]
     runs = []
-    for i, (variant, t, sampling, with_bb) in enumerate(plan):
+    for i, (variant, t, sampling, statistic, with_bb) in enumerate(plan):
         rows = audit_run(variant, t, sampling=sampling, canaries=m, real=real,
-                         black_box=real[2:] if with_bb else None, seed=i)
+                         black_box=real[2:] if with_bb else None, seed=i,
+                         statistic=statistic)
         for r in rows:
             print(f"{variant:16s} {sampling:10s} {r['access']:9s} claimed eps "
                   f"{r['epsilon']:.3f}  lower bound {r['epsilon_lower_bound']:.2f}  "
@@ -323,9 +348,29 @@ def main(argv=None) -> int:
                   f"lower bound {r['epsilon_lower_bound']:.2f}  ({r['correct']}/"
                   f"{r['guesses']} correct, {r['train_seconds']} s)", flush=True)
         runs += rows
+    # Repeated runs: how often the library's bound stays below its claim, and how
+    # often the borderline broken copy (noise x 1/2) is caught.
+    repeats_n = args.repeats or (3 if args.quick else 10)
+    repeats = []
+    repeat_plan = [("dpfl_tf", t) for t in targets] + [("half_noise", 1.0),
+                                                        ("half_noise", 2.0)]
+    for variant, t in repeat_plan:
+        rows = [audit_run(variant, t, sampling="full_batch", canaries=m, real=real,
+                          seed=1000 + j, noise_seed=2000 + j)[0] for j in range(repeats_n)]
+        lbs = [r["epsilon_lower_bound"] for r in rows]
+        rep = {"variant": variant, "epsilon": rows[0]["epsilon"], "sampling": "full_batch",
+               "access": "white_box", "unit": "example", "method": "one_run_sum",
+               "canaries": m, "confidence": CONFIDENCE, "runs": repeats_n,
+               "seeds": [1000 + j for j in range(repeats_n)],
+               "epsilon_lower_bounds": lbs, "median_lower_bound": float(np.median(lbs)),
+               "above_claim": int(sum(r["caught"] for r in rows))}
+        print(f"repeated {variant:12s} claimed eps {rep['epsilon']:.3f}: lower bounds "
+              f"{lbs}; above the claim in {rep['above_claim']}/{repeats_n}", flush=True)
+        repeats.append(rep)
     ideal = ideal_rows(targets, m)
     mia = mia_rows(os.path.join(ROOT, "results", "audit_mia.json"))
     violations = [r for r in runs if r["variant"] == "dpfl_tf" and r["caught"]]
+    violations += [r for r in repeats if r["variant"] == "dpfl_tf" and r["above_claim"]]
     missed = [{"variant": r["variant"], "epsilon": r["epsilon"], "unit": r["unit"],
                "epsilon_lower_bound": r["epsilon_lower_bound"]}
               for r in runs if r["variant"] != "dpfl_tf" and not r["caught"]]
@@ -336,7 +381,7 @@ def main(argv=None) -> int:
               "quick": args.quick, "dataset": "MNIST", "model": "softmax regression on "
               "784 + m features", "steps": STEPS, "delta": DELTA, "confidence": CONFIDENCE,
               "canary_value": VALUE, "runs": runs + mia, "ideal_gaussian": ideal,
-              "violations": violations, "broken_not_caught": missed,
+              "repeats": repeats, "violations": violations, "broken_not_caught": missed,
               "note": "seeded noise and sampling: reproducible, NOT for deployment"}
     atomic_write_json(out, result)
     plot(runs + mia + ideal, out[:-5] + ".png")
