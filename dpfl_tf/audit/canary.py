@@ -70,7 +70,7 @@ section 6).  Much weaker: the final model averages away most of the signal.
 
 Power.  With m canaries one run certifies far less than the accountant's
 epsilon even for an exactly Gaussian canary (see `dpfl_tf.audit.one_run`):
-about 0.3-0.45 x eps at eps = 1..8 for m = 5000.  A bound above the claimed
+about 0.4-0.45 x eps at eps = 1..8 for m = 5000 (README, "Canary auditing").  A bound above the claimed
 epsilon is a bug; a bound well below it is expected.
 """
 
