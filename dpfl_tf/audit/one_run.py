@@ -1,0 +1,256 @@
+"""The one-run epsilon lower bound of Steinke, Nasr and Jagielski (2023).
+
+Setting ("Privacy auditing with one (1) training run", arXiv:2305.08846).
+m *canaries* are each included in the training data independently with
+probability 1/2 (a secret coin S_i in {-1, +1}).  The trained model (or, for a
+white-box audit, every intermediate model) is the output of the mechanism M.
+From that output alone -- never from the coins -- the auditor computes a score
+per canary and *guesses*: T_i = +1 ("in") for the k_+ highest scores, T_i = -1
+("out") for the k_- lowest, and abstains (T_i = 0) on the rest; r = k_+ + k_-
+guesses are made and W of them are correct (T_i = S_i).
+
+The bound (the paper's main theorem, Theorem 3.1, for (eps, delta)-DP with
+respect to each canary's inclusion).  Let q_eps = e^eps / (1 + e^eps), the
+accuracy of eps-DP randomized response, and
+f(v) = P[Binomial(r, q_eps) >= v].  If M is (eps, delta)-DP then for every v
+
+    P[W >= v] <= f(v) + 2 m delta * max_{i = 1..v} (f(v - i) - f(v)) / i.
+
+The right-hand side is the *p-value* of observing v correct guesses under the
+hypothesis "M is (eps, delta)-DP" (`one_run_p_value`).  The audit reports
+
+    eps_lb = the largest eps of a grid (step `resolution`) such that the
+             p-value is < alpha = 1 - confidence at every grid point <= eps_lb.
+
+Why this is a valid (1 - alpha) lower bound: if M is (eps0, delta)-DP it is
+also (eps_j, delta)-DP at the smallest grid point eps_j >= eps0, so eps_lb > eps0
+happens only if the p-value at eps_j came out < alpha, which has probability
+<= alpha.  No monotonicity of the p-value in eps is needed.
+
+Choice of k.  The number of guesses must be fixed before looking at the
+coins; choosing the best k after seeing how many guesses were right is a
+multiple test.  `epsilon_lower_bound_from_scores` therefore tries a small fixed
+set of guess counts and runs each test at level alpha / (number of counts)
+(Bonferroni), so the maximum over them is still a (1 - alpha) lower bound.
+
+Power.  The bound can never exceed what perfect guessing of all r guesses
+allows: with delta = 0 and r correct guesses, eps_lb is the eps solving
+q_eps^r = alpha, i.e. about log(r / log(1 / alpha)) for large r -- about 5.8
+for r = 1000 at 95 %.  For a Gaussian mechanism (DP-SGD) the guesses are
+never perfect, and one run with m ~ 10^3 - 10^4 canaries certifies about
+0.4-0.45 x eps at eps = 1..8 (`ideal_gaussian_lower_bound` simulates an
+idealized, exactly Gaussian canary; `experiments/audit_canary.py` measures it).
+
+Sharper f-DP (Gaussian) versions of this bound exist (Mahloujifar, Melis,
+Chaudhuri 2024, arXiv:2410.22235); they are *not* implemented here: their
+recursive bound needs care to be sound and we did not validate it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+from scipy import stats
+
+from dpfl_tf._validation import check_count, check_number
+
+__all__ = ["OneRunResult", "DEFAULT_GUESS_FRACTIONS", "one_run_p_value",
+           "one_run_epsilon_lower_bound", "epsilon_lower_bound_from_scores",
+           "guesses_from_scores", "ideal_gaussian_lower_bound"]
+
+#: guess counts tried by default, as fractions of the number of canaries
+DEFAULT_GUESS_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+_EPS_MAX = 50.0
+
+
+def _check_counts(canaries, guesses, correct) -> tuple[int, int, int]:
+    m = check_count("canaries", canaries, minimum=1)
+    r = check_count("guesses", guesses, minimum=0)
+    v = check_count("correct", correct, minimum=0)
+    if r > m:
+        raise ValueError(f"guesses must be <= canaries ({m}), got {r}")
+    if v > r:
+        raise ValueError(f"correct must be <= guesses ({r}), got {v}")
+    return m, r, v
+
+
+def _p_value(eps: float, delta: float, m: int, r: int, v: int) -> float:
+    if v == 0:
+        return 1.0
+    q = 1.0 / (1.0 + math.exp(-eps))            # e^eps / (1 + e^eps)
+    pmf = stats.binom.pmf(np.arange(r + 1), r, q)
+    tail = float(stats.binom.sf(v - 1, r, q))   # f(v) = P[Bin >= v], accurate in the tail
+    # f(v - i) - f(v) = P[v - i <= Bin < v] for i = 1..v
+    below = np.cumsum(pmf[:v][::-1])
+    worst = float(np.max(below / np.arange(1, v + 1)))
+    return min(1.0, tail + 2.0 * m * delta * worst)
+
+
+def one_run_p_value(epsilon: float, delta: float, *, canaries: int, guesses: int,
+                    correct: int) -> float:
+    """Upper bound on P[W >= correct] for an (epsilon, delta)-DP mechanism
+    (module docstring; Steinke et al. 2023, Theorem 3.1).
+
+    Args:
+      epsilon, delta: the hypothesis "M is (epsilon, delta)-DP".
+      canaries: m, the number of canaries (each included with probability 1/2).
+      guesses: r, the guesses made (abstentions excluded).
+      correct: v, the correct guesses.
+    """
+    eps = check_number("epsilon", epsilon, low=0.0)
+    delta = check_number("delta", delta, low=0.0, high=1.0)
+    m, r, v = _check_counts(canaries, guesses, correct)
+    return _p_value(eps, delta, m, r, v)
+
+
+def one_run_epsilon_lower_bound(correct: int, guesses: int, canaries: int, *, delta: float,
+                                confidence: float = 0.95, resolution: float = 0.01) -> float:
+    """eps_lb at `confidence` from counts (module docstring): the largest grid
+    point eps such that `one_run_p_value` < 1 - confidence at every grid point
+    in [0, eps]; 0 if already eps = 0 is not rejected.
+
+    Worked example: 10 correct of 10 guesses, delta = 0, 95 %: the p-value is
+    q_eps^10, which is < 0.05 iff q_eps < 0.05^(1/10) = 0.7411, i.e.
+    eps < log(0.7411 / 0.2589) = 1.0517; the grid gives 1.05.
+    """
+    m, r, v = _check_counts(canaries, guesses, correct)
+    delta = check_number("delta", delta, low=0.0, high=1.0)
+    alpha = 1.0 - check_number("confidence", confidence, low=0.0, high=1.0, low_open=True,
+                               high_open=True)
+    res = check_number("resolution", resolution, low=0.0, high=1.0, low_open=True)
+
+    def rejected(eps):
+        return _p_value(eps, delta, m, r, v) < alpha
+
+    if not rejected(0.0):
+        return 0.0
+    # coarse scan, then a fine scan of the first coarse interval that fails
+    coarse = max(res, 0.25)
+    last_ok = 0.0
+    eps = coarse
+    while eps <= _EPS_MAX and rejected(eps):
+        last_ok = eps
+        eps += coarse
+    fine = last_ok
+    step_eps = last_ok + res
+    while step_eps < min(eps, _EPS_MAX + res) and rejected(step_eps):
+        fine = step_eps
+        step_eps += res
+    # the coarse grid points <= last_ok were all checked, and so was every fine
+    # point up to `fine`: eps_lb = fine is the end of a checked grid
+    return float(round(fine, 10))
+
+
+def guesses_from_scores(scores: np.ndarray, k_in: int, k_out: int) -> np.ndarray:
+    """T in {-1, 0, +1}^m: +1 for the k_in highest scores, -1 for the k_out
+    lowest (ties broken by position), 0 elsewhere."""
+    scores = np.asarray(scores, dtype=np.float64)
+    m = len(scores)
+    if k_in + k_out > m:
+        raise ValueError(f"k_in + k_out must be <= the number of scores ({m}), got "
+                         f"{k_in} + {k_out}")
+    order = np.argsort(-scores, kind="stable")
+    guess = np.zeros(m, np.int8)
+    guess[order[:k_in]] = 1
+    if k_out:
+        guess[order[m - k_out:]] = -1
+    return guess
+
+
+@dataclasses.dataclass(frozen=True)
+class OneRunResult:
+    """The audit's lower bound and how it was obtained.
+
+    ``epsilon_lower_bound`` holds with probability >= ``confidence`` for every
+    (eps, delta)-DP mechanism with eps < epsilon_lower_bound (at ``delta``).
+    ``guesses`` / ``correct`` are those of the guess count that gave the bound;
+    ``tests`` the number of guess counts tried (Bonferroni divisor)."""
+
+    epsilon_lower_bound: float
+    confidence: float
+    delta: float
+    canaries: int
+    guesses: int
+    correct: int
+    tests: int
+    per_test: tuple = ()
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["per_test"] = [list(t) for t in self.per_test]
+        return d
+
+
+def epsilon_lower_bound_from_scores(scores: Sequence[float], coins: Sequence[bool], *,
+                                    delta: float, confidence: float = 0.95,
+                                    guess_fractions: Sequence[float] = DEFAULT_GUESS_FRACTIONS,
+                                    sides: str = "both", resolution: float = 0.01
+                                    ) -> OneRunResult:
+    """The one-run lower bound from per-canary scores (higher = "more likely
+    in") and the secret coins (True = included).
+
+    For each fraction f of `guess_fractions`, k = max(1, round(f m)) guesses are
+    made: with ``sides="both"`` the ceil(k/2) highest scores are guessed "in"
+    and the floor(k/2) lowest "out"; with ``sides="in"`` only the k highest are
+    guessed "in".  Each test runs at level (1 - confidence) / len(guess_fractions)
+    and the largest bound is returned (Bonferroni: still a `confidence` bound).
+    """
+    scores = np.asarray(scores, dtype=np.float64).ravel()
+    coins = np.asarray(coins).ravel()
+    if len(scores) != len(coins):
+        raise ValueError(f"scores and coins must have the same length, got {len(scores)} "
+                         f"and {len(coins)}")
+    if len(scores) == 0:
+        raise ValueError("scores is empty: at least one canary is needed")
+    if not np.all(np.isfinite(scores)):
+        raise ValueError("scores contain NaN or inf")
+    if coins.dtype != bool:
+        if not np.all(np.isin(coins, (0, 1))):
+            raise ValueError("coins must be booleans (or 0/1), got other values")
+        coins = coins.astype(bool)
+    if sides not in ("both", "in"):
+        raise ValueError(f"sides must be 'both' or 'in', got {sides!r}")
+    fractions = [check_number(f"guess_fractions[{i}]", f, low=0.0, high=1.0, low_open=True)
+                 for i, f in enumerate(guess_fractions)]
+    if not fractions:
+        raise ValueError("guess_fractions must not be empty")
+    conf = check_number("confidence", confidence, low=0.0, high=1.0, low_open=True,
+                        high_open=True)
+    tests = len(fractions)
+    per_test_conf = 1.0 - (1.0 - conf) / tests
+    m = len(scores)
+    truth = np.where(coins, 1, -1)
+    best = None
+    per_test = []
+    for f in fractions:
+        k = max(1, int(round(f * m)))
+        k_in, k_out = ((k + 1) // 2, k // 2) if sides == "both" else (k, 0)
+        guess = guesses_from_scores(scores, k_in, k_out)
+        r = int(np.count_nonzero(guess))
+        v = int(np.sum(guess == truth))
+        eps = one_run_epsilon_lower_bound(v, r, m, delta=delta, confidence=per_test_conf,
+                                          resolution=resolution)
+        per_test.append((r, v, eps))
+        if best is None or eps > best[2]:
+            best = (r, v, eps)
+    return OneRunResult(epsilon_lower_bound=best[2], confidence=conf, delta=float(delta),
+                        canaries=m, guesses=best[0], correct=best[1], tests=tests,
+                        per_test=tuple(per_test))
+
+
+def ideal_gaussian_lower_bound(mu: float, canaries: int, *, delta: float,
+                               confidence: float = 0.95, seed: int = 0, **kwargs) -> float:
+    """The bound this audit gives for an idealized canary whose score is
+    N(mu, 1) if included and N(0, 1) if not (a mu-GDP mechanism, which DP-SGD
+    with full-batch lots and Dirac canaries is, with mu = sqrt(T) / sigma):
+    one simulated draw, to show what the method can reach with m canaries."""
+    mu = check_number("mu", mu, low=0.0)
+    m = check_count("canaries", canaries, minimum=1)
+    rng = np.random.default_rng(seed)
+    coins = rng.random(m) < 0.5
+    scores = rng.normal(mu * coins, 1.0)
+    return epsilon_lower_bound_from_scores(scores, coins, delta=delta, confidence=confidence,
+                                           **kwargs).epsilon_lower_bound

@@ -1,0 +1,118 @@
+"""Tests of the one-run lower bound (Steinke, Nasr, Jagielski 2023) against
+closed forms, brute-force binomial sums and its own 95 % validity."""
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from dpfl_tf.audit.one_run import (epsilon_lower_bound_from_scores, guesses_from_scores,
+                                   ideal_gaussian_lower_bound, one_run_epsilon_lower_bound,
+                                   one_run_p_value)
+
+
+def _brute_p_value(eps, delta, m, r, v):
+    """The theorem's right-hand side with exact binomial sums (math.comb)."""
+    q = Fraction(math.exp(eps)) / (1 + Fraction(math.exp(eps)))
+
+    def f(u):  # P[Bin(r, q) >= u]
+        return sum(math.comb(r, j) * q ** j * (1 - q) ** (r - j) for j in range(max(u, 0), r + 1))
+
+    worst = max((f(v - i) - f(v)) / i for i in range(1, v + 1))
+    return min(1.0, float(f(v) + 2 * m * Fraction(delta) * worst))
+
+
+@pytest.mark.parametrize("eps,delta,m,r,v", [(0.5, 0.0, 30, 20, 15), (1.0, 1e-3, 30, 20, 18),
+                                             (2.0, 1e-2, 40, 30, 29), (0.0, 0.0, 10, 10, 7),
+                                             (3.0, 1e-5, 50, 12, 12)])
+def test_p_value_matches_brute_force(eps, delta, m, r, v):
+    got = one_run_p_value(eps, delta, canaries=m, guesses=r, correct=v)
+    assert got == pytest.approx(_brute_p_value(eps, delta, m, r, v), rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("k", [10, 100, 1000])
+def test_perfect_guessing_closed_form(k):
+    # delta = 0, k of k correct: p = q_eps^k < alpha iff eps < log(a / (1 - a)), a = alpha^(1/k)
+    a = 0.05 ** (1 / k)
+    exact = math.log(a / (1 - a))
+    got = one_run_epsilon_lower_bound(k, k, k, delta=0.0, confidence=0.95)
+    assert exact - 0.01 <= got < exact + 1e-9
+
+
+def test_worked_example_and_monotonicity():
+    assert one_run_epsilon_lower_bound(10, 10, 10, delta=0.0) == pytest.approx(1.05)
+    base = one_run_epsilon_lower_bound(180, 200, 1000, delta=0.0)
+    assert one_run_epsilon_lower_bound(190, 200, 1000, delta=0.0) > base
+    assert one_run_epsilon_lower_bound(180, 200, 1000, delta=1e-4) < base
+    assert one_run_epsilon_lower_bound(180, 200, 1000, delta=0.0, confidence=0.99) < base
+    # half the guesses right is exactly what eps = 0 predicts
+    assert one_run_epsilon_lower_bound(100, 200, 1000, delta=0.0) == 0.0
+    assert one_run_epsilon_lower_bound(0, 0, 10, delta=0.0) == 0.0
+
+
+def test_random_guessing_gives_about_zero_and_is_valid():
+    # scores independent of the coins: an eps = 0 mechanism.  The bound must be
+    # > 0 in at most ~5 % of runs (Bonferroni over the guess counts included).
+    rng = np.random.default_rng(0)
+    lbs = []
+    for _ in range(200):
+        coins = rng.random(500) < 0.5
+        lbs.append(epsilon_lower_bound_from_scores(rng.normal(size=500), coins,
+                                                   delta=0.0).epsilon_lower_bound)
+    lbs = np.array(lbs)
+    assert np.mean(lbs > 0) <= 0.09      # 200 draws of a 5 % event: 18 is > 3 sd out
+    assert np.median(lbs) == 0.0 and lbs.max() < 0.5
+
+
+def test_bound_is_valid_for_randomized_response():
+    # eps-DP randomized response on each coin (the mechanism the bound is tight
+    # for): the bound exceeds the true eps in at most ~5 % of runs, and is not
+    # trivially small.
+    eps, m = 1.0, 1000
+    rng = np.random.default_rng(1)
+    keep = math.exp(eps) / (1 + math.exp(eps))
+    lbs = []
+    for _ in range(100):
+        coins = rng.random(m) < 0.5
+        report = np.where(rng.random(m) < keep, coins, ~coins)
+        scores = report + 1e-3 * rng.random(m)       # ties broken at random
+        lbs.append(epsilon_lower_bound_from_scores(scores, coins,
+                                                   delta=0.0).epsilon_lower_bound)
+    lbs = np.array(lbs)
+    assert np.mean(lbs > eps) <= 0.1
+    assert np.median(lbs) > 0.5
+
+
+def test_ideal_gaussian_stays_below_its_epsilon():
+    # mu = 1.666 is the GDP curve through (eps 8, delta 1e-5)
+    lb = ideal_gaussian_lower_bound(1.666, 2000, delta=1e-5, seed=0)
+    assert 1.5 < lb < 8.0
+
+
+def test_guesses_from_scores():
+    g = guesses_from_scores(np.array([0.1, 5.0, -3.0, 2.0, 0.0]), 2, 1)
+    assert g.tolist() == [0, 1, -1, 1, 0]
+    with pytest.raises(ValueError, match="k_in \\+ k_out must be <= the number of scores"):
+        guesses_from_scores(np.zeros(3), 2, 2)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(correct=5, guesses=4, canaries=10), "correct must be <= guesses"),
+    (dict(correct=1, guesses=11, canaries=10), "guesses must be <= canaries"),
+    (dict(correct=-1, guesses=4, canaries=10), "correct must be a whole number >= 0"),
+])
+def test_count_errors_name_the_argument(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        one_run_epsilon_lower_bound(delta=0.0, **kwargs)
+
+
+def test_score_errors():
+    with pytest.raises(ValueError, match="same length"):
+        epsilon_lower_bound_from_scores([1.0, 2.0], [True], delta=0.0)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        epsilon_lower_bound_from_scores([1.0, np.nan], [True, False], delta=0.0)
+    with pytest.raises(ValueError, match="sides must be"):
+        epsilon_lower_bound_from_scores([1.0, 2.0], [True, False], delta=0.0, sides="out")
+    with pytest.raises(ValueError, match="confidence must be in"):
+        epsilon_lower_bound_from_scores([1.0, 2.0], [True, False], delta=0.0, confidence=1.0)
