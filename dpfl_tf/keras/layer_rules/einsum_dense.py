@@ -39,10 +39,13 @@ def _expand(equation: str, input_rank: int) -> tuple[str, str, str]:
 
 class EinsumDenseRule(LayerRule):
     def applies(self, layer) -> bool:
-        if not plain(layer) or "..." in layer.equation.split(",")[1].split("->")[0]:
+        lhs, out = layer.equation.split("->")
+        inp, ker = lhs.split(",")
+        if not plain(layer) or "..." in ker:
             return False
-        inp = layer.equation.split(",")[0]
-        return not inp.startswith("...")  # the batch must be a named first letter
+        # the input's first axis (a letter, or the ellipsis's first) is the batch
+        return out.startswith("...") if inp.startswith("...") else (
+            inp[0] in out and inp[0] not in ker)
 
     def forward(self, layer, inputs, **kwargs):
         x = tf.convert_to_tensor(inputs)

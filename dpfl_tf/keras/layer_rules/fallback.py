@@ -41,6 +41,17 @@ def _is_float(t) -> bool:
 
 
 class PerLayerJacobianRule(LayerRule):
+    """Args:
+      vectorize: pfor-vectorise the Jacobian over the batch (default).  XLA
+        cannot compile the pfor form of a layer's internal loop (an RNN's
+        TensorList ops): under ``jit_compile=True`` register recurrent layers with
+        ``PerLayerJacobianRule(vectorize=False)`` (one backward pass of the layer
+        per example, in a loop).
+    """
+
+    def __init__(self, vectorize: bool = True):
+        self.vectorize = bool(vectorize)
+
     def forward(self, layer, *args, **kwargs):
         trainable = layer.trainable_variables
         ids = {id(v) for v in trainable}
@@ -77,7 +88,7 @@ class PerLayerJacobianRule(LayerRule):
                 if not inner:
                     continue
                 s = tf.add_n(inner)
-            jac = tape.jacobian(s, ws, experimental_use_pfor=True)
+            jac = tape.jacobian(s, ws, experimental_use_pfor=self.vectorize)
             jac = [tf.zeros(tf.concat([tf.shape(s)[:1], w.shape], 0), tf.float32) if j is None
                    else f32(j) for j, w in zip(jac, ws)]
             total = jac if total is None else [t + j for t, j in zip(total, jac)]
