@@ -62,7 +62,8 @@ import tensorflow as tf
 from dpfl_tf.keras.layer_rules import FALLBACK, LayerCall, find_rule, scaled
 from dpfl_tf.keras.layer_rules._base import _ACTIVE, _ORIGINAL_CALLS
 
-__all__ = ["PerExampleGradients", "refuse_batch_mixing_layers", "per_example_loss", "plan_layers"]
+__all__ = ["PerExampleGradients", "refuse_batch_mixing_layers", "per_example_loss", "plan_layers",
+           "default_loss_scale"]
 
 
 class BatchMixingLayerError(ValueError):
@@ -87,6 +88,19 @@ def _leaf_layers(layer):
         yield layer
     for child in children:
         yield from _leaf_layers(child)
+
+
+FLOAT16_LOSS_SCALE = 2.0 ** 10
+
+
+def default_loss_scale(model: keras.Model) -> float:
+    """The static loss scale for `PerExampleGradients`: 2^10 if a trainable
+    layer computes in float16 (mixed_float16: float16's 5 exponent bits
+    underflow below 6e-8), else 1 (float32, bfloat16: float32's exponent)."""
+    for layer in _leaf_layers(model):
+        if layer.trainable and getattr(layer, "compute_dtype", None) == "float16":
+            return FLOAT16_LOSS_SCALE
+    return 1.0
 
 
 def per_example_loss(loss_fn, y_true, y_pred) -> tf.Tensor:
@@ -237,12 +251,24 @@ class PerExampleGradients:
     Layers moved to the generic path because their variables have uses the
     fast path cannot see (weight tying; see the module docstring) are listed in
     `excluded_layers`; the decision is made while tracing, once per object.
+
+    `loss_scale` (mixed_float16): the backward pass differentiates
+    loss_scale * loss, so small float16 gradients at the layers' outputs do not
+    underflow; the rules work in float32 and the norms and sums are unscaled
+    (sq / S^2, sum / S) before clipping, so clipping and noise see the true
+    gradients.  A static scale: an example whose scaled gradient overflows has
+    a non-finite norm and is dropped like any non-finite example.
     """
 
-    def __init__(self, model: keras.Model, loss_fn, *, fast: bool = True):
+    def __init__(self, model: keras.Model, loss_fn, *, fast: bool = True,
+                 loss_scale: float = 1.0):
         self.model = model
         self.loss_fn = loss_fn
         self.fast = fast
+        if not (isinstance(loss_scale, (int, float)) and loss_scale > 0
+                and loss_scale < float("inf")):
+            raise ValueError(f"loss_scale must be a finite number > 0, got {loss_scale!r}")
+        self.loss_scale = float(loss_scale)
         self._excluded: dict[int, keras.layers.Layer] = {}
 
     @property
@@ -274,7 +300,9 @@ class PerExampleGradients:
                 y_pred = _call_with_training(self.model, training)(x)
             losses = per_example_loss(self.loss_fn, y, y_pred)
             losses = losses * tf.cast(weights, losses.dtype)
-            total = tf.reduce_sum(losses)
+            scale = self.loss_scale
+            scaled_losses = losses * scale if scale != 1.0 else losses
+            total = tf.reduce_sum(scaled_losses)
 
         calls = recorder.calls
         layers = {id(layer): (layer, rule) for layer, rule, _ in calls}  # tapped, once each
@@ -304,7 +332,7 @@ class PerExampleGradients:
             return None
 
         generic = [v for v in variables if id(v) not in owner]
-        jac = (tape.jacobian(losses, generic, experimental_use_pfor=True)
+        jac = (tape.jacobian(scaled_losses, generic, experimental_use_pfor=True)
                if generic else [])
         del tape
 
@@ -330,6 +358,9 @@ class PerExampleGradients:
             sq_norms[id(var)] = tf.reduce_sum(tf.reshape(tf.square(j), [tf.shape(j)[0], -1]), 1)
             sum_fns[id(var)] = (lambda c, j=j: tf.reduce_sum(scaled(j, c), axis=0))
 
+        if scale != 1.0:  # back to the gradients of the loss itself, in float32
+            sq_norms = {k: tf.cast(q, tf.float32) / (scale * scale) for k, q in sq_norms.items()}
+            sum_fns = {k: (lambda c, fn=fn: fn(c) / scale) for k, fn in sum_fns.items()}
         factors = clip_factors_fn([sq_norms[id(v)] for v in variables])
         sums = [sum_fns[id(v)](tf.cast(f, v.dtype)) for v, f in zip(variables, factors)]
         return sums, losses, y_pred

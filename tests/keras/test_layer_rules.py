@@ -449,3 +449,114 @@ def test_a_rule_refusing_a_configuration_sends_the_layer_to_the_fallback():
     h = keras.layers.Conv2D(3, 3, strides=2, data_format="channels_first")(inp)
     model = keras.Model(inp, _head(h))
     check_exact(model, x, y, {"Conv2D": "PerLayerJacobianRule", "Dense": "DenseRule"})
+
+
+# ---------------------------------------------------------------------------
+# Mixed precision: layers compute in float16/bfloat16, rules in float32
+
+@pytest.fixture
+def policy(request):
+    keras.mixed_precision.set_global_policy(request.param)
+    yield request.param
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def _mixed_models():
+    x, y = _images()
+    keras.utils.set_random_seed(28)
+    inp = keras.Input(x.shape[1:])
+    h = keras.layers.Conv2D(4, 3, strides=2, activation="relu")(inp)
+    h = keras.layers.GroupNormalization(2)(h)
+    h = keras.layers.DepthwiseConv2D(3, strides=2)(h)
+    h = keras.layers.Flatten()(h)
+    cnn = keras.Model(inp, keras.layers.Dense(10, dtype="float32")(h))
+    xt, yt = _tokens()
+    return [(cnn, x, y), (transformer_block(), xt, yt)]
+
+
+@pytest.mark.parametrize("policy, loss_scale, rtol", [
+    ("mixed_float16", 1.0, 2e-2), ("mixed_float16", 1024.0, 2e-2),
+    ("mixed_bfloat16", 1.0, 1e-1)], indirect=["policy"])
+def test_mixed_precision_norms_and_sums_are_float32_and_close_to_float32(policy, loss_scale,
+                                                                         rtol):
+    mixed = _mixed_models()
+    keras.mixed_precision.set_global_policy("float32")
+    for model, x, y in mixed:
+        assert model.layers[1].compute_dtype != "float32"
+        weights = [v.numpy() for v in model.trainable_variables]
+        ref = _reference(model, x, y)  # the mixed model itself, example by example
+        ref_sq = [np.array([np.sum(r[j] ** 2) for r in ref]) for j in range(len(ref[0]))]
+        captured = {}
+
+        def factors(sq):
+            captured["sq"] = sq
+            return [tf.ones_like(s) for s in sq]
+
+        per_example = PerExampleGradients(model, loss(), loss_scale=loss_scale)
+        sums = per_example.compute(tf.constant(x), tf.constant(y), tf.ones(N), factors)[0]
+        assert all(s.dtype == tf.float32 for s in captured["sq"] + list(sums))
+        total_ref = sum(ref_sq)
+        total = sum(s.numpy() for s in captured["sq"])
+        np.testing.assert_allclose(total, total_ref, rtol=rtol)
+        for s, r in zip(sums, [sum(g[j] for g in ref) for j in range(len(ref[0]))]):
+            assert np.linalg.norm(s.numpy() - r) <= rtol * (np.linalg.norm(r) + 1e-3)
+        assert all(np.array_equal(v.numpy(), w) for v, w in zip(model.trainable_variables,
+                                                                 weights))
+
+
+@pytest.mark.parametrize("policy, scale", [("mixed_float16", 1024.0), ("mixed_bfloat16", 1.0),
+                                           ("float32", 1.0)], indirect=["policy"])
+def test_default_loss_scale(policy, scale):
+    from dpfl_tf.keras.per_example import default_loss_scale
+
+    assert default_loss_scale(_mixed_models()[0][0]) == scale
+
+
+def test_loss_scale_is_checked():
+    with pytest.raises(ValueError, match="loss_scale must be a finite number > 0, got 0"):
+        PerExampleGradients(keras.Sequential([keras.layers.Dense(1)]), loss(), loss_scale=0)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"], indirect=True)
+def test_dp_training_under_mixed_precision(policy):
+    # DPModel.compile(auto_scale_loss=False) keeps Keras from wrapping the DP
+    # optimizer in a LossScaleOptimizer (model.py should make this the default)
+    from dpfl_tf.keras import DPSGD, DPModel
+
+    model, x, y = _mixed_models()[0]
+    x, y = mnist_slice(48, flat=False)
+    dp = DPModel(model)
+    dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0),
+               loss=loss(), auto_scale_loss=False)
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    dp.fit(x, y, lot_size=16, batch_size=8, epochs=1, verbose=0)
+    assert dp.lots_applied >= 1 and dp.dropped_examples == 0
+    after = [v.numpy() for v in model.trainable_variables]
+    assert all(v.dtype == np.float32 and np.all(np.isfinite(v)) for v in after)
+    assert any(not np.allclose(a, b) for a, b in zip(after, before))
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"], indirect=True)
+def test_noise_under_mixed_precision_has_the_float32_scale(policy):
+    """Same lot, noise 0 vs noise sigma: the weight difference is -lr z / L with
+    z ~ N(0, sigma^2 C^2), in float32 (a KS test that rejects a wrong scale)."""
+    from scipy import stats
+
+    from dpfl_tf.keras import DPSGD, DPModel
+
+    x, y = mnist_slice(16, flat=False)
+    lr, clip, sigma, lot = 0.5, 1.0, 2.0, 16
+    deltas = []
+    for noise in (0.0, sigma):
+        model = _mixed_models()[0][0]
+        dp = DPModel(model)
+        dp.compile(optimizer=DPSGD(lr, l2_norm_clip=clip, noise_multiplier=noise, seed=1),
+                   loss=loss(), auto_scale_loss=False)
+        before = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+        dp.fit(x, y, lot_size=lot, batch_size=8, epochs=1, verbose=0, sampling="full_batch")
+        after = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+        deltas.append(after - before)
+    z = (deltas[0] - deltas[1]) * lot / lr  # the noise draw
+    assert z.size > 1000
+    assert stats.kstest(z, "norm", args=(0, sigma * clip)).pvalue > 1e-3
+    assert stats.kstest(z, "norm", args=(0, 1.5 * sigma * clip)).pvalue < 1e-3
