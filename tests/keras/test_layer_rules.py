@@ -560,3 +560,30 @@ def test_noise_under_mixed_precision_has_the_float32_scale(policy):
     assert z.size > 1000
     assert stats.kstest(z, "norm", args=(0, sigma * clip)).pvalue > 1e-3
     assert stats.kstest(z, "norm", args=(0, 1.5 * sigma * clip)).pvalue < 1e-3
+
+
+class OwnTemperature(keras.Model):
+    """A model holding a variable of its own next to its layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(10)
+        self.temperature = self.add_weight(shape=(), initializer="ones")
+
+    def call(self, x, training=None):
+        return self.dense(x) * self.temperature
+
+
+def test_time_distributed_and_a_models_own_variable():
+    keras.utils.set_random_seed(29)
+    x, y = _sequence()
+    inp = keras.Input(x.shape[1:])
+    h = keras.layers.TimeDistributed(keras.layers.Dense(3, activation="tanh"))(inp)
+    check_exact(keras.Model(inp, _head(h)), x, y,
+                {"TimeDistributed": "PerLayerJacobianRule", "Dense": "DenseRule"})
+    model = OwnTemperature()
+    flat = x.reshape(N, -1)
+    # the Dense uses its rule; the model's own variable takes the whole-model Jacobian
+    model(flat[:1])
+    assert [type(r).__name__ for _, r in plan_layers(model).values()] == ["DenseRule"]
+    check_exact(model, flat, y)

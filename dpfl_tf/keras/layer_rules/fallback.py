@@ -12,8 +12,8 @@ the layer re-run once on its own tapped inputs, and the Jacobian of the B inner
 products s_i = <f(x; w)_i, g_i> with respect to w (pfor-vectorised over the
 batch).  Unlike the whole-model Jacobian it differentiates through this layer
 only; per-example gradients [B, *w.shape] are materialised.  Recurrent layers
-(SimpleRNN, LSTM, GRU, Bidirectional) and TimeDistributed use it as a whole:
-their cell is called inside a loop, where no tap can be taken.
+(SimpleRNN, LSTM, GRU) and wrappers (Bidirectional, TimeDistributed) use it as
+a whole: their cell is called inside a loop, where no tap can be taken.
 """
 
 from __future__ import annotations
@@ -100,5 +100,7 @@ class PerLayerJacobianRule(LayerRule):
 
 FALLBACK = PerLayerJacobianRule()
 
-for _cls in (keras.layers.RNN, keras.layers.Bidirectional, keras.layers.TimeDistributed):
+# run as a whole: an RNN calls its cell in a loop; a Wrapper (Bidirectional,
+# TimeDistributed, ...) may call its layer in a loop or with altered weights
+for _cls in (keras.layers.RNN, keras.layers.Wrapper, keras.layers.Bidirectional):
     register_rule(_cls, FALLBACK)
