@@ -587,3 +587,20 @@ def test_time_distributed_and_a_models_own_variable():
     model(flat[:1])
     assert [type(r).__name__ for _, r in plan_layers(model).values()] == ["DenseRule"]
     check_exact(model, flat, y)
+
+
+def test_convolution_and_normalization_rules_inside_xla():
+    keras.utils.set_random_seed(30)
+    x, y = _images()
+    inp = keras.Input(x.shape[1:])
+    h = keras.layers.Conv2D(4, 3, strides=2, groups=1, activation="relu")(inp)
+    h = keras.layers.GroupNormalization(2)(h)
+    h = keras.layers.Conv2D(4, 3, groups=2, dilation_rate=2)(h)
+    h = keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same")(h)
+    h = keras.layers.SeparableConv2D(4, 3, strides=2, padding="same")(h)
+    h = keras.layers.Conv2DTranspose(3, 3, strides=2, padding="same")(h)
+    h = keras.layers.LayerNormalization()(h)
+    h = keras.layers.Reshape((-1, 3))(h)
+    h = keras.layers.Conv1D(3, 3, padding="causal", dilation_rate=2)(h)
+    h = keras.layers.RMSNormalization()(h)
+    check_exact(keras.Model(inp, _head(h)), x, y, jit=True)
