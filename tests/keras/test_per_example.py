@@ -5,8 +5,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from dpfl_tf.keras.layer_rules import FALLBACK, find_rule
+from dpfl_tf.keras.layer_rules.conv import ConvRule
+from dpfl_tf.keras.layer_rules.dense import DenseRule
+from dpfl_tf.keras.layer_rules.embedding import EmbeddingRule
+from dpfl_tf.keras.layer_rules.normalization import AffineNormalizationRule
 from dpfl_tf.keras.per_example import (BatchMixingLayerError, PerExampleGradients,
-                                       _fast_kind, refuse_batch_mixing_layers)
+                                       plan_layers, refuse_batch_mixing_layers)
 from tests.keras.helpers import loss, mnist_slice
 
 
@@ -104,14 +109,27 @@ def _assert_both_paths_equal_reference(model, x, y):
             np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
 
 
-def test_fast_paths_are_used_for_dense_conv_embedding():
-    assert [_fast_kind(layer) for layer in conv_model().layers[1:]] == [
-        "conv2d", None, "conv2d", None, None, "dense"]
-    assert _fast_kind(embedding_model().layers[1]) == "embedding"
-    frozen = keras.layers.Dense(3)
-    frozen.build((None, 2))
-    frozen.trainable = False
-    assert _fast_kind(frozen) is None  # frozen layers are only run forward
+def _rule_names(model):
+    return {layer.name: type(rule).__name__ for layer, rule in plan_layers(model).values()}
+
+
+def test_rules_are_found_for_dense_conv_embedding_and_frozen_layers_only_run_forward():
+    model = conv_model()
+    assert [type(find_rule(layer)) for layer in model.layers[1:]] == [
+        ConvRule, type(None), ConvRule, type(None), AffineNormalizationRule, DenseRule]
+    assert sorted(_rule_names(model).values()) == sorted(
+        ["ConvRule", "ConvRule", "AffineNormalizationRule", "DenseRule"])
+    assert isinstance(find_rule(embedding_model().layers[1]), EmbeddingRule)
+    frozen = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+    frozen.layers[0].trainable = False
+    assert list(_rule_names(frozen)) == [frozen.layers[1].name]  # frozen: forward only
+    # subclassed models are descended into as well
+    sub = Subclassed()
+    sub(np.zeros((1, 20), "float32"))
+    assert sorted(_rule_names(sub).values()) == ["DenseRule", "DenseRule"]
+    # a layer without a rule whose variables are its own uses the fallback
+    lstm = keras.Sequential([keras.Input((5, 3)), keras.layers.LSTM(4), keras.layers.Dense(2)])
+    assert [rule for _, rule in plan_layers(lstm).values()][0] is FALLBACK
 
 
 def test_clipped_sum_equals_sum_of_clipped_reference_gradients():

@@ -1,0 +1,25 @@
+"""Per-layer rules for per-example gradient norms and clipped sums.
+
+One module per layer family; each registers a `LayerRule` for its Keras
+classes.  A rule is looked up by the layer's exact type, then along its MRO;
+a trainable layer without a rule (or whose rule refuses its configuration)
+uses `PerLayerJacobianRule`, exact for any differentiable layer but slower.
+Register a rule for your own layer with one call::
+
+    from dpfl_tf.keras.layer_rules import register_rule
+    register_rule(MyLayer, MyRule())
+
+The design follows Opacus's ``opacus/grad_sample/`` (one file per layer) and
+tensorflow-privacy's ``fast_gradient_clipping/registry_functions/``.
+"""
+
+from dpfl_tf.keras.layer_rules._base import (LayerCall, LayerRule, Taps, VariableGradients,
+                                             find_rule, kept, materialised, original_call,
+                                             outer_gradients, register_rule, scaled, stopped,
+                                             unregister_rule, watched)
+from dpfl_tf.keras.layer_rules import conv, dense, einsum_dense, embedding, normalization
+from dpfl_tf.keras.layer_rules.fallback import FALLBACK, PerLayerJacobianRule
+
+__all__ = ["LayerRule", "Taps", "LayerCall", "VariableGradients", "register_rule",
+           "unregister_rule", "find_rule", "kept", "scaled", "stopped", "materialised",
+           "outer_gradients", "original_call", "watched", "PerLayerJacobianRule", "FALLBACK"]

@@ -1,0 +1,248 @@
+"""The rule protocol, the registry and the helpers rules share.
+
+A *rule* gives, for one layer family, each example's gradient of the layer's
+trainable variables from two things the forward pass keeps:
+
+* its *taps*: tensors the rule's forward saves (the layer input, conv patches,
+  a normalised input, ...), and
+* the loss gradient at the tensors the rule's forward *watches* (usually the
+  pre-activation output z; several for a layer made of several products).
+
+With g_i = d loss_i / d z_i (the loss of example i depends on z only through
+z_i), example i's gradient of a variable w is  sum_s (d z_is / d w)^T g_is,  a
+sum over the positions s of the output (sequence steps, pixels) and over the
+calls of the layer.  A rule returns, per variable, the vector of squared norms
+||grad_i w||^2 and a function mapping per-example factors c to
+sum_i c_i grad_i w, with examples whose factor is 0 (dropped as non-finite)
+contributing exactly 0 (`kept` / `scaled`: 0 * NaN would be NaN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, NamedTuple, Sequence
+
+import keras
+import tensorflow as tf
+
+__all__ = ["LayerRule", "Taps", "LayerCall", "VariableGradients", "register_rule",
+           "unregister_rule", "find_rule", "kept", "scaled", "stopped", "outer_gradients",
+           "materialised", "original_call", "watched"]
+
+
+@dataclasses.dataclass
+class Taps:
+    """What a rule's forward keeps of one call of its layer.
+
+    `watched` maps names to tensors whose loss gradient the rule needs (they are
+    watched by the tape); `saved` is anything else the rule needs later.
+    """
+    watched: dict
+    saved: Any = None
+
+
+@dataclasses.dataclass
+class LayerCall:
+    """One call of a layer during the tapped forward, with the loss gradient
+    (summed over examples, so row i is example i's) at each watched tensor; a
+    watched tensor that does not reach the loss has a zero gradient."""
+    saved: Any
+    outputs: dict
+    grads: dict
+
+
+class VariableGradients(NamedTuple):
+    """Per-example squared norms [B] of one variable's gradient, and the
+    clipped sum  c -> sum_i c_i grad_i  (examples with c_i = 0 exactly 0)."""
+    sq_norms: tf.Tensor
+    clipped_sum: Callable[[tf.Tensor], tf.Tensor]
+
+
+class LayerRule:
+    """Per-example gradients of one layer family (subclass and register).
+
+    `forward(layer, *args, **kwargs)` replaces the layer's `call` during the
+    tapped forward pass and returns ``(outputs, Taps)``; it must read the
+    layer's variables through `stopped` (their gradient comes from the taps, and
+    a variable with another differentiable use is detected that way).
+    `gradients(layer, calls)` returns ``[(variable, VariableGradients), ...]``
+    covering every trainable variable of the layer, from all its calls.
+    `applies(layer)` may refuse a configuration (the layer then uses the
+    generic per-layer fallback).
+    """
+
+    def applies(self, layer) -> bool:
+        return True
+
+    def forward(self, layer, *args, **kwargs):
+        raise NotImplementedError
+
+    def gradients(self, layer, calls: Sequence[LayerCall]) -> list:
+        raise NotImplementedError
+
+
+_REGISTRY: dict[type, LayerRule] = {}
+_LOCK = threading.Lock()
+
+
+def register_rule(layer_class: type, rule: LayerRule) -> None:
+    """Registers `rule` for `layer_class` and its subclasses (a subclass's own
+    registration, or the nearest class in its MRO, wins)."""
+    if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
+        raise TypeError(f"layer_class must be a keras.layers.Layer subclass, got {layer_class!r}")
+    if not isinstance(rule, LayerRule):
+        raise TypeError(f"rule must be a LayerRule instance, got {type(rule).__name__}")
+    with _LOCK:
+        _REGISTRY[layer_class] = rule
+
+
+def unregister_rule(layer_class: type) -> None:
+    """Removes the rule registered for exactly `layer_class` (if any)."""
+    with _LOCK:
+        _REGISTRY.pop(layer_class, None)
+
+
+def find_rule(layer) -> LayerRule | None:
+    """The rule for the layer's exact type, else for the nearest class of its MRO."""
+    for cls in type(layer).__mro__:
+        rule = _REGISTRY.get(cls)
+        if rule is not None:
+            return rule
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Helpers for rules
+
+def stopped(variable, dtype=None) -> tf.Tensor:
+    """The variable's value read through tf.stop_gradient (cast to dtype)."""
+    value = tf.convert_to_tensor(variable.value)
+    if dtype is not None and value.dtype != tf.as_dtype(dtype):
+        value = tf.cast(value, dtype)
+    return tf.stop_gradient(value)
+
+
+def kept(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
+    """t with the rows of examples whose factor is 0 (dropped as non-finite)
+    set to exactly 0: 0 * NaN would be NaN."""
+    keep = tf.reshape(c > 0, [-1] + [1] * (t.shape.rank - 1))
+    return tf.where(keep, t, tf.zeros_like(t))
+
+
+def scaled(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
+    """c_i * t_i per example, dropped examples exactly 0 (see `kept`)."""
+    return kept(t * tf.reshape(tf.cast(c, t.dtype), [-1] + [1] * (t.shape.rank - 1)), c)
+
+
+def f32(t: tf.Tensor) -> tf.Tensor:
+    return t if t.dtype == tf.float32 else tf.cast(t, tf.float32)
+
+
+def materialised(per_example: tf.Tensor, variable) -> VariableGradients:
+    """VariableGradients from per-example gradients [B, *variable.shape]."""
+    per_example = f32(per_example)
+    b = tf.shape(per_example)[0]
+    sq = tf.reduce_sum(tf.reshape(tf.square(per_example), [b, -1]), axis=1)
+
+    def clipped_sum(c, j=per_example):
+        return tf.cast(tf.reshape(tf.reduce_sum(scaled(j, c), axis=0), variable.shape),
+                       variable.dtype)
+
+    return VariableGradients(sq, clipped_sum)
+
+
+def static_positions(*tensors) -> int | None:
+    """Total number of positions (product of axes between batch and the last)
+    over the tensors, or None if not known statically."""
+    total = 0
+    for t in tensors:
+        count = 1
+        for dim in t.shape[1:-1]:
+            if dim is None:
+                return None
+            count *= dim
+        total += count
+    return total
+
+
+def outer_gradients(a: tf.Tensor, g: tf.Tensor, positions: int | None,
+                    to_variable: Callable[[tf.Tensor], tf.Tensor], variable) -> VariableGradients:
+    """Gradients of a variable whose example gradient is, per group k,
+
+        W_k = sum_s a_isk^T g_isk          a: [B, S, G, d],  g: [B, S, G, o]
+
+    (G = 1 for a dense or convolution kernel, G = groups for a grouped or
+    depthwise convolution).  ||grad_i||^2 is taken as a ghost norm
+    sum_{k,s,t} (a_isk . a_itk)(g_isk . g_itk) when S^2 < d o, else from the
+    materialised [B, G, d, o] (Li et al. 2022, "ghost clipping"; whichever is
+    cheaper).  `to_variable` maps the summed [G, d, o] to the variable's shape.
+    """
+    a, g = f32(a), f32(g)
+    d, o = a.shape[-1], g.shape[-1]
+    if positions is not None and positions * positions < d * o:
+        aa = tf.einsum("bsgd,btgd->bgst", a, a)
+        gg = tf.einsum("bsgo,btgo->bgst", g, g)
+        sq = tf.reduce_sum(aa * gg, axis=[1, 2, 3])
+    else:
+        per_example = tf.einsum("bsgd,bsgo->bgdo", a, g)
+        sq = tf.reduce_sum(tf.square(per_example), axis=[1, 2, 3])
+
+    def clipped_sum(c, a=a, g=g):
+        s = tf.einsum("bsgd,bsgo->gdo", kept(a, c), scaled(g, c))
+        return tf.cast(tf.reshape(to_variable(s), variable.shape), variable.dtype)
+
+    return VariableGradients(sq, clipped_sum)
+
+
+def rank_one_gradients(a: tf.Tensor, g: tf.Tensor, variable) -> VariableGradients:
+    """W_i = a_i^T g_i for a: [B, d], g: [B, o] (a Dense layer on vectors):
+    ||W_i||^2 = ||a_i||^2 ||g_i||^2 (Goodfellow 2015)."""
+    a, g = f32(a), f32(g)
+    sq = tf.reduce_sum(tf.square(a), 1) * tf.reduce_sum(tf.square(g), 1)
+
+    def clipped_sum(c, a=a, g=g):
+        s = tf.matmul(kept(a, c), scaled(g, c), transpose_a=True)
+        return tf.cast(tf.reshape(s, variable.shape), variable.dtype)
+
+    return VariableGradients(sq, clipped_sum)
+
+
+def flatten_positions(t: tf.Tensor) -> tf.Tensor:
+    """[B, ..., d] -> [B, S, d]."""
+    return tf.reshape(t, [tf.shape(t)[0], -1, t.shape[-1]])
+
+
+def concat_positions(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    """The calls' positions side by side: [B, S_1 + ... + S_C, d]."""
+    flat = [flatten_positions(t) for t in tensors]
+    return flat[0] if len(flat) == 1 else tf.concat(flat, axis=1)
+
+
+def grad_or_zeros(call: LayerCall, name: str) -> tf.Tensor:
+    g = call.grads.get(name)
+    return tf.zeros_like(call.outputs[name]) if g is None else g
+
+
+# ---------------------------------------------------------------------------
+# The tapped forward in progress (per thread) and the layers' own `call`
+
+_ACTIVE = threading.local()  # .recorder: the recorder of this thread's tapped forward
+
+
+def watched(t: tf.Tensor) -> tf.Tensor:
+    """Watches t on the tape of the tapped forward in progress and returns it.
+    A rule's forward must watch a tensor *before* computing anything from it
+    (a tape records an op only if an input was already watched)."""
+    recorder = getattr(_ACTIVE, "recorder", None)
+    if recorder is not None:
+        recorder.tape.watch(t)
+    return t
+
+
+_ORIGINAL_CALLS: dict[int, Callable] = {}
+
+
+def original_call(layer) -> Callable:
+    """The layer's own `call` (bound), also while a rule's forward replaces it."""
+    return _ORIGINAL_CALLS.get(id(layer)) or layer.call

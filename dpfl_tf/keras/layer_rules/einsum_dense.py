@@ -1,0 +1,108 @@
+"""EinsumDense: z = einsum(equation, x, W) + b (the projections of
+MultiHeadAttention and of most transformer blocks).
+
+Write the equation's letters as: b the batch (the first input letter), K_in
+the kernel letters contracted with the input, K_out the kernel letters kept in
+the output, S the other letters shared by input and output (positions), R
+input letters summed away.  Then  z_{b S K_out} = sum_{K_in} x'_{b S K_in} W,
+with x' = x summed over R, i.e. a Dense layer on [B, S, |K_in|] ->
+[B, S, |K_out|]: the ghost/materialised norm of `outer_gradients` applies
+(tensorflow-privacy ``registry_functions/einsum_dense.py`` does the same with a
+reshape).  An equation with a kernel letter in both input and output (a
+"diagonal" kernel) is materialised directly: grad_i W = einsum(x_i, g_i).
+The bias (over `bias_axes`) gets g summed over the other output axes.
+"""
+
+from __future__ import annotations
+
+import string
+
+import keras
+import tensorflow as tf
+
+from dpfl_tf.keras.layer_rules._base import (LayerRule, Taps, f32, grad_or_zeros, materialised,
+                                             outer_gradients, register_rule, stopped, watched)
+from dpfl_tf.keras.layer_rules.dense import plain
+
+
+def _expand(equation: str, input_rank: int) -> tuple[str, str, str]:
+    """(input, kernel, output) letters with any ellipsis written out."""
+    lhs, out = equation.split("->")
+    inp, ker = lhs.split(",")
+    if "..." in inp:
+        unused = [c for c in string.ascii_letters if c not in equation]
+        n = input_rank - (len(inp) - 3)
+        fill = "".join(unused[:n])
+        inp, out = inp.replace("...", fill), out.replace("...", fill)
+    return inp, ker, out
+
+
+class EinsumDenseRule(LayerRule):
+    def applies(self, layer) -> bool:
+        lhs, out = layer.equation.split("->")
+        inp, ker = lhs.split(",")
+        if not plain(layer) or "..." in ker:
+            return False
+        # the input's first axis (a letter, or the ellipsis's first) is the batch
+        return out.startswith("...") if inp.startswith("...") else (
+            inp[0] in out and inp[0] not in ker)
+
+    def forward(self, layer, inputs, **kwargs):
+        x = tf.convert_to_tensor(inputs)
+        z = tf.einsum(layer.equation, x, stopped(layer.kernel, x.dtype))
+        if layer.bias is not None:
+            z = z + stopped(layer.bias, z.dtype)
+        z = watched(z)
+        out = layer.activation(z) if layer.activation is not None else z
+        return out, Taps({"z": z}, x)
+
+    def gradients(self, layer, calls):
+        x0 = calls[0].saved
+        inp, ker, out = _expand(layer.equation, x0.shape.rank)
+        b = inp[0]
+        k_in = [c for c in ker if c in inp and c not in out]
+        k_out = [c for c in ker if c in out and c not in inp]
+        both = [c for c in ker if c in inp and c in out]
+        s_letters = [c for c in inp if c in out and c not in ker and c != b]
+        kernel = layer.kernel
+        xs = [f32(c.saved) for c in calls]
+        gs = [f32(grad_or_zeros(c, "z")) for c in calls]
+        if both or b in ker:
+            per_example = tf.add_n([tf.einsum(f"{inp},{out}->{b}{ker}", x, g)
+                                    for x, g in zip(xs, gs)])
+            result = [(kernel, materialised(per_example, kernel))]
+        else:
+            size = dict(zip(ker, kernel.shape))
+            d_in = 1
+            for c in k_in:
+                d_in *= size[c]
+            d_out = 1
+            for c in k_out:
+                d_out *= size[c]
+            s_str, in_str, out_str = "".join(s_letters), "".join(k_in), "".join(k_out)
+            a3 = tf.concat([tf.reshape(tf.einsum(f"{inp}->{b}{s_str}{in_str}", x),
+                                       [tf.shape(x)[0], -1, d_in]) for x in xs], axis=1)
+            g3 = tf.concat([tf.reshape(tf.einsum(f"{out}->{b}{s_str}{out_str}", g),
+                                       [tf.shape(g)[0], -1, d_out]) for g in gs], axis=1)
+            positions = 0  # static number of positions over all calls, if known
+            for x in xs:
+                count = 1
+                for c in s_letters:
+                    dim = x.shape[inp.index(c)]
+                    count = None if dim is None or count is None else count * dim
+                positions = None if count is None or positions is None else positions + count
+            shape = [size[c] for c in k_in + k_out]
+            to_kernel = (lambda s: tf.einsum(f"{in_str}{out_str}->{ker}", tf.reshape(s, shape)))
+            result = [(kernel, outer_gradients(a3[:, :, None], g3[:, :, None], positions,
+                                               to_kernel, kernel))]
+        if layer.bias is not None:
+            spec = layer.bias_axes
+            first = min(out.index(c) for c in spec)
+            summed = [i for i in range(1, len(out)) if i < first or out[i] not in spec]
+            per_example = tf.add_n([tf.reduce_sum(g, axis=summed, keepdims=True) for g in gs])
+            per_example = tf.reshape(per_example, [-1, *layer.bias.shape])
+            result.append((layer.bias, materialised(per_example, layer.bias)))
+        return result
+
+
+register_rule(keras.layers.EinsumDense, EinsumDenseRule())
