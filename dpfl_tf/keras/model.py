@@ -45,7 +45,7 @@ import tensorflow as tf
 from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.keras.optimizers import DPOptimizer
 from dpfl_tf.keras.per_example import (PerExampleGradients, _leaf_layers,
-                                       refuse_batch_mixing_layers)
+                                       default_loss_scale, refuse_batch_mixing_layers)
 from dpfl_tf.keras.sampling import LotSampler
 from dpfl_tf.privacy.events import SamplingMethod, describe_event, shuffle_epoch_event
 from dpfl_tf.privacy.ledger import PrivacyBudget, PrivacyLedger
@@ -108,6 +108,11 @@ class DPModel(keras.Model):
         self.built = True
 
     def compile(self, optimizer=None, loss=None, **kwargs):
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise TypeError(
+                "pass the DP optimizer itself, not a LossScaleOptimizer: under a mixed "
+                "precision policy DPModel scales the per-example losses itself and clips, "
+                "noises and applies float32 gradients")
         if not isinstance(optimizer, DPOptimizer):
             raise TypeError(
                 "DPModel must be compiled with a DP optimizer (dpfl_tf.keras.DPSGD, DPAdam or "
@@ -120,6 +125,10 @@ class DPModel(keras.Model):
         self._dp_loss = keras.losses.get(loss) if isinstance(loss, str) else loss
         if isinstance(self._dp_loss, (list, dict)):
             raise ValueError("DPModel supports a single loss")
+        # Keras would wrap the optimizer in a LossScaleOptimizer under mixed_float16;
+        # the per-example path scales and unscales the loss itself (a static scale,
+        # `default_loss_scale`), so norms, clipping and noise see true gradients
+        kwargs["auto_scale_loss"] = False
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
 
     def get_compile_config(self):
@@ -329,7 +338,8 @@ class DPModel(keras.Model):
         self._expected_lot = float(sampler.lot_size)
         self._pad_to_batch = bool(self.jit_compile)
         self._per_example = PerExampleGradients(self.model, self._dp_loss,
-                                                fast=self.fast_gradients)
+                                                fast=self.fast_gradients,
+                                                loss_scale=default_loss_scale(self.model))
         num_groups = max(self._groups) + 1
         if sampler.sampling is SamplingMethod.SHUFFLE:
             self._epoch_event = shuffle_epoch_event(

@@ -519,15 +519,15 @@ def test_loss_scale_is_checked():
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"], indirect=True)
 def test_dp_training_under_mixed_precision(policy):
-    # DPModel.compile(auto_scale_loss=False) keeps Keras from wrapping the DP
-    # optimizer in a LossScaleOptimizer (model.py should make this the default)
+    # DPModel.compile keeps Keras from wrapping the DP optimizer in a
+    # LossScaleOptimizer (it scales the per-example losses itself)
     from dpfl_tf.keras import DPSGD, DPModel
 
     model, x, y = _mixed_models()[0]
     x, y = mnist_slice(48, flat=False)
     dp = DPModel(model)
     dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0),
-               loss=loss(), auto_scale_loss=False)
+               loss=loss())
     before = [v.numpy().copy() for v in model.trainable_variables]
     dp.fit(x, y, lot_size=16, batch_size=8, epochs=1, verbose=0)
     assert dp.lots_applied >= 1 and dp.dropped_examples == 0
@@ -551,7 +551,7 @@ def test_noise_under_mixed_precision_has_the_float32_scale(policy):
         model = _mixed_models()[0][0]
         dp = DPModel(model)
         dp.compile(optimizer=DPSGD(lr, l2_norm_clip=clip, noise_multiplier=noise, seed=1),
-                   loss=loss(), auto_scale_loss=False)
+                   loss=loss())
         before = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
         dp.fit(x, y, lot_size=lot, batch_size=8, epochs=1, verbose=0, sampling="full_batch")
         after = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
