@@ -47,6 +47,20 @@ def atomic_write_json(path: str | os.PathLike, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, default=_default) + "\n")
 
 
+def read_checkpoint_json(path: str | os.PathLike) -> Any | None:
+    """The JSON in a checkpoint's state file, None if the file is missing; a
+    damaged file is named in the error (with what to do)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is damaged (not valid JSON: {e}); delete the checkpoint "
+                         "directory or use another one") from None
+
+
 def merge_json_runs(path: str | os.PathLike, runs: list[dict],
                     key: Callable[[dict], Any]) -> list[dict]:
     """Writes `runs` into the JSON list at `path` (atomically), replacing the

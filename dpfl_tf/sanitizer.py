@@ -75,9 +75,7 @@ def make_generator(seed: int | None = None, *, secure_mode: bool = False) -> tf.
     debugging); with `secure_mode`, keyed from the OS's secure source
     (`dpfl_tf.secure_random`)."""
     if secure_mode:
-        if seed is not None:
-            raise ValueError(f"secure_mode=True refuses a seed (got seed={seed!r}): secure "
-                             "noise must come from the OS's secure source")
+        secure_random.refuse_seed(secure_mode, seed)
         return secure_random.secure_generator()
     if seed is None:
         return tf.random.Generator.from_non_deterministic_state()
@@ -122,9 +120,7 @@ class GaussianSanitizer:
                              f"got {noise_allocation!r}")
         self.noise_allocation = noise_allocation
         self.secure_mode = bool(secure_mode)
-        if self.secure_mode and seed is not None:
-            raise ValueError(f"secure_mode=True refuses a seed (got seed={seed!r}): secure "
-                             "noise must come from the OS's secure source")
+        secure_random.refuse_seed(self.secure_mode, seed)
         self.seed = seed
         self._generator = generator
         # key of the stateless per-lot noise stream (`add_noise(..., step=t)`): the

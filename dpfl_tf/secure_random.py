@@ -48,12 +48,22 @@ import os
 import secrets
 
 import numpy as np
-import tensorflow as tf
 
-__all__ = ["secure_generator", "secure_key", "secure_normal", "secure_uniform",
-           "SECURE_DRAWS"]
+# TensorFlow is imported inside the functions that draw with it: the seed check
+# and the host-side uniforms are used by modules the CLI loads before TensorFlow
+
+__all__ = ["secure_generator", "secure_key", "secure_add_noise", "secure_uniform",
+           "refuse_seed", "SECURE_DRAWS"]
 
 SECURE_DRAWS = 4  # Z = sum of four N(0, 1) draws / 2
+
+
+def refuse_seed(secure_mode: bool, seed, name: str = "seed") -> None:
+    """In secure mode a seed (of noise or sampling) is an error: the randomness
+    must come from the OS's secure source."""
+    if secure_mode and seed is not None:
+        raise ValueError(f"secure_mode=True refuses a seed (got {name}={seed!r}): secure "
+                         "noise and sampling must come from the OS's secure source")
 
 
 def secure_key() -> int:
@@ -61,30 +71,27 @@ def secure_key() -> int:
     return secrets.randbits(63)
 
 
-def secure_generator() -> tf.random.Generator:
-    """A Philox generator keyed and positioned from the OS's secure source."""
+def secure_generator():
+    """A Philox `tf.random.Generator` keyed and positioned from the OS's secure source."""
+    import tensorflow as tf
+
     return tf.random.Generator.from_key_counter(
         key=secure_key(), counter=[secure_key(), secure_key()], alg="philox")
 
 
-def secure_normal(generator: tf.random.Generator | None, shape, stddev, dtype,
-                  *, seed=None) -> tf.Tensor:
-    """s * (Z_1 + ... + Z_4) / 2, drawn in float64, cast once to `dtype`.
+def secure_add_noise(value, generator, stddev, *, seed=None):
+    """value + s Z computed in float64 and rounded once to value's dtype (module
+    doc); Z from `generator` (a `tf.random.Generator`), or statelessly from `seed`
+    (a shape-[2] int64 tensor) when `generator` is None."""
+    import tensorflow as tf
 
-    Draws from `generator`, or statelessly from `seed` (a shape-[2] int64 tensor)
-    when `generator` is None.  Use `secure_add_noise` to add the noise to a
-    value with one rounding."""
-    return tf.cast(_secure_noise64(generator, shape, stddev, seed), dtype)
-
-
-def secure_add_noise(value: tf.Tensor, generator: tf.random.Generator | None, stddev,
-                     *, seed=None) -> tf.Tensor:
-    """value + s Z computed in float64 and rounded once to value's dtype (module doc)."""
     noise = _secure_noise64(generator, tf.shape(value), stddev, seed)
     return tf.cast(tf.cast(value, tf.float64) + noise, value.dtype)
 
 
-def _secure_noise64(generator, shape, stddev, seed) -> tf.Tensor:
+def _secure_noise64(generator, shape, stddev, seed):
+    import tensorflow as tf
+
     shape = tf.concat([[SECURE_DRAWS], tf.cast(shape, tf.int32)], 0)
     if generator is not None:
         draws = generator.normal(shape, dtype=tf.float64)

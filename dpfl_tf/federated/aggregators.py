@@ -73,6 +73,7 @@ from dpfl_tf.privacy.events import (SamplingMethod, clipped_upload_event,
                                     complementary_noise_multiplier, gaussian_step_event,
                                     joint_gaussian_step_event)
 from dpfl_tf.sanitizer import GaussianSanitizer
+from dpfl_tf.secure_random import refuse_seed
 
 __all__ = ["AggregateResult", "Aggregator", "ClientNoiseDPAggregator", "GlobalDPAggregator",
            "MeanAggregator", "MedianAggregator", "update_norms"]
@@ -246,9 +247,7 @@ class _SanitizedAggregator(Aggregator):
         return len(template) if self.groups is None else max(self.groups) + 1
 
     def reseed(self, seed: int) -> None:
-        if self.secure_mode:
-            raise ValueError(f"secure_mode=True refuses a seed (got seed={seed!r}): secure "
-                             "noise must come from the OS's secure source")
+        refuse_seed(self.secure_mode, seed)
         self.sanitizer.generator.reset_from_seed(int(seed))
 
     def _check_template(self, template: Update) -> None:

@@ -19,6 +19,7 @@ from dpfl_tf._validation import ChoiceEnum, check_count, check_number
 from dpfl_tf.federated.partition import PartitionScheme, make_partition
 from dpfl_tf.privacy.accountants import AccountantKind
 from dpfl_tf.privacy.events import SamplingMethod
+from dpfl_tf.secure_random import refuse_seed
 
 __all__ = ["DPMode", "FederatedConfig", "MODELS", "build_model", "build_server",
            "fully_connected_model", "local_dp_upload",
@@ -193,10 +194,7 @@ class FederatedConfig:
                 raise ValueError("secure_mode=True secures the Gaussian noise and the client "
                                  "sampling of dp='global' and dp='client'; got "
                                  f"dp={self.dp.value!r}")
-            if self.noise_seed is not None:
-                raise ValueError(f"secure_mode=True refuses a seed (got noise_seed="
-                                 f"{self.noise_seed!r}): sampling and noise must come from "
-                                 "the OS's secure source")
+            refuse_seed(True, self.noise_seed, "noise_seed")
         if self.train_subset is not None:
             s(self, "train_subset", check_count("train_subset", self.train_subset, minimum=1))
         s(self, "hidden", tuple(check_count("hidden", h, minimum=1) for h in self.hidden))

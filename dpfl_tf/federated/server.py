@@ -36,9 +36,9 @@ import dp_accounting
 import numpy as np
 import tensorflow as tf
 
-from dpfl_tf._io import atomic_write, atomic_write_json
+from dpfl_tf._io import atomic_write, atomic_write_json, read_checkpoint_json
 from dpfl_tf._validation import check_count, check_number
-from dpfl_tf.secure_random import secure_uniform
+from dpfl_tf.secure_random import refuse_seed, secure_uniform
 from dpfl_tf.federated.aggregators import Aggregator, ClientNoiseDPAggregator
 from dpfl_tf.federated.client import LocalTrainer, preprocess_images, refuse_unprotected_state
 from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report
@@ -225,10 +225,7 @@ class FederatedServer:
             raise TypeError(f"local_dp must be a LocalDPUpload, got {type(local_dp).__name__}")
         self.secure_mode = bool(secure_mode)
         if self.secure_mode:
-            if noise_seed is not None:
-                raise ValueError(f"secure_mode=True refuses a seed (got noise_seed="
-                                 f"{noise_seed!r}): sampling and noise must come from the OS's "
-                                 "secure source")
+            refuse_seed(True, noise_seed, "noise_seed")
             if local_dp is not None:
                 raise ValueError("secure_mode=True covers the Gaussian mechanisms (Global DP, "
                                  "DP-FedAvg); the local-DP randomisers have no secure sampler, "
@@ -544,16 +541,11 @@ class FederatedServer:
 
     def load_checkpoint(self, directory: str | os.PathLike, *, missing_ok: bool = False) -> bool:
         path = os.path.join(os.fspath(directory), "state.json")
-        if not os.path.exists(path):
+        state = read_checkpoint_json(path)
+        if state is None:
             if missing_ok:
                 return False
             raise FileNotFoundError(f"no checkpoint at {path}")
-        try:
-            with open(path) as f:
-                state = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is damaged (not valid JSON: {e}); delete the checkpoint "
-                             "directory or use another one") from None
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: not a dpfl_tf federated checkpoint "
                              f"(format {CHECKPOINT_FORMAT})")

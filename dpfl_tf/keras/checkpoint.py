@@ -28,12 +28,11 @@ say a per-lot loss in a log -- that release is outside the ledger.)
 from __future__ import annotations
 
 import glob
-import json
 import os
 
 import keras
 
-from dpfl_tf._io import atomic_path, atomic_write_json
+from dpfl_tf._io import atomic_path, atomic_write_json, read_checkpoint_json
 
 __all__ = ["DPCheckpoint"]
 
@@ -93,14 +92,9 @@ class DPCheckpoint(keras.callbacks.Callback):
     def latest(directory: str | os.PathLike) -> dict | None:
         """The state of the last complete checkpoint in `directory`, or None."""
         path = os.path.join(os.fspath(directory), STATE_FILE)
-        if not os.path.exists(path):
+        state = read_checkpoint_json(path)
+        if state is None:
             return None
-        try:
-            with open(path) as f:
-                state = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is damaged (not valid JSON: {e}); delete the checkpoint "
-                             "directory or use another one") from None
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: not a dpfl_tf DPCheckpoint (format {CHECKPOINT_FORMAT})")
         return state

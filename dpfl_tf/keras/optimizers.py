@@ -21,6 +21,7 @@ import keras
 
 from dpfl_tf._validation import check_number
 from dpfl_tf.sanitizer import GaussianSanitizer, deployment_note
+from dpfl_tf.secure_random import refuse_seed
 
 __all__ = ["DPOptimizer", "DPSGD", "DPAdam"]
 
@@ -82,9 +83,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
                              f"{noise_allocation!r}")
         self.noise_allocation = noise_allocation
         self.secure_mode = bool(secure_mode)
-        if self.secure_mode and seed is not None:
-            raise ValueError(f"secure_mode=True refuses a seed (got seed={seed!r}): secure "
-                             "noise must come from the OS's secure source")
+        refuse_seed(self.secure_mode, seed)
         self.seed = seed
         if seed is not None:
             warnings.warn(deployment_note(seed), UserWarning, stacklevel=2)

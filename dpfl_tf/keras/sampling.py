@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from dpfl_tf._validation import check_count
 from dpfl_tf.privacy.events import SamplingMethod
-from dpfl_tf.secure_random import secure_uniform
+from dpfl_tf.secure_random import refuse_seed, secure_uniform
 
 __all__ = ["LotSampler"]
 
@@ -52,9 +52,7 @@ class LotSampler:
         if self.sampling is SamplingMethod.FULL_BATCH and self.lot_size != self.dataset_size:
             raise ValueError("full_batch sampling needs lot_size == dataset_size")
         self.secure_mode = bool(secure_mode)
-        if self.secure_mode and seed is not None:
-            raise ValueError(f"secure_mode=True refuses a sampling seed (got {seed!r}): "
-                             "secure sampling draws from the OS's secure source")
+        refuse_seed(self.secure_mode, seed, "sampling_seed")
         self.seed = seed
         self._rng = np.random.default_rng(seed)
 

@@ -32,6 +32,7 @@ import dp_accounting
 import keras
 import numpy as np
 
+from dpfl_tf._io import read_checkpoint_json
 from dpfl_tf.data import load_dataset
 from dpfl_tf.keras import DPModel, DPSGD
 from dpfl_tf.models import mlp, tanh_cnn
@@ -210,15 +211,7 @@ def _comparable(config: MnistConfig) -> dict:
 def read_run_state(directory: str) -> dict | None:
     """The recipe state of a checkpoint directory (None if it holds none); a
     damaged file is named in the error."""
-    path = os.path.join(directory, RUN_STATE)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is damaged (not valid JSON: {e}); delete the checkpoint "
-                         "directory or use another one") from None
+    return read_checkpoint_json(os.path.join(directory, RUN_STATE))
 
 
 def train_mnist(config: MnistConfig, *, verbose: bool = True,
