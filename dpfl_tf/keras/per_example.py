@@ -60,7 +60,7 @@ import keras
 import tensorflow as tf
 
 from dpfl_tf.keras.layer_rules import FALLBACK, LayerCall, find_rule, scaled
-from dpfl_tf.keras.layer_rules._base import _ACTIVE, _ORIGINAL_CALLS
+from dpfl_tf.keras.layer_rules._base import _ACTIVE, _ORIGINAL_CALLS, Taps
 
 __all__ = ["PerExampleGradients", "refuse_batch_mixing_layers", "per_example_loss", "plan_layers",
            "default_loss_scale"]
