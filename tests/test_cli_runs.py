@@ -33,6 +33,16 @@ def _start(args):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _interrupt_while_running(args, out, sig):
+    """Starts the CLI, sends `sig` once the results file says "running", and
+    returns (exit code, stderr)."""
+    proc = _start(args)
+    _wait_for(lambda: (_read(out) or {}).get("status") == "running", proc)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=240)
+    return proc.returncode, err
+
+
 def _read(path):
     try:
         with open(path) as f:
@@ -114,11 +124,8 @@ TRAIN = ["train", "mnist", "--epochs", "8", "--epsilon", "8"]
 def test_train_ctrl_c_keeps_results_and_checkpoint_and_resumes_exactly(tmp_path):
     out, ckpt = tmp_path / "t.json", tmp_path / "ckpt"
     args = [*TRAIN, "--output", str(out), "--checkpoint-dir", str(ckpt)]
-    proc = _start(args)
-    _wait_for(lambda: (_read(out) or {}).get("status") == "running", proc)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=240)
-    assert proc.returncode == 130, err[-3000:]
+    code, err = _interrupt_while_running(args, out, signal.SIGINT)
+    assert code == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     message = [line for line in err.splitlines() if line.startswith("interrupted (Ctrl-C)")]
     assert len(message) == 1 and "checkpoint in" in message[0]
@@ -147,11 +154,8 @@ def test_train_ctrl_c_keeps_results_and_checkpoint_and_resumes_exactly(tmp_path)
 
 def test_train_sigterm_marks_results_interrupted_and_writes_a_checkpoint(tmp_path):
     out = tmp_path / "t.json"
-    proc = _start([*TRAIN, "--output", str(out)])
-    _wait_for(lambda: (_read(out) or {}).get("status") == "running", proc)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=240)
-    assert proc.returncode == 143, err[-3000:]
+    code, err = _interrupt_while_running([*TRAIN, "--output", str(out)], out, signal.SIGTERM)
+    assert code == 143, err[-3000:]
     assert "Traceback" not in err and "interrupted (SIGTERM)" in err
     data = _read(out)
     assert data["status"] == "interrupted" and data["ledger"][-1]["count"] == data["lots"]
@@ -169,11 +173,8 @@ FED = ["federated", "--clients", "10", "--train-subset", "600", "--clients-per-r
 def test_federated_ctrl_c_then_resume(tmp_path):
     out, ckpt = tmp_path / "f.json", tmp_path / "ckpt"
     args = [*FED, "--output", str(out), "--checkpoint-dir", str(ckpt)]
-    proc = _start(args)
-    _wait_for(lambda: (_read(out) or {}).get("status") == "running", proc)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=240)
-    assert proc.returncode == 130, err[-3000:]
+    code, err = _interrupt_while_running(args, out, signal.SIGINT)
+    assert code == 130, err[-3000:]
     assert "Traceback" not in err and "resume with:" in err
     data = _read(out)
     done = data["rounds"]
