@@ -47,12 +47,34 @@ from dpfl_tf.keras.optimizers import DPOptimizer
 from dpfl_tf.keras.per_example import (PerExampleGradients, _leaf_layers,
                                        default_loss_scale, refuse_batch_mixing_layers)
 from dpfl_tf.keras.sampling import LotSampler
+from dpfl_tf.keras.sources import SourceError, make_reader
 from dpfl_tf.privacy.events import SamplingMethod, describe_event, shuffle_epoch_event
 from dpfl_tf.privacy.ledger import PrivacyBudget, PrivacyLedger
 
 __all__ = ["DPModel"]
 
 _NO_LIMIT = np.iinfo(np.int64).max
+XLA_PAD = 64  # under XLA, lots are padded to a multiple of 64 examples (few shapes to compile)
+MAX_DEFAULT_BATCH = 1024
+MATERIALISED_BYTES = 2 ** 30  # default physical batch: at most 1 GiB of per-example gradients
+
+
+def default_batch_size(sampler: LotSampler, materialised_parameters: int,
+                       multiple: int = 8) -> int:
+    """The default physical batch: the whole lot in one pass when memory allows.
+
+    A Poisson lot has L +- sqrt(L (1 - q)) examples; L + 5 standard deviations
+    covers all but ~3e-7 of lots, so nearly every lot is one pass (a larger
+    lot takes more passes; the result is the same).  Capped at 1024 examples,
+    and so that per-example gradients the fast rules cannot avoid (the generic
+    path, `materialised_parameters` floats per example) take <= 1 GiB."""
+    lot = sampler.lot_size
+    if sampler.sampling is SamplingMethod.POISSON:
+        lot += math.ceil(5 * math.sqrt(lot * (1 - sampler.sampling_rate)))
+    size = min(-(-lot // multiple) * multiple, MAX_DEFAULT_BATCH)
+    if materialised_parameters:
+        size = min(size, MATERIALISED_BYTES // (4 * materialised_parameters))
+    return max(1, size)
 
 
 @keras.saving.register_keras_serializable(package="dpfl_tf")
@@ -235,18 +257,13 @@ class DPModel(keras.Model):
             raise TypeError(f"DPModel.fit got unexpected arguments {sorted(kwargs)}")
         if self.optimizer is None or self._dp_loss is None:
             raise RuntimeError("compile the DPModel with a DP optimizer before fit()")
-        if isinstance(x, tf.data.Dataset) or y is None:
-            raise TypeError(
-                "DPModel.fit needs the training data as arrays (x, y) so that lots can be "
-                "sampled as the privacy analysis assumes; got "
-                f"{type(x).__name__} and y={type(y).__name__}")
-        n = _num_examples(x, y)
-        _check_inputs(self.model, x, y, check_shape=preprocess is None)
+        reader = make_reader(x, y)
+        _check_input_shape(self.model, reader, check_shape=preprocess is None)
         optimizer: DPOptimizer = self.optimizer
-        sampler = LotSampler(n, lot_size, sampling, seed=sampling_seed,
+        sampler = LotSampler(reader.size, lot_size, sampling, seed=sampling_seed,
                              secure_mode=optimizer.secure_mode)
-        batch_size = min(sampler.lot_size, 256) if batch_size is None else \
-            check_count("batch_size", batch_size, minimum=1)
+        if batch_size is not None:
+            batch_size = check_count("batch_size", batch_size, minimum=1)
         check_count("epochs", epochs, minimum=1)
         target_delta = check_number("target_delta", target_delta, low=0.0, high=1.0,
                                     low_open=True, high_open=True)
@@ -281,9 +298,9 @@ class DPModel(keras.Model):
                 f"jit_compile must be False under a distribution strategy with {replicas} "
                 "replicas: XLA cannot read the replicas' privacy counters across devices "
                 "(this mode is not supported, so it is refused)")
-        data = sampler.dataset(x, y, batch_size=batch_size if self._pad_to_batch else 1,
-                               epochs=epochs - initial_epoch, preprocess=preprocess,
-                               replicas=replicas)
+        pad_to = (XLA_PAD if self.jit_compile else 1) * replicas
+        data = sampler.dataset(reader, epochs=epochs - initial_epoch, pad_to=pad_to,
+                               preprocess=preprocess)
         callbacks = [privacy_cb] + [c for c in callbacks if c is not privacy_cb]
         self.stop_reason = None
         dropped_before = self.dropped_examples
@@ -292,6 +309,9 @@ class DPModel(keras.Model):
                                   steps_per_epoch=sampler.lots_per_epoch, verbose=verbose,
                                   callbacks=callbacks, validation_data=validation_data,
                                   shuffle=False)
+        except (tf.errors.OpError, SourceError):
+            reader.raise_pending()  # a record that could not be read: say which
+            raise
         finally:
             self._log_metrics = True  # evaluate() and later calls report metrics again
         self.stop_reason = self.stop_reason or "completed"
@@ -334,12 +354,14 @@ class DPModel(keras.Model):
         self._groups, bounds = optimizer.clip_groups(variables, layer_of)
         self._sanitizer = optimizer.make_sanitizer(bounds)
         self._counters.create(self.distribute_strategy)
-        self._batch_size = batch_size
         self._expected_lot = float(sampler.lot_size)
         self._pad_to_batch = bool(self.jit_compile)
         self._per_example = PerExampleGradients(self.model, self._dp_loss,
                                                 fast=self.fast_gradients,
                                                 loss_scale=default_loss_scale(self.model))
+        self._batch_size = batch_size or default_batch_size(
+            sampler, self._per_example.materialised_parameters(),
+            multiple=XLA_PAD if self.jit_compile else 8)
         num_groups = max(self._groups) + 1
         if sampler.sampling is SamplingMethod.SHUFFLE:
             self._epoch_event = shuffle_epoch_event(
@@ -501,12 +523,10 @@ class DPModel(keras.Model):
                             parallel_iterations=1)
             return [tf.reduce_sum(t, axis=0) for t in out[:-1]], tf.reduce_sum(out[-1])
 
-        def body(i, acc, loss_sum, count, dropped):
-            start = i * bsz
-            size = bsz if self._pad_to_batch else tf.minimum(bsz, n - start)
-            xb = tf.nest.map_structure(lambda t: take(t, start, size), x)
-            yb, mb = take(y, start, size), take(mask, start, size)
+        def batch(xb, yb, mb):
+            """Clipped sums of one physical batch, its loss sum, kept and dropped."""
             sums, losses, y_pred = self._per_example.compute(xb, yb, mb, clip_factors)
+            sums = [tf.cast(t, v.dtype) for t, v in zip(sums, variables)]
             real = mb > 0
             bad = tf.logical_and(real, tf.equal(last_factors.pop(), 0.0))
             n_bad = tf.reduce_sum(tf.cast(bad, tf.int64))
@@ -517,6 +537,7 @@ class DPModel(keras.Model):
             # examples are dropped and the sensitivity stays C.
             sums, n_bad = tf.cond(n_bad > 0, lambda: one_by_one(xb, yb, mb),
                                   lambda: (sums, n_bad))
+            loss_sum, count = tf.constant(0.0), tf.constant(0.0)
             kept = tf.cast(tf.logical_and(real, tf.math.is_finite(losses)), tf.float32)
             if gate is not None:
                 kept = kept * gate
@@ -524,17 +545,45 @@ class DPModel(keras.Model):
                 if self._compile_metrics is not None:
                     self._compile_metrics.update_state(yb, y_pred, sample_weight=kept)
                 losses = tf.where(kept > 0, tf.cast(losses, tf.float32), 0.0)
-                loss_sum += tf.reduce_sum(losses)
-                count += tf.reduce_sum(kept)
-            return (i + 1, [a + s for a, s in zip(acc, sums)], loss_sum, count, dropped + n_bad)
+                loss_sum = tf.reduce_sum(losses)
+                count = tf.reduce_sum(kept)
+            return sums, loss_sum, count, n_bad
 
-        acc0 = [tf.zeros(v.shape, v.dtype) for v in variables]
-        _, clipped_sum, loss_sum, count, dropped = tf.while_loop(
-            lambda i, *_: i < num_batches, body,
-            (tf.constant(0), acc0, tf.constant(0.0), tf.constant(0.0),
-             tf.constant(0, tf.int64)),
-            parallel_iterations=1)
+        def whole_lot():  # the usual case: the lot is one physical batch
+            return batch(x, y, mask)
 
+        def in_batches():
+            xs, ys, ms = x, y, mask
+            if self._pad_to_batch:  # XLA: every slice has the static size bsz
+                padded = (n + bsz - 1) // bsz * bsz
+
+                def pad(t):
+                    return tf.pad(t, [[0, padded - n]] + [[0, 0]] * (t.shape.rank - 1))
+
+                xs, ys, ms = tf.nest.map_structure(pad, x), pad(y), pad(mask)
+
+            def body(i, acc, loss_sum, count, dropped):
+                start = i * bsz
+                size = bsz if self._pad_to_batch else tf.minimum(bsz, n - start)
+                xb = tf.nest.map_structure(lambda t: take(t, start, size), xs)
+                sums, b_loss, b_count, n_bad = batch(xb, take(ys, start, size),
+                                                     take(ms, start, size))
+                return (i + 1, [a + s for a, s in zip(acc, sums)], loss_sum + b_loss,
+                        count + b_count, dropped + n_bad)
+
+            acc0 = [tf.zeros(v.shape, v.dtype) for v in variables]
+            _, *out = tf.while_loop(
+                lambda i, *_: i < num_batches, body,
+                (tf.constant(0), acc0, tf.constant(0.0), tf.constant(0.0),
+                 tf.constant(0, tf.int64)),
+                parallel_iterations=1)
+            return tuple(out)
+
+        static_n = mask.shape[0]
+        if static_n is not None and static_n <= bsz:
+            clipped_sum, loss_sum, count, dropped = whole_lot()
+        else:
+            clipped_sum, loss_sum, count, dropped = tf.cond(n <= bsz, whole_lot, in_batches)
         if gate is not None:
             loss_sum, count = loss_sum * gate, count * gate
         # lot t's noise is stream position t of the sanitizer's key: a seeded run
@@ -656,42 +705,19 @@ def _accounts(event, delta: float, kind) -> bool:
         return False
 
 
-def _num_examples(x, y) -> int:
-    ys = np.shape(y)
-    if len(ys) == 0:
-        raise ValueError(f"y must have one label per example, got shape {ys}")
-    n = int(ys[0])
-    if n == 0:
-        raise ValueError("the training data is empty (0 examples)")
-    for leaf in tf.nest.flatten(x):
-        if np.shape(leaf)[:1] != (n,):
-            raise ValueError(f"x and y disagree on the number of examples: x has shape "
-                             f"{np.shape(leaf)}, y has {n} labels")
-    return n
-
-
-def _check_inputs(model, x, y, check_shape: bool = True) -> None:
-    """Clear errors, before any lot is drawn, for data the model cannot take:
-    non-numeric dtypes, and (single-input models, no `preprocess` that may
-    reshape) a per-example shape that does not match the model's input."""
-    for name, leaf in [("y", y)] + [("x", t) for t in tf.nest.flatten(x)]:
-        dtype = getattr(leaf, "dtype", None)
-        if isinstance(dtype, tf.DType):
-            numeric = dtype.is_floating or dtype.is_integer or dtype.is_bool
-        else:
-            dtype = np.asarray(leaf).dtype if dtype is None else np.dtype(dtype)
-            numeric = dtype.kind in "biuf"
-        if not numeric:
-            raise ValueError(f"{name} must be numeric (float, int or bool), got dtype {dtype}")
+def _check_input_shape(model, reader, check_shape: bool = True) -> None:
+    """A clear error, before any lot is drawn, when (single-input models, no
+    `preprocess` that may reshape) the per-example shape of the data does not
+    match the model's input."""
     if not check_shape:
         return
     try:
         inputs = model.inputs
     except (AttributeError, ValueError):
         return  # subclassed model: no declared input
-    leaves = tf.nest.flatten(x)
+    leaves, _ = reader.element_shapes()
     if not inputs or len(inputs) != 1 or len(leaves) != 1:
         return
-    want, got = tuple(inputs[0].shape[1:]), tuple(np.shape(leaves[0])[1:])
+    want, got = tuple(inputs[0].shape[1:]), tuple(leaves[0])
     if len(want) != len(got) or any(w is not None and w != g for w, g in zip(want, got)):
         raise ValueError(f"x has per-example shape {got} but the model takes {want}")

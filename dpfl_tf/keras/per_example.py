@@ -52,6 +52,7 @@ variables' per-example gradients are then exact Jacobians over all uses.
 from __future__ import annotations
 
 import contextlib
+import math
 import dataclasses
 import threading
 from typing import Callable
@@ -275,6 +276,16 @@ class PerExampleGradients:
     def excluded_layers(self) -> tuple:
         """Fast-path layers run on the generic path (their variables are used elsewhere)."""
         return tuple(self._excluded.values())
+
+    def materialised_parameters(self) -> int:
+        """Trainable parameters whose per-example gradients are materialised, one
+        copy per example (generic path and per-layer Jacobian fallback): what
+        bounds the physical batch's memory beyond the activations."""
+        plan = plan_layers(self.model, frozenset(self._excluded)) if self.fast else {}
+        fast = {id(v) for layer, rule in plan.values() if rule is not FALLBACK
+                for v in layer.trainable_variables}
+        return sum(math.prod(v.shape) for v in self.model.trainable_variables
+                   if id(v) not in fast)
 
     def compute(self, x, y, weights: tf.Tensor, clip_factors_fn, training: bool = True):
         """Returns (clipped sums aligned with model.trainable_variables,

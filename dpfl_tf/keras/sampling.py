@@ -1,8 +1,9 @@
 """Lot sampling for DP-SGD, as a `tf.data` pipeline of whole lots.
 
 One element is one lot (the privacy unit), padded with masked examples up to a
-multiple of the physical batch size B so that `DPModel.train_step` can walk it
-in physical batches of B and add noise once for the whole lot.
+multiple of `pad_to` (XLA's fixed shapes; equal shares for the replicas of a
+distribution strategy) so that `DPModel.train_step` can add noise once for the
+whole lot.
 
 * ``poisson`` (default, what the moments accountant analyses): each of the N
   examples joins the lot independently with probability q = L / N, so lot
@@ -10,19 +11,26 @@ in physical batches of B and add noise once for the whole lot.
 * ``fixed_size``: L examples drawn uniformly without replacement for each lot.
 * ``shuffle``: each epoch a fresh permutation is cut into N // L lots of L.
 
-Sampling randomness comes from OS entropy unless a seed is given; in secure
-mode every decision is drawn from ``os.urandom`` (`dpfl_tf.secure_random`).
+The sampling runs in the graph: lot t's decisions are the stateless Philox
+uniforms keyed by (sampler key, t), so no Python runs per lot for in-memory
+data.  The key comes from OS entropy unless a seed is given.  In secure mode
+every decision is drawn from ``os.urandom`` instead (`dpfl_tf.secure_random`),
+in Python.  Records are read by the `dpfl_tf.keras.sources` reader of the data
+(in-memory arrays, memmaps, random-access sources), lots in parallel and the
+next ones prefetched.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Iterator
 
 import numpy as np
 import tensorflow as tf
 
 from dpfl_tf._validation import check_count
+from dpfl_tf.keras.sources import ArrayReader, IndexedReader, make_reader
 from dpfl_tf.privacy.events import SamplingMethod
 from dpfl_tf.secure_random import refuse_seed, secure_uniform
 
@@ -54,10 +62,9 @@ class LotSampler:
         self.secure_mode = bool(secure_mode)
         refuse_seed(self.secure_mode, seed, "sampling_seed")
         self.seed = seed
-        self._rng = np.random.default_rng(seed)
-
-    def _uniform(self, n: int) -> np.ndarray:
-        return secure_uniform(n) if self.secure_mode else self._rng.random(n)
+        # the key of the in-graph stateless draws (63 bits of OS entropy by default)
+        self.key = int(seed) if seed is not None else \
+            int.from_bytes(os.urandom(8), "little") >> 1
 
     @property
     def sampling_rate(self) -> float:
@@ -76,56 +83,120 @@ class LotSampler:
             return {"dataset_size": self.dataset_size, "lot_size": self.lot_size}
         return {}
 
-    def lots(self, num_lots: int) -> Iterator[np.ndarray]:
-        """Yields `num_lots` arrays of indices (sorted for locality)."""
+    # -- the lots --------------------------------------------------------------
+    def _uniforms(self, stream, t, dtype=tf.float64) -> tf.Tensor:
+        """N uniforms, stateless in (key, stream, t): floats on [0, 1), or
+        integers on [0, 2^31) for int32 (a uniform 31-bit draw per record)."""
+        seed = tf.random.experimental.stateless_fold_in(
+            tf.constant([self.key, stream], tf.int64), tf.cast(t, tf.int64))
+        if dtype == tf.int32:
+            return tf.random.stateless_uniform([self.dataset_size], seed=seed, dtype=tf.int32,
+                                               minval=0, maxval=2 ** 31 - 1, alg="philox")
+        return tf.random.stateless_uniform([self.dataset_size], seed=seed, dtype=dtype,
+                                           alg="philox")
+
+    @property
+    def inclusion_threshold(self) -> int | None:
+        """Poisson in the graph: record i joins lot t when its 31-bit draw
+        u < T = floor(q (2^31 - 1)), a true rate T / (2^31 - 1) <= q, below q by
+        less than 5e-10 (the accountant analyses q: conservative, as a smaller
+        rate is more private).  None when q is so small that this rounding
+        would exceed 1e-4 of q: float64 draws are compared with q then."""
+        threshold = math.floor(self.sampling_rate * (2 ** 31 - 1))
+        return threshold if threshold >= 10_000 else None
+
+    def _lot_in_graph(self, t) -> tf.Tensor:
+        """Indices (sorted, int64) of lot t, Poisson or fixed-size, in the graph."""
+        if self.sampling is SamplingMethod.POISSON:
+            threshold = self.inclusion_threshold
+            if threshold is None:
+                return tf.where(self._uniforms(0, t) < self.sampling_rate)[:, 0]
+            return tf.where(self._uniforms(0, t, tf.int32) < threshold)[:, 0]
+        u = self._uniforms(0, t)
+        # fixed size: the L largest of N uniforms are a uniform L-subset
+        top = tf.math.top_k(u, self.lot_size, sorted=False).indices
+        return tf.sort(tf.cast(top, tf.int64))
+
+    def _permutation(self, epoch) -> tf.Tensor:
+        return tf.argsort(self._uniforms(1, epoch), stable=True)
+
+    def _secure_lots(self, num_lots: int) -> Iterator[np.ndarray]:
+        """Secure mode: every decision from ``os.urandom`` (53 bits each)."""
         n, lot = self.dataset_size, self.lot_size
         perm = None
         for i in range(num_lots):
             if self.sampling is SamplingMethod.POISSON:
-                yield np.flatnonzero(self._uniform(n) < lot / n)
+                yield np.flatnonzero(secure_uniform(n) < lot / n)
             elif self.sampling is SamplingMethod.FIXED_SIZE:
-                # the L smallest of N uniforms: a uniform L-subset
-                yield np.sort(np.argpartition(self._uniform(n), lot - 1)[:lot])
+                yield np.sort(np.argpartition(secure_uniform(n), lot - 1)[:lot])
             elif self.sampling is SamplingMethod.FULL_BATCH:
                 yield np.arange(n)
-            else:  # shuffle: a new permutation each epoch
+            else:
                 j = i % self.lots_per_epoch
                 if j == 0:
-                    perm = np.argsort(self._uniform(n), kind="stable")
+                    perm = np.argsort(secure_uniform(n), kind="stable")
                 yield np.sort(perm[j * lot:(j + 1) * lot])
 
-    def dataset(self, x, y, *, batch_size: int, epochs: int,
-                preprocess: Callable | None = None, replicas: int = 1) -> tf.data.Dataset:
-        """A `tf.data.Dataset` of (x_lot, y_lot, mask), lots padded with
-        zero-weight examples to a multiple of `batch_size` x `replicas` (so that
-        a distribution strategy splits every lot, even of size 0 or 1, into equal
-        per-replica shares); `epochs * lots_per_epoch` lots."""
-        batch_size = check_count("batch_size", batch_size, minimum=1) * \
-            check_count("replicas", replicas, minimum=1)
+    def index_dataset(self, num_lots: int) -> tf.data.Dataset:
+        """A `tf.data.Dataset` of `num_lots` lots, each a sorted int64 vector of
+        example indices."""
+        num_lots = check_count("num_lots", num_lots, minimum=0)
+        if self.secure_mode:
+            return tf.data.Dataset.from_generator(
+                lambda: self._secure_lots(num_lots),
+                output_signature=tf.TensorSpec([None], tf.int64))
+        if self.sampling is SamplingMethod.FULL_BATCH:
+            full = tf.range(self.dataset_size, dtype=tf.int64)
+            return tf.data.Dataset.from_tensors(full).repeat(num_lots)
+        if self.sampling is SamplingMethod.SHUFFLE:
+            per, lot = self.lots_per_epoch, self.lot_size
+
+            def epoch_lots(e):  # one permutation per epoch, cut into lots
+                perm = tf.cast(self._permutation(e)[:per * lot], tf.int64)
+                return tf.data.Dataset.from_tensor_slices(
+                    tf.sort(tf.reshape(perm, [per, lot]), axis=1))
+
+            epochs = -(-num_lots // per)
+            return tf.data.Dataset.range(epochs).flat_map(epoch_lots).take(num_lots)
+        return tf.data.Dataset.range(num_lots).map(self._lot_in_graph,
+                                                   num_parallel_calls=tf.data.AUTOTUNE)
+
+    def lots(self, num_lots: int) -> Iterator[np.ndarray]:
+        """Yields `num_lots` arrays of indices (sorted): the lots `dataset` reads."""
+        for idx in self.index_dataset(num_lots).as_numpy_iterator():
+            yield idx
+
+    def dataset(self, x, y=None, *, epochs: int, pad_to: int = 1,
+                preprocess: Callable | None = None) -> tf.data.Dataset:
+        """A `tf.data.Dataset` of (x_lot, y_lot, mask), `epochs * lots_per_epoch`
+        lots, each padded with zero-weight examples to a multiple of `pad_to`
+        (at least `pad_to` examples, so that a distribution strategy splits
+        every lot, even of size 0 or 1, into equal per-replica shares).
+
+        `x, y` are arrays, or `x` is a random-access source (`y` None), or a
+        reader from `dpfl_tf.keras.sources.make_reader`.  `preprocess` maps the
+        lot's x (its real examples) inside tf.data, e.g. augmentation; it must
+        act on each example independently."""
+        pad_to = check_count("pad_to", pad_to, minimum=1)
         total = check_count("epochs", epochs, minimum=1) * self.lots_per_epoch
-        if isinstance(x, list):  # a multi-input model's inputs given as a list: a
-            x = tuple(x)         # structure tf.data keeps (a list would be stacked)
-        x_t = tf.nest.map_structure(tf.convert_to_tensor, x)
-        y_t = tf.convert_to_tensor(y)
+        reader = x if isinstance(x, (ArrayReader, IndexedReader)) else make_reader(x, y)
+        if reader.size != self.dataset_size:
+            raise ValueError(f"the data has {reader.size} examples but the sampler was "
+                             f"made for {self.dataset_size}")
 
-        def index_gen():
-            for idx in self.lots(total):
-                padded = max(batch_size, int(math.ceil(len(idx) / batch_size)) * batch_size)
-                mask = np.zeros(padded, np.float32)
-                mask[:len(idx)] = 1.0
-                full = np.zeros(padded, np.int64)
-                full[:len(idx)] = idx
-                yield full, mask
-
-        ds = tf.data.Dataset.from_generator(
-            index_gen, output_signature=(tf.TensorSpec([None], tf.int64),
-                                         tf.TensorSpec([None], tf.float32)))
-
-        def gather(idx, mask):
-            xb = tf.nest.map_structure(lambda t: tf.gather(t, idx), x_t)
-            yb = tf.gather(y_t, idx)
+        def load(idx):
+            xb, yb = reader.read(idx)
             if preprocess is not None:
                 xb = preprocess(xb)
-            return xb, yb, mask
+            n = tf.shape(idx)[0]
+            padded = tf.maximum(pad_to, (n + pad_to - 1) // pad_to * pad_to)
 
-        return ds.map(gather, num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
+            def pad(t):
+                t = tf.convert_to_tensor(t)
+                return tf.pad(t, [[0, padded - n]] + [[0, 0]] * (t.shape.rank - 1))
+
+            return (tf.nest.map_structure(pad, xb), pad(yb),
+                    tf.sequence_mask(n, padded, dtype=tf.float32))
+
+        return self.index_dataset(total).map(
+            load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(2)

@@ -154,7 +154,7 @@ def _(ctx):
     DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=3, secure_mode=True)
 
 
-@row("fit/tf.data", "wrong dtype", TypeError, "needs the training data as arrays")
+@row("fit/tf.data", "no random access", TypeError, "needs random access to the training records")
 def _(ctx):
     x, y = _data()
     _dp().fit(tf.data.Dataset.from_tensor_slices((x, y)), lot_size=50)

@@ -141,7 +141,7 @@ def test_per_epoch_draws_inside_the_dp_lot_pipeline_and_tf_data():
     aug = Augmentation(seed=4)
     sampler = LotSampler(40, 40, "shuffle", seed=0)
     lots = [(xb.numpy(), yb.numpy()) for xb, yb, _ in
-            sampler.dataset(x, y, batch_size=40, epochs=2, preprocess=aug)]
+            sampler.dataset(x, y, pad_to=40, epochs=2, preprocess=aug)]
     assert len(lots) == 2 and lots[0][0].shape == (40, 24, 24, 3)
     by_label = [dict(zip(yb.tolist(), xb)) for xb, yb in lots]
     assert all(not np.array_equal(by_label[0][k], by_label[1][k]) for k in range(40))
