@@ -585,7 +585,7 @@ def test_bad_input_gives_a_clear_error_and_leaves_no_results_file(case, tmp_path
 def test_catalogue_covers_every_kind_of_problem():
     kinds = {r.problem for r in ROWS}
     assert kinds == {"wrong shape", "wrong dtype", "empty", "unknown name", "missing offline",
-                     "out of range", "budget spent"}
+                     "out of range", "budget spent", "no random access"}
     assert len({r.id for r in ROWS}) == len(ROWS) >= 50
 
 
