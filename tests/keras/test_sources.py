@@ -1,0 +1,245 @@
+"""Random-access sources for DPModel.fit (issue 15): every kind of source trains
+exactly as in-memory arrays do (same lots, same update), a memmap is read lot by
+lot (bytes counted through the mapping), and bad sources give clear errors
+with nothing applied or counted for the lot they break."""
+
+import threading
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dpfl_tf.keras import DPModel, DPSGD, LotSampler
+from dpfl_tf.keras.sources import IndexedReader, SourceError, make_reader
+from tests.keras.helpers import loss, mlp, mnist_slice
+
+
+def dp_model(seed=0, noise=1.0):
+    dp = DPModel(mlp(seed=0))
+    dp.compile(optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=noise, seed=seed),
+               loss=loss())
+    return dp
+
+
+def weights(dp):
+    return [v.numpy().copy() for v in dp.model.trainable_variables]
+
+
+class ItemSource:
+    """__len__ + __getitem__ only (records read by the thread pool)."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+        self.threads = set()
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        self.threads.add(threading.current_thread().name)
+        return self.x[i], self.y[i]
+
+
+class RecordListSource(ItemSource):
+    """__getitems__ returning a list of records (the PyTorch / HF convention)."""
+
+    def __getitems__(self, indices):
+        return [(self.x[i], self.y[i]) for i in indices]
+
+
+class BatchSource(ItemSource):
+    """__getitems__ returning stacked (x_batch, y_batch)."""
+
+    def __getitems__(self, indices):
+        return self.x[indices], self.y[indices]
+
+
+def memmap_of(tmp_path, x, y):
+    xm = np.lib.format.open_memmap(tmp_path / "x.npy", mode="w+", dtype=x.dtype, shape=x.shape)
+    xm[:] = x
+    xm.flush()
+    del xm
+    return np.load(tmp_path / "x.npy", mmap_mode="r"), y
+
+
+@pytest.mark.parametrize("kind", ["items", "record_list", "batch", "memmap"])
+def test_every_source_trains_exactly_like_in_memory_arrays(kind, tmp_path):
+    """Same sampling seed and noise seed: the same lots are drawn and the same
+    update results, whichever way the records are read."""
+    x, y = mnist_slice(300, features=60)
+    reference = dp_model()
+    reference.fit(x, y, lot_size=30, epochs=2, verbose=0, sampling_seed=4)
+    if kind == "memmap":
+        args = memmap_of(tmp_path, x, y)
+    else:
+        args = ({"items": ItemSource, "record_list": RecordListSource,
+                 "batch": BatchSource}[kind](x, y), None)
+    dp = dp_model()
+    dp.fit(*args, lot_size=30, epochs=2, verbose=0, sampling_seed=4)
+    for a, b in zip(weights(reference), weights(dp)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert dp.lots_computed == dp.lots_applied == dp.privacy_ledger.count() == 20
+    assert dp.privacy_ledger.to_dict() == reference.privacy_ledger.to_dict()
+
+
+def test_records_of_a_lot_are_read_by_several_threads():
+    x, y = mnist_slice(400, features=60)
+    source = ItemSource(x, y)
+    dp_model().fit(source, None, lot_size=200, epochs=1, verbose=0)
+    assert len({t for t in source.threads if t.startswith("dpfl-read")}) >= 2
+
+
+def test_a_dict_input_source_trains_a_multi_input_model():
+    x, y = mnist_slice(120, features=60)
+
+    class DictSource:
+        def __len__(self):
+            return len(y)
+
+        def __getitem__(self, i):
+            return {"a": x[i, :40], "b": x[i, 40:]}, y[i]
+
+    a, b = keras.Input((40,), name="a"), keras.Input((20,), name="b")
+    out = keras.layers.Dense(10)(keras.layers.Concatenate()([a, b]))
+    dp = DPModel(keras.Model({"a": a, "b": b}, out))
+    dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss())
+    dp.fit(DictSource(), lot_size=30, epochs=1, verbose=0)
+    assert dp.lots_computed == dp.privacy_ledger.count() == 4
+
+
+def _mapped_bytes(path) -> int:
+    """Bytes of `path` this process has mapped in (Rss of its mappings in
+    /proc/self/smaps): the pages read through a memmap."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's header line
+                inside = len(head) >= 6 and head[-1] == str(path)
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+def test_a_memmap_is_read_lot_by_lot_never_whole(tmp_path):
+    """A 655 MB on-disk array (rows of 64 KiB, so the kernel's 64 KiB
+    fault-around adds little), 2 Poisson lots of ~50 rows trained: the bytes
+    mapped in through the memmap are the rows of those lots and of the few
+    prefetched ones, a few percent of the file -- not the file.  The same count
+    after reading the array whole is the whole file, so the measure can fail."""
+    n, d = 10_000, 16_384
+    path = tmp_path / "big.npy"
+    xm = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, d))
+    xm[:: 1000] = 1.0  # a sparse file: a few rows written, then the mapping dropped
+    xm.flush()
+    del xm
+    x = np.load(path, mmap_mode="r")
+    y = np.zeros(n, np.int64)
+    assert isinstance(make_reader(x, y), IndexedReader)
+    dp = DPModel(mlp(inputs=d, hidden=8))
+    dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss())
+    assert _mapped_bytes(path) == 0
+    dp.fit(x, y, lot_size=50, epochs=1, verbose=0, callbacks=[_StopAfter(2)])
+    read = _mapped_bytes(path)
+    size = n * d * 4
+    assert dp.lots_computed == 2
+    assert 0 < read < 0.1 * size, (read, size)
+    np.asarray(x).sum()  # now read it whole: the count must see it
+    assert _mapped_bytes(path) > 0.9 * size
+
+
+class _StopAfter(keras.callbacks.Callback):
+    def __init__(self, lots):
+        super().__init__()
+        self.lots = lots
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch + 1 >= self.lots:
+            self.model.stop_training = True
+
+
+# -- bad sources ----------------------------------------------------------------
+
+class Broken(ItemSource):
+    def __init__(self, x, y, bad, problem):
+        super().__init__(x, y)
+        self.bad, self.problem = bad, problem
+        self.n = len(y)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            if self.problem == "raises":
+                raise OSError("disk on fire")
+            if self.problem == "shape":
+                return self.x[i][:-1], self.y[i]
+            if self.problem == "dtype":
+                return self.x[i].astype(np.float64), self.y[i]
+            if self.problem == "length":
+                self.n -= 1
+        return self.x[i], self.y[i]
+
+
+@pytest.mark.parametrize("problem,message", [
+    ("raises", r"reading record 7 raised OSError: disk on fire"),
+    ("shape", r"record 7: x has shape \(59,\) dtype float32, but record 0 has shape \(60,\)"),
+    ("dtype", r"record 7: x has shape \(60,\) dtype float64, but record 0 has .* float32"),
+    ("length", r"the source changed length during training: it had 40 records, now 39"),
+])
+def test_a_bad_record_names_its_index_and_its_lot_is_neither_applied_nor_counted(
+        problem, message):
+    x, y = mnist_slice(40, features=60)
+    dp = dp_model()
+    w0 = weights(dp)
+    source = Broken(x, y, bad=7 if problem != "length" else 0, problem=problem)
+    if problem == "length":
+        source.bad = 7  # record 0 (read to learn the record's shape) is fine
+    with pytest.raises(SourceError, match=message):
+        # full batch: the first lot contains record 7, so nothing may be applied
+        dp.fit(source, lot_size=40, epochs=3, verbose=0, sampling="full_batch")
+    assert dp.lots_computed == dp.lots_applied == dp.privacy_ledger.count() == 0
+    for a, b in zip(w0, weights(dp)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_lots_before_a_bad_record_are_counted_and_the_bad_lot_is_not():
+    """Poisson lots over 200 records, record 150 raises: the lots before the
+    first lot holding it are applied and recorded; that lot is not."""
+    x, y = mnist_slice(200, features=60)
+    lots = list(LotSampler(200, 20, seed=9).lots(10))
+    first_bad = next(t for t, idx in enumerate(lots) if 150 in idx)
+    dp = dp_model()
+    with pytest.raises(SourceError, match="record 150"):
+        dp.fit(Broken(x, y, bad=150, problem="raises"), lot_size=20, epochs=1, verbose=0,
+               sampling_seed=9)
+    assert dp.lots_computed == dp.lots_applied == dp.privacy_ledger.count() == first_bad
+
+
+def test_sources_without_random_access_and_empty_sources_are_refused():
+    x, y = mnist_slice(40, features=60)
+    dp = dp_model()
+    with pytest.raises(TypeError, match="a tf.data.Dataset only streams"):
+        dp.fit(tf.data.Dataset.from_tensor_slices((x, y)), lot_size=10)
+    with pytest.raises(TypeError, match="a generator or iterator only streams"):
+        dp.fit(((a, b) for a, b in zip(x, y)), lot_size=10)
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return x[i * 10:(i + 1) * 10], y[i * 10:(i + 1) * 10]
+
+    with pytest.raises(TypeError, match="PyDataset .* only streams"):
+        dp.fit(Batches(), lot_size=10)
+    with pytest.raises(ValueError, match="the training source is empty"):
+        dp.fit(ItemSource(x[:0], y[:0]), lot_size=1)
+    with pytest.raises(ValueError, match="lot_size must be <= the number of examples"):
+        dp.fit(ItemSource(x, y), lot_size=41)
+    with pytest.raises(SourceError, match="record 0: expected a pair"):
+        dp.fit(type("Bare", (), {"__len__": lambda s: 3, "__getitem__": lambda s, i: x[i]})(),
+               lot_size=1)
+    assert dp.lots_computed == 0
