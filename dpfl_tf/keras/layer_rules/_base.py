@@ -184,13 +184,19 @@ def outer_gradients(a: tf.Tensor, g: tf.Tensor, positions: int | None,
         aa = tf.einsum("bsgd,btgd->bgst", a, a)
         gg = tf.einsum("bsgo,btgo->bgst", g, g)
         sq = tf.reduce_sum(aa * gg, axis=[1, 2, 3])
+
+        def clipped_sum(c, a=a, g=g):
+            s = tf.einsum("bsgd,bsgo->gdo", kept(a, c), scaled(g, c))
+            return tf.cast(tf.reshape(to_variable(s), variable.shape), variable.dtype)
     else:
         per_example = tf.einsum("bsgd,bsgo->bgdo", a, g)
         sq = tf.reduce_sum(tf.square(per_example), axis=[1, 2, 3])
 
-    def clipped_sum(c, a=a, g=g):
-        s = tf.einsum("bsgd,bsgo->gdo", kept(a, c), scaled(g, c))
-        return tf.cast(tf.reshape(to_variable(s), variable.shape), variable.dtype)
+        def clipped_sum(c, j=per_example):
+            # the per-example gradients exist already: sum_i c_i W_i costs B d o,
+            # not another B S d o product over the positions
+            s = tf.reduce_sum(scaled(j, c), axis=0)
+            return tf.cast(tf.reshape(to_variable(s), variable.shape), variable.dtype)
 
     return VariableGradients(sq, clipped_sum)
 
