@@ -174,13 +174,14 @@ def outer_gradients(a: tf.Tensor, g: tf.Tensor, positions: int | None,
 
     (G = 1 for a dense or convolution kernel, G = groups for a grouped or
     depthwise convolution).  ||grad_i||^2 is taken as a ghost norm
-    sum_{k,s,t} (a_isk . a_itk)(g_isk . g_itk) when S^2 < d o, else from the
+    sum_{k,s,t} (a_isk . a_itk)(g_isk . g_itk) when S (d + o) < d o, else from the
     materialised [B, G, d, o] (Li et al. 2022, "ghost clipping"; whichever is
     cheaper).  `to_variable` maps the summed [G, d, o] to the variable's shape.
     """
     a, g = f32(a), f32(g)
     d, o = a.shape[-1], g.shape[-1]
-    if positions is not None and positions * positions < d * o:
+    # ghost costs B S^2 (d + o) multiply-adds, materialising B S d o
+    if positions is not None and positions * (d + o) < d * o:
         aa = tf.einsum("bsgd,btgd->bgst", a, a)
         gg = tf.einsum("bsgo,btgo->bgst", g, g)
         sq = tf.reduce_sum(aa * gg, axis=[1, 2, 3])
