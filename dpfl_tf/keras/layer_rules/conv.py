@@ -15,6 +15,7 @@ followed by a 1x1 one: two taps.  channels_first layers use the fallback.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import keras
@@ -29,27 +30,40 @@ from dpfl_tf.keras.layer_rules.dense import plain
 
 def patches(x: tf.Tensor, kernel_size, strides, padding: str, dilation) -> tf.Tensor:
     """[B, *out_spatial, prod(kernel_size) * C]: each output position's receptive
-    field, flattened in the order (kernel offsets..., channel) of a Keras kernel."""
+    field, flattened in the order (kernel offsets..., channel) of a Keras kernel.
+
+    Built as one strided slice of the padded input per kernel offset,
+    concatenated along the channels (a copy of the input per offset; several
+    times faster on CPU than `tf.image.extract_patches`)."""
     x = f32(x)
     rank = len(kernel_size)
-    padding = padding.upper()
-    channels = x.shape[-1]
-    if rank == 1:
-        p = tf.image.extract_patches(x[:, None], sizes=[1, 1, kernel_size[0], 1],
-                                     strides=[1, 1, strides[0], 1],
-                                     rates=[1, 1, dilation[0], 1], padding=padding)
-        p = p[:, 0]
-    elif rank == 2:
-        p = tf.image.extract_patches(x, sizes=[1, *kernel_size, 1], strides=[1, *strides, 1],
-                                     rates=[1, *dilation, 1], padding=padding)
-    elif all(d == 1 for d in dilation):
-        p = tf.extract_volume_patches(x, ksizes=[1, *kernel_size, 1],
-                                      strides=[1, *strides, 1], padding=padding)
-    else:  # dilated 3-D: a convolution with the identity kernel
-        k = math.prod(kernel_size) * channels
-        eye = tf.reshape(tf.eye(k, dtype=x.dtype), [*kernel_size, channels, k])
-        p = tf.nn.convolution(x, eye, strides=strides, padding=padding, dilations=dilation)
-    return tf.ensure_shape(p, [None] * (rank + 1) + [math.prod(kernel_size) * channels])
+    spatial = x.shape[1:-1]
+    if any(d is None for d in spatial):
+        raise ValueError(f"convolution rule: spatial input shape {tuple(spatial)} must be "
+                         "static")
+    pads, out = [], []
+    for size, k, s, d in zip(spatial, kernel_size, strides, dilation):
+        span = (k - 1) * d + 1
+        if padding.upper() == "SAME":
+            n_out = -(-size // s)
+            total = max((n_out - 1) * s + span - size, 0)
+            pads.append((total // 2, total - total // 2))
+        else:  # VALID
+            n_out = (size - span) // s + 1
+            pads.append((0, 0))
+        out.append(n_out)
+    xp = tf.pad(x, [[0, 0], *[list(p) for p in pads], [0, 0]]) if any(
+        sum(p) for p in pads) else x
+    pieces = []
+    for offset in itertools.product(*[range(k) for k in kernel_size]):
+        begin = [0] + [o * d for o, d in zip(offset, dilation)] + [0]
+        end = [0] + [o * d + (n - 1) * s + 1 for o, d, n, s in
+                     zip(offset, dilation, out, strides)] + [0]
+        pieces.append(tf.strided_slice(xp, begin, end, [1, *strides, 1],
+                                       begin_mask=1 | (1 << (rank + 1)),
+                                       end_mask=1 | (1 << (rank + 1))))
+    p = pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=-1)
+    return tf.ensure_shape(p, [None, *out, math.prod(kernel_size) * x.shape[-1]])
 
 
 def _bias_gradients(layer, gs):
