@@ -299,8 +299,7 @@ class DPModel(keras.Model):
                 "replicas: XLA cannot read the replicas' privacy counters across devices "
                 "(this mode is not supported, so it is refused)")
         pad_to = (XLA_PAD if self.jit_compile else 1) * replicas
-        data = sampler.dataset(reader, epochs=epochs - initial_epoch, pad_to=pad_to,
-                               preprocess=preprocess)
+        data = sampler.dataset(reader, pad_to=pad_to, preprocess=preprocess)  # endless
         callbacks = [privacy_cb] + [c for c in callbacks if c is not privacy_cb]
         self.stop_reason = None
         dropped_before = self.dropped_examples

@@ -137,17 +137,24 @@ class LotSampler:
                     perm = np.argsort(secure_uniform(n), kind="stable")
                 yield np.sort(perm[j * lot:(j + 1) * lot])
 
-    def index_dataset(self, num_lots: int) -> tf.data.Dataset:
-        """A `tf.data.Dataset` of `num_lots` lots, each a sorted int64 vector of
-        example indices."""
-        num_lots = check_count("num_lots", num_lots, minimum=0)
+    def index_dataset(self, num_lots: int | None = None) -> tf.data.Dataset:
+        """A `tf.data.Dataset` of lots, each a sorted int64 vector of example
+        indices: `num_lots` of them, or endless (None; `fit` takes the lots it
+        trains on, and a dataset of unknown end lets Keras stop without
+        waiting on the end of the pipeline)."""
+        if num_lots is not None:
+            num_lots = check_count("num_lots", num_lots, minimum=0)
+            return self.index_dataset(None).take(num_lots)
         if self.secure_mode:
+            def endless():
+                while True:
+                    yield from self._secure_lots(self.lots_per_epoch)
+
             return tf.data.Dataset.from_generator(
-                lambda: self._secure_lots(num_lots),
-                output_signature=tf.TensorSpec([None], tf.int64))
+                endless, output_signature=tf.TensorSpec([None], tf.int64))
         if self.sampling is SamplingMethod.FULL_BATCH:
-            full = tf.range(self.dataset_size, dtype=tf.int64)
-            return tf.data.Dataset.from_tensors(full).repeat(num_lots)
+            return tf.data.Dataset.from_tensors(
+                tf.range(self.dataset_size, dtype=tf.int64)).repeat()
         if self.sampling is SamplingMethod.SHUFFLE:
             per, lot = self.lots_per_epoch, self.lot_size
 
@@ -156,20 +163,19 @@ class LotSampler:
                 return tf.data.Dataset.from_tensor_slices(
                     tf.sort(tf.reshape(perm, [per, lot]), axis=1))
 
-            epochs = -(-num_lots // per)
-            return tf.data.Dataset.range(epochs).flat_map(epoch_lots).take(num_lots)
-        return tf.data.Dataset.range(num_lots).map(self._lot_in_graph,
-                                                   num_parallel_calls=tf.data.AUTOTUNE)
+            return tf.data.Dataset.counter().flat_map(epoch_lots)
+        return tf.data.Dataset.counter().map(self._lot_in_graph,
+                                             num_parallel_calls=tf.data.AUTOTUNE)
 
     def lots(self, num_lots: int) -> Iterator[np.ndarray]:
         """Yields `num_lots` arrays of indices (sorted): the lots `dataset` reads."""
         for idx in self.index_dataset(num_lots).as_numpy_iterator():
             yield idx
 
-    def dataset(self, x, y=None, *, epochs: int, pad_to: int = 1,
+    def dataset(self, x, y=None, *, epochs: int | None = None, pad_to: int = 1,
                 preprocess: Callable | None = None) -> tf.data.Dataset:
-        """A `tf.data.Dataset` of (x_lot, y_lot, mask), `epochs * lots_per_epoch`
-        lots, each padded with zero-weight examples to a multiple of `pad_to`
+        """A `tf.data.Dataset` of (x_lot, y_lot, mask): `epochs * lots_per_epoch`
+        lots (endless for None), each padded with zero-weight examples to a multiple of `pad_to`
         (at least `pad_to` examples, so that a distribution strategy splits
         every lot, even of size 0 or 1, into equal per-replica shares).
 
@@ -178,7 +184,8 @@ class LotSampler:
         lot's x (its real examples) inside tf.data, e.g. augmentation; it must
         act on each example independently."""
         pad_to = check_count("pad_to", pad_to, minimum=1)
-        total = check_count("epochs", epochs, minimum=1) * self.lots_per_epoch
+        total = None if epochs is None else \
+            check_count("epochs", epochs, minimum=1) * self.lots_per_epoch
         reader = x if isinstance(x, (ArrayReader, IndexedReader)) else make_reader(x, y)
         if reader.size != self.dataset_size:
             raise ValueError(f"the data has {reader.size} examples but the sampler was "

@@ -163,6 +163,9 @@ class IndexedReader:
             x, [_Spec(tuple(np.shape(t)[1:]), np.asarray(t[:0]).dtype) for t in leaves])
         y_spec = _Spec(tuple(np.shape(y)[1:]), np.asarray(y[:0]).dtype)
 
+        for leaf in leaves + [y]:
+            _random_access(leaf)
+
         def read_records(idx: np.ndarray):
             # sorted indices: a memmap reads just these rows' pages
             return [np.asarray(t[idx]) for t in leaves], np.asarray(y[idx])
@@ -209,13 +212,17 @@ class IndexedReader:
         """([per-example shape of each leaf of x], per-example shape of y)."""
         return [s.shape for s in tf.nest.flatten(self._x_spec)], self._y_spec.shape
 
+    def _check_length(self) -> None:
+        length = self._length_fn()
+        if length != self.size:
+            raise SourceError(f"the source changed length during training: it had "
+                              f"{self.size} records, now {length}")
+
     def _read_numpy(self, idx: np.ndarray):
         try:
-            length = self._length_fn()
-            if length != self.size:
-                raise SourceError(f"the source changed length during training: it had "
-                                  f"{self.size} records, now {length}")
+            self._check_length()
             xs, ys = self._read_records(np.asarray(idx, np.int64))
+            self._check_length()  # also while this lot was read: the lot is not used
             return [*xs, ys]
         except BaseException as e:
             with self._lock:
@@ -241,6 +248,20 @@ class IndexedReader:
             raise error
 
 
+def _random_access(array) -> None:
+    """Tells the kernel a memmap is read at random (MADV_RANDOM): no read-ahead
+    around each row, so a lot reads its rows' pages, not 16x more (which
+    thrashes once the file does not fit in memory)."""
+    import mmap
+
+    mapping = getattr(array, "_mmap", None)
+    if mapping is not None and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+        try:
+            mapping.madvise(mmap.MADV_RANDOM)
+        except (OSError, ValueError):
+            pass  # advice only
+
+
 class _Spec:
     """Shape and dtype of one leaf of a record (without the example axis)."""
 
@@ -258,7 +279,7 @@ def _call(fn, arg):
     except SourceError:
         raise
     except Exception as e:
-        where = f"record {arg}" if isinstance(arg, int) else f"records {arg[:8]}..."
+        where = f"record {arg}" if isinstance(arg, int) else f"a lot of {len(arg)} records"
         raise SourceError(f"reading {where} raised {type(e).__name__}: {e}") from e
 
 

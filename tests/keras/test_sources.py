@@ -192,6 +192,7 @@ class Broken(ItemSource):
 def test_a_bad_record_names_its_index_and_its_lot_is_neither_applied_nor_counted(
         problem, message):
     x, y = mnist_slice(40, features=60)
+    x = x.astype(np.float32)
     dp = dp_model()
     w0 = weights(dp)
     source = Broken(x, y, bad=7 if problem != "length" else 0, problem=problem)
