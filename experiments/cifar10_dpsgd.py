@@ -202,23 +202,25 @@ def draw_all(results: list[dict], out_dir: str) -> list[str]:
 
 def time_pipeline(args) -> dict:
     """Times the augmented lot pipeline alone against DP and non-private training
-    epochs on the same slice (is tf.data the bottleneck?)."""
-    from dpfl_tf.data import load_dataset
+    epochs on the same slice (is tf.data the bottleneck?).  The images are read
+    from the source, as in the real runs (the JPEG copy: decoded per lot)."""
+    from dpfl_tf.data.cifar import cifar10_sources
     from dpfl_tf.keras import DPModel, DPSGD, LotSampler
     from dpfl_tf.models import cifar_convnet
     from dpfl_tf.recipes.augment import Augmentation, train_dataset
     from dpfl_tf.recipes.cifar10 import build_private_model, clip_bounds_for, stratified_split
     import keras
 
-    data = load_dataset("cifar10", data_dir=args.data_dir)
+    data = cifar10_sources(args.data_dir)
     n = args.limit_private or 4000
     idx, _ = stratified_split(data.y_train, n, 0)
-    x, y = data.x_train[idx], data.y_train[idx]
+    source = data.train.subset(idx)
     lot = min(args.timing_lot, n)
     epochs = 3
     aug = Augmentation()  # unseeded: the parallel tf.data map, as in real runs
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    out = {"dataset": data.source.label, "images": int(n), "lot_size": lot, "epochs": epochs,
+    out = {"dataset": data.source.label, "reader": type(source).__name__, "images": int(n),
+           "lot_size": lot, "epochs": epochs,
            "cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg()}
 
     busy = {}
@@ -236,7 +238,7 @@ def time_pipeline(args) -> dict:
     def iterate(preprocess):
         def run(e):
             sampler = LotSampler(n, lot, seed=1)
-            for _ in sampler.dataset(x, y, batch_size=1, epochs=e, preprocess=preprocess):
+            for _ in sampler.dataset(source, epochs=e, preprocess=preprocess):
                 pass
         return run
 
@@ -250,7 +252,7 @@ def time_pipeline(args) -> dict:
                                       noise_multiplier=1.0, seed=0), loss=loss)
 
         def run(e):
-            model.fit(x, y, lot_size=lot, batch_size=_batch(lot), epochs=e,
+            model.fit(source, lot_size=lot, batch_size=_batch(lot), epochs=e,
                       preprocess=preprocess, verbose=0, sampling_seed=2)
         return run
 
@@ -264,11 +266,11 @@ def time_pipeline(args) -> dict:
             net = cifar_convnet()
             net.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss=loss)
             _state["net"] = net
-        _state["net"].fit(train_dataset(x, y, aug, batch_size=128, shuffle_seed=0), epochs=e,
-                          verbose=0, shuffle=False)
+        _state["net"].fit(train_dataset(source, None, aug, batch_size=128, shuffle_seed=0),
+                          epochs=e, verbose=0, shuffle=False)
 
     def nonprivate_pipeline(e):
-        ds = train_dataset(x, y, aug, batch_size=128, shuffle_seed=0)
+        ds = train_dataset(source, None, aug, batch_size=128, shuffle_seed=0)
         for _ in range(e):
             for _ in ds:
                 pass

@@ -15,6 +15,12 @@ Known datasets: ``"mnist"``, ``"fashion_mnist"``, ``"cifar10"``,
 ``"cifar100"`` and ``"image_folder"`` (any ``<root>/<split>/<class>/*.png``
 tree; ``data_dir`` is the root).  Register more with `register_dataset`.
 
+Data too large to decode into memory is read as random-access *sources*
+(`dpfl_tf.data.sources`): `ImageFolderSource` (one split of an image folder,
+images decoded on demand), `ArraySource` (arrays), and `SourceDataset` (the
+train and test sources of one dataset; ``cifar.cifar10_sources`` gives
+CIFAR-10 so).  ``DPModel.fit(source, lot_size=...)`` reads only the lots.
+
 Unit of privacy: the loaders return one row per example; nothing here
 groups, deduplicates or shuffles examples (DP sampling happens later).
 """
@@ -32,8 +38,9 @@ from dpfl_tf._validation import check_count
 from dpfl_tf.data.locate import DatasetFormatError, DatasetNotFoundError
 
 __all__ = [
-    "DataSource", "Dataset", "DatasetFormatError", "DatasetNotFoundError",
-    "available_datasets", "load_dataset", "register_dataset",
+    "ArraySource", "DataSource", "Dataset", "DatasetFormatError", "DatasetNotFoundError",
+    "ImageFolderSource", "SourceDataset", "available_datasets", "load_dataset",
+    "register_dataset",
 ]
 
 
@@ -165,3 +172,8 @@ def load_dataset(name: str, data_dir: str | os.PathLike | None = None, **kwargs)
         module, _, attr = loader.partition(":")
         loader = getattr(importlib.import_module(module), attr)
     return loader(data_dir=data_dir, **kwargs)
+
+
+# random-access sources (records read on demand); imported last: they use the classes above
+from dpfl_tf.data.sources import ArraySource, SourceDataset  # noqa: E402
+from dpfl_tf.data.image_folder import ImageFolderSource  # noqa: E402

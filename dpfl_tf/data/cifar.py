@@ -23,6 +23,10 @@ download is off or fails), `cifar10` reads the image-folder copy
 through the same search order.  Those pixels are JPEG re-encodings (quality
 about 75), so the result says so: ``name == "cifar10_jpg"`` and
 ``source.label == "CIFAR-10 (JPEG copy)"``.  The two copies are never mixed.
+
+`cifar10` decodes every image into memory; `cifar10_sources` gives the same
+records as random-access sources instead (the JPEG copy decoded on demand,
+memory O(batch)), for `DPModel.fit(source, ...)`.
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ import tarfile
 import numpy as np
 
 from dpfl_tf.data import DataSource, Dataset
+from dpfl_tf.data.sources import ArraySource, SourceDataset
 from dpfl_tf.data.locate import (CIFAR100_FILES, CIFAR10_FILES, CIFAR10_JPEG_FILES,
                                  DatasetFormatError, DatasetNotFoundError, Located, locate)
 
 __all__ = ["CIFAR10_CLASSES", "CIFAR100_COARSE_CLASSES", "CIFAR100_FINE_CLASSES",
-           "JPEG_COPY_LABEL", "cifar10", "cifar100", "read_cifar_pickle"]
+           "JPEG_COPY_LABEL", "cifar10", "cifar10_sources", "cifar100", "read_cifar_pickle"]
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
                    "ship", "truck")
@@ -183,21 +188,31 @@ def cifar10(data_dir: str | os.PathLike | None = None, *, download: bool | None 
     ``name="cifar10_jpg"`` and ``source.label="CIFAR-10 (JPEG copy)"``, sorted
     by class (shuffle before use).
     """
+    found, jpeg = _locate_cifar10(data_dir, download, allow_jpeg_copy)
+    if jpeg is not None:
+        return _cifar10_jpeg(jpeg, cache_dir, num_workers, extract)
+    return _cifar10_canonical(found)
+
+
+def _locate_cifar10(data_dir, download, allow_jpeg_copy) -> tuple[Located | None,
+                                                                   Located | None]:
+    """(canonical copy, None), or (None, JPEG copy) when only the JPEG copy is found."""
     try:
-        found = locate(CIFAR10_FILES, data_dir, download=download)
+        return locate(CIFAR10_FILES, data_dir, download=download), None
     except DatasetNotFoundError as canonical:
         if not allow_jpeg_copy:
             raise
         try:
             # no URL for the JPEG copy: download=True only reports "no official download"
-            jpeg = locate(CIFAR10_JPEG_FILES, data_dir, download=True)
+            return None, locate(CIFAR10_JPEG_FILES, data_dir, download=True)
         except DatasetNotFoundError as fallback:
             raise DatasetNotFoundError(
                 f"{canonical}\n\nFallback: no offline JPEG copy either.\n{fallback}",
                 dataset=canonical.dataset, places=canonical.places + fallback.places,
                 download_error=canonical.download_error) from None
-        return _cifar10_jpeg(jpeg, cache_dir, num_workers, extract)
 
+
+def _cifar10_canonical(found: Located) -> Dataset:
     batches = tuple(f"data_batch_{i}" for i in range(1, 6))
     files, source = _read_files(found, batches + ("test_batch",), optional=("batches.meta",))
     parts = [_images_and_labels(read_cifar_pickle(files[b], f"{source}:{b}"), "labels", 10,
@@ -232,6 +247,45 @@ def _cifar10_jpeg(found: Located, cache_dir, num_workers, extract) -> Dataset:
     return Dataset(x_train, y_train, x_test, y_test, num_classes=10,
                    class_names=CIFAR10_CLASSES, name="cifar10_jpg",
                    source=DataSource(JPEG_COPY_LABEL, root, "image_folder", note=_JPEG_NOTE))
+
+
+def cifar10_sources(data_dir: str | os.PathLike | None = None, *,
+                    download: bool | None = None, allow_jpeg_copy: bool = True,
+                    cache_dir: str | os.PathLike | None = None,
+                    num_workers: int | None = None) -> SourceDataset:
+    """CIFAR-10 as random-access sources (`SourceDataset`): records read on demand.
+
+    The same search and the same records, labels and order as `cifar10`.
+    The offline JPEG copy gives one `ImageFolderSource` per split: the
+    archive is extracted once into ``<cache>/extracted/`` (``cache_dir``),
+    and images are decoded only when read, so memory holds the file names
+    and labels plus the batches being read -- not 60,000 images.  The
+    canonical copy (pickles of 10,000 images each, which must be read whole)
+    is read into memory and given as `ArraySource` splits.
+    """
+    from dpfl_tf.data.image_folder import ImageFolderSource
+
+    found, jpeg = _locate_cifar10(data_dir, download, allow_jpeg_copy)
+    if jpeg is None:
+        data = _cifar10_canonical(found)
+        return SourceDataset(ArraySource(data.x_train, data.y_train),
+                             ArraySource(data.x_test, data.y_test), num_classes=10,
+                             class_names=data.class_names, name=data.name, source=data.source)
+    root = jpeg.paths[0]
+    train, test = (ImageFolderSource(root, split, class_names=CIFAR10_CLASSES,
+                                     cache_dir=cache_dir, num_workers=num_workers)
+                   for split in ("train", "test"))
+    for split, part in (("train", train), ("test", test)):
+        if part.image_shape != (32, 32, 3):  # every image is checked against it when read
+            raise DatasetFormatError(f"{root}: {split} images must be 32x32 RGB, "
+                                     f"got {part.image_shape} ({part.path(0)})")
+    empty = [CIFAR10_CLASSES[c] for c in range(10) if not np.any(train.labels == c)]
+    if empty:
+        raise DatasetFormatError(f"{root}: no training images for classes {empty}")
+    return SourceDataset(train, test, num_classes=10, class_names=CIFAR10_CLASSES,
+                         name="cifar10_jpg",
+                         source=DataSource(JPEG_COPY_LABEL, root, "image_folder",
+                                           note=_JPEG_NOTE))
 
 
 def cifar100(data_dir: str | os.PathLike | None = None, *, label_mode: str = "fine",

@@ -16,6 +16,13 @@ pool (Pillow releases the GIL while decoding), converted to RGB (or
 grayscale) and resized only when ``image_size`` is given; all images must
 otherwise have one size.
 
+`read_image_folder` decodes every image of the requested splits into memory.
+`ImageFolderSource` is one split as a random-access source instead: images
+are decoded when a batch of them is read (``__getitems__``), so memory is
+O(batch); archives are then always extracted (a compressed stream has no
+random access).  Both decode with the same function (same pixels, labels
+and order for the same ``class_names``).
+
 The decoded arrays are cached as one ``.npz`` in ``<cache>/image_folder/``,
 where ``<cache>`` is the ``cache_dir`` argument, else ``$DPFL_CACHE_DIR``,
 else ``~/.cache/dpfl_tf``.  The cache key covers the source path, the size
@@ -37,6 +44,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+import threading
 import warnings
 from typing import Sequence
 
@@ -47,9 +55,10 @@ from dpfl_tf._io import atomic_write
 from dpfl_tf._validation import check_count
 from dpfl_tf.data import DataSource, Dataset
 from dpfl_tf.data.locate import DatasetFormatError
+from dpfl_tf.data.sources import IndexedSource
 
-__all__ = ["IMAGE_EXTENSIONS", "ImageFolder", "default_cache_dir", "image_folder",
-           "read_image_folder"]
+__all__ = ["IMAGE_EXTENSIONS", "ImageFolder", "ImageFolderSource", "default_cache_dir",
+           "image_folder", "read_image_folder"]
 
 logger = logging.getLogger("dpfl_tf.data")
 
@@ -58,6 +67,7 @@ ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2", ".
 COLOR_MODES = ("rgb", "grayscale")
 _CACHE_VERSION = 1
 _CHUNK = 256  # images per thread-pool task
+_INLINE = 16  # ImageFolderSource: batches up to this size are decoded without the pool
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -309,6 +319,37 @@ def _check_options(splits, class_names, image_size, color_mode, num_workers):
     return splits, class_names, image_size, num_workers
 
 
+def _resolve_root(root, cache_dir) -> tuple[str, bool, str]:
+    """(absolute root, whether it is an archive, absolute cache directory)."""
+    root = os.path.abspath(os.path.expanduser(os.fspath(root)))
+    if not os.path.exists(root):
+        raise FileNotFoundError(f"image folder root {root} does not exist")
+    archive = _is_archive(root)
+    if not archive and not os.path.isdir(root):
+        raise ValueError(f"root must be a directory or a tar archive "
+                         f"({', '.join(ARCHIVE_SUFFIXES)}), got {root}")
+    cache_dir = os.path.abspath(os.path.expanduser(os.fspath(cache_dir))) \
+        if cache_dir is not None else default_cache_dir()
+    return root, archive, cache_dir
+
+
+def _resolve_classes(root: str, listing: dict, class_names) -> tuple[str, ...]:
+    """The class order: `class_names`, or the sorted class folders of all listed splits."""
+    folders = sorted({c for classes in listing.values() for c in classes})
+    if class_names is None:
+        return tuple(folders)
+    extra = [c for c in folders if c not in class_names]
+    if extra:
+        raise DatasetFormatError(f"{root}: class folders {extra} are not in "
+                                 f"class_names={list(class_names)}")
+    return tuple(class_names)
+
+
+def _no_images(root: str, split: str) -> DatasetFormatError:
+    return DatasetFormatError(f"{root}: no {'/'.join(IMAGE_EXTENSIONS)} images in "
+                              f"split {split!r}")
+
+
 def read_image_folder(root: str | os.PathLike, *, splits: Sequence[str] = ("train", "test"),
                       class_names: Sequence[str] | None = None,
                       image_size: int | tuple[int, int] | None = None,
@@ -334,15 +375,7 @@ def read_image_folder(root: str | os.PathLike, *, splits: Sequence[str] = ("trai
         splits, class_names, image_size, color_mode, num_workers)
     if not isinstance(extract, bool):
         raise ValueError(f"extract must be True or False, got {extract!r}")
-    root = os.path.abspath(os.path.expanduser(os.fspath(root)))
-    if not os.path.exists(root):
-        raise FileNotFoundError(f"image folder root {root} does not exist")
-    archive = _is_archive(root)
-    if not archive and not os.path.isdir(root):
-        raise ValueError(f"root must be a directory or a tar archive "
-                         f"({', '.join(ARCHIVE_SUFFIXES)}), got {root}")
-    cache_dir = os.path.abspath(os.path.expanduser(os.fspath(cache_dir))) \
-        if cache_dir is not None else default_cache_dir()
+    root, archive, cache_dir = _resolve_root(root, cache_dir)
 
     listing = None
     if archive:
@@ -372,14 +405,7 @@ def read_image_folder(root: str | os.PathLike, *, splits: Sequence[str] = ("trai
     elif archive:
         listing = _read_archive(root, splits)
 
-    folders = sorted({c for classes in listing.values() for c in classes})
-    if class_names is None:
-        class_names = tuple(folders)
-    else:
-        extra = [c for c in folders if c not in class_names]
-        if extra:
-            raise DatasetFormatError(f"{root}: class folders {extra} are not in "
-                                     f"class_names={list(class_names)}")
+    class_names = _resolve_classes(root, listing, class_names)
     index = {c: i for i, c in enumerate(class_names)}
     paths, labels, counts = [], [], []
     for s in splits:
@@ -390,8 +416,7 @@ def read_image_folder(root: str | os.PathLike, *, splits: Sequence[str] = ("trai
                 labels.append(index[c])
         counts.append(len(paths) - n0)
         if counts[-1] == 0:
-            raise DatasetFormatError(f"{root}: no {'/'.join(IMAGE_EXTENSIONS)} images in "
-                                     f"split {s!r}")
+            raise _no_images(root, s)
     logger.info("image folder %s: decoding %d images with %d threads", root, len(paths),
                 num_workers)
     x_all = _decode_all(paths, image_size, color_mode, num_workers)
@@ -443,3 +468,181 @@ def image_folder(data_dir: str | os.PathLike | None = None, *, train_split: str 
                    class_names=folder.class_names, name=name,
                    source=DataSource(label or f"image folder {_stem(folder.root)}", folder.root,
                                      "image_folder"))
+
+
+# ------------------------------------------------------------------ random access
+
+
+class _Decoders:
+    """A thread pool, created on first use and shared by a source and its views
+    (threads, not processes: Pillow releases the GIL while it decodes)."""
+
+    def __init__(self, num_workers: int):
+        self.num_workers = num_workers
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self.num_workers, thread_name_prefix="dpfl-decode")
+            return self._pool
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def __getstate__(self):  # a pickled source starts without threads
+        return {"num_workers": self.num_workers}
+
+    def __setstate__(self, state):
+        self.__init__(state["num_workers"])
+
+
+class ImageFolderSource(IndexedSource):
+    """One split of an image folder as a random-access source: images are
+    decoded when they are read, so memory is O(batch), not O(N).
+
+        train = ImageFolderSource("cifar10_jpg.tar.xz", "train")
+        image, label = train[0]                    # uint8 (H, W, C), int
+        x, y = train.__getitems__([5, 3, 8])       # uint8 (3, H, W, C), int64 (3,)
+        dp_model.fit(train, lot_size=2000, preprocess=augmentation)
+
+    ``root`` is a directory ``<root>/<split>/<class>/*.jpg|jpeg|png`` or a tar
+    archive of one, extracted once into ``<cache>/extracted/`` and reused
+    (a compressed archive has no random access).  Records are ordered by
+    class, then file name, and labelled by index into ``class_names`` (default:
+    the sorted class folders of the split) -- the order and labels of
+    `read_image_folder` with the same ``class_names``.  Images are decoded
+    with Pillow exactly as `read_image_folder` decodes them (same pixels),
+    ``__getitems__`` in a thread pool of ``num_workers`` threads.
+
+    Only the file names and labels are held for all N records (about 100
+    bytes a record).  Every image must have the shape of record 0 (after
+    ``image_size``); an image that cannot be decoded or has another shape
+    raises `DatasetFormatError` naming its index and file.
+
+    Args:
+      root: a directory or a tar archive (.tar, .tar.gz, .tar.xz, ...) of one.
+      split: the split folder to read.
+      class_names: explicit class order (a class folder not in it is an error).
+      image_size: (height, width) to resize to (bilinear); default: keep size.
+      color_mode: "rgb" (C=3) or "grayscale" (C=1).
+      cache_dir: where archives are extracted; default ``$DPFL_CACHE_DIR`` or
+        ``~/.cache/dpfl_tf``.
+      num_workers: decoding threads (default: number of CPUs, at most 8).
+    """
+
+    def __init__(self, root: str | os.PathLike, split: str = "train", *,
+                 class_names: Sequence[str] | None = None,
+                 image_size: int | tuple[int, int] | None = None, color_mode: str = "rgb",
+                 cache_dir: str | os.PathLike | None = None, num_workers: int | None = None):
+        if not isinstance(split, str) or not split:
+            raise ValueError(f"split must be a split folder name, got {split!r}")
+        _, class_names, image_size, num_workers = _check_options(
+            [split], class_names, image_size, color_mode, num_workers)
+        root, archive, cache_dir = _resolve_root(root, cache_dir)
+        tree = _tree_root(_extract_archive(root, cache_dir) if archive else root, [split])
+        listing = {split: _list_split(tree, split)}
+        self.class_names = _resolve_classes(root, listing, class_names)
+        names, labels = [], []
+        for label, cls in enumerate(self.class_names):
+            for entry in listing[split].get(cls, []):
+                names.append(f"{cls}/{entry.name}")
+                labels.append(label)
+        if not names:
+            raise _no_images(root, split)
+        super().__init__(np.asarray(labels, dtype=np.int64))
+        self.root = root
+        self.split = split
+        self.directory = os.path.join(tree, split)
+        self.image_size = image_size
+        self.color_mode = color_mode
+        self._names = names
+        self._decoders = _Decoders(num_workers)
+        self._image_shape = None
+        self._image_shape = self._decode(0, 0).shape  # record 0 sets the shape
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """(height, width, channels) of every image."""
+        return self._image_shape
+
+    @property
+    def element_shape(self) -> tuple[int, int, int]:
+        return self._image_shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.uint8)
+
+    @property
+    def num_workers(self) -> int:
+        return self._decoders.num_workers
+
+    def path(self, index: int) -> str:
+        """The image file of record `index`."""
+        return os.path.join(self.directory, self._names[self._row(self._position(index))])
+
+    def close(self) -> None:
+        """Stops the decoding threads (a later read starts them again)."""
+        self._decoders.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"ImageFolderSource(split={self.split!r}, records={len(self)}, "
+                f"image_shape={self.image_shape}, classes={self.num_classes}, "
+                f"directory={self.directory!r})")
+
+    # -- decoding ----------------------------------------------------------------
+    def _decode(self, pos: int, row: int) -> np.ndarray:
+        path = os.path.join(self.directory, self._names[row])
+        where = f"record {pos} of split {self.split!r}"
+        try:
+            image = _decode_image(path, self.image_size, self.color_mode)
+        except DatasetFormatError as e:
+            raise DatasetFormatError(f"{where}: {e}") from e
+        if self._image_shape is not None and image.shape != self._image_shape:
+            got, want = "x".join(map(str, image.shape)), "x".join(map(str, self._image_shape))
+            raise DatasetFormatError(
+                f"{where}: {path}: image is {got} but record 0 "
+                f"({os.path.join(self.directory, self._names[self._row(0)])}) is {want}; "
+                "pass image_size=(height, width) to resize")
+        return image
+
+    def _read_record(self, pos, row):
+        return self._decode(pos, row)
+
+    def _read_batch(self, positions, rows):
+        out = np.empty((len(rows), *self._image_shape), np.uint8)
+
+        def work(lo: int, hi: int) -> None:
+            for k in range(lo, hi):
+                out[k] = self._decode(int(positions[k]), int(rows[k]))
+
+        n, workers = len(rows), self._decoders.num_workers
+        if workers == 1 or n <= _INLINE:
+            work(0, n)
+            return out
+        size = max(_INLINE, -(-n // (4 * workers)))  # ~4 tasks a thread: balanced, few tasks
+        pool = self._decoders.pool()
+        futures = [pool.submit(work, lo, min(n, lo + size)) for lo in range(0, n, size)]
+        try:
+            for future in futures:
+                future.result()  # re-raises the first decoding error, by position
+        finally:
+            for future in futures:
+                future.cancel()
+        return out

@@ -42,7 +42,7 @@ example's augmentation must not depend on the others in its lot).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -255,17 +255,36 @@ class Augmentation:
         return f"Augmentation({args})"
 
 
+def _records(x, y) -> tuple[tf.data.Dataset, Callable | None]:
+    """(dataset of one element per record, None) for arrays; (dataset of record
+    indices, batch reader) for a random-access source `x` (``y`` None)."""
+    if y is not None:
+        return tf.data.Dataset.from_tensor_slices((x, np.asarray(y))), None
+    from dpfl_tf.keras.sources import IndexedReader
+
+    if not (hasattr(x, "__len__") and hasattr(x, "__getitem__")):
+        raise TypeError(f"x must be arrays (with y) or a random-access source (y=None), "
+                        f"got {type(x).__name__}")
+    reader = IndexedReader.from_source(x)
+    return tf.data.Dataset.range(len(x)), reader.read
+
+
 def train_dataset(x, y, augmentation: Augmentation, *, batch_size: int,
                   shuffle_seed: int | None = None) -> tf.data.Dataset:
     """Non-private training input: reshuffled every epoch, batched, then
     augmented per example (one vectorised call per batch), prefetched.
 
-    `x` stays uint8 in memory (a quarter of float32); conversion happens per batch."""
+    `x` stays uint8 in memory (a quarter of float32); conversion happens per
+    batch.  Or `x` is a random-access source (``y=None``, e.g.
+    `dpfl_tf.data.ImageFolderSource`): its indices are shuffled and each
+    batch is read from it, so only the batches in flight are in memory (the
+    same batches as the arrays of the same records, for the same seed)."""
     batch_size = check_count("batch_size", batch_size, minimum=1)
-    n = len(y)
-    ds = tf.data.Dataset.from_tensor_slices((x, np.asarray(y)))
-    ds = ds.shuffle(n, seed=shuffle_seed, reshuffle_each_iteration=True)
+    ds, read = _records(x, y)
+    ds = ds.shuffle(len(x), seed=shuffle_seed, reshuffle_each_iteration=True)
     ds = ds.batch(batch_size)
+    if read is not None:
+        ds = ds.map(read, num_parallel_calls=tf.data.AUTOTUNE)
     # parallel map calls would take their draws from the shared generator in a
     # varying order; a seeded augmentation maps sequentially to stay reproducible
     parallel = tf.data.AUTOTUNE if augmentation.seed is None else None
@@ -275,8 +294,12 @@ def train_dataset(x, y, augmentation: Augmentation, *, batch_size: int,
 
 def eval_dataset(x, y, augmentation: Augmentation, *, batch_size: int = 1000
                  ) -> tf.data.Dataset:
-    """Evaluation input: centre crops in order, batched."""
-    ds = tf.data.Dataset.from_tensor_slices((x, np.asarray(y))).batch(
-        check_count("batch_size", batch_size, minimum=1))
+    """Evaluation input: centre crops in order, batched.  `x` is arrays, or a
+    random-access source (``y=None``) read batch by batch, each time the
+    dataset is iterated (memory O(batch))."""
+    ds, read = _records(x, y)
+    ds = ds.batch(check_count("batch_size", batch_size, minimum=1))
+    if read is not None:
+        ds = ds.map(read, num_parallel_calls=tf.data.AUTOTUNE)
     return ds.map(lambda xb, yb: (augmentation.eval_transform(xb), yb),
                   num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)

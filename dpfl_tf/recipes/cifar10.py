@@ -24,6 +24,14 @@ Public data (``PretrainConfig.public_data``):
   hidden dense layers are transferred; the softmax layer (100 outputs there)
   is freshly initialised for the 10 CIFAR-10 classes.
 
+Data: the images are read through random-access sources
+(`dpfl_tf.data.cifar.cifar10_sources`): DP-SGD reads the private images lot
+by lot (``DPModel.fit(source, ...)``), pretraining and the non-private
+baselines batch by batch, and evaluation sets are read again at every
+evaluation, so with the JPEG copy no step holds the dataset's images in
+memory (only labels and file names).  The canonical pickles and CIFAR-100
+are read whole (a pickle of 10,000 images cannot be read in part).
+
 Unit of privacy: one private training image (add/remove-one neighbours,
 Poisson-sampled lots, the moments accountant by default).  Pretrained weights
 carry the split they were trained on (`save_pretrained` stores it in the
@@ -46,12 +54,14 @@ import keras
 import numpy as np
 
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
-from dpfl_tf.data import Dataset, load_dataset
+from dpfl_tf.data import ArraySource, SourceDataset, load_dataset
+from dpfl_tf.data.cifar import cifar10_sources
+from dpfl_tf.data.sources import IndexedSource
 from dpfl_tf.keras import DPModel, DPSGD
 from dpfl_tf.models import cifar_convnet
 from dpfl_tf.privacy import (AccountantKind, calibrate_noise_multiplier, dp_sgd_event,
                              gaussian_step_event, max_steps)
-from dpfl_tf.recipes.augment import Augmentation, Normalization, train_dataset
+from dpfl_tf.recipes.augment import Augmentation, Normalization, eval_dataset, train_dataset
 from dpfl_tf.recipes.common import EpochHistory, accuracy, paper_learning_rate, privacy_summary
 
 __all__ = ["CifarConfig", "Init", "PAPER_TARGETS", "PretrainConfig", "PublicData",
@@ -320,30 +330,37 @@ def clip_bounds_for(trained_layers: TrainedLayers | str, l2_norm_clip: float,
 # ---------------------------------------------------------------------- data
 
 
-def _subset(x, y, limit: int | None, seed: int):
-    if limit is None or limit >= len(y):
-        return x, y
-    keep, _ = stratified_split(y, limit, seed)
-    return x[keep], y[keep]
+def _subset(source: IndexedSource, limit: int | None, seed: int) -> IndexedSource:
+    """A stratified subset of `limit` records of `source` (all of it if None)."""
+    if limit is None or limit >= len(source):
+        return source
+    keep, _ = stratified_split(source.labels, limit, seed)
+    return source.subset(keep)
 
 
-def _public_data(config: PretrainConfig) -> tuple[dict, Dataset]:
-    """Public training images + labels, an evaluation set, and the split record."""
+def _public_data(config: PretrainConfig) -> tuple[dict, SourceDataset]:
+    """Public training images (a source), the dataset (for its test set), and
+    the split record."""
     if config.public_data is PublicData.CIFAR100:
-        data = load_dataset("cifar100", data_dir=config.data_dir,
+        # canonical pickles only, read whole (public data: no privacy concern)
+        c100 = load_dataset("cifar100", data_dir=config.data_dir,
                             label_mode=config.cifar100_label_mode)
+        data = SourceDataset(ArraySource(c100.x_train, c100.y_train),
+                             ArraySource(c100.x_test, c100.y_test),
+                             num_classes=c100.num_classes, class_names=c100.class_names,
+                             name=c100.name, source=c100.source)
         record = {"public_data": PublicData.CIFAR100.value, "public_source": data.source.label,
                   "public_examples": int(len(data.y_train)),
                   "cifar100_label_mode": config.cifar100_label_mode,
                   "classes": int(data.num_classes)}
-        return {"x": data.x_train, "y": data.y_train, "record": record}, data
-    data = load_dataset("cifar10", data_dir=config.data_dir)
+        return {"source": data.train, "record": record}, data
+    data = cifar10_sources(config.data_dir)
     public, _ = public_private_split(data.y_train, config.public_size, config.split_seed)
     record = {"public_data": PublicData.CIFAR10_SPLIT.value, "public_source": data.source.label,
               "public_examples": int(len(public)), "public_size": int(config.public_size),
               "split_seed": int(config.split_seed), "train_examples": int(len(data.y_train)),
               "public_indices_sha256": _indices_digest(public), "classes": 10}
-    return {"x": data.x_train[public], "y": data.y_train[public], "record": record}, data
+    return {"source": data.train.subset(public), "record": record}, data
 
 
 def pretraining_description(record: dict | None) -> str:
@@ -368,14 +385,15 @@ def pretraining_description(record: dict | None) -> str:
 # ---------------------------------------------------------------------- training
 
 
-def _fit_nonprivate(net: keras.Model, x, y, augmentation: Augmentation, *, batch_size: int,
-                    epochs: int, learning_rate, momentum: float, weight_decay: float | None,
-                    callbacks: Sequence, seed: int | None) -> None:
-    """Ordinary minibatch SGD on the augmented `tf.data` pipeline."""
+def _fit_nonprivate(net: keras.Model, source: IndexedSource, augmentation: Augmentation, *,
+                    batch_size: int, epochs: int, learning_rate, momentum: float,
+                    weight_decay: float | None, callbacks: Sequence, seed: int | None) -> None:
+    """Ordinary minibatch SGD on the augmented `tf.data` pipeline, batches read
+    from `source`."""
     net.compile(optimizer=keras.optimizers.SGD(learning_rate, momentum=momentum,
                                                weight_decay=weight_decay or None),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    data = train_dataset(x, y, augmentation, batch_size=batch_size, shuffle_seed=seed)
+    data = train_dataset(source, None, augmentation, batch_size=batch_size, shuffle_seed=seed)
     net.fit(data, epochs=epochs, callbacks=list(callbacks), verbose=0, shuffle=False)
 
 
@@ -392,17 +410,18 @@ def pretrain_public(config: PretrainConfig | None = None, *, verbose: bool = Tru
     if config.seed is not None:
         keras.utils.set_random_seed(config.seed)
     public, data = _public_data(config)
-    x, y = _subset(public["x"], public["y"], config.limit_public, config.split_seed + 1)
-    x_test, y_test = _subset(data.x_test, data.y_test, config.limit_test, config.split_seed + 2)
+    train = _subset(public["source"], config.limit_public, config.split_seed + 1)
+    test = _subset(data.test, config.limit_test, config.split_seed + 2)
+    y, y_test = train.labels, test.labels
     augmentation = Augmentation(normalization=config.normalization, seed=config.seed)
     net = cifar_convnet(input_shape=augmentation.crop_size + (3,),
                         classes=public["record"]["classes"])
-    x_test_in = augmentation.eval_images(x_test)
+    x_test_in = eval_dataset(test, None, augmentation)  # read and cropped at each evaluation
     steps = config.epochs * int(np.ceil(len(y) / config.batch_size))
     lr = keras.optimizers.schedules.CosineDecay(config.learning_rate, steps)
     history = EpochHistory(x_test_in, y_test, every=config.eval_every,
                            total_epochs=config.epochs, private=False, verbose=verbose)
-    _fit_nonprivate(net, x, y, augmentation, batch_size=config.batch_size,
+    _fit_nonprivate(net, train, augmentation, batch_size=config.batch_size,
                     epochs=config.epochs, learning_rate=lr, momentum=config.momentum,
                     weight_decay=config.weight_decay, callbacks=[history], seed=config.seed)
     last = history.rows[-1]
@@ -469,7 +488,7 @@ def load_pretrained(path: str | os.PathLike) -> tuple[keras.Model, dict]:
     return net, info
 
 
-def _check_public_split(info: dict, pretrain: PretrainConfig, data: Dataset) -> None:
+def _check_public_split(info: dict, pretrain: PretrainConfig, data: SourceDataset) -> None:
     """Refuses weights pretrained on anything but the public complement of our private set."""
     want = pretrain.public_data.value
     if info.get("public_data") != want:
@@ -544,15 +563,17 @@ def train_cifar10(config: CifarConfig, *, pretrained: tuple[keras.Model, dict] |
     start = time.perf_counter()
     if config.seed is not None:
         keras.utils.set_random_seed(config.seed)
-    data = load_dataset("cifar10", data_dir=config.data_dir)
+    # the private images are read lot by lot from the source (memory O(lot), not O(N))
+    data = cifar10_sources(config.data_dir)
     pre = config.pretrain
     if pre.public_data is PublicData.CIFAR10_SPLIT:
         _, private_idx = public_private_split(data.y_train, pre.public_size, pre.split_seed)
     else:
         private_idx = np.arange(len(data.y_train))
-    x_priv, y_priv = _subset(data.x_train[private_idx], data.y_train[private_idx],
-                             config.limit_private, pre.split_seed + 3)
-    x_test, y_test = _subset(data.x_test, data.y_test, config.limit_test, pre.split_seed + 2)
+    private = _subset(data.train.subset(private_idx), config.limit_private,
+                      pre.split_seed + 3)
+    test = _subset(data.test, config.limit_test, pre.split_seed + 2)
+    y_priv, y_test = private.labels, test.labels
 
     info = None
     pretrained_net = None
@@ -572,10 +593,12 @@ def train_cifar10(config: CifarConfig, *, pretrained: tuple[keras.Model, dict] |
                                       input_shape=augmentation.crop_size + (3,))
     frozen_before = {layer.name: [w.copy() for w in layer.get_weights()]
                      for layer in net.layers if layer.weights and not layer.trainable}
-    x_test_in = augmentation.eval_images(x_test)
+    # evaluation sets are read (and centre-cropped) batch by batch at each evaluation
+    x_test_in = eval_dataset(test, None, augmentation)
     eval_idx, _ = stratified_split(y_priv, min(config.train_eval_size, len(y_priv)),
                                    pre.split_seed + 4)
-    x_train_in = augmentation.eval_images(x_priv[eval_idx]) if len(eval_idx) else None
+    x_train_in = (eval_dataset(private.subset(eval_idx), None, augmentation)
+                  if len(eval_idx) else None)
     y_train_eval = y_priv[eval_idx] if len(eval_idx) else None
 
     n = len(y_priv)
@@ -619,14 +642,14 @@ def train_cifar10(config: CifarConfig, *, pretrained: tuple[keras.Model, dict] |
         model.compile(optimizer=DPSGD(lr, momentum=config.momentum,
                                       l2_norm_clip=config.clip_bounds, noise_multiplier=sigma,
                                       seed=config.seed), loss=loss)
-        model.fit(x_priv, y_priv, lot_size=config.lot_size, batch_size=config.batch_size,
+        model.fit(private, lot_size=config.lot_size, batch_size=config.batch_size,
                   epochs=total_epochs, target_epsilon=config.target_epsilon,
                   target_delta=config.delta, preprocess=augmentation, callbacks=[history],
                   verbose=0, sampling_seed=config.seed)
         ledger = model.privacy_ledger
     else:
         model = net
-        _fit_nonprivate(net, x_priv, y_priv, augmentation, batch_size=config.lot_size,
+        _fit_nonprivate(net, private, augmentation, batch_size=config.lot_size,
                         epochs=total_epochs, learning_rate=lr, momentum=config.momentum,
                         weight_decay=None, callbacks=[history], seed=config.seed)
         ledger = None

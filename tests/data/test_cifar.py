@@ -7,10 +7,11 @@ import pickle
 import numpy as np
 import pytest
 
-from dpfl_tf.data import DatasetFormatError, DatasetNotFoundError, load_dataset
+from dpfl_tf.data import (ArraySource, DatasetFormatError, DatasetNotFoundError,
+                          ImageFolderSource, load_dataset)
 from dpfl_tf.data.cifar import (CIFAR10_CLASSES, CIFAR100_COARSE_CLASSES,
-                                CIFAR100_FINE_CLASSES, JPEG_COPY_LABEL, cifar10, cifar100,
-                                read_cifar_pickle)
+                                CIFAR100_FINE_CLASSES, JPEG_COPY_LABEL, cifar10,
+                                cifar10_sources, cifar100, read_cifar_pickle)
 from tests.data import (CIFAR10_JPEG_ARCHIVE, cifar_pickle, cifar_rows, isolate, make_tar,
                         real_cifar10_jpeg_slice, write_cifar10, write_cifar100)
 
@@ -171,10 +172,46 @@ def test_canonical_copy_is_preferred_over_the_jpeg_copy(monkeypatch, tmp_path, j
     np.testing.assert_array_equal(ds.x_train, x_train)
 
 
+@needs_jpeg_copy
+def test_cifar10_sources_read_the_records_of_cifar10(monkeypatch, tmp_path, jpeg_copy_slice):
+    """The JPEG copy as sources: the archive extracted into the cache, the same
+    records, labels and order as the in-memory loader."""
+    isolate(monkeypatch, tmp_path)
+    monkeypatch.setenv("DPFL_DATA_DIR", str(jpeg_copy_slice.parent))
+    ds = cifar10()
+    sources = cifar10_sources(num_workers=2)
+    assert isinstance(sources.train, ImageFolderSource)
+    assert sources.source == ds.source and sources.name == "cifar10_jpg"
+    assert sources.class_names == CIFAR10_CLASSES and sources.input_shape == (32, 32, 3)
+    assert os.listdir(tmp_path / "cache" / "extracted")
+    for split in ("train", "test"):
+        part = getattr(sources, split)
+        x, y = getattr(ds, f"x_{split}"), getattr(ds, f"y_{split}")
+        np.testing.assert_array_equal(part.labels, y)
+        got_x, got_y = part.__getitems__(np.arange(len(part)))
+        np.testing.assert_array_equal(got_x, x)
+        np.testing.assert_array_equal(got_y, y)
+
+
+@needs_jpeg_copy
+def test_cifar10_sources_of_the_canonical_copy_are_arrays(monkeypatch, tmp_path,
+                                                          jpeg_copy_slice):
+    places = isolate(monkeypatch, tmp_path)
+    monkeypatch.setenv("DPFL_DATA_DIR", str(jpeg_copy_slice.parent))
+    x_train, y_train, x_test, y_test = write_cifar10(places["system"], tarball=True)
+    sources = cifar10_sources()
+    assert isinstance(sources.train, ArraySource) and sources.source.label == "CIFAR-10"
+    np.testing.assert_array_equal(sources.train.__getitems__([3, 1])[0], x_train[[3, 1]])
+    np.testing.assert_array_equal(sources.y_test, y_test)
+    np.testing.assert_array_equal(sources.y_train, y_train)
+
+
 def test_neither_copy_error_names_both(monkeypatch, tmp_path):
     places = isolate(monkeypatch, tmp_path)
     with pytest.raises(DatasetNotFoundError) as info:
         cifar10(places["data_dir"])
+    with pytest.raises(DatasetNotFoundError, match="cifar10_jpg.tar.xz"):
+        cifar10_sources(places["data_dir"])
     msg = str(info.value)
     assert "cifar-10-python.tar.gz" in msg and "cifar10_jpg.tar.xz" in msg
     assert "CIFAR-10 (JPEG copy)" in msg and str(places["data_dir"]) in msg

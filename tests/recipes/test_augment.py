@@ -1,14 +1,16 @@
 """The CIFAR input pipeline: crops are real windows, flips really flip, the
 photometric draws have the paper's ranges, every draw is per example and per
-epoch, and the evaluation transform is the deterministic centre crop."""
+epoch, the evaluation transform is the deterministic centre crop, and the
+pipelines read a random-access source as they read arrays."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 from scipy import stats
 
+from dpfl_tf.data import ArraySource
 from dpfl_tf.keras import LotSampler
-from dpfl_tf.recipes.augment import (Augmentation, center_crop, normalize,
+from dpfl_tf.recipes.augment import (Augmentation, center_crop, eval_dataset, normalize,
                                      random_brightness_contrast, random_crop_and_flip,
                                      train_dataset)
 from dpfl_tf.sanitizer import make_generator
@@ -151,3 +153,32 @@ def test_per_epoch_draws_inside_the_dp_lot_pipeline_and_tf_data():
               for _ in range(2)]
     assert len(epochs[0]) == 40
     assert all(not np.array_equal(epochs[0][k], epochs[1][k]) for k in range(40))
+
+
+def test_pipelines_read_a_source_as_they_read_its_arrays():
+    """train_dataset / eval_dataset on a random-access source (y=None) give the
+    batches of the same records as arrays: same shuffle, same distortions."""
+    x = np.random.default_rng(5).integers(0, 256, (50, 32, 32, 3), dtype=np.uint8)
+    y = np.arange(50) % 10
+    source = ArraySource(x, y)
+
+    def batches(ds):
+        return [(xb.numpy(), yb.numpy()) for xb, yb in ds]
+
+    for epochs in range(2):  # per epoch: the seeded reshuffle and fresh draws agree
+        from_arrays = batches(train_dataset(x, y, Augmentation(seed=1), batch_size=16,
+                                            shuffle_seed=3).repeat(epochs + 1))
+        from_source = batches(train_dataset(source, None, Augmentation(seed=1), batch_size=16,
+                                            shuffle_seed=3).repeat(epochs + 1))
+        assert len(from_source) == len(from_arrays) == 4 * (epochs + 1)
+        for (xa, ya), (xs, ys) in zip(from_arrays, from_source):
+            np.testing.assert_array_equal(ya, ys)
+            np.testing.assert_array_equal(xa, xs)
+    aug = Augmentation(seed=0)
+    evaluated = batches(eval_dataset(source.subset(np.arange(3, 50)), None, aug, batch_size=20))
+    assert [len(b[1]) for b in evaluated] == [20, 20, 7]
+    np.testing.assert_array_equal(np.concatenate([b[0] for b in evaluated]),
+                                  aug.eval_images(x[3:]))
+    np.testing.assert_array_equal(np.concatenate([b[1] for b in evaluated]), y[3:])
+    with pytest.raises(TypeError, match="x must be arrays .* or a random-access source"):
+        eval_dataset(iter([x]), None, aug)
