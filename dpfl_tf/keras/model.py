@@ -224,12 +224,17 @@ class DPModel(keras.Model):
             accountant: str | None = None, verbose="auto", callbacks=None,
             validation_data=None, initial_epoch: int = 0, preprocess=None,
             sampling_seed: int | None = None, log_train_metrics: bool = True, **kwargs):
-        """DP-SGD training on in-memory data.
+        """DP-SGD training on arrays or a random-access source.
 
         Args:
-          x, y: arrays (or tensors / dicts of arrays for x) of N examples.
+          x, y: arrays (or tensors / dicts / tuples of arrays for x) of N
+            examples; `np.memmap` arrays are read lot by lot.  Or x is a
+            random-access source (``__len__`` and ``__getitem__(i) -> (x, y)``,
+            optionally ``__getitems__``) and y is None; see
+            `dpfl_tf.keras.sources`.
           lot_size: L, the expected lot size (privacy unit); q = L / N.
-          batch_size: physical batch size B (memory only; default min(L, 256)).
+          batch_size: physical batch size B (memory only; default: the whole lot
+            in one pass when memory allows, `default_batch_size`).
           epochs: epochs of N / L lots each.
           sampling: "poisson" (default), "fixed_size" or "shuffle".
           target_epsilon, target_delta: stop before the lot that would exceed
