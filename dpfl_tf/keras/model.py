@@ -438,8 +438,7 @@ class DPModel(keras.Model):
         # asserts): a lot at or beyond the limit is skipped -- its data is not read,
         # no noise is drawn, nothing is counted.
         allowed = counters.computed < counters.limit
-        replica = tf.distribute.get_replica_context()
-        if replica is not None and replica.num_replicas_in_sync > 1:
+        if tf.distribute.has_strategy():  # also with one replica: apply merges
             # Under a distribution strategy the optimizer's all-reduce is a
             # synchronisation point, which TensorFlow does not allow inside a branch
             # (and a branch around the lot breaks inside steps_per_execution's loop):
