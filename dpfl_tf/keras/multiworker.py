@@ -25,9 +25,9 @@ run one DP-SGD run, with the privacy analysis of one machine:
   (sum over the whole lot + one noise draw) / L.
 * **One ledger.**  The lot counters are mirrored variables, equal on every
   worker; the chief's ledger is the run's ledger and only the chief writes
-  files (`DPCheckpoint` saves on every worker, since saving may read
-  variables collectively, but a non-chief worker writes to a temporary
-  directory it then deletes).
+  files.  Saving reads variables collectively (a chief saving alone broke
+  the run's next collective), so `DPCheckpoint` and `save_model` save on
+  every worker, the others into a temporary directory they then delete.
 """
 
 from __future__ import annotations
