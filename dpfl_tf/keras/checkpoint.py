@@ -63,7 +63,14 @@ class DPCheckpoint(keras.callbacks.Callback):
         if not isinstance(self.model, DPModel):
             raise TypeError(f"DPCheckpoint checkpoints a DPModel (its lot counter and ledger), "
                             f"got {type(self.model).__name__}")
-        os.makedirs(self.directory, exist_ok=True)
+        if self._chief():
+            os.makedirs(self.directory, exist_ok=True)
+
+    def _chief(self) -> bool:
+        """Under a MultiWorkerMirroredStrategy only the chief writes the checkpoint."""
+        from dpfl_tf.keras.multiworker import is_chief
+
+        return is_chief(self.model.distribute_strategy)
 
     def on_epoch_end(self, epoch, logs=None):
         done = epoch + 1
@@ -72,20 +79,35 @@ class DPCheckpoint(keras.callbacks.Callback):
             self.save(done)
 
     def save(self, epoch: int) -> dict:
-        """Writes the checkpoint for `epoch` finished epochs; returns the state."""
+        """Writes the checkpoint for `epoch` finished epochs; returns the state.
+
+        Under a MultiWorkerMirroredStrategy every worker must call it (saving
+        may read variables collectively), but only the chief writes to
+        `directory`: another worker saves into a temporary directory and
+        deletes it.  It returns on every worker once the chief's files are
+        written."""
+        from dpfl_tf.keras.multiworker import barrier, save_model
+
         name = f"model-{epoch:06d}.keras"
+        if not self._chief():
+            save_model(self.model, name, overwrite=True)  # a scratch copy, deleted
+            return self._state(epoch, name)
         path = os.path.join(self.directory, name)
         with atomic_path(path, suffix=".keras") as tmp:  # Keras wants a .keras name
             self.model.save(tmp, overwrite=True)
-        ledger = self.model.privacy_ledger
-        state = {"format": CHECKPOINT_FORMAT, "epoch": int(epoch),
-                 "model": name, "lots_applied": self.model.lots_applied,
-                 "ledger_count": ledger.count(), "ledger": ledger.entries}
+        state = self._state(epoch, name)
         atomic_write_json(os.path.join(self.directory, STATE_FILE), state)
         for old in glob.glob(os.path.join(self.directory, "model-*.keras")):
             if os.path.basename(old) != name:
                 os.unlink(old)
+        barrier(self.model.distribute_strategy)
         return state
+
+    def _state(self, epoch: int, name: str) -> dict:
+        ledger = self.model.privacy_ledger
+        return {"format": CHECKPOINT_FORMAT, "epoch": int(epoch),
+                "model": name, "lots_applied": self.model.lots_applied,
+                "ledger_count": ledger.count(), "ledger": ledger.entries}
 
     # -- reading back ------------------------------------------------------------
     @staticmethod
@@ -103,7 +125,11 @@ class DPCheckpoint(keras.callbacks.Callback):
     def restore(directory: str | os.PathLike):
         """(model, initial_epoch) from the last checkpoint; pass `initial_epoch` to
         `fit` to run the remaining epochs.  The model keeps its ledger, lot
-        counter and optimizer state.  Raises FileNotFoundError if there is none."""
+        counter and optimizer state.  Raises FileNotFoundError if there is none.
+
+        Under a distribution strategy call it inside ``strategy.scope()``; under
+        a MultiWorkerMirroredStrategy on every worker, each reading the chief's
+        checkpoint (a shared directory, or a copy of it)."""
         from dpfl_tf.keras.model import DPModel
 
         state = DPCheckpoint.latest(directory)

@@ -43,6 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from dpfl_tf._validation import check_count, check_number
+from dpfl_tf.keras.multiworker import is_multi_worker, lot_shares
 from dpfl_tf.keras.optimizers import DPOptimizer
 from dpfl_tf.keras.per_example import (PerExampleGradients, _leaf_layers,
                                        default_loss_scale, refuse_batch_mixing_layers)
@@ -303,8 +304,13 @@ class DPModel(keras.Model):
                 f"jit_compile must be False under a distribution strategy with {replicas} "
                 "replicas: XLA cannot read the replicas' privacy counters across devices "
                 "(this mode is not supported, so it is refused)")
-        pad_to = (XLA_PAD if self.jit_compile else 1) * replicas
-        data = sampler.dataset(reader, pad_to=pad_to, preprocess=preprocess)  # endless
+        if is_multi_worker(self.distribute_strategy):
+            # every worker the chief's lots, each replica its own share (multiworker.py)
+            data = lot_shares(self.distribute_strategy, sampler, reader,
+                              preprocess=preprocess)  # endless
+        else:
+            pad_to = (XLA_PAD if self.jit_compile else 1) * replicas
+            data = sampler.dataset(reader, pad_to=pad_to, preprocess=preprocess)  # endless
         callbacks = [privacy_cb] + [c for c in callbacks if c is not privacy_cb]
         self.stop_reason = None
         dropped_before = self.dropped_examples
@@ -436,8 +442,7 @@ class DPModel(keras.Model):
         # asserts): a lot at or beyond the limit is skipped -- its data is not read,
         # no noise is drawn, nothing is counted.
         allowed = counters.computed < counters.limit
-        replica = tf.distribute.get_replica_context()
-        if replica is not None and replica.num_replicas_in_sync > 1:
+        if tf.distribute.has_strategy():  # also with one replica: apply merges
             # Under a distribution strategy the optimizer's all-reduce is a
             # synchronisation point, which TensorFlow does not allow inside a branch
             # (and a branch around the lot breaks inside steps_per_execution's loop):
@@ -461,9 +466,39 @@ class DPModel(keras.Model):
             counters.computed.assign_add(step)
             self._lots_applied.assign_add(step)
         if not self._log_metrics:  # only the (public) count of lots released
-            return {"lots": tf.identity(counters.computed)}
+            return self._step_outputs({"lots": tf.identity(counters.computed)})
         self._loss_tracker.update_state(loss_sum / tf.maximum(count, 1.0), sample_weight=count)
-        return self.get_metrics_result()
+        return self._step_outputs(self.get_metrics_result())
+
+    def test_step(self, data):
+        return self._step_outputs(super().test_step(data))
+
+    def _step_outputs(self, logs):
+        """A step's logs as Keras reduces them across replicas.  Under a
+        MultiWorkerMirroredStrategy Keras 3 averages each log over the cluster
+        with ``reduce(MEAN, axis=0)``, which a scalar does not have (every
+        ``fit`` fails, keras-team/keras#20585): there each log is a vector of
+        one value, and the average of these is the scalar (metric values are
+        all-reduced, so equal on every replica)."""
+        if not is_multi_worker(self.distribute_strategy):
+            return logs
+        return tf.nest.map_structure(lambda t: tf.reshape(t, [1]) if t.shape.rank == 0
+                                     else t, logs)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        """Keras 3 builds metrics from one input batch, which under a
+        MultiWorkerMirroredStrategy it first reduces across the cluster as a
+        whole (x, y, mask) structure -- which that strategy cannot
+        (keras-team/keras#20585).  Only the batch's shapes are used: take this
+        worker's first replica's share instead (no collective)."""
+        strategy = self.distribute_strategy
+        if iterator is not None and data_batch is None and is_multi_worker(strategy):
+            for _, _, it in iterator:
+                data_batch = tf.nest.map_structure(
+                    lambda v: strategy.experimental_local_results(v)[0], next(it))
+                break
+            iterator = None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def train_on_batch(self, *args, **kwargs):
         raise NotImplementedError(

@@ -207,3 +207,61 @@ class LotSampler:
 
         return self.index_dataset(total).map(
             load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(2)
+
+    def replica_shares(self, x, y=None, *, epochs: int | None = None, replicas: int,
+                       first_replica: int = 0,
+                       local_replicas: int = 1,
+                       preprocess: Callable | None = None) -> tf.data.Dataset:
+        """One worker's shares of every lot, for multi-worker training
+        (`tf.distribute.Strategy.distribute_datasets_from_function`).
+
+        Every worker draws the same lots (the sampler key must be the same on
+        all of them).  Lot t of n examples is split, in the order of its sorted
+        indices, into `replicas` = R equal shares of S = max(1, ceil(n / R))
+        positions: replica r takes positions [r S, (r + 1) S), padded with
+        masked examples -- the split `dataset(pad_to=R)` leaves to a
+        single-machine strategy.  The R shares are disjoint and together
+        exactly the lot; no example is dropped or read twice.
+
+        The dataset yields, lot after lot, the shares of replicas
+        `first_replica`, ..., `first_replica + local_replicas - 1` (one
+        (x, y, mask) element each, in that order: the strategy hands a worker's
+        elements to its local replicas in turn), and reads only their records."""
+        replicas = check_count("replicas", replicas, minimum=1)
+        local_replicas = check_count("local_replicas", local_replicas, minimum=1)
+        first_replica = check_count("first_replica", first_replica, minimum=0)
+        if first_replica + local_replicas > replicas:
+            raise ValueError(f"replicas {first_replica}..{first_replica + local_replicas - 1} "
+                             f"do not exist among {replicas}")
+        total = None if epochs is None else \
+            check_count("epochs", epochs, minimum=1) * self.lots_per_epoch
+        reader = x if isinstance(x, (ArrayReader, IndexedReader)) else make_reader(x, y)
+        if reader.size != self.dataset_size:
+            raise ValueError(f"the data has {reader.size} examples but the sampler was "
+                             f"made for {self.dataset_size}")
+
+        def with_replica(idx):  # (lot, replica) for each local replica, in order
+            mine = tf.range(first_replica, first_replica + local_replicas, dtype=tf.int64)
+            return tf.data.Dataset.zip((tf.data.Dataset.from_tensors(idx).repeat(local_replicas),
+                                        tf.data.Dataset.from_tensor_slices(mine)))
+
+        def load(idx, replica):
+            n = tf.shape(idx, out_type=tf.int64)[0]
+            share = tf.maximum(tf.constant(1, tf.int64), (n + replicas - 1) // replicas)
+            start = tf.minimum(replica * share, n)
+            part = idx[start:tf.minimum(start + share, n)]
+            xb, yb = reader.read(part)
+            if preprocess is not None:
+                xb = preprocess(xb)
+            real = tf.shape(part, out_type=tf.int64)[0]
+
+            def pad(t):
+                t = tf.convert_to_tensor(t)
+                return tf.pad(t, [[0, share - real]] + [[0, 0]] * (t.shape.rank - 1))
+
+            return (tf.nest.map_structure(pad, xb), pad(yb),
+                    tf.sequence_mask(real, share, dtype=tf.float32))
+
+        return self.index_dataset(total).flat_map(with_replica).map(
+            load, num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=True).prefetch(2 * local_replicas)

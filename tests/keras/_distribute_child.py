@@ -78,7 +78,24 @@ def secure_refusal():
     return {"secure_refusal": None, "secure_lots": dp.lots_computed}
 
 
-json.dump({**tiny_lots(), **secure_refusal(),
+def one_replica():
+    """A strategy of one replica (a Mirrored script on a one-GPU machine): the
+    optimizer's merge cannot sit inside the budget's branch, so the lot is
+    gated as on several replicas; the budget stops after the same lot as
+    without a strategy."""
+    out = {}
+    for name, strategy in [("plain", plain), ("one", tf.distribute.MirroredStrategy(["/cpu:0"]))]:
+        with strategy.scope():
+            dp = DPModel(keras.Sequential([keras.Input((60,)), keras.layers.Dense(10)]))
+            dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=3.0),
+                       loss=loss())
+        dp.fit(x[:300], y[:300], lot_size=30, epochs=5, target_epsilon=1.0, verbose=0)
+        out[f"{name}_replica_lots"] = [dp.lots_computed, dp.lots_applied,
+                                       dp.privacy_ledger.count(), dp.stop_reason]
+    return out
+
+
+json.dump({**tiny_lots(), **secure_refusal(), **one_replica(),
     "replicas": mirrored.num_replicas_in_sync,
     "mirrored_max_diff": float(np.max(np.abs(clean - clean_m))),
     "xla_max_diff": float(np.max(np.abs(clean - clean_x))),

@@ -54,3 +54,9 @@ def test_secure_mode_is_refused_under_mirrored_strategy(child):
     assert "secure_mode=True is not supported under a distribution strategy" in \
         child["secure_refusal"]
     assert child["secure_lots"] == 0
+
+
+def test_a_strategy_of_one_replica_trains_and_stops_like_no_strategy(child):
+    lots, applied, ledger, stop = child["one_replica_lots"]
+    assert lots == applied == ledger == child["plain_replica_lots"][0]
+    assert 0 < lots < 50 and stop == "budget_spent"
