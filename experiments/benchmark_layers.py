@@ -378,7 +378,8 @@ def main(argv=None) -> list[dict]:
                    help="epochs per repeat (the first is warm-up) for Opacus's DP modes, "
                         "whose epochs take up to an hour at full size")
     p.add_argument("--timeout", type=float, default=6 * 3600,
-                   help="seconds per configuration (Opacus's LSTM takes about 2 h)")
+                   help="seconds per configuration (the slowest, our LSTM, takes about "
+                        "1.5 h on an idle machine)")
     p.add_argument("--output", help="default results/benchmark_layers.json "
                                     "(results/benchmark_layers_quick.json with --quick)")
     p.add_argument("--figure", help="default: the output's name with .png")
