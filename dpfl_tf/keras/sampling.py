@@ -184,29 +184,25 @@ class LotSampler:
         lot's x (its real examples) inside tf.data, e.g. augmentation; it must
         act on each example independently."""
         pad_to = check_count("pad_to", pad_to, minimum=1)
+        reader, total = self._reader_and_total(x, y, epochs)
+
+        def load(idx):
+            n = tf.shape(idx, out_type=tf.int64)[0]
+            padded = tf.maximum(tf.constant(pad_to, tf.int64), (n + pad_to - 1) // pad_to * pad_to)
+            return _read_padded(reader, idx, padded, preprocess)
+
+        return self.index_dataset(total).map(
+            load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(2)
+
+    def _reader_and_total(self, x, y, epochs):
+        """The reader of the data, and the number of lots (None: endless)."""
         total = None if epochs is None else \
             check_count("epochs", epochs, minimum=1) * self.lots_per_epoch
         reader = x if isinstance(x, (ArrayReader, IndexedReader)) else make_reader(x, y)
         if reader.size != self.dataset_size:
             raise ValueError(f"the data has {reader.size} examples but the sampler was "
                              f"made for {self.dataset_size}")
-
-        def load(idx):
-            xb, yb = reader.read(idx)
-            if preprocess is not None:
-                xb = preprocess(xb)
-            n = tf.shape(idx)[0]
-            padded = tf.maximum(pad_to, (n + pad_to - 1) // pad_to * pad_to)
-
-            def pad(t):
-                t = tf.convert_to_tensor(t)
-                return tf.pad(t, [[0, padded - n]] + [[0, 0]] * (t.shape.rank - 1))
-
-            return (tf.nest.map_structure(pad, xb), pad(yb),
-                    tf.sequence_mask(n, padded, dtype=tf.float32))
-
-        return self.index_dataset(total).map(
-            load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(2)
+        return reader, total
 
     def replica_shares(self, x, y=None, *, epochs: int | None = None, replicas: int,
                        first_replica: int = 0,
@@ -233,12 +229,7 @@ class LotSampler:
         if first_replica + local_replicas > replicas:
             raise ValueError(f"replicas {first_replica}..{first_replica + local_replicas - 1} "
                              f"do not exist among {replicas}")
-        total = None if epochs is None else \
-            check_count("epochs", epochs, minimum=1) * self.lots_per_epoch
-        reader = x if isinstance(x, (ArrayReader, IndexedReader)) else make_reader(x, y)
-        if reader.size != self.dataset_size:
-            raise ValueError(f"the data has {reader.size} examples but the sampler was "
-                             f"made for {self.dataset_size}")
+        reader, total = self._reader_and_total(x, y, epochs)
 
         def with_replica(idx):  # (lot, replica) for each local replica, in order
             mine = tf.range(first_replica, first_replica + local_replicas, dtype=tf.int64)
@@ -249,19 +240,25 @@ class LotSampler:
             n = tf.shape(idx, out_type=tf.int64)[0]
             share = tf.maximum(tf.constant(1, tf.int64), (n + replicas - 1) // replicas)
             start = tf.minimum(replica * share, n)
-            part = idx[start:tf.minimum(start + share, n)]
-            xb, yb = reader.read(part)
-            if preprocess is not None:
-                xb = preprocess(xb)
-            real = tf.shape(part, out_type=tf.int64)[0]
-
-            def pad(t):
-                t = tf.convert_to_tensor(t)
-                return tf.pad(t, [[0, share - real]] + [[0, 0]] * (t.shape.rank - 1))
-
-            return (tf.nest.map_structure(pad, xb), pad(yb),
-                    tf.sequence_mask(real, share, dtype=tf.float32))
+            return _read_padded(reader, idx[start:tf.minimum(start + share, n)], share,
+                                preprocess)
 
         return self.index_dataset(total).flat_map(with_replica).map(
             load, num_parallel_calls=tf.data.AUTOTUNE,
             deterministic=True).prefetch(2 * local_replicas)
+
+
+def _read_padded(reader, idx, size, preprocess):
+    """(x, y, mask) of the records `idx`, `preprocess`ed, padded with zero
+    (masked) examples to `size`."""
+    xb, yb = reader.read(idx)
+    if preprocess is not None:
+        xb = preprocess(xb)
+    real = tf.shape(idx, out_type=tf.int64)[0]
+
+    def pad(t):
+        t = tf.convert_to_tensor(t)
+        return tf.pad(t, [[0, size - real]] + [[0, 0]] * (t.shape.rank - 1))
+
+    return (tf.nest.map_structure(pad, xb), pad(yb),
+            tf.sequence_mask(real, size, dtype=tf.float32))
