@@ -86,6 +86,19 @@ def make_generator(seed: int | None = None, *, secure_mode: bool = False) -> tf.
                                                 alg="philox")
 
 
+def noise_seed(noise_key, step, j: int) -> tf.Tensor:
+    """The stateless seed of tensor j's noise in lot `step`: [k0 XOR step, k1 XOR j].
+
+    Both words of the 2 x 63-bit key enter every seed (TensorFlow hashes the
+    whole 128-bit seed into Philox's key and counter), and distinct (step, j)
+    give distinct seeds.  (`stateless_fold_in` would not do: it returns a seed
+    of the dtype of its data, so folding in a Python int leaves a seed with 32
+    random bits -- a noise stream an observer could search exhaustively.)"""
+    key = tf.constant(list(noise_key), tf.int64)
+    mix = tf.stack([tf.cast(step, tf.int64), tf.constant(j, tf.int64)])
+    return tf.bitwise.bitwise_xor(key, mix)
+
+
 class GaussianSanitizer:
     """Clip (flat or per-layer) + sum + Gaussian noise, with its `DpEvent`.
 
@@ -266,24 +279,18 @@ class GaussianSanitizer:
 
         Without `step`, the noise comes from the stateful `generator`.  With
         `step` (an integer tensor, e.g. DP-SGD's monotonic lot counter) it is
-        drawn statelessly from (noise_key, step): lot t always gets the stream
-        position t, so a seeded run continues its stream across `fit` calls and
-        resumes, and never reuses a position.  Secure mode draws each value as
+        drawn statelessly from (noise_key, step) (`noise_seed`): lot t always
+        gets the stream position t, so a seeded run continues its stream across
+        `fit` calls and resumes, and never reuses a position.  Secure mode draws each value as
         in `dpfl_tf.secure_random` and rounds once."""
         groups = list(range(len(summed))) if groups is None else list(groups)
         stds = self.noise_stddevs(max(groups) + 1 if groups else 0)
         if self.noise_multiplier == 0:
             return list(summed)
-        if step is None:
-            gen, lot_seed = self.generator, None
-        else:
-            gen = None
-            key = tf.constant(list(self.noise_key), tf.int64)  # 2 x 63 secret bits
-            lot_seed = tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64))
+        gen = self.generator if step is None else None
         out = []
         for j, (s, g) in enumerate(zip(summed, groups)):
-            seed = (None if lot_seed is None
-                    else tf.random.experimental.stateless_fold_in(lot_seed, j))
+            seed = None if step is None else noise_seed(self.noise_key, step, j)
             if self.secure_mode:
                 out.append(secure_random.secure_add_noise(s, gen, stds[g], seed=seed))
             elif gen is not None:

@@ -238,3 +238,29 @@ def test_secure_uniform_is_uniform_and_fresh():
     assert not np.array_equal(secure_uniform(16), secure_uniform(16))
     with pytest.raises(ValueError, match="n must be >= 0"):
         secure_uniform(-1)
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_every_noise_draw_is_seeded_by_the_whole_key(secure, monkeypatch):
+    """Each tensor's noise in each lot is drawn from a 2 x 64-bit seed into which
+    both 63-bit words of the key enter (a seed of 32 random bits -- what folding
+    a Python int into the key gave -- could be searched exhaustively by an
+    observer of the released update, and the noise subtracted)."""
+    seeds = []
+    real = tf.random.stateless_normal
+
+    def spy(shape, seed, **kwargs):
+        seeds.append(seed)
+        return real(shape, seed=seed, **kwargs)
+
+    monkeypatch.setattr(tf.random, "stateless_normal", spy)
+    s = GaussianSanitizer(1.0, 1.0, secure_mode=secure)
+    k0, k1 = s.noise_key
+    assert k0 >= 2 ** 40 or k1 >= 2 ** 40  # 63 random bits each (fails with p ~ 2^-45)
+    for step in (0, 5):
+        s.add_noise([tf.zeros((3,)), tf.zeros((2, 2))], step=tf.constant(step, tf.int64))
+    assert len(seeds) == 4
+    assert all(seed.dtype == tf.int64 for seed in seeds)
+    got = [tuple(int(v) for v in seed.numpy()) for seed in seeds]
+    assert got == [(k0 ^ t, k1 ^ j) for t in (0, 5) for j in (0, 1)]
+    assert len(set(got)) == 4
