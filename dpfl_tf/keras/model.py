@@ -267,7 +267,8 @@ class DPModel(keras.Model):
         _check_input_shape(self.model, reader, check_shape=preprocess is None)
         optimizer: DPOptimizer = self.optimizer
         sampler = LotSampler(reader.size, lot_size, sampling, seed=sampling_seed,
-                             secure_mode=optimizer.secure_mode)
+                             secure_mode=optimizer.secure_mode,
+                             first_lot=max(self.lots_computed, self.lots_applied))
         if batch_size is not None:
             batch_size = check_count("batch_size", batch_size, minimum=1)
         check_count("epochs", epochs, minimum=1)

@@ -95,9 +95,15 @@ def save_model(model, filepath, **kwargs) -> None:
 def agree_on_sampler_key(strategy, sampler: LotSampler) -> None:
     """Sets `sampler.key` to the chief's key on every worker (a collective: every
     worker must call it).  Refuses, on every worker alike, seeds that differ
-    between workers (a seeded and an unseeded worker included)."""
+    between workers (a seeded and an unseeded worker included), and workers
+    whose data size, lot size, sampling or first lot differ."""
+    from dpfl_tf.privacy.events import SamplingMethod
+
+    methods = list(SamplingMethod)
     own = [1 if sampler.seed is not None else 0,
-           int(sampler.seed) if sampler.seed is not None else 0, int(sampler.key)]
+           int(sampler.seed) if sampler.seed is not None else 0, int(sampler.key),
+           sampler.dataset_size, sampler.lot_size, methods.index(sampler.sampling),
+           sampler.first_lot]
 
     @tf.function
     def gather():
@@ -105,13 +111,22 @@ def agree_on_sampler_key(strategy, sampler: LotSampler) -> None:
         return tf.distribute.get_replica_context().all_gather(mine, axis=0)
 
     rows = strategy.experimental_local_results(strategy.run(gather))[0].numpy()
-    seeds = sorted({(int(seeded), int(seed)) for seeded, seed, _ in rows})
+    seeds = sorted({(int(seeded), int(seed)) for seeded, seed, *_ in rows})
     if len(seeds) > 1:
         said = ", ".join(str(seed) if seeded else "None" for seeded, seed in seeds)
         raise ValueError(
             f"sampling_seed must be the same on every worker of a MultiWorkerMirroredStrategy, "
             f"got {said}: all workers must draw the same lots (pass the same seed to each, "
             "or none to use the chief's random key); nothing was trained")
+    settings = {tuple(int(v) for v in row[3:]) for row in rows}
+    if len(settings) > 1:
+        said = "; ".join(f"{n} records, lot {lot}, {methods[m].value}, first lot {f}"
+                         for n, lot, m, f in sorted(settings))
+        raise ValueError(
+            "the workers of a MultiWorkerMirroredStrategy disagree on the data or the "
+            f"sampling ({said}): every worker must hold the same records in the same order "
+            "(an index must be the same example on each) and sample alike; nothing was "
+            "trained")
     # row 0 is replica 0: the chief's first replica
     sampler.key = int(rows[0][2])
 

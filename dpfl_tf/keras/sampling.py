@@ -46,11 +46,13 @@ class LotSampler:
       sampling: a `SamplingMethod` (or its name).
       seed: seeds the sampler (tests only); default OS entropy.
       secure_mode: draw every sampling decision from ``os.urandom`` (refuses a seed).
+      first_lot: the number of the first lot drawn (keyed draws; shuffle: of
+        the first permutation).
     """
 
     def __init__(self, dataset_size: int, lot_size: int,
                  sampling: SamplingMethod | str = SamplingMethod.POISSON,
-                 seed: int | None = None, secure_mode: bool = False):
+                 seed: int | None = None, secure_mode: bool = False, first_lot: int = 0):
         self.dataset_size = check_count("dataset_size", dataset_size, minimum=1)
         self.lot_size = check_count("lot_size", lot_size, minimum=1)
         if self.lot_size > self.dataset_size:
@@ -62,6 +64,9 @@ class LotSampler:
         self.secure_mode = bool(secure_mode)
         refuse_seed(self.secure_mode, seed, "sampling_seed")
         self.seed = seed
+        # lot numbers start here (a model's lots computed so far): a seeded fit
+        # that continues a model draws new lots, not its first lots again
+        self.first_lot = check_count("first_lot", first_lot, minimum=0)
         # the key of the in-graph stateless draws (63 bits of OS entropy by default)
         self.key = int(seed) if seed is not None else \
             int.from_bytes(os.urandom(8), "little") >> 1
@@ -86,32 +91,35 @@ class LotSampler:
     # -- the lots --------------------------------------------------------------
     def _uniforms(self, stream, t, dtype=tf.float64) -> tf.Tensor:
         """N uniforms, stateless in (key, stream, t): floats on [0, 1), or
-        integers on [0, 2^31) for int32 (a uniform 31-bit draw per record)."""
+        for int32 the full range of 32-bit integers (2^32 equally likely values)."""
         seed = tf.random.experimental.stateless_fold_in(
             tf.constant([self.key, stream], tf.int64), tf.cast(t, tf.int64))
         if dtype == tf.int32:
             return tf.random.stateless_uniform([self.dataset_size], seed=seed, dtype=tf.int32,
-                                               minval=0, maxval=2 ** 31 - 1, alg="philox")
+                                               minval=None, maxval=None, alg="philox")
         return tf.random.stateless_uniform([self.dataset_size], seed=seed, dtype=dtype,
                                            alg="philox")
 
     @property
     def inclusion_threshold(self) -> int | None:
-        """Poisson in the graph: record i joins lot t when its 31-bit draw
-        u < T = floor(q (2^31 - 1)), a true rate T / (2^31 - 1) <= q, below q by
-        less than 5e-10 (the accountant analyses q: conservative, as a smaller
-        rate is more private).  None when q is so small that this rounding
-        would exceed 1e-4 of q: float64 draws are compared with q then."""
-        threshold = math.floor(self.sampling_rate * (2 ** 31 - 1))
-        return threshold if threshold >= 10_000 else None
+        """Poisson in the graph: record i joins lot t when its 32-bit draw, read
+        as an integer u in [0, 2^32), is below T = floor(q 2^32): a true rate
+        T / 2^32 <= q, below q by less than 2.4e-10 (the accountant analyses q:
+        conservative, as a smaller rate is more private).  None when q is so
+        small that this rounding would exceed 1e-4 of q, or q = 1: float64
+        draws are compared with q then."""
+        threshold = math.floor(self.sampling_rate * 2 ** 32)
+        return threshold if 10_000 <= threshold < 2 ** 32 else None
 
     def _lot_in_graph(self, t) -> tf.Tensor:
         """Indices (sorted, int64) of lot t, Poisson or fixed-size, in the graph."""
+        t = tf.cast(t, tf.int64) + self.first_lot
         if self.sampling is SamplingMethod.POISSON:
             threshold = self.inclusion_threshold
             if threshold is None:
                 return tf.where(self._uniforms(0, t) < self.sampling_rate)[:, 0]
-            return tf.where(self._uniforms(0, t, tf.int32) < threshold)[:, 0]
+            u = tf.cast(self._uniforms(0, t, tf.int32), tf.int64) + 2 ** 31  # [0, 2^32)
+            return tf.where(u < threshold)[:, 0]
         u = self._uniforms(0, t)
         # fixed size: the L largest of N uniforms are a uniform L-subset
         top = tf.math.top_k(u, self.lot_size, sorted=False).indices
@@ -163,7 +171,7 @@ class LotSampler:
                 return tf.data.Dataset.from_tensor_slices(
                     tf.sort(tf.reshape(perm, [per, lot]), axis=1))
 
-            return tf.data.Dataset.counter().flat_map(epoch_lots)
+            return tf.data.Dataset.counter(start=self.first_lot).flat_map(epoch_lots)
         return tf.data.Dataset.counter().map(self._lot_in_graph,
                                              num_parallel_calls=tf.data.AUTOTUNE)
 

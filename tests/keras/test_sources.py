@@ -244,3 +244,35 @@ def test_sources_without_random_access_and_empty_sources_are_refused():
         dp.fit(type("Bare", (), {"__len__": lambda s: 3, "__getitem__": lambda s, i: x[i]})(),
                lot_size=1)
     assert dp.lots_computed == 0
+
+
+def test_a_seeded_fit_that_continues_a_model_draws_new_lots():
+    """Lot numbers continue from the model's lots computed: a second seeded fit
+    (or a resume) does not replay the first fit's lots, which the accountant
+    would count as fresh ones."""
+    x, y = mnist_slice(200, features=60)
+    dp = dp_model()
+    first = list(LotSampler(200, 20, seed=3).lots(10))
+    dp.fit(x, y, lot_size=20, epochs=1, verbose=0, sampling_seed=3)
+    assert dp.sampler.first_lot == 0
+    dp.fit(x, y, lot_size=20, epochs=1, verbose=0, sampling_seed=3)
+    assert dp.sampler.first_lot == 10
+    second = list(dp.sampler.lots(10))
+    assert all(not np.array_equal(a, b) for a, b in zip(first, second))
+    np.testing.assert_array_equal(second[0], list(LotSampler(200, 20, seed=3, first_lot=10)
+                                                  .lots(1))[0])
+
+
+def test_poisson_threshold_rate_is_at_most_q_and_lots_have_rate_q():
+    """Record i joins when its full-range 32-bit draw is below T = floor(q 2^32)
+    (rate T / 2^32 <= q); the lots drawn have the rate q (4-sigma bounds, so a
+    wrong threshold -- e.g. q 2^31 -- fails)."""
+    sampler = LotSampler(100_000, 1_000, seed=1)
+    assert sampler.inclusion_threshold == int(0.01 * 2 ** 32)
+    assert 0 < 0.01 - sampler.inclusion_threshold / 2 ** 32 < 2.4e-10
+    sizes = np.array([len(i) for i in sampler.lots(60)])
+    # lot size ~ Binomial(100000, 0.01): sd 31.5, so the mean of 60 has sd 4.1
+    assert abs(sizes.mean() - 1000) < 16.3, sizes.mean()
+    big = LotSampler(100_000, 30_000, seed=2)
+    frac = np.mean([len(i) for i in big.lots(20)]) / 100_000
+    assert abs(frac - 0.3) < 0.0013, frac  # sd of the mean fraction: 3.2e-4
