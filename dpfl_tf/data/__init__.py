@@ -68,6 +68,21 @@ class DataSource:
         return f"{self.label} ({self.format}: {self.path})"
 
 
+def check_classes(num_classes: int, class_names) -> None:
+    """num_classes >= 1 and one class name per class."""
+    check_count("num_classes", num_classes, minimum=1)
+    if len(class_names) != num_classes:
+        raise ValueError(f"class_names must have num_classes={num_classes} entries, "
+                         f"got {len(class_names)}")
+
+
+def check_labels(name: str, y: np.ndarray, num_classes: int) -> None:
+    """Labels are class indices in [0, num_classes)."""
+    if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+        raise ValueError(f"{name} must lie in [0, {num_classes}), got "
+                         f"[{int(y.min())}, {int(y.max())}]")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Dataset:
     """A train/test split of one labelled dataset.
@@ -87,19 +102,14 @@ class Dataset:
     source: DataSource
 
     def __post_init__(self):
-        check_count("num_classes", self.num_classes, minimum=1)
-        if len(self.class_names) != self.num_classes:
-            raise ValueError(f"class_names must have num_classes={self.num_classes} entries, "
-                             f"got {len(self.class_names)}")
+        check_classes(self.num_classes, self.class_names)
         for split in ("train", "test"):
             x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
             if len(x) != len(y):
                 raise ValueError(f"x_{split} has {len(x)} examples but y_{split} has {len(y)}")
             if y.ndim != 1:
                 raise ValueError(f"y_{split} must be 1-D class indices, got shape {y.shape}")
-            if len(y) and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
-                raise ValueError(f"y_{split} must lie in [0, {self.num_classes}), got "
-                                 f"[{int(y.min())}, {int(y.max())}]")
+            check_labels(f"y_{split}", y, self.num_classes)
 
     @property
     def input_shape(self) -> tuple[int, ...]:

@@ -35,7 +35,7 @@ import operator
 import numpy as np
 
 from dpfl_tf._validation import check_count
-from dpfl_tf.data import DataSource
+from dpfl_tf.data import DataSource, check_classes, check_labels
 
 __all__ = ["ArraySource", "IndexedSource", "SourceDataset"]
 
@@ -198,15 +198,9 @@ class SourceDataset:
     source: DataSource
 
     def __post_init__(self):
-        check_count("num_classes", self.num_classes, minimum=1)
-        if len(self.class_names) != self.num_classes:
-            raise ValueError(f"class_names must have num_classes={self.num_classes} entries, "
-                             f"got {len(self.class_names)}")
+        check_classes(self.num_classes, self.class_names)
         for split in ("train", "test"):
-            y = getattr(self, split).labels
-            if len(y) and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
-                raise ValueError(f"{split} labels must lie in [0, {self.num_classes}), got "
-                                 f"[{int(y.min())}, {int(y.max())}]")
+            check_labels(f"{split} labels", getattr(self, split).labels, self.num_classes)
 
     @property
     def y_train(self) -> np.ndarray:
