@@ -119,7 +119,6 @@ class ArrayReader:
 
     def __init__(self, x, y, n: int):
         self.size = n
-        self.x_structure = x
         for name, leaf in [("y", y)] + [("x", t) for t in tf.nest.flatten(x)]:
             dtype = getattr(leaf, "dtype", None)
             _check_numeric(name, np.asarray(leaf).dtype if dtype is None else dtype)
@@ -148,7 +147,6 @@ class IndexedReader:
         self._length_fn = length_fn
         self._x_spec = x_spec                  # structure of (shape, dtype) per leaf
         self._y_spec = y_spec
-        self.x_structure = x_spec
         self.error: BaseException | None = None
         self._lock = threading.Lock()
 
@@ -311,12 +309,11 @@ def _stack(records, ints, x_spec, y_spec):
     columns: list[list[Any]] = [[] for _ in leaves_spec]
     ys = []
     for (x, y), i in zip(records, ints):
-        try:
-            leaves = tf.nest.flatten(x)
-            tf.nest.assert_same_structure(x_spec, tf.nest.pack_sequence_as(x_spec, leaves)
-                                          if len(leaves) == len(leaves_spec) else x)
+        try:  # same nesting and the same dict keys as record 0
+            tf.nest.assert_same_structure(x_spec, x)
         except (ValueError, TypeError):
             raise SourceError(f"record {i}: x has another structure than record 0") from None
+        leaves = tf.nest.flatten(x)
         for col, leaf, spec in zip(columns, leaves, leaves_spec):
             _check_leaf(leaf, spec, "x", i)
             col.append(leaf)

@@ -276,3 +276,25 @@ def test_poisson_threshold_rate_is_at_most_q_and_lots_have_rate_q():
     big = LotSampler(100_000, 30_000, seed=2)
     frac = np.mean([len(i) for i in big.lots(20)]) / 100_000
     assert abs(frac - 0.3) < 0.0013, frac  # sd of the mean fraction: 3.2e-4
+
+
+def test_a_record_with_other_dict_keys_is_refused_not_misassigned():
+    """Same number of inputs, other names: the record's values would land in the
+    wrong inputs if only the count were compared."""
+    x, y = mnist_slice(40, features=60)
+
+    class Renamed:
+        def __len__(self):
+            return len(y)
+
+        def __getitem__(self, i):
+            keys = ("a", "b") if i != 5 else ("a", "c")
+            return {keys[0]: x[i, :40], keys[1]: x[i, 40:]}, y[i]
+
+    a, b = keras.Input((40,), name="a"), keras.Input((20,), name="b")
+    dp = DPModel(keras.Model({"a": a, "b": b},
+                             keras.layers.Dense(10)(keras.layers.Concatenate()([a, b]))))
+    dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss())
+    with pytest.raises(SourceError, match="record 5: x has another structure than record 0"):
+        dp.fit(Renamed(), lot_size=40, epochs=1, verbose=0, sampling="full_batch")
+    assert dp.lots_computed == dp.privacy_ledger.count() == 0
