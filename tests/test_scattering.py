@@ -86,7 +86,9 @@ def test_small_translations_barely_change_the_features(scat, digits):
     raw_change = rel(one, x)
     feature_change = rel(scat(one).numpy(), s)
     assert raw_change > 0.5            # the pixels move a lot ...
-    assert feature_change < 0.25 * raw_change  # ... the features much less
+    # ... the features much less (kymatio's low-pass, sigma 0.8 2^(J-1) = 1.6 pixels,
+    # averages over about +-2 pixels: a one-pixel shift keeps ~60% of them)
+    assert feature_change < 0.45 * raw_change
     # the invariance is local (scale 2^J = 4): a 6-pixel shift changes the features
     six = np.roll(x, 6, axis=2)
     assert rel(scat(six).numpy(), s) > 2 * feature_change
@@ -127,3 +129,29 @@ def test_bad_inputs_raise_clear_errors(scat):
         Scattering2D(2, 8, shape=(4, 8))
     with pytest.raises(ValueError, match="padding must be"):
         Scattering2D(2, 8, shape=(28, 28), padding="zeros")
+
+
+@pytest.mark.parametrize("shape", [(28, 28), (32, 32)])
+def test_matches_kymatio_channel_for_channel(digits, shape):
+    """An independent implementation (kymatio, the one Tramer & Boneh used) on the
+    same colour images: the same coefficients in the same layout (colour c's
+    coefficients are channels c K .. c K + K - 1; within a colour, order 0, then
+    (j1, t1), then (j1, t1, j2, t2) in kymatio's order of orientations)."""
+    # the 2-D numpy frontend alone: kymatio.numpy also imports its 3-D filters
+    from kymatio.scattering2d.frontend.numpy_frontend import ScatteringNumPy2D
+
+    h, w = shape
+    rng = np.random.default_rng(0)
+    base = np.zeros((4, h, w), np.float32)
+    base[:, :28, :28] = digits[:4]
+    # three different colour planes: a digit, a shifted digit, smooth noise
+    noise = rng.random((4, h // 4, w // 4)).repeat(4, axis=1).repeat(4, axis=2)
+    rgb = np.stack([base, np.roll(base, 3, axis=2), noise.astype(np.float32)], axis=-1)
+    ours = Scattering2D(J=2, L=8, shape=shape)(rgb).numpy()                 # N, h, w, 3K
+    theirs = ScatteringNumPy2D(J=2, shape=shape, L=8)(np.transpose(rgb, (0, 3, 1, 2)))
+    theirs = np.transpose(theirs.reshape(4, 3 * 81, h // 4, w // 4), (0, 2, 3, 1))
+    assert ours.shape == theirs.shape
+    per_channel = (np.linalg.norm((ours - theirs).reshape(-1, 243), axis=0)
+                   / np.linalg.norm(theirs.reshape(-1, 243), axis=0))
+    assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 1e-3
+    assert per_channel.max() < 1e-2, np.argsort(per_channel)[-5:]
