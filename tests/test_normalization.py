@@ -1,0 +1,101 @@
+"""Feature normalisation with statistics released under DP (Tramer & Boneh's
+frozen "BN"): the exact baseline, the release's event in the ledger, its
+sensitivity (one example moves each sum by at most its bound), its noise
+scale, and the frozen Keras layer."""
+
+import dp_accounting
+import numpy as np
+import pytest
+from scipy import stats
+
+from dpfl_tf.data import load_dataset
+from dpfl_tf.normalization import (DPFeatureNormalization, FeatureNormalization,
+                                   channel_moments)
+from dpfl_tf.privacy import PrivacyLedger
+from dpfl_tf.scattering import Scattering2D
+
+
+@pytest.fixture(scope="module")
+def features():
+    """Scattering features of 600 real MNIST digits: [600, 7, 7, 81]."""
+    digits = load_dataset("mnist").x_test[:600].astype("float32") / 255.0
+    return Scattering2D(J=2, L=8, shape=(28, 28)).transform(digits)
+
+
+def test_exact_statistics_are_the_pooled_channel_mean_and_variance(features):
+    norm = FeatureNormalization().fit(features)
+    flat = features.reshape(-1, features.shape[-1]).astype(np.float64)
+    np.testing.assert_allclose(norm.mean, flat.mean(axis=0), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(norm.variance, flat.var(axis=0), rtol=1e-6, atol=1e-12)
+    out = norm.transform(features).reshape(-1, features.shape[-1])
+    live = norm.variance > 1e-3
+    np.testing.assert_allclose(out.mean(axis=0)[live], 0.0, atol=1e-4)
+    np.testing.assert_allclose(out.std(axis=0)[live], 1.0, atol=1e-2)
+    first, second = channel_moments(features, batch_size=7)   # batches do not matter
+    np.testing.assert_allclose(first.mean(axis=0), norm.mean, rtol=1e-12)
+
+
+def test_the_release_is_recorded_as_two_gaussians_of_multiplier_sigma(features):
+    ledger = PrivacyLedger("rdp")
+    norm = DPFeatureNormalization(noise_multiplier=8.0, mean_clip=0.5,
+                                  second_moment_clip=0.2, seed=1).fit(features, ledger=ledger)
+    assert len(ledger) == 1 and ledger.count("dp_feature_norm") == 1
+    two = dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(8.0)] * 2)
+    reference = dp_accounting.rdp.RdpAccountant()
+    reference.compose(two)
+    assert ledger.epsilon(1e-5) == pytest.approx(reference.get_epsilon(1e-5), rel=1e-6)
+    assert norm.event == dp_accounting.GaussianDpEvent(8.0 / np.sqrt(2))
+
+
+def test_one_example_moves_each_sum_by_at_most_its_bound(features):
+    """Same seed, same noise: the released sums of D and D + {x} differ by x's
+    clipped moments, whose norms are the bounds when x is large."""
+    clips = dict(mean_clip=0.05, second_moment_clip=0.01)
+    outlier = 50.0 * features[:1]
+    a = DPFeatureNormalization(seed=3, **clips).fit(features)
+    b = DPFeatureNormalization(seed=3, **clips).fit(np.concatenate([features, outlier]))
+    n = len(features)
+    m2 = lambda f: f.variance + np.square(f.mean)  # noqa: E731 (where var > 0)
+    d_mean = b.mean * (n + 1) - a.mean * n
+    assert np.linalg.norm(d_mean) == pytest.approx(clips["mean_clip"], rel=1e-6)
+    both = (a.variance > 0) & (b.variance > 0)
+    d_second = (m2(b) * (n + 1) - m2(a) * n)[both]
+    assert np.linalg.norm(d_second) <= clips["second_moment_clip"] * (1 + 1e-6)
+    # the outlier is one more clipped example
+    assert b.clipped_fraction[0] * (n + 1) == pytest.approx(a.clipped_fraction[0] * n + 1)
+
+
+def test_noise_has_the_stated_scale(features):
+    """mean - exact mean ~ N(0, (sigma C_a / N)^2) per channel, pooled over
+    seeds; the test fails for noise off by 20% either way."""
+    x = features[:200]
+    n, sigma, clip = len(x), 2.0, 10.0       # a bound above every norm: no clipping
+    exact = FeatureNormalization().fit(x).mean
+    z = np.concatenate([(DPFeatureNormalization(sigma, clip, 10.0, seed=s).fit(x).mean - exact)
+                        / (sigma * clip / n) for s in range(40)])
+    assert stats.kstest(z, "norm").pvalue > 1e-3
+    assert 0.97 < z.std() < 1.03
+    for wrong in (0.8, 1.2):
+        assert stats.kstest(z / wrong, "norm").pvalue < 1e-6
+
+
+def test_the_keras_layer_standardises_as_transform_does(features):
+    norm = DPFeatureNormalization(seed=0, mean_clip=1.0, second_moment_clip=0.05).fit(features)
+    assert (norm.variance == 0).any(), "want a channel whose noisy variance was clamped"
+    layer = norm.layer()
+    out = np.asarray(layer(features[:16]))
+    np.testing.assert_allclose(out, norm.transform(features[:16]), rtol=1e-4, atol=1e-4)
+    assert np.abs(out[..., norm.variance == 0]).max() < 1e-6
+    assert not layer.trainable_weights
+
+
+def test_bad_arguments_raise_clear_errors(features):
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        DPFeatureNormalization(noise_multiplier=0.0)
+    with pytest.raises(ValueError, match="mean_clip"):
+        DPFeatureNormalization(mean_clip=-1.0)
+    with pytest.raises(RuntimeError, match="not fitted"):
+        FeatureNormalization().transform(features)
+    norm = FeatureNormalization().fit(features)
+    with pytest.raises(ValueError, match="channels"):
+        norm.transform(features[..., :10])
