@@ -29,6 +29,14 @@ noise.  The features are then standardised, (x - mu) / sqrt(var + 1e-5), and a
 channel whose noisy variance is 0 is set to 0 (its scale is unknown), as
 Tramer & Boneh do.
 
+Channel groups (an extension): with ``channel_groups`` (a group id per
+channel, e.g. the scattering order, `dpfl_tf.scattering.scattering_orders`)
+each group g gets its own bounds (C_a^g, C_b^g) and its own noise sigma C^g on
+its part of the two sums: 2G Gaussian releases of multiplier sigma, jointly
+one of multiplier sigma / sqrt(2G).  Channels whose scales differ by orders of
+magnitude (ScatterNet: order-0 means ~0.5, order-2 second moments ~1e-5) then
+each get noise at their own scale instead of the largest group's.
+
 The clip bounds are fixed numbers (hyperparameters, like DP-SGD's clip).
 Tramer & Boneh set them to the median norm of the private data, a data-dependent
 choice their accounting leaves out; here they are never read off the data.
@@ -108,33 +116,75 @@ class DPFeatureNormalization(_Standardise):
     """Per-channel mean and variance released under DP (module docstring).
 
     Args:
-      noise_multiplier: sigma (> 0) of each of the two sums (Tramer & Boneh: 8).
-      mean_clip: C_a, the L2 bound on each example's channel means.
-      second_moment_clip: C_b, the L2 bound on each example's channel second
-        moments.
+      noise_multiplier: sigma (> 0) of each noised sum (Tramer & Boneh: 8, for
+        their two sums).  The release as a whole has multiplier
+        sigma / sqrt(2 G) (`effective_noise_multiplier`).
+      mean_clip: C_a, the L2 bound on each example's channel means (one float,
+        or one per channel group).
+      second_moment_clip: C_b, the same for the channel second moments.
+      channel_groups: optional group id (0 .. G-1) of every channel; None is
+        one group.
       seed: seeds the noise (tests only; default OS entropy).
     """
 
     noise_multiplier: float = 8.0
-    mean_clip: float = 1.0
-    second_moment_clip: float = 1.0
+    mean_clip: float | tuple = 1.0
+    second_moment_clip: float | tuple = 1.0
+    channel_groups: tuple | None = None
     seed: int | None = None
 
     def __post_init__(self):
         self.noise_multiplier = check_number("noise_multiplier", self.noise_multiplier,
                                              low=0.0, low_open=True)
-        self.mean_clip = check_number("mean_clip", self.mean_clip, low=0.0, low_open=True)
-        self.second_moment_clip = check_number("second_moment_clip", self.second_moment_clip,
-                                               low=0.0, low_open=True)
+        if self.channel_groups is not None:
+            groups = np.asarray(self.channel_groups)
+            if groups.ndim != 1 or not np.issubdtype(groups.dtype, np.integer) or \
+                    groups.min() < 0 or set(np.unique(groups)) != set(range(groups.max() + 1)):
+                raise ValueError("channel_groups must give every channel a group id 0 .. G-1, "
+                                 f"each used, got {self.channel_groups!r}")
+            self.channel_groups = tuple(int(g) for g in groups)
+        count = 1 if self.channel_groups is None else max(self.channel_groups) + 1
+        self.mean_clip = self._bounds("mean_clip", self.mean_clip, count)
+        self.second_moment_clip = self._bounds("second_moment_clip",
+                                               self.second_moment_clip, count)
         self.mean = self.variance = self.event = None
         self.clipped_fraction = None
 
-    def sanitizer(self):
+    @staticmethod
+    def _bounds(name, value, count):
+        values = value if isinstance(value, (list, tuple)) else (value,) * count
+        if len(values) != count:
+            raise ValueError(f"{name} needs one bound per channel group ({count}), got "
+                             f"{len(values)}")
+        out = tuple(check_number(f"{name}[{i}]", v, low=0.0, low_open=True)
+                    for i, v in enumerate(values))
+        return out[0] if not isinstance(value, (list, tuple)) else out
+
+    def _group_masks(self, k: int) -> list[np.ndarray]:
+        if self.channel_groups is None:
+            return [np.ones(k, bool)]
+        if len(self.channel_groups) != k:
+            raise ValueError(f"channel_groups has {len(self.channel_groups)} entries but the "
+                             f"features have {k} channels")
+        groups = np.asarray(self.channel_groups)
+        return [groups == g for g in range(groups.max() + 1)]
+
+    def _clips(self, name: str, count: int) -> tuple:
+        value = getattr(self, name)
+        return value if isinstance(value, tuple) else (value,) * count
+
+    @property
+    def effective_noise_multiplier(self) -> float:
+        """sigma / sqrt(2 G): the multiplier of the release as one Gaussian."""
+        count = 1 if self.channel_groups is None else max(self.channel_groups) + 1
+        return self.noise_multiplier / np.sqrt(2 * count)
+
+    def sanitizer(self, groups: int = 1):
         from dpfl_tf.sanitizer import GaussianSanitizer
 
-        return GaussianSanitizer([self.mean_clip, self.second_moment_clip],
-                                 self.noise_multiplier, noise_allocation="proportional",
-                                 seed=self.seed)
+        clips = self._clips("mean_clip", groups) + self._clips("second_moment_clip", groups)
+        return GaussianSanitizer(list(clips), self.noise_multiplier,
+                                 noise_allocation="proportional", seed=self.seed)
 
     def fit(self, x, ledger: PrivacyLedger | None = None) -> "DPFeatureNormalization":
         """Releases the statistics of private features `x` ([N, ..., K]) and
@@ -143,16 +193,22 @@ class DPFeatureNormalization(_Standardise):
 
         n = check_count("len(x)", len(x), minimum=1)
         first, second = channel_moments(x)
-        sanitizer = self.sanitizer()
-        sums = sanitizer.clip_and_sum([tf.constant(first), tf.constant(second)])
+        masks = self._group_masks(first.shape[1])
+        records = [first[:, m] for m in masks] + [second[:, m] for m in masks]
+        sanitizer = self.sanitizer(len(masks))
+        sums = sanitizer.clip_and_sum([tf.constant(r) for r in records])
         noisy = [t.numpy() / n for t in sanitizer.add_noise(sums)]
-        self.mean = noisy[0]
-        self.variance = np.maximum(noisy[1] - np.square(self.mean), 0.0)
-        # how often the bounds bit (a non-private diagnostic, like dropped_examples)
-        self.clipped_fraction = (
-            float(np.mean(np.linalg.norm(first, axis=1) > self.mean_clip)),
-            float(np.mean(np.linalg.norm(second, axis=1) > self.second_moment_clip)))
-        self.event = sanitizer.event(2, "full_batch")
+        self.mean = np.empty(first.shape[1])
+        square = np.empty(first.shape[1])
+        for g, m in enumerate(masks):
+            self.mean[m], square[m] = noisy[g], noisy[len(masks) + g]
+        self.variance = np.maximum(square - np.square(self.mean), 0.0)
+        # how often the bounds bit, per sum (a non-private diagnostic, like
+        # dropped_examples)
+        bounds = sanitizer.clip_bounds(len(records))
+        self.clipped_fraction = tuple(float(np.mean(np.linalg.norm(r, axis=1) > c))
+                                      for r, c in zip(records, bounds))
+        self.event = sanitizer.event(len(records), "full_batch")
         if ledger is not None:
             ledger.record(self.event, label="dp_feature_norm")
         return self

@@ -54,12 +54,20 @@ import tensorflow as tf
 
 from dpfl_tf._validation import check_count
 
-__all__ = ["Scattering2D", "scattering_channels", "morlet_filter_bank", "scatter_linear"]
+__all__ = ["Scattering2D", "scattering_channels", "scattering_orders", "morlet_filter_bank",
+           "scatter_linear"]
 
 
 def scattering_channels(J: int, L: int) -> int:
     """K = 1 + J L + L^2 J (J - 1) / 2, the channels per input channel (order 2)."""
     return 1 + J * L + L * L * J * (J - 1) // 2
+
+
+def scattering_orders(J: int, L: int, colours: int = 1) -> np.ndarray:
+    """The order (0, 1 or 2) of every output channel, in `Scattering2D`'s layout
+    (colour c's K channels are c K .. c K + K - 1): int array of length colours K."""
+    one = np.array([0] + [1] * (J * L) + [2] * (L * L * J * (J - 1) // 2))
+    return np.tile(one, check_count("colours", colours, minimum=1))
 
 
 def _periodised_gaussian_hat(shape, sigma: float, theta: float, slant: float,

@@ -12,7 +12,7 @@ from dpfl_tf.data import load_dataset
 from dpfl_tf.normalization import (DPFeatureNormalization, FeatureNormalization,
                                    channel_moments)
 from dpfl_tf.privacy import PrivacyLedger
-from dpfl_tf.scattering import Scattering2D
+from dpfl_tf.scattering import Scattering2D, scattering_orders
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +99,43 @@ def test_bad_arguments_raise_clear_errors(features):
     norm = FeatureNormalization().fit(features)
     with pytest.raises(ValueError, match="channels"):
         norm.transform(features[..., :10])
+
+
+def test_channel_groups_get_their_own_bounds_and_noise(features):
+    """Scattering orders as groups: 2G = 6 sums, each a Gaussian of multiplier
+    sigma; one example moves each group's part by at most that group's bound."""
+    orders = scattering_orders(2, 8)
+    assert orders.tolist()[:18] == [0] + [1] * 16 + [2] and len(orders) == 81
+    assert scattering_orders(2, 8, colours=3).tolist()[81:99] == orders.tolist()[:18]
+    clips = dict(mean_clip=(0.05, 0.01, 0.002), second_moment_clip=(0.01, 1e-4, 1e-6))
+    ledger = PrivacyLedger("rdp")
+    a = DPFeatureNormalization(13.0, channel_groups=orders, seed=5, **clips).fit(
+        features, ledger=ledger)
+    assert isinstance(a.event, dp_accounting.GaussianDpEvent)
+    assert a.event.noise_multiplier == pytest.approx(13.0 / np.sqrt(6), rel=1e-12)
+    assert a.effective_noise_multiplier == pytest.approx(13.0 / np.sqrt(6))
+    six = dp_accounting.rdp.RdpAccountant()
+    six.compose(dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(13.0)] * 6))
+    assert ledger.epsilon(1e-5) == pytest.approx(six.get_epsilon(1e-5), rel=1e-6)
+    b = DPFeatureNormalization(13.0, channel_groups=orders, seed=5, **clips).fit(
+        np.concatenate([features, 50.0 * features[:1]]))
+    n = len(features)
+    d_mean = b.mean * (n + 1) - a.mean * n
+    for g in range(3):
+        assert np.linalg.norm(d_mean[orders == g]) == pytest.approx(clips["mean_clip"][g],
+                                                                    rel=1e-4)
+    # the noise of each group is at its own scale: order 2's means are within
+    # a few sigma C_a^2 / N of the exact ones, far below order 0's noise
+    loose = (2.0, 0.5, 0.1)   # above every example's norms: no clipping bias
+    c = DPFeatureNormalization(13.0, loose, loose, channel_groups=orders, seed=6).fit(features)
+    assert max(c.clipped_fraction) == 0.0
+    z = (c.mean - FeatureNormalization().fit(features).mean) * n / 13.0
+    assert abs(z[0]) < 5 * loose[0]                       # one channel
+    for g in (1, 2):                                       # 16 and 64 channels
+        assert 0.6 < np.sqrt(np.mean(z[orders == g] ** 2)) / loose[g] < 1.5
+    with pytest.raises(ValueError, match="one bound per channel group"):
+        DPFeatureNormalization(mean_clip=(1.0, 1.0), channel_groups=orders)
+    with pytest.raises(ValueError, match="group id"):
+        DPFeatureNormalization(channel_groups=[0, 2, 2])
+    with pytest.raises(ValueError, match="channels"):
+        DPFeatureNormalization(channel_groups=orders[:10]).fit(features)
