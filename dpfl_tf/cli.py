@@ -201,7 +201,8 @@ def _add_train_parser(sub) -> None:
     p.add_argument("--pretrained", default=None,
                    help="cifar10: weights from experiments/cifar10_pretrain.py (default: "
                         "models/cifar10_public_convnet.weights.h5 if present, else a short "
-                        "pretraining on the public split first)")
+                        "pretraining on the public split first); the public split they "
+                        "were trained on is held out, the rest is private")
     p.add_argument("--seed", type=int, help="reproducible run (NOT for deployment)")
     p.add_argument("--output", default=None,
                    help="results JSON (default results/train_<dataset>.json), rewritten after "
@@ -209,7 +210,7 @@ def _add_train_parser(sub) -> None:
                         "interrupted, failed); the figure goes beside it (.png)")
     p.add_argument("--checkpoint-dir", default=None,
                    help="checkpoint here after every epoch, and resume from it if it holds "
-                        "a checkpoint of the same run (mnist, fashion_mnist, scatter_linear)")
+                        "a checkpoint of the same run")
     p.add_argument("--tensorboard", default=None, metavar="LOG_DIR",
                    help="TensorBoard logs (epsilon per lot and epoch); needs "
                         "pip install 'dpfl-tf[tensorboard]'")
@@ -258,9 +259,6 @@ def _run_train(args, error) -> int:
     except ValueError as e:
         error(str(e))
     _check_outputs(args, error, f"train_{args.dataset}")
-    if cifar and args.checkpoint_dir is not None:
-        error("--checkpoint-dir is not offered for the cifar10 convnet yet (it is for mnist, "
-              "fashion_mnist and --model scatter_linear)")
     quiet_tensorflow(args.verbose)
     if cifar:
         return _run_train_cifar10(args, error, epsilon, delta, epochs, lot, clip, lr)
@@ -302,16 +300,25 @@ def _run_train_cifar10(args, error, epsilon, delta, epochs, lot, clip, lr) -> in
     """`dpfl-tf train cifar10`: DP-SGD on the private split, convolutions frozen."""
     import os
 
-    from dpfl_tf.recipes.cifar10 import CifarConfig, PretrainConfig, train_cifar10
+    from dpfl_tf.recipes.cifar10 import (CifarConfig, PretrainConfig, pretrain_split,
+                                         read_pretrained_record, train_cifar10)
 
     weights = args.pretrained
     default = os.path.join("models", "cifar10_public_convnet.weights.h5")
     if weights is None and os.path.isfile(default):
         weights = default
     try:
+        pretraining = dict(epochs=30, data_dir=args.data_dir, seed=args.seed)
+        if weights is not None:  # hold out the public split the weights were trained on
+            try:
+                pretrain = pretrain_split(read_pretrained_record(weights), **pretraining)
+            except (FileNotFoundError, ValueError) as e:
+                raise ValueError(f"--pretrained {weights}: {e}") from None
+        else:
+            pretrain = PretrainConfig(**pretraining)
         config = CifarConfig(
             setting="cli", trained_layers=args.trained_layers, pretrained_weights=weights,
-            pretrain=PretrainConfig(epochs=30, data_dir=args.data_dir, seed=args.seed),
+            pretrain=pretrain,
             noise_multiplier=args.noise_multiplier, l2_norm_clip=clip, lot_size=lot,
             batch_size=min(lot, 1000), learning_rate=lr, target_epsilon=epsilon, delta=delta,
             accountant=args.accountant, epochs=epochs, seed=args.seed, data_dir=args.data_dir)
@@ -326,7 +333,7 @@ def _run_train_cifar10(args, error, epsilon, delta, epochs, lot, clip, lr) -> in
               "on the public split first (python experiments/cifar10_pretrain.py makes "
               "the full model)")
     return _train_and_report(
-        args, error, lambda **kw: train_cifar10(config), 
+        args, error, lambda **kw: train_cifar10(config, **kw),
         lambda r: f"test accuracy = {r['test_accuracy']:.4f} after {r['epochs']} epochs on "
                   f"{r['dataset']} (start {r['pretrained_on_cifar10_test']:.4f}; "
                   f"pretraining: {r['pretraining']})", ylim=(0.0, 1.0))
@@ -389,7 +396,6 @@ def _train_and_report(args, error, train: Callable[..., dict],
     results = ResultsFile(out)
     figure = os.path.splitext(out)[0] + ".png"
     checkpoint_dir = args.checkpoint_dir or os.path.splitext(out)[0] + ".checkpoint"
-    resumable = args.dataset != "cifar10" or args.model == "scatter_linear"
 
     def resumed(info):
         print(f"resumed from {info['directory']}: {info['lots']} lots "
@@ -402,15 +408,12 @@ def _train_and_report(args, error, train: Callable[..., dict],
         extra["callbacks"] = [tensorboard_callback(args.tensorboard)]
     with Interrupts() as interrupts:
         try:
-            if resumable:
-                with interrupts.deferred():
-                    result = train(checkpoint_dir=checkpoint_dir,
-                                   checkpoint_every_epoch=args.checkpoint_dir is not None,
-                                   on_epoch=lambda r: results.write("running", r),
-                                   should_stop=lambda: interrupts.requested,
-                                   on_resume=resumed, **extra)
-            else:
-                result = train()
+            with interrupts.deferred():
+                result = train(checkpoint_dir=checkpoint_dir,
+                               checkpoint_every_epoch=args.checkpoint_dir is not None,
+                               on_epoch=lambda r: results.write("running", r),
+                               should_stop=lambda: interrupts.requested,
+                               on_resume=resumed, **extra)
         except RunInterrupted:
             kept = "nothing measured yet"
             if results.written:

@@ -11,3 +11,49 @@ if "DPFL_DATA_DIR" not in os.environ and SHARED_DATA.is_dir():
     os.environ["DPFL_DATA_DIR"] = str(SHARED_DATA)
 os.environ.setdefault("DPFL_NO_DOWNLOAD", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _read_only_as_root(directory):
+    """Makes `directory` really read-only for root, who ignores permission bits:
+    a read-only bind mount of it onto itself, else the immutable attribute.
+    Returns (the error the OS gives, how to undo it), or None if neither works."""
+    import subprocess
+
+    def run(*cmd):
+        return subprocess.run(cmd, capture_output=True, text=True).returncode == 0
+
+    path = str(directory)
+    if run("mount", "--bind", path, path):
+        if run("mount", "-o", "remount,ro,bind", path):
+            return "Read-only file system", lambda: run("umount", path)
+        run("umount", path)
+    if run("chattr", "+i", path):
+        return "Operation not permitted", lambda: run("chattr", "-i", path)
+    return None
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """(an existing directory no file can be created in, the error message the
+    OS gives).  For a normal user a chmod 555 directory ("Permission denied");
+    for root a read-only bind mount ("Read-only file system") or an immutable
+    directory ("Operation not permitted"); skipped if none can be made."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        ro.chmod(0o555)
+        yield ro, "Permission denied"
+        ro.chmod(0o755)
+        return
+    made = _read_only_as_root(ro)
+    if made is None:
+        pytest.skip("root ignores permission bits, and neither a read-only bind mount nor "
+                    "chattr +i is possible here")
+    message, undo = made
+    try:
+        yield ro, message
+    finally:
+        undo()

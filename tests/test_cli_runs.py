@@ -5,6 +5,7 @@ checkpoint), exact resume, a quiet start-up and a --help without TensorFlow."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,15 +29,15 @@ def _run(args, timeout=300, **env):
                           text=True, cwd=ROOT, env=_env(**env), timeout=timeout)
 
 
-def _start(args):
-    return subprocess.Popen([sys.executable, "-m", "dpfl_tf", *args], cwd=ROOT, env=_env(),
+def _start(args, **env):
+    return subprocess.Popen([sys.executable, "-m", "dpfl_tf", *args], cwd=ROOT, env=_env(**env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _interrupt_while_running(args, out, sig):
+def _interrupt_while_running(args, out, sig, **env):
     """Starts the CLI, sends `sig` once the results file says "running", and
     returns (exit code, stderr)."""
-    proc = _start(args)
+    proc = _start(args, **env)
     _wait_for(lambda: (_read(out) or {}).get("status") == "running", proc)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=240)
@@ -162,6 +163,119 @@ def test_train_sigterm_marks_results_interrupted_and_writes_a_checkpoint(tmp_pat
     default = tmp_path / "t.checkpoint"
     assert _read(default / "state.json")["lots_applied"] == data["lots"]
     assert f"--checkpoint-dir {default}" in err
+
+
+# -- train cifar10 (frozen convolutions): SIGTERM, resume, a failure mid-run -----------------
+CIFAR_TRAIN, CIFAR_TEST, CIFAR_PUBLIC = 40, 10, 100   # real images per class; public images
+CIFAR_LOTS_PER_EPOCH = (10 * CIFAR_TRAIN - CIFAR_PUBLIC) // 50   # 300 private, lots of 50
+
+
+@pytest.fixture(scope="module")
+def cifar_slice(tmp_path_factory):
+    """(data dir, weights): real images of the offline JPEG copy, and the weights of
+    a one-epoch pretraining on the slice's 100-image public split."""
+    from tests.data import CIFAR10_JPEG_ARCHIVE, isolate, real_cifar10_jpeg_slice
+
+    if not CIFAR10_JPEG_ARCHIVE.is_file():
+        pytest.skip(f"no offline JPEG copy at {CIFAR10_JPEG_ARCHIVE}")
+    root = tmp_path_factory.mktemp("cifar")
+    real_cifar10_jpeg_slice(root / "cifar10_jpg", n_test=CIFAR_TEST, n_train=CIFAR_TRAIN)
+    weights = root / "public.weights.h5"
+    with pytest.MonkeyPatch.context() as mp:
+        isolate(mp, tmp_path_factory.mktemp("pre"))
+        from dpfl_tf.recipes.cifar10 import PretrainConfig, pretrain_public, save_pretrained
+
+        net, info = pretrain_public(PretrainConfig(public_size=CIFAR_PUBLIC, epochs=1,
+                                                   batch_size=50, seed=0, data_dir=str(root)),
+                                    verbose=False)
+        save_pretrained(net, info, weights)
+    return root, weights
+
+
+def _cifar(data_dir, weights, out, *more, epochs=5):
+    """`train cifar10` on the slice: 6 lots of 50 per epoch, sigma 1, `epochs` epochs."""
+    args = ["train", "cifar10", "--pretrained", str(weights), "--data-dir", str(data_dir),
+            "--lot-size", "50", "--epochs", str(epochs), "--noise-multiplier", "1",
+            "--epsilon", "100", "--output", str(out), *more]
+    env = dict(DPFL_DATA_DIR=str(data_dir), DPFL_NO_DOWNLOAD="1",
+               DPFL_CACHE_DIR=str(out.parent / "cache"))
+    return args, env
+
+
+def _epsilon(lots):
+    from dpfl_tf.privacy import compute_epsilon, dp_sgd_event
+
+    q = 50 / (10 * CIFAR_TRAIN - CIFAR_PUBLIC)
+    return compute_epsilon(dp_sgd_event(1.0, lots, sampling_rate=q), 1e-5, "moments")
+
+
+def test_train_cifar10_sigterm_then_resume_continues_the_ledger(cifar_slice, tmp_path):
+    out, ckpt = tmp_path / "c.json", tmp_path / "ckpt"
+    args, env = _cifar(*cifar_slice, out, "--checkpoint-dir", str(ckpt))
+    total = 5 * CIFAR_LOTS_PER_EPOCH
+    code, err = _interrupt_while_running(args, out, signal.SIGTERM, **env)
+    assert code == 143, err[-3000:]
+    assert "Traceback" not in err
+    message = [line for line in err.splitlines() if line.startswith("interrupted (SIGTERM)")]
+    assert len(message) == 1 and f"resume with: dpfl-tf {' '.join(args)}" in message[0]
+    data = _read(out)
+    lots = data["lots"]
+    assert data["status"] == "interrupted" and CIFAR_LOTS_PER_EPOCH <= lots < total
+    assert [e["count"] for e in data["ledger"]] == [lots]
+    assert data["epsilon"] == pytest.approx(_epsilon(lots), rel=1e-9)
+    state = _read(ckpt / "state.json")
+    assert state["lots_applied"] == state["ledger_count"] == lots
+    assert _read(ckpt / "run.json")["finished"] is None
+
+    resumed = _run(args, **env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (f"resumed from {ckpt}: {lots} lots ({lots / CIFAR_LOTS_PER_EPOCH:.2f} epochs), "
+            f"epsilon so far {data['epsilon']:.4f}") in resumed.stdout
+    final = _read(out)
+    # the ledger goes on from the checkpoint: the lots before the signal plus those trained
+    # after the resume make the lots of an uninterrupted run, and epsilon is theirs
+    assert final["status"] == "completed" and final["lots"] == total
+    assert [e["count"] for e in final["ledger"]] == [total]
+    assert final["epsilon"] == pytest.approx(_epsilon(total), rel=1e-9)
+    assert final["epsilon"] > data["epsilon"]
+    history = final["history"]
+    assert [r["epoch"] for r in history] == list(range(6))
+    assert [r.get("lots") for r in history[1:]][-1] == total
+    done = lots // CIFAR_LOTS_PER_EPOCH     # whole epochs before the signal: kept as they were
+    assert history[:done + 1] == data["history"][:done + 1]
+    assert all(r["lots"] > lots for r in history[done + 1:])
+    assert final["frozen_layers_unchanged"] and final["frozen_layers"] == ["conv1", "conv2", "fc1"]
+    assert final["trainable_layers"] == ["fc2", "logits"]
+    assert final["pretrained_on_cifar10_test"] == data["pretrained_on_cifar10_test"]
+    assert _read(ckpt / "state.json")["lots_applied"] == total
+    assert not [n for n in NOISE if n in resumed.stderr], resumed.stderr[-2000:]
+    again = _run(args, **env)   # a finished run is not resumed again
+    assert again.returncode == 2 and "holds a finished run" in again.stderr
+
+
+def test_train_cifar10_failing_mid_run_leaves_results_marked_failed(cifar_slice, tmp_path):
+    """The training images go bad while the run reads them (a disk or a network share
+    failing): the run stops with an error, and the results file keeps what was measured
+    up to the last finished epoch, marked failed."""
+    root, weights = cifar_slice
+    data_dir = tmp_path / "data"
+    shutil.copytree(root / "cifar10_jpg", data_dir / "cifar10_jpg")
+    out = tmp_path / "c.json"
+    args, env = _cifar(data_dir, weights, out, epochs=20)
+    proc = _start(args, **env)
+    _wait_for(lambda: (_read(out) or {}).get("status") == "running", proc)
+    for image in (data_dir / "cifar10_jpg" / "train").rglob("*.jpg"):
+        image.write_bytes(b"not a JPEG any more")
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode not in (0, 130, 143), err[-3000:]
+    data = _read(out)
+    assert data["status"] == "failed", err[-3000:]
+    assert "not a JPEG" in data["error"] or ".jpg" in data["error"], data["error"]
+    lots = data["lots"]
+    assert 1 <= data["epochs"] < 20 and lots == data["epochs"] * CIFAR_LOTS_PER_EPOCH
+    assert [e["count"] for e in data["ledger"]] == [lots]
+    assert data["epsilon"] == pytest.approx(_epsilon(lots), rel=1e-9)
+    assert [r["epoch"] for r in data["history"]] == list(range(data["epochs"] + 1))
 
 
 # -- federated: Ctrl-C and resume -------------------------------------------------------------------

@@ -62,12 +62,15 @@ from dpfl_tf.models import cifar_convnet
 from dpfl_tf.privacy import (AccountantKind, calibrate_noise_multiplier, dp_sgd_event,
                              gaussian_step_event, max_steps)
 from dpfl_tf.recipes.augment import Augmentation, Normalization, eval_dataset, train_dataset
-from dpfl_tf.recipes.common import EpochHistory, accuracy, paper_learning_rate, privacy_summary
+from dpfl_tf.recipes.common import (EpochHistory, LotStopper, RunCheckpoint, accuracy,
+                                    comparable_config, mark_run_finished, paper_learning_rate,
+                                    privacy_summary, resumable_run_state, resume_seed,
+                                    sampling_seed_for)
 
 __all__ = ["CifarConfig", "Init", "PAPER_TARGETS", "PretrainConfig", "PublicData",
            "TrainedLayers", "build_private_model", "clip_bounds_for", "load_pretrained",
-           "pretrain_public", "public_private_split", "save_pretrained", "stratified_split",
-           "train_cifar10"]
+           "pretrain_public", "pretrain_split", "public_private_split", "read_pretrained_record",
+           "save_pretrained", "stratified_split", "train_cifar10"]
 
 CONV_LAYERS = ("conv1", "conv2")
 DENSE_LAYERS = ("fc1", "fc2", "logits")
@@ -467,8 +470,9 @@ def save_pretrained(net: keras.Model, info: dict, path: str | os.PathLike) -> No
             os.unlink(tmp)
 
 
-def load_pretrained(path: str | os.PathLike) -> tuple[keras.Model, dict]:
-    """(network, info) from a file written by `save_pretrained`."""
+def read_pretrained_record(path: str | os.PathLike) -> dict:
+    """The record `save_pretrained` stored in a weights file (public data, split,
+    accuracy, settings), without loading the weights."""
     import h5py
 
     path = os.fspath(path)
@@ -476,12 +480,34 @@ def load_pretrained(path: str | os.PathLike) -> tuple[keras.Model, dict]:
         raise FileNotFoundError(
             f"no pretrained weights at {path}; make them with "
             f"'python experiments/cifar10_pretrain.py' (see models/README.md)")
-    with h5py.File(path, "r") as h5:
-        raw = h5.attrs.get(_METADATA_KEY)
+    try:
+        with h5py.File(path, "r") as h5:
+            raw = h5.attrs.get(_METADATA_KEY)
+    except OSError as e:
+        raise ValueError(f"{path} is not a weights file (.weights.h5) that can be read: "
+                         f"{e}") from None
     if raw is None:
         raise ValueError(f"{path} has no dpfl_tf pretraining record; it was not written by "
                          f"dpfl_tf.recipes.cifar10.save_pretrained")
-    info = json.loads(raw)
+    return json.loads(raw)
+
+
+def pretrain_split(record: dict, **settings) -> PretrainConfig:
+    """A `PretrainConfig` holding out the public data and split of a pretraining
+    `record` (so that the private set is exactly its complement), with `settings`."""
+    split = {"public_data": record["public_data"]}
+    if record["public_data"] == PublicData.CIFAR10_SPLIT.value:
+        split.update(public_size=int(record["public_size"]),
+                     split_seed=int(record["split_seed"]))
+    else:
+        split["cifar100_label_mode"] = record.get("cifar100_label_mode", "fine")
+    return PretrainConfig(**split, **settings)
+
+
+def load_pretrained(path: str | os.PathLike) -> tuple[keras.Model, dict]:
+    """(network, info) from a file written by `save_pretrained`."""
+    path = os.fspath(path)
+    info = read_pretrained_record(path)
     crop = info.get("augmentation", {}).get("crop_size", [24, 24])
     net = cifar_convnet(input_shape=tuple(crop) + (3,), classes=int(info["classes"]))
     net.load_weights(path)
@@ -551,18 +577,47 @@ def _calibrated_sigma(config: CifarConfig, n: int, lots_per_epoch: int) -> float
     return sigma
 
 
+#: config fields a resumed run may change (they do not change what is trained)
+_RESUMABLE_CHANGES = ("data_dir", "eval_every", "pretrain.data_dir")
+
+
+def _comparable(config: CifarConfig) -> dict:
+    return comparable_config(dataclasses.asdict(config), _RESUMABLE_CHANGES)
+
+
+def _weights_digest(net: keras.Model, names: Sequence[str]) -> str:
+    """sha256 of the weights of the layers `names` (to show frozen layers unchanged)."""
+    digest = hashlib.sha256()
+    for name in names:
+        for w in net.get_layer(name).get_weights():
+            digest.update(np.ascontiguousarray(w).tobytes())
+    return digest.hexdigest()
+
+
 def train_cifar10(config: CifarConfig, *, pretrained: tuple[keras.Model, dict] | None = None,
-                  verbose: bool = True, return_model: bool = False):
+                  verbose: bool = True, return_model: bool = False,
+                  checkpoint_dir: str | None = None, checkpoint_every_epoch: bool = True,
+                  on_epoch=None, should_stop=None, on_resume=None, callbacks=()):
     """Trains one configuration; returns a JSON-ready result with per-epoch history
     (and the trained Keras model too if ``return_model``).
 
     Args:
       pretrained: (network, info) from `pretrain_public` / `load_pretrained`;
         overrides ``config.pretrained_weights`` (tests, several runs sharing one).
+      checkpoint_dir, checkpoint_every_epoch, on_epoch, should_stop, on_resume,
+        callbacks: as for `dpfl_tf.recipes.mnist.train_mnist` (private runs):
+        a checkpoint of the same configuration in `checkpoint_dir` is resumed
+        exactly (weights, frozen layers included, ledger, lot counter, optimizer
+        state and so the learning-rate schedule, the calibrated noise, the
+        history; the pretrained weights are not read again), and the run ends
+        after the same number of lots as an uninterrupted one.
     """
+    from dpfl_tf.keras.checkpoint import DPCheckpoint
+
     start = time.perf_counter()
+    state = resumable_run_state(checkpoint_dir, _comparable(config))
     if config.seed is not None:
-        keras.utils.set_random_seed(config.seed)
+        keras.utils.set_random_seed(resume_seed(config.seed, state))
     # the private images are read lot by lot from the source (memory O(lot), not O(N))
     data = cifar10_sources(config.data_dir)
     pre = config.pretrain
@@ -577,7 +632,11 @@ def train_cifar10(config: CifarConfig, *, pretrained: tuple[keras.Model, dict] |
 
     info = None
     pretrained_net = None
-    if config.init is not Init.SCRATCH:
+    if state is not None:   # the weights are in the checkpoint; the split is checked again
+        info = state["pretrained_record"]
+        if info is not None:
+            _check_public_split(info, pre, data)
+    elif config.init is not Init.SCRATCH:
         if pretrained is None:
             if config.pretrained_weights is not None:
                 pretrained = load_pretrained(config.pretrained_weights)
@@ -587,12 +646,19 @@ def train_cifar10(config: CifarConfig, *, pretrained: tuple[keras.Model, dict] |
                     verbose=verbose)
         pretrained_net, info = pretrained
         _check_public_split(info, pre, data)
+    record = {k: v for k, v in info.items() if k != "history"} if info else None
 
-    augmentation = Augmentation(normalization=config.normalization, seed=config.seed)
-    net, copied = build_private_model(pretrained_net, config.trained_layers, config.init,
-                                      input_shape=augmentation.crop_size + (3,))
-    frozen_before = {layer.name: [w.copy() for w in layer.get_weights()]
-                     for layer in net.layers if layer.weights and not layer.trainable}
+    augmentation = Augmentation(normalization=config.normalization,
+                                seed=resume_seed(config.seed, state))
+    if state is not None:
+        model, _ = DPCheckpoint.restore(checkpoint_dir)
+        net, copied = model.model, state["copied"]
+    else:
+        net, copied = build_private_model(pretrained_net, config.trained_layers, config.init,
+                                          input_shape=augmentation.crop_size + (3,))
+    frozen = sorted(layer.name for layer in net.layers if layer.weights and not layer.trainable)
+    frozen_digest = (state["frozen_digest"] if state is not None
+                     else _weights_digest(net, frozen))
     # evaluation sets are read (and centre-cropped) batch by batch at each evaluation
     x_test_in = eval_dataset(test, None, augmentation)
     eval_idx, _ = stratified_split(y_priv, min(config.train_eval_size, len(y_priv)),
@@ -608,91 +674,134 @@ def train_cifar10(config: CifarConfig, *, pretrained: tuple[keras.Model, dict] |
     lots_per_epoch = max(1, n // config.lot_size)
     # non-private runs take ceil(n / lot_size) minibatch steps per epoch
     steps_per_epoch = lots_per_epoch if config.private else -(-n // config.lot_size)
+    initial_epoch = 0
+    if state is not None:
+        if state["lots_per_epoch"] != lots_per_epoch:
+            raise ValueError(f"{checkpoint_dir} holds a run of {state['lots_per_epoch']} lots "
+                             f"per epoch, this data gives {lots_per_epoch} ({n} private "
+                             "examples): not the same private data; use another checkpoint "
+                             "directory")
+        sigma, total_epochs, row0 = (state["noise_multiplier"], state["total_epochs"],
+                                     state["row0"])
+        initial_epoch = model.lots_applied // lots_per_epoch
+        if on_resume is not None:
+            on_resume({"directory": checkpoint_dir, "lots": model.lots_applied,
+                       "epoch": model.lots_applied / lots_per_epoch,
+                       "epsilon": model.epsilon(config.delta)})
+    else:
+        sigma = config.noise_multiplier
+        total_epochs = config.epochs
+        if config.private:
+            if sigma is None:
+                sigma = _calibrated_sigma(config, n, lots_per_epoch)
+            if config.target_epsilon is not None:
+                lots = max_steps(config.target_epsilon, config.delta,
+                                 gaussian_step_event(sigma, sampling_rate=config.lot_size / n),
+                                 config.accountant)
+                if lots == 0:
+                    raise ValueError(f"target_epsilon={config.target_epsilon:g} does not "
+                                     f"allow a single lot with noise_multiplier={sigma:g}")
+                total_epochs = min(config.epochs,
+                                   EpochHistory.estimated_epochs(lots, lots_per_epoch))
+        # epoch 0: the starting point (the pretrained network before private training)
+        row0 = {"epoch": 0, "seconds": 0.0, "test_accuracy": accuracy(net, x_test_in, y_test)}
+        if x_train_in is not None:
+            row0["train_accuracy"] = accuracy(net, x_train_in, y_train_eval)
+        if config.private:
+            row0.update({f"epsilon@{d:g}": 0.0 for d in config.deltas}, epsilon=0.0)
+
+    history = EpochHistory(x_test_in, y_test, x_train_in, y_train_eval,
+                           every=config.eval_every, deltas=config.deltas,
+                           total_epochs=total_epochs, private=config.private, verbose=verbose)
+    seconds_before = 0.0
+    if state is not None:
+        history.rows = [r for r in state["history"] if r["epoch"] <= initial_epoch]
+        seconds_before = state["seconds"]
+    stopper = LotStopper(total_epochs * lots_per_epoch, should_stop)
+
+    def result_of(model, final: bool = False) -> dict:
+        rows = history.rows
+        last = rows[-1] if rows else row0
+        evaluated = [r for r in [row0, *rows] if "test_accuracy" in r]
+        if "test_accuracy" in last:
+            test_acc = last["test_accuracy"]
+        else:
+            test_acc = (accuracy(model, x_test_in, y_test) if final
+                        else evaluated[-1]["test_accuracy"])
+        ledger = model.privacy_ledger if config.private else None
+        return {
+            **_jsonable(dataclasses.asdict(config)),
+            "dataset": data.source.label,
+            "dataset_path": data.source.path,
+            "pretraining": pretraining_description(info),
+            "pretrained_weights": config.pretrained_weights,
+            "pretrained_record": record,
+            "pretrained_test_accuracy": info.get("test_accuracy") if info else None,
+            "pretrained_on_cifar10_test": row0["test_accuracy"],
+            "initialized_from_pretrained": copied,
+            "trained_layers": config.trained_layers.value,
+            "trainable_layers": [l.name for l in net.layers if l.trainable and l.weights],
+            "frozen_layers": frozen,
+            "frozen_layers_unchanged": _weights_digest(net, frozen) == frozen_digest,
+            "private_examples": int(n),
+            "test_examples": int(len(y_test)),
+            "lot_size": config.lot_size,
+            "lots_per_epoch": lots_per_epoch,
+            "noise_multiplier": sigma if config.private else None,
+            "noise_calibrated": bool(config.private and config.noise_multiplier is None),
+            "clip_bounds": config.clip_bounds if config.private else None,
+            "epsilon": ledger.epsilon(config.delta) if config.private else None,
+            "delta": config.delta if config.private else None,
+            "accountant": config.accountant if config.private else None,
+            "epochs": last["epoch"],
+            "lots": (model.lots_applied if config.private
+                     else last["epoch"] * steps_per_epoch),
+            "test_accuracy": test_acc,
+            "train_accuracy": last.get("train_accuracy"),
+            "seconds": seconds_before + time.perf_counter() - start,
+            "stop_reason": getattr(model, "stop_reason", None) or "running",
+            "augmentation": augmentation.get_config(),
+            "history": [row0, *rows],
+            **privacy_summary(ledger, config.delta, config.seed),
+        }
+
+    def run_state() -> dict:
+        return {"config": _comparable(config), "noise_multiplier": sigma,
+                "total_epochs": total_epochs, "lots_per_epoch": lots_per_epoch,
+                "lots": model.lots_applied, "pretrained_record": record, "copied": copied,
+                "frozen_digest": frozen_digest, "row0": row0, "history": history.rows,
+                "seconds": seconds_before + time.perf_counter() - start, "finished": None}
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     lr = paper_learning_rate(config.learning_rate,
                              config.final_learning_rate if config.final_learning_rate
                              is not None else config.learning_rate,
                              config.decay_epochs, steps_per_epoch)
-    sigma = config.noise_multiplier
-    total_epochs = config.epochs
     if config.private:
-        if sigma is None:
-            sigma = _calibrated_sigma(config, n, lots_per_epoch)
-        if config.target_epsilon is not None:
-            lots = max_steps(config.target_epsilon, config.delta,
-                             gaussian_step_event(sigma, sampling_rate=config.lot_size / n),
-                             config.accountant)
-            if lots == 0:
-                raise ValueError(f"target_epsilon={config.target_epsilon:g} does not allow a "
-                                 f"single lot with noise_multiplier={sigma:g}")
-            total_epochs = min(config.epochs,
-                               EpochHistory.estimated_epochs(lots, lots_per_epoch))
-
-    # epoch 0: the starting point (the pretrained network before private training)
-    row0 = {"epoch": 0, "seconds": 0.0, "test_accuracy": accuracy(net, x_test_in, y_test)}
-    if x_train_in is not None:
-        row0["train_accuracy"] = accuracy(net, x_train_in, y_train_eval)
-    if config.private:
-        row0.update({f"epsilon@{d:g}": 0.0 for d in config.deltas}, epsilon=0.0)
-    history = EpochHistory(x_test_in, y_test, x_train_in, y_train_eval,
-                           every=config.eval_every, deltas=config.deltas,
-                           total_epochs=total_epochs, private=config.private, verbose=verbose)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    if config.private:
-        model = DPModel(net, accountant=config.accountant)
-        model.compile(optimizer=DPSGD(lr, momentum=config.momentum,
-                                      l2_norm_clip=config.clip_bounds, noise_multiplier=sigma,
-                                      seed=config.seed), loss=loss)
-        model.fit(private, lot_size=config.lot_size, batch_size=config.batch_size,
-                  epochs=total_epochs, target_epsilon=config.target_epsilon,
-                  target_delta=config.delta, preprocess=augmentation, callbacks=[history],
-                  verbose=0, sampling_seed=config.seed)
-        ledger = model.privacy_ledger
+        if state is None:  # (a resumed model has its optimizer and schedule)
+            model = DPModel(net, accountant=config.accountant)
+            model.compile(optimizer=DPSGD(lr, momentum=config.momentum,
+                                          l2_norm_clip=config.clip_bounds,
+                                          noise_multiplier=sigma, seed=config.seed), loss=loss)
+        saver = RunCheckpoint(checkpoint_dir, checkpoint_every_epoch, stopper, run_state,
+                              result_of, on_epoch)
+        if model.lots_applied < stopper.total_lots:
+            model.fit(private, lot_size=config.lot_size, batch_size=config.batch_size,
+                      epochs=total_epochs, initial_epoch=initial_epoch,
+                      target_epsilon=config.target_epsilon, target_delta=config.delta,
+                      preprocess=augmentation, callbacks=[history, stopper, saver, *callbacks],
+                      verbose=0, sampling_seed=sampling_seed_for(config.seed, initial_epoch))
+        else:
+            model.stop_reason = "completed"
+        mark_run_finished(checkpoint_dir, run_state, model.stop_reason)
     else:
         model = net
         _fit_nonprivate(net, private, augmentation, batch_size=config.lot_size,
                         epochs=total_epochs, learning_rate=lr, momentum=config.momentum,
-                        weight_decay=None, callbacks=[history], seed=config.seed)
-        ledger = None
+                        weight_decay=None, callbacks=[history, *callbacks], seed=config.seed)
+        model.stop_reason = "completed"
 
-    frozen_unchanged = all(
-        all(np.array_equal(a, b) for a, b in zip(before, net.get_layer(name).get_weights()))
-        for name, before in frozen_before.items())
-    last = history.rows[-1]
-    result = {
-        **_jsonable(dataclasses.asdict(config)),
-        "dataset": data.source.label,
-        "dataset_path": data.source.path,
-        "pretraining": pretraining_description(info),
-        "pretrained_weights": config.pretrained_weights,
-        "pretrained_record": ({k: v for k, v in info.items() if k != "history"}
-                              if info else None),
-        "pretrained_test_accuracy": info.get("test_accuracy") if info else None,
-        "pretrained_on_cifar10_test": row0["test_accuracy"],
-        "initialized_from_pretrained": copied,
-        "trained_layers": config.trained_layers.value,
-        "trainable_layers": [l.name for l in net.layers if l.trainable and l.weights],
-        "frozen_layers": sorted(frozen_before),
-        "frozen_layers_unchanged": frozen_unchanged,
-        "private_examples": int(n),
-        "test_examples": int(len(y_test)),
-        "lot_size": config.lot_size,
-        "lots_per_epoch": lots_per_epoch,
-        "noise_multiplier": sigma if config.private else None,
-        "noise_calibrated": bool(config.private and config.noise_multiplier is None),
-        "clip_bounds": config.clip_bounds if config.private else None,
-        "epsilon": ledger.epsilon(config.delta) if config.private else None,
-        "delta": config.delta if config.private else None,
-        "accountant": config.accountant if config.private else None,
-        "epochs": last["epoch"],
-        "lots": model.lots_applied if config.private else last["epoch"] * steps_per_epoch,
-        "test_accuracy": (last["test_accuracy"] if "test_accuracy" in last
-                          else accuracy(model, x_test_in, y_test)),
-        "train_accuracy": last.get("train_accuracy"),
-        "seconds": time.perf_counter() - start,
-        "augmentation": augmentation.get_config(),
-        "history": [row0] + history.rows,
-        **privacy_summary(ledger if config.private else None, config.delta, config.seed),
-    }
+    result = result_of(model, final=model.stop_reason != "interrupted")
     return (result, model) if return_model else result
 
 

@@ -1,10 +1,14 @@
-"""Pieces shared by the training recipes: per-epoch history, progress, schedules."""
+"""Pieces shared by the training recipes: per-epoch history, progress, schedules,
+and the checkpoint / resume / interrupt mechanism of a recipe run."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
-from typing import Sequence
+import warnings
+from typing import Callable, Sequence
 
 import keras
 import numpy as np
@@ -12,7 +16,9 @@ import numpy as np
 from dpfl_tf.sanitizer import deployment_note  # noqa: F401  (re-exported for the recipes)
 
 __all__ = ["EpochHistory", "paper_learning_rate", "accuracy", "deployment_note",
-           "privacy_summary"]
+           "privacy_summary", "RUN_STATE", "LotStopper", "RunCheckpoint", "comparable_config",
+           "read_run_state", "resumable_run_state", "resume_seed", "sampling_seed_for",
+           "mark_run_finished"]
 
 
 def paper_learning_rate(initial: float, final: float, decay_epochs: int,
@@ -111,3 +117,146 @@ class EpochHistory(keras.callbacks.Callback):
     @staticmethod
     def estimated_epochs(lots: int, lots_per_epoch: int) -> int:
         return max(1, math.ceil(lots / lots_per_epoch))
+
+
+# ------------------------------------------------------------ checkpoint and resume
+#
+# A recipe run checkpoints into one directory: `DPCheckpoint`'s files (the whole
+# DPModel: weights, lot counter, optimizer state and so the learning-rate
+# schedule, privacy ledger) and, beside them, RUN_STATE: what the recipe needs
+# to go on (its settings, the noise it calibrated, the planned length, the
+# history so far).  `resumable_run_state` reads and checks both before any data
+# is loaded; `RunCheckpoint` writes both after every epoch (or when interrupted);
+# `LotStopper` ends a resumed run after the same number of lots as an
+# uninterrupted one and stops after the current lot when asked to.
+
+RUN_STATE = "run.json"
+
+
+class LotStopper(keras.callbacks.Callback):
+    """Stops after exactly `total_lots` lots in all (so a resumed run ends where
+    an uninterrupted one would), or after the current lot when `should_stop()`."""
+
+    def __init__(self, total_lots: int, should_stop: Callable[[], bool] | None = None):
+        super().__init__()
+        self.total_lots = total_lots
+        self.should_stop = should_stop
+        self.interrupted = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.lots_applied >= self.total_lots:
+            self.model.stop_training = True
+        if self.should_stop is not None and self.should_stop():
+            self.interrupted = True
+            self.model.stop_reason = "interrupted"
+            self.model.stop_training = True
+
+
+class RunCheckpoint(keras.callbacks.Callback):
+    """After every epoch (or only when interrupted): the `DPCheckpoint` of the
+    model, then the recipe's state ``state()`` as RUN_STATE, then
+    ``on_epoch(snapshot(model))`` (the results so far)."""
+
+    def __init__(self, directory, every_epoch: bool, stopper: LotStopper,
+                 state: Callable[[], dict], snapshot: Callable, on_epoch=None):
+        super().__init__()
+        self.directory, self.every_epoch, self.stopper = directory, every_epoch, stopper
+        self.state, self.snapshot, self.on_epoch = state, snapshot, on_epoch
+        self.saved = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.directory is not None and (self.every_epoch or self.stopper.interrupted):
+            from dpfl_tf._io import atomic_write_json
+            from dpfl_tf.keras.checkpoint import DPCheckpoint
+
+            ckpt = DPCheckpoint(self.directory)
+            ckpt.set_model(self.model)
+            with warnings.catch_warnings():  # the wrapper is saved whole; its model is built
+                warnings.filterwarnings("ignore", "You are saving a model that has not")
+                ckpt.save(epoch + 1)
+            state = self.state()
+            atomic_write_json(os.path.join(self.directory, RUN_STATE), state)
+            self.saved = state
+        if self.on_epoch is not None:
+            self.on_epoch(self.snapshot(self.model))
+
+
+def comparable_config(config: dict, changeable: Sequence[str]) -> dict:
+    """`config` as JSON data without the fields a resumed run may change
+    (`changeable`; a dotted name reaches into a nested dict: "pretrain.data_dir")."""
+    d = json.loads(json.dumps(config, default=_json_value))
+    for name in changeable:
+        *outer, last = name.split(".")
+        inner = d
+        for key in outer:
+            inner = inner.get(key) if isinstance(inner, dict) else None
+        if isinstance(inner, dict):
+            inner.pop(last, None)
+    return d
+
+
+def _json_value(obj):
+    if hasattr(obj, "value"):   # enums
+        return obj.value
+    if hasattr(obj, "item"):    # numpy scalars
+        return obj.item()
+    raise TypeError(f"cannot serialise {type(obj).__name__} to JSON")
+
+
+def read_run_state(directory: str) -> dict | None:
+    """The recipe state of a checkpoint directory (None if it holds none); a
+    damaged file is named in the error."""
+    from dpfl_tf._io import read_checkpoint_json
+
+    return read_checkpoint_json(os.path.join(directory, RUN_STATE))
+
+
+def resumable_run_state(checkpoint_dir: str | None, config: dict) -> dict | None:
+    """The state to resume from `checkpoint_dir`, or None when it holds no
+    checkpoint (a new run).  Refuses, naming the directory, a checkpoint without
+    a recipe state, one of other settings (`config`, from `comparable_config`)
+    and one of a finished run."""
+    from dpfl_tf.keras.checkpoint import DPCheckpoint
+
+    if checkpoint_dir is None or DPCheckpoint.latest(checkpoint_dir) is None:
+        return None
+    state = read_run_state(checkpoint_dir)
+    if state is None:
+        raise ValueError(f"{checkpoint_dir} holds a DPCheckpoint but no {RUN_STATE}: it "
+                         "was not written by this recipe; use another checkpoint directory")
+    diff = sorted(k for k, v in config.items() if state["config"].get(k) != v)
+    if diff:
+        raise ValueError(f"{checkpoint_dir} holds a checkpoint of a different run "
+                         f"(differs in: {', '.join(diff)}); use another checkpoint "
+                         "directory")
+    if state.get("finished"):
+        raise ValueError(f"{checkpoint_dir} holds a finished run ({state['finished']}); "
+                         "nothing to resume: use another checkpoint directory")
+    return state
+
+
+def resume_seed(seed: int | None, state: dict | None) -> int | None:
+    """The global seed of a (resumed) seeded run: a resumed run draws afresh
+    rather than replaying the random numbers of its first part."""
+    if seed is None:
+        return None
+    return seed if state is None else seed + 1000003 * state["lots"]
+
+
+def sampling_seed_for(seed: int | None, initial_epoch: int) -> int | None:
+    """The lot sampler's seed of a seeded run starting at `initial_epoch`."""
+    return None if seed is None else seed + initial_epoch
+
+
+def mark_run_finished(checkpoint_dir: str | None, state: Callable[[], dict],
+                      stop_reason: str) -> None:
+    """Records in RUN_STATE (``state()``) that the run ended (`stop_reason`), so that the same
+    command does not resume it again.  Nothing if no checkpoint was written
+    there, or the run was interrupted (it is to be resumed)."""
+    from dpfl_tf._io import atomic_write_json
+
+    if checkpoint_dir is None or stop_reason == "interrupted" \
+            or not os.path.exists(os.path.join(checkpoint_dir, RUN_STATE)):
+        return
+    atomic_write_json(os.path.join(checkpoint_dir, RUN_STATE),
+                      {**state(), "finished": stop_reason})

@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import time
-import warnings
 
 import dp_accounting
 import keras
 import numpy as np
 
-from dpfl_tf._io import read_checkpoint_json
 from dpfl_tf.data import load_dataset
 from dpfl_tf.keras import DPModel, DPSGD
 from dpfl_tf.models import mlp, tanh_cnn
@@ -40,7 +37,10 @@ from dpfl_tf.pca import DPPCA, PCAProjection, RandomProjection, _Projection
 from dpfl_tf.scattering import Scattering2D, scatter_linear
 from dpfl_tf.privacy import (PrivacyLedger, calibrate_noise_multiplier, dp_sgd_event,
                              gaussian_step_event, max_steps)
-from dpfl_tf.recipes.common import EpochHistory, accuracy, paper_learning_rate, privacy_summary
+from dpfl_tf.recipes.common import (EpochHistory, LotStopper, RunCheckpoint, accuracy,
+                                    comparable_config, mark_run_finished, paper_learning_rate,
+                                    privacy_summary, resumable_run_state, resume_seed,
+                                    sampling_seed_for)
 
 __all__ = ["MnistConfig", "train_mnist", "PAPER_SETTINGS", "MODELS"]
 
@@ -146,8 +146,7 @@ def _inputs(config: MnistConfig, data, ledger: PrivacyLedger | None):
     return proj.transform(x_train), proj.transform(x_test), proj
 
 
-RUN_STATE = "run.json"        # beside DPCheckpoint's files: what the recipe needs to resume
-PROJECTION_FILE = "projection.npy"
+PROJECTION_FILE = "projection.npy"   # beside the checkpoint: the released DP-PCA projection
 #: config fields a resumed run may change (they do not change what is trained)
 _RESUMABLE_CHANGES = ("data_dir", "eval_every")
 
@@ -157,61 +156,8 @@ class _SavedProjection(_Projection):
         self.components = components
 
 
-class _LotStopper(keras.callbacks.Callback):
-    """Stops after exactly `total_lots` lots in all (so a resumed run ends where
-    an uninterrupted one would), or after the current lot when `should_stop()`."""
-
-    def __init__(self, total_lots: int, should_stop=None):
-        super().__init__()
-        self.total_lots = total_lots
-        self.should_stop = should_stop
-        self.interrupted = False
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.lots_applied >= self.total_lots:
-            self.model.stop_training = True
-        if self.should_stop is not None and self.should_stop():
-            self.interrupted = True
-            self.model.stop_reason = "interrupted"
-            self.model.stop_training = True
-
-
-class _RunCheckpoint(keras.callbacks.Callback):
-    """After every epoch (or only when interrupted): the `DPCheckpoint` of the
-    model, then the recipe's state (history, settings), then `on_epoch(result)`."""
-
-    def __init__(self, directory, every_epoch, stopper, state, snapshot, on_epoch):
-        super().__init__()
-        self.directory, self.every_epoch, self.stopper = directory, every_epoch, stopper
-        self.state, self.snapshot, self.on_epoch = state, snapshot, on_epoch
-        self.saved = None
-
-    def on_epoch_end(self, epoch, logs=None):
-        if self.directory is not None and (self.every_epoch or self.stopper.interrupted):
-            from dpfl_tf._io import atomic_write_json
-            from dpfl_tf.keras.checkpoint import DPCheckpoint
-
-            ckpt = DPCheckpoint(self.directory)
-            ckpt.set_model(self.model)
-            with warnings.catch_warnings():  # the wrapper is saved whole; its model is built
-                warnings.filterwarnings("ignore", "You are saving a model that has not")
-                ckpt.save(epoch + 1)
-            state = self.state()
-            atomic_write_json(os.path.join(self.directory, RUN_STATE), state)
-            self.saved = state
-        if self.on_epoch is not None:
-            self.on_epoch(self.snapshot(self.model))
-
-
 def _comparable(config: MnistConfig) -> dict:
-    d = json.loads(json.dumps(dataclasses.asdict(config)))
-    return {k: v for k, v in d.items() if k not in _RESUMABLE_CHANGES}
-
-
-def read_run_state(directory: str) -> dict | None:
-    """The recipe state of a checkpoint directory (None if it holds none); a
-    damaged file is named in the error."""
-    return read_checkpoint_json(os.path.join(directory, RUN_STATE))
+    return comparable_config(dataclasses.asdict(config), _RESUMABLE_CHANGES)
 
 
 def train_mnist(config: MnistConfig, *, verbose: bool = True,
@@ -235,23 +181,9 @@ def train_mnist(config: MnistConfig, *, verbose: bool = True,
 
     start = time.perf_counter()
     original_config = config
-    state = None
-    if checkpoint_dir is not None and DPCheckpoint.latest(checkpoint_dir) is not None:
-        state = read_run_state(checkpoint_dir)
-        if state is None:
-            raise ValueError(f"{checkpoint_dir} holds a DPCheckpoint but no {RUN_STATE}: it "
-                             "was not written by this recipe; use another checkpoint directory")
-        diff = sorted(k for k, v in _comparable(config).items() if state["config"].get(k) != v)
-        if diff:
-            raise ValueError(f"{checkpoint_dir} holds a checkpoint of a different run "
-                             f"(differs in: {', '.join(diff)}); use another checkpoint "
-                             "directory")
-        if state.get("finished"):
-            raise ValueError(f"{checkpoint_dir} holds a finished run ({state['finished']}); "
-                             "nothing to resume: use another checkpoint directory")
+    state = resumable_run_state(checkpoint_dir, _comparable(config))
     if config.seed is not None:
-        seed = config.seed if state is None else config.seed + 1000003 * state["lots"]
-        keras.utils.set_random_seed(seed)
+        keras.utils.set_random_seed(resume_seed(config.seed, state))
     data = load_dataset(config.dataset, data_dir=config.data_dir)
     n = len(data.y_train)
     if config.lot_size > n:
@@ -315,7 +247,7 @@ def train_mnist(config: MnistConfig, *, verbose: bool = True,
     if state is not None:
         history.rows = [r for r in state["history"] if r["epoch"] <= initial_epoch]
         seconds_before = state["seconds"]
-    stopper = _LotStopper(total_epochs * lots_per_epoch, should_stop)
+    stopper = LotStopper(total_epochs * lots_per_epoch, should_stop)
     projection_name = state["projection"] if state is not None else None
 
     def result_of(model, final: bool = False) -> dict:
@@ -373,14 +305,14 @@ def train_mnist(config: MnistConfig, *, verbose: bool = True,
                                           noise_multiplier=config.noise_multiplier,
                                           seed=config.seed),
                           loss=loss)
-        saver = _RunCheckpoint(checkpoint_dir, checkpoint_every_epoch, stopper, run_state,
-                               result_of, on_epoch)
+        saver = RunCheckpoint(checkpoint_dir, checkpoint_every_epoch, stopper, run_state,
+                              result_of, on_epoch)
         if model.lots_applied < stopper.total_lots:
             model.fit(x_train, y_train, lot_size=config.lot_size, batch_size=config.batch_size,
                       epochs=total_epochs, initial_epoch=initial_epoch,
                       target_epsilon=config.target_epsilon, target_delta=config.delta,
                       callbacks=[history, stopper, saver, *callbacks], verbose=0,
-                      sampling_seed=None if config.seed is None else config.seed + initial_epoch)
+                      sampling_seed=sampling_seed_for(config.seed, initial_epoch))
         else:
             model.stop_reason = "completed"
     else:
@@ -392,12 +324,8 @@ def train_mnist(config: MnistConfig, *, verbose: bool = True,
                   callbacks=[history, *callbacks], verbose=0)
         model.stop_reason = "completed"
 
-    if checkpoint_dir is not None and config.private and model.stop_reason != "interrupted" \
-            and os.path.exists(os.path.join(checkpoint_dir, RUN_STATE)):
-        from dpfl_tf._io import atomic_write_json
-
-        atomic_write_json(os.path.join(checkpoint_dir, RUN_STATE),
-                          {**run_state(), "finished": model.stop_reason})
+    if config.private:
+        mark_run_finished(checkpoint_dir, run_state, model.stop_reason)
     if model.stop_reason == "interrupted":
         return result_of(model)
     return result_of(model, final=True)

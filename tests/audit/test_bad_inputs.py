@@ -498,6 +498,21 @@ def _(ctx):
     _cli(ctx, "train", "mnist", "--epochs", "1", "--checkpoint-dir", str(ctx.tmp / "afile"))
 
 
+@row("cli/train/cifar10-pretrained-missing", "missing offline", SystemExit,
+     "/missing.weights.h5: no pretrained weights at")
+def _(ctx):
+    ctx.offline_without_data()   # the weights' public split is read before the data
+    _cli(ctx, "train", "cifar10", "--pretrained", str(ctx.tmp / "missing.weights.h5"))
+
+
+@row("cli/train/cifar10-pretrained-not-weights", "wrong dtype", SystemExit,
+     "/notes.weights.h5 is not a weights file (.weights.h5) that can be read")
+def _(ctx):
+    ctx.offline_without_data()
+    (ctx.tmp / "notes.weights.h5").write_text("not HDF5")
+    _cli(ctx, "train", "cifar10", "--pretrained", str(ctx.tmp / "notes.weights.h5"))
+
+
 @row("cli/federated/output-unwritable", "out of range", SystemExit,
      "--output /proc/dpfl_out/r.json: cannot write there")
 def _(ctx):
