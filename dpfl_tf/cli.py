@@ -175,13 +175,20 @@ def _add_train_parser(sub) -> None:
     p.add_argument("--epsilon", type=float_arg, default=2.0, help="target epsilon (budget)")
     p.add_argument("--delta", type=float_arg, default=1e-5)
     p.add_argument("--accountant", default="moments", choices=["moments", "rdp", "pld"])
-    p.add_argument("--model", default=None, choices=["mlp", "tanh_cnn", "scatter_linear"],
+    p.add_argument("--model", default=None,
+                   choices=["mlp", "tanh_cnn", "scatter_linear", "scatter_cnn"],
                    help="mnist: mlp (default; DP-PCA + MLP, Abadi et al.) or tanh_cnn "
-                        "(Papernot et al. 2021); any dataset: scatter_linear, ScatterNet "
-                        "features + linear model (Tramer & Boneh 2021; defaults lot 4096 "
+                        "(Papernot et al. 2021); any dataset: scatter_linear / scatter_cnn, "
+                        "ScatterNet features + a linear model / a small CNN "
+                        "(Tramer & Boneh 2021; defaults lot 4096 "
                         "(cifar10: 8192), clip 0.1, lr 8 (cifar10: 4), momentum 0.9, 60 epochs, "
                         "noise calibrated for the epochs, no public data). cifar10 without "
                         "--model: the paper's convnet, frozen pretrained convolutions")
+    p.add_argument("--feature-norm", default=None, choices=["group", "dp_stats"],
+                   help="scatter models: the input normalisation, per-example GroupNorm "
+                        "(group; default for mnist, fashion_mnist) or channel statistics "
+                        "released under DP and paid from the budget (dp_stats; default for "
+                        "cifar10)")
     p.add_argument("--noise-multiplier", type=float_arg,
                    help="sigma (default: the paper's setting for the epsilon: 2 / 4 / 8; "
                         "cifar10 and scatter_linear: calibrated so that --epochs epochs "
@@ -231,11 +238,13 @@ def _paper_setting_for(epsilon: float) -> str:
 
 
 def _run_train(args, error) -> int:
-    scatter = args.model == "scatter_linear"
+    scatter = args.model in ("scatter_linear", "scatter_cnn")
     cifar = args.dataset == "cifar10" and not scatter   # the paper's frozen convnet
     if args.dataset == "cifar10" and args.model in ("mlp", "tanh_cnn"):
         error(f"--model {args.model} needs 28x28 grey images (mnist, fashion_mnist); for "
-              f"cifar10 use --model scatter_linear or leave --model out")
+              f"cifar10 use --model scatter_linear, scatter_cnn or leave --model out")
+    if args.feature_norm is not None and not scatter:
+        error("--feature-norm is for --model scatter_linear and scatter_cnn")
     args.model = args.model or "mlp"
     column = 1 if cifar else 2 if scatter else 0
     colour = args.dataset == "cifar10"
@@ -268,12 +277,15 @@ def _run_train(args, error) -> int:
                   accountant=args.accountant, epochs=epochs, lot_size=lot, l2_norm_clip=clip,
                   learning_rate=lr, seed=args.seed, data_dir=args.data_dir, eval_every=5)
     if scatter:  # Tramer & Boneh 2021: constant lr, momentum, noise calibrated for the epochs
+        norm = args.feature_norm or ("dp_stats" if args.dataset == "cifar10" else "group")
         config = MnistConfig(projection="none", noise_multiplier=args.noise_multiplier,
                              batch_size=min(lot, 4096), final_learning_rate=lr, momentum=0.9,
-                             **common)
+                             feature_norm=norm, **common)
         sigma = "calibrated" if args.noise_multiplier is None else f"{args.noise_multiplier:g}"
-        what = (f"scattering features (J=2, L=8) + linear, sigma={sigma}, lot={lot}, "
-                f"clip={clip:g}, lr={lr:g}, momentum 0.9, {epochs} epochs")
+        head = "linear" if args.model == "scatter_linear" else "CNN"
+        what = (f"scattering features (J=2, L=8), {norm} normalisation + {head}, "
+                f"sigma={sigma}, lot={lot}, clip={clip:g}, lr={lr:g}, momentum 0.9, "
+                f"{epochs} epochs")
     else:
         setting = _paper_setting_for(epsilon)
         paper = PAPER_SETTINGS[setting]

@@ -55,7 +55,7 @@ import tensorflow as tf
 from dpfl_tf._validation import check_count
 
 __all__ = ["Scattering2D", "scattering_channels", "scattering_orders", "morlet_filter_bank",
-           "scatter_linear"]
+           "scatter_cnn", "scatter_linear"]
 
 
 def scattering_channels(J: int, L: int) -> int:
@@ -261,16 +261,50 @@ class Scattering2D:
         return np.concatenate(parts)
 
 
-def scatter_linear(input_shape=(7, 7, 81), classes: int = 10, *, groups: int = 27):
+def _input_normalisation(normalization, groups: int):
+    """The model's first layer: a given (frozen) layer, or per-example
+    GroupNormalization(groups) without parameters (costs no privacy)."""
+    import keras
+
+    if normalization is not None:
+        return normalization
+    return keras.layers.GroupNormalization(groups, center=False, scale=False, name="group_norm")
+
+
+def scatter_linear(input_shape=(7, 7, 81), classes: int = 10, *, groups: int = 27,
+                   normalization=None):
     """Tramer & Boneh 2021's ScatterNet + linear model, on precomputed features:
-    GroupNormalization(groups) without trainable parameters (each example's
-    channel groups normalised to zero mean, unit variance -- per example, so it
-    costs no privacy), Flatten, Dense logits (the only trainable layer)."""
+    an input normalisation, Flatten, Dense logits (the only trainable layer).
+
+    normalization: a frozen Keras layer, e.g. the DP-released channel
+      statistics of `dpfl_tf.normalization.DPFeatureNormalization.layer()`
+      (their CIFAR-10 setting); None is GroupNormalization(groups) without
+      parameters, each example's channel groups normalised to zero mean and unit
+      variance -- per example, so it costs no privacy (their Fashion-MNIST
+      setting)."""
     import keras
 
     layers = keras.layers
     return keras.Sequential([
         keras.Input(tuple(input_shape)),
-        layers.GroupNormalization(groups, center=False, scale=False, name="group_norm"),
+        _input_normalisation(normalization, groups),
         layers.Flatten(name="flatten"),
         layers.Dense(classes, name="logits")], name="scatter_linear")
+
+
+def scatter_cnn(input_shape=(8, 8, 243), classes: int = 10, *, groups: int = 27,
+                normalization=None, channels: int = 64):
+    """Tramer & Boneh 2021's ScatterNet + CNN for CIFAR-10 scattering features
+    (8x8xK): the input normalisation (as `scatter_linear`), Conv 3x3 `channels`
+    tanh, MaxPool 2, Conv 3x3 `channels` tanh, Flatten, Dense logits."""
+    import keras
+
+    layers = keras.layers
+    return keras.Sequential([
+        keras.Input(tuple(input_shape)),
+        _input_normalisation(normalization, groups),
+        layers.Conv2D(channels, 3, padding="same", activation="tanh", name="conv1"),
+        layers.MaxPooling2D(2, name="pool1"),
+        layers.Conv2D(channels, 3, padding="same", activation="tanh", name="conv2"),
+        layers.Flatten(name="flatten"),
+        layers.Dense(classes, name="logits")], name="scatter_cnn")

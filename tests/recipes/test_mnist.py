@@ -3,6 +3,7 @@
 import dataclasses
 import json
 
+import dp_accounting
 import pytest
 
 from dpfl_tf.privacy import compute_epsilon, dp_sgd_event
@@ -128,3 +129,44 @@ def test_only_the_scatternet_takes_colour_images():
     with pytest.raises(ValueError, match="model='mlp' needs 28x28 grey images"):
         MnistConfig(dataset="cifar10")
     MnistConfig(dataset="cifar10", model="scatter_linear")
+
+
+def test_scatter_cnn_with_dp_statistics_pays_for_them_and_resumes_without_a_second_release(
+        monkeypatch, tmp_path):
+    """feature_norm='dp_stats': the normalisation is one release in the ledger
+    before the lots, the noise is calibrated for what remains of the budget, and
+    a resumed run restores the released statistics with the model (no second
+    release, the same normalisation)."""
+    real = recipe.load_dataset
+    monkeypatch.setattr(recipe, "load_dataset", lambda *a, **k: _CifarSlice(real(*a, **k)))
+    config = MnistConfig(dataset="cifar10", model="scatter_cnn", feature_norm="dp_stats",
+                         noise_multiplier=None, target_epsilon=3.0, l2_norm_clip=0.1,
+                         lot_size=400, batch_size=400, learning_rate=2.0,
+                         final_learning_rate=2.0, momentum=0.9, epochs=4, accountant="pld",
+                         seed=0, eval_every=2)
+    stops = iter([False] * 9 + [True] + [False] * 100)   # stop after 10 lots (2 epochs)
+    first = train_mnist(config, verbose=False, checkpoint_dir=str(tmp_path),
+                        should_stop=lambda: next(stops))
+    assert first["stop_reason"] == "interrupted" and first["lots"] == 10
+    labels = [e["label"] for e in first["ledger"]]
+    assert labels[0] == "dp_feature_norm" and labels.count("dp_feature_norm") == 1
+    norm_event = dp_accounting.GaussianDpEvent(config.feature_norm_noise_multiplier / 6 ** 0.5)
+    sigma = first["noise_multiplier"]
+    lots_event = dp_sgd_event(sigma, 20, sampling_rate=400 / 2000)
+    full = compute_epsilon(dp_accounting.ComposedDpEvent([norm_event, lots_event]), 1e-5, "pld")
+    assert full <= 3.0 and full > 2.9   # calibrated for the remainder, to tolerance
+    assert compute_epsilon(lots_event, 1e-5, "pld") < full
+    resumed = train_mnist(config, verbose=False, checkpoint_dir=str(tmp_path))
+    assert resumed["lots"] == 20
+    assert [e["label"] for e in resumed["ledger"]].count("dp_feature_norm") == 1
+    assert resumed["epsilon"] == pytest.approx(full, rel=1e-6)
+    assert resumed["test_accuracy"] > 0.2   # chance is 0.1
+
+
+def test_exact_feature_statistics_are_refused_for_private_runs():
+    with pytest.raises(ValueError, match="feature_norm='stats' is not private"):
+        MnistConfig(dataset="cifar10", model="scatter_linear", feature_norm="stats")
+    with pytest.raises(ValueError, match="is for the scattering models"):
+        MnistConfig(feature_norm="dp_stats")
+    with pytest.raises(ValueError, match="feature_norm must be one of"):
+        MnistConfig(model="scatter_linear", feature_norm="batch")
