@@ -291,9 +291,30 @@ def _(ctx):
 
 # -- recipes and configs ------------------------------------------------------------------------
 @row("MnistConfig/model", "unknown name", ValueError,
-     "model must be 'mlp', 'tanh_cnn' or 'scatter_linear', got 'resnet'")
+     "model must be one of mlp, tanh_cnn, scatter_linear, scatter_cnn, got 'resnet'")
 def _(ctx):
     MnistConfig(model="resnet")
+
+
+@row("MnistConfig/feature_norm", "unknown name", ValueError,
+     "feature_norm must be one of group, dp_stats, stats, got 'batch'")
+def _(ctx):
+    MnistConfig(model="scatter_linear", feature_norm="batch")
+
+
+@row("cli/train/feature-norm-without-scatter", "unknown name", SystemExit,
+     "--feature-norm is for --model scatter_linear and scatter_cnn")
+def _(ctx):
+    _cli(ctx, "train", "mnist", "--feature-norm", "dp_stats", "--epochs", "1")
+
+
+@row("DPFeatureNormalization/clip-per-group", "wrong shape", ValueError,
+     "mean_clip needs one bound per channel group (3), got 2")
+def _(ctx):
+    from dpfl_tf.normalization import DPFeatureNormalization
+    from dpfl_tf.scattering import scattering_orders
+
+    DPFeatureNormalization(mean_clip=(1.0, 0.1), channel_groups=scattering_orders(2, 8))
 
 
 @row("train_mnist/unknown-dataset", "unknown name", ValueError, "unknown dataset 'nosuch'")

@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import dp_accounting
+import numpy as np
 import pytest
 
 from dpfl_tf.privacy import compute_epsilon, dp_sgd_event
@@ -156,8 +157,19 @@ def test_scatter_cnn_with_dp_statistics_pays_for_them_and_resumes_without_a_seco
     full = compute_epsilon(dp_accounting.ComposedDpEvent([norm_event, lots_event]), 1e-5, "pld")
     assert full <= 3.0 and full > 2.9   # calibrated for the remainder, to tolerance
     assert compute_epsilon(lots_event, 1e-5, "pld") < full
+    from dpfl_tf.keras.checkpoint import DPCheckpoint
+
+    def released_statistics():
+        model, _ = DPCheckpoint.restore(str(tmp_path))
+        norm = next(layer for layer in model.model.layers if layer.name == "feature_norm")
+        return np.asarray(norm.mean).ravel(), np.asarray(norm.variance).ravel()
+
+    mean, variance = released_statistics()
+    assert mean.shape == (243,) and np.abs(mean).max() > 0.1 and (variance > 0).any()
     resumed = train_mnist(config, verbose=False, checkpoint_dir=str(tmp_path))
     assert resumed["lots"] == 20
+    for before, after in zip((mean, variance), released_statistics()):
+        np.testing.assert_array_equal(before, after)
     assert [e["label"] for e in resumed["ledger"]].count("dp_feature_norm") == 1
     assert resumed["epsilon"] == pytest.approx(full, rel=1e-6)
     assert resumed["test_accuracy"] > 0.2   # chance is 0.1
