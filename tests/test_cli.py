@@ -150,9 +150,16 @@ def test_federated_is_a_dpfl_tf_command():
     assert out.returncode == 0 and "--clients-per-round" in out.stdout
 
 
-def test_train_cifar10_scatter_linear_uses_the_colour_defaults(monkeypatch, tmp_path):
-    """`train cifar10 --model scatter_linear` goes to the ScatterNet recipe (lot 8192,
-    lr 4, clip 0.1, momentum 0.9, 60 epochs, noise calibrated), not the frozen convnet."""
+@pytest.mark.parametrize("dataset,model,extra,norm", [
+    ("cifar10", "scatter_linear", [], "dp_stats"),
+    ("cifar10", "scatter_cnn", [], "dp_stats"),
+    ("cifar10", "scatter_linear", ["--feature-norm", "group"], "group"),
+    ("mnist", "scatter_linear", [], "group")])
+def test_train_scatter_models_use_their_defaults(monkeypatch, tmp_path, dataset, model, extra,
+                                                 norm):
+    """`train cifar10 --model scatter_linear|scatter_cnn` goes to the ScatterNet recipe
+    (lot 8192, lr 4, clip 0.1, momentum 0.9, 60 epochs, noise calibrated, channel
+    statistics released under DP), not the frozen convnet; mnist keeps GroupNorm."""
     from dpfl_tf import cli
     from dpfl_tf.recipes import mnist
 
@@ -164,10 +171,12 @@ def test_train_cifar10_scatter_linear_uses_the_colour_defaults(monkeypatch, tmp_
 
     monkeypatch.setattr(mnist, "train_mnist", fake_train)
     with pytest.raises(Seen) as seen:
-        cli.main(["train", "cifar10", "--model", "scatter_linear", "--epsilon", "3",
+        cli.main(["train", dataset, "--model", model, "--epsilon", "3", *extra,
                   "--output", str(tmp_path / "r.json")])
     config = seen.value.args[0]
+    colour = dataset == "cifar10"
     assert (config.dataset, config.model, config.lot_size, config.learning_rate,
             config.l2_norm_clip, config.momentum, config.epochs, config.noise_multiplier,
-            config.target_epsilon) == ("cifar10", "scatter_linear", 8192, 4.0, 0.1, 0.9, 60,
-                                       None, 3.0)
+            config.target_epsilon, config.feature_norm) == (
+        dataset, model, 8192 if colour else 4096, 4.0 if colour else 8.0, 0.1, 0.9, 60, None,
+        3.0, norm)
