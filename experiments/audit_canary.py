@@ -79,6 +79,16 @@ CLIP = 1.0
 VALUE = 10.0
 STEPS = 10
 POOL = 2                 # runs pooled into one full-batch audit
+
+
+def spread_seed(n: int) -> int:
+    """A noise seed for run number n whose noise shares no draw with any other
+    run's.  A seeded sanitizer draws lot t's noise from the key [seed XOR t, j],
+    so seeds differing only in their low bits (1 and 2, say) reuse each other's
+    draws at swapped lots; with the run number above bit 20 (lots t < 2^20)
+    seed XOR t never repeats across runs, and pooled or repeated runs are
+    independent as the audit needs."""
+    return (int(n) + 1) << 20
 TESTS = ("eps_dp", "gdp")
 
 
@@ -108,7 +118,7 @@ def calibrate(target_epsilon: float, sampling: str, steps: int, q: float | None,
 
 
 def audit_run(variant: str, target_epsilon: float, *, sampling: str, canaries: int,
-              real, black_box=None, seed: int = 0, noise_seed: int | None = 1,
+              real, black_box=None, seed: int = 0, noise_seed: int | None = None,
               accountant: str = "pld", learning_rate: float = 1.0,
               batches_per_lot: int = 16, statistic: str | None = None) -> dict:
     """One training run with canaries: its facts (``common``), the white-box
@@ -120,6 +130,7 @@ def audit_run(variant: str, target_epsilon: float, *, sampling: str, canaries: i
     from dpfl_tf.keras import DPSGD, DPModel
 
     x, y, *_ = real
+    noise_seed = spread_seed(seed) if noise_seed is None else noise_seed
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
     dirac = DiracCanaries(canaries, input_dim=x.shape[1], num_classes=10, value=VALUE,
@@ -202,7 +213,7 @@ def one_run_rows(runs: list, tests=TESTS, *, access="white_box", unit="example",
 
 
 def federated_run(variant: str, target_epsilon: float, *, canaries: int, real,
-                  seed: int = 0, noise_seed: int = 1, rounds: int = STEPS,
+                  seed: int = 0, noise_seed: int | None = None, rounds: int = STEPS,
                   clients: int = 100, clip: float = 0.1, local_lr: float = 0.1) -> list:
     """Client-level audit of Global DP: `clients` real clients (equal shares of
     the real data) plus one canary client per included canary, every client in
@@ -219,6 +230,7 @@ def federated_run(variant: str, target_epsilon: float, *, canaries: int, real,
     from dpfl_tf.sanitizer import GaussianSanitizer
 
     x, y, *_ = real
+    noise_seed = spread_seed(seed) if noise_seed is None else noise_seed
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
     per = len(y) // clients
@@ -311,7 +323,7 @@ def multi_run(variant: str, target_epsilon: float, runs: int, *, real, seed: int
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # the seeded-noise note
             opt = DPSGD(1.0, l2_norm_clip=CLIP, noise_multiplier=sigma,
-                        seed=seed * 100_000 + j)
+                        seed=spread_seed(seed * 100_000 + j))
         dp.compile(optimizer=opt,
                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         observer = WhiteBoxObserver(dp, xc, yc, canary.rows)
@@ -341,8 +353,8 @@ def multi_run(variant: str, target_epsilon: float, runs: int, *, real, seed: int
                      "runs_out": res.runs_out, "false_positives": res.false_positives,
                      "false_negatives": res.false_negatives, "fpr_upper": res.fpr_upper,
                      "fnr_upper": res.fnr_upper,
-                     "mean_score_in": float(scores[coins].mean()) if coins.any() else None,
-                     "mean_score_out": float(scores[~coins].mean()) if (~coins).any() else None,
+                     "scores_in": scores[coins].round(4).tolist(),
+                     "scores_out": scores[~coins].round(4).tolist(),
                      "caught": res.epsilon_lower_bound > claimed})
     return rows
 
@@ -445,7 +457,7 @@ def main(argv=None) -> int:
     def pooled(variant, t, sampling, statistic, seeds, with_bb=False, tests=TESTS, **kw):
         got = [audit_run(variant, t, sampling=sampling, canaries=m, real=real,
                          black_box=real[2:] if (with_bb and i == 0) else None, seed=s,
-                         noise_seed=kw.get("noise_base", 1) + s, statistic=statistic,
+                         noise_seed=spread_seed(s), statistic=statistic,
                          batches_per_lot=kw.get("batches_per_lot", 4))
                for i, s in enumerate(seeds)]
         rows = one_run_rows(got, tests)
@@ -500,7 +512,7 @@ def main(argv=None) -> int:
         per_test = {test: [] for test in TESTS}
         for j in range(n_rep):
             seeds = [1000 + 10 * j + k for k in range(pool)]
-            for row in pooled(variant, t, "full_batch", "sum", seeds, noise_base=1000):
+            for row in pooled(variant, t, "full_batch", "sum", seeds):
                 per_test[row["test"]].append(row)
         for test, rows in per_test.items():
             lbs = [r["epsilon_lower_bound"] for r in rows]

@@ -56,7 +56,9 @@ def _train(model_cls, canaries, x, y, *, sigma, sampling, seed, lr=1.0, black_bo
     dp = model_cls(model, accountant="pld")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # seeded noise: not for deployment
-        opt = DPSGD(lr, l2_norm_clip=1.0, noise_multiplier=sigma, seed=seed + 100)
+        # seed XOR lot keys the noise: runs' seeds must differ above the lot bits,
+        # or pooled runs would share noise draws (experiments/audit_canary.py)
+        opt = DPSGD(lr, l2_norm_clip=1.0, noise_multiplier=sigma, seed=(seed + 100) << 20)
     dp.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     observer = canaries.observer(dp)
     dp.fit(x, y, lot_size=lot, batch_size=math.ceil(lot / 16), epochs=epochs,
