@@ -403,12 +403,13 @@ def plot(rows, path):
         elif str(r.get("sampling", "")).startswith("poisson"):
             marker, setting = "h", "Poisson lots"
         elif r["variant"] == "ideal_gaussian":
-            marker, setting = "x", "simulated"
+            marker = "x" if r.get("test") == "gdp" else "+"
+            setting = f"simulated, {r['canaries']} canaries"
         else:
             marker, setting = ("o" if r["access"] == "white_box" else "v"), "full batch"
         test = r.get("test", "")
         label = f"{r['variant']} ({r['access'].replace('_', '-')}, {setting}, {test or method})"
-        filled = test != "eps_dp"
+        filled = test != "eps_dp" or marker in ("x", "+")   # line markers have no face
         ax.scatter(r["epsilon"], r["epsilon_lower_bound"], color=c, marker=marker,
                    facecolors=c if filled else "none", s=45,
                    label=None if label in seen else label)
