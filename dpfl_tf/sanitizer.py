@@ -47,6 +47,7 @@ Noise and sensitivity
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Sequence
 
@@ -84,6 +85,16 @@ def make_generator(seed: int | None = None, *, secure_mode: bool = False) -> tf.
     # shifted copies of one stream.)
     return tf.random.Generator.from_key_counter(key=int(seed) % 2**63, counter=[0, 0],
                                                 alg="philox")
+
+
+def seeded_noise_key(seed: int) -> tuple[int, int]:
+    """The 2 x 63-bit noise key of a seeded run: both words hashed from the seed
+    (BLAKE2b).  The key (seed, 0) made the streams of nearby seeds overlap:
+    lot t of seed s drew seed [s XOR t, j], so seed 1's lot 0 was seed 2's lot 3,
+    and runs told apart only by their seeds shared noise."""
+    digest = hashlib.blake2b(f"dpfl_tf noise key {int(seed)}".encode(), digest_size=16).digest()
+    return (int.from_bytes(digest[:8], "little") % 2**63,
+            int.from_bytes(digest[8:], "little") % 2**63)
 
 
 def noise_seed(noise_key, step, j: int) -> tf.Tensor:
@@ -140,7 +151,7 @@ class GaussianSanitizer:
         # seed when seeded (so a resumed run continues the same stream at lot t),
         # otherwise two fresh 63-bit words from `secrets` (126 bits), held in
         # memory only, never saved.
-        self.noise_key = ((int(seed) % 2**63, 0) if seed is not None
+        self.noise_key = (seeded_noise_key(seed) if seed is not None
                           else (secure_random.secure_key(), secure_random.secure_key()))
 
     # -- configuration ------------------------------------------------------

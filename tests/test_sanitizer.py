@@ -264,3 +264,25 @@ def test_every_noise_draw_is_seeded_by_the_whole_key(secure, monkeypatch):
     got = [tuple(int(v) for v in seed.numpy()) for seed in seeds]
     assert got == [(k0 ^ t, k1 ^ j) for t in (0, 5) for j in (0, 1)]
     assert len(set(got)) == 4
+
+
+def test_seeded_noise_streams_of_different_seeds_do_not_overlap():
+    """Seeds that differ in a few bits get unrelated keys: no (seed, lot) pair
+    reuses another seed's noise (with the key (seed, 0), lot t of seed s drew
+    [s XOR t, j]: seed 1's lot 0 was seed 2's lot 3)."""
+    from dpfl_tf.sanitizer import noise_seed, seeded_noise_key
+
+    draws = {}
+    for seed in range(8):
+        s = GaussianSanitizer(1.0, 1.0, seed=seed)
+        assert s.noise_key == seeded_noise_key(seed)
+        for step in range(8):
+            got = tuple(int(v) for v in noise_seed(s.noise_key, step, 0).numpy())
+            assert got not in draws, (seed, step, draws.get(got))
+            draws[got] = (seed, step)
+    # the same seed is the same stream (reproducible runs stay reproducible)
+    a = GaussianSanitizer(1.0, 1.0, seed=7).add_noise([tf.zeros((4,))], step=tf.constant(3, tf.int64))
+    b = GaussianSanitizer(1.0, 1.0, seed=7).add_noise([tf.zeros((4,))], step=tf.constant(3, tf.int64))
+    np.testing.assert_array_equal(a[0].numpy(), b[0].numpy())
+    k0, k1 = seeded_noise_key(0)
+    assert k0 >= 2 ** 40 and k1 >= 2 ** 40   # both words carry hashed bits (p ~ 2^-22 to fail)
