@@ -25,8 +25,8 @@ has Fourier transform
 the Gabor filter is g_hat(w - xi_j e_t) and the Morlet wavelet is the Gabor
 minus the multiple of its envelope that makes psi_hat(0) = 0.  The low-pass
 phi_J is the isotropic Gaussian of sigma = 0.8 2^(J-1) (phi_hat(0) = 1), as in
-kymatio; a low-pass twice as wide (0.8 2^J) blurs away information: on CIFAR-10
-it cost ScatterNet + linear several points of accuracy (see the README).  Each
+kymatio (an earlier version used 0.8 2^J, a low-pass twice as wide; see the
+README's CIFAR-10 diagnosis for what that changed).  Each
 filter is sampled on the DFT grid and periodised in frequency (aliases
 2 pi k), which is the DFT of the periodised, sampled continuous filter, so
 convolution is circular (FFT).  Images are reflect-padded by 2^J on each side

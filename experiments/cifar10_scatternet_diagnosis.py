@@ -80,7 +80,7 @@ def scattering(which: str, shape):
 def features(name: str, which: str, images, cache: str | None):
     path = os.path.join(cache, f"{name}_{which}.npy") if cache else None
     if path and os.path.exists(path):
-        return np.load(path)
+        return np.load(path, mmap_mode="r")
     out = scattering(which, images.shape[1:3]).transform(images.astype("float32") / 255.0,
                                                          batch_size=500, verbose=True)
     if path:
@@ -107,8 +107,23 @@ def kymatio_rows(x_test) -> list[dict]:
     return rows
 
 
-def normalise(kind: str, x_train, x_test, ledger, seed):
-    """The normalised (train, test) features and a note on the release."""
+def _mapped(fn, x, scratch: str, name: str):
+    """fn applied to x in chunks, written to a .npy in `scratch` and opened as a
+    memmap: DP-SGD then reads its lots from the file, so a 3 GB feature array is
+    never held twice in memory."""
+    name = f"{name}_{len(os.listdir(scratch))}"   # never rewrite a file a model may map
+    out = np.lib.format.open_memmap(os.path.join(scratch, name + ".npy"), mode="w+",
+                                    dtype=np.float32, shape=(len(x), int(np.prod(x.shape[1:]))))
+    for i in range(0, len(x), 5000):
+        part = fn(np.asarray(x[i:i + 5000], dtype=np.float32))
+        out[i:i + len(part)] = np.asarray(part).reshape(len(part), -1)
+    out.flush()
+    return np.load(os.path.join(scratch, name + ".npy"), mmap_mode="r")
+
+
+def normalise(kind: str, x_train, x_test, ledger, seed, scratch: str):
+    """The normalised, flattened (train, test) features (memmaps in `scratch`)
+    and a note on the release."""
     import keras
 
     from dpfl_tf.normalization import DPFeatureNormalization, FeatureNormalization
@@ -117,9 +132,8 @@ def normalise(kind: str, x_train, x_test, ledger, seed):
 
     if kind == "group":
         gn = keras.layers.GroupNormalization(27, center=False, scale=False)
-        apply = lambda x: np.concatenate([np.asarray(gn(x[i:i + 5000]))  # noqa: E731
-                                          for i in range(0, len(x), 5000)])
-        return apply(x_train), apply(x_test), {}
+        return (_mapped(gn, x_train, scratch, "train"), _mapped(gn, x_test, scratch, "test"),
+                {})
     if kind == "stats":
         norm = FeatureNormalization().fit(x_train)
     elif kind == "dp_stats_one":   # one group; bounds at the median norms (T&B's choice)
@@ -137,7 +151,8 @@ def normalise(kind: str, x_train, x_test, ledger, seed):
         info = {"clipped_fraction": norm.clipped_fraction,
                 "zeroed_channels": int((norm.variance == 0).sum()),
                 "release_noise_multiplier": float(norm.effective_noise_multiplier)}
-    return norm.transform(x_train), norm.transform(x_test), info
+    return (_mapped(norm.transform, x_train, scratch, "train"),
+            _mapped(norm.transform, x_test, scratch, "test"), info)
 
 
 def train(x_train, y_train, x_test, y_test, *, private: bool, ledger=None, lot=8192, lr=4.0,
@@ -149,8 +164,6 @@ def train(x_train, y_train, x_test, y_test, *, private: bool, ledger=None, lot=8
     from dpfl_tf.privacy import calibrate_noise_multiplier, dp_sgd_event
 
     n = len(x_train)
-    x_train = x_train.reshape(n, -1)
-    x_test = x_test.reshape(len(x_test), -1)
     net = keras.Sequential([keras.Input(x_train.shape[1:]), keras.layers.Dense(10)])
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     start = time.perf_counter()
@@ -171,10 +184,12 @@ def train(x_train, y_train, x_test, y_test, *, private: bool, ledger=None, lot=8
     else:   # what the features can do: a tuned non-private optimiser (unclipped
         # gradients are ~1000x the clipped ones, so DP-SGD's lr 4 diverges here)
         net.compile(keras.optimizers.Adam(1e-3), loss)
-        net.fit(x_train, y_train, batch_size=256, epochs=15, verbose=0)
+        net.fit(np.asarray(x_train), y_train, batch_size=256, epochs=15, verbose=0)
 
     def accuracy(x, y):
-        return float(np.mean(np.argmax(net.predict(x, batch_size=4096, verbose=0), 1) == y))
+        logits = np.concatenate([net.predict(np.asarray(x[i:i + 4096]), verbose=0)
+                                 for i in range(0, len(x), 4096)])
+        return float(np.mean(np.argmax(logits, 1) == y))
 
     return {**out, "test_accuracy": accuracy(x_test, y_test),
             "train_accuracy": accuracy(x_train, y_train),
@@ -200,8 +215,12 @@ def main(argv=None) -> dict:
     p.add_argument("--output", default=os.path.join(ROOT, "results",
                                                     "cifar10_scatternet_diagnosis.json"))
     args = p.parse_args(argv)
+    import tempfile
+
     from dpfl_tf.data import load_dataset
     from dpfl_tf.privacy import PrivacyLedger
+
+    scratch = tempfile.mkdtemp(prefix="scatternet_diagnosis_")
 
     if args.cache:
         os.makedirs(args.cache, exist_ok=True)
@@ -233,11 +252,13 @@ def main(argv=None) -> dict:
                 if part not in args.parts or (not private and kind.startswith("dp_")):
                     continue
                 ledger = PrivacyLedger("pld")
-                x_tr, x_te, info = normalise(kind, f_train, f_test, ledger, args.seed)
+                x_tr, x_te, info = normalise(kind, f_train, f_test, ledger, args.seed, scratch)
                 row = train(x_tr, y_train, x_te, y_test, private=private, ledger=ledger,
                             seed=args.seed)
                 add({"part": part, "features": which, "normalisation": kind, **info, **row})
                 del x_tr, x_te
+                for old_file in os.listdir(scratch):   # the mapped copies: 3 GB each
+                    os.remove(os.path.join(scratch, old_file))
         del f_train, f_test
     if "jpeg" in args.parts:
         fashion = load_dataset("fashion_mnist")
@@ -248,7 +269,7 @@ def main(argv=None) -> dict:
             f_tr = features(tag + "_train", "after", tr, args.cache)
             f_te = features(tag + "_test", "after", te, args.cache)
             ledger = PrivacyLedger("pld")
-            x_tr, x_te, _ = normalise("group", f_tr, f_te, ledger, args.seed)
+            x_tr, x_te, _ = normalise("group", f_tr, f_te, ledger, args.seed, scratch)
             for private in (False, True):
                 row = train(x_tr, fashion.y_train.astype("int64"), x_te,
                             fashion.y_test.astype("int64"), private=private,
