@@ -47,7 +47,7 @@ sys.path.insert(0, ROOT)
 from dpfl_tf._io import atomic_write_json  # noqa: E402
 
 EPSILON, DELTA = 3.0, 1e-5
-KEY = ("part", "features", "normalisation", "data", "private")   # one row per key
+KEY = ("part", "filters", "features", "normalisation", "data", "private")   # one row per key
 
 
 def _old_filter_bank(shape, J=2, L=8):
