@@ -37,9 +37,11 @@ one of multiplier sigma / sqrt(2G).  Channels whose scales differ by orders of
 magnitude (ScatterNet: order-0 means ~0.5, order-2 second moments ~1e-5) then
 each get noise at their own scale instead of the largest group's.
 
-The clip bounds are fixed numbers (hyperparameters, like DP-SGD's clip).
-Tramer & Boneh set them to the median norm of the private data, a data-dependent
-choice their accounting leaves out; here they are never read off the data.
+The clip bounds are fixed numbers (hyperparameters, like DP-SGD's clip): this
+module never reads them off the data.  Tramer & Boneh set them at run time to
+the median norm of the private data, a data-dependent choice their accounting
+leaves out.  Fixed defaults chosen by looking at a dataset are the same kind
+of choice, made once (the CIFAR-10 recipe's are, see `MnistConfig`).
 `FeatureNormalization` is the non-private baseline (exact statistics).
 """
 

@@ -83,11 +83,11 @@ POOL = 2                 # runs pooled into one full-batch audit
 
 def spread_seed(n: int) -> int:
     """A noise seed for run number n whose noise shares no draw with any other
-    run's.  A seeded sanitizer draws lot t's noise from the key [seed XOR t, j],
-    so seeds differing only in their low bits (1 and 2, say) reuse each other's
-    draws at swapped lots; with the run number above bit 20 (lots t < 2^20)
-    seed XOR t never repeats across runs, and pooled or repeated runs are
-    independent as the audit needs."""
+    run's.  The sanitizer now hashes the seed into its noise key
+    (`seeded_noise_key`), so any distinct seeds would do; the results in
+    results/audit_canary.json were made when lot t of seed s drew from
+    [s XOR t, j], where seeds differing in their low bits shared draws, and
+    the run number above bit 20 kept runs apart."""
     return (int(n) + 1) << 20
 TESTS = ("eps_dp", "gdp")
 

@@ -196,6 +196,19 @@ def train(x_train, y_train, x_test, y_test, *, private: bool, ledger=None, lot=8
             "seconds": time.perf_counter() - start}
 
 
+def label_statistics(row: dict) -> dict:
+    """A DP-SGD run on exact (non-private) statistics is not (eps, delta)-DP as
+    a whole: its epsilon is DP-SGD's alone, recorded as such, and "epsilon" is
+    None.  The clipped fractions and zeroed channels of the DP releases are
+    exact counts on the private data (diagnostics, not private outputs)."""
+    if row.get("normalisation") == "stats" and "epsilon" in row:
+        row = {**row, "epsilon": None, "epsilon_dp_sgd_only": row["epsilon"],
+               "private_statistics": False}
+    if "clipped_fraction" in row:
+        row["diagnostics_not_private"] = ["clipped_fraction", "zeroed_channels"]
+    return row
+
+
 def jpeg(images, quality: int = 75):
     from PIL import Image
 
@@ -255,7 +268,8 @@ def main(argv=None) -> dict:
                 x_tr, x_te, info = normalise(kind, f_train, f_test, ledger, args.seed, scratch)
                 row = train(x_tr, y_train, x_te, y_test, private=private, ledger=ledger,
                             seed=args.seed)
-                add({"part": part, "features": which, "normalisation": kind, **info, **row})
+                add(label_statistics({"part": part, "features": which,
+                                      "normalisation": kind, **info, **row}))
                 del x_tr, x_te
                 for old_file in os.listdir(scratch):   # the mapped copies: 3 GB each
                     os.remove(os.path.join(scratch, old_file))

@@ -56,8 +56,8 @@ def _train(model_cls, canaries, x, y, *, sigma, sampling, seed, lr=1.0, black_bo
     dp = model_cls(model, accountant="pld")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # seeded noise: not for deployment
-        # seed XOR lot keys the noise: runs' seeds must differ above the lot bits,
-        # or pooled runs would share noise draws (experiments/audit_canary.py)
+        # distinct seeds, distinct noise (the key is hashed from the seed); spread
+        # above bit 20 as in experiments/audit_canary.py
         opt = DPSGD(lr, l2_norm_clip=1.0, noise_multiplier=sigma, seed=(seed + 100) << 20)
     dp.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     observer = canaries.observer(dp)
