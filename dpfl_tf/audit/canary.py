@@ -85,6 +85,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import dp_accounting
 import keras
 import numpy as np
 import tensorflow as tf
@@ -101,6 +102,19 @@ STATISTICS = ("sum", "spread")
 def _rng(seed):
     # the coins are the audit's secret: OS entropy unless a seed is asked for
     return np.random.default_rng(seed)
+
+
+def _has_subsampling(event) -> bool:
+    """True if the event composes a Poisson (q < 1) or fixed-size sampled release."""
+    if isinstance(event, dp_accounting.PoissonSampledDpEvent):
+        return event.sampling_probability < 1 or _has_subsampling(event.event)
+    if isinstance(event, dp_accounting.SampledWithoutReplacementDpEvent):
+        return True
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        return any(_has_subsampling(e) for e in event.events)
+    if isinstance(event, dp_accounting.SelfComposedDpEvent):
+        return _has_subsampling(event.event)
+    return False
 
 
 class DiracCanaries:
@@ -205,7 +219,15 @@ class DiracCanaries:
               method: str = "eps_dp") -> OneRunResult:
         """The one-run lower bound from the observer's scores and the coins.
         ``method="gdp"`` only for full-batch lots (or Global DP with every
-        client every round): see `dpfl_tf.audit.one_run`."""
+        client every round): see `dpfl_tf.audit.one_run`; it is refused when the
+        observed model's ledger holds sampled lots (the GDP test's null is then
+        not the mechanism that ran)."""
+        if method == "gdp":
+            ledger = getattr(getattr(observer, "dp_model", None), "privacy_ledger", None)
+            if ledger is not None and _has_subsampling(ledger.event):
+                raise ValueError("method='gdp' needs full-batch lots (a plain Gaussian "
+                                 "mechanism); this model's ledger holds sampled lots: use "
+                                 "method='eps_dp'")
         return epsilon_lower_bound_from_scores(observer.scores(statistic), self._coins,
                                                delta=delta, confidence=confidence,
                                                guess_fractions=guess_fractions, method=method)

@@ -239,3 +239,21 @@ def test_global_dp_without_clipping_is_caught(mnist_slice):
     claimed, result, gdp = _federated_audit(broken.SkipClippingGlobalDP, 2.0, mnist_slice)
     assert result.epsilon_lower_bound > claimed
     assert gdp.epsilon_lower_bound > claimed
+
+
+def test_the_gdp_test_is_refused_on_sampled_lots(mnist_slice):
+    """On Poisson lots the GDP test's null (a plain Gaussian) is not the
+    mechanism that ran: the audit refuses it and names the test that applies;
+    full-batch lots take it."""
+    x, y, *_ = mnist_slice
+    for sampling in ("poisson", "full_batch"):
+        canaries = DiracCanaries(20, input_dim=784, num_classes=10, value=10.0, seed=5)
+        x_train, y_train = canaries.training_data(x[:200], y[:200])
+        dp, observer = _train(DPModel, canaries, x_train, y_train, sigma=1.0,
+                              sampling=sampling, seed=5)
+        if sampling == "poisson":
+            with pytest.raises(ValueError, match="method='eps_dp'"):
+                canaries.audit(observer, delta=DELTA, method="gdp")
+        else:
+            canaries.audit(observer, delta=DELTA, method="gdp")
+        canaries.audit(observer, delta=DELTA)          # the eps-DP test applies to both
