@@ -43,8 +43,8 @@ from dpfl_tf.pca import DPPCA, PCAProjection, RandomProjection, _Projection
 from dpfl_tf.normalization import DPFeatureNormalization, FeatureNormalization
 from dpfl_tf.scattering import (Scattering2D, scatter_cnn, scatter_linear, scattering_channels,
                                 scattering_orders)
-from dpfl_tf.privacy import (PrivacyLedger, calibrate_noise_multiplier, dp_sgd_event,
-                             gaussian_step_event, max_steps)
+from dpfl_tf.privacy import (PrivacyLedger, calibrate_noise_multiplier, compute_epsilon,
+                             dp_sgd_event, gaussian_step_event, max_steps)
 from dpfl_tf.recipes.common import (EpochHistory, LotStopper, RunCheckpoint, accuracy,
                                     comparable_config, mark_run_finished, paper_learning_rate,
                                     privacy_summary, resumable_run_state, resume_seed,
@@ -232,6 +232,16 @@ def train_mnist(config: MnistConfig, *, verbose: bool = True,
     start = time.perf_counter()
     original_config = config
     state = resumable_run_state(checkpoint_dir, _comparable(config))
+    if state is None and config.private and config.feature_norm == "dp_stats" \
+            and config.target_epsilon is not None:   # before any data is read
+        cost = compute_epsilon(dp_accounting.GaussianDpEvent(
+            config.feature_norm_noise_multiplier / 6 ** 0.5), config.delta, config.accountant)
+        if cost >= config.target_epsilon:
+            raise ValueError(f"the DP feature statistics alone cost epsilon = {cost:.3f} "
+                             f"(feature_norm_noise_multiplier="
+                             f"{config.feature_norm_noise_multiplier:g}), which leaves nothing "
+                             f"of target_epsilon = {config.target_epsilon:g} for DP-SGD: raise "
+                             "feature_norm_noise_multiplier or use feature_norm='group'")
     if config.seed is not None:
         keras.utils.set_random_seed(resume_seed(config.seed, state))
     data = load_dataset(config.dataset, data_dir=config.data_dir)

@@ -302,6 +302,14 @@ def _(ctx):
     MnistConfig(model="scatter_linear", feature_norm="batch")
 
 
+@row("train_mnist/dp-statistics-above-budget", "budget spent", ValueError,
+     "the DP feature statistics alone cost epsilon = 0.634")
+def _(ctx):   # refused before any data is read: no data directory is reachable
+    ctx.offline_without_data()
+    train_mnist(MnistConfig(dataset="cifar10", model="scatter_linear", feature_norm="dp_stats",
+                            target_epsilon=0.5, noise_multiplier=None, accountant="pld"))
+
+
 @row("cli/train/feature-norm-without-scatter", "unknown name", SystemExit,
      "--feature-norm is for --model scatter_linear and scatter_cnn")
 def _(ctx):
