@@ -440,8 +440,12 @@ def _train_and_report(args, error, train: Callable[..., dict],
                   file=sys.stderr)
             return interrupts.exit_code
         except (ValueError, FileNotFoundError, BudgetExceededError) as e:
-            if results.written:
+            if results.written:   # failed mid-run: no usage block, say what was kept
                 results.write("failed", results.last, error=str(e))
+                print(f"dpfl-tf {args.command}: failed after {results.last.get('epochs')} "
+                      f"epochs: {e}; results so far in {out} (status failed)",
+                      file=sys.stderr)
+                return 1
             message = str(e)
             if message.startswith("lot_size ("):
                 message = "--lot-size" + message[len("lot_size"):]
