@@ -1,7 +1,7 @@
 """Why ScatterNet + linear reached 53.8% on CIFAR-10 where Tramer & Boneh report
 67.0% (eps 3): the diagnosis, one factor at a time.
 
-    python experiments/cifar10_scatternet_diagnosis.py          # ~40 min on 2 cores
+    python experiments/cifar10_scatternet_diagnosis.py          # ~50 min on 2 cores
     python experiments/cifar10_scatternet_diagnosis.py --cache /tmp/scat   # keep features
 
 writes results/cifar10_scatternet_diagnosis.json.  Rows:
@@ -47,7 +47,7 @@ sys.path.insert(0, ROOT)
 from dpfl_tf._io import atomic_write_json  # noqa: E402
 
 EPSILON, DELTA = 3.0, 1e-5
-KEY = ("part", "filters", "features", "normalisation", "data", "private")   # one row per key
+KEY = ("part", "filters", "features", "normalisation", "data", "private")  # row identity
 
 
 def _old_filter_bank(shape, J=2, L=8):
