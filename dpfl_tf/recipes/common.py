@@ -36,6 +36,9 @@ def accuracy(model: keras.Model, x, y, batch_size: int = 2000) -> float:
     a tensor of all of it (a second 3 GB copy of CIFAR-10's scattering features,
     on every evaluation)."""
     y = np.asarray(y).reshape(-1)
+    if not hasattr(x, "__getitem__"):   # a tf.data pipeline: it streams already
+        logits = model.predict(x, batch_size=batch_size, verbose=0)
+        return float(np.mean(np.argmax(logits, axis=-1) == y))
     correct = 0
     for i in range(0, len(y), 8 * batch_size):
         logits = model.predict(np.asarray(x[i:i + 8 * batch_size]), batch_size=batch_size,
