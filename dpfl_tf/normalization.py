@@ -145,10 +145,9 @@ class DPFeatureNormalization(_Standardise):
                 raise ValueError("channel_groups must give every channel a group id 0 .. G-1, "
                                  f"each used, got {self.channel_groups!r}")
             self.channel_groups = tuple(int(g) for g in groups)
-        count = 1 if self.channel_groups is None else max(self.channel_groups) + 1
-        self.mean_clip = self._bounds("mean_clip", self.mean_clip, count)
+        self.mean_clip = self._bounds("mean_clip", self.mean_clip, self.groups)
         self.second_moment_clip = self._bounds("second_moment_clip",
-                                               self.second_moment_clip, count)
+                                               self.second_moment_clip, self.groups)
         self.mean = self.variance = self.event = None
         self.clipped_fraction = None
 
@@ -176,10 +175,18 @@ class DPFeatureNormalization(_Standardise):
         return value if isinstance(value, tuple) else (value,) * count
 
     @property
+    def groups(self) -> int:
+        """G, the number of channel groups."""
+        return 1 if self.channel_groups is None else max(self.channel_groups) + 1
+
+    @property
     def effective_noise_multiplier(self) -> float:
         """sigma / sqrt(2 G): the multiplier of the release as one Gaussian."""
-        count = 1 if self.channel_groups is None else max(self.channel_groups) + 1
-        return self.noise_multiplier / np.sqrt(2 * count)
+        return self.noise_multiplier / np.sqrt(2 * self.groups)
+
+    def planned_event(self):
+        """The event `fit` records, known before any data is read."""
+        return self.sanitizer(self.groups).event(2 * self.groups, "full_batch")
 
     def sanitizer(self, groups: int = 1):
         from dpfl_tf.sanitizer import GaussianSanitizer
@@ -210,7 +217,7 @@ class DPFeatureNormalization(_Standardise):
         bounds = sanitizer.clip_bounds(len(records))
         self.clipped_fraction = tuple(float(np.mean(np.linalg.norm(r, axis=1) > c))
                                       for r, c in zip(records, bounds))
-        self.event = sanitizer.event(len(records), "full_batch")
+        self.event = self.planned_event()
         if ledger is not None:
             ledger.record(self.event, label="dp_feature_norm")
         return self

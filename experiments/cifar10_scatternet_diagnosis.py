@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import math
 import os
 import sys
 import time
@@ -127,8 +126,7 @@ def normalise(kind: str, x_train, x_test, ledger, seed, scratch: str):
     import keras
 
     from dpfl_tf.normalization import DPFeatureNormalization, FeatureNormalization
-    from dpfl_tf.recipes.mnist import MnistConfig
-    from dpfl_tf.scattering import scattering_orders
+    from dpfl_tf.recipes.mnist import MnistConfig, feature_norm_release
 
     if kind == "group":
         gn = keras.layers.GroupNormalization(27, center=False, scale=False)
@@ -139,13 +137,9 @@ def normalise(kind: str, x_train, x_test, ledger, seed, scratch: str):
     elif kind == "dp_stats_one":   # one group; bounds at the median norms (T&B's choice)
         norm = DPFeatureNormalization(8.0, 0.85, 0.46, seed=seed).fit(x_train, ledger)
     else:                          # the library's default for cifar10
-        config = MnistConfig(dataset="cifar10", model="scatter_linear", feature_norm="dp_stats")
-        colours = x_train.shape[-1] // 81
-        means, seconds = (tuple(c * math.sqrt(colours) for c in clips)
-                          for clips in config.feature_norm_clips)
-        norm = DPFeatureNormalization(config.feature_norm_noise_multiplier, means, seconds,
-                                      channel_groups=scattering_orders(2, 8, colours),
-                                      seed=seed).fit(x_train, ledger)
+        config = MnistConfig(dataset="cifar10", model="scatter_linear", feature_norm="dp_stats",
+                             seed=seed)
+        norm = feature_norm_release(config, x_train.shape[-1] // 81).fit(x_train, ledger)
     info = {}
     if kind != "stats":
         info = {"clipped_fraction": norm.clipped_fraction,

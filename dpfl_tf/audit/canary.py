@@ -92,6 +92,7 @@ import tensorflow as tf
 
 from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.audit.one_run import OneRunResult, epsilon_lower_bound_from_scores
+from dpfl_tf.privacy.events import iter_events
 
 __all__ = ["DiracCanaries", "MislabelledCanaries", "WhiteBoxObserver", "STATISTICS",
            "observe_rounds"]
@@ -105,16 +106,13 @@ def _rng(seed):
 
 
 def _has_subsampling(event) -> bool:
-    """True if the event composes a Poisson (q < 1) or fixed-size sampled release."""
-    if isinstance(event, dp_accounting.PoissonSampledDpEvent):
-        return event.sampling_probability < 1 or _has_subsampling(event.event)
-    if isinstance(event, dp_accounting.SampledWithoutReplacementDpEvent):
-        return True
-    if isinstance(event, dp_accounting.ComposedDpEvent):
-        return any(_has_subsampling(e) for e in event.events)
-    if isinstance(event, dp_accounting.SelfComposedDpEvent):
-        return _has_subsampling(event.event)
-    return False
+    """True if the event composes a sampled release (Poisson with q < 1, or
+    sampling with or without replacement)."""
+    return any(isinstance(e, (dp_accounting.SampledWithoutReplacementDpEvent,
+                              dp_accounting.SampledWithReplacementDpEvent))
+               or (isinstance(e, dp_accounting.PoissonSampledDpEvent)
+                   and e.sampling_probability < 1)
+               for e in iter_events(event))
 
 
 class DiracCanaries:

@@ -188,12 +188,17 @@ def _feature_norm_layer(config: MnistConfig, x_train, ledger: PrivacyLedger | No
     if config.feature_norm == "stats":
         return FeatureNormalization().fit(x_train, ledger).layer()
     colours = x_train.shape[-1] // scattering_channels(2, 8)
+    return feature_norm_release(config, colours).fit(x_train, ledger).layer()
+
+
+def feature_norm_release(config: MnistConfig, colours: int = 1) -> DPFeatureNormalization:
+    """The DP release of `feature_norm="dp_stats"` for features of `colours`
+    colour planes (its event does not depend on them: one group per order)."""
     means, seconds = (tuple(c * colours ** 0.5 for c in clips)
                       for clips in config.feature_norm_clips)
-    release = DPFeatureNormalization(config.feature_norm_noise_multiplier, means, seconds,
-                                     channel_groups=scattering_orders(2, 8, colours),
-                                     seed=config.seed)
-    return release.fit(x_train, ledger).layer()
+    return DPFeatureNormalization(config.feature_norm_noise_multiplier, means, seconds,
+                                  channel_groups=scattering_orders(2, 8, colours),
+                                  seed=config.seed)
 
 
 PROJECTION_FILE = "projection.npy"   # beside the checkpoint: the released DP-PCA projection
@@ -234,8 +239,8 @@ def train_mnist(config: MnistConfig, *, verbose: bool = True,
     state = resumable_run_state(checkpoint_dir, _comparable(config))
     if state is None and config.private and config.feature_norm == "dp_stats" \
             and config.target_epsilon is not None:   # before any data is read
-        cost = compute_epsilon(dp_accounting.GaussianDpEvent(
-            config.feature_norm_noise_multiplier / 6 ** 0.5), config.delta, config.accountant)
+        cost = compute_epsilon(feature_norm_release(config).planned_event(), config.delta,
+                               config.accountant)
         if cost >= config.target_epsilon:
             raise ValueError(f"the DP feature statistics alone cost epsilon = {cost:.3f} "
                              f"(feature_norm_noise_multiplier="
