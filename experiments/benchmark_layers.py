@@ -31,7 +31,10 @@ epoch of every repeat as warm-up, median of the timed epochs:
   tfp_fast_clipping  tensorflow-privacy: not run, recorded with the reason
 
 `ratio_to_nonprivate` is DP epoch / non-private epoch of the *same framework*
-(the issue's targets); `ratio_to_keras` is to Keras's non-private epoch.
+and precision policy (the issue's targets); `ratio_to_keras` is to Keras's
+float32 non-private epoch.  `--policies float32 mixed_bfloat16` adds the Keras
+rows under a mixed-precision policy (`keras_nonprivate@mixed_bfloat16`,
+`dpfl_tf@mixed_bfloat16`): the speed effect of mixed precision, DP and not.
 Targets (issue 16): transformer and Conv1D <= 1.5x, GroupNorm ResNet <= 2x,
 LSTM <= 4x time; peak memory <= 2x; and a lower time ratio than Opacus ghost
 clipping.
@@ -39,6 +42,7 @@ clipping.
     python experiments/benchmark_layers.py                  # the real run (idle machine)
     python experiments/benchmark_layers.py --quick          # smoke test, tiny sizes
     python experiments/benchmark_layers.py --models lstm --skip-peers
+    python experiments/benchmark_layers.py --skip-peers --policies float32 mixed_bfloat16
 
 The Opacus peer runs in its own virtual environment (`--opacus-python`,
 default /work/peer_envs/opacus/bin/python when it exists; see README).
@@ -61,6 +65,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("transformer", "conv1d_text", "resnet20_gn", "lstm")
 OURS = ("keras_nonprivate", "dpfl_tf")
 OPACUS = ("nonprivate", "opacus", "opacus_ghost")
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 CLIP, NOISE, LR = 4.0, 1.0, 0.05
 
 # architecture (the same constants are in experiments/peers/opacus_layers.py)
@@ -212,6 +217,7 @@ def worker(args) -> dict:
         def on_epoch_end(self, epoch, logs=None):
             (warmup if epoch == 0 else timed).append(time.perf_counter() - self.t0)
 
+    keras.mixed_precision.set_global_policy(args.policy)
     for repeat in range(args.repeats):
         keras.utils.set_random_seed(repeat)
         model = build_model(args.model)
@@ -244,6 +250,7 @@ def worker(args) -> dict:
                          "sampling": "poisson" if args.implementation == "dpfl_tf" else
                          "keras batches of lot size", "epochs_per_repeat": args.epochs,
                          "repeats": args.repeats, "python_version": platform.python_version(),
+                         "policy": args.policy,
                          **extra}}
 
 
@@ -327,7 +334,8 @@ def plot(rows: list[dict], path: str, quick: bool = False) -> bool:
         print("matplotlib not found: no figure")
         return False
     models = list(dict.fromkeys(r["model"] for r in rows))
-    impls = [i for i in ("dpfl_tf", "opacus", "opacus_ghost")
+    impls = [i for i in ("dpfl_tf", *(f"dpfl_tf@{p}" for p in POLICIES[1:]), "opacus",
+                         "opacus_ghost")
              if any(r["implementation"] == i for r in rows)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / max(1, len(impls))
@@ -374,6 +382,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--opacus-python", default="/work/peer_envs/opacus/bin/python")
     p.add_argument("--skip-peers", action="store_true")
+    p.add_argument("--policies", nargs="+", default=["float32"], choices=POLICIES,
+                   help="Keras precision policies to time ours under (float32 first: the "
+                        "other policies' rows are also compared with it)")
     p.add_argument("--peer-epochs", type=int, default=2,
                    help="epochs per repeat (the first is warm-up) for Opacus's DP modes, "
                         "whose epochs take up to an hour at full size")
@@ -386,6 +397,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--implementation", help=argparse.SUPPRESS)
+    p.add_argument("--policy", default="float32", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.worker:
@@ -409,8 +421,8 @@ def main(argv=None) -> list[dict]:
         sizes["examples"] = args.examples or sizes["examples"]
         sizes["lot_size"] = args.lot_size or sizes["lot_size"]
         common = ["--examples", str(sizes["examples"]), "--lot-size", str(sizes["lot_size"])]
-        plan = [(sys.executable, os.path.abspath(__file__), impl, ["--worker"], args.epochs,
-                 args.repeats) for impl in OURS]
+        plan = [(sys.executable, os.path.abspath(__file__), impl, ["--worker", "--policy", policy],
+                 args.epochs, args.repeats) for policy in args.policies for impl in OURS]
         if have_opacus:
             script = os.path.join(ROOT, "experiments", "peers", "opacus_layers.py")
             for impl in OPACUS:
@@ -424,6 +436,9 @@ def main(argv=None) -> list[dict]:
             result = _run(cmd, args.timeout)
             ours = script.endswith("benchmark_layers.py")
             label = impl if ours else ("opacus_nonprivate" if impl == "nonprivate" else impl)
+            policy = extra[extra.index("--policy") + 1] if ours else "float32"
+            if policy != "float32":
+                label += "@" + policy
             framework = "keras" if ours else "pytorch"
             row = {"model": model, "implementation": label, "framework": framework,
                    "seconds_per_epoch": result.get("seconds_per_epoch"),
@@ -437,15 +452,16 @@ def main(argv=None) -> list[dict]:
                        result.get("settings") or {}).get("warmup_epoch_seconds"),
                    "examples": sizes["examples"], "lot_size": sizes["lot_size"],
                    "epochs_per_repeat": epochs, "repeats": repeats,
-                   "settings": result.get("settings"),
+                   "settings": result.get("settings"), "policy": policy,
                    "command": " ".join(cmd),
                    "wall_seconds": time.perf_counter() - start}
             if result.get("error"):
                 row["error"] = _error_line(result["error"])
                 row["error_detail"] = result["error"][-2000:]
             if impl in ("keras_nonprivate", "nonprivate") and row["seconds_per_epoch"]:
-                baselines[framework] = row
-            base, keras_base = baselines.get(framework), baselines.get("keras")
+                baselines[framework, policy] = row
+            base, keras_base = baselines.get((framework, policy)), baselines.get(
+                ("keras", "float32"))
             if row["seconds_per_epoch"] and base and base is not row:
                 row["ratio_to_nonprivate"] = row["seconds_per_epoch"] / base["seconds_per_epoch"]
                 row["memory_ratio_to_nonprivate"] = row["peak_memory_mb"] / base[
@@ -474,6 +490,7 @@ def main(argv=None) -> list[dict]:
               f"not import beside TF 2.21 / Keras 3 ({TFP_COVERAGE[model]})", flush=True)
     checks = _checks(rows)
     _print_checks(checks, args.quick)
+    sys.path.insert(0, ROOT)  # the package from this checkout, installed or not
     from dpfl_tf._io import atomic_write_json
 
     report = {"description": __doc__.split("\n\n")[0],

@@ -10,6 +10,7 @@ import tensorflow as tf
 from dpfl_tf.keras import layer_rules
 from dpfl_tf.keras.layer_rules import FALLBACK, LayerRule, find_rule, register_rule
 from dpfl_tf.keras.layer_rules._base import outer_gradients
+from dpfl_tf.keras.layer_rules.recurrent import RECURRENT as RECURRENT_RULE
 from dpfl_tf.keras.per_example import PerExampleGradients, plan_layers
 from tests.keras.helpers import loss, mnist_slice
 
@@ -369,37 +370,121 @@ class ScaleShift(keras.layers.Layer):
 
 
 RECURRENT = {
-    "simple_rnn": lambda: keras.layers.SimpleRNN(5, activation="tanh"),
-    "lstm": lambda: keras.layers.LSTM(5),
-    "gru_sequences": lambda: keras.layers.GRU(4, return_sequences=True),
-    "bidirectional_lstm": lambda: keras.layers.Bidirectional(keras.layers.LSTM(3)),
+    "simple_rnn": (lambda: keras.layers.SimpleRNN(5, activation="tanh"), {}),
+    "simple_rnn_no_bias_sequences": (
+        lambda: keras.layers.SimpleRNN(4, use_bias=False, return_sequences=True), {}),
+    "lstm": (lambda: keras.layers.LSTM(5), {}),
+    "lstm_implementation_1_backwards": (
+        lambda: keras.layers.LSTM(4, implementation=1, go_backwards=True,
+                                  return_sequences=True), {}),
+    "lstm_unrolled_state": (lambda: keras.layers.LSTM(3, unroll=True, return_state=True), {}),
+    "gru": (lambda: keras.layers.GRU(4), {}),
+    "gru_sequences_backwards": (
+        lambda: keras.layers.GRU(4, return_sequences=True, go_backwards=True), {}),
+    "gru_no_bias": (lambda: keras.layers.GRU(3, use_bias=False), {}),
+    "bidirectional_lstm": (lambda: keras.layers.Bidirectional(keras.layers.LSTM(3)),
+                           {"LSTM": "RecurrentRule", "Dense": "DenseRule"}),
+    "bidirectional_gru_sequences": (
+        lambda: keras.layers.Bidirectional(keras.layers.GRU(3, return_sequences=True),
+                                           merge_mode="sum"), {"GRU": "RecurrentRule", "Dense": "DenseRule"}),
 }
 
 
+def _recurrent_head(out):
+    if isinstance(out, (list, tuple)):  # return_state: every output reaches the loss
+        out = keras.layers.Concatenate()([keras.layers.Flatten()(t) for t in out])
+    return _head(out)
+
+
 @pytest.mark.parametrize("name", list(RECURRENT))
-def test_recurrent_layers_use_the_per_layer_fallback(name):
+def test_recurrent_layers_use_their_per_step_rule(name):
     keras.utils.set_random_seed(24)
     x, y = _sequence(steps=6)
     inp = keras.Input(x.shape[1:])
-    layer = RECURRENT[name]()
+    make, rules = RECURRENT[name]
+    layer = make()
+    h = layer(keras.layers.Dense(4, activation="tanh")(inp))
+    model = keras.Model(inp, _recurrent_head(h))
+    check_exact(model, x, y, rules or {type(layer).__name__: "RecurrentRule",
+                                       "Dense": "DenseRule"})
+    if name.startswith("bidirectional"):
+        assert plan_layers(model).keys().isdisjoint({id(layer)})
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "simple_rnn"])
+def test_recurrent_rule_with_masked_tokens_and_an_initial_state(cell):
+    # padding (token 0) masked by the Embedding; the initial state is computed
+    # from the example's own tokens, so its gradient flows back through it
+    keras.utils.set_random_seed(27)
+    x, y = _tokens(steps=10)
+    x[:, -3:] = 0  # trailing padding on every example, leading zeros already frequent
+    units = 4
+    cls = {"lstm": keras.layers.LSTM, "gru": keras.layers.GRU,
+           "simple_rnn": keras.layers.SimpleRNN}[cell]
+    inp = keras.Input(x.shape[1:], dtype="int32")
+    e = keras.layers.Embedding(16, 5, mask_zero=True)(inp)
+    h0 = keras.layers.Dense(units, activation="tanh")(
+        keras.layers.GlobalAveragePooling1D()(e))
+    states = [h0, h0] if cell == "lstm" else [h0]
+    h = cls(units, return_sequences=True, zero_output_for_mask=True)(e, initial_state=states)
+    model = keras.Model(inp, _head(h))
+    check_exact(model, x, y, {cls.__name__: "RecurrentRule", "Embedding": "EmbeddingRule",
+                              "Dense": "DenseRule"})
+
+
+def test_a_recurrent_layer_called_twice_sums_over_its_calls_and_runs_in_xla():
+    keras.utils.set_random_seed(28)
+    x, y = _sequence(steps=6)
+    inp = keras.Input(x.shape[1:])
+    lstm = keras.layers.LSTM(4, return_sequences=True)
+    h = lstm(keras.layers.Dense(4, activation="tanh")(inp))
+    h = lstm(h)
+    model = keras.Model(inp, _head(h))
+    check_exact(model, x, y, {"LSTM": "RecurrentRule", "Dense": "DenseRule"})
+    check_exact(model, x, y, jit=True)
+
+
+REFUSED = {
+    "dropout": lambda: keras.layers.LSTM(4, dropout=0.2),
+    "recurrent_dropout": lambda: keras.layers.GRU(4, recurrent_dropout=0.2),
+    "reset_before": lambda: keras.layers.GRU(4, reset_after=False),
+    "generic_rnn": lambda: keras.layers.RNN(keras.layers.LSTMCell(4)),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_recurrent_configurations_the_rule_refuses_use_the_fallback(name):
+    keras.utils.set_random_seed(29)
+    x, y = _sequence(steps=5)
+    inp = keras.Input(x.shape[1:])
+    layer = REFUSED[name]()
     h = layer(keras.layers.Dense(4, activation="tanh")(inp))
     model = keras.Model(inp, _head(h))
+    if "dropout" in name:  # the loop compares with a reference: no random masks
+        layer.cell.dropout = layer.cell.recurrent_dropout = 0.0
+        assert RECURRENT_RULE.applies(layer)
+        layer.cell.dropout = 0.2 if name == "dropout" else 0.0
+        layer.cell.recurrent_dropout = 0.2 if name == "recurrent_dropout" else 0.0
+        assert not RECURRENT_RULE.applies(layer)
+        used = {type(lr).__name__: type(r).__name__ for lr, r in plan_layers(model).values()}
+        assert used[type(layer).__name__] == "PerLayerJacobianRule"
+        return
     check_exact(model, x, y, {type(layer).__name__: "PerLayerJacobianRule",
                               "Dense": "DenseRule"})
 
 
-def test_lstm_fallback_inside_xla_without_pfor():
+def test_the_fallback_runs_a_generic_rnn_inside_xla_without_pfor():
     # XLA cannot compile pfor's form of the RNN loop (nor could the whole-model
     # Jacobian before); the unvectorised per-layer Jacobian compiles
     keras.utils.set_random_seed(25)
     x, y = _sequence(steps=6)
     inp = keras.Input(x.shape[1:])
-    model = keras.Model(inp, _head(keras.layers.LSTM(4)(inp)))
-    register_rule(keras.layers.LSTM, layer_rules.PerLayerJacobianRule(vectorize=False))
+    model = keras.Model(inp, _head(keras.layers.RNN(keras.layers.LSTMCell(4))(inp)))
+    register_rule(keras.layers.RNN, layer_rules.PerLayerJacobianRule(vectorize=False))
     try:
         check_exact(model, x, y, jit=True)
     finally:
-        layer_rules.unregister_rule(keras.layers.LSTM)
+        register_rule(keras.layers.RNN, FALLBACK)
 
 
 def test_a_custom_layer_without_a_rule_uses_the_fallback_and_a_registered_rule_wins():

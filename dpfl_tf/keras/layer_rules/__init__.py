@@ -17,7 +17,8 @@ from dpfl_tf.keras.layer_rules._base import (LayerCall, LayerRule, Taps, Variabl
                                              find_rule, kept, materialised, original_call,
                                              outer_gradients, register_rule, scaled, stopped,
                                              unregister_rule, watched)
-from dpfl_tf.keras.layer_rules import conv, dense, einsum_dense, embedding, normalization
+from dpfl_tf.keras.layer_rules import (conv, dense, einsum_dense, embedding, normalization,
+                                      recurrent)
 from dpfl_tf.keras.layer_rules.fallback import FALLBACK, PerLayerJacobianRule
 
 __all__ = ["LayerRule", "Taps", "LayerCall", "VariableGradients", "register_rule",

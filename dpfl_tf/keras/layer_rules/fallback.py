@@ -11,9 +11,11 @@ are reproduced).  Given g = d loss / d output, example i's gradient is
 the layer re-run once on its own tapped inputs, and the Jacobian of the B inner
 products s_i = <f(x; w)_i, g_i> with respect to w (pfor-vectorised over the
 batch).  Unlike the whole-model Jacobian it differentiates through this layer
-only; per-example gradients [B, *w.shape] are materialised.  Recurrent layers
-(SimpleRNN, LSTM, GRU) and wrappers (Bidirectional, TimeDistributed) use it as
-a whole: their cell is called inside a loop, where no tap can be taken.
+only; per-example gradients [B, *w.shape] are materialised.  A generic
+`keras.layers.RNN` (any cell), the recurrent layers' configurations their rule
+refuses (`recurrent.py`) and wrappers such as TimeDistributed use it as a
+whole: their cell or layer is called inside a loop, where no tap can be taken.
+(Bidirectional calls its two layers directly, so it is descended into.)
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class PerLayerJacobianRule(LayerRule):
 
 FALLBACK = PerLayerJacobianRule()
 
-# run as a whole: an RNN calls its cell in a loop; a Wrapper (Bidirectional,
-# TimeDistributed, ...) may call its layer in a loop or with altered weights
-for _cls in (keras.layers.RNN, keras.layers.Wrapper, keras.layers.Bidirectional):
+# run as a whole: an RNN calls its cell in a loop; a Wrapper (TimeDistributed,
+# ...) may call its layer in a loop or with altered weights
+for _cls in (keras.layers.RNN, keras.layers.Wrapper):
     register_rule(_cls, FALLBACK)
