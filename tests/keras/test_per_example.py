@@ -128,8 +128,9 @@ def test_rules_are_found_for_dense_conv_embedding_and_frozen_layers_only_run_for
     sub(np.zeros((1, 20), "float32"))
     assert sorted(_rule_names(sub).values()) == ["DenseRule", "DenseRule"]
     # a layer without a rule whose variables are its own uses the fallback
-    lstm = keras.Sequential([keras.Input((5, 3)), keras.layers.LSTM(4), keras.layers.Dense(2)])
-    assert [rule for _, rule in plan_layers(lstm).values()][0] is FALLBACK
+    rnn = keras.Sequential([keras.Input((5, 3)), keras.layers.RNN(keras.layers.LSTMCell(4)),
+                            keras.layers.Dense(2)])
+    assert [rule for _, rule in plan_layers(rnn).values()][0] is FALLBACK
 
 
 def test_clipped_sum_equals_sum_of_clipped_reference_gradients():
