@@ -25,9 +25,13 @@ used (no sampling):
 
 recorded in the same `PrivacyLedger` as the DP-SGD lots.  The noising is
 `GaussianSanitizer`'s, with per-component bounds (C_a, C_b) and proportional
-noise.  The features are then standardised, (x - mu) / sqrt(var + 1e-5), and a
-channel whose noisy variance is 0 is set to 0 (its scale is unknown), as
-Tramer & Boneh do.
+noise.  The features are then standardised, (x - mu) / sqrt(var + epsilon), and
+a channel whose noisy variance is 0 is set to 0 (its scale is unknown), as
+Tramer & Boneh do.  epsilon is in the features' squared units: Tramer & Boneh's
+1e-5 is on features of ImageNet-standardised pixels (about 4.4 times those of
+pixels in [0, 1]), i.e. about 5e-7 on features of [0, 1] pixels, where 1e-5
+would shrink the ScatterNet's order-2 channels (variances ~1e-6) to a third of
+unit scale.
 
 Channel groups (an extension): with ``channel_groups`` (a group id per
 channel, e.g. the scattering order, `dpfl_tf.scattering.scattering_orders`)
@@ -56,7 +60,8 @@ from dpfl_tf.privacy.ledger import PrivacyLedger
 
 __all__ = ["DPFeatureNormalization", "FeatureNormalization", "channel_moments"]
 
-#: added to the variance before the square root (Tramer & Boneh's value)
+#: added to the variance before the square root (Tramer & Boneh's value, in the
+#: squared units of their features: see the module docstring)
 EPSILON = 1e-5
 
 
@@ -78,19 +83,20 @@ def channel_moments(x, batch_size: int = 4096):
 class _Standardise:
     mean: np.ndarray | None = None
     variance: np.ndarray | None = None
+    epsilon: float = EPSILON
 
     def _check_fitted(self):
         if self.mean is None:
             raise RuntimeError(f"{type(self).__name__} is not fitted; call fit() first")
 
     def transform(self, x) -> np.ndarray:
-        """(x - mean) / sqrt(var + 1e-5) per channel, 0 where var = 0; float32."""
+        """(x - mean) / sqrt(var + epsilon) per channel, 0 where var = 0; float32."""
         self._check_fitted()
         x = np.asarray(x, dtype=np.float32)
         if x.shape[-1] != len(self.mean):
             raise ValueError(f"x has {x.shape[-1]} channels, the statistics have "
                              f"{len(self.mean)}")
-        scale = np.where(self.variance > 0, 1.0 / np.sqrt(self.variance + EPSILON), 0.0)
+        scale = np.where(self.variance > 0, 1.0 / np.sqrt(self.variance + self.epsilon), 0.0)
         return ((x - self.mean.astype(np.float32)) * scale.astype(np.float32)).astype(np.float32)
 
     def fit_transform(self, x, *args, **kwargs) -> np.ndarray:
@@ -99,12 +105,12 @@ class _Standardise:
     def layer(self, name: str = "feature_norm"):
         """The same standardisation as a frozen Keras layer (no trainable weights,
         so it costs DP-SGD nothing): `keras.layers.Normalization` with this mean
-        and variance + 1e-5; a channel of variance 0 gets variance 1e30, which
+        and variance + epsilon; a channel of variance 0 gets variance 1e30, which
         sends it to 0 as `transform` does."""
         import keras
 
         self._check_fitted()
-        variance = np.where(self.variance > 0, self.variance + EPSILON, 1e30)
+        variance = np.where(self.variance > 0, self.variance + self.epsilon, 1e30)
         return keras.layers.Normalization(axis=-1, mean=self.mean.astype(np.float32),
                                           variance=variance.astype(np.float32), name=name)
 
@@ -127,6 +133,8 @@ class DPFeatureNormalization(_Standardise):
       channel_groups: optional group id (0 .. G-1) of every channel; None is
         one group.
       seed: seeds the noise (tests only; default OS entropy).
+      epsilon: added to the variance before the square root (> 0), in the
+        features' squared units.
     """
 
     noise_multiplier: float = 8.0
@@ -134,10 +142,12 @@ class DPFeatureNormalization(_Standardise):
     second_moment_clip: float | tuple = 1.0
     channel_groups: tuple | None = None
     seed: int | None = None
+    epsilon: float = EPSILON
 
     def __post_init__(self):
         self.noise_multiplier = check_number("noise_multiplier", self.noise_multiplier,
                                              low=0.0, low_open=True)
+        self.epsilon = check_number("epsilon", self.epsilon, low=0.0, low_open=True)
         if self.channel_groups is not None:
             groups = np.asarray(self.channel_groups)
             if groups.ndim != 1 or not np.issubdtype(groups.dtype, np.integer) or \
@@ -225,7 +235,13 @@ class DPFeatureNormalization(_Standardise):
 
 @dataclasses.dataclass
 class FeatureNormalization(_Standardise):
-    """Non-private baseline: the exact per-channel mean and variance."""
+    """Non-private baseline: the exact per-channel mean and variance
+    (standardised with `epsilon` added to the variance, as the DP release)."""
+
+    epsilon: float = EPSILON
+
+    def __post_init__(self):
+        self.epsilon = check_number("epsilon", self.epsilon, low=0.0, low_open=True)
 
     def fit(self, x, ledger: PrivacyLedger | None = None) -> "FeatureNormalization":
         import dp_accounting

@@ -89,9 +89,32 @@ def test_the_keras_layer_standardises_as_transform_does(features):
     assert not layer.trainable_weights
 
 
+@pytest.mark.parametrize("epsilon", [1e-5, 5e-7])
+def test_epsilon_is_added_to_the_variance_in_transform_and_layer(features, epsilon):
+    norm = FeatureNormalization(epsilon=epsilon).fit(features)
+    flat = features.reshape(-1, features.shape[-1]).astype(np.float64)
+    live = norm.variance > 0
+    expected = (flat[:, live] - flat.mean(axis=0)[live]) / np.sqrt(
+        flat.var(axis=0)[live] + epsilon)
+    out = norm.transform(features).reshape(-1, features.shape[-1])
+    np.testing.assert_allclose(out[:, live], expected, rtol=1e-3, atol=1e-4)
+    layer_out = np.asarray(norm.layer()(features)).reshape(-1, features.shape[-1])
+    np.testing.assert_allclose(layer_out[:, live], expected, rtol=1e-3, atol=1e-4)
+    # the small channels (MNIST's order 2) are near unit scale only for a small epsilon
+    small = live & (norm.variance < 1e-5)
+    assert small.any()
+    shrink = np.median(out[:, small].std(axis=0))
+    assert (shrink < 0.8) if epsilon == 1e-5 else (shrink > 0.8)
+
+
 def test_bad_arguments_raise_clear_errors(features):
     with pytest.raises(ValueError, match="noise_multiplier"):
         DPFeatureNormalization(noise_multiplier=0.0)
+    for bad in (0.0, -1e-5, float("nan")):
+        with pytest.raises(ValueError, match="epsilon"):
+            DPFeatureNormalization(epsilon=bad)
+        with pytest.raises(ValueError, match="epsilon"):
+            FeatureNormalization(epsilon=bad)
     with pytest.raises(ValueError, match="mean_clip"):
         DPFeatureNormalization(mean_clip=-1.0)
     with pytest.raises(RuntimeError, match="not fitted"):

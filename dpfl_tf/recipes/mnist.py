@@ -111,6 +111,9 @@ class MnistConfig:
     #: 99th percentile: a data-dependent hyperparameter choice outside the
     #: accounting, like the clip and the learning rate (see the README)
     feature_norm_clips: tuple = ((1.0, 0.15, 0.03), (1.0, 0.01, 0.0003))
+    #: added to the channel variances before the square root, in the squared
+    #: units of the features of pixels in [0, 1] (see `dpfl_tf.normalization`)
+    feature_norm_epsilon: float = 1e-5
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -186,7 +189,8 @@ def _feature_norm_layer(config: MnistConfig, x_train, ledger: PrivacyLedger | No
     if config.feature_norm == "group":
         return None
     if config.feature_norm == "stats":
-        return FeatureNormalization().fit(x_train, ledger).layer()
+        return FeatureNormalization(epsilon=config.feature_norm_epsilon).fit(
+            x_train, ledger).layer()
     colours = x_train.shape[-1] // scattering_channels(2, 8)
     return feature_norm_release(config, colours).fit(x_train, ledger).layer()
 
@@ -198,7 +202,7 @@ def feature_norm_release(config: MnistConfig, colours: int = 1) -> DPFeatureNorm
                       for clips in config.feature_norm_clips)
     return DPFeatureNormalization(config.feature_norm_noise_multiplier, means, seconds,
                                   channel_groups=scattering_orders(2, 8, colours),
-                                  seed=config.seed)
+                                  seed=config.seed, epsilon=config.feature_norm_epsilon)
 
 
 PROJECTION_FILE = "projection.npy"   # beside the checkpoint: the released DP-PCA projection

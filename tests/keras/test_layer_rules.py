@@ -556,7 +556,12 @@ def _mixed_models():
     h = keras.layers.Flatten()(h)
     cnn = keras.Model(inp, keras.layers.Dense(10, dtype="float32")(h))
     xt, yt = _tokens()
-    return [(cnn, x, y), (transformer_block(), xt, yt)]
+    inp = keras.Input(xt.shape[1:], dtype="int32")
+    h = keras.layers.Embedding(16, 6, mask_zero=True)(inp)
+    h = keras.layers.Bidirectional(keras.layers.GRU(4, return_sequences=True))(h)
+    h = keras.layers.LSTM(5)(h)
+    recurrent = keras.Model(inp, keras.layers.Dense(10, dtype="float32")(h))
+    return [(cnn, x, y), (transformer_block(), xt, yt), (recurrent, xt, yt)]
 
 
 @pytest.mark.parametrize("policy, loss_scale, rtol", [
