@@ -125,9 +125,13 @@ def stopped(variable, dtype=None) -> tf.Tensor:
 
 def kept(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
     """t with the rows of examples whose factor is 0 (dropped as non-finite)
-    set to exactly 0: 0 * NaN would be NaN."""
-    keep = tf.reshape(c > 0, [-1] + [1] * (t.shape.rank - 1))
-    return tf.where(keep, t, tf.zeros_like(t))
+    set to exactly 0: 0 * NaN would be NaN.  t itself when no factor is 0 (the
+    usual case: the copy of a big tap is skipped)."""
+    def zeroed():
+        keep = tf.reshape(c > 0, [-1] + [1] * (t.shape.rank - 1))
+        return tf.where(keep, t, tf.zeros_like(t))
+
+    return tf.cond(tf.reduce_all(c > 0), lambda: tf.identity(t), zeroed)
 
 
 def scaled(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
@@ -180,17 +184,28 @@ def outer_gradients(a: tf.Tensor, g: tf.Tensor, positions: int | None,
     """
     a, g = f32(a), f32(g)
     d, o = a.shape[-1], g.shape[-1]
+    single = a.shape[2] == 1   # one group: plain (batched) matmuls, faster than einsum
     # ghost costs B S^2 (d + o) multiply-adds, materialising B S d o
     if positions is not None and positions * (d + o) < d * o:
-        aa = tf.einsum("bsgd,btgd->bgst", a, a)
-        gg = tf.einsum("bsgo,btgo->bgst", g, g)
-        sq = tf.reduce_sum(aa * gg, axis=[1, 2, 3])
+        if single:
+            a3, g3 = a[:, :, 0], g[:, :, 0]
+            sq = tf.reduce_sum(tf.matmul(a3, a3, transpose_b=True)
+                               * tf.matmul(g3, g3, transpose_b=True), axis=[1, 2])
+        else:
+            aa = tf.einsum("bsgd,btgd->bgst", a, a)
+            gg = tf.einsum("bsgo,btgo->bgst", g, g)
+            sq = tf.reduce_sum(aa * gg, axis=[1, 2, 3])
 
         def clipped_sum(c, a=a, g=g):
-            s = tf.einsum("bsgd,bsgo->gdo", kept(a, c), scaled(g, c))
+            if single:   # sum over examples and positions: one [d, B S] x [B S, o] product
+                s = tf.matmul(tf.reshape(kept(a, c), [-1, d]), tf.reshape(scaled(g, c), [-1, o]),
+                              transpose_a=True)[None]
+            else:
+                s = tf.einsum("bsgd,bsgo->gdo", kept(a, c), scaled(g, c))
             return tf.cast(tf.reshape(to_variable(s), variable.shape), variable.dtype)
     else:
-        per_example = tf.einsum("bsgd,bsgo->bgdo", a, g)
+        per_example = (tf.matmul(a[:, :, 0], g[:, :, 0], transpose_a=True)[:, None] if single
+                       else tf.einsum("bsgd,bsgo->bgdo", a, g))
         sq = tf.reduce_sum(tf.square(per_example), axis=[1, 2, 3])
 
         def clipped_sum(c, j=per_example):

@@ -1,8 +1,14 @@
 """Embedding (with or without ``mask_zero``): z_it = E[x_it].
 
-Example i's gradient has row r equal to sum_{t: x_it = r} g_it, so
-||grad_i E||^2 = sum_{s,t} [x_is = x_it] (g_is . g_it)  (over the positions of
-all calls), and the clipped sum scatters c_i g_it into row x_it.  ``mask_zero``
+Example i's gradient has row r equal to sum_{t: x_it = r} g_it (over the
+positions of all calls), so
+
+    ||grad_i E||^2 = sum_r ||sum_{t: x_it = r} g_it||^2,
+
+computed by sorting each example's ids, summing g over each run of equal ids
+(one segment sum) and squaring: O(B T d), where the pairwise form
+sum_{s,t} [x_is = x_it] (g_is . g_it) costs O(B T^2 d).  The clipped sum
+scatters c_i g_it into row x_it.  ``mask_zero``
 only changes the mask handed to later layers, not this layer's gradient.  Cf.
 Opacus ``grad_sample/embedding.py``, tensorflow-privacy
 ``registry_functions/embedding.py``.
@@ -33,8 +39,7 @@ class EmbeddingRule(LayerRule):
         b = tf.shape(gs[0])[0]
         ids = tf.concat([tf.reshape(c.saved, [b, -1]) for c in calls], axis=1)
         gf = tf.concat([tf.reshape(g, [b, -1, g.shape[-1]]) for g in gs], axis=1)
-        same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), gf.dtype)
-        sq = tf.reduce_sum(same * tf.matmul(gf, gf, transpose_b=True), axis=[1, 2])
+        sq = _per_example_row_norms(ids, gf)
         table = layer.embeddings
 
         def clipped_sum(c, gf=gf, ids=ids):
@@ -43,6 +48,22 @@ class EmbeddingRule(LayerRule):
             return tf.cast(s, table.dtype)
 
         return [(table, VariableGradients(sq, clipped_sum))]
+
+
+def _per_example_row_norms(ids: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """sum_r ||sum_{t: ids_it = r} g_it||^2 per example, for ids [B, T] and
+    g [B, T, d]: runs of equal ids after a per-example sort, one segment each
+    (static segment count B T, so it compiles under XLA)."""
+    b, t = tf.shape(ids)[0], tf.shape(ids)[1]
+    order = tf.argsort(ids, axis=1, stable=True)
+    ids_sorted = tf.gather(ids, order, batch_dims=1)
+    g_sorted = tf.gather(g, order, batch_dims=1)
+    first = tf.concat([tf.ones([b, 1], tf.int32),
+                       tf.cast(ids_sorted[:, 1:] != ids_sorted[:, :-1], tf.int32)], axis=1)
+    segment = tf.cumsum(first, axis=1) - 1 + tf.range(b)[:, None] * t
+    run_sums = tf.math.unsorted_segment_sum(tf.reshape(g_sorted, [-1, g.shape[-1]]),
+                                            tf.reshape(segment, [-1]), b * t)
+    return tf.reduce_sum(tf.reshape(tf.square(run_sums), [b, -1]), axis=1)
 
 
 register_rule(keras.layers.Embedding, EmbeddingRule())
