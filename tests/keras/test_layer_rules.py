@@ -432,6 +432,28 @@ def test_recurrent_rule_with_masked_tokens_and_an_initial_state(cell):
                               "Dense": "DenseRule"})
 
 
+@pytest.mark.parametrize("unroll", [False, True])
+def test_bidirectional_recurrent_layers_on_masked_tokens(unroll):
+    # the backward layer runs go_backwards with zero_output_for_mask (set by
+    # Bidirectional); unrolled, Keras zeroes its outputs with the mask in input
+    # order, so that layer is refused and takes the exact fallback
+    keras.utils.set_random_seed(30)
+    x, y = _tokens(steps=10)
+    x[:, -3:] = 0
+    inp = keras.Input(x.shape[1:], dtype="int32")
+    e = keras.layers.Embedding(16, 5, mask_zero=True)(inp)
+    bi = keras.layers.Bidirectional(keras.layers.LSTM(3, return_sequences=True, unroll=unroll))
+    h = keras.layers.Bidirectional(keras.layers.GRU(3, unroll=unroll))(bi(e))
+    model = keras.Model(inp, _head(h, pool=False))
+    model(x[:1])
+    rules = sorted(type(r).__name__ for layer, r in plan_layers(model).values()
+                   if isinstance(layer, keras.layers.RNN))
+    # only the LSTM's backward layer zeroes masked outputs (return_sequences=True)
+    assert rules == (["PerLayerJacobianRule"] + ["RecurrentRule"] * 3 if unroll
+                     else ["RecurrentRule"] * 4)
+    check_exact(model, x, y)
+
+
 def test_a_recurrent_layer_called_twice_sums_over_its_calls_and_runs_in_xla():
     keras.utils.set_random_seed(28)
     x, y = _sequence(steps=6)

@@ -19,7 +19,9 @@ step's h_{t-1} (concatenated to its output), the tap of U.  Backpropagation thro
 own; no per-example Jacobian is taken.  Masks, `go_backwards`,
 `return_sequences`, `return_state`, `unroll` and initial states behave as in
 Keras (the loop is Keras's `backend.rnn`); dropout, recurrent dropout, a
-stateful layer and GRU's `reset_after=False` use the per-layer fallback.
+stateful layer, GRU's `reset_after=False` and an unrolled backwards layer that
+zeroes masked outputs (as Bidirectional's backward layer does) use the
+per-layer fallback.
 Cf. Opacus ``grad_sample/dp_rnn.py`` (per-step taps of its own RNN cells).
 """
 
@@ -84,7 +86,10 @@ class RecurrentRule(LayerRule):
         cell = getattr(layer, "cell", None)
         return (plain(layer) and type(cell) in _STEPS and not layer.stateful
                 and not cell.dropout and not cell.recurrent_dropout
-                and getattr(cell, "reset_after", True))
+                and getattr(cell, "reset_after", True)
+                # Keras's unrolled loop zeroes the outputs of a backwards pass with the
+                # mask in input order, so the h_{t-1} tap would be zeroed at valid steps
+                and not (layer.unroll and layer.go_backwards and layer.zero_output_for_mask))
 
     def forward(self, layer, sequences, initial_state=None, mask=None, training=False):
         cell = layer.cell
