@@ -422,21 +422,21 @@ def main(argv=None) -> list[dict]:
         sizes["lot_size"] = args.lot_size or sizes["lot_size"]
         common = ["--examples", str(sizes["examples"]), "--lot-size", str(sizes["lot_size"])]
         plan = [(sys.executable, os.path.abspath(__file__), impl, ["--worker", "--policy", policy],
-                 args.epochs, args.repeats) for policy in args.policies for impl in OURS]
+                 args.epochs, args.repeats, policy) for policy in args.policies for impl in OURS]
         if have_opacus:
             script = os.path.join(ROOT, "experiments", "peers", "opacus_layers.py")
             for impl in OPACUS:
                 epochs = args.epochs if impl == "nonprivate" else args.peer_epochs
-                plan.append((args.opacus_python, script, impl, [], epochs, args.repeats))
+                plan.append((args.opacus_python, script, impl, [], epochs, args.repeats,
+                             "float32"))
         baselines = {}
-        for python, script, impl, extra, epochs, repeats in plan:
+        for python, script, impl, extra, epochs, repeats, policy in plan:
             cmd = [python, script, *extra, "--model", model, "--implementation", impl,
                    "--epochs", str(epochs), "--repeats", str(repeats), *common]
             start = time.perf_counter()
             result = _run(cmd, args.timeout)
             ours = script.endswith("benchmark_layers.py")
             label = impl if ours else ("opacus_nonprivate" if impl == "nonprivate" else impl)
-            policy = extra[extra.index("--policy") + 1] if ours else "float32"
             if policy != "float32":
                 label += "@" + policy
             framework = "keras" if ours else "pytorch"

@@ -15,8 +15,8 @@ x W + b for all steps at once (watched: its gradient is gx) and runs the
 recurrence with U read through stop_gradient and a zero *probe* sequence
 added to h_{t-1} U (watched: its gradient is gh; for SimpleRNN and LSTM gh =
 gx, for GRU the reset gate sits between them).  The loop also returns each
-step's h_{t-1} (concatenated to its output), the tap of U.  Backpropagation through time is TensorFlow's
-own; no per-example Jacobian is taken.  Masks, `go_backwards`,
+step's h_{t-1} (concatenated to its output), the tap of U.  Backpropagation
+through time is TensorFlow's own; no per-example Jacobian is taken.  Masks, `go_backwards`,
 `return_sequences`, `return_state`, `unroll` and initial states behave as in
 Keras (the loop is Keras's `backend.rnn`); dropout, recurrent dropout, a
 stateful layer, GRU's `reset_after=False` and an unrolled backwards layer that
@@ -69,14 +69,16 @@ _STEPS = {keras.layers.LSTMCell: _lstm_step, keras.layers.GRUCell: _gru_step,
           keras.layers.SimpleRNNCell: _simple_step}
 
 
-def _biases(cell):
-    """(input bias, recurrent bias) variables' values: GRU with reset_after keeps
-    both in one (2, 3H) variable; the others have an input bias only."""
+def _biases(cell, dtype):
+    """(input bias, recurrent bias), read through stop_gradient: GRU with
+    reset_after keeps both in one (2, 3H) variable; the others have an input
+    bias only."""
     if not cell.use_bias:
         return None, None
+    bias = stopped(cell.bias, dtype)
     if isinstance(cell, keras.layers.GRUCell):
-        return cell.bias[0], cell.bias[1]
-    return cell.bias, None
+        return bias[0], bias[1]
+    return bias, None
 
 
 class RecurrentRule(LayerRule):
@@ -105,14 +107,12 @@ class RecurrentRule(LayerRule):
 
         kernel = stopped(cell.kernel, dtype)
         recurrent_kernel = stopped(cell.recurrent_kernel, dtype)
-        input_bias, recurrent_bias = _biases(cell)
+        input_bias, recurrent_bias = _biases(cell, dtype)
         zx = tf.tensordot(x, kernel, axes=[[2], [0]])
         if input_bias is not None:
-            zx = zx + tf.stop_gradient(tf.cast(input_bias, dtype))
+            zx = zx + input_bias
         zx = watched(zx)
         probe = watched(tf.zeros_like(zx))
-        recurrent_bias = (None if recurrent_bias is None
-                          else tf.stop_gradient(tf.cast(recurrent_bias, dtype)))
         step_fn = _STEPS[type(cell)]
 
         def step(inputs, states):
