@@ -43,6 +43,12 @@ clipping.
     python experiments/benchmark_layers.py --quick          # smoke test, tiny sizes
     python experiments/benchmark_layers.py --models lstm --skip-peers
     python experiments/benchmark_layers.py --skip-peers --policies float32 mixed_bfloat16
+    python experiments/benchmark_layers.py --skip-ours --peer-steps 30   # Opacus rows only
+
+`--peer-steps N` times the first N lots of each Opacus epoch (its non-private
+baseline the same way) and scales that to the epoch's lots: Opacus's
+full-size DP epochs take up to an hour.  Such rows say so in their settings
+(`timed_lots_per_epoch`).
 
 The Opacus peer runs in its own virtual environment (`--opacus-python`,
 default /work/peer_envs/opacus/bin/python when it exists; see README).
@@ -232,7 +238,7 @@ def worker(args) -> dict:
             dp.compile(optimizer=DPSGD(LR, l2_norm_clip=CLIP, noise_multiplier=NOISE),
                        loss=loss)
             dp.fit(x, y, lot_size=args.lot_size, epochs=args.epochs, verbose=0,
-                   callbacks=[EpochTimer()])
+                   batch_size=args.batch_size, callbacks=[EpochTimer()])
             extra["physical_batch"] = getattr(dp, "_batch_size", None)
             extra["rules"] = _rules_used(dp)
         else:
@@ -337,6 +343,8 @@ def plot(rows: list[dict], path: str, quick: bool = False) -> bool:
     impls = [i for i in ("dpfl_tf", *(f"dpfl_tf@{p}" for p in POLICIES[1:]), "opacus",
                          "opacus_ghost")
              if any(r["implementation"] == i for r in rows)]
+    impls[1:1] = list(dict.fromkeys(r["implementation"] for r in rows  # --physical-batches
+                                    if r["implementation"].startswith("dpfl_tf@batch")))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / max(1, len(impls))
     for ax, key, title in [(axes[0], "ratio_to_nonprivate", "time per epoch"),
@@ -382,12 +390,21 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--opacus-python", default="/work/peer_envs/opacus/bin/python")
     p.add_argument("--skip-peers", action="store_true")
+    p.add_argument("--skip-ours", action="store_true",
+                   help="run only the peers; our rows (and Keras's baselines) are taken "
+                        "from the existing --output file, marked as reused")
     p.add_argument("--policies", nargs="+", default=["float32"], choices=POLICIES,
                    help="Keras precision policies to time ours under (float32 first: the "
                         "other policies' rows are also compared with it)")
     p.add_argument("--peer-epochs", type=int, default=2,
                    help="epochs per repeat (the first is warm-up) for Opacus's DP modes, "
                         "whose epochs take up to an hour at full size")
+    p.add_argument("--physical-batches", type=int, nargs="+", default=[],
+                   help="also time ours (float32) with these physical batch sizes "
+                        "(fit's batch_size; rows dpfl_tf@batchB): memory against time")
+    p.add_argument("--peer-steps", type=int, default=0,
+                   help="time only the first N lots of each Opacus epoch (its non-private "
+                        "baseline too) and scale to the whole epoch; 0 = whole epochs")
     p.add_argument("--timeout", type=float, default=6 * 3600,
                    help="seconds per configuration (the slowest, our LSTM, takes about "
                         "1.5 h on an idle machine)")
@@ -398,6 +415,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--implementation", help=argparse.SUPPRESS)
     p.add_argument("--policy", default="float32", help=argparse.SUPPRESS)
+    p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.worker:
@@ -415,22 +433,40 @@ def main(argv=None) -> list[dict]:
     if not args.skip_peers and not have_opacus:
         print(f"skipping Opacus: no interpreter at {args.opacus_python}")
 
+    earlier = []
+    if args.skip_ours:
+        if args.skip_peers:
+            p.error("--skip-ours with --skip-peers runs nothing")
+        with open(output, encoding="utf-8") as f:
+            earlier_report = json.load(f)
+        earlier = [dict(r, reused_from=earlier_report.get("command")) for r in
+                   earlier_report["rows"] if r.get("framework") == "keras"]
     rows, started = [], time.perf_counter()
     for model in args.models:
         sizes = dict((QUICK if args.quick else FULL)[model])
         sizes["examples"] = args.examples or sizes["examples"]
         sizes["lot_size"] = args.lot_size or sizes["lot_size"]
         common = ["--examples", str(sizes["examples"]), "--lot-size", str(sizes["lot_size"])]
-        plan = [(sys.executable, os.path.abspath(__file__), impl, ["--worker", "--policy", policy],
-                 args.epochs, args.repeats, policy) for policy in args.policies for impl in OURS]
+        plan = [] if args.skip_ours else [
+            (sys.executable, os.path.abspath(__file__), impl, ["--worker", "--policy", policy],
+             args.epochs, args.repeats, policy, "") for policy in args.policies for impl in OURS]
+        if not args.skip_ours:
+            plan += [(sys.executable, os.path.abspath(__file__), "dpfl_tf",
+                      ["--worker", "--batch-size", str(b)], args.epochs, args.repeats, "float32",
+                      f"@batch{b}") for b in args.physical_batches]
         if have_opacus:
             script = os.path.join(ROOT, "experiments", "peers", "opacus_layers.py")
             for impl in OPACUS:
                 epochs = args.epochs if impl == "nonprivate" else args.peer_epochs
-                plan.append((args.opacus_python, script, impl, [], epochs, args.repeats,
-                             "float32"))
+                extra = ["--max-steps", str(args.peer_steps)] if args.peer_steps else []
+                plan.append((args.opacus_python, script, impl, extra, epochs, args.repeats,
+                             "float32", ""))
         baselines = {}
-        for python, script, impl, extra, epochs, repeats, policy in plan:
+        for row in (r for r in earlier if r["model"] == model):  # --skip-ours
+            rows.append(row)
+            if row["implementation"] == "keras_nonprivate" and row["seconds_per_epoch"]:
+                baselines["keras", "float32"] = row
+        for python, script, impl, extra, epochs, repeats, policy, suffix in plan:
             cmd = [python, script, *extra, "--model", model, "--implementation", impl,
                    "--epochs", str(epochs), "--repeats", str(repeats), *common]
             start = time.perf_counter()
@@ -439,6 +475,7 @@ def main(argv=None) -> list[dict]:
             label = impl if ours else ("opacus_nonprivate" if impl == "nonprivate" else impl)
             if policy != "float32":
                 label += "@" + policy
+            label += suffix
             framework = "keras" if ours else "pytorch"
             row = {"model": model, "implementation": label, "framework": framework,
                    "seconds_per_epoch": result.get("seconds_per_epoch"),

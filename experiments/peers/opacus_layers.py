@@ -78,6 +78,10 @@ def parse_args(argv=None):
     parser.add_argument("--epochs", type=int, default=4,
                         help="epochs per repeat, the first is warm-up (>= 2)")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--max-steps", type=int, default=0,
+                        help="time only the first N lots of each epoch and scale the time "
+                             "to the whole epoch (0 = whole epochs); for the DP modes "
+                             "whose full-size epochs take up to an hour")
     parser.add_argument("--output", required=True, help="path of the JSON result file")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2,
                         help="torch.set_num_threads (default: all cores, as TensorFlow)")
@@ -286,15 +290,21 @@ def run_repeats(torch, args, features, labels, warmup, timed, extra):
                           "model_wrapper": type(model).__name__})
         model.train()
         times, sizes = [], []
+        lots_per_epoch = len(loader)
         for _ in range(args.epochs):
-            start = time.perf_counter()
+            start, steps = time.perf_counter(), 0
             for inputs, targets in loader:
                 optimizer.zero_grad(set_to_none=True)
                 loss = criterion(model(inputs), targets)
                 loss.backward()
                 optimizer.step()
                 sizes.append(len(targets))
-            times.append(time.perf_counter() - start)
+                steps += 1
+                if args.max_steps and steps >= args.max_steps:
+                    break
+            # a partial epoch (--max-steps) is scaled to the epoch's lots
+            times.append((time.perf_counter() - start) * lots_per_epoch / steps)
+        extra["lots_per_epoch"] = lots_per_epoch
         warmup.append(times[0])
         timed.extend(times[1:])
         extra["batch_size_min_mean_max"] = [min(sizes), float(np.mean(sizes)), max(sizes)]
@@ -326,6 +336,9 @@ def main(argv=None):
         "sampling": ("Poisson (opacus DPDataLoader, sample_rate = lot/N)" if private
                      else "DataLoader(shuffle=True, batch_size=lot)"),
         "epochs_per_repeat": args.epochs, "repeats": args.repeats,
+        "timed_lots_per_epoch": args.max_steps or "all (whole epochs)",
+        "epoch_seconds_are": ("the time of the first --max-steps lots x lots per epoch / "
+                              "--max-steps" if args.max_steps else "measured whole epochs"),
         "warmup_epoch_seconds": warmup, "loss": "CrossEntropyLoss (mean)",
         "data": data_desc, "torch_num_threads": torch.get_num_threads(),
         "seed": args.seed, "torch_version": torch.__version__,
