@@ -219,6 +219,7 @@ def main(argv=None) -> list[dict]:
                    "library": result.get("library"),
                    "library_version": result.get("library_version"),
                    "epochs_timed": len(result.get("epoch_seconds") or []),
+                   "epoch_seconds": result.get("epoch_seconds"),
                    "examples": examples, "lot_size": args.lot_size,
                    "wall_seconds": time.perf_counter() - start}
             if result.get("error"):
