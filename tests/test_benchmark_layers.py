@@ -58,3 +58,13 @@ def test_checks_name_missed_targets():
     assert checks["lstm"]["trainable_parameters"] == {"dpfl_tf": 10}
     assert checks["transformer"]["time_ok"] is None  # a failed run is not a pass
     assert checks["transformer"]["below_opacus_ghost"] is None
+
+
+def test_peer_partial_epochs_are_validated():
+    base = ["--model", "lstm", "--implementation", "opacus_ghost", "--output", "x.json"]
+    assert peer.parse_args(base + ["--max-steps", "20"]).max_steps == 20
+    assert peer.parse_args(base).max_steps == 0  # whole epochs by default
+    with pytest.raises(SystemExit):
+        peer.parse_args(base + ["--max-steps", "-1"])
+    with pytest.raises(SystemExit):  # nothing to run
+        ours.main(["--skip-ours", "--skip-peers", "--output", "unused.json"])

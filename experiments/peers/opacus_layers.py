@@ -95,6 +95,8 @@ def parse_args(argv=None):
         parser.error("--epochs must be >= 2 (the first epoch is warm-up)")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.max_steps < 0:
+        parser.error("--max-steps must be >= 0 (0 = whole epochs)")
     if args.lot_size < 1 or args.examples < args.lot_size:
         parser.error("need 1 <= --lot-size <= --examples")
     return args
