@@ -43,7 +43,7 @@ clipping.
     python experiments/benchmark_layers.py --quick          # smoke test, tiny sizes
     python experiments/benchmark_layers.py --models lstm --skip-peers
     python experiments/benchmark_layers.py --skip-peers --policies float32 mixed_bfloat16
-    python experiments/benchmark_layers.py --skip-ours --peer-steps 30   # Opacus rows only
+    python experiments/benchmark_layers.py --skip-ours --peer-steps 20   # Opacus rows only
 
 `--peer-steps N` times the first N lots of each Opacus epoch (its non-private
 baseline the same way) and scales that to the epoch's lots: Opacus's
@@ -437,6 +437,9 @@ def main(argv=None) -> list[dict]:
     if args.skip_ours:
         if args.skip_peers:
             p.error("--skip-ours with --skip-peers runs nothing")
+        if not os.path.exists(output):
+            p.error(f"--skip-ours reuses our rows from {output}, which does not exist: "
+                    "run without --skip-ours first (or pass --output)")
         with open(output, encoding="utf-8") as f:
             earlier_report = json.load(f)
         earlier = [dict(r, reused_from=earlier_report.get("command")) for r in

@@ -68,3 +68,5 @@ def test_peer_partial_epochs_are_validated():
         peer.parse_args(base + ["--max-steps", "-1"])
     with pytest.raises(SystemExit):  # nothing to run
         ours.main(["--skip-ours", "--skip-peers", "--output", "unused.json"])
+    with pytest.raises(SystemExit):  # no earlier rows of ours to reuse
+        ours.main(["--skip-ours", "--output", str(ROOT / "results" / "no_such_file.json")])
