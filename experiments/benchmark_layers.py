@@ -393,6 +393,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--skip-ours", action="store_true",
                    help="run only the peers; our rows (and Keras's baselines) are taken "
                         "from the existing --output file, marked as reused")
+    p.add_argument("--reuse-peers", action="store_true",
+                   help="with --skip-peers: keep the Opacus rows of the existing --output "
+                        "file (marked as reused), so ours can be rerun alone")
     p.add_argument("--policies", nargs="+", default=["float32"], choices=POLICIES,
                    help="Keras precision policies to time ours under (float32 first: the "
                         "other policies' rows are also compared with it)")
@@ -434,16 +437,20 @@ def main(argv=None) -> list[dict]:
         print(f"skipping Opacus: no interpreter at {args.opacus_python}")
 
     earlier = []
-    if args.skip_ours:
-        if args.skip_peers:
-            p.error("--skip-ours with --skip-peers runs nothing")
+    if args.skip_ours and args.skip_peers:
+        p.error("--skip-ours with --skip-peers runs nothing")
+    if args.reuse_peers and not args.skip_peers:
+        p.error("--reuse-peers keeps the Opacus rows of an earlier run: pass --skip-peers too")
+    reused = "keras" if args.skip_ours else "pytorch" if args.reuse_peers else None
+    if reused:
+        option = "--skip-ours" if args.skip_ours else "--reuse-peers"
         if not os.path.exists(output):
-            p.error(f"--skip-ours reuses our rows from {output}, which does not exist: "
-                    "run without --skip-ours first (or pass --output)")
+            p.error(f"{option} reuses rows from {output}, which does not exist: "
+                    f"run without {option} first (or pass --output)")
         with open(output, encoding="utf-8") as f:
             earlier_report = json.load(f)
-        earlier = [dict(r, reused_from=earlier_report.get("command")) for r in
-                   earlier_report["rows"] if r.get("framework") == "keras"]
+        earlier = [dict(r, reused_from=r.get("reused_from") or earlier_report.get("command"))
+                   for r in earlier_report["rows"] if r.get("framework") == reused]
     rows, started = [], time.perf_counter()
     for model in args.models:
         sizes = dict((QUICK if args.quick else FULL)[model])

@@ -70,3 +70,8 @@ def test_peer_partial_epochs_are_validated():
         ours.main(["--skip-ours", "--skip-peers", "--output", "unused.json"])
     with pytest.raises(SystemExit):  # no earlier rows of ours to reuse
         ours.main(["--skip-ours", "--output", str(ROOT / "results" / "no_such_file.json")])
+    with pytest.raises(SystemExit):  # peers' rows are reused only when peers are skipped
+        ours.main(["--reuse-peers", "--output", "unused.json"])
+    with pytest.raises(SystemExit):  # no earlier peer rows to reuse
+        ours.main(["--skip-peers", "--reuse-peers",
+                   "--output", str(ROOT / "results" / "no_such_file.json")])

@@ -60,7 +60,7 @@ from typing import Callable
 import keras
 import tensorflow as tf
 
-from dpfl_tf.keras.layer_rules import FALLBACK, LayerCall, find_rule, scaled
+from dpfl_tf.keras.layer_rules import FALLBACK, LayerCall, find_rule, weighted_sum
 from dpfl_tf.keras.layer_rules._base import _ACTIVE, _ORIGINAL_CALLS, Taps
 
 __all__ = ["PerExampleGradients", "refuse_batch_mixing_layers", "per_example_loss", "plan_layers",
@@ -235,6 +235,15 @@ def _tapping(recorder: _Recorder):
                     object.__setattr__(layer, "call", entry[1])
 
 
+def _after(tensors):
+    """Ops created inside the context run after `tensors` (in a graph; eager
+    code runs in order anyway)."""
+    tensors = [t for t in tensors if t is not None]
+    if not tensors or tf.executing_eagerly():
+        return contextlib.nullcontext()
+    return tf.control_dependencies(tensors)
+
+
 def _call_with_training(op, training: bool):
     def call(*args, **kwargs):
         context = getattr(op, "_call_context_args", None)
@@ -356,10 +365,18 @@ class PerExampleGradients:
 
         sq_norms: dict[int, tf.Tensor] = {}
         sum_fns: dict[int, Callable[[tf.Tensor], tf.Tensor]] = {}
-        for layer_id, layer_calls in per_layer.items():
+        # One layer at a time, from the output back (the order backprop produces
+        # their gradients): each layer's temporaries (patches, per-example
+        # products) are freed before the next layer's exist, instead of all
+        # layers' at once when the graph runs them side by side.
+        previous: list = []
+        for layer_id, layer_calls in reversed(per_layer.items()):
             layer, rule = layers[layer_id]
-            for var, result in rule.gradients(layer, layer_calls):
+            with _after(previous):
+                results = rule.gradients(layer, layer_calls)
+            for var, result in results:
                 sq_norms[id(var)], sum_fns[id(var)] = result
+            previous = [sq for _, (sq, _) in results]
             missing = [v.path for v in layer.trainable_variables if id(v) not in sq_norms]
             if missing:
                 raise ValueError(f"the rule {type(rule).__name__} for layer {layer.name!r} "
@@ -367,11 +384,14 @@ class PerExampleGradients:
         for var, j in zip(generic, jac):
             j = tf.zeros((tf.shape(losses)[0],) + tuple(var.shape), var.dtype) if j is None else j
             sq_norms[id(var)] = tf.reduce_sum(tf.reshape(tf.square(j), [tf.shape(j)[0], -1]), 1)
-            sum_fns[id(var)] = (lambda c, j=j: tf.reduce_sum(scaled(j, c), axis=0))
+            sum_fns[id(var)] = (lambda c, j=j: weighted_sum(j, c))
 
         if scale != 1.0:  # back to the gradients of the loss itself, in float32
             sq_norms = {k: tf.cast(q, tf.float32) / (scale * scale) for k, q in sq_norms.items()}
             sum_fns = {k: (lambda c, fn=fn: fn(c) / scale) for k, fn in sum_fns.items()}
         factors = clip_factors_fn([sq_norms[id(v)] for v in variables])
-        sums = [sum_fns[id(v)](tf.cast(f, v.dtype)) for v, f in zip(variables, factors)]
+        sums = []  # one variable at a time too (each sum scales a [B, ...] copy)
+        for v, f in zip(variables, factors):
+            with _after(sums[-1:]):
+                sums.append(sum_fns[id(v)](tf.cast(f, v.dtype)))
         return sums, losses, y_pred

@@ -405,3 +405,43 @@ def test_dp_training_of_a_weight_tied_model(jit):
     after = [v.numpy() for v in model.trainable_variables]
     assert all(np.all(np.isfinite(w)) for w in after)
     assert all(not np.allclose(a, b) for a, b in zip(after, before))
+
+
+def test_peak_memory_of_the_dp_pass_stays_near_the_plain_gradient():
+    """The layers' norms run one after another: each layer's patches are freed
+    before the next layer's exist.  Allowing the graph to run them side by
+    side (as before) measured 7-10x the plain gradient's peak allocation on this
+    6-conv net; one at a time, 3.5x."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((32, 32, 3))
+    h = inputs
+    for _ in range(6):
+        h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(h)
+    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h)))
+    per_example = PerExampleGradients(model, loss())
+
+    @tf.function
+    def plain(x, y):
+        with tf.GradientTape() as tape:
+            value = tf.reduce_sum(loss().call(y, model(x, training=True)))
+        return tape.gradient(value, model.trainable_variables)
+
+    @tf.function
+    def dp(x, y):
+        return per_example.compute(
+            x, y, tf.ones(tf.shape(y)[0]),
+            lambda sq: [1.0 / tf.maximum(tf.sqrt(tf.add_n(sq)), 1.0)] * len(sq))[0]
+
+    x = tf.random.uniform((64, 32, 32, 3))
+    y = tf.zeros((64,), tf.int64)
+
+    def peak_bytes(fn):
+        fn(x, y)  # trace and warm up
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        start = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        fn(x, y)
+        return tf.config.experimental.get_memory_info("CPU:0")["peak"] - start
+
+    plain_peak, dp_peak = peak_bytes(plain), peak_bytes(dp)
+    assert plain_peak > 0
+    assert dp_peak <= 5 * plain_peak, (dp_peak / 2 ** 20, plain_peak / 2 ** 20)

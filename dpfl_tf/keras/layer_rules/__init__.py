@@ -16,11 +16,12 @@ tensorflow-privacy's ``fast_gradient_clipping/registry_functions/``.
 from dpfl_tf.keras.layer_rules._base import (LayerCall, LayerRule, Taps, VariableGradients,
                                              find_rule, kept, materialised, original_call,
                                              outer_gradients, register_rule, scaled, stopped,
-                                             unregister_rule, watched)
+                                             unregister_rule, watched, weighted_sum)
 from dpfl_tf.keras.layer_rules import (conv, dense, einsum_dense, embedding, normalization,
                                       recurrent)
 from dpfl_tf.keras.layer_rules.fallback import FALLBACK, PerLayerJacobianRule
 
 __all__ = ["LayerRule", "Taps", "LayerCall", "VariableGradients", "register_rule",
-           "unregister_rule", "find_rule", "kept", "scaled", "stopped", "materialised",
-           "outer_gradients", "original_call", "watched", "PerLayerJacobianRule", "FALLBACK"]
+           "unregister_rule", "find_rule", "kept", "scaled", "weighted_sum", "stopped",
+           "materialised", "outer_gradients", "original_call", "watched",
+           "PerLayerJacobianRule", "FALLBACK"]

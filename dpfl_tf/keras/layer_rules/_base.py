@@ -27,8 +27,8 @@ import keras
 import tensorflow as tf
 
 __all__ = ["LayerRule", "Taps", "LayerCall", "VariableGradients", "register_rule",
-           "unregister_rule", "find_rule", "kept", "scaled", "stopped", "outer_gradients",
-           "materialised", "original_call", "watched"]
+           "unregister_rule", "find_rule", "kept", "scaled", "weighted_sum", "stopped",
+           "outer_gradients", "materialised", "original_call", "watched"]
 
 
 @dataclasses.dataclass
@@ -139,6 +139,14 @@ def scaled(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
     return kept(t * tf.reshape(tf.cast(c, t.dtype), [-1] + [1] * (t.shape.rank - 1)), c)
 
 
+def weighted_sum(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
+    """sum_i c_i t_i over the examples of t [B, ...] as one [1, B] x [B, n]
+    product (no scaled [B, ...] copy), dropped examples exactly 0 (see `kept`)."""
+    flat = tf.reshape(kept(t, c), [tf.shape(t)[0], -1])
+    s = tf.matmul(tf.cast(c, t.dtype)[None], flat)
+    return tf.reshape(s, t.shape[1:])
+
+
 def f32(t: tf.Tensor) -> tf.Tensor:
     return t if t.dtype == tf.float32 else tf.cast(t, tf.float32)
 
@@ -150,8 +158,7 @@ def materialised(per_example: tf.Tensor, variable) -> VariableGradients:
     sq = tf.reduce_sum(tf.reshape(tf.square(per_example), [b, -1]), axis=1)
 
     def clipped_sum(c, j=per_example):
-        return tf.cast(tf.reshape(tf.reduce_sum(scaled(j, c), axis=0), variable.shape),
-                       variable.dtype)
+        return tf.cast(tf.reshape(weighted_sum(j, c), variable.shape), variable.dtype)
 
     return VariableGradients(sq, clipped_sum)
 
@@ -211,7 +218,7 @@ def outer_gradients(a: tf.Tensor, g: tf.Tensor, positions: int | None,
         def clipped_sum(c, j=per_example):
             # the per-example gradients exist already: sum_i c_i W_i costs B d o,
             # not another B S d o product over the positions
-            s = tf.reduce_sum(scaled(j, c), axis=0)
+            s = weighted_sum(j, c)
             return tf.cast(tf.reshape(to_variable(s), variable.shape), variable.dtype)
 
     return VariableGradients(sq, clipped_sum)

@@ -12,9 +12,10 @@ with gx_t = d loss / d (x_t W + b) and gh_t = d loss / d (h_{t-1} U + b_rec):
 a Dense rule over the T positions of the sequence (ghost or materialised norm,
 `outer_gradients`).  The rule's forward computes the input projection
 x W + b for all steps at once (watched: its gradient is gx) and runs the
-recurrence with U read through stop_gradient and a zero *probe* sequence
-added to h_{t-1} U (watched: its gradient is gh; for SimpleRNN and LSTM gh =
-gx, for GRU the reset gate sits between them).  The loop also returns each
+recurrence with U read through stop_gradient.  For SimpleRNN and LSTM, x_t W
+and h_{t-1} U enter the same sum, so gh = gx; for GRU the reset gate sits
+between them, and a zero *probe* sequence added to h_{t-1} U (watched) gives
+gh as its gradient.  The loop also returns each
 step's h_{t-1} (concatenated to its output), the tap of U.  Backpropagation
 through time is TensorFlow's own; no per-example Jacobian is taken.  Masks, `go_backwards`,
 `return_sequences`, `return_state`, `unroll` and initial states behave as in
@@ -112,13 +113,18 @@ class RecurrentRule(LayerRule):
         if input_bias is not None:
             zx = zx + input_bias
         zx = watched(zx)
-        probe = watched(tf.zeros_like(zx))
+        # gh = gx except for GRU, whose reset gate sits between them: only GRU
+        # needs the probe (a [B, T, 3H] zero sequence and its gradient)
+        gru = isinstance(cell, keras.layers.GRUCell)
+        probe = watched(tf.zeros_like(zx)) if gru else None
         step_fn = _STEPS[type(cell)]
 
         def step(inputs, states):
-            zx_t, probe_t = inputs
+            zx_t, probe_t = inputs if gru else (inputs, None)
             h_prev = states[0]
-            inner = tf.matmul(h_prev, recurrent_kernel) + probe_t
+            inner = tf.matmul(h_prev, recurrent_kernel)
+            if gru:
+                inner = inner + probe_t
             if recurrent_bias is not None:
                 inner = inner + recurrent_bias
             h, new_states = step_fn(cell, zx_t, inner, states)
@@ -126,7 +132,8 @@ class RecurrentRule(LayerRule):
             return tf.concat([h, h_prev], axis=-1), new_states
 
         last, outputs, states = keras_backend.rnn(
-            step, (zx, probe), initial_state, go_backwards=layer.go_backwards, mask=mask,
+            step, (zx, probe) if gru else zx, initial_state, go_backwards=layer.go_backwards,
+            mask=mask,
             unroll=layer.unroll, input_length=x.shape[1],
             zero_output_for_mask=layer.zero_output_for_mask, return_all_outputs=True)
         units = cell.units
@@ -137,14 +144,15 @@ class RecurrentRule(LayerRule):
         output = tf.cast(outputs if layer.return_sequences else last, out_dtype)
         if layer.return_state:
             output = [output] + [tf.cast(s, out_dtype) for s in states]
-        return output, Taps({"zx": zx, "probe": probe}, (x, h_prev))
+        return output, Taps({"zx": zx, "probe": probe} if gru else {"zx": zx}, (x, h_prev))
 
     def gradients(self, layer, calls):
         cell = layer.cell
         xs = [c.saved[0] for c in calls]
         hs = [c.saved[1] for c in calls]
         gx = concat_positions([grad_or_zeros(c, "zx") for c in calls])
-        gh = concat_positions([grad_or_zeros(c, "probe") for c in calls])
+        gh = (concat_positions([grad_or_zeros(c, "probe") for c in calls])
+              if isinstance(cell, keras.layers.GRUCell) else gx)
         positions = static_positions(*xs)
         result = [
             (cell.kernel, outer_gradients(concat_positions(xs)[:, :, None], gx[:, :, None],
