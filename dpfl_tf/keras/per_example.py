@@ -22,7 +22,7 @@ positions s (sequence steps, conv patches):
     ||grad_i W||^2 = ||a_i||^2 ||g_i||^2                         (one position)
                    = sum_{s,t} (a_is . a_it)(g_is . g_it)          (ghost norm)
                    or ||sum_s a_is^T g_is||^2                      (materialised,
-                                                          whichever is cheaper)
+                                  whichever needs less memory: 2 S^2 < d o)
     sum_i c_i grad_i W = sum_i a_i^T (c_i g_i)               (one matmul)
 
 Rules are looked up by exact type, then along the MRO (`register_rule` adds

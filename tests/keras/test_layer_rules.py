@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from dpfl_tf.keras import layer_rules
 from dpfl_tf.keras.layer_rules import FALLBACK, LayerRule, find_rule, register_rule
-from dpfl_tf.keras.layer_rules._base import outer_gradients
+from dpfl_tf.keras.layer_rules._base import ghost_norm_is_smaller, outer_gradients
 from dpfl_tf.keras.layer_rules.recurrent import RECURRENT as RECURRENT_RULE
 from dpfl_tf.keras.per_example import PerExampleGradients, plan_layers
 from tests.keras.helpers import loss, mnist_slice
@@ -353,6 +353,17 @@ def test_ghost_and_materialised_norms_agree(positions):
     s = outer_gradients(a_nan, g, positions, lambda s: s, var).clipped_sum(c).numpy()
     expected = np.einsum("b,bgdo->gdo", c.numpy(), per_example)
     np.testing.assert_allclose(s, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("positions, d, o, ghost", [
+    (128, 128, 4 * 128, True),    # LSTM(128) kernel over 128 steps: 2 S^2 = 32768 < d o = 65536
+    (128, 128, 128, False),       # Dense 128 -> 128 over 128 positions: 32768 > 16384
+    (64, 9 * 64, 64, True),       # 3x3 conv, 64 -> 64 channels on an 8x8 map
+    (1024, 9 * 16, 16, False),    # 3x3 conv, 16 -> 16 channels on a 32x32 map
+    (None, 5, 7, False),          # positions unknown statically: materialised
+])
+def test_ghost_norm_chosen_when_its_gram_matrices_are_smaller(positions, d, o, ghost):
+    assert ghost_norm_is_smaller(positions, d, o) is ghost
 
 
 # ---------------------------------------------------------------------------

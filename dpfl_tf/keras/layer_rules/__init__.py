@@ -14,7 +14,8 @@ tensorflow-privacy's ``fast_gradient_clipping/registry_functions/``.
 """
 
 from dpfl_tf.keras.layer_rules._base import (LayerCall, LayerRule, Taps, VariableGradients,
-                                             find_rule, kept, materialised, original_call,
+                                             find_rule, ghost_norm_is_smaller, kept,
+                                             materialised, original_call,
                                              outer_gradients, register_rule, scaled, stopped,
                                              unregister_rule, watched, weighted_sum)
 from dpfl_tf.keras.layer_rules import (conv, dense, einsum_dense, embedding, normalization,
@@ -23,5 +24,6 @@ from dpfl_tf.keras.layer_rules.fallback import FALLBACK, PerLayerJacobianRule
 
 __all__ = ["LayerRule", "Taps", "LayerCall", "VariableGradients", "register_rule",
            "unregister_rule", "find_rule", "kept", "scaled", "weighted_sum", "stopped",
-           "materialised", "outer_gradients", "original_call", "watched",
+           "materialised", "outer_gradients", "ghost_norm_is_smaller", "original_call",
+           "watched",
            "PerLayerJacobianRule", "FALLBACK"]

@@ -28,7 +28,8 @@ import tensorflow as tf
 
 __all__ = ["LayerRule", "Taps", "LayerCall", "VariableGradients", "register_rule",
            "unregister_rule", "find_rule", "kept", "scaled", "weighted_sum", "stopped",
-           "outer_gradients", "materialised", "original_call", "watched"]
+           "outer_gradients", "ghost_norm_is_smaller", "materialised", "original_call",
+           "watched"]
 
 
 @dataclasses.dataclass
@@ -177,6 +178,22 @@ def static_positions(*tensors) -> int | None:
     return total
 
 
+def ghost_norm_is_smaller(positions: int | None, d: int, o: int) -> bool:
+    """Whether the ghost norm of a d x o kernel used at `positions` positions
+    needs less memory per example than the materialised gradient: its two
+    S x S Gram matrices against d o entries, 2 S^2 < d o (the per-layer choice
+    of "mixed ghost clipping", Bu et al. 2022).
+
+    Memory decides, not multiply-adds: materialised gradients are held until
+    every layer's norm is known (the clipping factors need them all), so they
+    add up over the layers, while the Gram matrices are freed once reduced.
+    The ghost norm's B S^2 (d + o) multiply-adds are then at most
+    (d + o) / sqrt(2 d o) times the B S d o of materialising (1.4x for a
+    square kernel); the clipped sum costs B S d o either way.
+    """
+    return positions is not None and 2 * positions * positions < d * o
+
+
 def outer_gradients(a: tf.Tensor, g: tf.Tensor, positions: int | None,
                     to_variable: Callable[[tf.Tensor], tf.Tensor], variable) -> VariableGradients:
     """Gradients of a variable whose example gradient is, per group k,
@@ -184,16 +201,16 @@ def outer_gradients(a: tf.Tensor, g: tf.Tensor, positions: int | None,
         W_k = sum_s a_isk^T g_isk          a: [B, S, G, d],  g: [B, S, G, o]
 
     (G = 1 for a dense or convolution kernel, G = groups for a grouped or
-    depthwise convolution).  ||grad_i||^2 is taken as a ghost norm
-    sum_{k,s,t} (a_isk . a_itk)(g_isk . g_itk) when S (d + o) < d o, else from the
-    materialised [B, G, d, o] (Li et al. 2022, "ghost clipping"; whichever is
-    cheaper).  `to_variable` maps the summed [G, d, o] to the variable's shape.
+    depthwise convolution).  ||grad_i||^2 is a ghost norm
+    sum_{k,s,t} (a_isk . a_itk)(g_isk . g_itk) when that needs less memory than
+    the materialised [B, G, d, o] (`ghost_norm_is_smaller`), else it is taken
+    from the materialised gradients.  `to_variable` maps the summed [G, d, o]
+    to the variable's shape.
     """
     a, g = f32(a), f32(g)
     d, o = a.shape[-1], g.shape[-1]
     single = a.shape[2] == 1   # one group: plain (batched) matmuls, faster than einsum
-    # ghost costs B S^2 (d + o) multiply-adds, materialising B S d o
-    if positions is not None and positions * (d + o) < d * o:
+    if ghost_norm_is_smaller(positions, d, o):
         if single:
             a3, g3 = a[:, :, 0], g[:, :, 0]
             sq = tf.reduce_sum(tf.matmul(a3, a3, transpose_b=True)
