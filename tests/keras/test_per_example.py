@@ -445,3 +445,32 @@ def test_peak_memory_of_the_dp_pass_stays_near_the_plain_gradient():
     plain_peak, dp_peak = peak_bytes(plain), peak_bytes(dp)
     assert plain_peak > 0
     assert dp_peak <= 5 * plain_peak, (dp_peak / 2 ** 20, plain_peak / 2 ** 20)
+
+
+def test_the_tape_is_persistent_only_for_the_whole_model_jacobian():
+    """A persistent tape makes TensorFlow's while loops keep every intermediate
+    for any later gradient: the LSTM benchmark model's DP pass (LSTM(128) over
+    128 steps, batch 256) peaked at 1715 MB RSS with it and 1325 MB without
+    (the plain gradient: 978 MB).  So the tape is persistent only when a
+    variable takes the whole-model Jacobian (its second use)."""
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((12,), dtype="int32")
+    h = keras.layers.LSTM(8)(keras.layers.Embedding(50, 6)(inp))
+    model = keras.Model(inp, keras.layers.Dense(2)(h))
+    x = np.random.default_rng(0).integers(1, 50, (5, 12)).astype("int32")
+    y = np.zeros((5,), "int64")
+    per_example = PerExampleGradients(model, loss())
+    sums, _, _ = per_example.compute(x, tf.constant(y), tf.ones(5),
+                                     lambda sq: [tf.ones_like(s) for s in sq])
+    assert per_example._persistent is False  # every variable has a rule
+    ref = _reference(model, x, y)
+    for j, s in enumerate(sums):  # still exact
+        np.testing.assert_allclose(s.numpy(), sum(r[j] for r in ref), rtol=1e-4, atol=1e-6)
+    generic = PerExampleGradients(model, loss(), fast=False)
+    generic.compute(x, tf.constant(y), tf.ones(5), lambda sq: [tf.ones_like(s) for s in sq])
+    assert generic._persistent is True
+    # found while tracing (weight tying): the redo pass is persistent
+    tied = PerExampleGradients(tied_embedding(), loss())
+    xt, yt = _data("embedding")
+    tied.compute(xt, tf.constant(yt), tf.ones(len(yt)), lambda sq: sq)
+    assert tied._persistent is True

@@ -140,6 +140,17 @@ def scaled(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
     return kept(t * tf.reshape(tf.cast(c, t.dtype), [-1] + [1] * (t.shape.rank - 1)), c)
 
 
+def scaled_smaller(a: tf.Tensor, g: tf.Tensor, c: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """(a, g) with c_i applied to whichever of the two has the smaller last
+    axis (they share the batch and position axes), for a product
+    sum_i c_i a_i^T g_i: the scaled copy is then the smaller one (an LSTM's
+    input [B, T, d] rather than its gate gradients [B, T, 4H]); dropped
+    examples exactly 0 in both (see `kept`)."""
+    if a.shape[-1] is not None and g.shape[-1] is not None and a.shape[-1] < g.shape[-1]:
+        return scaled(a, c), kept(g, c)
+    return kept(a, c), scaled(g, c)
+
+
 def weighted_sum(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
     """sum_i c_i t_i over the examples of t [B, ...] as one [1, B] x [B, n]
     product (no scaled [B, ...] copy), dropped examples exactly 0 (see `kept`)."""
@@ -221,11 +232,12 @@ def outer_gradients(a: tf.Tensor, g: tf.Tensor, positions: int | None,
             sq = tf.reduce_sum(aa * gg, axis=[1, 2, 3])
 
         def clipped_sum(c, a=a, g=g):
+            ac, gc = scaled_smaller(a, g, c)
             if single:   # sum over examples and positions: one [d, B S] x [B S, o] product
-                s = tf.matmul(tf.reshape(kept(a, c), [-1, d]), tf.reshape(scaled(g, c), [-1, o]),
+                s = tf.matmul(tf.reshape(ac, [-1, d]), tf.reshape(gc, [-1, o]),
                               transpose_a=True)[None]
             else:
-                s = tf.einsum("bsgd,bsgo->gdo", kept(a, c), scaled(g, c))
+                s = tf.einsum("bsgd,bsgo->gdo", ac, gc)
             return tf.cast(tf.reshape(to_variable(s), variable.shape), variable.dtype)
     else:
         per_example = (tf.matmul(a[:, :, 0], g[:, :, 0], transpose_a=True)[:, None] if single
@@ -248,7 +260,7 @@ def rank_one_gradients(a: tf.Tensor, g: tf.Tensor, variable) -> VariableGradient
     sq = tf.reduce_sum(tf.square(a), 1) * tf.reduce_sum(tf.square(g), 1)
 
     def clipped_sum(c, a=a, g=g):
-        s = tf.matmul(kept(a, c), scaled(g, c), transpose_a=True)
+        s = tf.matmul(*scaled_smaller(a, g, c), transpose_a=True)
         return tf.cast(tf.reshape(s, variable.shape), variable.dtype)
 
     return VariableGradients(sq, clipped_sum)
