@@ -60,6 +60,23 @@ MAX_DEFAULT_BATCH = 1024
 MATERIALISED_BYTES = 2 ** 30  # default physical batch: at most 1 GiB of per-example gradients
 
 
+AUTO_CALLS_PER_EPOCH = 10  # "auto" steps_per_execution: at least this many calls an epoch
+
+
+def auto_steps_per_execution(lots_per_epoch: int, *, distributed: bool = False) -> int:
+    """The "auto" steps_per_execution: the largest divisor of the epoch's lots
+    that still leaves >= 10 calls of the training function an epoch (progress,
+    callbacks and interrupts every tenth of an epoch or sooner); 1 under a
+    distribution strategy or eagerly.  Each call of Keras's training function
+    costs Python work (~0.5-1 ms here) that a small model's lot does not hide:
+    the paper's MNIST MLP (lot 600, 100 lots an epoch, 10 per call) trains an
+    epoch ~15% faster than one lot per call."""
+    if distributed or lots_per_epoch < 2 * AUTO_CALLS_PER_EPOCH:
+        return 1
+    cap = lots_per_epoch // AUTO_CALLS_PER_EPOCH
+    return max(d for d in range(1, cap + 1) if lots_per_epoch % d == 0)
+
+
 def default_batch_size(sampler: LotSampler, materialised_parameters: int,
                        multiple: int = 8) -> int:
     """The default physical batch: the whole lot in one pass when memory allows.
@@ -130,7 +147,15 @@ class DPModel(keras.Model):
             self.model.build(input_shape)
         self.built = True
 
-    def compile(self, optimizer=None, loss=None, **kwargs):
+    def compile(self, optimizer=None, loss=None, *, steps_per_execution="auto", **kwargs):
+        """Keras's `compile` with a DP optimizer and a per-example loss.
+
+        `steps_per_execution`: lots per call of the compiled training function.
+        "auto" (the default) picks it per `fit` (`auto_steps_per_execution`:
+        several lots per call when an epoch has many, so Keras's per-call
+        Python work is paid once for them; 1 under a distribution strategy).
+        An integer must divide the lots of an epoch.  Callbacks then see one
+        batch end per call (Keras's meaning of steps_per_execution)."""
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             raise TypeError(
                 "pass the DP optimizer itself, not a LossScaleOptimizer: under a mixed "
@@ -152,7 +177,16 @@ class DPModel(keras.Model):
         # the per-example path scales and unscales the loss itself (a static scale,
         # `default_loss_scale`), so norms, clipping and noise see true gradients
         kwargs["auto_scale_loss"] = False
-        super().compile(optimizer=optimizer, loss=loss, **kwargs)
+        if steps_per_execution != "auto":
+            steps_per_execution = check_count("steps_per_execution", steps_per_execution,
+                                              minimum=1)
+        super().compile(optimizer=optimizer, loss=loss, steps_per_execution=steps_per_execution,
+                        **kwargs)
+        # "auto" stays in the compile config (a loaded model compiles with it again);
+        # the value in force is set by each fit (`_prepare`), 1 until then
+        self._auto_steps = steps_per_execution == "auto"
+        if self._auto_steps:
+            self.steps_per_execution = 1
 
     def get_compile_config(self):
         return super().get_compile_config()
@@ -370,6 +404,7 @@ class DPModel(keras.Model):
         self._per_example = PerExampleGradients(self.model, self._dp_loss,
                                                 fast=self.fast_gradients,
                                                 loss_scale=default_loss_scale(self.model))
+        self._set_steps_per_execution(sampler.lots_per_epoch)
         self._batch_size = batch_size or default_batch_size(
             sampler, self._per_example.materialised_parameters(),
             multiple=XLA_PAD if self.jit_compile else 8)
@@ -389,6 +424,25 @@ class DPModel(keras.Model):
         self.train_function = None  # retrace with the new settings
         if restored:
             self._adopt_restored_lots(stacklevel=4)
+
+    def _set_steps_per_execution(self, lots_per_epoch: int) -> None:
+        """Lots per call of the training function for this fit: the "auto"
+        choice, or the integer given to `compile`, which must divide the
+        epoch's lots (Keras runs whole calls: 4 lots per call over 6 lots an
+        epoch would train 8 lots an epoch, more than asked)."""
+        # a model made under a strategy's scope (any strategy, one replica too)
+        distributed = getattr(self, "_distribute_strategy", None) is not None or \
+            tf.distribute.has_strategy()
+        if getattr(self, "_auto_steps", False):
+            self.steps_per_execution = auto_steps_per_execution(
+                lots_per_epoch, distributed=distributed or bool(self.run_eagerly))
+            return
+        steps = int(self.steps_per_execution or 1)
+        if lots_per_epoch % steps and self.distribute_strategy.num_replicas_in_sync == 1:
+            raise ValueError(
+                f"steps_per_execution={steps} does not divide the {lots_per_epoch} lots of an "
+                f"epoch: Keras would run {-(-lots_per_epoch // steps) * steps} lots an epoch. "
+                f"Compile with a divisor of {lots_per_epoch}, or 'auto' (the default)")
 
     def _adopt_restored_lots(self, stacklevel: int = 3) -> None:
         """Weights restored from elsewhere carry more lots than this model has

@@ -464,3 +464,57 @@ def test_shuffled_lots_restored_from_weights_are_epochs_of_their_own(tmp_path):
     assert second.privacy_ledger.count() == 3
     assert second.epsilon(1e-5, "rdp") == pytest.approx(compute_epsilon(
         dp_sgd_event(2.0, 0, "shuffle", epochs=3), 1e-5, "rdp"))
+
+
+def test_auto_steps_per_execution_divides_the_epoch():
+    from dpfl_tf.keras.model import auto_steps_per_execution
+
+    assert auto_steps_per_execution(100) == 10       # MNIST, lot 600
+    assert auto_steps_per_execution(195) == 15       # 50,000 / 256: 13 calls an epoch
+    assert auto_steps_per_execution(20) == 2
+    assert auto_steps_per_execution(19) == 1         # fewer than 20 lots an epoch
+    assert auto_steps_per_execution(97) == 1         # prime: only 1 divides it
+    assert auto_steps_per_execution(100, distributed=True) == 1
+    for lots in range(1, 400):
+        spe = auto_steps_per_execution(lots)
+        assert lots % spe == 0 and (spe == 1 or lots // spe >= 10)
+
+
+def test_auto_steps_per_execution_trains_exactly_the_epochs_asked():
+    """The default compile runs several lots per call (here 2 of an epoch's 20),
+    trains exactly epochs x lots (no call past an epoch's end), and keeps "auto"
+    when saved and loaded."""
+    x, y = mnist_slice(400, features=60)
+
+    class Calls(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.lots = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.lots.append(self.model.lots_computed)
+
+    dp = dp_model()
+    calls = Calls()
+    dp.fit(x, y, lot_size=20, epochs=2, verbose=0, callbacks=[calls])
+    assert dp.steps_per_execution == 2
+    assert dp.lots_computed == dp.lots_applied == 40
+    assert calls.lots == list(range(2, 41, 2))   # one callback per call of 2 lots
+    assert dp.privacy_ledger.entries[0]["count"] == 40
+    assert dp.get_compile_config()["steps_per_execution"] == "auto"
+    one = dp_model()
+    one.compile(optimizer=one.optimizer, loss=loss(), steps_per_execution=1)
+    calls = Calls()
+    one.fit(x, y, lot_size=20, epochs=1, verbose=0, callbacks=[calls])
+    assert calls.lots == list(range(1, 21))
+
+
+def test_steps_per_execution_that_does_not_divide_the_epoch_is_refused():
+    x, y = mnist_slice(120, features=60)
+    dp = dp_model()
+    dp.compile(optimizer=dp.optimizer, loss=loss(), steps_per_execution=4)
+    with pytest.raises(ValueError, match=r"steps_per_execution=4 does not divide the 6 lots"):
+        dp.fit(x, y, lot_size=20, epochs=1, verbose=0)
+    assert dp.lots_computed == 0
+    with pytest.raises(ValueError, match="steps_per_execution must be an integer|>= 1"):
+        dp.compile(optimizer=dp.optimizer, loss=loss(), steps_per_execution=0)

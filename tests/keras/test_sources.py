@@ -138,7 +138,8 @@ def test_a_memmap_is_read_lot_by_lot_never_whole(tmp_path):
     y = np.zeros(n, np.int64)
     assert isinstance(make_reader(x, y), IndexedReader)
     dp = DPModel(mlp(inputs=d, hidden=8))
-    dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss())
+    dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss(),
+               steps_per_execution=1)  # a callback after every lot
     assert _mapped_bytes(path) == 0
     dp.fit(x, y, lot_size=50, epochs=1, verbose=0, callbacks=[_StopAfter(2)])
     read = _mapped_bytes(path)

@@ -253,11 +253,15 @@ def outer_gradients(a: tf.Tensor, g: tf.Tensor, positions: int | None,
     return VariableGradients(sq, clipped_sum)
 
 
-def rank_one_gradients(a: tf.Tensor, g: tf.Tensor, variable) -> VariableGradients:
+def rank_one_gradients(a: tf.Tensor, g: tf.Tensor, variable,
+                       g_sq: tf.Tensor | None = None) -> VariableGradients:
     """W_i = a_i^T g_i for a: [B, d], g: [B, o] (a Dense layer on vectors):
-    ||W_i||^2 = ||a_i||^2 ||g_i||^2 (Goodfellow 2015)."""
+    ||W_i||^2 = ||a_i||^2 ||g_i||^2 (Goodfellow 2015).  `g_sq`: ||g_i||^2 if
+    already computed (it is also the bias's squared norm)."""
     a, g = f32(a), f32(g)
-    sq = tf.reduce_sum(tf.square(a), 1) * tf.reduce_sum(tf.square(g), 1)
+    if g_sq is None:
+        g_sq = tf.reduce_sum(tf.square(g), 1)
+    sq = tf.reduce_sum(tf.square(a), 1) * g_sq
 
     def clipped_sum(c, a=a, g=g):
         s = tf.matmul(*scaled_smaller(a, g, c), transpose_a=True)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dpfl_tf.keras.layer_rules._base import (LayerRule, Taps, concat_positions, grad_or_zeros,
-                                             materialised, outer_gradients, rank_one_gradients,
-                                             register_rule, static_positions, stopped,
-                                             watched)
+from dpfl_tf.keras.layer_rules._base import (LayerRule, Taps, VariableGradients,
+                                             concat_positions, f32, grad_or_zeros, materialised,
+                                             outer_gradients, rank_one_gradients, register_rule,
+                                             static_positions, stopped, watched, weighted_sum)
 
 
 def plain(layer) -> bool:
@@ -43,13 +43,17 @@ class DenseRule(LayerRule):
         gs = [grad_or_zeros(c, "z") for c in calls]
         kernel = layer.kernel
         if len(calls) == 1 and inputs[0].shape.rank == 2:
-            result = [(kernel, rank_one_gradients(inputs[0], gs[0], kernel))]
-            g_example = gs[0]
-        else:
-            a3, g3 = concat_positions(inputs), concat_positions(gs)
-            result = [(kernel, outer_gradients(a3[:, :, None], g3[:, :, None],
-                                               static_positions(*inputs), lambda s: s, kernel))]
-            g_example = tf.reduce_sum(g3, axis=1)
+            g = f32(gs[0])
+            g_sq = tf.reduce_sum(tf.square(g), 1)  # ||g_i||^2: the bias's squared norm too
+            result = [(kernel, rank_one_gradients(inputs[0], g, kernel, g_sq))]
+            if layer.use_bias:
+                result.append((layer.bias, VariableGradients(
+                    g_sq, lambda c, g=g: tf.cast(weighted_sum(g, c), layer.bias.dtype))))
+            return result
+        a3, g3 = concat_positions(inputs), concat_positions(gs)
+        result = [(kernel, outer_gradients(a3[:, :, None], g3[:, :, None],
+                                           static_positions(*inputs), lambda s: s, kernel))]
+        g_example = tf.reduce_sum(g3, axis=1)
         if layer.use_bias:
             result.append((layer.bias, materialised(g_example, layer.bias)))
         return result
