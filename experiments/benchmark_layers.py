@@ -1,6 +1,7 @@
 """Speed and memory of DP-SGD on the model families of the layers issue (16).
 
-Four models, each built the same way in Keras 3 and (for the peer) in PyTorch:
+Four models, each built the same way in Keras 3 and (for the peers) in PyTorch
+and, for the transformer, in Keras 2:
 
   transformer   sequence classifier: Embedding(20,000, 128) + fixed sinusoidal
                 positions, 2 post-LN blocks (MultiHeadAttention 4 heads x 32,
@@ -17,7 +18,7 @@ Data are synthetic (the content of a token or a pixel does not change the cost
 of a step): tokens drawn from a Zipf-like law over a 20,000-word vocabulary,
 25,000 sequences (the size of IMDB's training set); 50,000 uniform images
 (CIFAR-10's training set size); random labels.  The recipe is numpy only and
-the same in `experiments/peers/opacus_layers.py`.
+the same in `experiments/peers/opacus_layers.py` and `experiments/peers/tfp_layers.py`.
 
 Implementations, each in its own process (so peak RSS is its own), first
 epoch of every repeat as warm-up, median of the timed epochs:
@@ -28,7 +29,11 @@ epoch of every repeat as warm-up, median of the timed epochs:
   opacus_nonprivate  plain PyTorch loop on CPU, batch = lot    -- PyTorch's baseline
   opacus             Opacus make_private, per-sample gradients (hooks)
   opacus_ghost       Opacus make_private, ghost clipping
-  tfp_fast_clipping  tensorflow-privacy: not run, recorded with the reason
+  tfp_nonprivate     plain tf.keras 2 `fit` (TF 2.15), batch = lot  -- its baseline
+  tfp_fast_clipping  tensorflow-privacy 0.9.0 DPModel, fast (ghost) clipping with
+                     a layer registry covering every layer; transformer only: the
+                     other models' layers (Conv1D, Conv2D, GroupNormalization,
+                     LSTM) are not in its registry, so their rows say "not run"
 
 `ratio_to_nonprivate` is DP epoch / non-private epoch of the *same framework*
 and precision policy (the issue's targets); `ratio_to_keras` is to Keras's
@@ -43,7 +48,8 @@ clipping.
     python experiments/benchmark_layers.py --quick          # smoke test, tiny sizes
     python experiments/benchmark_layers.py --models lstm --skip-peers
     python experiments/benchmark_layers.py --skip-peers --policies float32 mixed_bfloat16
-    python experiments/benchmark_layers.py --skip-ours --peer-steps 20   # Opacus rows only
+    python experiments/benchmark_layers.py --skip-ours --peer-steps 20   # peer rows only
+    python experiments/benchmark_layers.py --skip-ours --peers tfp    # tensorflow-privacy only
 
 `--peer-steps N` times the first N lots of each Opacus epoch (its non-private
 baseline the same way) and scales that to the epoch's lots: Opacus's
@@ -51,7 +57,13 @@ full-size DP epochs take up to an hour.  Such rows say so in their settings
 (`timed_lots_per_epoch`).
 
 The Opacus peer runs in its own virtual environment (`--opacus-python`,
-default /work/peer_envs/opacus/bin/python when it exists; see README).
+default /work/peer_envs/opacus/bin/python when it exists; see README), and so
+does tensorflow-privacy, which needs TensorFlow 2.15 / Keras 2 (`--tfp-python`,
+default /work/peer_envs/tfp/bin/python).  Its rows are whole epochs (`--epochs`);
+`--peer-steps` and `--peer-epochs` are Opacus's.  Rows of a framework that a
+run does not measure (ours under `--skip-ours`, a peer under `--reuse-peers` or
+left out of `--peers`) are kept from the existing --output file when that file
+is read (`--skip-ours`, `--reuse-peers`), marked `reused_from`.
 """
 
 from __future__ import annotations
@@ -71,6 +83,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("transformer", "conv1d_text", "resnet20_gn", "lstm")
 OURS = ("keras_nonprivate", "dpfl_tf")
 OPACUS = ("nonprivate", "opacus", "opacus_ghost")
+TFP = ("nonprivate", "fast_clipping")
+PEERS = ("opacus", "tfp")
+FRAMEWORKS = {"ours": "keras", "opacus": "pytorch", "tfp": "keras 2"}
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 CLIP, NOISE, LR = 4.0, 1.0, 0.05
 
@@ -92,8 +107,10 @@ QUICK = {m: dict(examples=512, lot_size=128) for m in MODELS}
 TIME_TARGETS = {"transformer": 1.5, "conv1d_text": 1.5, "resnet20_gn": 2.0, "lstm": 4.0}
 MEMORY_TARGET = 2.0
 
-# tensorflow-privacy 0.9.0's fast-clipping registry (Dense, EinsumDense,
-# Embedding, LayerNormalization, MultiHeadAttention) against each model's layers
+# tensorflow-privacy 0.9.0's fast-clipping registry functions (Dense, EinsumDense,
+# Embedding, LayerNormalization, MultiHeadAttention) against each model's layers;
+# peers/tfp_layers.py builds the one model they cover all of
+TFP_MODELS = ("transformer",)
 TFP_COVERAGE = {
     "transformer": "all layers registered (Dense, EinsumDense via MultiHeadAttention, "
                    "Embedding, LayerNormalization)",
@@ -101,14 +118,17 @@ TFP_COVERAGE = {
     "resnet20_gn": "Conv2D and GroupNormalization not registered (vectorized fallback)",
     "lstm": "LSTM not registered (vectorized fallback)",
 }
-TFP_REASON = (
-    "not run: tensorflow-privacy 0.9.0 (the latest release) does not work beside "
-    "TensorFlow 2.21 / Keras 3. pip installs it only by downgrading numpy to 1.26, "
-    "dp-accounting to 0.4.3 and packaging to 22.0, and then `import tensorflow_privacy` "
-    "fails: ImportError: cannot import name 'estimator_training' from "
-    "'tensorflow.python.distribute' (its tensorflow-estimator dependency ended with TF "
-    "2.15). Measuring it needs a TF 2.15 + Keras 2 environment and Keras 2 ports of these "
-    "models.")
+TFP_UNREGISTERED = {"conv1d_text": "Conv1D", "resnet20_gn": "Conv2D and GroupNormalization",
+                    "lstm": "LSTM"}
+
+
+def tfp_reason(model: str) -> str:
+    """Why tensorflow-privacy's fast clipping has no measured row for this model."""
+    return (f"not run: {TFP_UNREGISTERED[model]} not in tensorflow-privacy 0.9.0's "
+            "fast-clipping layer registry (its registry functions cover Dense, EinsumDense, "
+            "Embedding, LayerNormalization and MultiHeadAttention), so its DPModel would "
+            "silently fall back to per-example gradients by vectorized_map: not fast "
+            "clipping")
 
 
 # ---------------------------------------------------------------------------
@@ -290,7 +310,7 @@ def _error_line(text: str) -> str:
 
 
 def _checks(rows: list[dict]) -> dict:
-    """Issue-16 targets for each model's dpfl_tf row."""
+    """Issue-16 targets for each model's dpfl_tf row, and the peers' ratios beside it."""
     checks = {}
     for model in dict.fromkeys(r["model"] for r in rows):
         by = {r["implementation"]: r for r in rows if r["model"] == model}
@@ -298,6 +318,7 @@ def _checks(rows: list[dict]) -> dict:
         time_ratio, mem_ratio = ours.get("ratio_to_nonprivate"), ours.get(
             "memory_ratio_to_nonprivate")
         ghost_ratio = ghost.get("ratio_to_nonprivate")
+        tfp_ratio = by.get("tfp_fast_clipping", {}).get("ratio_to_nonprivate")
         checks[model] = {
             "time_ratio": time_ratio, "time_target": TIME_TARGETS[model],
             "time_ok": None if time_ratio is None else time_ratio <= TIME_TARGETS[model],
@@ -306,6 +327,9 @@ def _checks(rows: list[dict]) -> dict:
             "opacus_ghost_ratio": ghost_ratio,
             "below_opacus_ghost": None if time_ratio is None or ghost_ratio is None
             else time_ratio < ghost_ratio,
+            "tfp_fast_clipping_ratio": tfp_ratio,
+            "below_tfp_fast_clipping": None if time_ratio is None or tfp_ratio is None
+            else time_ratio < tfp_ratio,
             # same architecture in both frameworks (PyTorch's LSTM has a second bias)
             "trainable_parameters": {impl: (r.get("settings") or {}).get("trainable_parameters")
                                      for impl, r in by.items()
@@ -324,9 +348,13 @@ def _print_checks(checks: dict, quick: bool) -> None:
         t = "-" if c["time_ratio"] is None else f"x{c['time_ratio']:.2f}"
         m = "-" if c["memory_ratio"] is None else f"x{c['memory_ratio']:.2f}"
         g = "-" if c["opacus_ghost_ratio"] is None else f"x{c['opacus_ghost_ratio']:.2f}"
+        fc = c.get("tfp_fast_clipping_ratio")
+        tfp = "" if fc is None else (f"   tfp fast clipping x{fc:.2f} (ours lower: "
+                                     f"{_verdict(c['below_tfp_fast_clipping'])})")
         print(f"  {model:12s} time {t:>7s} (<= {c['time_target']}x: {_verdict(c['time_ok'])})"
               f"   memory {m:>7s} (<= {c['memory_target']}x: {_verdict(c['memory_ok'])})"
-              f"   opacus ghost {g:>7s} (ours lower: {_verdict(c['below_opacus_ghost'])})")
+              f"   opacus ghost {g:>7s} (ours lower: {_verdict(c['below_opacus_ghost'])})"
+              + tfp)
 
 
 def plot(rows: list[dict], path: str, quick: bool = False) -> bool:
@@ -341,7 +369,7 @@ def plot(rows: list[dict], path: str, quick: bool = False) -> bool:
         return False
     models = list(dict.fromkeys(r["model"] for r in rows))
     impls = [i for i in ("dpfl_tf", *(f"dpfl_tf@{p}" for p in POLICIES[1:]), "opacus",
-                         "opacus_ghost")
+                         "opacus_ghost", "tfp_fast_clipping")
              if any(r["implementation"] == i for r in rows)]
     impls[1:1] = list(dict.fromkeys(r["implementation"] for r in rows  # --physical-batches
                                     if r["implementation"].startswith("dpfl_tf@batch")))
@@ -389,19 +417,27 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--epochs", type=int, default=3, help="per repeat; the first is warm-up")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--opacus-python", default="/work/peer_envs/opacus/bin/python")
+    p.add_argument("--tfp-python", default="/work/peer_envs/tfp/bin/python",
+                   help="interpreter of the tensorflow-privacy environment (TF 2.15 / "
+                        "Keras 2, tensorflow-privacy 0.9.0; see README)")
+    p.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS,
+                   help="peer libraries to run (default: both); with --skip-ours the rows "
+                        "of a peer left out are kept from the existing --output file")
     p.add_argument("--skip-peers", action="store_true")
     p.add_argument("--skip-ours", action="store_true",
                    help="run only the peers; our rows (and Keras's baselines) are taken "
                         "from the existing --output file, marked as reused")
     p.add_argument("--reuse-peers", action="store_true",
-                   help="with --skip-peers: keep the Opacus rows of the existing --output "
-                        "file (marked as reused), so ours can be rerun alone")
+                   help="with --skip-peers: keep the peers' rows (Opacus, "
+                        "tensorflow-privacy) of the existing --output file (marked as "
+                        "reused), so ours can be rerun alone")
     p.add_argument("--policies", nargs="+", default=["float32"], choices=POLICIES,
                    help="Keras precision policies to time ours under (float32 first: the "
                         "other policies' rows are also compared with it)")
     p.add_argument("--peer-epochs", type=int, default=2,
                    help="epochs per repeat (the first is warm-up) for Opacus's DP modes, "
-                        "whose epochs take up to an hour at full size")
+                        "whose epochs take up to an hour at full size (tensorflow-privacy's "
+                        "rows take --epochs)")
     p.add_argument("--physical-batches", type=int, nargs="+", default=[],
                    help="also time ours (float32) with these physical batch sizes "
                         "(fit's batch_size; rows dpfl_tf@batchB): memory against time")
@@ -432,25 +468,32 @@ def main(argv=None) -> list[dict]:
     output = args.output or os.path.join(
         ROOT, "results", "benchmark_layers_quick.json" if args.quick else "benchmark_layers.json")
     figure = args.figure or os.path.splitext(output)[0] + ".png"
-    have_opacus = not args.skip_peers and os.path.exists(args.opacus_python)
-    if not args.skip_peers and not have_opacus:
-        print(f"skipping Opacus: no interpreter at {args.opacus_python}")
-
-    earlier = []
     if args.skip_ours and args.skip_peers:
         p.error("--skip-ours with --skip-peers runs nothing")
     if args.reuse_peers and not args.skip_peers:
-        p.error("--reuse-peers keeps the Opacus rows of an earlier run: pass --skip-peers too")
-    reused = "keras" if args.skip_ours else "pytorch" if args.reuse_peers else None
-    if reused:
+        p.error("--reuse-peers keeps the peers' rows of an earlier run: pass --skip-peers too")
+    have = {}
+    for peer, name, python in (("opacus", "Opacus", args.opacus_python),
+                               ("tfp", "tensorflow-privacy", args.tfp_python)):
+        have[peer] = not args.skip_peers and peer in args.peers and os.path.exists(python)
+        if not args.skip_peers and peer in args.peers and not have[peer]:
+            print(f"skipping {name}: no interpreter at {python}")
+    have_opacus, have_tfp = have["opacus"], have["tfp"]
+
+    # frameworks this run measures; the others' rows come from the earlier file
+    measured = {FRAMEWORKS[k] for k, run in (("ours", not args.skip_ours), *have.items()) if run}
+    earlier = []
+    if args.skip_ours or args.reuse_peers:
         option = "--skip-ours" if args.skip_ours else "--reuse-peers"
         if not os.path.exists(output):
             p.error(f"{option} reuses rows from {output}, which does not exist: "
                     f"run without {option} first (or pass --output)")
         with open(output, encoding="utf-8") as f:
             earlier_report = json.load(f)
+        # not-run rows are written anew below, not reused
         earlier = [dict(r, reused_from=r.get("reused_from") or earlier_report.get("command"))
-                   for r in earlier_report["rows"] if r.get("framework") == reused]
+                   for r in earlier_report["rows"]
+                   if r.get("framework") not in measured and not r.get("not_run")]
     rows, started = [], time.perf_counter()
     for model in args.models:
         sizes = dict((QUICK if args.quick else FULL)[model])
@@ -471,6 +514,10 @@ def main(argv=None) -> list[dict]:
                 extra = ["--max-steps", str(args.peer_steps)] if args.peer_steps else []
                 plan.append((args.opacus_python, script, impl, extra, epochs, args.repeats,
                              "float32", ""))
+        if have_tfp and model in TFP_MODELS:  # whole epochs: a few minutes each
+            script = os.path.join(ROOT, "experiments", "peers", "tfp_layers.py")
+            plan += [(args.tfp_python, script, impl, [], args.epochs, args.repeats, "float32",
+                      "") for impl in TFP]
         baselines = {}
         for row in (r for r in earlier if r["model"] == model):  # --skip-ours
             rows.append(row)
@@ -481,12 +528,14 @@ def main(argv=None) -> list[dict]:
                    "--epochs", str(epochs), "--repeats", str(repeats), *common]
             start = time.perf_counter()
             result = _run(cmd, args.timeout)
-            ours = script.endswith("benchmark_layers.py")
-            label = impl if ours else ("opacus_nonprivate" if impl == "nonprivate" else impl)
+            kind = ("ours" if script.endswith("benchmark_layers.py") else
+                    "tfp" if script.endswith("tfp_layers.py") else "opacus")
+            label = {"ours": impl, "tfp": f"tfp_{impl}",
+                     "opacus": "opacus_nonprivate" if impl == "nonprivate" else impl}[kind]
             if policy != "float32":
                 label += "@" + policy
             label += suffix
-            framework = "keras" if ours else "pytorch"
+            framework = FRAMEWORKS[kind]
             row = {"model": model, "implementation": label, "framework": framework,
                    "seconds_per_epoch": result.get("seconds_per_epoch"),
                    "ratio_to_nonprivate": None, "memory_ratio_to_nonprivate": None,
@@ -502,6 +551,8 @@ def main(argv=None) -> list[dict]:
                    "settings": result.get("settings"), "policy": policy,
                    "command": " ".join(cmd),
                    "wall_seconds": time.perf_counter() - start}
+            if kind == "tfp":
+                row["tfp_layer_coverage"] = TFP_COVERAGE[model]
             if result.get("error"):
                 row["error"] = _error_line(result["error"])
                 row["error_detail"] = result["error"][-2000:]
@@ -526,15 +577,17 @@ def main(argv=None) -> list[dict]:
                       f"   [{row['wall_seconds']:.0f} s wall]", flush=True)
             else:
                 print(f"{model:12s} {label:18s} failed: {row.get('error', '')[:200]}", flush=True)
-        rows.append({"model": model, "implementation": "tfp_fast_clipping",
-                     "framework": "keras 2", "seconds_per_epoch": None,
-                     "ratio_to_nonprivate": None, "memory_ratio_to_nonprivate": None,
-                     "ratio_to_keras": None, "peak_memory_mb": None,
-                     "library": "tensorflow-privacy", "library_version": "0.9.0",
-                     "examples": sizes["examples"], "lot_size": sizes["lot_size"],
-                     "not_run": TFP_REASON, "tfp_layer_coverage": TFP_COVERAGE[model]})
-        print(f"{model:12s} {'tfp_fast_clipping':18s} not run: tensorflow-privacy 0.9.0 does "
-              f"not import beside TF 2.21 / Keras 3 ({TFP_COVERAGE[model]})", flush=True)
+        if model not in TFP_MODELS:
+            rows.append({"model": model, "implementation": "tfp_fast_clipping",
+                         "framework": FRAMEWORKS["tfp"], "seconds_per_epoch": None,
+                         "ratio_to_nonprivate": None, "memory_ratio_to_nonprivate": None,
+                         "ratio_to_keras": None, "peak_memory_mb": None,
+                         "library": "tensorflow-privacy", "library_version": "0.9.0",
+                         "examples": sizes["examples"], "lot_size": sizes["lot_size"],
+                         "not_run": tfp_reason(model),
+                         "tfp_layer_coverage": TFP_COVERAGE[model]})
+            print(f"{model:12s} {'tfp_fast_clipping':18s} not run: {TFP_UNREGISTERED[model]} "
+                  "not in tensorflow-privacy's fast-clipping registry", flush=True)
     checks = _checks(rows)
     _print_checks(checks, args.quick)
     sys.path.insert(0, ROOT)  # the package from this checkout, installed or not
