@@ -107,7 +107,7 @@ def test_peer_partial_epochs_are_validated():
 def test_tfp_peer_options_are_validated():
     base = ["--model", "transformer", "--implementation", "fast_clipping", "--output", "x.json"]
     args = tfp.parse_args(base + ["--max-steps", "20"])
-    assert args.max_steps == 20 and args.xla  # DPModel's own default, use_xla=True
+    assert args.max_steps == 20 and args.xla is None  # each library's own XLA default
     assert tfp.parse_args(base + ["--no-xla"]).xla is False
     assert tfp.parse_args(base).max_steps == 0  # whole epochs by default
     for bad in (["--max-steps", "-1"], ["--epochs", "1"], ["--norm-check", "-1"],
