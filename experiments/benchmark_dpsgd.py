@@ -5,8 +5,13 @@ CIFAR-10 net with frozen conv layers; the same net fully trainable) this times
 median seconds per epoch and peak memory of:
 
   keras_nonprivate  plain Keras 3 `fit` (SGD, batch = lot)         -- the baseline
+  keras_nonprivate_spe  the same with the steps_per_execution our "auto" picks
+                    (what Keras would gain from it too: the cost DP itself adds)
+  keras_nonprivate_xla  the same with jit_compile=True (Keras's own XLA cost)
   dpfl_tf           our DPModel + DPSGD, default settings (Poisson lots sampled in
-                    the graph, the whole lot as one physical batch, noise once per lot)
+                    the graph, the whole lot as one physical batch, noise once per lot,
+                    steps_per_execution "auto")
+  dpfl_tf_spe1      the same with steps_per_execution=1 (one lot per call)
   dpfl_tf_memmap    the same reading the data from an on-disk array (np.memmap,
                     a random-access source: lots read from disk, prefetched)
   dpfl_tf_xla       the same with jit_compile=True
@@ -16,7 +21,11 @@ median seconds per epoch and peak memory of:
   opacus*           Opacus on CPU PyTorch in its own virtual environment
 
 Every configuration runs in its own process (so peak RSS is its own), with the
-first epoch as warm-up.  Ratios are to `keras_nonprivate` of the same run.
+first epoch as warm-up.  `--repeats R` runs R rounds, each of them one fresh
+process per configuration in turn (A B C, A B C, ...), so that a drift of the
+machine's speed reaches every configuration alike; a row's time is the median
+of all its timed epochs, its memory the largest peak.  Ratios are to
+`keras_nonprivate` of the same run.
 Full dataset sizes by default (MNIST 60,000, CIFAR-10 50,000); a smaller
 `--examples` is recorded in every row (a slice, not the full-size figure).
 
@@ -41,7 +50,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("mnist_mlp", "cifar_frozen_conv", "cifar_full_conv")
-OURS = ("keras_nonprivate", "dpfl_tf", "dpfl_tf_memmap", "dpfl_tf_xla", "dpfl_tf_secure")
+OURS = ("keras_nonprivate", "keras_nonprivate_spe", "keras_nonprivate_xla", "dpfl_tf",
+        "dpfl_tf_spe1", "dpfl_tf_memmap", "dpfl_tf_xla", "dpfl_tf_secure")
 FULL_SIZE = {"mnist_mlp": 60_000, "cifar_frozen_conv": 50_000, "cifar_full_conv": 50_000}
 TFP = ("nonprivate", "dp_keras_sgd_microbatch", "dp_keras_sgd_vectorized",
        "dp_sequential_fast_clipping")
@@ -90,6 +100,7 @@ def worker(args) -> dict:
     import keras
 
     from dpfl_tf.keras import DPModel, DPSGD
+    from dpfl_tf.keras.model import auto_steps_per_execution
 
     x, y = _data(args.model, args.examples)
     if args.implementation == "dpfl_tf_memmap":  # the same array, read from disk
@@ -109,19 +120,26 @@ def worker(args) -> dict:
         def on_epoch_end(self, epoch, logs=None):
             (warmup if epoch == 0 else timed).append(time.perf_counter() - self.t0)
 
+    impl = args.implementation
+    steps = 1
     for _ in range(args.repeats):
         model = _model(args.model)
-        if args.implementation == "keras_nonprivate":
-            model.compile(optimizer=keras.optimizers.SGD(LR), loss=loss)
+        if impl.startswith("keras_nonprivate"):
+            if impl == "keras_nonprivate_spe":
+                steps = auto_steps_per_execution(max(1, len(y) // args.lot_size))
+            model.compile(optimizer=keras.optimizers.SGD(LR), loss=loss,
+                          steps_per_execution=steps, jit_compile=impl.endswith("_xla"))
             model.fit(x, y, batch_size=args.lot_size, epochs=args.epochs, verbose=0,
                       callbacks=[EpochTimer()])
         else:
             dp = DPModel(model)
             dp.compile(optimizer=DPSGD(LR, l2_norm_clip=CLIP, noise_multiplier=NOISE,
-                                       secure_mode=args.implementation == "dpfl_tf_secure"),
-                       loss=loss, jit_compile=args.implementation == "dpfl_tf_xla")
+                                       secure_mode=impl == "dpfl_tf_secure"),
+                       loss=loss, jit_compile=impl == "dpfl_tf_xla",
+                       steps_per_execution=1 if impl == "dpfl_tf_spe1" else "auto")
             dp.fit(x, y, lot_size=args.lot_size, epochs=args.epochs, verbose=0,
                    callbacks=[EpochTimer()])
+            steps = dp.steps_per_execution
     if args.implementation == "dpfl_tf_memmap":
         import shutil
 
@@ -135,7 +153,8 @@ def worker(args) -> dict:
             "examples": args.examples, "lot_size": args.lot_size,
             "settings": {"l2_norm_clip": CLIP, "noise_multiplier": NOISE, "learning_rate": LR,
                          "sampling": "poisson" if args.implementation.startswith("dpfl_tf") else
-                         "keras batches", "physical_batch": "default (the whole lot)"}}
+                         "keras batches", "physical_batch": "default (the whole lot)",
+                         "steps_per_execution": steps}}
 
 
 # ---------------------------------------------------------------------------
@@ -157,6 +176,23 @@ def _run(cmd: list[str], timeout: float) -> dict:
         return {"seconds_per_epoch": None, "error": f"timed out after {timeout:.0f} s"}
     finally:
         os.unlink(out_path)
+
+
+def _merge(merged: dict | None, result: dict) -> dict:
+    """One configuration's results over its processes: every timed epoch (the
+    row's time is their median), the largest peak memory, the first error."""
+    if merged is None:
+        merged = dict(result, processes=0, epoch_seconds=[], warmup_seconds=[])
+    merged["processes"] += 1
+    merged["epoch_seconds"] += result.get("epoch_seconds") or []
+    merged["warmup_seconds"] += result.get("warmup_seconds") or []
+    peaks = [m for m in (merged.get("peak_memory_mb"), result.get("peak_memory_mb")) if m]
+    merged["peak_memory_mb"] = max(peaks) if peaks else None
+    merged["seconds_per_epoch"] = (statistics.median(merged["epoch_seconds"])
+                                   if merged["epoch_seconds"] else None)
+    if result.get("error") and not merged.get("error"):
+        merged["error"] = result["error"]
+    return merged
 
 
 def main(argv=None) -> list[dict]:
@@ -204,14 +240,23 @@ def main(argv=None) -> list[dict]:
                     plan.append((python, os.path.join(ROOT, script), impl, [],
                                  args.peer_epochs if slow else args.epochs,
                                  1 if slow else args.repeats))
+        # rounds: every configuration once per round, each in a fresh process
+        results = {}   # label -> merged result
+        walls = {}
+        for round_ in range(max(1, max(r for *_, r in plan))):
+            for python, script, impl, extra, epochs, repeats in plan:
+                if round_ >= repeats:
+                    continue
+                cmd = [python, script, *extra, "--model", model, "--implementation", impl,
+                       "--epochs", str(epochs), "--repeats", "1", *common]
+                start = time.perf_counter()
+                result = _run(cmd, args.timeout)
+                label = impl if script.endswith("benchmark_dpsgd.py") else \
+                    ("tfp_" if "tfp" in script else "opacus_") + impl
+                walls[label] = walls.get(label, 0.0) + time.perf_counter() - start
+                results[label] = _merge(results.get(label), result)
         baseline = None
-        for python, script, impl, extra, epochs, repeats in plan:
-            cmd = [python, script, *extra, "--model", model, "--implementation", impl,
-                   "--epochs", str(epochs), "--repeats", str(repeats), *common]
-            start = time.perf_counter()
-            result = _run(cmd, args.timeout)
-            label = impl if script.endswith("benchmark_dpsgd.py") else \
-                ("tfp_" if "tfp" in script else "opacus_") + impl
+        for label, result in results.items():
             row = {"model": model, "implementation": label,
                    "seconds_per_epoch": result.get("seconds_per_epoch"),
                    "ratio_to_nonprivate": None,
@@ -220,8 +265,13 @@ def main(argv=None) -> list[dict]:
                    "library_version": result.get("library_version"),
                    "epochs_timed": len(result.get("epoch_seconds") or []),
                    "epoch_seconds": result.get("epoch_seconds"),
+                   "processes": result.get("processes"),
+                   "steps_per_execution": (result.get("settings") or {}).get(
+                       "steps_per_execution"),
                    "examples": examples, "lot_size": args.lot_size,
-                   "wall_seconds": time.perf_counter() - start}
+                   "command": " ".join(["python", "experiments/benchmark_dpsgd.py",
+                                        *(argv if argv is not None else sys.argv[1:])]),
+                   "wall_seconds": walls[label]}
             if result.get("error"):
                 row["error"] = result["error"].strip().splitlines()[-1][:300]
             if label == "keras_nonprivate":
