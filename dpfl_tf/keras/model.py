@@ -124,6 +124,7 @@ class DPModel(keras.Model):
         self._recorded_lots = int(recorded_lots)
         # monotonic counters outside the weights (see module docstring)
         self._counters = _Counters(self._recorded_lots)
+        self._lot_limits: dict[str, int | None] = {}
         self._step_event = None       # event of one lot with the current fit settings
         self._epoch_event = None      # shuffle sampling: one Gaussian per epoch
         self._lots_per_epoch = None
@@ -155,7 +156,8 @@ class DPModel(keras.Model):
         several lots per call when an epoch has many, so Keras's per-call
         Python work is paid once for them; 1 under a distribution strategy).
         An integer must divide the lots of an epoch.  Callbacks then see one
-        batch end per call (Keras's meaning of steps_per_execution)."""
+        batch end per call (Keras's meaning of steps_per_execution).  Set it
+        here: each `fit` sets the ``steps_per_execution`` attribute itself."""
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             raise TypeError(
                 "pass the DP optimizer itself, not a LossScaleOptimizer: under a mixed "
@@ -247,10 +249,15 @@ class DPModel(keras.Model):
             self.ledger.record(self._step_event, pending, label="dpsgd")
         self._recorded_lots = computed
 
-    def set_lot_limit(self, limit: int | None) -> None:
+    def set_lot_limit(self, limit: int | None, reason: str = "budget") -> None:
         """In-graph guard: once `lots_computed` reaches `limit`, further lots are
-        skipped (nothing computed, applied or counted)."""
-        self._counters.set_limit(_NO_LIMIT if limit is None else int(limit))
+        skipped (nothing computed, applied or counted) -- also inside a call of
+        several lots (steps_per_execution > 1), which a callback cannot stop.
+        Each `reason` (the budget; a planned end of training) sets its own
+        limit, None removes it; the guard is the smallest."""
+        self._lot_limits[reason] = None if limit is None else int(limit)
+        limits = [v for v in self._lot_limits.values() if v is not None]
+        self._counters.set_limit(min(limits) if limits else _NO_LIMIT)
 
     # -- training -----------------------------------------------------------
     def fit(self, x=None, y=None, *, lot_size: int, batch_size: int | None = None,
@@ -322,12 +329,6 @@ class DPModel(keras.Model):
         self._prepare(sampler, batch_size)
         self._check_accountants(privacy_cb, target_delta)
         replicas = self.distribute_strategy.num_replicas_in_sync
-        if replicas > 1 and int(getattr(self, "steps_per_execution", 1) or 1) > 1:
-            raise ValueError(
-                f"steps_per_execution must be 1 under a distribution strategy with "
-                f"{replicas} replicas, got {self.steps_per_execution}: TensorFlow cannot run "
-                "the lot's loop over physical batches inside the multi-step loop of "
-                "replicated training (this mode is not supported, so it is refused)")
         if replicas > 1 and optimizer.secure_mode:
             raise ValueError(
                 f"secure_mode=True is not supported under a distribution strategy with "
@@ -345,7 +346,8 @@ class DPModel(keras.Model):
                               preprocess=preprocess)  # endless
         else:
             pad_to = (XLA_PAD if self.jit_compile else 1) * replicas
-            data = sampler.dataset(reader, pad_to=pad_to, preprocess=preprocess)  # endless
+            data = sampler.dataset(reader, pad_to=pad_to, preprocess=preprocess,  # endless
+                                   prefetch=2 * int(self.steps_per_execution))
         callbacks = [privacy_cb] + [c for c in callbacks if c is not privacy_cb]
         self.stop_reason = None
         dropped_before = self.dropped_examples
@@ -429,20 +431,37 @@ class DPModel(keras.Model):
         """Lots per call of the training function for this fit: the "auto"
         choice, or the integer given to `compile`, which must divide the
         epoch's lots (Keras runs whole calls: 4 lots per call over 6 lots an
-        epoch would train 8 lots an epoch, more than asked)."""
+        epoch would train 8 lots an epoch, more than asked) and be 1 under a
+        distribution strategy.  Keras builds its evaluate and predict
+        functions for the value in force when they are first traced (a
+        predict function made for 1 step keeps one batch of every call), so
+        a new value drops them too."""
         # a model made under a strategy's scope (any strategy, one replica too)
         distributed = getattr(self, "_distribute_strategy", None) is not None or \
             tf.distribute.has_strategy()
         if getattr(self, "_auto_steps", False):
-            self.steps_per_execution = auto_steps_per_execution(
+            steps = auto_steps_per_execution(
                 lots_per_epoch, distributed=distributed or bool(self.run_eagerly))
-            return
-        steps = int(self.steps_per_execution or 1)
-        if lots_per_epoch % steps and self.distribute_strategy.num_replicas_in_sync == 1:
-            raise ValueError(
-                f"steps_per_execution={steps} does not divide the {lots_per_epoch} lots of an "
-                f"epoch: Keras would run {-(-lots_per_epoch // steps) * steps} lots an epoch. "
-                f"Compile with a divisor of {lots_per_epoch}, or 'auto' (the default)")
+        else:
+            steps = int(self.steps_per_execution or 1)
+            if distributed and steps > 1:
+                replicas = self.distribute_strategy.num_replicas_in_sync
+                raise ValueError(
+                    f"steps_per_execution must be 1 under a distribution strategy "
+                    f"({replicas} replica{'s' if replicas > 1 else ''}), got {steps}: "
+                    "TensorFlow cannot run the lot's loop over physical batches inside the "
+                    "multi-step loop of replicated training (this mode is not supported, so "
+                    "it is refused)")
+            if lots_per_epoch % steps:
+                raise ValueError(
+                    f"steps_per_execution={steps} does not divide the {lots_per_epoch} lots "
+                    f"of an epoch: Keras would run {-(-lots_per_epoch // steps) * steps} lots "
+                    f"an epoch. Compile with a divisor of {lots_per_epoch}, or 'auto' (the "
+                    "default)")
+        if steps != self.steps_per_execution:
+            self.test_function = self.predict_function = None
+            self._eval_epoch_iterator = None
+        self.steps_per_execution = steps
 
     def _adopt_restored_lots(self, stacklevel: int = 3) -> None:
         """Weights restored from elsewhere carry more lots than this model has

@@ -323,7 +323,8 @@ class PerExampleGradients:
         if self._persistent is None:
             planned = {id(v) for layer, _ in plan.values() for v in layer.trainable_variables}
             self._persistent = any(id(v) not in planned for v in variables)
-        with tf.GradientTape(persistent=self._persistent) as tape:
+        persistent = self._persistent
+        with tf.GradientTape(persistent=persistent) as tape:
             recorder = _Recorder(tape, plan)
             with _tapping(recorder):
                 y_pred = _call_with_training(self.model, training)(x)
@@ -362,7 +363,7 @@ class PerExampleGradients:
             return None
 
         generic = [v for v in variables if id(v) not in owner]
-        if generic and not self._persistent:  # the Jacobian needs a persistent tape: redo
+        if generic and not persistent:  # the Jacobian needs a persistent tape: redo
             del tape
             self._persistent = True
             return None

@@ -146,13 +146,22 @@ RUN_STATE = "run.json"
 
 class LotStopper(keras.callbacks.Callback):
     """Stops after exactly `total_lots` lots in all (so a resumed run ends where
-    an uninterrupted one would), or after the current lot when `should_stop()`."""
+    an uninterrupted one would: an in-graph lot limit, exact also inside a call
+    of several lots), or after the current call of the training function
+    (`steps_per_execution` lots) when `should_stop()`."""
 
     def __init__(self, total_lots: int, should_stop: Callable[[], bool] | None = None):
         super().__init__()
         self.total_lots = total_lots
         self.should_stop = should_stop
         self.interrupted = False
+
+    def on_train_begin(self, logs=None):
+        left = max(0, self.total_lots - self.model.lots_applied)
+        self.model.set_lot_limit(self.model.lots_computed + left, reason="planned end")
+
+    def on_train_end(self, logs=None):
+        self.model.set_lot_limit(None, reason="planned end")
 
     def on_train_batch_end(self, batch, logs=None):
         if self.model.lots_applied >= self.total_lots:

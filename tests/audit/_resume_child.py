@@ -34,8 +34,10 @@ def keras_run(directory: str, slow: bool) -> None:
     state = DPCheckpoint.latest(directory)
     if state is None:
         model, initial_epoch = DPModel(mlp(hidden=16)), 0
+        # one lot per call: lots.log has a line per lot, and --slow sleeps after each
         model.compile(optimizer=DPSGD(0.2, momentum=0.5, l2_norm_clip=CLIP,
-                                      noise_multiplier=NOISE), loss=loss())
+                                      noise_multiplier=NOISE), loss=loss(),
+                      steps_per_execution=1)
     else:
         model, initial_epoch = DPCheckpoint.restore(directory)
     restored_lots = model.lots_applied

@@ -515,6 +515,74 @@ def test_steps_per_execution_that_does_not_divide_the_epoch_is_refused():
     dp.compile(optimizer=dp.optimizer, loss=loss(), steps_per_execution=4)
     with pytest.raises(ValueError, match=r"steps_per_execution=4 does not divide the 6 lots"):
         dp.fit(x, y, lot_size=20, epochs=1, verbose=0)
-    assert dp.lots_computed == 0
+    assert dp.lots_computed == 0 and not dp.privacy_ledger.entries
     with pytest.raises(ValueError, match="steps_per_execution must be an integer|>= 1"):
         dp.compile(optimizer=dp.optimizer, loss=loss(), steps_per_execution=0)
+
+
+def test_evaluate_and_predict_cover_every_example_after_fit_changes_the_steps():
+    """Keras builds evaluate / predict for the steps_per_execution of their first
+    trace (a one-step predict function keeps one batch of each call): a fit that
+    changes it drops them, so every example is still predicted and evaluated."""
+    x, y = mnist_slice(400, features=60)
+    dp = dp_model()
+    before = dp.predict(x, batch_size=20, verbose=0)
+    dp.evaluate(x, y, batch_size=20, verbose=0)
+    dp.fit(x, y, lot_size=20, epochs=1, verbose=0, validation_data=(x[:100], y[:100]))
+    assert dp.steps_per_execution == 2
+    after = dp.predict(x, batch_size=20, verbose=0)
+    assert before.shape == after.shape == (400, 10)
+    logits = dp.model(x, training=False).numpy()
+    np.testing.assert_allclose(after, logits, rtol=1e-4, atol=1e-5)
+    loss_value = dp.evaluate(x, y, batch_size=20, verbose=0)[0]
+    expected = float(np.mean(loss().call(y, logits).numpy()))
+    assert loss_value == pytest.approx(expected, rel=1e-4)
+
+
+def test_auto_steps_per_execution_trains_the_same_lots_and_noise_as_one_per_call():
+    """Seeded: several lots per call draw the same lots and the same noise
+    positions as one lot per call -- the same weights and ledger."""
+    x, y = mnist_slice(400, features=60)
+    runs = []
+    for steps in ("auto", 1):
+        keras.utils.set_random_seed(4)
+        dp = DPModel(mlp())
+        dp.compile(optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.0, seed=11),
+                   loss=loss(), steps_per_execution=steps)
+        dp.fit(x, y, lot_size=20, epochs=2, verbose=0, sampling_seed=5)
+        runs.append((dp.steps_per_execution, weights(dp), dp.privacy_ledger.to_dict()))
+    (k_auto, w_auto, ledger_auto), (k_one, w_one, ledger_one) = runs
+    assert (k_auto, k_one) == (2, 1)
+    for a, b in zip(w_auto, w_one):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert ledger_auto == ledger_one
+
+
+def test_a_planned_end_inside_a_call_of_several_lots_is_exact():
+    """The recipes' LotStopper ends training after exactly its lots, also when a
+    call of the training function holds several (an in-graph limit)."""
+    from dpfl_tf.recipes.common import LotStopper
+
+    x, y = mnist_slice(400, features=60)
+    dp = dp_model()
+    dp.fit(x, y, lot_size=20, epochs=3, verbose=0, callbacks=[LotStopper(27)])
+    assert dp.steps_per_execution == 2
+    assert dp.lots_computed == dp.lots_applied == 27
+    assert dp.privacy_ledger.entries[0]["count"] == 27
+    dp.fit(x, y, lot_size=20, epochs=1, verbose=0)  # the limit is gone afterwards
+    assert dp.lots_computed == 47
+
+
+def test_several_lots_per_call_under_a_one_replica_strategy_are_refused():
+    x, y = mnist_slice(400, features=60)
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+        dp = dp_model()
+        dp.compile(optimizer=dp.optimizer, loss=loss(), steps_per_execution=2)
+    with pytest.raises(ValueError, match="steps_per_execution must be 1 under a distribution"):
+        dp.fit(x, y, lot_size=20, epochs=1, verbose=0)
+    assert dp.lots_computed == 0
+    with strategy.scope():
+        auto = dp_model()
+    auto.fit(x, y, lot_size=20, epochs=1, verbose=0)   # "auto" is 1 there
+    assert auto.steps_per_execution == 1 and auto.lots_computed == 20

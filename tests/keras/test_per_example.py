@@ -474,3 +474,43 @@ def test_the_tape_is_persistent_only_for_the_whole_model_jacobian():
     xt, yt = _data("embedding")
     tied.compute(xt, tf.constant(yt), tf.ones(len(yt)), lambda sq: sq)
     assert tied._persistent is True
+
+
+class _Branchy(keras.layers.Layer):
+    """Calls its Dense inside tf.cond: in a graph the call is in the branch's
+    graph, which the tapped forward cannot reach, so the Dense is not tapped."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(5, activation="tanh")
+
+    def call(self, x):
+        return tf.cond(tf.reduce_sum(x) > -1e9, lambda: self.dense(x),
+                       lambda: tf.zeros_like(self.dense(x)))
+
+
+def test_a_planned_layer_not_tapped_takes_the_jacobian_with_a_persistent_redo():
+    """Planned (its variables belong to a Dense with a rule), but its call is
+    hidden in a branch: found after the first pass, which is redone with a
+    persistent tape; the result stays exact."""
+    keras.utils.set_random_seed(8)
+    x, y = _data("dense")
+    inp = keras.Input(x.shape[1:])
+    model = keras.Model(inp, keras.layers.Dense(10)(_Branchy()(inp)))
+    per_example = PerExampleGradients(model, loss())
+    passes = []
+    one_pass = per_example._compute
+    per_example._compute = lambda *a: passes.append(1) or one_pass(*a)
+    captured = []
+
+    @tf.function
+    def dp(x, y):
+        return per_example.compute(x, y, tf.ones(tf.shape(y)[0]),
+                                   lambda sq: captured.append(sq) or [tf.ones_like(s)
+                                                                      for s in sq])[0]
+
+    sums = dp(tf.constant(x), tf.constant(y))
+    assert per_example._persistent is True and len(passes) == 2
+    ref = _reference(model, x, y)
+    for j, s in enumerate(sums):
+        np.testing.assert_allclose(s.numpy(), sum(r[j] for r in ref), rtol=1e-4, atol=1e-5)
