@@ -181,7 +181,7 @@ class LotSampler:
             yield idx
 
     def dataset(self, x, y=None, *, epochs: int | None = None, pad_to: int = 1,
-                preprocess: Callable | None = None) -> tf.data.Dataset:
+                preprocess: Callable | None = None, prefetch: int = 2) -> tf.data.Dataset:
         """A `tf.data.Dataset` of (x_lot, y_lot, mask): `epochs * lots_per_epoch`
         lots (endless for None), each padded with zero-weight examples to a multiple of `pad_to`
         (at least `pad_to` examples, so that a distribution strategy splits
@@ -190,8 +190,10 @@ class LotSampler:
         `x, y` are arrays, or `x` is a random-access source (`y` None), or a
         reader from `dpfl_tf.keras.sources.make_reader`.  `preprocess` maps the
         lot's x (its real examples) inside tf.data, e.g. augmentation; it must
-        act on each example independently."""
+        act on each example independently.  `prefetch` lots are read ahead (a
+        call of the training function that trains k lots takes k at once)."""
         pad_to = check_count("pad_to", pad_to, minimum=1)
+        prefetch = check_count("prefetch", prefetch, minimum=1)
         reader, total = self._reader_and_total(x, y, epochs)
 
         def load(idx):
@@ -200,7 +202,7 @@ class LotSampler:
             return _read_padded(reader, idx, padded, preprocess)
 
         return self.index_dataset(total).map(
-            load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(2)
+            load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(prefetch)
 
     def _reader_and_total(self, x, y, epochs):
         """The reader of the data, and the number of lots (None: endless)."""
