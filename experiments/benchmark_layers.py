@@ -378,12 +378,15 @@ def plot(rows: list[dict], path: str, quick: bool = False) -> bool:
     for ax, key, title in [(axes[0], "ratio_to_nonprivate", "time per epoch"),
                            (axes[1], "memory_ratio_to_nonprivate", "peak RSS")]:
         for k, impl in enumerate(impls):
-            vals = [next((r.get(key) for r in rows if r["model"] == m
-                          and r["implementation"] == impl), None) for m in models]
+            found = [next((r for r in rows if r["model"] == m
+                           and r["implementation"] == impl), {}) for m in models]
+            vals = [r.get(key) for r in found]
             xs = [i + (k - (len(impls) - 1) / 2) * width for i in range(len(models))]
             bars = ax.bar(xs, [v or 0 for v in vals], width, label=impl)
-            for bar, v in zip(bars, vals):
-                ax.annotate("failed" if v is None else f"{v:.1f}",
+            for bar, v, r in zip(bars, vals, found):
+                # a peer that cannot run the model (layers outside its registry) is not a failure
+                missing = "not run" if r.get("not_run") else "failed"
+                ax.annotate(missing if v is None else f"{v:.1f}",
                             (bar.get_x() + bar.get_width() / 2, max(bar.get_height(), 1)),
                             ha="center", va="bottom", fontsize=7)
         for i, m in enumerate(models):

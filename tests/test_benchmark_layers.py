@@ -192,3 +192,25 @@ def test_reuse_peers_keeps_both_peers_rows(tmp_path, monkeypatch):
     assert {r["implementation"] for r in rows if r["framework"] == "keras"} == {
         "keras_nonprivate", "dpfl_tf"}
     assert all("reused_from" not in r for r in rows if r["framework"] == "keras")
+
+
+def test_figure_says_not_run_for_a_peer_without_the_layers_and_failed_for_a_failure(
+        tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    labels = []
+    annotate = Axes.annotate
+    monkeypatch.setattr(Axes, "annotate",
+                        lambda self, text, *a, **k: labels.append(text) or annotate(self, text,
+                                                                                      *a, **k))
+    rows = [{"model": "lstm", "implementation": "dpfl_tf", "ratio_to_nonprivate": 1.5,
+             "memory_ratio_to_nonprivate": 1.6},
+            {"model": "lstm", "implementation": "tfp_fast_clipping", "ratio_to_nonprivate": None,
+             "memory_ratio_to_nonprivate": None, "not_run": "not run: LSTM not in ..."},
+            {"model": "lstm", "implementation": "opacus_ghost", "ratio_to_nonprivate": None,
+             "memory_ratio_to_nonprivate": None, "error": "killed"}]
+    assert ours.plot(rows, str(tmp_path / "f.png"))
+    assert (tmp_path / "f.png").exists()
+    # time and memory panels: dpfl_tf's values, opacus_ghost failed, tfp not run
+    assert sorted(labels) == sorted(["1.5", "1.6", "failed", "failed", "not run", "not run"])
