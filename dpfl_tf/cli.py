@@ -174,7 +174,10 @@ def _add_train_parser(sub) -> None:
     p.add_argument("dataset", choices=["mnist", "fashion_mnist", "cifar10"])
     p.add_argument("--epsilon", type=float_arg, default=2.0, help="target epsilon (budget)")
     p.add_argument("--delta", type=float_arg, default=1e-5)
-    p.add_argument("--accountant", default="moments", choices=["moments", "rdp", "pld"])
+    p.add_argument("--accountant", default=None, choices=["moments", "rdp", "pld"],
+                   help="default: pld for scatter_linear / scatter_cnn (the accountant of "
+                        "their measured settings: the least noise for the budget), moments "
+                        "(Abadi et al.) otherwise")
     p.add_argument("--model", default=None,
                    choices=["mlp", "tanh_cnn", "scatter_linear", "scatter_cnn"],
                    help="mnist: mlp (default; DP-PCA + MLP, Abadi et al.) or tanh_cnn "
@@ -246,6 +249,7 @@ def _run_train(args, error) -> int:
     if args.feature_norm is not None and not scatter:
         error("--feature-norm is for --model scatter_linear and scatter_cnn")
     args.model = args.model or "mlp"
+    args.accountant = args.accountant or ("pld" if scatter else "moments")
     column = 1 if cifar else 2 if scatter else 0
     colour = args.dataset == "cifar10"
     for name, *defaults in (("epochs", 1000, 30, 60),

@@ -110,6 +110,7 @@ def test_train_runs_end_to_end_and_writes_results(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["epochs"] == 1 and data["test_accuracy"] > 0.5
+    assert data["accountant"] == "moments"   # the paper's; only scatter models default to pld
     assert data["epsilon"] <= 2.0
     assert "test accuracy =" in res.stdout and "epsilon =" in res.stdout
     assert "(non-private statistic)" in res.stdout   # train accuracy is on the private data
@@ -158,8 +159,9 @@ def test_federated_is_a_dpfl_tf_command():
 def test_train_scatter_models_use_their_defaults(monkeypatch, tmp_path, dataset, model, extra,
                                                  norm):
     """`train cifar10 --model scatter_linear|scatter_cnn` goes to the ScatterNet recipe
-    (lot 8192, lr 4, clip 0.1, momentum 0.9, 60 epochs, noise calibrated, channel
-    statistics released under DP), not the frozen convnet; mnist keeps GroupNorm."""
+    (lot 8192, lr 4, clip 0.1, momentum 0.9, 60 epochs, noise calibrated by the PLD
+    accountant, channel statistics released under DP), not the frozen convnet; mnist
+    keeps GroupNorm."""
     from dpfl_tf import cli
     from dpfl_tf.recipes import mnist
 
@@ -177,6 +179,6 @@ def test_train_scatter_models_use_their_defaults(monkeypatch, tmp_path, dataset,
     colour = dataset == "cifar10"
     assert (config.dataset, config.model, config.lot_size, config.learning_rate,
             config.l2_norm_clip, config.momentum, config.epochs, config.noise_multiplier,
-            config.target_epsilon, config.feature_norm) == (
+            config.target_epsilon, config.feature_norm, config.accountant) == (
         dataset, model, 8192 if colour else 4096, 4.0 if colour else 8.0, 0.1, 0.9, 60, None,
-        3.0, norm)
+        3.0, norm, "pld")
