@@ -31,7 +31,10 @@ cifar100` uses the paper's CIFAR-100 weights (pretrain them first with
 results/cifar10_dpsgd.json as soon as it finishes (same name: replaced; safe
 with several processes sharing the file), then
 the Figure 6 equivalent is redrawn (results/cifar10_fig6.png: accuracy and
-epsilon per epoch, one panel per epsilon, one line per lot size).
+epsilon per epoch, one panel per epsilon, one line per lot size); the
+ScatterNet runs also give results/cifar10_scatternet.png (the same per epoch)
+and results/cifar10_scatternet_curve.png (final accuracy against epsilon, with
+Tramer & Boneh's eps-3 points).
 """
 
 from __future__ import annotations
@@ -198,7 +201,45 @@ def draw_all(results: list[dict], out_dir: str) -> list[str]:
         path = os.path.join(out_dir, name)
         save_figure(fig, path)
         written.append(path)
+        if prefix == "scatternet/":
+            written.append(draw_privacy_utility(runs, out_dir))
     return written
+
+
+# Tramer & Boneh 2021 (their repository's README): CIFAR-10 at (3, 1e-5)
+TRAMER_BONEH_EPS3 = {"linear (on ScatterNet features)": 0.670,
+                     "CNN (on ScatterNet features)": 0.693}
+
+
+def draw_privacy_utility(runs: list[dict], out_dir: str) -> str:
+    """Final test accuracy against the epsilon spent, one line per model, with
+    Tramer & Boneh's eps-3 points (measured on the original CIFAR-10)."""
+    import matplotlib.pyplot as plt
+
+    from dpfl_tf.plotting import save_figure
+
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for i, head in enumerate(sorted({r["trained_layers"] for r in runs})):
+        line = sorted((r["epsilon"], r["test_accuracy"]) for r in runs
+                      if r["trained_layers"] == head and r.get("test_accuracy") is not None)
+        if not line:
+            continue
+        ax.plot(*zip(*line), "o-", color=f"C{i}", label=f"{head}, dpfl_tf")
+        if head in TRAMER_BONEH_EPS3:
+            ax.plot([3.0], [TRAMER_BONEH_EPS3[head]], "*", color=f"C{i}", markersize=12,
+                    label=f"{head}, Tramer & Boneh (original CIFAR-10)")
+    ax.set_xscale("log")
+    ax.set_xticks([1, 2, 3, 8], ["1", "2", "3", "8"])
+    ax.minorticks_off()
+    ax.set_xlabel("epsilon spent (delta = 1e-5, PLD; feature release included)")
+    ax.set_ylabel("final test accuracy")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(f"{runs[0]['dataset']}: ScatterNet, no public data", fontsize=9)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "cifar10_scatternet_curve.png")
+    save_figure(fig, path)
+    return path
 
 
 # ---------------------------------------------------------------------- timing
