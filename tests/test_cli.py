@@ -182,3 +182,26 @@ def test_train_scatter_models_use_their_defaults(monkeypatch, tmp_path, dataset,
             config.target_epsilon, config.feature_norm, config.accountant) == (
         dataset, model, 8192 if colour else 4096, 4.0 if colour else 8.0, 0.1, 0.9, 60, None,
         3.0, norm, "pld")
+
+
+@pytest.mark.parametrize("model,extra,accountant", [
+    ("scatter_linear", ["--accountant", "rdp"], "rdp"),   # an explicit choice wins
+    ("scatter_cnn", ["--accountant", "moments"], "moments"),
+    ("mlp", [], "moments"),                                # Abadi et al.'s own accountant
+    ("tanh_cnn", [], "moments")])
+def test_train_accountant_default_depends_on_the_model(monkeypatch, tmp_path, model, extra,
+                                                       accountant):
+    from dpfl_tf import cli
+    from dpfl_tf.recipes import mnist
+
+    class Seen(Exception):
+        pass
+
+    def fake_train(config, **_):
+        raise Seen(config)
+
+    monkeypatch.setattr(mnist, "train_mnist", fake_train)
+    with pytest.raises(Seen) as seen:
+        cli.main(["train", "mnist", "--model", model, *extra,
+                  "--output", str(tmp_path / "r.json")])
+    assert seen.value.args[0].accountant == accountant
