@@ -243,7 +243,7 @@ def privacy_utility_points(runs: list[dict]) -> dict[str, dict[str, list]]:
     runs, 'ours_tb_noise' of the runs at Tramer & Boneh's noise, and 'tramer_boneh'
     their accuracy at what our accountant says their mechanism spends."""
     accountants = {r.get("accountant") for r in runs} - {None}
-    accountant = accountants.pop() if len(accountants) == 1 else "pld"
+    theirs = tramer_boneh_epsilon(accountants.pop() if len(accountants) == 1 else "pld")
     points = {}
     for head in sorted({r["trained_layers"] for r in runs if r.get("trained_layers")}):
         mine = [r for r in runs if r.get("trained_layers") == head
@@ -253,7 +253,7 @@ def privacy_utility_points(runs: list[dict]) -> dict[str, dict[str, list]]:
                            if not _is_variant(r["run"])),
             "ours_tb_noise": sorted((r["epsilon"], r["test_accuracy"]) for r in mine
                                     if r["run"].split("/")[-1].startswith("tb_")),
-            "tramer_boneh": ([(tramer_boneh_epsilon(accountant), TRAMER_BONEH_ACCURACY[head])]
+            "tramer_boneh": ([(theirs, TRAMER_BONEH_ACCURACY[head])]
                              if head in TRAMER_BONEH_ACCURACY else [])}
     return points
 

@@ -139,6 +139,12 @@ def _mapped(fn, x, scratch: str, name: str):
     return np.load(os.path.join(scratch, name + ".npy"), mmap_mode="r")
 
 
+def clear(scratch: str) -> None:
+    """Deletes the mapped copies of a finished row (3 GB each)."""
+    for old_file in os.listdir(scratch):
+        os.remove(os.path.join(scratch, old_file))
+
+
 def normalise(kind: str, x_train, x_test, ledger, seed, scratch: str, epsilon: float = 1e-5):
     """The normalised, flattened (train, test) features (memmaps in `scratch`)
     and a note on the release."""
@@ -305,8 +311,7 @@ def main(argv=None) -> dict:
                 add(label_statistics({"part": part, "features": which,
                                       "normalisation": kind, **info, **row}))
                 del x_tr, x_te
-                for old_file in os.listdir(scratch):   # the mapped copies: 3 GB each
-                    os.remove(os.path.join(scratch, old_file))
+                clear(scratch)
         if which == "after" and "epsilon" in args.parts:
             for kind in ("dp_stats", "stats"):
                 ledger = PrivacyLedger("pld")
@@ -318,8 +323,7 @@ def main(argv=None) -> dict:
                                       "normalisation": kind, "variance_epsilon": 5e-7,
                                       **info, **row}))
                 del x_tr, x_te
-                for old_file in os.listdir(scratch):
-                    os.remove(os.path.join(scratch, old_file))
+                clear(scratch)
         del f_train, f_test
     if "jpeg" in args.parts:
         fashion = load_dataset("fashion_mnist")
@@ -381,8 +385,7 @@ def cifar_jpeg_rows(data, y_train, y_test, args, scratch, add) -> None:
                                   "features": "after", "normalisation": kind, "seed": seed,
                                   **rmse, **info, **row}))
             del x_tr, x_te
-            for old_file in os.listdir(scratch):
-                os.remove(os.path.join(scratch, old_file))
+            clear(scratch)
         del f_tr, f_te
 
 

@@ -151,17 +151,8 @@ def test_federated_is_a_dpfl_tf_command():
     assert out.returncode == 0 and "--clients-per-round" in out.stdout
 
 
-@pytest.mark.parametrize("dataset,model,extra,norm", [
-    ("cifar10", "scatter_linear", [], "dp_stats"),
-    ("cifar10", "scatter_cnn", [], "dp_stats"),
-    ("cifar10", "scatter_linear", ["--feature-norm", "group"], "group"),
-    ("mnist", "scatter_linear", [], "group")])
-def test_train_scatter_models_use_their_defaults(monkeypatch, tmp_path, dataset, model, extra,
-                                                 norm):
-    """`train cifar10 --model scatter_linear|scatter_cnn` goes to the ScatterNet recipe
-    (lot 8192, lr 4, clip 0.1, momentum 0.9, 60 epochs, noise calibrated by the PLD
-    accountant, channel statistics released under DP), not the frozen convnet; mnist
-    keeps GroupNorm."""
+def _config_trained_by(monkeypatch, argv):
+    """The recipe config `dpfl-tf <argv>` would train, caught before training."""
     from dpfl_tf import cli
     from dpfl_tf.recipes import mnist
 
@@ -173,9 +164,24 @@ def test_train_scatter_models_use_their_defaults(monkeypatch, tmp_path, dataset,
 
     monkeypatch.setattr(mnist, "train_mnist", fake_train)
     with pytest.raises(Seen) as seen:
-        cli.main(["train", dataset, "--model", model, "--epsilon", "3", *extra,
-                  "--output", str(tmp_path / "r.json")])
-    config = seen.value.args[0]
+        cli.main(argv)
+    return seen.value.args[0]
+
+
+@pytest.mark.parametrize("dataset,model,extra,norm", [
+    ("cifar10", "scatter_linear", [], "dp_stats"),
+    ("cifar10", "scatter_cnn", [], "dp_stats"),
+    ("cifar10", "scatter_linear", ["--feature-norm", "group"], "group"),
+    ("mnist", "scatter_linear", [], "group")])
+def test_train_scatter_models_use_their_defaults(monkeypatch, tmp_path, dataset, model, extra,
+                                                 norm):
+    """`train cifar10 --model scatter_linear|scatter_cnn` goes to the ScatterNet recipe
+    (lot 8192, lr 4, clip 0.1, momentum 0.9, 60 epochs, noise calibrated by the PLD
+    accountant, channel statistics released under DP), not the frozen convnet; mnist
+    keeps GroupNorm."""
+    config = _config_trained_by(monkeypatch, [
+        "train", dataset, "--model", model, "--epsilon", "3", *extra,
+        "--output", str(tmp_path / "r.json")])
     colour = dataset == "cifar10"
     assert (config.dataset, config.model, config.lot_size, config.learning_rate,
             config.l2_norm_clip, config.momentum, config.epochs, config.noise_multiplier,
@@ -191,17 +197,6 @@ def test_train_scatter_models_use_their_defaults(monkeypatch, tmp_path, dataset,
     ("tanh_cnn", [], "moments")])
 def test_train_accountant_default_depends_on_the_model(monkeypatch, tmp_path, model, extra,
                                                        accountant):
-    from dpfl_tf import cli
-    from dpfl_tf.recipes import mnist
-
-    class Seen(Exception):
-        pass
-
-    def fake_train(config, **_):
-        raise Seen(config)
-
-    monkeypatch.setattr(mnist, "train_mnist", fake_train)
-    with pytest.raises(Seen) as seen:
-        cli.main(["train", "mnist", "--model", model, *extra,
-                  "--output", str(tmp_path / "r.json")])
-    assert seen.value.args[0].accountant == accountant
+    config = _config_trained_by(monkeypatch, [
+        "train", "mnist", "--model", model, *extra, "--output", str(tmp_path / "r.json")])
+    assert config.accountant == accountant
