@@ -1,15 +1,20 @@
-"""The JPEG stand-in of experiments/cifar10_scatternet_diagnosis.py: a second
+"""experiments/cifar10_scatternet_diagnosis.py: the JPEG stand-in (a second
 generation on the first's grid nearly repeats it, one on a shifted grid acts
-afresh (as a first generation on an original would)."""
+afresh, as a first generation on an original would), and the machinery of the
+hyperparameter sweep and the sampling comparison (settings, resumption, the
+epsilon each row reports)."""
 
 import os
 import sys
 
+import dp_accounting
 import numpy as np
+from scipy.optimize import brentq
+from scipy.stats import norm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
 
-from cifar10_scatternet_diagnosis import jpeg, pixel_rmse  # noqa: E402
+from cifar10_scatternet_diagnosis import TB_SIGMA, Linear, jpeg, pixel_rmse  # noqa: E402
 
 
 def _images(colour: bool) -> np.ndarray:
@@ -30,3 +35,78 @@ def test_shifted_second_generation_acts_afresh_and_keeps_the_shape():
         assert first.dtype == np.uint8
         assert pixel_rmse(first, same) < 0.5 * pixel_rmse(first, shifted)
         assert 0.5 < pixel_rmse(first, shifted) / pixel_rmse(x, first) < 2.0
+
+
+def _gaussian_epsilon(mu: float, delta: float) -> float:
+    """Brute-force reference: a composition of Gaussian mechanisms (no sampling)
+    is one Gaussian of mu = sqrt(sum 1/sigma_i^2); its exact delta(eps) is
+    Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2) (Balle & Wang 2018)."""
+    def excess(eps):
+        return norm.cdf(-eps / mu + mu / 2) - np.exp(eps) * norm.cdf(-eps / mu - mu / 2) - delta
+    return brentq(excess, 0.0, 100.0)
+
+
+def _leaf_sigmas(event):
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        return [s for e in event.events for s in _leaf_sigmas(e)]
+    if isinstance(event, dp_accounting.SelfComposedDpEvent):
+        return _leaf_sigmas(event.event) * event.count
+    return [event.noise_multiplier]   # the release: add/remove Gaussian sums
+
+
+def test_sweep_confirm_and_sampling_rows(tmp_path):
+    rng = np.random.default_rng(0)
+    n = 600
+    y = rng.integers(0, 10, n)
+    f = (rng.normal(0, 0.01, (n, 2, 2, 243))).astype("float32")
+    f[np.arange(n), 0, 0, y] += 0.05
+    rows, calls = [], []
+
+    def add(row):
+        calls.append(row)
+        rows.append(row)
+
+    linear = Linear(f, f[:200], y, y[:200], str(tmp_path), rows, add)
+    linear.sweep(0, lots=(64, 128), base_lrs=(0.5,), epochs=(2,))
+    assert [(r["lot"], r["lr"]) for r in rows] == [(64, 0.0625), (128, 0.125)]
+    for r in rows:   # each setting calibrated to eps 3 with the release included
+        assert 2.95 < r["epsilon"] <= 3.0 and r["lots"] == 2 * (n // r["lot"])
+    linear.sweep(0, lots=(64, 128), base_lrs=(0.5,), epochs=(2,))
+    assert len(calls) == 2   # resumed: nothing ran twice
+
+    best = max(rows, key=lambda r: r["test_accuracy"])
+    linear.confirm(0, [1])
+    confirm = calls[-1]
+    assert confirm["part"] == "confirm" and confirm["seed"] == 1
+    assert (confirm["lot"], confirm["lr"], confirm["epochs"]) == (best["lot"], best["lr"],
+                                                                  best["epochs"])
+    assert "TEST accuracy" in confirm["selected_by"]
+
+    linear.sampling([0], lot=128, lr=1.0, epochs=3)
+    poisson, shuffle = calls[-2:]
+    assert (poisson["sampling"], shuffle["sampling"]) == ("poisson", "shuffle")
+    assert poisson["noise_multiplier"] == shuffle["noise_multiplier"] == TB_SIGMA
+    # shuffled lots: replace-one, one Gaussian(sigma / 2) per epoch, no
+    # amplification; with the release's sums (replace-one: sigma / 2 each)
+    release = linear.released(0)[3].event
+    sigmas = [s / 2 for s in _leaf_sigmas(release)] + [TB_SIGMA / 2] * 3
+    mu = np.sqrt(sum(s ** -2 for s in sigmas))
+    np.testing.assert_allclose(shuffle["epsilon"], _gaussian_epsilon(mu, 1e-5), rtol=1e-2)
+    assert shuffle["epsilon"] > 2 * poisson["epsilon"]
+
+
+def test_sweep_grids_place_each_run_and_mark_missing(tmp_path):
+    from cifar10_scatternet_diagnosis import draw_sweep, sweep_grids
+
+    rows = [{"part": "sweep", "seed": 0, "epochs": 60, "lot": lot, "base_lr": b,
+             "test_accuracy": 0.6 + lot / 1e5 + b / 100}
+            for lot in (2048, 8192) for b in (0.25, 0.5) if (lot, b) != (8192, 0.5)]
+    rows += [{"part": "sweep", "seed": 1, "epochs": 60, "lot": 512, "base_lr": 1.0,
+              "test_accuracy": 0.9}, {"part": "confirm", "seed": 0, "epochs": 30}]
+    lots, bases, acc = sweep_grids(rows, 0)[60]
+    assert list(sweep_grids(rows, 0)) == [60]
+    assert (lots, bases) == ([2048, 8192], [0.25, 0.5])
+    np.testing.assert_allclose(acc, [[0.62298, 0.62548], [0.68442, np.nan]])
+    path = draw_sweep(rows, 0, str(tmp_path / "sweep.png"))
+    assert os.path.getsize(path) > 1000
+    assert draw_sweep(rows, 7, str(tmp_path / "none.png")) is None
