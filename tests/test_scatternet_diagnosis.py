@@ -38,20 +38,12 @@ def test_shifted_second_generation_acts_afresh_and_keeps_the_shape():
 
 
 def _gaussian_epsilon(mu: float, delta: float) -> float:
-    """Brute-force reference: a composition of Gaussian mechanisms (no sampling)
+    """Closed-form reference: a composition of Gaussian mechanisms (no sampling)
     is one Gaussian of mu = sqrt(sum 1/sigma_i^2); its exact delta(eps) is
     Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2) (Balle & Wang 2018)."""
     def excess(eps):
         return norm.cdf(-eps / mu + mu / 2) - np.exp(eps) * norm.cdf(-eps / mu - mu / 2) - delta
     return brentq(excess, 0.0, 100.0)
-
-
-def _leaf_sigmas(event):
-    if isinstance(event, dp_accounting.ComposedDpEvent):
-        return [s for e in event.events for s in _leaf_sigmas(e)]
-    if isinstance(event, dp_accounting.SelfComposedDpEvent):
-        return _leaf_sigmas(event.event) * event.count
-    return [event.noise_multiplier]   # the release: add/remove Gaussian sums
 
 
 def test_sweep_confirm_and_sampling_rows(tmp_path):
@@ -62,15 +54,18 @@ def test_sweep_confirm_and_sampling_rows(tmp_path):
     f[np.arange(n), 0, 0, y] += 0.05
     rows, calls = [], []
 
-    def add(row):
+    def add(row):   # as the script's: the row list is replaced in place
         calls.append(row)
-        rows.append(row)
+        rows[:] = [r for r in rows if r is not row] + [row]
 
     linear = Linear(f, f[:200], y, y[:200], str(tmp_path), rows, add)
     linear.sweep(0, lots=(64, 128), base_lrs=(0.5,), epochs=(2,))
     assert [(r["lot"], r["lr"]) for r in rows] == [(64, 0.0625), (128, 0.125)]
+    assert len(linear.released(0)[3]) == 1   # one feature release, in every run's ledger
     for r in rows:   # each setting calibrated to eps 3 with the release included
         assert 2.95 < r["epsilon"] <= 3.0 and r["lots"] == 2 * (n // r["lot"])
+        assert r["diagnostics_not_private"] == ["clipped_fraction", "zeroed_channels"]
+        assert r["relation"] == "add_remove"
     linear.sweep(0, lots=(64, 128), base_lrs=(0.5,), epochs=(2,))
     assert len(calls) == 2   # resumed: nothing ran twice
 
@@ -80,19 +75,28 @@ def test_sweep_confirm_and_sampling_rows(tmp_path):
     assert confirm["part"] == "confirm" and confirm["seed"] == 1
     assert (confirm["lot"], confirm["lr"], confirm["epochs"]) == (best["lot"], best["lr"],
                                                                   best["epochs"])
+    assert confirm["sweep_test_accuracy"] == best["test_accuracy"]
     assert "TEST accuracy" in confirm["selected_by"]
 
     linear.sampling([0], lot=128, lr=1.0, epochs=3)
     poisson, shuffle = calls[-2:]
     assert (poisson["sampling"], shuffle["sampling"]) == ("poisson", "shuffle")
     assert poisson["noise_multiplier"] == shuffle["noise_multiplier"] == TB_SIGMA
+    assert poisson["lots"] == shuffle["lots"] == 3 * (n // 128)
+    release = shuffle["release_noise_multiplier"]   # the release as one Gaussian
+    # Poisson lots (add/remove): dp-accounting's PLD on the composition, built here
+    event = dp_accounting.ComposedDpEvent([
+        dp_accounting.GaussianDpEvent(release),
+        dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+            128 / n, dp_accounting.GaussianDpEvent(TB_SIGMA)), 3 * (n // 128))])
+    pld = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    np.testing.assert_allclose(poisson["epsilon"], pld.compose(event).get_epsilon(1e-5),
+                               rtol=2e-2)
     # shuffled lots: replace-one, one Gaussian(sigma / 2) per epoch, no
-    # amplification; with the release's sums (replace-one: sigma / 2 each)
-    release = linear.released(0)[3].event
-    sigmas = [s / 2 for s in _leaf_sigmas(release)] + [TB_SIGMA / 2] * 3
-    mu = np.sqrt(sum(s ** -2 for s in sigmas))
+    # amplification; the release under replace-one is Gaussian(sigma / 2) too
+    mu = np.sqrt((release / 2) ** -2 + 3 * (TB_SIGMA / 2) ** -2)
     np.testing.assert_allclose(shuffle["epsilon"], _gaussian_epsilon(mu, 1e-5), rtol=1e-2)
-    assert shuffle["epsilon"] > 2 * poisson["epsilon"]
+    assert shuffle["relation"] == "replace_one" and "no amplification" in shuffle["note"]
 
 
 def test_sweep_grids_place_each_run_and_mark_missing(tmp_path):
@@ -101,12 +105,18 @@ def test_sweep_grids_place_each_run_and_mark_missing(tmp_path):
     rows = [{"part": "sweep", "seed": 0, "epochs": 60, "lot": lot, "base_lr": b,
              "test_accuracy": 0.6 + lot / 1e5 + b / 100}
             for lot in (2048, 8192) for b in (0.25, 0.5) if (lot, b) != (8192, 0.5)]
+    rows += [{"part": "sweep", "seed": 0, "epochs": 30, "lot": 4096, "base_lr": 1.0,
+              "test_accuracy": 0.7}]
     rows += [{"part": "sweep", "seed": 1, "epochs": 60, "lot": 512, "base_lr": 1.0,
               "test_accuracy": 0.9}, {"part": "confirm", "seed": 0, "epochs": 30}]
-    lots, bases, acc = sweep_grids(rows, 0)[60]
-    assert list(sweep_grids(rows, 0)) == [60]
-    assert (lots, bases) == ([2048, 8192], [0.25, 0.5])
-    np.testing.assert_allclose(acc, [[0.62298, 0.62548], [0.68442, np.nan]])
+    grids = sweep_grids(rows, 0)
+    assert list(grids) == [30, 60]
+    for lots, bases, _ in grids.values():   # the same axes in both panels
+        assert (lots, bases) == ([2048, 4096, 8192], [0.25, 0.5, 1.0])
+    nan = np.nan
+    np.testing.assert_allclose(grids[60][2], [[0.62298, 0.62548, nan], [nan] * 3,
+                                              [0.68442, nan, nan]])
+    np.testing.assert_allclose(grids[30][2], [[nan] * 3, [nan, nan, 0.7], [nan] * 3])
     path = draw_sweep(rows, 0, str(tmp_path / "sweep.png"))
     assert os.path.getsize(path) > 1000
     assert draw_sweep(rows, 7, str(tmp_path / "none.png")) is None
