@@ -154,8 +154,9 @@ def tramer_boneh_epsilon(accountant: str = "pld", delta: float = 1e-5) -> float:
 def scatternet_runs(**_) -> dict[str, MnistConfig]:
     """Beyond the paper without public data: Tramer & Boneh 2021's ScatterNet + linear
     and ScatterNet + CNN on all 50,000 training images (they report 67.0% and 69.3% at
-    eps = 3 by their accounting, 2.38 by PLD: the tb_sigma5.67 runs use their noise).  Their CIFAR-10 setting: features normalised with channel statistics
-    released under DP (feature_norm="dp_stats", paid from the same budget), lot 8192,
+    eps = 3 by their accounting, 2.38 by PLD: the tb_sigma5.67 runs use their noise).
+    Their CIFAR-10 setting: features normalised with channel statistics released
+    under DP (feature_norm="dp_stats", paid from the same budget), lot 8192,
     clip 0.1, lr 4, momentum 0.9, 60 epochs, noise calibrated for the epochs."""
     runs = {}
     for model, head in (("scatter_linear", "linear"), ("scatter_cnn", "cnn")):

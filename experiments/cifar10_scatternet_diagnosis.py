@@ -216,14 +216,14 @@ def train(x_train, y_train, x_test, y_test, *, private: bool, ledger=None, lot=8
     if private:
         prior = [ledger.event] if len(ledger) else []
         steps = epochs * (n // lot)
-        sigma = noise_multiplier or calibrate_noise_multiplier(
+        sigma = noise_multiplier if noise_multiplier is not None else calibrate_noise_multiplier(
             EPSILON, DELTA, lambda s: dp_accounting.ComposedDpEvent(
                 prior + [dp_sgd_event(s, steps, sampling_rate=lot / n)]), "pld")[0]
         model = DPModel(net, ledger=ledger)
         model.compile(optimizer=DPSGD(lr, momentum=0.9, l2_norm_clip=0.1,
                                       noise_multiplier=sigma, seed=seed), loss=loss)
         model.fit(x_train, y_train, lot_size=lot, epochs=epochs, sampling=sampling,
-                  target_epsilon=None if noise_multiplier else EPSILON,
+                  target_epsilon=EPSILON if noise_multiplier is None else None,
                   target_delta=DELTA, verbose=0, sampling_seed=seed)
         out = {"noise_multiplier": sigma, "epsilon": model.epsilon(DELTA),
                "lots": int(model.lots_applied)}
