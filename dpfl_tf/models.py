@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import keras
 
-__all__ = ["mlp", "tanh_cnn", "cifar_convnet", "conv_net", "pnpm_cnn"]
+from dpfl_tf._validation import check_count
+
+__all__ = ["mlp", "tanh_cnn", "cifar_convnet", "conv_net", "pnpm_cnn", "scatter_linear",
+           "scatter_cnn", "view_averaged", "SelectView"]
 
 
 def mlp(input_dim: int = 60, hidden: int = 1000, classes: int = 10,
@@ -85,3 +88,105 @@ def pnpm_cnn(input_shape=(28, 28, 1), classes: int = 10, *, depth: int = 3) -> k
         return conv_net(input_shape, classes, filters=(16, 32, 64), kernel_size=3,
                         padding="same", dense=(32,), name="pnpm_cnn3")
     raise ValueError(f"depth must be 2 or 3, got {depth!r}")
+
+
+# -- several views of each example ------------------------------------------
+
+
+@keras.saving.register_keras_serializable(package="dpfl_tf")
+class SelectView(keras.layers.Layer):
+    """``x[:, index]``: view `index` of examples given as [batch, views, ...]."""
+
+    def __init__(self, index: int, **kwargs):
+        super().__init__(**kwargs)
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"index must be an integer >= 0, got {index!r}")
+        self.index = index
+
+    def call(self, x):
+        return x[:, self.index]
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], *input_shape[2:])
+
+    def get_config(self):
+        return {**super().get_config(), "index": self.index}
+
+
+def view_averaged(head: keras.Model, views: int, name: str | None = None) -> keras.Model:
+    """A model on examples given as `views` views, [batch, views, *view_shape]:
+    `head` runs on every view with the same weights and the logits are averaged,
+
+        f(x) = (1 / V) sum_v head(x_v).
+
+    f does not depend on the order of the views, so with views (image, mirror
+    image) it is exactly mirror-invariant: a linear head on mirror-averaged
+    features, a CNN that cannot tell an image from its mirror image.  Such a
+    model has half the free directions of the head alone, so the same DP-SGD
+    noise buys more accuracy (README, CIFAR-10 ScatterNet).
+
+    Privacy: the unit is still one example, with all its views.  Its gradient
+    is the sum over the views' uses of the shared weights, and DP-SGD clips
+    that sum once (a layer called V times: `dpfl_tf.keras.per_example`), so the
+    sensitivity and the accounting do not change."""
+    views = check_count("views", views, minimum=1)
+    if views == 1:
+        return head
+    inputs = keras.Input((views, *head.input_shape[1:]), name="views")
+    logits = [head(SelectView(v, name=f"view_{v}")(inputs)) for v in range(views)]
+    return keras.Model(inputs, keras.layers.Average(name="average")(logits),
+                       name=name or f"{head.name}_x{views}")
+
+
+# -- Tramer & Boneh 2021's models on ScatterNet features ----------------------
+
+
+def _input_normalisation(normalization, groups: int):
+    """The model's first layer: a given (frozen) layer, or per-example
+    GroupNormalization(groups) without parameters (costs no privacy)."""
+    if normalization is not None:
+        return normalization
+    return keras.layers.GroupNormalization(groups, center=False, scale=False, name="group_norm")
+
+
+def scatter_linear(input_shape=(7, 7, 81), classes: int = 10, *, groups: int = 27,
+                   normalization=None, views: int = 1) -> keras.Model:
+    """Tramer & Boneh 2021's ScatterNet + linear model, on precomputed
+    scattering features (`dpfl_tf.scattering`): an input normalisation,
+    Flatten, Dense logits (the only trainable layer).
+
+    input_shape: the features of one view (H', W', K).
+    normalization: a frozen Keras layer, e.g. the DP-released channel
+      statistics of `dpfl_tf.normalization.DPFeatureNormalization.layer()`
+      (their CIFAR-10 setting); None is GroupNormalization(groups) without
+      parameters, each example's channel groups normalised to zero mean and unit
+      variance -- per example, so it costs no privacy (their Fashion-MNIST
+      setting).
+    views: > 1 takes [views, H', W', K] per example and averages the logits
+      over the views (`view_averaged`): with the features of an image and of
+      its mirror image, a linear model on their mean."""
+    layers = keras.layers
+    head = keras.Sequential([
+        keras.Input(tuple(input_shape)),
+        _input_normalisation(normalization, groups),
+        layers.Flatten(name="flatten"),
+        layers.Dense(classes, name="logits")], name="scatter_linear")
+    return view_averaged(head, views)
+
+
+def scatter_cnn(input_shape=(8, 8, 243), classes: int = 10, *, groups: int = 27,
+                normalization=None, channels: int = 64, views: int = 1) -> keras.Model:
+    """Tramer & Boneh 2021's ScatterNet + CNN for CIFAR-10 scattering features
+    (8x8xK): the input normalisation (as `scatter_linear`), Conv 3x3 `channels`
+    tanh, MaxPool 2, Conv 3x3 `channels` tanh, Flatten, Dense logits; `views`
+    as `scatter_linear`."""
+    layers = keras.layers
+    head = keras.Sequential([
+        keras.Input(tuple(input_shape)),
+        _input_normalisation(normalization, groups),
+        layers.Conv2D(channels, 3, padding="same", activation="tanh", name="conv1"),
+        layers.MaxPooling2D(2, name="pool1"),
+        layers.Conv2D(channels, 3, padding="same", activation="tanh", name="conv2"),
+        layers.Flatten(name="flatten"),
+        layers.Dense(classes, name="logits")], name="scatter_cnn")
+    return view_averaged(head, views)

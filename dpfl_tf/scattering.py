@@ -54,8 +54,7 @@ import tensorflow as tf
 
 from dpfl_tf._validation import check_count
 
-__all__ = ["Scattering2D", "scattering_channels", "scattering_orders", "morlet_filter_bank",
-           "scatter_cnn", "scatter_linear"]
+__all__ = ["Scattering2D", "scattering_channels", "scattering_orders", "morlet_filter_bank"]
 
 
 def scattering_channels(J: int, L: int) -> int:
@@ -245,66 +244,35 @@ class Scattering2D:
         s = tf.reshape(s, [n, c * self.channels, *self.output_shape])
         return tf.transpose(s, [0, 2, 3, 1])
 
-    def transform(self, images, batch_size: int = 256, verbose: bool = False) -> np.ndarray:
-        """`__call__` over a large array in batches of `batch_size`; numpy float32."""
+    def transform(self, images, batch_size: int = 256, verbose: bool = False, *,
+                  mirror: bool = False, out=None) -> np.ndarray:
+        """`__call__` over a large array in batches of `batch_size`; numpy float32
+        [N, H/2^J, W/2^J, C K].
+
+        mirror: also the features of each image's mirror image (flipped left to
+          right, ``images[:, :, ::-1]``): [N, 2, H/2^J, W/2^J, C K], view 0 the
+          image's, view 1 its mirror image's (for `dpfl_tf.models.view_averaged`).
+          View 1 is computed, not a permutation of view 0: mirroring moves the
+          2^J subsampling grid by one pixel.
+        out: an array of that shape to fill (e.g. a ``np.memmap``) and return."""
         images = np.asarray(images)
         self._check(images)
         batch_size = check_count("batch_size", batch_size, minimum=1)
+        c = 1 if images.ndim == 3 else images.shape[-1]
+        shape = (len(images), *((2,) if mirror else ()), *self.output_shape, c * self.channels)
+        if out is None:
+            out = np.empty(shape, np.float32)
+        elif tuple(out.shape) != shape:
+            raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
         start = time.perf_counter()
-        parts = [self(images[i:i + batch_size]).numpy()
-                 for i in range(0, len(images), batch_size)]
+        for i in range(0, len(images), batch_size):
+            batch = images[i:i + batch_size]
+            if mirror:
+                out[i:i + len(batch), 0] = self(batch).numpy()
+                out[i:i + len(batch), 1] = self(batch[:, :, ::-1]).numpy()
+            else:
+                out[i:i + len(batch)] = self(batch).numpy()
         if verbose:
-            print(f"scattering {len(images)} images: {time.perf_counter() - start:.1f} s")
-        if not parts:
-            c = 1 if images.ndim == 3 else images.shape[-1]
-            return np.zeros((0, *self.output_shape, c * self.channels), np.float32)
-        return np.concatenate(parts)
-
-
-def _input_normalisation(normalization, groups: int):
-    """The model's first layer: a given (frozen) layer, or per-example
-    GroupNormalization(groups) without parameters (costs no privacy)."""
-    import keras
-
-    if normalization is not None:
-        return normalization
-    return keras.layers.GroupNormalization(groups, center=False, scale=False, name="group_norm")
-
-
-def scatter_linear(input_shape=(7, 7, 81), classes: int = 10, *, groups: int = 27,
-                   normalization=None):
-    """Tramer & Boneh 2021's ScatterNet + linear model, on precomputed features:
-    an input normalisation, Flatten, Dense logits (the only trainable layer).
-
-    normalization: a frozen Keras layer, e.g. the DP-released channel
-      statistics of `dpfl_tf.normalization.DPFeatureNormalization.layer()`
-      (their CIFAR-10 setting); None is GroupNormalization(groups) without
-      parameters, each example's channel groups normalised to zero mean and unit
-      variance -- per example, so it costs no privacy (their Fashion-MNIST
-      setting)."""
-    import keras
-
-    layers = keras.layers
-    return keras.Sequential([
-        keras.Input(tuple(input_shape)),
-        _input_normalisation(normalization, groups),
-        layers.Flatten(name="flatten"),
-        layers.Dense(classes, name="logits")], name="scatter_linear")
-
-
-def scatter_cnn(input_shape=(8, 8, 243), classes: int = 10, *, groups: int = 27,
-                normalization=None, channels: int = 64):
-    """Tramer & Boneh 2021's ScatterNet + CNN for CIFAR-10 scattering features
-    (8x8xK): the input normalisation (as `scatter_linear`), Conv 3x3 `channels`
-    tanh, MaxPool 2, Conv 3x3 `channels` tanh, Flatten, Dense logits."""
-    import keras
-
-    layers = keras.layers
-    return keras.Sequential([
-        keras.Input(tuple(input_shape)),
-        _input_normalisation(normalization, groups),
-        layers.Conv2D(channels, 3, padding="same", activation="tanh", name="conv1"),
-        layers.MaxPooling2D(2, name="pool1"),
-        layers.Conv2D(channels, 3, padding="same", activation="tanh", name="conv2"),
-        layers.Flatten(name="flatten"),
-        layers.Dense(classes, name="logits")], name="scatter_cnn")
+            print(f"scattering {len(images)} images{' and their mirror images' if mirror else ''}"
+                  f": {time.perf_counter() - start:.1f} s")
+        return out

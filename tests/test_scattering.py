@@ -155,3 +155,24 @@ def test_matches_kymatio_channel_for_channel(digits, shape):
                    / np.linalg.norm(theirs.reshape(-1, 243), axis=0))
     assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 1e-3
     assert per_channel.max() < 1e-2, np.argsort(per_channel)[-5:]
+
+
+def test_mirror_views_are_the_features_of_the_image_and_of_its_mirror_image(scat, digits,
+                                                                              tmp_path):
+    views = scat.transform(digits[:6], batch_size=4, mirror=True)
+    assert views.shape == (6, 2, 7, 7, 81)
+    np.testing.assert_allclose(views[:, 0], scat(digits[:6]).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(views[:, 1], scat(digits[:6, :, ::-1]).numpy(), rtol=1e-5,
+                               atol=1e-6)
+    # computed, not mirrored: mirroring moves the 2^J subsampling grid by one pixel,
+    # so even the isotropic order-0 channel is not the mirrored order-0 channel
+    order0 = views[..., 0]
+    gap = np.linalg.norm(order0[:, 1] - order0[:, 0, :, ::-1]) / np.linalg.norm(order0[:, 0])
+    assert gap > 0.05
+    # filled in place, e.g. into a memmap
+    out = np.lib.format.open_memmap(tmp_path / "f.npy", mode="w+", dtype=np.float32,
+                                    shape=(6, 2, 7, 7, 81))
+    assert scat.transform(digits[:6], mirror=True, out=out) is out
+    np.testing.assert_array_equal(np.load(tmp_path / "f.npy"), views)
+    with pytest.raises(ValueError, match=r"out must have shape \(6, 2, 7, 7, 81\)"):
+        scat.transform(digits[:6], mirror=True, out=np.zeros((6, 7, 7, 81), np.float32))

@@ -258,7 +258,32 @@ def dense_also_called_inside_a_layer():
     return keras.Model(inp, keras.layers.Dense(10)(h))
 
 
+def mirror_views_cnn():
+    """`view_averaged`: one nested CNN (a frozen normalisation, conv, dense) on an
+    image and its mirror image, logits averaged -- the ScatterNet CNN's shape."""
+    from dpfl_tf.models import view_averaged
+
+    keras.utils.set_random_seed(9)
+    head = keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Normalization(axis=-1, mean=[0.13], variance=[0.09]),
+        keras.layers.Conv2D(4, 5, strides=2, padding="same", activation="tanh"),
+        keras.layers.MaxPooling2D(2), keras.layers.Flatten(), keras.layers.Dense(10)])
+    return view_averaged(head, 2)
+
+
+def mirror_views_linear():
+    from dpfl_tf.models import view_averaged
+
+    keras.utils.set_random_seed(11)
+    head = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
+                             keras.layers.Dense(10)])
+    return view_averaged(head, 2)
+
+
 SHARED = {"dense_two_inputs": ("dense2", shared_dense_two_inputs),
+          "mirror_views_cnn": ("views", mirror_views_cnn),
+          "mirror_views_linear": ("views", mirror_views_linear),
           "dense_twice_in_sequence": ("dense", dense_twice_in_sequence),
           "conv2d_twice": ("conv", conv_twice),
           "embedding_twice": ("embedding2", embedding_twice),
@@ -268,6 +293,9 @@ SHARED = {"dense_two_inputs": ("dense2", shared_dense_two_inputs),
 
 
 def _shared_data(kind, n=6):
+    if kind == "views":   # [n, 2, 28, 28, 1]: each image and its mirror image
+        x, y = mnist_slice(n, flat=False)
+        return np.stack([x, x[:, :, ::-1]], axis=1), y
     if kind == "dense2":
         x, y = mnist_slice(n, flat=True)
         return [x[:, 150:170], x[:, 400:420]], y
