@@ -192,6 +192,11 @@ def _add_train_parser(sub) -> None:
                         "(group; default for mnist, fashion_mnist) or channel statistics "
                         "released under DP and paid from the budget (dp_stats; default for "
                         "cifar10)")
+    p.add_argument("--mirror-views", default=None, action=argparse.BooleanOptionalAction,
+                   help="scatter models: train on each image and its mirror image, the "
+                        "model averaging its logits over both (mirror-invariant; same "
+                        "privacy cost); default on for cifar10, off for mnist and "
+                        "fashion_mnist")
     p.add_argument("--noise-multiplier", type=float_arg,
                    help="sigma (default: the paper's setting for the epsilon: 2 / 4 / 8; "
                         "cifar10 and scatter_linear: calibrated so that --epochs epochs "
@@ -248,6 +253,8 @@ def _run_train(args, error) -> int:
               f"cifar10 use --model scatter_linear, scatter_cnn or leave --model out")
     if args.feature_norm is not None and not scatter:
         error("--feature-norm is for --model scatter_linear and scatter_cnn")
+    if args.mirror_views is not None and not scatter:
+        error("--mirror-views is for --model scatter_linear and scatter_cnn")
     args.model = args.model or "mlp"
     args.accountant = args.accountant or ("pld" if scatter else "moments")
     column = 1 if cifar else 2 if scatter else 0
@@ -282,11 +289,13 @@ def _run_train(args, error) -> int:
                   learning_rate=lr, seed=args.seed, data_dir=args.data_dir, eval_every=5)
     if scatter:  # Tramer & Boneh 2021: constant lr, momentum, noise calibrated for the epochs
         norm = args.feature_norm or ("dp_stats" if args.dataset == "cifar10" else "group")
+        mirror = colour if args.mirror_views is None else args.mirror_views
         config = MnistConfig(projection="none", noise_multiplier=args.noise_multiplier,
                              batch_size=min(lot, 4096), final_learning_rate=lr, momentum=0.9,
-                             feature_norm=norm, **common)
+                             feature_norm=norm, mirror_views=mirror, **common)
         sigma = "calibrated" if args.noise_multiplier is None else f"{args.noise_multiplier:g}"
         head = "linear" if args.model == "scatter_linear" else "CNN"
+        head += " averaged over each image and its mirror image" if mirror else ""
         what = (f"scattering features (J=2, L=8), {norm} normalisation + {head}, "
                 f"sigma={sigma}, lot={lot}, clip={clip:g}, lr={lr:g}, momentum 0.9, "
                 f"{epochs} epochs")

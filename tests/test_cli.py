@@ -168,26 +168,39 @@ def _config_trained_by(monkeypatch, argv):
     return seen.value.args[0]
 
 
-@pytest.mark.parametrize("dataset,model,extra,norm", [
-    ("cifar10", "scatter_linear", [], "dp_stats"),
-    ("cifar10", "scatter_cnn", [], "dp_stats"),
-    ("cifar10", "scatter_linear", ["--feature-norm", "group"], "group"),
-    ("mnist", "scatter_linear", [], "group")])
+@pytest.mark.parametrize("dataset,model,extra,norm,mirror", [
+    ("cifar10", "scatter_linear", [], "dp_stats", True),
+    ("cifar10", "scatter_cnn", [], "dp_stats", True),
+    ("cifar10", "scatter_linear", ["--feature-norm", "group"], "group", True),
+    ("cifar10", "scatter_cnn", ["--no-mirror-views"], "dp_stats", False),
+    ("mnist", "scatter_linear", [], "group", False),
+    ("fashion_mnist", "scatter_linear", ["--mirror-views"], "group", True)])
 def test_train_scatter_models_use_their_defaults(monkeypatch, tmp_path, dataset, model, extra,
-                                                 norm):
+                                                 norm, mirror):
     """`train cifar10 --model scatter_linear|scatter_cnn` goes to the ScatterNet recipe
     (lot 8192, lr 4, clip 0.1, momentum 0.9, 60 epochs, noise calibrated by the PLD
-    accountant, channel statistics released under DP), not the frozen convnet; mnist
-    keeps GroupNorm."""
+    accountant, channel statistics released under DP, mirror views), not the frozen
+    convnet; mnist keeps GroupNorm and no mirror (a mirrored digit is another sign)."""
     config = _config_trained_by(monkeypatch, [
         "train", dataset, "--model", model, "--epsilon", "3", *extra,
         "--output", str(tmp_path / "r.json")])
     colour = dataset == "cifar10"
     assert (config.dataset, config.model, config.lot_size, config.learning_rate,
             config.l2_norm_clip, config.momentum, config.epochs, config.noise_multiplier,
-            config.target_epsilon, config.feature_norm, config.accountant) == (
+            config.target_epsilon, config.feature_norm, config.accountant,
+            config.mirror_views) == (
         dataset, model, 8192 if colour else 4096, 4.0 if colour else 8.0, 0.1, 0.9, 60, None,
-        3.0, norm, "pld")
+        3.0, norm, "pld", mirror)
+
+
+def test_mirror_views_are_refused_for_models_without_scattering_features(capsys):
+    from dpfl_tf import cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["train", "mnist", "--mirror-views"])
+    assert stop.value.code == 2
+    assert "--mirror-views is for --model scatter_linear and scatter_cnn" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("model,extra,accountant", [

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 
 import dp_accounting
 import numpy as np
@@ -92,17 +93,21 @@ def test_scatter_linear_learns_and_costs_only_the_dp_sgd_lots(monkeypatch):
 
 
 class _CifarSlice:
-    """The real CIFAR-10 (JPEG copy), cut to 2000 / 500 images."""
+    """The real CIFAR-10 (JPEG copy), cut to n / 500 images taken evenly across the
+    copy (its images are stored class by class: a leading slice is one class)."""
 
     def __init__(self, full, n=2000):
         self.source = full.source
-        self.x_train, self.y_train = full.x_train[:n], full.y_train[:n]
-        self.x_test, self.y_test = full.x_test[:500], full.y_test[:500]
+        step = len(full.y_train) // n
+        self.x_train, self.y_train = full.x_train[::step][:n], full.y_train[::step][:n]
+        self.x_test, self.y_test = full.x_test[::20], full.y_test[::20]
+        assert np.bincount(self.y_train).min() >= n // 20   # every class, chance 0.1
 
 
-def test_scatter_linear_on_cifar10_learns_and_reuses_the_features(monkeypatch):
-    """Colour images: 8x8x243 features; the scattering of the same pixels runs once per
-    process, other pixels get their own features."""
+def test_scatter_linear_on_cifar10_learns_and_reuses_the_features(monkeypatch, tmp_path):
+    """Colour images: 8x8x243 features; the scattering of the same pixels runs once
+    (the features are kept in the cache directory), other pixels get their own."""
+    monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
     real = recipe.load_dataset
     sizes = iter([2000, 2000, 1000])
     monkeypatch.setattr(recipe, "load_dataset",
@@ -123,7 +128,49 @@ def test_scatter_linear_on_cifar10_learns_and_reuses_the_features(monkeypatch):
     train_mnist(config, verbose=False)              # the same pixels: no new scattering
     assert calls == [2000, 500]
     train_mnist(dataclasses.replace(config, epochs=1), verbose=False)  # 1000 images: new
-    assert calls == [2000, 500, 1000, 500]
+    assert calls == [2000, 500, 1000]      # the same 500 test images: read back
+    assert len(os.listdir(tmp_path / "scattering")) == 3
+
+
+def test_mirror_views_train_a_mirror_invariant_model_at_the_same_privacy_cost(monkeypatch,
+                                                                             tmp_path):
+    """mirror_views: features of each image and its mirror image ([N, 2, 8, 8, 243],
+    cached on disk and read as memmaps), the model averages its logits over both; the
+    ledger is the same as without views (one release, the DP-SGD lots)."""
+    monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
+    real = recipe.load_dataset
+    monkeypatch.setattr(recipe, "load_dataset", lambda *a, **k: _CifarSlice(real(*a, **k)))
+    config = MnistConfig(dataset="cifar10", model="scatter_linear", feature_norm="dp_stats",
+                         noise_multiplier=1.0, l2_norm_clip=0.1, lot_size=200, batch_size=200,
+                         learning_rate=4.0, final_learning_rate=4.0, momentum=0.9,
+                         target_epsilon=None, epochs=3, accountant="pld", seed=0,
+                         eval_every=3, mirror_views=True)
+    nets = []
+    build = recipe.scatter_linear
+    monkeypatch.setattr(recipe, "scatter_linear",
+                        lambda *a, **k: nets.append(build(*a, **k)) or nets[-1])
+    result = train_mnist(config, verbose=False)
+    assert result["mirror_views"] is True
+    assert result["test_accuracy"] > 0.2   # chance is 0.1
+    assert nets[0].input_shape == (None, 2, 8, 8, 243)
+    assert [e["label"] for e in result["ledger"]] == ["dp_feature_norm", "dpsgd"]
+    event = dp_accounting.ComposedDpEvent([
+        dp_accounting.GaussianDpEvent(config.feature_norm_noise_multiplier / 6 ** 0.5),
+        dp_sgd_event(1.0, 30, sampling_rate=200 / 2000)])
+    assert result["epsilon"] == pytest.approx(compute_epsilon(event, 1e-5, "pld"), rel=1e-9)
+    files = sorted(os.listdir(tmp_path / "scattering"))
+    shapes = sorted(np.load(tmp_path / "scattering" / f, mmap_mode="r").shape for f in files)
+    assert shapes == [(500, 2, 8, 8, 243), (2000, 2, 8, 8, 243)]
+    calls = []
+    monkeypatch.setattr(recipe.Scattering2D, "transform", lambda *a, **k: calls.append(1))
+    again = train_mnist(config, verbose=False)      # read from the cache
+    assert calls == [] and again["test_accuracy"] == result["test_accuracy"]
+
+
+def test_mirror_views_are_for_the_scattering_models():
+    with pytest.raises(ValueError, match="mirror_views is for the scattering models"):
+        MnistConfig(mirror_views=True)
+    MnistConfig(model="scatter_cnn", mirror_views=True)
 
 
 def test_only_the_scatternet_takes_colour_images():
