@@ -6,6 +6,7 @@
     python experiments/cifar10_scatternet_diagnosis.py --parts cifar_jpeg  # ~20 min
     python experiments/cifar10_scatternet_diagnosis.py --parts sweep --sweep-epochs 60  # ~35 min
     python experiments/cifar10_scatternet_diagnosis.py --parts confirm sampling  # ~15 min
+    python experiments/cifar10_scatternet_diagnosis.py --parts mirror mirror_tb  # ~40 min
 
 writes results/cifar10_scatternet_diagnosis.json.  Rows:
 
@@ -55,6 +56,12 @@ writes results/cifar10_scatternet_diagnosis.json.  Rows:
   shuffled run's epsilon is its honest one (replace-one, one Gaussian per
   epoch, no amplification): this row measures accuracy, not a private claim
   at their epsilon.
+* ``mirror`` / ``mirror_tb``: beyond their recipe, mirror views: each image and
+  its mirror image, the linear model averaging its logits over both (a
+  mirror-invariant model, `dpfl_tf.models.view_averaged`; the release's record
+  of an example is its mean over both views, so the privacy cost is the same).
+  Their setting at eps 3 / at their noise, paired seeds, with ``views`` 1 (the
+  images alone) and 2.
 
 Normalisations act on each example or are fixed affine maps, so they are
 applied to the features once, outside the trained model (the library's recipe
@@ -79,7 +86,7 @@ from dpfl_tf._io import atomic_write_json  # noqa: E402
 
 EPSILON, DELTA = 3.0, 1e-5
 KEY = ("part", "filters", "features", "normalisation", "data", "private",
-       "variance_epsilon", "seed", "lot", "lr", "epochs", "sampling")  # row identity
+       "variance_epsilon", "seed", "lot", "lr", "epochs", "sampling", "views")  # row identity
 #: Tramer & Boneh's search for ScatterNet models on CIFAR-10 (their search
 #: script): lot sizes (theirs also 512 and 1024), base learning rates (lr =
 #: base x lot / 512) and epochs, at their eps 3; theirs also crosses the
@@ -117,12 +124,16 @@ def scattering(which: str, shape):
         S.morlet_filter_bank = saved
 
 
-def features(name: str, which: str, images, cache: str | None):
+def features(name: str, which: str, images, cache: str | None, mirror: bool = False):
+    """Scattering features ([N, 2, ...] with `mirror`: image and mirror image), kept
+    in `cache` if given."""
+    name += "_mirror" if mirror else ""
     path = os.path.join(cache, f"{name}_{which}.npy") if cache else None
     if path and os.path.exists(path):
         return np.load(path, mmap_mode="r")
     out = scattering(which, images.shape[1:3]).transform(images.astype("float32") / 255.0,
-                                                         batch_size=500, verbose=True)
+                                                         batch_size=500, verbose=True,
+                                                         mirror=mirror)
     if path:
         np.save(path, out)
     return out
@@ -198,18 +209,24 @@ def normalise(kind: str, x_train, x_test, ledger, seed, scratch: str, epsilon: f
 
 
 def train(x_train, y_train, x_test, y_test, *, private: bool, ledger=None, lot=8192, lr=4.0,
-          epochs=60, seed=None, sampling="poisson", noise_multiplier=None) -> dict:
+          epochs=60, seed=None, sampling="poisson", noise_multiplier=None, views=1) -> dict:
     """One run.  Private: DP-SGD with the noise calibrated for eps 3 after what
     `ledger` holds, or at `noise_multiplier` (then not stopped at a budget; the
-    epsilon is the ledger's for what ran, under `sampling`'s own accounting)."""
+    epsilon is the ledger's for what ran, under `sampling`'s own accounting).
+    views > 1: the flattened rows hold that many views, and the linear model
+    averages its logits over them (`dpfl_tf.models.view_averaged`)."""
     import dp_accounting
     import keras
 
     from dpfl_tf.keras import DPModel, DPSGD
+    from dpfl_tf.models import view_averaged
     from dpfl_tf.privacy import calibrate_noise_multiplier, dp_sgd_event
 
     n = len(x_train)
-    net = keras.Sequential([keras.Input(x_train.shape[1:]), keras.layers.Dense(10)])
+    if views > 1:   # [N, V * d] -> [N, V, d] (a memmap stays a memmap)
+        x_train, x_test = (x.reshape(len(x), views, -1) for x in (x_train, x_test))
+    net = view_averaged(keras.Sequential([keras.Input(x_train.shape[1 + (views > 1):]),
+                                          keras.layers.Dense(10)]), views)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     start = time.perf_counter()
     out = {}
@@ -303,6 +320,8 @@ def main(argv=None) -> dict:
                    help="confirm: fresh seeds for the sweep's best setting")
     p.add_argument("--sampling-seeds", type=int, nargs="+", default=[0, 1],
                    help="sampling: the paired seeds (NOT for deployment)")
+    p.add_argument("--mirror-seeds", type=int, nargs="+", default=[0, 1],
+                   help="mirror, mirror_tb: the paired seeds (NOT for deployment)")
     p.add_argument("--output", default=os.path.join(ROOT, "results",
                                                     "cifar10_scatternet_diagnosis.json"))
     args = p.parse_args(argv)
@@ -396,6 +415,17 @@ def main(argv=None) -> dict:
             linear.confirm(args.sweep_seed, args.confirm_seeds)
         if "sampling" in args.parts:
             linear.sampling(args.sampling_seeds)
+    if {"mirror", "mirror_tb"} & set(args.parts):
+        f_tr = features("cifar10_train", "after", data.x_train, args.cache, mirror=True)
+        f_te = features("cifar10_test", "after", data.x_test, args.cache, mirror=True)
+        for views in (1, 2):   # view 0 alone is the features of the images
+            linear = Linear(f_tr[:, 0] if views == 1 else f_tr,
+                            f_te[:, 0] if views == 1 else f_te, y_train, y_test, scratch,
+                            result["rows"], add, views=views)
+            for part in ("mirror", "mirror_tb"):
+                if part in args.parts:
+                    linear.mirror(args.mirror_seeds, part)
+            clear(scratch)
     return result
 
 
@@ -456,8 +486,8 @@ class Linear:
     release, then DP-SGD), over settings: each run composes one release of its
     seed with its DP-SGD lots in a fresh ledger."""
 
-    def __init__(self, f_train, f_test, y_train, y_test, scratch, rows, add):
-        self.f_train, self.f_test = f_train, f_test
+    def __init__(self, f_train, f_test, y_train, y_test, scratch, rows, add, views=1):
+        self.f_train, self.f_test, self.views = f_train, f_test, views
         self.y_train, self.y_test = y_train, y_test
         self.scratch, self.rows, self.add = scratch, rows, add
         self._seed, self._released = None, None
@@ -483,7 +513,7 @@ class Linear:
         import keras
 
         key = {"part": part, "seed": seed, "lot": lot, "lr": lr, "epochs": epochs,
-               "sampling": sampling}
+               "sampling": sampling, "views": self.views if self.views > 1 else None}
         if self.done(**key):
             return
         x_tr, x_te, info, release = self.released(seed)
@@ -493,7 +523,7 @@ class Linear:
         keras.utils.set_random_seed(seed)
         row = train(x_tr, self.y_train, x_te, self.y_test, private=True, ledger=ledger,
                     lot=lot, lr=lr, epochs=epochs, seed=seed, sampling=sampling,
-                    noise_multiplier=noise_multiplier)
+                    noise_multiplier=noise_multiplier, views=self.views)
         note = {} if poisson else {"note": SHUFFLE_NOTE}
         self.add(label_statistics({
             **key, "features": "after", "normalisation": "dp_stats", **extra, **info, **row,
@@ -521,6 +551,14 @@ class Linear:
             self.run("confirm", seed, lot=best["lot"], lr=best["lr"], epochs=best["epochs"],
                      selected_by=SELECTION, sweep_seed=sweep_seed,
                      sweep_test_accuracy=best["test_accuracy"])
+
+    def mirror(self, seeds, part: str, lot=8192, lr=4.0, epochs=60):
+        """Their setting (lot 8192, lr 4, 60 epochs) at eps 3 ("mirror") or at
+        their noise ("mirror_tb"), paired seeds; run once on the features of the
+        images alone and once with `views=2` (image and mirror image)."""
+        for seed in seeds:
+            self.run(part, seed, lot=lot, lr=lr, epochs=epochs,
+                     noise_multiplier=TB_SIGMA if part == "mirror_tb" else None)
 
     def sampling(self, seeds, lot=8192, lr=4.0, epochs=60):
         """Poisson lots against shuffled fixed-size lots (Tramer & Boneh's

@@ -120,3 +120,28 @@ def test_sweep_grids_place_each_run_and_mark_missing(tmp_path):
     path = draw_sweep(rows, 0, str(tmp_path / "sweep.png"))
     assert os.path.getsize(path) > 1000
     assert draw_sweep(rows, 7, str(tmp_path / "none.png")) is None
+
+
+def test_mirror_rows_cost_the_same_with_one_view_or_two(tmp_path):
+    """The mirror part: one run on view 0 alone and one on both views (logits
+    averaged); the release and the DP-SGD lots are the same events, so the noise
+    calibrated for eps 3 and the epsilon reported are the same."""
+    rng = np.random.default_rng(1)
+    n = 600
+    y = rng.integers(0, 10, n)
+    f = (rng.normal(0, 0.01, (n, 2, 2, 2, 243))).astype("float32")
+    f[np.arange(n), :, 0, 0, y] += 0.05
+    rows = []
+
+    def add(row):
+        rows[:] = [r for r in rows if r is not row] + [row]
+
+    for views in (1, 2):
+        linear = Linear(f[:, 0] if views == 1 else f, f[:200, 0] if views == 1 else f[:200],
+                        y, y[:200], str(tmp_path), rows, add, views=views)
+        linear.mirror([0], "mirror", lot=128, lr=1.0, epochs=2)
+    one, two = rows
+    assert (one["views"], two["views"]) == (None, 2)
+    assert one["noise_multiplier"] == two["noise_multiplier"]
+    assert 2.95 < one["epsilon"] == two["epsilon"] <= 3.0
+    assert one["lots"] == two["lots"] == 2 * (n // 128)

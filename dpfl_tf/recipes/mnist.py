@@ -22,7 +22,12 @@ Their CIFAR-10 runs normalise the features with channel statistics released
 under DP instead (``feature_norm="dp_stats"``, `dpfl_tf.normalization`; here
 one bound and one noise scale per scattering order); that release goes into
 the same ledger before DP-SGD, and the DP-SGD noise is calibrated for what
-remains of the budget.
+remains of the budget.  ``mirror_views=True`` (the CLI's default for CIFAR-10)
+goes beyond their recipe: every example is its image and its mirror image, the
+model averages its logits over both (`dpfl_tf.models.view_averaged`), so it is
+mirror-invariant; one example's two views are clipped together, and the
+release's per-example record is the mean over both views, so the ledger is
+the same as without them.
 """
 
 from __future__ import annotations
