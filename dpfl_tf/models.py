@@ -120,10 +120,9 @@ def view_averaged(head: keras.Model, views: int, name: str | None = None) -> ker
         f(x) = (1 / V) sum_v head(x_v).
 
     f does not depend on the order of the views, so with views (image, mirror
-    image) it is exactly mirror-invariant: a linear head on mirror-averaged
-    features, a CNN that cannot tell an image from its mirror image.  Such a
-    model has half the free directions of the head alone, so the same DP-SGD
-    noise buys more accuracy (README, CIFAR-10 ScatterNet).
+    image) it gives an image and its mirror image the same logits: for a linear
+    head, a linear model on the mean of the two views' features.  On CIFAR-10's
+    ScatterNet features the same DP-SGD noise then buys more accuracy (README).
 
     Privacy: the unit is still one example, with all its views.  Its gradient
     is the sum over the views' uses of the shared weights, and DP-SGD clips

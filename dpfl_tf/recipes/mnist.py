@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import os
 import time
+import warnings
 
 import dp_accounting
 import keras
@@ -187,7 +188,8 @@ def _scattering_features(data, mirror: bool = False):
                     features.flush()
                     del features
             except OSError as e:   # a read-only or full cache: compute in memory
-                print(f"scattering features not cached ({e}); computing them in memory")
+                warnings.warn(f"scattering features not cached ({e}); computing them in "
+                              "memory", RuntimeWarning, stacklevel=2)
                 features = scattering.transform(images, mirror=mirror)
                 features.setflags(write=False)
                 out.append(features)

@@ -229,3 +229,21 @@ def test_exact_feature_statistics_are_refused_for_private_runs():
         MnistConfig(feature_norm="dp_stats")
     with pytest.raises(ValueError, match="feature_norm must be one of"):
         MnistConfig(model="scatter_linear", feature_norm="batch")
+
+
+def test_scattering_features_are_computed_in_memory_when_the_cache_is_read_only(
+        monkeypatch, read_only_dir):
+    directory, _ = read_only_dir
+    monkeypatch.setenv("DPFL_CACHE_DIR", str(directory))
+    full = recipe.load_dataset("mnist")
+
+    class Tiny:
+        x_train, x_test = full.x_train[:12], full.x_test[:4]
+
+    with pytest.warns(RuntimeWarning, match="scattering features not cached"):
+        train, test = recipe._scattering_features(Tiny, mirror=True)
+    assert not isinstance(train, np.memmap) and train.shape == (12, 2, 7, 7, 81)
+    np.testing.assert_allclose(
+        train[:, 1], recipe.Scattering2D(J=2, L=8, shape=(28, 28)).transform(
+            full.x_train[:12, :, ::-1].astype("float32") / 255.0), rtol=1e-5, atol=1e-6)
+    assert test.shape == (4, 2, 7, 7, 81) and os.listdir(directory) == []
