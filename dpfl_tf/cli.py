@@ -290,9 +290,11 @@ def _run_train(args, error) -> int:
     if scatter:  # Tramer & Boneh 2021: constant lr, momentum, noise calibrated for the epochs
         norm = args.feature_norm or ("dp_stats" if args.dataset == "cifar10" else "group")
         mirror = colour if args.mirror_views is None else args.mirror_views
+        # two views an example hold twice the activations: half the physical batch
         config = MnistConfig(projection="none", noise_multiplier=args.noise_multiplier,
-                             batch_size=min(lot, 4096), final_learning_rate=lr, momentum=0.9,
-                             feature_norm=norm, mirror_views=mirror, **common)
+                             batch_size=min(lot, 2048 if mirror else 4096),
+                             final_learning_rate=lr, momentum=0.9, feature_norm=norm,
+                             mirror_views=mirror, **common)
         sigma = "calibrated" if args.noise_multiplier is None else f"{args.noise_multiplier:g}"
         head = "linear" if args.model == "scatter_linear" else "CNN"
         head += " averaged over each image and its mirror image" if mirror else ""

@@ -99,9 +99,7 @@ class SelectView(keras.layers.Layer):
 
     def __init__(self, index: int, **kwargs):
         super().__init__(**kwargs)
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise ValueError(f"index must be an integer >= 0, got {index!r}")
-        self.index = index
+        self.index = check_count("index", index, minimum=0)
 
     def call(self, x):
         return x[:, self.index]
@@ -131,6 +129,10 @@ def view_averaged(head: keras.Model, views: int, name: str | None = None) -> ker
     views = check_count("views", views, minimum=1)
     if views == 1:
         return head
+    if not isinstance(head.input_shape, tuple) or not all(
+            isinstance(d, (int, type(None))) for d in head.input_shape):
+        raise ValueError(f"head must be a built model with one input, got input_shape "
+                         f"{head.input_shape!r}")
     inputs = keras.Input((views, *head.input_shape[1:]), name="views")
     logits = [head(SelectView(v, name=f"view_{v}")(inputs)) for v in range(views)]
     return keras.Model(inputs, keras.layers.Average(name="average")(logits),

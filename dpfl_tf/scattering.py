@@ -276,3 +276,15 @@ class Scattering2D:
             print(f"scattering {len(images)} images{' and their mirror images' if mirror else ''}"
                   f": {time.perf_counter() - start:.1f} s")
         return out
+
+
+def __getattr__(name):  # the model builders moved to dpfl_tf.models
+    if name in ("scatter_linear", "scatter_cnn"):
+        import warnings
+
+        from dpfl_tf import models
+
+        warnings.warn(f"dpfl_tf.scattering.{name} moved to dpfl_tf.models.{name}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(models, name)
+    raise AttributeError(f"module 'dpfl_tf.scattering' has no attribute {name!r}")

@@ -10,6 +10,13 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 if "DPFL_DATA_DIR" not in os.environ and SHARED_DATA.is_dir():
     os.environ["DPFL_DATA_DIR"] = str(SHARED_DATA)
 os.environ.setdefault("DPFL_NO_DOWNLOAD", "1")
+if "DPFL_CACHE_DIR" not in os.environ:   # tests never read or fill the user's cache
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["DPFL_CACHE_DIR"] = tempfile.mkdtemp(prefix="dpfl_tf_test_cache_")
+    atexit.register(shutil.rmtree, os.environ["DPFL_CACHE_DIR"], True)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 

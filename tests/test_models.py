@@ -41,8 +41,12 @@ def test_one_view_is_the_head_itself_and_bad_counts_are_refused():
     assert head.input_shape == (None, 8, 8, 6)
     with pytest.raises(ValueError, match="views must be"):
         view_averaged(head, 0)
-    with pytest.raises(ValueError, match="index must be an integer >= 0, got -1"):
+    with pytest.raises(ValueError, match="index must be a whole number >= 0, got -1"):
         SelectView(-1)
+    assert SelectView(np.int64(1)).index == 1
+    a, b = keras.Input((3,)), keras.Input((3,))
+    with pytest.raises(ValueError, match="head must be a built model with one input"):
+        view_averaged(keras.Model([a, b], keras.layers.Add()([a, b])), 2)
 
 
 def test_a_model_over_views_saves_and_loads_with_its_frozen_normalisation(tmp_path):

@@ -231,11 +231,13 @@ def read_run_state(directory: str) -> dict | None:
     return read_checkpoint_json(os.path.join(directory, RUN_STATE))
 
 
-def resumable_run_state(checkpoint_dir: str | None, config: dict) -> dict | None:
+def resumable_run_state(checkpoint_dir: str | None, config: dict,
+                        defaults: dict | None = None) -> dict | None:
     """The state to resume from `checkpoint_dir`, or None when it holds no
     checkpoint (a new run).  Refuses, naming the directory, a checkpoint without
     a recipe state, one of other settings (`config`, from `comparable_config`)
-    and one of a finished run."""
+    and one of a finished run.  A setting the checkpoint does not record (it
+    was written before the setting existed) counts as its value in `defaults`."""
     from dpfl_tf.keras.checkpoint import DPCheckpoint
 
     if checkpoint_dir is None or DPCheckpoint.latest(checkpoint_dir) is None:
@@ -244,7 +246,9 @@ def resumable_run_state(checkpoint_dir: str | None, config: dict) -> dict | None
     if state is None:
         raise ValueError(f"{checkpoint_dir} holds a DPCheckpoint but no {RUN_STATE}: it "
                          "was not written by this recipe; use another checkpoint directory")
-    diff = sorted(k for k, v in config.items() if state["config"].get(k) != v)
+    missing = object()
+    saved = {**(defaults or {}), **state["config"]}
+    diff = sorted(k for k, v in config.items() if saved.get(k, missing) != v)
     if diff:
         raise ValueError(f"{checkpoint_dir} holds a checkpoint of a different run "
                          f"(differs in: {', '.join(diff)}); use another checkpoint "

@@ -160,40 +160,54 @@ def _scattering_features(data, mirror: bool = False):
     to [0, 1]; with `mirror`, [N, 2, ...]: each image's and its mirror image's
     (`Scattering2D.transform`).  The transform is fixed, so each array is computed
     once and kept in the cache directory (``$DPFL_CACHE_DIR``, else
-    ``~/.cache/dpfl_tf``) as ``scattering/<hash of pixels and settings>.npy``,
-    then opened as a read-only ``np.memmap``: DP-SGD reads each lot from it, and
-    no run holds the 6.2 GB of CIFAR-10's training features with mirror views in
-    memory.  If the cache cannot be written, the features are computed in memory."""
+    ``~/.cache/dpfl_tf``) as ``scattering/<hash>.npy``, then opened as a
+    read-only ``np.memmap``: DP-SGD reads each lot from it, and no run holds the
+    6.2 GB of CIFAR-10's training features with mirror views in memory.  The
+    hash covers the pixels, the settings, the filter bank and `FEATURES_VERSION`;
+    a file of another shape or dtype is recomputed.  The files are derived from
+    the (private) training images: they are written readable by their owner
+    only.  If the cache cannot be written (read-only, or no room for the whole
+    file), the features are computed in memory, with a warning."""
     from dpfl_tf._io import atomic_path
     from dpfl_tf.data.image_folder import default_cache_dir
 
     scattering = Scattering2D(J=2, L=8, shape=data.x_train.shape[1:3])
+    filters = hashlib.blake2b(digest_size=16)
+    for f in (scattering.psi_hat, scattering.phi_hat):
+        filters.update(np.ascontiguousarray(f).data)
     out = []
     for x in (data.x_train, data.x_test):
         x = np.ascontiguousarray(x)
+        shape = (len(x), *((2,) if mirror else ()), *scattering.output_shape,
+                 (x.shape[3] if x.ndim == 4 else 1) * scattering.channels)
         digest = hashlib.blake2b(digest_size=16)
-        digest.update(repr((FEATURES_VERSION, repr(scattering), bool(mirror), x.shape,
-                            x.dtype.str)).encode())
+        digest.update(repr((FEATURES_VERSION, repr(scattering), filters.hexdigest(),
+                            bool(mirror), x.shape, x.dtype.str)).encode())
         digest.update(x.data)
         path = os.path.join(default_cache_dir(), "scattering", digest.hexdigest() + ".npy")
-        if not os.path.exists(path):
-            images = x.astype("float32") / 255.0
-            try:
-                with atomic_path(path) as tmp:
-                    shape = (len(x), *((2,) if mirror else ()), *scattering.output_shape,
-                             (x.shape[3] if x.ndim == 4 else 1) * scattering.channels)
-                    features = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
-                                                         shape=shape)
-                    scattering.transform(images, mirror=mirror, out=features)
-                    features.flush()
-                    del features
-            except OSError as e:   # a read-only or full cache: compute in memory
-                warnings.warn(f"scattering features not cached ({e}); computing them in "
-                              "memory", RuntimeWarning, stacklevel=2)
-                features = scattering.transform(images, mirror=mirror)
-                features.setflags(write=False)
-                out.append(features)
+        if os.path.exists(path):
+            cached = np.load(path, mmap_mode="r")
+            if cached.shape == shape and cached.dtype == np.float32:
+                out.append(cached)
                 continue
+        images = x.astype("float32") / 255.0
+        try:
+            with atomic_path(path) as tmp:
+                features = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
+                                                     shape=shape)
+                with open(tmp, "r+b") as f:   # all the room now: a full disk is an
+                    os.posix_fallocate(f.fileno(), 0, os.path.getsize(tmp))  # OSError
+                scattering.transform(images, mirror=mirror, out=features)
+                features.flush()
+                del features
+            os.chmod(path, 0o600)
+        except OSError as e:   # a read-only or full cache: compute in memory
+            warnings.warn(f"scattering features not cached ({e}); computing them in "
+                          "memory", RuntimeWarning, stacklevel=2)
+            features = scattering.transform(images, mirror=mirror)
+            features.setflags(write=False)
+            out.append(features)
+            continue
         out.append(np.load(path, mmap_mode="r"))
     return tuple(out)
 
@@ -276,7 +290,8 @@ def train_mnist(config: MnistConfig, *, verbose: bool = True,
 
     start = time.perf_counter()
     original_config = config
-    state = resumable_run_state(checkpoint_dir, _comparable(config))
+    state = resumable_run_state(checkpoint_dir, _comparable(config),
+                                defaults=_comparable(MnistConfig()))
     if state is None and config.private and config.feature_norm == "dp_stats" \
             and config.target_epsilon is not None:   # before any data is read
         cost = compute_epsilon(feature_norm_release(config).planned_event(), config.delta,

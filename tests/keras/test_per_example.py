@@ -281,7 +281,17 @@ def mirror_views_linear():
     return view_averaged(head, 2)
 
 
+def mirror_views_scatter_cnn():
+    """The ScatterNet CNN itself on 7x7x81 features with two views: 98 positions
+    per conv1 call pair, 2 S^2 < d o, so the convolutions take the ghost norm."""
+    from dpfl_tf.models import scatter_cnn
+
+    keras.utils.set_random_seed(12)
+    return scatter_cnn((7, 7, 81), views=2)
+
+
 SHARED = {"dense_two_inputs": ("dense2", shared_dense_two_inputs),
+          "mirror_views_scatter_cnn": ("scatter_views", mirror_views_scatter_cnn),
           "mirror_views_cnn": ("views", mirror_views_cnn),
           "mirror_views_linear": ("views", mirror_views_linear),
           "dense_twice_in_sequence": ("dense", dense_twice_in_sequence),
@@ -293,6 +303,11 @@ SHARED = {"dense_two_inputs": ("dense2", shared_dense_two_inputs),
 
 
 def _shared_data(kind, n=6):
+    if kind == "scatter_views":   # real scattering features of digits and their mirrors
+        from dpfl_tf.scattering import Scattering2D
+
+        x, y = mnist_slice(n, flat=False)
+        return Scattering2D(J=2, L=8, shape=(28, 28)).transform(x[..., 0], mirror=True), y
     if kind == "views":   # [n, 2, 28, 28, 1]: each image and its mirror image
         x, y = mnist_slice(n, flat=False)
         return np.stack([x, x[:, :, ::-1]], axis=1), y

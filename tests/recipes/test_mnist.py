@@ -109,7 +109,7 @@ def test_scatter_linear_on_cifar10_learns_and_reuses_the_features(monkeypatch, t
     (the features are kept in the cache directory), other pixels get their own."""
     monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
     real = recipe.load_dataset
-    sizes = iter([2000, 2000, 1000])
+    sizes = iter([2000, 2000, 1000, 1000])
     monkeypatch.setattr(recipe, "load_dataset",
                         lambda *a, **k: _CifarSlice(real(*a, **k), next(sizes)))
     calls = []
@@ -129,7 +129,12 @@ def test_scatter_linear_on_cifar10_learns_and_reuses_the_features(monkeypatch, t
     assert calls == [2000, 500]
     train_mnist(dataclasses.replace(config, epochs=1), verbose=False)  # 1000 images: new
     assert calls == [2000, 500, 1000]      # the same 500 test images: read back
-    assert len(os.listdir(tmp_path / "scattering")) == 3
+    files = sorted(tmp_path.joinpath("scattering").iterdir())
+    assert len(files) == 3 and all(f.stat().st_mode & 0o777 == 0o600 for f in files)
+    for f in files:   # a file that is not what the key promises is computed again
+        np.save(f, np.zeros((3, 8, 8, 243), np.float32))
+    train_mnist(dataclasses.replace(config, epochs=1), verbose=False)
+    assert calls == [2000, 500, 1000, 1000, 500]
 
 
 def test_mirror_views_train_a_mirror_invariant_model_at_the_same_privacy_cost(monkeypatch,
@@ -213,6 +218,13 @@ def test_scatter_cnn_with_dp_statistics_pays_for_them_and_resumes_without_a_seco
 
     mean, variance = released_statistics()
     assert mean.shape == (243,) and np.abs(mean).max() > 0.1 and (variance > 0).any()
+    # a checkpoint written before mirror_views existed resumes (the field's default)
+    from dpfl_tf.recipes.common import RUN_STATE
+
+    state_path = tmp_path / RUN_STATE
+    state = json.loads(state_path.read_text())
+    del state["config"]["mirror_views"]
+    state_path.write_text(json.dumps(state))
     resumed = train_mnist(config, verbose=False, checkpoint_dir=str(tmp_path))
     assert resumed["lots"] == 20
     for before, after in zip((mean, variance), released_statistics()):
