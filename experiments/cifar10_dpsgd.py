@@ -249,10 +249,14 @@ def draw_all(results: list[dict], out_dir: str) -> list[str]:
     return written
 
 
+MIRROR = ", mirror views"   # the suffix of a mirror-views run's trained_layers
+
+
 def privacy_utility_points(runs: list[dict]) -> dict[str, dict[str, list]]:
     """Per model: 'ours' (epsilon spent, final test accuracy) of the calibrated
     runs, 'ours_tb_noise' of the runs at Tramer & Boneh's noise, and 'tramer_boneh'
-    their accuracy at what our accountant says their mechanism spends."""
+    their accuracy at what our accountant says their mechanism spends (on the
+    model of their recipe, not on its mirror-views variant)."""
     accountants = {r.get("accountant") for r in runs} - {None}
     theirs = tramer_boneh_epsilon(accountants.pop() if len(accountants) == 1 else "pld")
     points = {}
@@ -270,23 +274,33 @@ def privacy_utility_points(runs: list[dict]) -> dict[str, dict[str, list]]:
 
 
 def draw_privacy_utility(runs: list[dict], out_dir: str) -> str:
-    """Final test accuracy against the epsilon spent, one line per model; Tramer &
-    Boneh's points (the original CIFAR-10) sit at what our accountant says their
+    """Final test accuracy against the epsilon spent: one colour per model, a
+    solid line with mirror views and a dashed one for Tramer & Boneh's recipe;
+    their points (the original CIFAR-10) sit at what our accountant says their
     mechanism spends, not at the 3.0 of their older accounting."""
     import matplotlib.pyplot as plt
 
     from dpfl_tf.plotting import save_figure
 
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for i, (head, pts) in enumerate(privacy_utility_points(runs).items()):
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    points = privacy_utility_points(runs)
+    models = sorted({head.replace(MIRROR, "") for head in points})
+    for head, pts in points.items():
+        model = head.replace(MIRROR, "")
+        colour = f"C{models.index(model)}"
+        short = model.split(" (")[0]
+        mirror = head.endswith(MIRROR)
+        what = f"{short}, mirror views" if mirror else f"{short}, their recipe"
         if pts["ours"]:
-            ax.plot(*zip(*pts["ours"]), "o-", color=f"C{i}", label=f"{head}, dpfl_tf")
+            ax.plot(*zip(*pts["ours"]), "o-" if mirror else "o--", color=colour,
+                    alpha=1.0 if mirror else 0.6, label=f"{what} (dpfl_tf)")
         if pts["ours_tb_noise"]:
-            ax.plot(*zip(*pts["ours_tb_noise"]), "s", color=f"C{i}", markersize=8,
-                    markerfacecolor="none", label=f"{head}, dpfl_tf at their sigma 5.67")
+            ax.plot(*zip(*pts["ours_tb_noise"]), "s" if mirror else "D", color=colour,
+                    markersize=8, markerfacecolor="none",
+                    label=f"{what} at their sigma 5.67")
         if pts["tramer_boneh"]:
-            ax.plot(*zip(*pts["tramer_boneh"]), "*", color=f"C{i}", markersize=12,
-                    label=f"{head}, Tramer & Boneh (original CIFAR-10; their 'eps 3')")
+            ax.plot(*zip(*pts["tramer_boneh"]), "*", color=colour, markersize=13,
+                    label=f"{short}, Tramer & Boneh (original CIFAR-10; their 'eps 3')")
     deltas = {r.get("delta") for r in runs} - {None}
     accountants = {r.get("accountant") for r in runs} - {None}
     ax.set_xscale("log")

@@ -12,10 +12,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "exp
 import cifar10_dpsgd  # noqa: E402
 
 LINEAR, CNN = "linear (on ScatterNet features)", "CNN (on ScatterNet features)"
+LINEAR_MIRROR = LINEAR + ", mirror views"
 
 
 def _run(head, name, eps, acc):
-    return {"run": f"scatternet/{head.split()[0].lower()}/{name}", "trained_layers": head,
+    mirror = "mirror/" if head.endswith("mirror views") else ""
+    return {"run": f"scatternet/{head.split()[0].lower()}/{mirror}{name}",
+            "trained_layers": head,
             "lot_size": 8192, "target_epsilon": 3.0 if name.startswith("tb_") else eps,
             "epsilon": eps * 0.999, "delta": 1e-5, "accountant": "pld",
             "test_accuracy": acc, "dataset": "CIFAR-10 (JPEG copy)", "pretraining": "none",
@@ -26,7 +29,8 @@ def _run(head, name, eps, acc):
 def _runs():
     return [_run(LINEAR, "eps3", 3, .65), _run(LINEAR, "eps1", 1, .58),
             _run(LINEAR, "tb_sigma5.67", 2.38, .64), _run(CNN, "eps3", 3, .67),
-            _run(CNN, "eps3/lr8", 3, .10)]
+            _run(CNN, "eps3/lr8", 3, .10), _run(LINEAR_MIRROR, "eps3", 3, .673),
+            _run(LINEAR_MIRROR, "tb_sigma5.67", 2.38, .67)]
 
 
 def test_points_separate_calibrated_runs_their_noise_and_their_result():
@@ -34,6 +38,10 @@ def test_points_separate_calibrated_runs_their_noise_and_their_result():
     assert points[LINEAR]["ours"] == [(0.999, .58), (2.997, .65)]
     assert points[LINEAR]["ours_tb_noise"] == [(2.38 * 0.999, .64)]
     assert points[CNN]["ours"] == [(2.997, .67)]          # the lr trial is left out
+    # mirror views: a line of its own; their point belongs to their recipe's line
+    assert points[LINEAR_MIRROR]["ours"] == [(2.997, .673)]
+    assert points[LINEAR_MIRROR]["ours_tb_noise"] == [(2.38 * 0.999, .67)]
+    assert points[LINEAR_MIRROR]["tramer_boneh"] == []
     (eps_lin, acc_lin), = points[LINEAR]["tramer_boneh"]
     (eps_cnn, acc_cnn), = points[CNN]["tramer_boneh"]
     assert (acc_lin, acc_cnn) == (0.670, 0.693)
