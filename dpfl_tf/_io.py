@@ -10,9 +10,12 @@ from typing import Any, Callable, Iterator
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[str]:
+def atomic_path(path: str | os.PathLike, suffix: str = ".tmp", mode: int | None = None
+                ) -> Iterator[str]:
     """Yields a temporary path beside `path`; when the block succeeds the file
-    is synced and renamed into place, when it fails it is removed."""
+    is synced and renamed into place, when it fails it is removed.  The file
+    gets `mode`, or the usual 0666 & ~umask; with a `mode`, it never has any
+    other (the temporary file is created 0600 and keeps it until the rename)."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -23,7 +26,7 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[str]:
         yield tmp
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual mode
+        os.chmod(tmp, (0o666 & ~_umask()) if mode is None else mode)  # mkstemp makes 0600
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

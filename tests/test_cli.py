@@ -191,6 +191,9 @@ def test_train_scatter_models_use_their_defaults(monkeypatch, tmp_path, dataset,
             config.mirror_views) == (
         dataset, model, 8192 if colour else 4096, 4.0 if colour else 8.0, 0.1, 0.9, 60, None,
         3.0, norm, "pld", mirror)
+    # the physical batch: smaller with two views, smallest for the CNN (memory only)
+    assert config.batch_size == (4096 if not mirror else
+                                 1024 if model == "scatter_cnn" else 2048)
 
 
 def test_mirror_views_are_refused_for_models_without_scattering_features(capsys):

@@ -192,7 +192,7 @@ def _scattering_features(data, mirror: bool = False):
                 continue
         images = x.astype("float32") / 255.0
         try:
-            with atomic_path(path) as tmp:
+            with atomic_path(path, mode=0o600) as tmp:   # never readable by others
                 features = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
                                                      shape=shape)
                 with open(tmp, "r+b") as f:   # all the room now: a full disk is an
@@ -200,7 +200,6 @@ def _scattering_features(data, mirror: bool = False):
                 scattering.transform(images, mirror=mirror, out=features)
                 features.flush()
                 del features
-            os.chmod(path, 0o600)
         except OSError as e:   # a read-only or full cache: compute in memory
             warnings.warn(f"scattering features not cached ({e}); computing them in "
                           "memory", RuntimeWarning, stacklevel=2)
