@@ -6,7 +6,8 @@
     python experiments/cifar10_scatternet_diagnosis.py --parts cifar_jpeg  # ~20 min
     python experiments/cifar10_scatternet_diagnosis.py --parts sweep --sweep-epochs 60  # ~35 min
     python experiments/cifar10_scatternet_diagnosis.py --parts confirm sampling  # ~15 min
-    python experiments/cifar10_scatternet_diagnosis.py --parts mirror mirror_tb  # holds the mirror features in RAM: ~18 GB resident, thrashed on 24 GB
+    python experiments/cifar10_scatternet_diagnosis.py --parts mirror mirror_tb  # > 24 GB
+      (holds the mirror features in memory, ~18 GB resident: thrashed on 24 GB)
 
 writes results/cifar10_scatternet_diagnosis.json.  Rows:
 
