@@ -282,7 +282,8 @@ def _run_train(args, error) -> int:
     quiet_tensorflow(args.verbose)
     if cifar:
         return _run_train_cifar10(args, error, epsilon, delta, epochs, lot, clip, lr)
-    from dpfl_tf.recipes.mnist import PAPER_SETTINGS, MnistConfig, train_mnist
+    from dpfl_tf.recipes.mnist import (MIRROR_VIEWS_BATCH, PAPER_SETTINGS, MnistConfig,
+                                       train_mnist)
 
     common = dict(dataset=args.dataset, model=args.model, target_epsilon=epsilon, delta=delta,
                   accountant=args.accountant, epochs=epochs, lot_size=lot, l2_norm_clip=clip,
@@ -290,9 +291,7 @@ def _run_train(args, error) -> int:
     if scatter:  # Tramer & Boneh 2021: constant lr, momentum, noise calibrated for the epochs
         norm = args.feature_norm or ("dp_stats" if args.dataset == "cifar10" else "group")
         mirror = colour if args.mirror_views is None else args.mirror_views
-        # two views an example hold twice the activations: a smaller physical batch
-        # (the CNN's, 1024, is the one measured in 24 GB; it does not change the lots)
-        batch = 4096 if not mirror else 1024 if args.model == "scatter_cnn" else 2048
+        batch = MIRROR_VIEWS_BATCH[args.model] if mirror else 4096
         config = MnistConfig(projection="none", noise_multiplier=args.noise_multiplier,
                              batch_size=min(lot, batch),
                              final_learning_rate=lr, momentum=0.9, feature_norm=norm,

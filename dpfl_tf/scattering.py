@@ -244,6 +244,13 @@ class Scattering2D:
         s = tf.reshape(s, [n, c * self.channels, *self.output_shape])
         return tf.transpose(s, [0, 2, 3, 1])
 
+    def features_shape(self, images_shape, mirror: bool = False) -> tuple:
+        """The shape `transform` returns for images of `images_shape`
+        ([N, H, W] or [N, H, W, C])."""
+        c = 1 if len(images_shape) == 3 else images_shape[-1]
+        return (images_shape[0], *((2,) if mirror else ()), *self.output_shape,
+                c * self.channels)
+
     def transform(self, images, batch_size: int = 256, verbose: bool = False, *,
                   mirror: bool = False, out=None) -> np.ndarray:
         """`__call__` over a large array in batches of `batch_size`; numpy float32
@@ -258,8 +265,7 @@ class Scattering2D:
         images = np.asarray(images)
         self._check(images)
         batch_size = check_count("batch_size", batch_size, minimum=1)
-        c = 1 if images.ndim == 3 else images.shape[-1]
-        shape = (len(images), *((2,) if mirror else ()), *self.output_shape, c * self.channels)
+        shape = self.features_shape(images.shape, mirror)
         if out is None:
             out = np.empty(shape, np.float32)
         elif tuple(out.shape) != shape:

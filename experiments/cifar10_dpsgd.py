@@ -55,7 +55,7 @@ sys.path.insert(0, ROOT)
 from dpfl_tf._io import atomic_write_json, merge_json_runs  # noqa: E402
 from dpfl_tf.recipes.cifar10 import (CifarConfig, Init, PretrainConfig,  # noqa: E402
                                      TrainedLayers, load_pretrained, train_cifar10)
-from dpfl_tf.recipes.mnist import MnistConfig, train_mnist  # noqa: E402
+from dpfl_tf.recipes.mnist import MIRROR_VIEWS_BATCH, MnistConfig, train_mnist  # noqa: E402
 
 EPSILONS = (2.0, 4.0, 8.0)
 LOTS = (600, 2000, 4000)
@@ -177,12 +177,12 @@ def scatternet_runs(**_) -> dict[str, MnistConfig]:
             noise_multiplier=TRAMER_BONEH_MECHANISM["noise_multiplier"])
         # beyond their recipe: each image and its mirror image, logits averaged (a
         # mirror-invariant model, the same privacy cost); the library's default for
-        # CIFAR-10.  The CNN sees twice the positions: half the physical batch
+        # CIFAR-10, at the physical batch of MIRROR_VIEWS_BATCH
         for name in [n for n in runs if n.startswith(f"scatternet/{head}/")]:
             leaf = name.rsplit("/", 1)[1]
             runs[f"scatternet/{head}/mirror/{leaf}"] = dataclasses.replace(
                 runs[name], setting=f"scatternet_{head}_mirror_{leaf}", mirror_views=True,
-                batch_size=1024 if head == "cnn" else 2048)
+                batch_size=MIRROR_VIEWS_BATCH[f"scatter_{head}"])
     return runs
 
 
