@@ -16,6 +16,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _load(relative, name):
+    """The script as a module, its directory first on sys.path as when it runs
+    (for experiments/_common.py and experiments/peers/_peer_common.py)."""
+    folder = str((ROOT / relative).parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(name, ROOT / relative)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
