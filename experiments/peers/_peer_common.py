@@ -169,8 +169,11 @@ def peak_memory_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def print_repeat(repeat, times):
-    """One repeat's epoch times on stderr, the first (warm-up) apart."""
+def record_repeat(repeat, times, warmup, timed):
+    """One repeat's epoch times: the first to `warmup`, the others to `timed`
+    (in place), and all on stderr."""
+    warmup.append(times[0])
+    timed.extend(times[1:])
     print(f"repeat {repeat}: warm-up {times[0]:.3f}s, epochs "
           + ", ".join(f"{t:.3f}s" for t in times[1:]), file=sys.stderr)
 

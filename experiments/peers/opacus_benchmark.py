@@ -29,7 +29,7 @@ import time
 import numpy as np
 from _peer_common import (L2_NORM_CLIP, LEARNING_RATE, MNIST_FEATURES, NOISE_MULTIPLIER,
                           NUM_CLASSES, benchmark_data, check_run_args, finish,
-                          limit_address_space, median_seconds, peak_memory_mb, print_repeat,
+                          limit_address_space, median_seconds, peak_memory_mb, record_repeat,
                           run_guarded)
 
 MODELS = ("mnist_mlp", "cifar_frozen_conv", "cifar_full_conv")
@@ -169,12 +169,10 @@ def run_repeats(torch, args, features, labels, warmup, timed, extra):
                 sizes.append(len(targets))
             times.append(time.perf_counter() - start)
             batch_sizes.append(sizes)
-        warmup.append(times[0])
-        timed.extend(times[1:])
+        record_repeat(repeat, times, warmup, timed)
         extra.setdefault("steps_per_epoch", len(batch_sizes[-1]))
         extra.setdefault("batch_sizes_seen", []).extend(
             b for sizes in batch_sizes for b in sizes)
-        print_repeat(repeat, times)
         del model, optimizer, loader
 
 

@@ -51,7 +51,7 @@ from _peer_common import (BLOCKS, CONV_DENSE, CONV_FILTERS, CONV_KERNEL,  # noqa
                           VOCAB, WIDTH)
 from _peer_common import (L2_NORM_CLIP, LEARNING_RATE, NOISE_MULTIPLIER, check_run_args,
                           finish, layers_data, limit_address_space, median_seconds,
-                          peak_memory_mb, positions, print_repeat, run_guarded)
+                          peak_memory_mb, positions, record_repeat, run_guarded)
 
 MODELS = ("transformer", "conv1d_text", "resnet20_gn", "lstm")
 
@@ -260,10 +260,8 @@ def run_repeats(torch, args, features, labels, warmup, timed, extra):
             # a partial epoch (--max-steps) is scaled to the epoch's lots
             times.append((time.perf_counter() - start) * lots_per_epoch / steps)
         extra["lots_per_epoch"] = lots_per_epoch
-        warmup.append(times[0])
-        timed.extend(times[1:])
+        record_repeat(repeat, times, warmup, timed)
         extra["batch_size_min_mean_max"] = [min(sizes), float(np.mean(sizes)), max(sizes)]
-        print_repeat(repeat, times)
         del model, optimizer, loader
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from _peer_common import (CIFAR_SHAPE, L2_NORM_CLIP, LEARNING_RATE, MNIST_FEATURES,
                           NOISE_MULTIPLIER, NUM_CLASSES, benchmark_data, check_run_args,
                           finish, limit_address_space, median_seconds, peak_memory_mb,
-                          print_repeat, run_guarded)
+                          record_repeat, run_guarded)
 
 MODELS = ("mnist_mlp", "cifar_frozen_conv", "cifar_full_conv")
 
@@ -50,6 +50,7 @@ IMPLEMENTATIONS = {
         "plain legacy SGD optimizer"
     ),
 }
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -240,9 +241,7 @@ def run_repeats(tf, tfp, args, features, labels, timer_cls, warmup, timed,
         model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[timer])
         extra["_trainable_parameters"] = int(sum(
             int(np.prod(v.shape)) for v in model.trainable_variables))
-        warmup.append(timer.times[0])
-        timed.extend(timer.times[1:])
-        print_repeat(repeat, timer.times)
+        record_repeat(repeat, timer.times, warmup, timed)
         del model, dataset
 
 

@@ -70,7 +70,7 @@ import numpy as np
 from _peer_common import (BLOCKS, FFN, HEADS, L2_NORM_CLIP, LEARNING_RATE, NOISE_MULTIPLIER,
                           SEQ_LEN, TEXT_CLASSES, VOCAB, WIDTH, check_run_args, finish,
                           layers_data, limit_address_space, median_seconds, peak_memory_mb,
-                          positions, print_repeat, run_guarded)
+                          positions, record_repeat, run_guarded)
 
 MODELS = ("transformer",)
 
@@ -324,9 +324,7 @@ def run_repeats(tf, args, features, labels, warmup, timed, extra):
         timer = EpochTimer()
         model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[timer])
         extra["lots_per_epoch"] = lots_per_epoch
-        warmup.append(timer.times[0])
-        timed.extend(timer.times[1:])
-        print_repeat(repeat, timer.times)
+        record_repeat(repeat, timer.times, warmup, timed)
         del model, dataset
 
 
