@@ -67,6 +67,10 @@ def _site_link(target: str, page_dir: pathlib.Path, docs_dir: pathlib.Path) -> s
 
 
 def _cli_help(command: str) -> str:
+    import sys
+
+    if str(ROOT) not in sys.path:   # this checkout's parser, not an installed copy's
+        sys.path.insert(0, str(ROOT))
     from dpfl_tf.cli import build_parser
 
     parser = build_parser()
