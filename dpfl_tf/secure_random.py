@@ -108,3 +108,18 @@ def secure_uniform(n: int) -> np.ndarray:
         raise ValueError(f"n must be >= 0, got {n}")
     words = np.frombuffer(os.urandom(8 * n), dtype=np.uint64) >> np.uint64(11)
     return words.astype(np.float64) * (2.0 ** -53)
+
+
+def secure_words(n: int) -> np.ndarray:
+    """n independent uniform integers in [0, 2^53) (uint64) from ``os.urandom``: the
+    random words of the exact discrete Gaussian sampler (`dpfl_tf.discrete_noise`)."""
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    return np.frombuffer(os.urandom(8 * n), dtype=np.uint64) >> np.uint64(11)
+
+
+def secure_numpy_generator() -> np.random.Generator:
+    """A numpy Philox generator keyed with 128 bits from the OS's secure source (never
+    saved): for samplers numpy provides and TensorFlow does not (Skellam's Poisson)."""
+    return np.random.Generator(np.random.Philox(key=secrets.randbits(128)))
