@@ -20,6 +20,7 @@ from dp_accounting import pld as _pld
 from dp_accounting import rdp as _rdp
 
 from dpfl_tf._validation import ChoiceEnum, check_number
+from dpfl_tf.privacy import distributed as _distributed
 from dpfl_tf.privacy._gaussian_accountant import walk_composition
 from dpfl_tf.privacy.events import (describe_event, event_to_json, iter_events,
                                     joint_noise_multiplier, neighboring_relation_of)
@@ -86,7 +87,9 @@ def _rdp_of_leaf(leaf, relation) -> tuple[tuple, np.ndarray]:
 
 class CachedRdpAccountant(_rdp.RdpAccountant):
     """dp_accounting's RDP accountant, with each distinct leaf event's RDP curve
-    computed once per process.  RDP composes additively, so an event tree
+    computed once per process, that also reads the distributed DP events
+    (`dpfl_tf.privacy.distributed`: their papers' bounds, sampled without
+    replacement by Wang et al.'s Theorem 9).  RDP composes additively, so an event tree
     costs sum(count x curve(leaf)): logging epsilon after every lot of a long
     run no longer recomputes the sampled-Gaussian curve (tens of ms) each time.
     Same numbers as `dp_accounting.rdp.RdpAccountant` (tested)."""
@@ -95,6 +98,11 @@ class CachedRdpAccountant(_rdp.RdpAccountant):
         return walk_composition(event, count, lambda e, n: self._compose_leaf(e, n, do_compose))
 
     def _compose_leaf(self, event, count, do_compose):
+        if _distributed.is_distributed_event(event):   # distributed DP: its own bounds
+            if do_compose and count > 0:
+                self._rdp = self._rdp + count * _distributed.rdp_curve(
+                    event, tuple(float(a) for a in self._orders))
+            return None
         err = super()._maybe_compose(event, count, do_compose=False)  # support check only
         if err is None and do_compose and count > 0:
             orders, curve = _rdp_of_leaf(_cache_key(event), self._neighboring_relation)
@@ -162,8 +170,8 @@ def _accountant_for(event: dp_accounting.DpEvent, kind) -> dp_accounting.Privacy
     if not accountant.supports(event):
         raise ValueError(
             f"the {AccountantKind.parse(kind).value!r} accountant cannot interpret "
-            f"{describe_event(event)}; fixed-size sampling without replacement is supported "
-            "by 'rdp' only")
+            f"{describe_event(event)}; fixed-size sampling without replacement and the "
+            "distributed DP events are interpreted by 'rdp' only")
     return accountant.compose(event)
 
 

@@ -90,6 +90,8 @@ __all__ = [
     "dp_sgd_event",
     "shuffle_epoch_event",
     "ReplaceOneGaussianDpEvent",
+    "DistributedDiscreteGaussianDpEvent",
+    "DistributedSkellamDpEvent",
     "clipped_upload_event",
     "REPLACE_ONE_UPDATE",
     "neighboring_relation_of",
@@ -139,6 +141,60 @@ class ReplaceOneGaussianDpEvent(dp_accounting.GaussianDpEvent):
     one); the type only records which neighbouring relation the guarantee is
     about, so that it is never composed with add/remove-one events.
     """
+
+
+def _positive(instance, attribute, value):
+    """attrs validator: a number > 0 (the error names the field)."""
+    _check_number(attribute.name, value, low=0.0, low_open=True)
+
+
+def _whole(instance, attribute, value):
+    """attrs validator: a whole number >= 1 (the error names the field)."""
+    _check_count(attribute.name, value, minimum=1)
+
+
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class DistributedDiscreteGaussianDpEvent(dp_accounting.DpEvent):
+    """One release of a sum of integer vectors, each carrying its own discrete
+    Gaussian noise share (the distributed discrete Gaussian; Kairouz, Liu,
+    Steinke 2021), stated under the replace-one relation.
+
+    In the integer domain the clients' vectors live in: at least ``num_shares``
+    independent N_Z(0, share_variance)^d shares reach the released sum (the
+    fewest the secure aggregation lets a round finish with), and replacing one
+    client moves the sum of the vectors by at most ``l2_sensitivity`` in L2 and
+    ``l1_sensitivity`` in L1; ``dimension`` = d.  The sum of the shares is not a
+    discrete Gaussian: `dpfl_tf.privacy.distributed` interprets this event with
+    the paper's bound for it (Theorem 1).  Read by the 'rdp' accountant only.
+    """
+
+    share_variance: float = attr.ib(validator=_positive)
+    num_shares: int = attr.ib(validator=_whole)
+    l2_sensitivity: float = attr.ib(validator=_positive)
+    l1_sensitivity: float = attr.ib(validator=_positive)
+    dimension: int = attr.ib(validator=_whole)
+
+
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class DistributedSkellamDpEvent(dp_accounting.DpEvent):
+    """One release of a sum of integer vectors, each carrying a Skellam noise share
+    Sk(share_variance)^d (the distributed Skellam mechanism; Agarwal, Kairouz,
+    Liu 2021), stated under the replace-one relation.
+
+    At least ``num_shares`` shares reach the sum, whose noise is then Skellam with
+    variance >= num_shares x share_variance (Skellam is closed under summation);
+    ``l2_sensitivity`` / ``l1_sensitivity`` as for
+    `DistributedDiscreteGaussianDpEvent`.  Read by the 'rdp' accountant only.
+    """
+
+    share_variance: float = attr.ib(validator=_positive)
+    num_shares: int = attr.ib(validator=_whole)
+    l2_sensitivity: float = attr.ib(validator=_positive)
+    l1_sensitivity: float = attr.ib(validator=_positive)
+
+
+#: The events of distributed DP (integer noise shares summed by secure aggregation).
+DISTRIBUTED_EVENTS = (DistributedDiscreteGaussianDpEvent, DistributedSkellamDpEvent)
 
 
 class SamplingMethod(ChoiceEnum):
@@ -328,7 +384,7 @@ def relations_of(event: dp_accounting.DpEvent) -> frozenset:
     if isinstance(event, _dp_event.ComposedDpEvent):
         return frozenset().union(*(relations_of(e) for e in event.events))
     if isinstance(event, (_dp_event.SampledWithoutReplacementDpEvent,
-                          ReplaceOneGaussianDpEvent)):
+                          ReplaceOneGaussianDpEvent) + DISTRIBUTED_EVENTS):
         return frozenset({NeighboringRelation.REPLACE_ONE})
     if isinstance(event, (_dp_event.PoissonSampledDpEvent,
                           _dp_event.SampledWithReplacementDpEvent)):
@@ -371,7 +427,7 @@ def to_replace_one(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
     """
     if isinstance(event, (_dp_event.NoOpDpEvent, _dp_event.NonPrivateDpEvent,
                           _dp_event.SampledWithoutReplacementDpEvent,
-                          ReplaceOneGaussianDpEvent)):
+                          ReplaceOneGaussianDpEvent) + DISTRIBUTED_EVENTS):
         return event
     if isinstance(event, _dp_event.SelfComposedDpEvent):
         return _dp_event.SelfComposedDpEvent(to_replace_one(event.event), event.count)
@@ -393,7 +449,7 @@ def to_replace_one(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
 # --------------------------------------------------------------------------
 # Serialisation: events are attrs classes of dp_accounting; store class + fields.
 
-_OWN_EVENTS = {"ReplaceOneGaussianDpEvent": ReplaceOneGaussianDpEvent}
+_OWN_EVENTS = {cls.__name__: cls for cls in (ReplaceOneGaussianDpEvent,) + DISTRIBUTED_EVENTS}
 
 
 def event_to_dict(event: dp_accounting.DpEvent) -> dict:
@@ -463,6 +519,13 @@ def _describe(event: dp_accounting.DpEvent) -> str:
                 f"{_describe_inner(event.event)}")
     if isinstance(event, _dp_event.GaussianDpEvent):
         return f"Gaussian(sigma={event.noise_multiplier:g})"
+    if isinstance(event, DistributedDiscreteGaussianDpEvent):
+        return (f"distributed discrete Gaussian(>= {event.num_shares} shares of "
+                f"variance {event.share_variance:g}, L2 {event.l2_sensitivity:g}, "
+                f"d={event.dimension})")
+    if isinstance(event, DistributedSkellamDpEvent):
+        return (f"distributed Skellam(>= {event.num_shares} shares of variance "
+                f"{event.share_variance:g}, L2 {event.l2_sensitivity:g})")
     if isinstance(event, _dp_event.NoOpDpEvent):
         return "no-op"
     if isinstance(event, _dp_event.NonPrivateDpEvent):
