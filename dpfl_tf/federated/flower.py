@@ -106,13 +106,13 @@ import numpy as np
 import tensorflow as tf
 
 from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator
-from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report, stream_seed
-from dpfl_tf.federated.runner import (DPMode, FederatedConfig, _local_summary, build_server,
-                                     peak_rss_mb)
+from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report
+from dpfl_tf.federated.aggregators import AggregateResult
+from dpfl_tf.federated.runner import DPMode, FederatedConfig, build_server, federated_result
 from dpfl_tf.federated.server import FederatedServer, RoundRecord
 
 __all__ = [
-    "DPStrategy", "LocalDPUpload", "LocalGrid", "client_app", "client_rng", "client_update",
+    "DPStrategy", "LocalDPUpload", "LocalGrid", "client_app", "client_update",
     "config_from_run_config", "config_to_run_config", "default_inner_strategy",
     "make_client_app", "make_server_app", "run_on_flower", "server_app",
     "FLOWER_VERSION", "PARTITION_ID_KEY", "NUM_PARTITIONS_KEY", "ROUND_KEY",
@@ -126,15 +126,10 @@ NUM_PARTITIONS_KEY = "num-partitions"
 ROUND_KEY = "dpfl-round"
 _STATE_KEY = "dpfl"
 _BACKENDS = ("ray", "local")
+#: the composed epsilons clients report in their metrics (the largest is kept)
+_CLIENT_EPSILONS = ("client-dp-epsilon-total", "ldp-epsilon-total",
+                    "ldp-accountant-epsilon-total", "ldp-epsilon-total-sign-only")
 _log = logging.getLogger("dpfl_tf.federated.flower")
-
-
-def client_rng(seed: int, round_index: int, client_id: int) -> np.random.Generator:
-    """The generator that shuffles client k's examples in round t: (seed, t, k).
-
-    In-process all clients of a round draw from one stream (seed, t); a
-    Flower client cannot see that stream, so it gets its own."""
-    return np.random.default_rng([int(seed), int(round_index), int(client_id)])
 
 
 # ---------------------------------------------------------------------------
@@ -191,27 +186,12 @@ def config_to_run_config(config: FederatedConfig) -> dict:
 def client_update(server: FederatedServer, client_id: int, global_weights: Sequence[tf.Tensor],
                   round_index: int, *, local_dp: LocalDPUpload | None = None
                   ) -> tuple[list[tf.Tensor], int]:
-    """What client k uploads in round t, and its n_k.
-
-    ``Delta_k = server.trainer.train(w_t, partition.client(k), client_rng(seed, t, k))``,
-    then the aggregator's client-side step (`client_transform`: identity,
-    or clip + noise through the sanitizer for DP-FedAvg with client-side
-    noise), then the local-DP mechanism if any.  `server` is the
-    `FederatedServer` built from the run's config (the client uses its
-    trainer, partition and aggregator, never its ledger)."""
-    k = int(client_id)
-    if not 0 <= k < server.num_clients:
-        raise ValueError(f"client id (partition-id) must lie in [0, {server.num_clients}), "
-                         f"got {client_id!r}")
-    indices = server.partition.client(k)
-    rng = client_rng(server.seed, round_index, k)
-    delta = server.trainer.train(list(global_weights), indices, rng)
-    if server.noise_seed is not None:      # tests only: per (noise_seed, t, k)
-        server.aggregator.reseed(stream_seed(server.noise_seed, round_index, k))
-    upload = server.aggregator.client_transform(delta)
-    if local_dp is not None:
-        upload = local_dp.apply(global_weights, upload, local_dp.generator(round_index, k))
-    return [tf.convert_to_tensor(u) for u in upload], len(indices)
+    """What client k uploads in round t, and its n_k: `FederatedServer.client_upload`,
+    the in-process client step itself (`server` is built from the run's config;
+    the client uses its trainer, partition and aggregator, never its ledger)."""
+    upload, n_k = server.client_upload(client_id, global_weights, round_index,
+                                       local_dp=local_dp)
+    return [tf.convert_to_tensor(u) for u in upload], n_k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,13 +432,17 @@ class DPStrategy(Strategy):
         self.client_metrics: dict[int, dict] = {}
         self._pending: dict[int, _Pending] = {}
         self._reported_round: int | None = None
+        #: the server's dataset (its label goes into the result; `from_config` sets it)
+        self.dataset = None
 
     @classmethod
     def from_config(cls, config: FederatedConfig, dataset=None, *,
                     strategy: Strategy | None = None, **kwargs) -> "DPStrategy":
-        server, _ = build_server(config, dataset, progress=False)
-        return cls(strategy if strategy is not None else default_inner_strategy(config),
-                   server, **kwargs)
+        server, ds = build_server(config, dataset, progress=False)
+        out = cls(strategy if strategy is not None else default_inner_strategy(config),
+                  server, **kwargs)
+        out.dataset = ds
+        return out
 
     # -- helpers -----------------------------------------------------------------
     def initial_arrays(self) -> ArrayRecord:
@@ -497,19 +481,13 @@ class DPStrategy(Strategy):
         srv = self.server
         if self.stopped:
             return []
-        if srv.would_exceed_budget():   # FederatedServer's stop rule, same method
-            self._stop(f"privacy budget: round {srv.rounds_done + 1} would make delta at "
-                       f"epsilon={srv.target_epsilon:g} exceed delta_max={srv.delta_max:g} "
-                       f"({srv.accountant.value} accountant); stopped after "
-                       f"{srv.rounds_done} rounds")
+        reason = srv.budget_stop_reason()   # FederatedServer's stop rule, same method
+        if reason is not None:
+            self._stop(reason)
             return []
         node_ids = self._nodes(grid)
         start, cpu_start = time.perf_counter(), time.process_time()
-        t = srv.rounds_done
-        rng = srv.round_rng(t)                              # as FederatedServer.run_round
-        if srv.noise_seed is not None:
-            srv.aggregator.reseed(stream_seed(srv.noise_seed, t))
-        selected = srv.sample_clients(rng)                  # os.urandom in secure mode
+        t, selected = srv.open_round()       # as FederatedServer.run_round
         chosen = [node_ids[int(i)] for i in selected]
         weights = [tf.constant(a) for a in arrays.to_numpy_ndarrays()]
         config[ROUND_KEY] = int(t)
@@ -579,23 +557,12 @@ class DPStrategy(Strategy):
         if missing:
             info["missing_clients"] = missing
 
-        new_weights = [w + tf.cast(d, w.dtype) for w, d in zip(pending.weights, update)]
-        srv.trainer.set_weights(new_weights)
-        seconds = time.perf_counter() - pending.start
-        cpu_seconds = time.process_time() - pending.cpu_start
-        srv.participations[pending.selected] += 1
-        if srv.round_event is not None:   # the same event, the same ledger as in-process
-            srv.ledger.record(srv.round_event, 1, label="federated round")
-        srv.rounds_done += 1
-        acc = loss = None
-        if srv._test is not None and srv.rounds_done % srv.eval_every == 0:
-            loss, acc = srv.evaluate()
-        eps = srv.epsilon()
-        delta = srv.delta_after(0) if srv.aggregator.private and srv.target_epsilon else None
-        record = RoundRecord(pending.round_index + 1, len(pending.selected), seconds, acc, loss,
-                             eps, delta, info, cpu_seconds)
-        srv.history.append(record)
-        return ArrayRecord([np.asarray(w) for w in new_weights]), self._metrics(record)
+        # the in-process round's closing: weights, participations, ledger, test, history
+        record = srv.close_round(pending.round_index, pending.selected, pending.weights,
+                                 AggregateResult(update, len(ordered), info),
+                                 start=pending.start, cpu_start=pending.cpu_start)
+        return ArrayRecord([np.asarray(w) for w in srv.trainer.get_weights()]), \
+            self._metrics(record)
 
     def _metrics(self, record: RoundRecord) -> MetricRecord:
         out: dict[str, float | int] = {"round": record.round, "clients": record.clients,
@@ -611,8 +578,7 @@ class DPStrategy(Strategy):
         if "unclipped_fraction_noised" in record.info:     # adaptive clipping's release
             out["unclipped-fraction-noised"] = float(record.info["unclipped_fraction_noised"])
             out["clip"] = float(record.info["clip"])
-        for key in ("client-dp-epsilon-total", "ldp-epsilon-total",
-                    "ldp-accountant-epsilon-total", "ldp-epsilon-total-sign-only"):
+        for key in _CLIENT_EPSILONS:
             values = [m[key] for m in self.client_metrics.values() if key in m]
             if values:
                 out[f"max-{key}"] = float(max(values))
@@ -647,10 +613,7 @@ class DPStrategy(Strategy):
         todo = max(0, int(num_rounds) - srv.rounds_done)
         result = self.start(grid, self.initial_arrays(), num_rounds=todo, timeout=timeout,
                             train_config=ConfigRecord(), evaluate_fn=self.evaluate_fn)
-        if srv.stop_reason is None and srv.rounds_done >= num_rounds:
-            srv.stop_reason = f"completed {srv.rounds_done} rounds"
-        if srv.history and srv.history[-1].accuracy is None and srv._test is not None:
-            srv.history[-1].loss, srv.history[-1].accuracy = srv.evaluate()
+        srv.finish(num_rounds)
         return result
 
 
@@ -774,16 +737,10 @@ class LocalGrid(Grid):
 # One config, on Flower
 
 def _result(config: FederatedConfig, dp: DPStrategy, seconds: float, *, backend: str) -> dict:
-    """The `run_federated` result dict, for a run on Flower."""
-    srv, c = dp.server, config
-    last = srv.history[-1] if srv.history else None
-    report = srv.privacy_report()
-    round_secs = [r.seconds for r in srv.history]
-    mechanism = ("fedavg" if c.aggregator == "mean" else "fedmedian") if c.dp is DPMode.NONE \
-        else ("global_dp" if c.dp is DPMode.GLOBAL else "client_dp")
+    """`runner.federated_result` (the in-process result, one function) plus what only a
+    Flower run has: the runtime's labels and what the clients reported of themselves."""
     client_side = {}
-    for key in ("client-dp-epsilon-total", "ldp-epsilon-total", "ldp-accountant-epsilon-total",
-                "ldp-epsilon-total-sign-only"):
+    for key in _CLIENT_EPSILONS:
         values = [m[key] for m in dp.client_metrics.values() if key in m]
         if values:   # JSON-ready: an infinite epsilon is None with a flag
             top = float(max(values))
@@ -791,29 +748,9 @@ def _result(config: FederatedConfig, dp: DPStrategy, seconds: float, *, backend:
             client_side[name] = top if math.isfinite(top) else None
             if not math.isfinite(top):
                 client_side[f"{name}_is_infinite"] = True
-    return {
-        "dataset": c.dataset, "partition": c.partition.value, "clients": c.clients,
-        "clients_per_round": srv.expected_clients, "sampling": c.sampling.value,
-        "rounds": srv.rounds_done, "rounds_requested": c.rounds, "mechanism": mechanism,
-        "noise_multiplier": c.noise_multiplier if c.dp is not DPMode.NONE else 0.0,
-        "clip": c.clip if c.dp is not DPMode.NONE else None, "per_layer": c.per_layer,
-        "epsilon": report.get("epsilon"), "delta": report.get("delta"),
-        "accountant": c.accountant.value if c.dp is not DPMode.NONE else None,
-        "test_accuracy": last.accuracy if last else None, "seconds": seconds,
-        "median_round_seconds": float(np.median(round_secs)) if round_secs else None,
-        "rounds_per_minute": 60.0 / float(np.median(round_secs)) if round_secs else None,
-        "peak_rss_mb": peak_rss_mb(), "stop_reason": srv.stop_reason, "notices": srv.notices,
-        "privacy": report, "local_epochs": c.local_epochs,
-        "local_batch_size": c.local_batch_size, "learning_rate": c.learning_rate,
-        "momentum": c.momentum, "config": c.to_dict(),
-        "history": [r.to_dict() for r in srv.history],
-        "runtime": "flower", "flower_backend": backend, "flwr_version": FLOWER_VERSION,
-        "client_reported": client_side,
-        **(_local_summary(report["local_dp"]) if "local_dp" in report else {}),
-        # as run_federated: a seeded-noise run says it is not a deployment
-        **({"note": srv.notices[-1]} if c.noise_seed is not None and c.dp is not DPMode.NONE
-           and srv.notices else {}),
-    }
+    return {**federated_result(config, dp.server, dp.dataset, seconds=seconds),
+            "runtime": "flower", "flower_backend": backend, "flwr_version": FLOWER_VERSION,
+            "client_reported": client_side}
 
 
 def run_on_flower(config: FederatedConfig, dataset=None, *, backend: str = "ray",

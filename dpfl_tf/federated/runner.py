@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dpfl_tf._seeds import derive_rng, derive_seed
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
 from dpfl_tf.federated.partition import PartitionScheme, make_partition
 from dpfl_tf.privacy.accountants import AccountantKind
@@ -244,10 +245,11 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
     ds = dataset if dataset is not None else load_dataset(c.dataset)
     x, y = ds.x_train, ds.y_train
     if c.train_subset is not None:
-        keep = np.random.default_rng(c.seed).permutation(len(y))[:c.train_subset]
+        keep = derive_rng(c.seed, "train-subset").permutation(len(y))[:c.train_subset]
         x, y = x[np.sort(keep)], y[np.sort(keep)]
     kwargs = {"alpha": c.dirichlet_alpha} if c.partition is PartitionScheme.DIRICHLET else {}
-    partition = make_partition(y, c.clients, c.partition, seed=c.seed, **kwargs)
+    partition = make_partition(y, c.clients, c.partition, seed=derive_seed(c.seed, "partition"),
+                               **kwargs)
     model = build_model(c, ds.input_shape, ds.num_classes)
     trainer = LocalTrainer(model, x, y, local_epochs=c.local_epochs,
                            batch_size=c.local_batch_size, learning_rate=c.learning_rate,
@@ -304,14 +306,16 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
 
 
 def build_model(config: FederatedConfig, input_shape: Sequence[int], num_classes: int):
-    """The config's model, initialised from ``config.seed``."""
+    """The config's model, initialised from the stream (``config.seed``, "model-init")
+    (32 bits: `keras.utils.set_random_seed` seeds numpy's legacy generator too)."""
+    seed = derive_seed(config.seed, "model-init") >> 31
     if config.model == "mlp":
-        return fully_connected_model(input_shape, config.hidden, num_classes, seed=config.seed)
+        return fully_connected_model(input_shape, config.hidden, num_classes, seed=seed)
     import keras
 
     from dpfl_tf.models import pnpm_cnn
 
-    keras.utils.set_random_seed(int(config.seed))
+    keras.utils.set_random_seed(seed)
     return pnpm_cnn(tuple(input_shape), num_classes, depth=2 if config.model == "cnn2" else 3)
 
 
@@ -385,22 +389,23 @@ def run_federated(config: FederatedConfig, dataset=None, *, progress: bool = Tru
         on_resume({"directory": every, "rounds": server.rounds_done,
                    "epsilon": server.epsilon()})
     server.run(config.rounds, checkpoint_dir=every, resume=False, should_stop=should_stop,
-               on_round=None if on_round is None else
-               (lambda srv: on_round(federated_result(config, srv, ds, start))))
+               on_round=None if on_round is None else (lambda srv: on_round(
+                   federated_result(config, srv, ds, seconds=time.perf_counter() - start))))
     if server.stop_reason == "interrupted" and checkpoint_dir is not None and every is None:
         server.save_checkpoint(checkpoint_dir)
-    return federated_result(config, server, ds, start)
+    return federated_result(config, server, ds, seconds=time.perf_counter() - start)
 
 
-def federated_result(config: FederatedConfig, server, ds, start: float) -> dict[str, Any]:
-    """The JSON-ready result of `server`'s run so far."""
-    seconds = time.perf_counter() - start
+def federated_result(config: FederatedConfig, server, ds, *, seconds: float) -> dict[str, Any]:
+    """The JSON-ready result of `server`'s run so far, on either runtime (in-process
+    and `dpfl_tf.federated.flower`, which adds its runtime labels).  `ds` is the
+    server's dataset (None: the config's dataset name is the label)."""
     c = config
     last = server.history[-1] if server.history else None
     report = server.privacy_report()
     round_secs = [r.seconds for r in server.history]
     return {
-        "dataset": ds.source.label if hasattr(ds, "source") else c.dataset,
+        "dataset": getattr(getattr(ds, "source", None), "label", c.dataset),
         "partition": c.partition.value, "clients": c.clients,
         "clients_per_round": server.expected_clients,
         "sampling": c.sampling.value, "rounds": server.rounds_done,

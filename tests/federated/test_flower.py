@@ -20,6 +20,7 @@ import tensorflow as tf  # noqa: E402
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
+from dpfl_tf._seeds import derive_seed  # noqa: E402
 from dpfl_tf.federated import flower as fl  # noqa: E402
 from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator  # noqa: E402
 from dpfl_tf.federated.local_dp import (DomainPolicy, PiecewiseMechanism,  # noqa: E402
@@ -84,11 +85,14 @@ def test_client_upload_equals_in_process_client_update(mnist_small, dp):
     ref, _ = build_server(cfg, mnist_small, progress=False)
     w0 = ref.trainer.get_weights()
     t, k = 3, 2
-    # in-process: LocalTrainer.train on the client's indices with the client's generator ...
-    expected = ref.trainer.train(w0, ref.partition.client(k), np.random.default_rng([0, t, k]))
+    # in-process: LocalTrainer.train on the client's indices with the client's generator
+    # (the streams are derive_seed's since the seeding helper; the formula was numpy's
+    # SeedSequence of (seed, t, k) before) ...
+    expected = ref.trainer.train(w0, ref.partition.client(k),
+                                 np.random.default_rng(derive_seed(0, "local-shuffle", t, k)))
     if dp == "client":   # ... then the DP-FedAvg client step: clip + noise by the sanitizer
         agg = ClientNoiseDPAggregator(GaussianSanitizer(0.5, 0.7))
-        agg.reseed(int(np.random.default_rng([1, t, k]).integers(2**62)))
+        agg.reseed(derive_seed(1, "client-noise", t, k))
         expected = agg.client_transform(expected)
         assert float(tf.linalg.global_norm(expected)) > 0.5   # noise was added
     app = fl.make_client_app(cfg, mnist_small)
@@ -119,8 +123,8 @@ def test_client_local_dp_upload_and_its_composition_across_rounds(mnist_small):
     app = fl.make_client_app(cfg, mnist_small, local_dp=fl.LocalDPUpload(mech, policy))
     ctx = _context(1)
     reply = app(_train_message(w0, 0), ctx)
-    delta = ref.trainer.train(w0, ref.partition.client(1), np.random.default_rng([0, 0, 1]))
-    gen = make_generator(fl.stream_seed(5, 0, 1))
+    delta = ref.trainer.train(w0, ref.partition.client(1), ref.shuffle_rng(0, 1))
+    gen = make_generator(derive_seed(5, "local-dp", 0, 1))   # (mechanism seed, t, k)
     want = [p - w for p, w in zip(mech.perturb_weights([w + d for w, d in zip(w0, delta)],
                                                        policy, generator=gen), w0)]
     for g, e in zip(_arrays(reply), want):
@@ -186,6 +190,53 @@ def test_same_config_same_epsilon_in_process_and_on_flower(mnist_small, dp, samp
         # what the clients themselves report equals the server's per-client report
         assert flower["client_reported"]["max_client_dp_epsilon_total"] == pytest.approx(
             against["epsilon"])
+
+
+#: result keys two runs of one config may differ in: wall and CPU time, the process's memory
+TIMING_KEYS = {"seconds", "median_round_seconds", "rounds_per_minute", "peak_rss_mb"}
+HISTORY_TIMING_KEYS = {"seconds", "cpu_seconds"}
+#: what only a Flower result has: the runtime's labels and the clients' own reports
+RUNTIME_KEYS = {"runtime", "flower_backend", "flwr_version", "client_reported"}
+
+
+def _assert_same(got, want, where="result"):
+    """Equal, floats to 1e-6 (Flower's FedAvg averages in numpy, in-process in TF)."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), (where, got, want)
+        for key in want:
+            _assert_same(got[key], want[key], f"{where}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), (where, got, want)
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_same(g, w, f"{where}[{i}]")
+    elif isinstance(want, float) and not isinstance(got, bool):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), (where, got, want)
+    else:
+        assert got == want, (where, got, want)
+
+
+@pytest.mark.parametrize("dp", ["local", "client", "global"])
+def test_one_config_gives_one_result_on_both_runtimes(mnist_small, dp):
+    """The in-process server and the Flower strategy open, train, close and report a
+    round with the same functions: every result key agrees (seeded runs), apart from
+    timings and Flower's runtime labels."""
+    extra = dict(ldp_mechanism="piecewise", ldp_epsilon=2.0, ldp_bound=0.5,
+                 accountant="moments") if dp == "local" else {}
+    cfg = _cfg(dp=dp, rounds=3, eval_every=2, **extra)
+    inproc = run_federated(cfg, mnist_small, progress=False)
+    flower = fl.run_on_flower(cfg, mnist_small, backend="local")
+    assert set(flower) - set(inproc) == RUNTIME_KEYS
+    assert flower["mechanism"] == inproc["mechanism"] == {
+        "local": "ldp_piecewise", "client": "client_dp", "global": "global_dp"}[dp]
+    assert flower["dataset"] == inproc["dataset"] == mnist_small.source.label
+    for key in sorted(set(inproc) - TIMING_KEYS - {"history"}):
+        _assert_same(flower[key], inproc[key], key)
+    assert len(flower["history"]) == len(inproc["history"]) == 3
+    for got, want in zip(flower["history"], inproc["history"]):
+        _assert_same({k: v for k, v in got.items() if k not in HISTORY_TIMING_KEYS},
+                     {k: v for k, v in want.items() if k not in HISTORY_TIMING_KEYS})
+    assert inproc["history"][0]["accuracy"] is None      # eval_every=2: rounds 2 and 3
+    assert inproc["test_accuracy"] == inproc["history"][-1]["accuracy"] is not None
 
 
 def test_strategy_reports_the_ledger_epsilon_per_round_and_stops_at_the_budget(mnist_small):
