@@ -34,76 +34,135 @@ def _clip(text: str):
     return float_arg(text)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in its help, read from `FederatedConfig`; a default
+    the config resolves from other settings (None here) is described in words."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False \
+                or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+#: measured by ``python experiments/federated_defaults.py`` (results/federated_defaults.json)
+DEFAULTS_REACH = (
+    "With the defaults (MNIST, K = 1000 clients of two label shards each, m = 100 per round, "
+    "100 rounds, 784-32-10 MLP, E = 1, B = 10, lr 0.2, clip S = 1): FedAvg reaches ~92% "
+    "in ~0.5 min on 2 cores; --dp global (sigma = 1, Geyer et al. 2017's K = 1000 "
+    "setting) ~90% at epsilon ~8.9 (delta 1e-5) in ~0.5 min; --dp client (z = 0.2 per "
+    "upload, m = 100 fixed size) ~88%; --dp local (PNPM, eps 1 per coordinate) ~75%.")
+
+
 def add_federated_parser(subparsers) -> argparse.ArgumentParser:
-    """Adds ``federated`` to `subparsers` (the result of ``parser.add_subparsers()``)."""
+    """Adds ``federated`` to `subparsers` (the result of ``parser.add_subparsers()``).
+    Defaults come from `FederatedConfig`, choices from its enums."""
+    from dataclasses import fields
+
+    from dpfl_tf.federated.partition import PartitionScheme
+    from dpfl_tf.federated.runner import (CLIENT_SAMPLING, DEFAULT_NOISE_MULTIPLIER, MODELS,
+                                          AggregatorKind, DPMode, FederatedConfig)
+    from dpfl_tf.federated.settings import MechanismKind
+    from dpfl_tf.privacy.accountants import AccountantKind
+
+    default = {f.name: f.default for f in fields(FederatedConfig)}
+
+    def values(enum) -> list[str]:
+        return [m.value for m in enum]
+
     p = subparsers.add_parser(
         "federated", help="federated averaging with client-level DP (Geyer et al. 2017)",
+        formatter_class=_HelpFormatter,
         description="FedAvg / FedMedian over simulated clients, optionally with client-level "
-                    "Global DP (server-side noise) or DP-FedAvg with client-side noise.")
+                    "Global DP (server-side noise), DP-FedAvg with client-side noise, or "
+                    "local DP on every upload. " + DEFAULTS_REACH)
     d = p.add_argument_group("data and clients")
-    d.add_argument("--dataset", default="mnist", help="registered dataset name (default mnist)")
-    d.add_argument("--clients", "-K", type=_int, default=100, help="number of clients K")
-    d.add_argument("--partition", default="shards",
-                   choices=["iid", "shards", "dirichlet", "unequal"])
-    d.add_argument("--dirichlet-alpha", type=float_arg, default=0.5)
-    d.add_argument("--train-subset", type=_int, help="use only this many training examples")
+    d.add_argument("--dataset", default=default["dataset"], help="registered dataset name")
+    d.add_argument("--clients", "-K", type=_int, default=default["clients"],
+                   help="number of clients K")
+    d.add_argument("--partition", default=default["partition"].value,
+                   choices=values(PartitionScheme), help="how the training set is split")
+    d.add_argument("--dirichlet-alpha", type=float_arg, default=default["dirichlet_alpha"],
+                   help="--partition dirichlet: concentration alpha")
+    d.add_argument("--train-subset", type=_int,
+                   help="use only this many training examples (default: all)")
     s = p.add_argument_group("rounds")
     who = s.add_mutually_exclusive_group()
-    who.add_argument("--clients-per-round", "-m", type=_int, help="m clients per round")
-    who.add_argument("--fraction", "-C", type=float_arg, help="fraction C of clients per round")
-    s.add_argument("--sampling", default="poisson", choices=["poisson", "fixed_size"],
-                   help="Poisson (rate m/K) or m without replacement (needs --accountant rdp "
-                        "with DP)")
-    s.add_argument("--rounds", "-T", type=_int, default=100, help="maximum number of rounds")
-    s.add_argument("--local-epochs", "-E", type=_int, default=1)
-    s.add_argument("--local-batch-size", "-B", type=_int, default=10)
-    s.add_argument("--lr", type=float_arg, default=0.1, help="local learning rate")
-    s.add_argument("--momentum", type=float_arg, default=0.0)
-    s.add_argument("--aggregator", default="mean", choices=["mean", "median"])
-    s.add_argument("--hidden", default="600,100", help="hidden layer widths, comma separated")
-    s.add_argument("--model", default="mlp", choices=["mlp", "cnn2", "cnn3"],
+    who.add_argument("--clients-per-round", "-m", type=_int,
+                     help="m clients per round (default: --fraction 0.1, i.e. m = K/10)")
+    who.add_argument("--fraction", "-C", type=float_arg,
+                     help="fraction C of clients per round (default 0.1)")
+    s.add_argument("--sampling", choices=[m.value for m in CLIENT_SAMPLING],
+                   help="Poisson (rate m/K) or m without replacement (default: poisson; "
+                        "fixed_size with --dp client)")
+    s.add_argument("--rounds", "-T", type=_int, default=default["rounds"],
+                   help="maximum number of rounds")
+    s.add_argument("--local-epochs", "-E", type=_int, default=default["local_epochs"],
+                   help="local epochs per round")
+    s.add_argument("--local-batch-size", "-B", type=_int, default=default["local_batch_size"],
+                   help="local batch size")
+    s.add_argument("--lr", type=float_arg, default=default["learning_rate"],
+                   help="local learning rate")
+    s.add_argument("--momentum", type=float_arg, default=default["momentum"],
+                   help="local heavy-ball momentum")
+    s.add_argument("--aggregator", default=default["aggregator"].value,
+                   choices=values(AggregatorKind), help="FedAvg mean or FedMedian")
+    s.add_argument("--hidden", default=",".join(str(h) for h in default["hidden"]),
+                   help="--model mlp: hidden layer widths, comma separated")
+    s.add_argument("--model", default=default["model"], choices=list(MODELS),
                    help="mlp (--hidden), or the PNPM experiments' CNN with 2 or 3 conv layers")
     q = p.add_argument_group("privacy")
-    q.add_argument("--dp", default="none", choices=["none", "global", "client", "local"])
-    q.add_argument("--clip", "-S", type=_clip, default=1.0,
+    q.add_argument("--dp", default=default["dp"].value, choices=values(DPMode),
+                   help="none, global (server noise), client (client-side noise), local")
+    q.add_argument("--clip", "-S", type=_clip, default=default["clip"],
                    help="clip bound S > 0, or 'adaptive' (DP adaptive clipping, Andrew et al. "
                         "2021; --dp global, flat)")
-    q.add_argument("--clip-initial", type=float_arg, default=0.1,
+    q.add_argument("--clip-initial", type=float_arg, default=default["clip_initial"],
                    help="--clip adaptive: the first round's bound C_0")
-    q.add_argument("--clip-quantile", type=float_arg, default=0.5,
+    q.add_argument("--clip-quantile", type=float_arg, default=default["clip_quantile"],
                    help="--clip adaptive: target quantile gamma of the update norms")
-    q.add_argument("--clip-lr", type=float_arg, default=0.2,
+    q.add_argument("--clip-lr", type=float_arg, default=default["clip_lr"],
                    help="--clip adaptive: learning rate eta_C of the geometric update")
     q.add_argument("--clip-count-stddev", type=float_arg,
                    help="--clip adaptive: noise std sigma_b of the count of unclipped clients "
                         "(default 0.05 x the expected clients per round)")
     q.add_argument("--per-layer", action="store_true", help="one bound S per layer")
-    q.add_argument("--noise-multiplier", "-z", type=float_arg, default=1.0)
-    q.add_argument("--epsilon", type=float_arg, help="target epsilon: stop before exceeding it")
-    q.add_argument("--delta-max", type=float_arg, help="delta bound (< 1/K; default min(1e-5, 0.1/K))")
-    q.add_argument("--accountant", default="moments", choices=["moments", "rdp", "pld", "strong"])
+    noise = ", ".join(f"{v:g} with --dp {k}" for k, v in DEFAULT_NOISE_MULTIPLIER.items()
+                      if v)
+    q.add_argument("--noise-multiplier", "-z", type=float_arg,
+                   help=f"sigma (global) or z per upload (client) (default: {noise})")
+    q.add_argument("--epsilon", type=float_arg,
+                   help="target epsilon: stop before exceeding it (default: no target)")
+    q.add_argument("--delta-max", type=float_arg,
+                   help="delta bound (< 1/K; default min(1e-5, 0.1/K))")
+    q.add_argument("--accountant", choices=values(AccountantKind),
+                   help="default: moments; rdp with fixed_size sampling (the only one that "
+                        "reads it)")
     q.add_argument("--secure-mode", action="store_true",
                    help="--dp global/client: noise resistant to floating-point attacks and "
                         "client sampling from os.urandom (dpfl_tf.secure_random); no seed "
                         "reaches the DP randomness")
-    q.add_argument("--ldp-mechanism", default="pnpm",
-                   choices=["pnpm", "duchi", "piecewise", "ldp_fl", "laplace", "gaussian"],
-                   help="--dp local: the per-coordinate randomiser")
-    q.add_argument("--ldp-epsilon", type=float_arg, default=1.0,
+    q.add_argument("--ldp-mechanism", default=default["ldp_mechanism"],
+                   choices=values(MechanismKind), help="--dp local: the per-coordinate randomiser")
+    q.add_argument("--ldp-epsilon", type=float_arg, default=default["ldp_epsilon"],
                    help="--dp local: epsilon per coordinate (NOT per model)")
-    q.add_argument("--ldp-bound", default="init",
+    q.add_argument("--ldp-bound", default=default["ldp_bound"],
                    help="--dp local: public clip range [-r, r] of every weight, or 'init' "
                         "(margin x the initial model's largest |w| per tensor)")
-    q.add_argument("--ldp-bound-margin", type=float_arg, default=2.0)
+    q.add_argument("--ldp-bound-margin", type=float_arg, default=default["ldp_bound_margin"],
+                   help="--dp local, --ldp-bound init: the margin")
     o = p.add_argument_group("run")
-    o.add_argument("--seed", type=_int, default=0)
-    o.add_argument("--eval-every", type=_int, default=1)
-    o.add_argument("--checkpoint-dir", help="write (and resume from) checkpoints here")
+    o.add_argument("--seed", type=_int, default=default["seed"],
+                   help="partition, initial model, sampling and batch order")
+    o.add_argument("--eval-every", type=_int, default=default["eval_every"],
+                   help="evaluate on the test set every n rounds (and after the last)")
+    o.add_argument("--checkpoint-dir", help="write (and resume from) checkpoints here "
+                                            "(default: none; <output>.checkpoint on Ctrl-C)")
     o.add_argument("--output", "-o", default="results/federated_run.json",
                    help="results JSON file, rewritten after every round with a status "
                         "(running, completed, budget_spent, interrupted, failed); the figure "
                         "(accuracy and epsilon per round) goes beside it (.png)")
-    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="show TensorFlow's start-up and log messages")
     p.set_defaults(func=_run_federated)
@@ -138,12 +197,6 @@ def config_from_args(args, error=None):
         train_subset=args.train_subset)
     try:
         config = FederatedConfig(**kwargs)
-        if config.clients_per_round is not None and config.clients_per_round > config.clients:
-            raise ValueError(f"clients_per_round (m={config.clients_per_round}) must be <= "
-                             f"the number of clients (K={config.clients})")
-        if config.delta_max is not None and config.delta_max >= 1.0 / config.clients:
-            raise ValueError(f"delta_max must be < 1/K = {1.0 / config.clients:g} "
-                             f"(delta << 1/K), got {config.delta_max:g}")
     except ValueError as e:
         first, _, rest = str(e).partition(" ")
         flag = {"learning_rate": "--lr", "target_epsilon": "--epsilon"}.get(
@@ -192,13 +245,10 @@ def _run_federated(args, error) -> int:
         print(f"resumed from {info['directory']}: {info['rounds']} rounds, epsilon so far "
               f"{'n/a (no client-level DP)' if eps is None else f'{eps:.4f}'}", flush=True)
 
-    def resume_command() -> str:
-        import shlex
+    def resume_command() -> str:   # the train commands' (it sees --checkpoint-dir=X too)
+        from dpfl_tf.cli import _resume_command
 
-        argv = list(getattr(args, "argv", None) or ["federated", *sys.argv[1:]])
-        if "--checkpoint-dir" not in argv:
-            argv += ["--checkpoint-dir", checkpoint_dir]
-        return "dpfl-tf " + " ".join(shlex.quote(a) for a in argv)
+        return _resume_command(args, checkpoint_dir)
 
     with Interrupts() as interrupts:
         try:
@@ -288,6 +338,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command")
     fed = add_federated_parser(sub)
     args = parser.parse_args(["federated", *(sys.argv[1:] if argv is None else argv)])
+    args.argv = ["federated", *(sys.argv[1:] if argv is None else argv)]
     return args.func(args, fed.error)
 
 

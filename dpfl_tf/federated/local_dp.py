@@ -95,6 +95,7 @@ import tensorflow as tf
 
 from dpfl_tf._seeds import derive_seed
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
+from dpfl_tf.federated.settings import MAX_EPSILON, MechanismKind
 from dpfl_tf.privacy.accountants import AccountantKind, compute_epsilon
 from dpfl_tf.privacy.events import REPLACE_ONE_UPDATE, clipped_upload_event
 from dpfl_tf.sanitizer import make_generator
@@ -108,9 +109,6 @@ __all__ = [
     "pnpm_magnitude_distinguishability", "LocalDPUpload",
 ]
 
-#: eps above this makes e^eps overflow the constants' useful precision; such a
-#: budget protects nothing anyway.
-MAX_EPSILON = 50.0
 
 
 def _check_epsilon(epsilon: Any) -> float:
@@ -879,17 +877,6 @@ class GaussianMechanism(_AdditiveNoiseMechanism):
 
 # ---------------------------------------------------------------------------
 # Registry
-
-class MechanismKind(ChoiceEnum):
-    __argument__ = "mechanism"
-    __aliases__ = {'pm': 'piecewise', 'ldpfl': 'ldp_fl'}
-    DUCHI = "duchi"
-    PIECEWISE = "piecewise"
-    PNPM = "pnpm"
-    LDP_FL = "ldp_fl"
-    LAPLACE = "laplace"
-    GAUSSIAN = "gaussian"
-
 
 _CLASSES = {
     MechanismKind.DUCHI: DuchiMechanism, MechanismKind.PIECEWISE: PiecewiseMechanism,

@@ -17,12 +17,14 @@ import numpy as np
 
 from dpfl_tf._seeds import derive_rng, derive_seed
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
+from dpfl_tf.federated.settings import (MAX_EPSILON, MechanismKind, check_clients_per_round,
+                                        check_delta_max)
 from dpfl_tf.federated.partition import PartitionScheme, make_partition
 from dpfl_tf.privacy.accountants import AccountantKind
 from dpfl_tf.privacy.events import SamplingMethod
 from dpfl_tf.secure_random import refuse_seed
 
-__all__ = ["DPMode", "FederatedConfig", "MODELS", "build_model", "build_server",
+__all__ = ["AggregatorKind", "DPMode", "FederatedConfig", "MODELS", "build_model", "build_server",
            "fully_connected_model", "local_dp_upload",
            "peak_rss_mb", "run_federated"]
 
@@ -35,8 +37,22 @@ class DPMode(ChoiceEnum):
     LOCAL = "local"      # local DP: every client perturbs its model before upload
 
 
+class AggregatorKind(ChoiceEnum):
+    __argument__ = "aggregator"
+    MEAN = "mean"        # FedAvg
+    MEDIAN = "median"    # FedMedian (no DP mode)
+
+
 #: The models a config can name (`build_model`).
 MODELS = ("mlp", "cnn2", "cnn3")
+#: How a round's clients can be chosen (`dpfl_tf.federated.server.ClientSampling`).
+CLIENT_SAMPLING = (SamplingMethod.POISSON, SamplingMethod.FIXED_SIZE)
+#: dp mode -> the noise multiplier used when none is given: Global DP sigma = 1 with
+#: m = 100 of K = 1000 (Geyer et al. 2017's K = 1000 setting; McMahan et al. 2018 use
+#: z = 1 too); client-side noise z = 0.2 per upload, so the released mean of m = 100
+#: uploads carries z sqrt(m) = 2 (the central noise at half of Global DP's epsilon
+#: cost per unit of noise: the event is replace-one, sensitivity 2S); none / local: 0.
+DEFAULT_NOISE_MULTIPLIER = {"none": 0.0, "global": 1.0, "client": 0.2, "local": 0.0}
 
 
 def fully_connected_model(input_shape: Sequence[int] = (28, 28),
@@ -84,18 +100,18 @@ class FederatedConfig:
     """
 
     dataset: str = "mnist"
-    clients: int = 100
+    clients: int = 1000
     partition: PartitionScheme = PartitionScheme.SHARDS
     dirichlet_alpha: float = 0.5
     clients_per_round: int | None = None
     fraction: float | None = None
-    sampling: SamplingMethod = SamplingMethod.POISSON
-    rounds: int = 10
+    sampling: SamplingMethod | None = None
+    rounds: int = 100
     local_epochs: int = 1
     local_batch_size: int = 10
-    learning_rate: float = 0.1
+    learning_rate: float = 0.2
     momentum: float = 0.0
-    aggregator: str = "mean"
+    aggregator: AggregatorKind = AggregatorKind.MEAN
     dp: DPMode = DPMode.NONE
     clip: float | str = 1.0
     clip_initial: float = 0.1
@@ -103,14 +119,14 @@ class FederatedConfig:
     clip_lr: float = 0.2
     clip_count_stddev: float | None = None
     per_layer: bool = False
-    noise_multiplier: float = 1.0
+    noise_multiplier: float | None = None
     target_epsilon: float | None = None
     delta_max: float | None = None
-    accountant: AccountantKind = AccountantKind.MOMENTS
-    hidden: tuple[int, ...] = (600, 100)
+    accountant: AccountantKind | None = None
+    hidden: tuple[int, ...] = (32,)
     model: str = "mlp"
     ldp_mechanism: str = "pnpm"
-    ldp_epsilon: float = 1.0
+    ldp_epsilon: float = 2.0
     ldp_bound: float | str = "init"
     ldp_bound_margin: float = 2.0
     seed: int = 0
@@ -123,8 +139,18 @@ class FederatedConfig:
         s = object.__setattr__
         s(self, "clients", check_count("clients", self.clients, minimum=1))
         s(self, "partition", PartitionScheme.parse(self.partition))
-        s(self, "sampling", SamplingMethod.parse(self.sampling))
         s(self, "dp", DPMode.parse(self.dp))
+        if self.sampling is None:      # client-side noise is accounted for fixed size only
+            s(self, "sampling", SamplingMethod.FIXED_SIZE if self.dp is DPMode.CLIENT
+              else SamplingMethod.POISSON)
+        s(self, "sampling", SamplingMethod.parse(self.sampling))
+        if self.sampling not in CLIENT_SAMPLING:
+            raise ValueError("sampling must be one of "
+                             f"{', '.join(m.value for m in CLIENT_SAMPLING)}, got "
+                             f"{self.sampling.value!r}")
+        if self.accountant is None:    # fixed-size sampling: only "rdp" reads the event
+            s(self, "accountant", AccountantKind.RDP if self.sampling is
+              SamplingMethod.FIXED_SIZE else AccountantKind.MOMENTS)
         s(self, "accountant", AccountantKind.parse(self.accountant))
         s(self, "rounds", check_count("rounds", self.rounds))
         s(self, "local_epochs", check_count("local_epochs", self.local_epochs, minimum=1))
@@ -134,19 +160,18 @@ class FederatedConfig:
                                               low_open=True))
         s(self, "momentum", check_number("momentum", self.momentum, low=0.0, high=1.0,
                                          high_open=True))
-        if self.aggregator not in ("mean", "median"):
-            raise ValueError(f"aggregator must be 'mean' or 'median', got {self.aggregator!r}")
-        if self.dp is not DPMode.NONE and self.aggregator != "mean":
+        s(self, "aggregator", AggregatorKind.parse(self.aggregator))
+        if self.dp is not DPMode.NONE and self.aggregator is not AggregatorKind.MEAN:
             raise ValueError("the DP modes average clipped updates; aggregator must be 'mean' "
-                             f"with dp={self.dp.value!r}, got {self.aggregator!r}")
+                             f"with dp={self.dp.value!r}, got {self.aggregator.value!r}")
         if self.clients_per_round is None and self.fraction is None:
             s(self, "fraction", 0.1)
         if self.fraction is not None:
             s(self, "fraction", check_number("fraction", self.fraction, low=0.0, high=1.0,
                                              low_open=True))
         if self.clients_per_round is not None:
-            s(self, "clients_per_round", check_count("clients_per_round",
-                                                     self.clients_per_round, minimum=1))
+            s(self, "clients_per_round", check_clients_per_round(check_count(
+                "clients_per_round", self.clients_per_round, minimum=1), self.clients))
         if self.clip == "median":
             raise ValueError("clip='median' (the median of the round's raw update norms, read "
                              "without noise: not differentially private) is no longer offered; "
@@ -172,13 +197,16 @@ class FederatedConfig:
         if self.clip_count_stddev is not None:
             s(self, "clip_count_stddev", check_number("clip_count_stddev",
                                                       self.clip_count_stddev, low=0.0))
+        if self.noise_multiplier is None:
+            s(self, "noise_multiplier", DEFAULT_NOISE_MULTIPLIER[self.dp.value])
         s(self, "noise_multiplier", check_number("noise_multiplier", self.noise_multiplier,
                                                  low=0.0))
         if self.dp in (DPMode.GLOBAL, DPMode.CLIENT) and self.delta_max is None:
             s(self, "delta_max", min(1e-5, 0.1 / self.clients))
         if self.delta_max is not None:
-            s(self, "delta_max", check_number("delta_max", self.delta_max, low=0.0, high=1.0,
-                                              low_open=True, high_open=True))
+            s(self, "delta_max", check_delta_max(check_number(
+                "delta_max", self.delta_max, low=0.0, high=1.0, low_open=True,
+                high_open=True), self.clients))
         if self.target_epsilon is not None:
             s(self, "target_epsilon", check_number("target_epsilon", self.target_epsilon,
                                                    low=0.0, low_open=True))
@@ -202,8 +230,6 @@ class FederatedConfig:
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if self.dp is DPMode.LOCAL:
-            from dpfl_tf.federated.local_dp import MAX_EPSILON, MechanismKind
-
             s(self, "ldp_mechanism", MechanismKind.parse(self.ldp_mechanism).value)
             s(self, "ldp_epsilon", check_number("ldp_epsilon", self.ldp_epsilon, low=0.0,
                                                 high=MAX_EPSILON, low_open=True))

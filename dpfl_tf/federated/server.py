@@ -46,7 +46,7 @@ from dpfl_tf._io import atomic_write, atomic_write_json, read_checkpoint_json
 from dpfl_tf._seeds import derive_rng, derive_seed
 from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.secure_random import refuse_seed, secure_uniform
-from dpfl_tf.federated._checks import check_clients_per_round, check_delta_max
+from dpfl_tf.federated.settings import check_clients_per_round, check_delta_max
 from dpfl_tf.federated.aggregators import AggregateResult, Aggregator, ClientNoiseDPAggregator
 from dpfl_tf.federated.client import LocalTrainer, preprocess_images, refuse_unprotected_state
 from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report
