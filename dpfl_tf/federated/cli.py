@@ -219,7 +219,16 @@ def _status(stop_reason: str) -> str:
     return "budget_spent" if stop_reason.startswith("privacy budget") else "completed"
 
 
+def refuse(message: str) -> None:
+    """A refusal of arguments that parsed: one line on stderr, exit code 2 (argparse's
+    usage block is for arguments that cannot be parsed)."""
+    print(f"dpfl-tf federated: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _run_federated(args, error) -> int:
+    """`error` (argparse's, with the usage block) is not used: the arguments parsed,
+    so every refusal here is one line (`refuse`)."""
     import gc
     import os
 
@@ -231,10 +240,11 @@ def _run_federated(args, error) -> int:
         if args.checkpoint_dir is not None:
             check_output_dir("--checkpoint-dir", args.checkpoint_dir)
     except ValueError as e:
-        error(str(e))
-    config = config_from_args(args, error)
+        refuse(str(e))
+    config = config_from_args(args, refuse)
     quiet_tensorflow(getattr(args, "verbose", False))
     from dpfl_tf.federated.runner import run_federated
+    from dpfl_tf.federated.server import rounds_text
 
     results = ResultsFile(args.output)
     figure = os.path.splitext(args.output)[0] + ".png"
@@ -271,26 +281,26 @@ def _run_federated(args, error) -> int:
         except (ValueError, FileNotFoundError) as e:  # FileNotFoundError: data missing offline
             if results.written:
                 results.write("failed", results.last, error=str(e))
-            error(str(e))
+            refuse(str(e))
         except Exception as e:
             if results.written:
                 results.write("failed", results.last, error=f"{type(e).__name__}: {e}")
             raise
     gc.collect()
     if result["rounds"] == 0 and config.rounds > 0 and result["stop_reason"] != "interrupted":
-        error(f"no round was run: {result['stop_reason']}")  # e.g. the budget allows none
+        refuse(f"no round was run: {result['stop_reason']}")  # e.g. the budget allows none
     status = _status(result["stop_reason"])
     results.write(status, result)
     if result["history"]:
         save_round_figure([result], figure)
     if status == "interrupted":
-        print(f"\ninterrupted ({interrupts.name}) after {result['rounds']} rounds "
+        print(f"\ninterrupted ({interrupts.name}) after {rounds_text(result['rounds'])} "
               f"(epsilon = {_eps(result['epsilon'])}): results in {args.output} (status "
               f"interrupted), checkpoint in {checkpoint_dir}; resume with: {resume_command()}",
               file=sys.stderr)
         return interrupts.exit_code
     eps = result["epsilon"]
-    print(f"test accuracy = {result['test_accuracy']:.4f} after {result['rounds']} rounds "
+    print(f"test accuracy = {result['test_accuracy']:.4f} after {rounds_text(result['rounds'])} "
           f"({result['mechanism']}, K={result['clients']})")
     if config.dp.value == "local":
         from dpfl_tf.federated.local_dp import LocalPrivacyReport
@@ -321,15 +331,43 @@ def _run_federated(args, error) -> int:
     return 0
 
 
-def save_round_figure(results: list, path: str) -> None:
-    """Accuracy and epsilon per round, one line per run (labelled by mechanism)."""
+def figure_title(result: dict) -> str:
+    """What a run's figure shows: the mechanism with its noise, clip and sampling, and
+    the epsilon spent at delta against the target (or the local-DP budget)."""
+    from dpfl_tf.federated.server import rounds_text
+
+    c = result["config"]
+    setup = (f"{result['dataset']}, K = {c['clients']}, m = {result['clients_per_round']:g} "
+             f"({c['sampling']}), {rounds_text(result['rounds'])}")
+    if c["dp"] == "none":
+        return f"{result['mechanism']}, no DP (epsilon = inf); {setup}"
+    if c["dp"] == "local":
+        return (f"local DP: {c['ldp_mechanism']}, epsilon {c['ldp_epsilon']:g} per coordinate "
+                f"(no central epsilon); {setup}")
+    what = {"global": "Global DP (server noise)", "client": "DP-FedAvg, client-side noise"}
+    target = "none" if c["target_epsilon"] is None else f"{c['target_epsilon']:g}"
+    eps = "inf" if result["epsilon"] is None else f"{result['epsilon']:.3g}"
+    return (f"{what[c['dp']]}: sigma = {c['noise_multiplier']:g}, S = {c['clip']}; "
+            f"epsilon {eps} at delta = {result['delta']:g} (target {target}); {setup}")
+
+
+def save_round_figure(results: list, path: str):
+    """Accuracy (and, for runs with a client-level epsilon, epsilon) per round, one line
+    per run (labelled by mechanism), titled with what it shows (`figure_title`)."""
     from matplotlib.figure import Figure
 
     from dpfl_tf.plotting import plot_federated_rounds, save_figure
 
-    fig = Figure(figsize=(10, 3.8))
-    plot_federated_rounds(results, *fig.subplots(1, 2))
+    with_eps = any(r.get("epsilon") is not None for run in results for r in run["history"])
+    fig = Figure(figsize=(10, 4.2) if with_eps else (5.5, 4.2), layout="constrained")
+    axes = fig.subplots(1, 2) if with_eps else [fig.subplots(), None]
+    if axes[1] is None:    # no epsilon panel to leave empty: a hidden one for the plotter
+        axes[1] = Figure().subplots()
+    plot_federated_rounds(results, *axes)
+    if len(results) == 1:
+        fig.suptitle(figure_title(results[0]), fontsize=9, wrap=True)
     save_figure(fig, path)
+    return fig
 
 
 def main(argv=None) -> int:

@@ -56,7 +56,8 @@ DEFAULT_NOISE_MULTIPLIER = {"none": 0.0, "global": 1.0, "client": 0.2, "local": 
 
 
 def fully_connected_model(input_shape: Sequence[int] = (28, 28),
-                          hidden: Sequence[int] = (600, 100), num_classes: int = 10, *, use_bias: bool = False, seed: int | None = None):
+                          hidden: Sequence[int] = (600, 100), num_classes: int = 10, *,
+                          use_bias: bool = False, seed: int | None = None):
     """The small fully connected net of Geyer et al.'s code (784-600-100-10, ReLU,
     no biases by default), returning logits."""
     import keras

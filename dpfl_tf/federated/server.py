@@ -144,6 +144,42 @@ class ClientSampling:
                 "fraction": self.fraction}
 
 
+class RoundProgress:
+    """One progress line per run, rewritten after every round on a terminal (and
+    printed every tenth of the run otherwise): counts as integers, accuracy and
+    epsilon with four decimals, seconds per round."""
+
+    def __init__(self, rounds: int, done: int = 0, stream=None):
+        self.rounds, self.stream = int(rounds), stream or sys.stdout
+        self.every = max(1, self.rounds // 10)
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.start, self.first = time.perf_counter(), int(done)
+        self.shown = False
+
+    def line(self, record: RoundRecord) -> str:
+        width = len(str(self.rounds))
+        parts = [f"round {record.round:>{width}}/{self.rounds}", f"clients {record.clients}"]
+        if record.accuracy is not None:
+            parts.append(f"acc {record.accuracy:.4f}")
+        if record.epsilon is not None:
+            parts.append(f"eps {record.epsilon:.4f}")
+        done = record.round - self.first
+        if done > 0:
+            parts.append(f"{(time.perf_counter() - self.start) / done:.2f} s/round")
+        return " - ".join(parts)
+
+    def update(self, record: RoundRecord) -> None:
+        if self.tty:
+            print(f"\r{self.line(record)}\x1b[K", end="", file=self.stream, flush=True)
+            self.shown = True
+        elif record.round % self.every == 0 or record.round == self.rounds:
+            print(self.line(record), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.shown:
+            print(file=self.stream, flush=True)
+
+
 class RoundAbandoned(Exception):
     """A round stopped before its update was released (see `FederatedServer.run_round`)."""
 
@@ -164,6 +200,11 @@ class RoundRecord:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def rounds_text(n: int) -> str:
+    """'1 round', '2 rounds'."""
+    return f"{n} round" + ("" if n == 1 else "s")
 
 
 def _json_float(x):
@@ -368,7 +409,7 @@ class FederatedServer:
         return (f"privacy budget: round {self.rounds_done + 1} would make delta at "
                 f"epsilon={self.target_epsilon:g} exceed delta_max={self.delta_max:g} "
                 f"({self.accountant.value} accountant); stopped after "
-                f"{self.rounds_done} rounds")
+                f"{rounds_text(self.rounds_done)}")
 
     def open_round(self) -> tuple[int, np.ndarray]:
         """(t, the sampled client ids) of the next round; with `noise_seed`, the
@@ -427,7 +468,7 @@ class FederatedServer:
         """The end of a run of up to `rounds` rounds: the stop reason if none was
         set, and the last round evaluated if `eval_every` skipped it."""
         if self.stop_reason is None and self.rounds_done >= rounds:
-            self.stop_reason = f"completed {self.rounds_done} rounds"
+            self.stop_reason = f"completed {rounds_text(self.rounds_done)}"
         if self.history and self.history[-1].accuracy is None and self._test is not None:
             self.history[-1].loss, self.history[-1].accuracy = self.evaluate()
 
@@ -470,11 +511,7 @@ class FederatedServer:
         self.stop_reason = None
         if checkpoint_dir is not None and resume:
             self.load_checkpoint(checkpoint_dir, missing_ok=True)
-        bar = None
-        if self.progress:
-            import keras
-            bar = keras.utils.Progbar(rounds, stateful_metrics=["acc", "eps", "delta", "clients"])
-            bar.update(self.rounds_done)
+        bar = RoundProgress(rounds, self.rounds_done) if self.progress else None
         while self.rounds_done < rounds:
             self.stop_reason = self.budget_stop_reason()
             if self.stop_reason is not None:
@@ -489,15 +526,12 @@ class FederatedServer:
             if on_round is not None:
                 on_round(self)
             if bar is not None:
-                values = [("clients", rec.clients)]
-                if rec.accuracy is not None:
-                    values.append(("acc", rec.accuracy))
-                if rec.epsilon is not None:
-                    values.append(("eps", rec.epsilon))
-                bar.update(self.rounds_done, values=values)
+                bar.update(rec)
         self.finish(rounds)
-        if bar is not None and self.stop_reason.startswith("privacy"):
-            print(f"\n{self.stop_reason}", file=sys.stderr)
+        if bar is not None:
+            bar.close()
+            if self.stop_reason.startswith("privacy"):
+                print(self.stop_reason, file=sys.stderr)
         return self.history
 
     # -- reports -----------------------------------------------------------------

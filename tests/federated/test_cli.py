@@ -261,3 +261,81 @@ def test_ctrl_c_resume_command_keeps_checkpoint_dir_given_with_equals(tmp_path):
     assert again.returncode == 0, again.stderr
     assert f"resumed from {ckpt}: {done} rounds" in again.stdout
     assert json.loads(out.read_text())["rounds"] == done + 1
+
+
+def test_a_refusal_is_one_line_without_the_usage_block(tmp_path, capsys):
+    from dpfl_tf.cli import main
+
+    for argv, message in [
+            (["--clients", "10", "-m", "20"], "--clients-per-round (m=20) must be <= the number"),
+            (["--output", str(tmp_path)], "is a directory"),
+            (["--dp", "local", "--epsilon", "8"], "--epsilon needs dp='global'")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["federated", *argv, "--output", str(tmp_path / "r.json")]
+                 if "--output" not in argv else ["federated", *argv])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "usage:" not in err, err
+        assert err.startswith("dpfl-tf federated: error: ") and message in err, err
+    with pytest.raises(SystemExit):      # arguments that do not parse keep argparse's usage
+        main(["federated", "--clients", "many"])
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_local_dp_run_prints_no_tensorflow_start_up_lines_and_counts_as_integers(tmp_path):
+    """`federated --dp local` built its config through the local-DP module, which
+    imported TensorFlow before the CLI had quieted it (absl / oneDNN lines)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    argv = ["federated", "--dp", "local", "--clients", "4", "-m", "4", "--train-subset", "400",
+            "--hidden", "8", "--rounds", "2", "--output", str(tmp_path / "r.json")]
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    run = subprocess.run([sys.executable, "-m", "dpfl_tf", *argv], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    for noise in ("absl", "I0000", "E0000", "W0000", "oneDNN", "cuda"):
+        assert noise not in run.stderr, run.stderr
+    # the progress (not a terminal: one line per tenth of the run) counts clients as integers
+    assert "round 1/2 - clients 4 - acc " in run.stdout, run.stdout
+    assert "4.0000" not in run.stdout
+    assert "local DP report" in run.stdout and "after 2 rounds (ldp_pnpm" in run.stdout
+
+
+def _result(dp, history, **config):
+    from dpfl_tf.federated.runner import FederatedConfig
+
+    c = FederatedConfig(dp=dp, **config).to_dict()
+    eps = history[-1]["epsilon"]
+    return {"mechanism": {"none": "fedavg", "global": "global_dp", "local": "ldp_pnpm"}[dp],
+            "dataset": "mnist", "clients_per_round": 100.0, "rounds": len(history),
+            "epsilon": eps, "delta": c["delta_max"], "history": history, "config": c,
+            **({"epsilon_per_coordinate": c["ldp_epsilon"]} if dp == "local" else {})}
+
+
+def test_figures_say_what_they_show(tmp_path):
+    from dpfl_tf.federated.cli import figure_title, save_round_figure
+
+    rows = [{"round": t, "accuracy": 0.1 + 0.01 * t, "epsilon": 0.5 * t} for t in (1, 2, 3)]
+    glob = _result("global", rows, target_epsilon=8.0)
+    assert figure_title(glob) == (
+        "Global DP (server noise): sigma = 1, S = 1.0; epsilon 1.5 at delta = 1e-05 "
+        "(target 8); mnist, K = 1000, m = 100 (poisson), 3 rounds")
+    fig = save_round_figure([glob], str(tmp_path / "g.png"))
+    acc, eps = fig.axes
+    assert acc.get_ylim() == (0.0, 1.0)    # chance-level wiggles are not blown up
+    assert fig._suptitle.get_text() == figure_title(glob)
+    # local DP: labelled as local DP with its epsilon; one panel (no empty epsilon plot)
+    local = _result("local", [{"round": 1, "accuracy": 0.5, "epsilon": None}])
+    fig = save_round_figure([local], str(tmp_path / "l.png"))
+    assert len(fig.axes) == 1 and fig.axes[0].get_ylim() == (0.0, 1.0)
+    assert fig.axes[0].lines[0].get_label() == \
+        "ldp_pnpm (local DP, eps 2 per coordinate)"
+    assert len(fig.axes[0].lines[0].get_xdata()) == 1 and fig.axes[0].lines[0].get_marker() == "o"
+    assert figure_title(local).startswith("local DP: pnpm, epsilon 2 per coordinate (no central")
+    assert "1 round" in figure_title(local) and "1 rounds" not in figure_title(local)
+    none = _result("none", [{"round": 1, "accuracy": 0.5, "epsilon": None}])
+    assert figure_title(none).startswith("fedavg, no DP (epsilon = inf)")
+    assert (tmp_path / "l.png").read_bytes()[:4] == b"\x89PNG"
