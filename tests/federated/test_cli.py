@@ -87,7 +87,7 @@ def test_help_shows_every_default_and_the_choices_are_the_enums(capsys):
         assert "default" in fed.formatter_class("x")._get_help_string(action), action.dest
     for shown in ["number of clients K (default: 1000)", "(default: 100)",
                   "(default: 1 with --dp global, 0.2 with --dp client)",
-                  "With the defaults"]:
+                  "The defaults (MNIST, K = 1000"]:
         assert shown in text, shown
 
 
