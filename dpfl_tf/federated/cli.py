@@ -217,12 +217,6 @@ def _eps(value) -> str:
     return "inf" if value is None else f"{value:.4f}"
 
 
-def _status(stop_reason: str) -> str:
-    if stop_reason == "interrupted":
-        return "interrupted"
-    return "budget_spent" if stop_reason.startswith("privacy budget") else "completed"
-
-
 def refuse(message: str) -> None:
     """A refusal of arguments that parsed: one line on stderr, exit code 2 (argparse's
     usage block is for arguments that cannot be parsed)."""
@@ -247,7 +241,7 @@ def _run_federated(args, error) -> int:
         refuse(str(e))
     config = config_from_args(args, refuse)
     quiet_tensorflow(getattr(args, "verbose", False))
-    from dpfl_tf.federated.runner import run_federated
+    from dpfl_tf.federated.runner import result_status, run_federated
     from dpfl_tf.federated.server import rounds_text
 
     results = ResultsFile(args.output)
@@ -293,7 +287,7 @@ def _run_federated(args, error) -> int:
     gc.collect()
     if result["rounds"] == 0 and config.rounds > 0 and result["stop_reason"] != "interrupted":
         refuse(f"no round was run: {result['stop_reason']}")  # e.g. the budget allows none
-    status = _status(result["stop_reason"])
+    status = result_status(result["stop_reason"])
     results.write(status, result)
     if result["history"]:
         save_round_figure([result], figure)

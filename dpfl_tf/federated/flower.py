@@ -107,6 +107,7 @@ import tensorflow as tf
 
 from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator
 from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report
+from dpfl_tf._validation import check_count
 from dpfl_tf.federated.aggregators import AggregateResult
 from dpfl_tf.federated.runner import DPMode, FederatedConfig, build_server, federated_result
 from dpfl_tf.federated.server import FederatedServer, RoundRecord
@@ -137,7 +138,7 @@ _log = logging.getLogger("dpfl_tf.federated.flower")
 
 _FIELDS = {f.name: f for f in dataclasses.fields(FederatedConfig)}
 #: run-config keys the apps read besides FederatedConfig's fields.
-_EXTRA_RUN_KEYS = ("results-path",)
+_EXTRA_RUN_KEYS = ("results-path", "checkpoint-dir", "min-nodes", "node-timeout")
 
 
 def config_from_run_config(run_config: dict) -> FederatedConfig:
@@ -235,7 +236,9 @@ def _only(records: dict, what: str):
     return next(iter(records.values()))
 
 
-def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
+def _partition_id(spec: _ClientSpec, context: Context) -> tuple[FederatedConfig, int]:
+    """(the run's config, this node's partition id k), checked: 0 <= k < K and the node's
+    num-partitions equal to K."""
     config = spec.config if spec.config is not None else config_from_run_config(
         dict(context.run_config))
     node_config = context.node_config
@@ -249,6 +252,20 @@ def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
         raise ValueError(f"{NUM_PARTITIONS_KEY}={node_config[NUM_PARTITIONS_KEY]} but the "
                          f"config has clients={config.clients}: every client must build the "
                          "same partition")
+    if not 0 <= k < config.clients:
+        raise ValueError(f"client id (partition-id) must lie in [0, {config.clients}), "
+                         f"got {k}")
+    return config, k
+
+
+def _client_query(spec: _ClientSpec, msg: Message, context: Context) -> Message:
+    """Enrolment: the node says which client (partition) it holds (`DPStrategy`)."""
+    _, k = _partition_id(spec, context)
+    return Message(RecordDict({"metrics": MetricRecord({PARTITION_ID_KEY: k})}), reply_to=msg)
+
+
+def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
+    config, k = _partition_id(spec, context)
     server = _runtime(spec, config)
     arrays = _only(msg.content.array_records, "ArrayRecord").to_numpy_ndarrays()
     train_config = _only(msg.content.config_records, "ConfigRecord")
@@ -333,6 +350,10 @@ def make_client_app(config: FederatedConfig | None = None, dataset=None, *,
     def train(msg: Message, context: Context) -> Message:
         return _client_train(spec, msg, context)
 
+    @app.query()
+    def query(msg: Message, context: Context) -> Message:
+        return _client_query(spec, msg, context)
+
     return app
 
 
@@ -404,7 +425,24 @@ class DPStrategy(Strategy):
         sampling, aggregator, ledger, stop rule, evaluation, history and
         privacy report are used as they are.  Its trainer's model holds the
         global weights; its local-training arrays are not used on Flower.
-      node_timeout: seconds to wait for the K nodes to connect.
+      node_timeout: seconds the first round waits for the K enrolled clients'
+        nodes to connect (later rounds do not wait: a sampled client whose node is
+        down is a dropout).
+      min_nodes: the fewest live enrolled nodes a round runs with (default K: every
+        client's node; fewer, and a node lost mid-run does not end the run).
+      checkpoint_dir: the server's checkpoint is written there after every round and
+        read back by `run` (a Flower run started again continues where it stopped).
+      on_round: ``on_round(strategy)`` after every round (after its checkpoint).
+
+    Enrolment.  K = ``config.clients`` is the enrolled population the privacy event
+    is about, not the number of live nodes: every node is asked (a ``query``
+    message) which client (``partition-id``) it holds; two nodes claiming one
+    client, or a client id outside [0, K), are refused, naming the nodes.  The
+    round samples clients from the K enrolled ones; a sampled client whose node is
+    not alive uploads nothing (a dropout: the round proceeds with the uploads that
+    arrive and records the full round's event, which is conservative; the metrics
+    say ``uploads`` and ``missing-clients``).  With client-side noise a dropout
+    is refused instead (the released sum would carry less noise than accounted).
 
     Per round ``aggregate_train`` returns (new global weights, a
     MetricRecord with ``epsilon`` (at delta_max, the ledger's), ``delta``
@@ -417,7 +455,9 @@ class DPStrategy(Strategy):
     """
 
     def __init__(self, strategy: Strategy, server: FederatedServer, *,
-                 node_timeout: float = 120.0):
+                 node_timeout: float = 120.0, min_nodes: int | None = None,
+                 checkpoint_dir: str | None = None,
+                 on_round: Callable[["DPStrategy"], None] | None = None):
         super().__init__()
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a flwr Strategy, got {type(strategy).__name__}")
@@ -428,10 +468,21 @@ class DPStrategy(Strategy):
         self.strategy = strategy
         self.server = server
         self.node_timeout = float(node_timeout)
+        k = server.num_clients
+        self.min_nodes = k if min_nodes is None else check_count("min_nodes", min_nodes,
+                                                                  minimum=1)
+        if self.min_nodes > k:
+            raise ValueError(f"min_nodes must be <= the number of clients (K={k}), got "
+                             f"{self.min_nodes}")
+        self.checkpoint_dir = checkpoint_dir
+        self.on_round = on_round
+        #: enrolled clients: partition id -> the node holding it (`_enrol`)
+        self.partition_nodes: dict[int, int] = {}
         self.stopped = False
         self.client_metrics: dict[int, dict] = {}
         self._pending: dict[int, _Pending] = {}
         self._reported_round: int | None = None
+        self._started = False
         #: the server's dataset (its label goes into the result; `from_config` sets it)
         self.dataset = None
 
@@ -449,19 +500,45 @@ class DPStrategy(Strategy):
         """The global model w_0 (the in-process initial model for the same seed)."""
         return ArrayRecord([np.asarray(w) for w in self.server.trainer.get_weights()])
 
-    def _nodes(self, grid: Grid) -> list[int]:
+    def _ask_partitions(self, grid: Grid, node_ids: list[int]) -> None:
+        """Asks `node_ids` which client they hold; refuses duplicates and bad ids."""
+        messages = [grid.create_message(RecordDict({"config": ConfigRecord({})}), "query",
+                                        n, "dpfl-enrol") for n in node_ids]
+        for reply in grid.send_and_receive(messages, timeout=self.node_timeout):
+            node = int(reply.metadata.src_node_id)
+            if reply.has_error():
+                raise ValueError(f"node {node} could not enrol: {reply.error.reason}")
+            k = int(_only(reply.content.metric_records, "MetricRecord")[PARTITION_ID_KEY])
+            other = self.partition_nodes.get(k)
+            if other is not None and other != node:
+                raise ValueError(f"nodes {other} and {node} both hold {PARTITION_ID_KEY}={k}: "
+                                 "every client must run on one node (give each SuperNode "
+                                 "its own partition-id)")
+            self.partition_nodes[k] = node
+
+    def _enrol(self, grid: Grid, wait: bool) -> dict[int, int]:
+        """The live enrolled clients, partition id -> node id (waiting up to
+        `node_timeout` for K live nodes when `wait`)."""
         k = self.server.num_clients
-        deadline = time.monotonic() + self.node_timeout
+        deadline = time.monotonic() + (self.node_timeout if wait else 0.0)
         while True:
-            ids = sorted(int(n) for n in grid.get_node_ids())
-            if len(ids) >= k or time.monotonic() > deadline:
+            live = sorted(int(n) for n in grid.get_node_ids())
+            if len(live) >= k or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        if len(ids) != k:
-            raise ValueError(f"the federation has {len(ids)} nodes but the config has "
-                             f"clients={k}: K enters the privacy event, so they must match "
-                             "(set num-supernodes / start K SuperNodes)")
-        return ids
+        self.partition_nodes = {p: n for p, n in self.partition_nodes.items() if n in live}
+        known = set(self.partition_nodes.values())
+        new = [n for n in live if n not in known]
+        if new and len(live) >= self.min_nodes:
+            self._ask_partitions(grid, new)
+        if len(self.partition_nodes) < self.min_nodes:
+            raise ValueError(
+                f"the federation has {len(live)} nodes but the config has clients={k}: "
+                f"{len(self.partition_nodes)} enrolled clients are alive, fewer than "
+                f"min_nodes={self.min_nodes} (K enters the privacy event as the enrolled "
+                "population: start the missing SuperNodes, or set min-nodes to run with "
+                "dropouts)")
+        return dict(self.partition_nodes)
 
     def _stop(self, reason: str) -> None:
         self.stopped = True
@@ -485,10 +562,14 @@ class DPStrategy(Strategy):
         if reason is not None:
             self._stop(reason)
             return []
-        node_ids = self._nodes(grid)
+        nodes = self._enrol(grid, wait=not self._started)
+        self._started = True
         start, cpu_start = time.perf_counter(), time.process_time()
         t, selected = srv.open_round()       # as FederatedServer.run_round
-        chosen = [node_ids[int(i)] for i in selected]
+        chosen = [nodes[int(k)] for k in selected if int(k) in nodes]
+        if len(chosen) < len(selected):
+            _log.warning("round %d: %d of the %d sampled clients have no live node (dropouts)",
+                         t + 1, len(selected) - len(chosen), len(selected))
         weights = [tf.constant(a) for a in arrays.to_numpy_ndarrays()]
         config[ROUND_KEY] = int(t)
         messages: list[Message] = []
@@ -522,16 +603,16 @@ class DPStrategy(Strategy):
                 raise ValueError(f"reply from node {node}, which was not sampled this round "
                                  "or replied twice")
             by_node[node] = r
-        missing = len(pending.nodes) - len(by_node)
+        missing = len(pending.selected) - len(by_node)    # dropouts and failed replies
         if missing:
-            reasons = "; ".join(str(r.error.reason) for r in failed) or "no reply"
+            reasons = "; ".join(str(r.error.reason) for r in failed) or "no live node"
             if isinstance(srv.aggregator, ClientNoiseDPAggregator):
                 raise RuntimeError(
-                    f"{missing} of {len(pending.nodes)} clients did not upload ({reasons}); with "
-                    "client-side noise the released sum would carry less noise than the "
+                    f"{missing} of {len(pending.selected)} clients did not upload ({reasons}); "
+                    "with client-side noise the released sum would carry less noise than the "
                     "accounted event, so the round is refused")
             _log.warning("round %d: %d of %d clients did not upload (%s)", pending.round_index + 1,
-                         missing, len(pending.nodes), reasons)
+                         missing, len(pending.selected), reasons)
         ordered = [by_node[n] for n in pending.nodes if n in by_node]   # selection order
         for r in ordered:
             metrics = dict(_only(r.content.metric_records, "MetricRecord"))
@@ -561,11 +642,18 @@ class DPStrategy(Strategy):
         record = srv.close_round(pending.round_index, pending.selected, pending.weights,
                                  AggregateResult(update, len(ordered), info),
                                  start=pending.start, cpu_start=pending.cpu_start)
+        if self.checkpoint_dir is not None:
+            srv.save_checkpoint(self.checkpoint_dir)
+        if self.on_round is not None:
+            self.on_round(self)
         return ArrayRecord([np.asarray(w) for w in srv.trainer.get_weights()]), \
             self._metrics(record)
 
     def _metrics(self, record: RoundRecord) -> MetricRecord:
+        missing = int(record.info.get("missing_clients", 0))
         out: dict[str, float | int] = {"round": record.round, "clients": record.clients,
+                                       "uploads": record.clients - missing,
+                                       "missing-clients": missing,
                                        "seconds": float(record.seconds)}
         if record.epsilon is not None:
             out["epsilon"] = _finite(record.epsilon)
@@ -610,6 +698,10 @@ class DPStrategy(Strategy):
         Flower's ``Strategy.start`` and returns its ``Result``."""
         srv = self.server
         srv.stop_reason = None
+        if self.checkpoint_dir is not None and srv.load_checkpoint(self.checkpoint_dir,
+                                                                   missing_ok=True):
+            _log.warning("resumed from %s: %d rounds, epsilon so far %s", self.checkpoint_dir,
+                         srv.rounds_done, srv.epsilon())
         todo = max(0, int(num_rounds) - srv.rounds_done)
         result = self.start(grid, self.initial_arrays(), num_rounds=todo, timeout=timeout,
                             train_config=ConfigRecord(), evaluate_fn=self.evaluate_fn)
@@ -623,8 +715,13 @@ def make_server_app(config: FederatedConfig | None = None, dataset=None, *,
                     ) -> ServerApp:
     """A Flower ``ServerApp`` running `DPStrategy` for `config.rounds` rounds.
 
-    `config` None reads it from the run config (``flwr run``); a run-config
-    key ``results-path`` makes the app write the result JSON there.
+    `config` None reads it from the run config (``flwr run``).  Run-config keys
+    besides the config's: ``results-path`` -- the result JSON, rewritten
+    atomically after every round with a ``status`` (running, completed,
+    budget_spent, failed: the epsilon spent so far is kept when a run fails);
+    ``checkpoint-dir`` -- the server's checkpoint after every round, from which
+    the same ``flwr run`` started again continues (ledger, weights, history);
+    ``min-nodes`` and ``node-timeout`` (`DPStrategy`).
     `on_finish(strategy, flower_result, seconds)` receives the finished
     strategy (`run_on_flower` uses it to build its result)."""
     if config is not None and not isinstance(config, FederatedConfig):
@@ -634,11 +731,31 @@ def make_server_app(config: FederatedConfig | None = None, dataset=None, *,
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
+        from dpfl_tf._runs import ResultsFile
+        from dpfl_tf.federated.runner import result_status
+
         start = time.perf_counter()
         run_config = dict(context.run_config)
         cfg = config if config is not None else config_from_run_config(run_config)
-        dp = DPStrategy.from_config(cfg, dataset, strategy=strategy)
-        result = dp.run(grid, cfg.rounds)
+        path = run_config.get("results-path")
+        results = ResultsFile(str(path)) if path else None
+
+        def write(status: str, dp: DPStrategy, **extra) -> None:
+            if results is not None:
+                results.write(status, _result(cfg, dp, time.perf_counter() - start,
+                                              backend="flwr run"), **extra)
+
+        dp = DPStrategy.from_config(
+            cfg, dataset, strategy=strategy,
+            node_timeout=float(run_config.get("node-timeout", 120.0)),
+            min_nodes=run_config.get("min-nodes"),
+            checkpoint_dir=run_config.get("checkpoint-dir"),
+            on_round=lambda d: write("running", d))
+        try:
+            result = dp.run(grid, cfg.rounds)
+        except Exception as e:
+            write("failed", dp, error=f"{type(e).__name__}: {e}")
+            raise
         seconds = time.perf_counter() - start
         if on_finish is not None:
             on_finish(dp, result, seconds)
@@ -647,10 +764,7 @@ def make_server_app(config: FederatedConfig | None = None, dataset=None, *,
         _log.warning("dpfl_tf on Flower: %s; accuracy %s; epsilon %s at delta %s",
                      dp.server.stop_reason, None if last is None else last.accuracy,
                      report.get("epsilon"), report.get("delta"))
-        path = run_config.get("results-path")
-        if path:
-            from dpfl_tf._io import atomic_write_json
-            atomic_write_json(str(path), _result(cfg, dp, seconds, backend="flwr run"))
+        write(result_status(dp.server.stop_reason), dp)
 
     return app
 
@@ -692,6 +806,8 @@ class LocalGrid(Grid):
             for k in range(int(num_nodes))}
         self._replies: dict[str, Message] = {}
         self.raise_client_errors = bool(raise_client_errors)
+        #: nodes taken down by `stop_node`
+        self.down: set[int] = set()
         _ensure_task_identity(1)
 
     def set_run(self, run) -> None:
@@ -705,7 +821,12 @@ class LocalGrid(Grid):
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
-        return list(self.contexts)
+        return [n for n in self.contexts if n not in self.down]
+
+    def stop_node(self, node_id: int) -> None:
+        """Takes a node down (tests: a SuperNode lost mid-run): it leaves
+        `get_node_ids` and a message sent to it gets an error reply."""
+        self.down.add(int(node_id))
 
     def push_messages(self, messages) -> Iterable[str]:
         ids = []
@@ -715,7 +836,11 @@ class LocalGrid(Grid):
                 raise ValueError(f"no node {node} in this LocalGrid")
             msg_id = uuid.uuid4().hex
             try:
-                reply = self._app(msg, self.contexts[node])
+                if node in self.down:   # as Flower's SuperLink: an error reply, not a raise
+                    reply = Message(Error(code=0, reason=f"node {node} is offline"),
+                                    reply_to=msg)
+                else:
+                    reply = self._app(msg, self.contexts[node])
             except Exception as exc:
                 if self.raise_client_errors:
                     raise

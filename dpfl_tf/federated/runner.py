@@ -26,7 +26,7 @@ from dpfl_tf.secure_random import refuse_seed
 
 __all__ = ["AggregatorKind", "DPMode", "FederatedConfig", "MODELS", "build_model", "build_server",
            "fully_connected_model", "local_dp_upload",
-           "peak_rss_mb", "run_federated"]
+           "peak_rss_mb", "result_status", "run_federated"]
 
 
 class DPMode(ChoiceEnum):
@@ -396,6 +396,13 @@ def _mechanism(c: FederatedConfig) -> str:
     if c.dp is DPMode.NONE:
         return "fedavg" if c.aggregator == "mean" else "fedmedian"
     return "global_dp" if c.dp is DPMode.GLOBAL else "client_dp"
+
+
+def result_status(stop_reason: str | None) -> str:
+    """A results file's ``status`` for a finished run's stop reason."""
+    if stop_reason == "interrupted":
+        return "interrupted"
+    return "budget_spent" if (stop_reason or "").startswith("privacy budget") else "completed"
 
 
 def run_federated(config: FederatedConfig, dataset=None, *, progress: bool = True,

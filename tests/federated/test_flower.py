@@ -4,6 +4,7 @@ Flower (LocalGrid without Ray; Flower's Simulation Engine on Ray), bad
 configurations are refused."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -394,3 +395,92 @@ def test_secure_mode_on_flower(mnist_small):
     assert out["epsilon"] == pytest.approx(want, rel=1e-9)
     assert out["privacy"]["secure_mode"] is True
     assert fl.config_from_run_config(fl.config_to_run_config(cfg)) == cfg
+
+
+# ---------------------------------------------------------------------------
+# nodes that come and go; books kept (issue 39, on LocalGrid)
+
+class _LosingGrid(fl.LocalGrid):
+    """A LocalGrid whose node `lose` goes down once `after` rounds have trained."""
+
+    def __init__(self, *args, lose, after, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lose, self.after, self.rounds = lose, after, 0
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        replies = super().send_and_receive(messages, timeout=timeout)
+        if messages and messages[0].metadata.message_type == "train":
+            self.rounds += 1
+            if self.rounds == self.after:
+                self.stop_node(self.lose)
+        return replies
+
+
+def _server_context(**run_config):
+    return Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                   run_config=run_config)
+
+
+def test_a_node_lost_mid_run_is_a_dropout_with_min_nodes(mnist_small):
+    cfg = _cfg(clients=4, clients_per_round=3, rounds=5)
+    strategy = fl.DPStrategy.from_config(cfg, mnist_small, min_nodes=2)
+    grid = _LosingGrid(fl.make_client_app(cfg, mnist_small), 4, lose=2, after=1)
+    result = strategy.run(grid, cfg.rounds)
+    srv = strategy.server
+    assert srv.rounds_done == 5 and srv.stop_reason == "completed 5 rounds"
+    assert strategy.partition_nodes == {0: 1, 2: 3, 3: 4}       # node 2 (client 1) is gone
+    # every round records the full round's event (conservative for a dropout)
+    want = compute_epsilon(dp_accounting.SelfComposedDpEvent(_round_event(cfg), 5),
+                           cfg.delta_max, "rdp")
+    assert srv.epsilon() == pytest.approx(want, rel=1e-9)
+    dropped = [r for r in srv.history[1:] if r.info.get("missing_clients")]
+    assert dropped, "client 1 was never sampled after its node went down"
+    for r in dropped:
+        metrics = result.train_metrics_clientapp[r.round]
+        assert (metrics["clients"], metrics["uploads"], metrics["missing-clients"]) == (3, 2, 1)
+
+
+def test_duplicate_or_out_of_range_partition_ids_are_refused_naming_the_nodes(mnist_small):
+    cfg = _cfg()
+    grid = fl.LocalGrid(fl.make_client_app(cfg, mnist_small), 4)
+    grid.contexts[3].node_config[fl.PARTITION_ID_KEY] = 0        # node 3 claims client 0 too
+    with pytest.raises(ValueError, match=r"nodes 1 and 3 both hold partition-id=0"):
+        fl.DPStrategy.from_config(cfg, mnist_small).run(grid, 1)
+    grid = fl.LocalGrid(fl.make_client_app(cfg, mnist_small), 4, raise_client_errors=False)
+    grid.contexts[4].node_config[fl.PARTITION_ID_KEY] = 9     # as on Flower: an error reply
+    with pytest.raises(ValueError, match=r"node 4 could not enrol: .*must lie in \[0, 4\), "
+                                         r"got 9"):
+        fl.DPStrategy.from_config(cfg, mnist_small).run(grid, 1)
+
+
+def test_a_failed_flower_run_keeps_its_results_and_resumes_from_its_checkpoint(mnist_small,
+                                                                               tmp_path):
+    """The ServerApp writes the results after every round and on failure; `flwr run`
+    again with the same run config continues from the checkpoint and ends where the
+    uninterrupted run ends (weights, accuracy, ledger)."""
+    cfg = _cfg(clients=4, clients_per_round=2, rounds=4)
+    client = fl.make_client_app(cfg, mnist_small)
+    straight = {}
+    fl.make_server_app(cfg, mnist_small, on_finish=lambda d, r, s: straight.update(d=d))(
+        fl.LocalGrid(client, 4), _server_context())
+
+    out, ckpt = tmp_path / "flower.json", tmp_path / "ckpt"
+    run_config = {"results-path": str(out), "checkpoint-dir": str(ckpt), "node-timeout": 0.2}
+    app = fl.make_server_app(cfg, mnist_small)
+    with pytest.raises(ValueError, match="fewer than min_nodes=4"):
+        app(_LosingGrid(client, 4, lose=3, after=2), _server_context(**run_config))
+    kept = json.loads(out.read_text())
+    assert kept["status"] == "failed" and "fewer than min_nodes=4" in kept["error"]
+    assert kept["rounds"] == 2 and kept["epsilon"] == straight["d"].server.history[1].epsilon
+
+    resumed = {}
+    fl.make_server_app(cfg, mnist_small, on_finish=lambda d, r, s: resumed.update(d=d))(
+        fl.LocalGrid(client, 4), _server_context(**run_config))
+    done = json.loads(out.read_text())
+    assert done["status"] == "completed" and done["rounds"] == 4
+    a, b = resumed["d"].server, straight["d"].server
+    assert a.ledger == b.ledger and done["epsilon"] == b.epsilon()
+    assert a.history[-1].accuracy == b.history[-1].accuracy
+    for x, y in zip(a.trainer.get_weights(), b.trainer.get_weights()):
+        np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=1e-6, atol=1e-7)
