@@ -116,11 +116,12 @@ def plot_accuracy_and_epsilon(rows, ax=None, title: str = ""):
     if ax is None:
         ax = new_axes((5, 3.5))
     acc_rows = [r for r in rows if "test_accuracy" in r]
+    mark = dict(marker="o", ms=3)   # a run of one evaluated epoch is a point, not nothing
     ax.plot([r["epoch"] for r in acc_rows], [r["test_accuracy"] for r in acc_rows],
-            color="tab:blue", label="test accuracy")
+            color="tab:blue", label="test accuracy", **mark)
     if acc_rows and "train_accuracy" in acc_rows[0]:
         ax.plot([r["epoch"] for r in acc_rows], [r["train_accuracy"] for r in acc_rows],
-                color="tab:orange", ls="--", label="train accuracy (non-private)")
+                color="tab:orange", ls="--", label="train accuracy (non-private)", **mark)
     ax.set_xlabel("epoch")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0.5, 1.0)
@@ -128,7 +129,7 @@ def plot_accuracy_and_epsilon(rows, ax=None, title: str = ""):
     if rows and "epsilon" in rows[0]:
         ax2 = ax.twinx()
         ax2.plot([r["epoch"] for r in rows], [r["epsilon"] for r in rows], color="tab:red",
-                 label="epsilon")
+                 label="epsilon", **mark)
         ax2.set_ylabel("epsilon", color="tab:red")
     ax.set_title(title)
     ax.legend(loc="lower right", fontsize=8)

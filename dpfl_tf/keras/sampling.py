@@ -22,6 +22,7 @@ next ones prefetched.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from typing import Callable, Iterator
@@ -196,12 +197,12 @@ class LotSampler:
         prefetch = check_count("prefetch", prefetch, minimum=1)
         reader, total = self._reader_and_total(x, y, epochs)
 
-        def load(idx):
+        def load(t, idx):
             n = tf.shape(idx, out_type=tf.int64)[0]
             padded = tf.maximum(tf.constant(pad_to, tf.int64), (n + pad_to - 1) // pad_to * pad_to)
-            return _read_padded(reader, idx, padded, preprocess)
+            return _read_padded(reader, idx, padded, preprocess, t)
 
-        return self.index_dataset(total).map(
+        return self.index_dataset(total).enumerate(self.first_lot).map(
             load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(prefetch)
 
     def _reader_and_total(self, x, y, epochs):
@@ -241,29 +242,39 @@ class LotSampler:
                              f"do not exist among {replicas}")
         reader, total = self._reader_and_total(x, y, epochs)
 
-        def with_replica(idx):  # (lot, replica) for each local replica, in order
+        def with_replica(t, idx):  # (lot, replica) for each local replica, in order
             mine = tf.range(first_replica, first_replica + local_replicas, dtype=tf.int64)
-            return tf.data.Dataset.zip((tf.data.Dataset.from_tensors(idx).repeat(local_replicas),
-                                        tf.data.Dataset.from_tensor_slices(mine)))
+            return tf.data.Dataset.zip((tf.data.Dataset.from_tensors((t, idx)).repeat(
+                local_replicas), tf.data.Dataset.from_tensor_slices(mine)))
 
-        def load(idx, replica):
+        def load(lot, replica):
+            t, idx = lot
             n = tf.shape(idx, out_type=tf.int64)[0]
             share = tf.maximum(tf.constant(1, tf.int64), (n + replicas - 1) // replicas)
             start = tf.minimum(replica * share, n)
             return _read_padded(reader, idx[start:tf.minimum(start + share, n)], share,
-                                preprocess)
+                                preprocess, t)
 
-        return self.index_dataset(total).flat_map(with_replica).map(
+        return self.index_dataset(total).enumerate(self.first_lot).flat_map(with_replica).map(
             load, num_parallel_calls=tf.data.AUTOTUNE,
             deterministic=True).prefetch(2 * local_replicas)
 
 
-def _read_padded(reader, idx, size, preprocess):
-    """(x, y, mask) of the records `idx`, `preprocess`ed, padded with zero
-    (masked) examples to `size`."""
+def takes_lot(preprocess: Callable) -> bool:
+    """Whether `preprocess` takes the lot's number (``preprocess(x, lot=t)``)."""
+    try:
+        return "lot" in inspect.signature(preprocess).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _read_padded(reader, idx, size, preprocess, lot):
+    """(x, y, mask) of the records `idx` of lot number `lot`, `preprocess`ed
+    (given the lot number when it takes one: randomness keyed by the lot),
+    padded with zero (masked) examples to `size`."""
     xb, yb = reader.read(idx)
     if preprocess is not None:
-        xb = preprocess(xb)
+        xb = preprocess(xb, lot=lot) if takes_lot(preprocess) else preprocess(xb)
     real = tf.shape(idx, out_type=tf.int64)[0]
 
     def pad(t):

@@ -17,8 +17,7 @@ from dpfl_tf.sanitizer import deployment_note  # noqa: F401  (re-exported for th
 
 __all__ = ["EpochHistory", "paper_learning_rate", "accuracy", "deployment_note",
            "privacy_summary", "RUN_STATE", "LotStopper", "RunCheckpoint", "comparable_config",
-           "read_run_state", "resumable_run_state", "resume_seed", "sampling_seed_for",
-           "mark_run_finished"]
+           "read_run_state", "resumable_run_state", "mark_run_finished"]
 
 
 def paper_learning_rate(initial: float, final: float, decay_epochs: int,
@@ -257,19 +256,6 @@ def resumable_run_state(checkpoint_dir: str | None, config: dict,
         raise ValueError(f"{checkpoint_dir} holds a finished run ({state['finished']}); "
                          "nothing to resume: use another checkpoint directory")
     return state
-
-
-def resume_seed(seed: int | None, state: dict | None) -> int | None:
-    """The global seed of a (resumed) seeded run: a resumed run draws afresh
-    rather than replaying the random numbers of its first part."""
-    if seed is None:
-        return None
-    return seed if state is None else seed + 1000003 * state["lots"]
-
-
-def sampling_seed_for(seed: int | None, initial_epoch: int) -> int | None:
-    """The lot sampler's seed of a seeded run starting at `initial_epoch`."""
-    return None if seed is None else seed + initial_epoch
 
 
 def mark_run_finished(checkpoint_dir: str | None, state: Callable[[], dict],
