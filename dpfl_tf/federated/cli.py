@@ -162,10 +162,14 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
                    help="evaluate on the test set every n rounds (and after the last)")
     o.add_argument("--checkpoint-dir", help="write (and resume from) checkpoints here "
                                             "(default: none; <output>.checkpoint on Ctrl-C)")
-    o.add_argument("--output", "-o", default="results/federated_run.json",
+    o.add_argument("--output", "-o",
                    help="results JSON file, rewritten after every round with a status "
                         "(running, completed, budget_spent, interrupted, failed); the figure "
-                        "(accuracy and epsilon per round) goes beside it (.png)")
+                        "(accuracy and epsilon per round) goes beside it (.png).  A "
+                        "directory takes federated.json inside (default: "
+                        "runs/federated-<date>-<time>.json)")
+    o.add_argument("--overwrite", action="store_true",
+                   help="replace the results of a finished run in --output")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="show TensorFlow's start-up and log messages")
@@ -217,116 +221,86 @@ def _eps(value) -> str:
     return "inf" if value is None else f"{value:.4f}"
 
 
-def refuse(message: str) -> None:
-    """A refusal of arguments that parsed: one line on stderr, exit code 2 (argparse's
-    usage block is for arguments that cannot be parsed)."""
-    print(f"dpfl-tf federated: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+def _summary(config, result: dict) -> list[str]:
+    """The lines printed at the end of a run: accuracy, what the run cost, notices."""
+    from dpfl_tf.federated.server import rounds_text
+
+    lines = [f"test accuracy = {result['test_accuracy']:.4f} after "
+             f"{rounds_text(result['rounds'])} ({result['mechanism']}, K={result['clients']})"]
+    privacy = result["privacy"]
+    if config.dp.value == "local":
+        from dpfl_tf.federated.local_dp import LocalPrivacyReport
+
+        lines.append(str(LocalPrivacyReport.from_dict(privacy["local_dp"])))
+    elif config.dp.value == "none":
+        lines.append("epsilon = inf: no noise, no differential privacy guarantee")
+    else:
+        lines.append(f"epsilon = {_eps(result['epsilon'])} at delta = {result['delta']:g} "
+                     f"({result['accountant']} accountant; {privacy['round_event']}; "
+                     f"{privacy['relation']})")
+        clipping = privacy.get("clipping", {})
+        if clipping.get("mode", "").startswith("adaptive"):
+            lines.append(f"adaptive clip: {clipping['initial_clip']:g} -> "
+                         f"{clipping['current_clip']:.4g} (target quantile "
+                         f"{clipping['target_quantile']:g}; count noise std "
+                         f"{clipping['count_stddev']:g}; update noise multiplier "
+                         f"{clipping['update_noise_multiplier']:.4g})")
+        if "against_server" in privacy:
+            srv = privacy["against_server"]
+            lines.append(f"against the server: epsilon = {_eps(srv['epsilon'])} per client "
+                         f"(up to {srv['max_participations']} uploads of "
+                         f"{srv['upload_event']}; {srv['relation']})")
+    lines += [f"NOTE: {note}" for note in result["notices"]]
+    lines.append(result["stop_reason"])
+    return lines
 
 
 def _run_federated(args, error) -> int:
-    """`error` (argparse's, with the usage block) is not used: the arguments parsed,
-    so every refusal here is one line (`refuse`)."""
-    import gc
+    """One run of ``dpfl-tf federated`` (`dpfl_tf._runs.run_command`: results after every
+    round, Ctrl-C, failures, the resume command); `error` refuses in one line."""
     import os
 
-    from dpfl_tf._runs import (Interrupts, ResultsFile, RunInterrupted, check_output_dir,
-                               check_output_file, quiet_tensorflow)
+    from dpfl_tf._runs import (CommandRun, check_output_dir, quiet_tensorflow, resolve_output,
+                               run_command)
 
     try:  # before any data is loaded
-        check_output_file("--output", args.output)
+        resuming = args.checkpoint_dir is not None and os.path.isdir(args.checkpoint_dir) \
+            and bool(os.listdir(args.checkpoint_dir))
+        args.output = resolve_output("--output", args.output, "federated",
+                                     overwrite=args.overwrite, resuming=resuming)
         if args.checkpoint_dir is not None:
             check_output_dir("--checkpoint-dir", args.checkpoint_dir)
     except ValueError as e:
-        refuse(str(e))
-    config = config_from_args(args, refuse)
+        error(str(e))
+    config = config_from_args(args, error)
     quiet_tensorflow(getattr(args, "verbose", False))
     from dpfl_tf.federated.runner import result_status, run_federated
     from dpfl_tf.federated.server import rounds_text
 
-    results = ResultsFile(args.output)
-    figure = os.path.splitext(args.output)[0] + ".png"
-    checkpoint_dir = args.checkpoint_dir or os.path.splitext(args.output)[0] + ".checkpoint"
+    def run(*, checkpoint_dir, checkpoint_every, should_stop, on_progress, on_resume):
+        result = run_federated(config, progress=not args.no_progress,
+                               checkpoint_dir=checkpoint_dir,
+                               checkpoint_every_round=checkpoint_every,
+                               should_stop=should_stop, on_round=on_progress,
+                               on_resume=on_resume)
+        if result["rounds"] == 0 and config.rounds > 0 and result["stop_reason"] != "interrupted":
+            raise ValueError(f"no round was run: {result['stop_reason']}")  # budget allows none
+        return result
 
-    def resumed(info):
+    def resumed(info: dict) -> str:
         eps = info["epsilon"]
-        print(f"resumed from {info['directory']}: {info['rounds']} rounds, epsilon so far "
-              f"{'n/a (no client-level DP)' if eps is None else f'{eps:.4f}'}", flush=True)
+        return (f"resumed from {info['directory']}: {info['rounds']} rounds, epsilon so far "
+                f"{'n/a (no client-level DP)' if eps is None else f'{eps:.4f}'}")
 
-    def resume_command() -> str:   # the train commands' (it sees --checkpoint-dir=X too)
-        from dpfl_tf.cli import _resume_command
-
-        return _resume_command(args, checkpoint_dir)
-
-    with Interrupts() as interrupts:
-        try:
-            with interrupts.deferred():
-                result = run_federated(config, progress=not args.no_progress,
-                                       checkpoint_dir=checkpoint_dir,
-                                       checkpoint_every_round=args.checkpoint_dir is not None,
-                                       should_stop=lambda: interrupts.requested,
-                                       on_round=lambda r: results.write("running", r),
-                                       on_resume=resumed)
-        except RunInterrupted:
-            kept = (f"results of {results.last.get('rounds')} rounds in {args.output}"
-                    if results.written else "nothing measured yet")
-            results.write("interrupted", results.last or {})
-            print(f"\ninterrupted ({interrupts.name}): kept {kept} (status interrupted); "
-                  "run the command again to start over" if args.checkpoint_dir is None else
-                  f"\ninterrupted ({interrupts.name}): kept {kept} (status interrupted); "
-                  f"resume with: {resume_command()}", file=sys.stderr)
-            return interrupts.exit_code
-        except (ValueError, FileNotFoundError) as e:  # FileNotFoundError: data missing offline
-            if results.written:
-                results.write("failed", results.last, error=str(e))
-            refuse(str(e))
-        except Exception as e:
-            if results.written:
-                results.write("failed", results.last, error=f"{type(e).__name__}: {e}")
-            raise
-    gc.collect()
-    if result["rounds"] == 0 and config.rounds > 0 and result["stop_reason"] != "interrupted":
-        refuse(f"no round was run: {result['stop_reason']}")  # e.g. the budget allows none
-    status = result_status(result["stop_reason"])
-    results.write(status, result)
-    if result["history"]:
-        save_round_figure([result], figure)
-    if status == "interrupted":
-        print(f"\ninterrupted ({interrupts.name}) after {rounds_text(result['rounds'])} "
-              f"(epsilon = {_eps(result['epsilon'])}): results in {args.output} (status "
-              f"interrupted), checkpoint in {checkpoint_dir}; resume with: {resume_command()}",
-              file=sys.stderr)
-        return interrupts.exit_code
-    eps = result["epsilon"]
-    print(f"test accuracy = {result['test_accuracy']:.4f} after {rounds_text(result['rounds'])} "
-          f"({result['mechanism']}, K={result['clients']})")
-    if config.dp.value == "local":
-        from dpfl_tf.federated.local_dp import LocalPrivacyReport
-
-        print(LocalPrivacyReport.from_dict(result["privacy"]["local_dp"]))
-    elif config.dp.value == "none":
-        print("epsilon = inf: no noise, no differential privacy guarantee")
-    else:
-        privacy = result["privacy"]
-        print(f"epsilon = {_eps(eps)} at delta = {result['delta']:g} "
-              f"({result['accountant']} accountant; {privacy['round_event']}; "
-              f"{privacy['relation']})")
-        clipping = privacy.get("clipping", {})
-        if clipping.get("mode", "").startswith("adaptive"):
-            print(f"adaptive clip: {clipping['initial_clip']:g} -> {clipping['current_clip']:.4g} "
-                  f"(target quantile {clipping['target_quantile']:g}; count noise std "
-                  f"{clipping['count_stddev']:g}; update noise multiplier "
-                  f"{clipping['update_noise_multiplier']:.4g})")
-        if "against_server" in privacy:
-            srv = privacy["against_server"]
-            print(f"against the server: epsilon = {_eps(srv['epsilon'])} per client "
-                  f"(up to {srv['max_participations']} uploads of {srv['upload_event']}; "
-                  f"{srv['relation']})")
-    for note in result["notices"]:
-        print(f"NOTE: {note}")
-    print(f"{result['stop_reason']}; wrote {args.output}"
-          + (f" and {figure}" if result["history"] else ""))
-    return 0
+    return run_command(CommandRun(
+        command="federated", argv=list(getattr(args, "argv", None) or sys.argv[1:]),
+        output=args.output, checkpoint_dir=args.checkpoint_dir, unit="rounds", run=run,
+        status=lambda r: result_status(r["stop_reason"]), resumed=resumed,
+        progress=lambda r: (f"after {rounds_text(r['rounds'])} (epsilon = "
+                            f"{_eps(r['epsilon'])})"),
+        summary=lambda r: _summary(config, r),
+        figure=lambda r, path: bool(r["history"]) and save_round_figure([r], path) is not None),
+        error)
 
 
 def figure_title(result: dict) -> str:
@@ -369,13 +343,11 @@ def save_round_figure(results: list, path: str):
 
 
 def main(argv=None) -> int:
-    """Stand-alone entry point (``python -m dpfl_tf.federated.cli ...``)."""
-    parser = argparse.ArgumentParser(prog="dpfl-tf")
-    sub = parser.add_subparsers(dest="command")
-    fed = add_federated_parser(sub)
-    args = parser.parse_args(["federated", *(sys.argv[1:] if argv is None else argv)])
-    args.argv = ["federated", *(sys.argv[1:] if argv is None else argv)]
-    return args.func(args, fed.error)
+    """Stand-alone entry point (``python -m dpfl_tf.federated.cli ...``): ``dpfl-tf
+    federated ...``."""
+    from dpfl_tf.cli import main as dpfl_tf_main
+
+    return dpfl_tf_main(["federated", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -476,6 +476,8 @@ class DPStrategy(Strategy):
                              f"{self.min_nodes}")
         self.checkpoint_dir = checkpoint_dir
         self.on_round = on_round
+        #: seconds to wait for replies (`run`'s timeout, as for the rounds' replies)
+        self.reply_timeout = 3600.0
         #: enrolled clients: partition id -> the node holding it (`_enrol`)
         self.partition_nodes: dict[int, int] = {}
         self.stopped = False
@@ -504,7 +506,8 @@ class DPStrategy(Strategy):
         """Asks `node_ids` which client they hold; refuses duplicates and bad ids."""
         messages = [grid.create_message(RecordDict({"config": ConfigRecord({})}), "query",
                                         n, "dpfl-enrol") for n in node_ids]
-        for reply in grid.send_and_receive(messages, timeout=self.node_timeout):
+        # answered by a ClientApp each (on a SuperNode: a process that starts up first)
+        for reply in grid.send_and_receive(messages, timeout=self.reply_timeout):
             node = int(reply.metadata.src_node_id)
             if reply.has_error():
                 raise ValueError(f"node {node} could not enrol: {reply.error.reason}")
@@ -698,6 +701,7 @@ class DPStrategy(Strategy):
         Flower's ``Strategy.start`` and returns its ``Result``."""
         srv = self.server
         srv.stop_reason = None
+        self.reply_timeout = float(timeout)
         if self.checkpoint_dir is not None and srv.load_checkpoint(self.checkpoint_dir,
                                                                    missing_ok=True):
             _log.warning("resumed from %s: %d rounds, epsilon so far %s", self.checkpoint_dir,

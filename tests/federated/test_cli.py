@@ -266,9 +266,10 @@ def test_ctrl_c_resume_command_keeps_checkpoint_dir_given_with_equals(tmp_path):
 def test_a_refusal_is_one_line_without_the_usage_block(tmp_path, capsys):
     from dpfl_tf.cli import main
 
+    (tmp_path / "afile").write_text("x")
     for argv, message in [
             (["--clients", "10", "-m", "20"], "--clients-per-round (m=20) must be <= the number"),
-            (["--output", str(tmp_path)], "is a directory"),
+            (["--output", str(tmp_path / "afile" / "r.json")], "is a file, not a directory"),
             (["--dp", "local", "--epsilon", "8"], "--epsilon needs dp='global'")]:
         with pytest.raises(SystemExit) as exit_:
             main(["federated", *argv, "--output", str(tmp_path / "r.json")]
