@@ -35,21 +35,23 @@ or a real deployment, with OUR mechanisms and OUR accounting:
 
 How a round maps (in-process -> Flower)
 ---------------------------------------
+The round is `FederatedServer`'s own named parts on both runtimes:
+
 =================================  ============================================
-``FederatedServer.run_round``      ``DPStrategy``
+``FederatedServer.run``            ``DPStrategy``
 =================================  ============================================
-budget check before the round      ``configure_train`` (same method)
-sample with rng (seed, t)          ``configure_train``: the same
-                                   `ClientSampling` over the sorted node ids;
-                                   the inner strategy addresses exactly them
-trainer.train(w_t, idx_k, rng)     ClientApp ``train``: rng (seed, t, k) per
-                                   client (a client cannot share the server's
-                                   stream), same `LocalTrainer`
-aggregator.client_transform        ClientApp ``train`` (same object and method)
+``budget_stop_reason``             ``configure_train`` (same method)
+``open_round``: sample clients     ``configure_train`` (same method), then the
+                                   nodes of the sampled clients (enrolment:
+                                   each node says its ``partition-id``); the
+                                   inner strategy addresses exactly them
+``client_upload``: train, client   ClientApp ``train`` (same method, on the
+step, local DP                     client's node; streams (seed, t, k))
 aggregator.aggregate               ``aggregate_train`` (same object); without
                                    DP the inner strategy aggregates the updates
-ledger.record(round_event)         ``aggregate_train`` (same ledger and event)
-evaluate                           ``aggregate_train`` (same method)
+``close_round``: weights, ledger,  ``aggregate_train`` (same method), then the
+participations, test, history      checkpoint and the results file
+``finish``                         ``run`` (same method)
 =================================  ============================================
 
 Clients upload the *update* Delta_k (after their mechanism), not the new
@@ -753,7 +755,7 @@ def make_server_app(config: FederatedConfig | None = None, dataset=None, *,
             cfg, dataset, strategy=strategy,
             node_timeout=float(run_config.get("node-timeout", 120.0)),
             min_nodes=run_config.get("min-nodes"),
-            checkpoint_dir=run_config.get("checkpoint-dir"),
+            checkpoint_dir=run_config.get("checkpoint-dir") or None,
             on_round=lambda d: write("running", d))
         try:
             result = dp.run(grid, cfg.rounds)
