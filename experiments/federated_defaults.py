@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from _common import RESULTS, command_line, commit_of
+
 from dpfl_tf._io import atomic_write_json
 from dpfl_tf.federated.runner import FederatedConfig, build_server, run_federated
 
@@ -81,12 +83,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", choices=MODES, help="modes to run (default: all)")
     p.add_argument("--skip-old", action="store_true", help="do not rerun the old defaults")
-    p.add_argument("--output", default="results/federated_defaults.json")
+    p.add_argument("--output", default=os.path.join(RESULTS, "federated_defaults.json"))
     args = p.parse_args(argv)
     from dpfl_tf.data import load_dataset
 
     ds = load_dataset("mnist")
-    out = {"command": "python experiments/federated_defaults.py", "runs": [],
+    out = {"command": command_line(), "commit": commit_of(), "runs": [],
            "noise_to_signal": {
                "defaults": noise_to_signal(FederatedConfig(dp="global"), ds),
                "old_defaults": noise_to_signal(FederatedConfig(dp="global", **OLD), ds)}}

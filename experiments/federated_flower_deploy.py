@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _common import RESULTS, ROOT, command_line, commit_of
 
 
 def _free_port() -> int:
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=int, default=2, help="K SuperNodes")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per wait")
-    p.add_argument("--output", default="results/federated_flower_deploy.json")
+    p.add_argument("--output", default=os.path.join(RESULTS, "federated_flower_deploy.json"))
     args = p.parse_args(argv)
     from dpfl_tf._io import atomic_write_json
     from dpfl_tf.federated.flower import config_from_run_config
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
                   "node-timeout": 120.0}
     config = config_from_run_config(run_config)
     inproc = run_federated(config, progress=False)
-    out = {"command": "python experiments/federated_flower_deploy.py", "run_config": run_config,
+    out = {"command": command_line(), "commit": commit_of(), "run_config": run_config,
            "in_process_epsilon": inproc["epsilon"], "scenarios": []}
     with tempfile.TemporaryDirectory(prefix="dpfl-flower-") as tmp:
         with Deployment(tmp, run_config, args.clients) as dep:
