@@ -107,10 +107,9 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator
-from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report
 from dpfl_tf._validation import check_count
-from dpfl_tf.federated.aggregators import AggregateResult
+from dpfl_tf.federated.aggregators import AggregateResult, ClientNoiseDPAggregator
+from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report
 from dpfl_tf.federated.runner import DPMode, FederatedConfig, build_server, federated_result
 from dpfl_tf.federated.server import FederatedServer, RoundRecord
 
