@@ -14,6 +14,10 @@ round at once (O(m x model)).
   S fixed, or adapted privately each round (Andrew et al. 2021).
 * `ClientNoiseDPAggregator` -- DP-FedAvg with client-side noise: each client
   clips to S and adds N(0, z^2 S^2) before upload; the server averages.
+* `DistributedDPAggregator` -- distributed DP (Kairouz et al. 2021; Agarwal et al.
+  2021): each client quantizes its clipped update and adds a discrete noise share
+  (`dpfl_tf.federated.distributed_dp`); a simulated secure sum modulo 2^b; the
+  server decodes the sum only.
 
 The DP aggregators never clip or draw noise themselves: every clip and
 every noise draw goes through a `dpfl_tf.sanitizer.GaussianSanitizer`, the
@@ -68,7 +72,7 @@ import dp_accounting
 import numpy as np
 import tensorflow as tf
 
-from dpfl_tf._seeds import derive_seed
+from dpfl_tf._seeds import derive_rng, derive_seed
 from dpfl_tf._validation import check_number
 from dpfl_tf.privacy.events import (SamplingMethod, clipped_upload_event,
                                     complementary_noise_multiplier, gaussian_step_event,
@@ -76,8 +80,8 @@ from dpfl_tf.privacy.events import (SamplingMethod, clipped_upload_event,
 from dpfl_tf.sanitizer import GaussianSanitizer
 from dpfl_tf.secure_random import refuse_seed
 
-__all__ = ["AggregateResult", "Aggregator", "ClientNoiseDPAggregator", "GlobalDPAggregator",
-           "MeanAggregator", "MedianAggregator", "update_norms"]
+__all__ = ["AggregateResult", "Aggregator", "ClientNoiseDPAggregator", "DistributedDPAggregator",
+           "GlobalDPAggregator", "MeanAggregator", "MedianAggregator", "update_norms"]
 
 Update = Sequence[tf.Tensor]
 
@@ -113,6 +117,14 @@ class Aggregator:
     def client_transform(self, update: Update) -> list[tf.Tensor]:
         """What a client does to its update before upload (identity here)."""
         return list(update)
+
+    def begin_round(self, t: int) -> None:
+        """Round t starts (`FederatedServer.open_round`); e.g. its public per-round seeds."""
+
+    def dropped_out(self, t: int, client_id: int) -> bool:
+        """True if sampled client `client_id` drops out of round t before it uploads (a
+        simulation of unreliable clients; False here)."""
+        return False
 
     def aggregate(self, uploads: Iterable[tuple[Update, float]], template: Update, *,
                   expected_clients: float) -> AggregateResult:
@@ -520,3 +532,154 @@ class ClientNoiseDPAggregator(_SanitizedAggregator):
     def get_config(self) -> dict:
         return {"name": "client_dp", "groups": self.groups,
                 "sanitizer": self.sanitizer.get_config(), "secure_mode": self.secure_mode}
+
+
+class DistributedDPAggregator(Aggregator):
+    """Distributed DP with a simulated secure sum (`dpfl_tf.federated.distributed_dp`).
+
+    The client step (`client_transform`) is `DistributedDP.encode`: clip to c,
+    rotate with the round's public seed, scale, round, add the client's discrete
+    noise share, wrap at b bits.  `aggregate` is what secure aggregation and the
+    server do: the sum of the uploads modulo 2^b (`DistributedDP.secure_sum`; in a
+    deployment only this sum is revealed, here the simulation sees every upload),
+    decoded (`DistributedDP.decode`) and divided by the number of uploads.  The
+    server never uses anything else of the uploads, and what it releases is the
+    decoded mean.
+
+    Dropouts.  A sampled client drops out before uploading with probability
+    `dropout_rate` (`dropped_out`, from the stream (dropout_seed, "dropout", t, k),
+    as the Flower dropout mod draws it).  If fewer than ``mechanism.min_clients``
+    uploads arrive, the secure aggregation aborts: nothing is released (the
+    update is zero, ``info["aborted"]``), and the round's event is still recorded,
+    which over-counts (the server's bookkeeping is the same as for any round).
+
+    Unit of privacy: one client.  The round's event for the released model is
+    `DistributedDP.round_event` (m of K without replacement, replace-one); against
+    the server, which knows who took part, each participation is
+    `DistributedDP.event` (`server_report`).
+
+    Args:
+      mechanism: the `DistributedDP` (its ``dimension`` the model's parameter count).
+      dropout_rate: simulated dropout probability per sampled client and round.
+      dropout_seed: seeds the simulated dropouts (not a privacy matter).
+      rotation_key: the public key of the per-round rotation seeds (default: drawn
+        from OS entropy; checkpointed).
+      secure_mode: noise and rounding from the OS's secure source
+        (`dpfl_tf.discrete_noise.SecureSource`); `reseed` refuses.
+    """
+
+    private = True
+    client_noise = True
+
+    def __init__(self, mechanism, *, dropout_rate: float = 0.0, dropout_seed: int = 0,
+                 rotation_key: int | None = None, secure_mode: bool = False):
+        from dpfl_tf.discrete_noise import GeneratorSource, SecureSource
+        from dpfl_tf.federated.distributed_dp import DistributedDP
+
+        if not isinstance(mechanism, DistributedDP):
+            raise TypeError(f"mechanism must be a DistributedDP, got {type(mechanism).__name__}")
+        self.mechanism = mechanism
+        self.dropout_rate = check_number("dropout_rate", dropout_rate, low=0.0, high=1.0,
+                                         high_open=True)
+        self.dropout_seed = int(dropout_seed)
+        self.secure_mode = bool(secure_mode)
+        refuse_seed(self.secure_mode, rotation_key, "rotation_key")
+        import secrets
+
+        self.rotation_key = secrets.randbits(63) if rotation_key is None else int(rotation_key)
+        self._source = SecureSource() if self.secure_mode else GeneratorSource(None)
+        self._round = 0
+
+    # -- rounds, seeds, dropouts --------------------------------------------------------
+    def begin_round(self, t: int) -> None:
+        self._round = int(t)
+
+    def rotation_seed(self, t: int | None = None) -> int:
+        """Round t's public rotation seed: (rotation_key, "rotation", t)."""
+        return derive_seed(self.rotation_key, "rotation", self._round if t is None else int(t))
+
+    def dropped_out(self, t: int, client_id: int) -> bool:
+        if self.dropout_rate == 0:
+            return False
+        return dropped_out(self.dropout_rate, self.dropout_seed, t, client_id)
+
+    def reseed(self, seed: int) -> None:
+        from dpfl_tf.discrete_noise import GeneratorSource
+
+        refuse_seed(self.secure_mode, seed)
+        self._source = GeneratorSource(int(seed))
+
+    # -- client and server ------------------------------------------------------------
+    def client_transform(self, update: Update) -> list[np.ndarray]:
+        from dpfl_tf.federated.distributed_dp import flatten
+
+        flat = flatten([np.asarray(u) for u in update])
+        return [self.mechanism.encode(flat, self.rotation_seed(), self._source)]
+
+    def aggregate(self, uploads, template, *, expected_clients: float) -> AggregateResult:
+        total, count = self.mechanism.secure_sum(np.asarray(u[0]) for u, _ in uploads)
+        return self.release(total, count, template)
+
+    def release(self, total: np.ndarray, count: int, template: Update) -> AggregateResult:
+        """The round's update from the secure sum of `count` uploads (in-process and
+        on Flower's SecAgg+): decoded and divided by `count`, or zero if the secure
+        aggregation would have aborted (count < min_clients)."""
+        from dpfl_tf.federated.distributed_dp import unflatten
+
+        mech = self.mechanism
+        info: dict[str, Any] = {"clip": mech.l2_norm_clip, "bits": mech.bits,
+                                "uploads": int(count)}
+        if count < mech.min_clients:
+            info["aborted"] = (f"{count} uploads < min_clients={mech.min_clients}: the secure "
+                               "aggregation releases nothing")
+            return AggregateResult([tf.zeros_like(t) for t in template], int(count), info)
+        flat = mech.decode(total, self.rotation_seed()) / count
+        shapes = [tuple(t.shape) for t in template]
+        update = [tf.constant(a, dtype=t.dtype) for a, t in zip(unflatten(flat, shapes),
+                                                                 template)]
+        return AggregateResult(update, int(count), info)
+
+    def round_event(self, num_components, sampling, **sampling_args):
+        return self.mechanism.round_event(sampling, **sampling_args)
+
+    def server_report(self, participations: np.ndarray, delta: float) -> dict:
+        """Epsilon against the server, per client: `DistributedDP.event` (replace-one, no
+        amplification: the server knows who took part) composed over the most rounds
+        one client took part in ('rdp' accountant)."""
+        from dpfl_tf.privacy.accountants import compute_epsilon
+        from dpfl_tf.privacy.events import describe_event
+
+        n_max = int(participations.max()) if len(participations) else 0
+        event = self.mechanism.event()
+        eps = (compute_epsilon(dp_accounting.SelfComposedDpEvent(event, n_max), delta, "rdp")
+               if n_max else 0.0)
+        return {"participation_event": describe_event(event), "max_participations": n_max,
+                "mean_participations": float(np.mean(participations)) if len(participations)
+                else 0.0, "epsilon": None if math.isinf(eps) else eps, "delta": delta,
+                "epsilon_is_infinite": math.isinf(eps), "accountant": "rdp",
+                "relation": "replace-one (the server knows who took part)",
+                "note": "per client, over the rounds it took part in; the server sees only "
+                        "the secure sum of >= min_clients noised vectors"}
+
+    def get_state(self) -> dict:
+        return {"rotation_key": self.rotation_key}
+
+    def set_state(self, state: dict) -> None:
+        if "rotation_key" in state:
+            self.rotation_key = int(state["rotation_key"])
+
+    def get_config(self) -> dict:
+        mech = self.mechanism
+        return {"name": "distributed_dp", "mechanism": mech.mechanism.value, "bits": mech.bits,
+                "clip": mech.l2_norm_clip, "noise_multiplier": mech.noise_multiplier,
+                "clients_per_round": mech.clients_per_round, "min_clients": mech.min_clients,
+                "dimension": mech.dimension, "beta": mech.beta,
+                "overflow_probability": mech.overflow_probability,
+                "block_size": mech.block_size, "dropout_rate": self.dropout_rate,
+                "secure_mode": self.secure_mode}
+
+
+def dropped_out(rate: float, seed: int, t: int, client_id: int) -> bool:
+    """The simulated dropout of client k in round t: (seed, "dropout", t, k) < rate (the
+    in-process aggregator and Flower's dropout mod draw the same)."""
+    return bool(derive_rng(int(seed), "dropout", int(t), int(client_id)).random() < rate)

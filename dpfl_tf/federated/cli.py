@@ -63,6 +63,7 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
     Defaults come from `FederatedConfig`, choices from its enums."""
     from dataclasses import fields
 
+    from dpfl_tf.federated.distributed_dp import DistributedMechanism
     from dpfl_tf.federated.partition import PartitionScheme
     from dpfl_tf.federated.runner import (CLIENT_SAMPLING, DEFAULT_NOISE_MULTIPLIER, MODELS,
                                           AggregatorKind, DPMode, FederatedConfig)
@@ -117,7 +118,8 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
                    help="mlp (--hidden), or the PNPM experiments' CNN with 2 or 3 conv layers")
     q = p.add_argument_group("privacy")
     q.add_argument("--dp", default=default["dp"].value, choices=values(DPMode),
-                   help="none, global (server noise), client (client-side noise), local")
+                   help="none, global (server noise), client (client-side noise), local, "
+                        "distributed (discrete noise shares + secure aggregation)")
     q.add_argument("--clip", "-S", type=_clip, default=default["clip"],
                    help="clip bound S > 0, or 'adaptive' (DP adaptive clipping, Andrew et al. "
                         "2021; --dp global, flat)")
@@ -142,8 +144,20 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
     q.add_argument("--accountant", choices=values(AccountantKind),
                    help="default: moments; rdp with fixed_size sampling (the only one that "
                         "reads it)")
+    q.add_argument("--ddp-mechanism", default=default["ddp_mechanism"],
+                   choices=values(DistributedMechanism),
+                   help="--dp distributed: each client's noise share (the distributed discrete "
+                        "Gaussian, Kairouz et al. 2021, or Skellam, Agarwal et al. 2021)")
+    q.add_argument("--bits", "-b", type=_int, default=default["bits"],
+                   help="--dp distributed: bits per coordinate of the secure sum (modulus 2^b)")
+    q.add_argument("--min-clients", type=_int,
+                   help="--dp distributed: the fewest uploads the secure aggregation finishes "
+                        "a round with; the accounting assumes only their noise (default m)")
+    q.add_argument("--dropout-rate", type=float_arg, default=default["dropout_rate"],
+                   help="--dp distributed: simulated probability that a sampled client drops "
+                        "out before uploading (needs --min-clients)")
     q.add_argument("--secure-mode", action="store_true",
-                   help="--dp global/client: noise resistant to floating-point attacks and "
+                   help="--dp global/client/distributed: noise resistant to floating-point attacks and "
                         "client sampling from os.urandom (dpfl_tf.secure_random); no seed "
                         "reaches the DP randomness")
     q.add_argument("--ldp-mechanism", default=default["ldp_mechanism"],
@@ -201,7 +215,8 @@ def config_from_args(args, error=None):
         hidden=hidden, model=args.model, ldp_mechanism=args.ldp_mechanism,
         ldp_epsilon=args.ldp_epsilon, ldp_bound=args.ldp_bound,
         ldp_bound_margin=args.ldp_bound_margin, seed=args.seed, eval_every=args.eval_every,
-        secure_mode=args.secure_mode,
+        secure_mode=args.secure_mode, ddp_mechanism=args.ddp_mechanism, bits=args.bits,
+        min_clients=args.min_clients, dropout_rate=args.dropout_rate,
         train_subset=args.train_subset)
     try:
         config = FederatedConfig(**kwargs)
@@ -245,11 +260,19 @@ def _summary(config, result: dict) -> list[str]:
                          f"{clipping['target_quantile']:g}; count noise std "
                          f"{clipping['count_stddev']:g}; update noise multiplier "
                          f"{clipping['update_noise_multiplier']:.4g})")
+        if "distributed" in privacy:
+            ddp = privacy["distributed"]
+            lines.append(f"distributed DP: {ddp['mechanism']} shares, {ddp['bits']} bits "
+                         f"({ddp['bits_per_parameter']:.2f} bits per parameter per upload), "
+                         f">= {ddp['min_clients']} shares per sum, norm inflation by rounding "
+                         f"{ddp['norm_inflation']:.4f}, wrap probability <= "
+                         f"{ddp['wrap_probability']:.2g} per coordinate")
         if "against_server" in privacy:
             srv = privacy["against_server"]
+            what = srv.get("upload_event") or srv["participation_event"]
             lines.append(f"against the server: epsilon = {_eps(srv['epsilon'])} per client "
-                         f"(up to {srv['max_participations']} uploads of "
-                         f"{srv['upload_event']}; {srv['relation']})")
+                         f"(up to {srv['max_participations']} rounds of {what}; "
+                         f"{srv['relation']})")
     lines += [f"NOTE: {note}" for note in result["notices"]]
     lines.append(result["stop_reason"])
     return lines
@@ -316,7 +339,8 @@ def figure_title(result: dict) -> str:
     if c["dp"] == "local":
         return (f"local DP: {c['ldp_mechanism']}, epsilon {c['ldp_epsilon']:g} per coordinate "
                 f"(no central epsilon); {setup}")
-    what = {"global": "Global DP (server noise)", "client": "DP-FedAvg, client-side noise"}
+    what = {"global": "Global DP (server noise)", "client": "DP-FedAvg, client-side noise",
+            "distributed": f"distributed DP ({c['ddp_mechanism']}, {c['bits']} bits)"}
     target = "none" if c["target_epsilon"] is None else f"{c['target_epsilon']:g}"
     eps = "inf" if result["epsilon"] is None else f"{result['epsilon']:.3g}"
     return (f"{what[c['dp']]}: sigma = {c['noise_multiplier']:g}, S = {c['clip']}; "

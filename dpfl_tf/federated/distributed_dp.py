@@ -109,10 +109,10 @@ class DistributedMechanism(ChoiceEnum):
 def block_size_for(dimension: int, max_padding: float = 1 / 16) -> int:
     """The Hadamard block size for d parameters: the largest power of two B <=
     2^ceil(log2 d) whose padding, ceil(d / B) B - d, is at most `max_padding` x d,
-    and never below min(2^ceil(log2 d), 4096) (a small vector is one block)."""
+    and never below min(2^ceil(log2 d), 1024) (a small vector is one block)."""
     d = check_count("dimension", dimension, minimum=1)
     full = 1 << (d - 1).bit_length()
-    floor_size = min(full, 4096)
+    floor_size = min(full, 1024)
     b = full
     while b > floor_size and math.ceil(d / b) * b > (1 + max_padding) * d:
         b //= 2

@@ -35,6 +35,7 @@ class DPMode(ChoiceEnum):
     GLOBAL = "global"    # Geyer et al.: server clips and noises the sum
     CLIENT = "client"    # DP-FedAvg with client-side noise
     LOCAL = "local"      # local DP: every client perturbs its model before upload
+    DISTRIBUTED = "distributed"  # distributed DP: discrete noise shares + secure sum
 
 
 class AggregatorKind(ChoiceEnum):
@@ -54,7 +55,13 @@ CLIENT_SAMPLING = (SamplingMethod.POISSON, SamplingMethod.FIXED_SIZE)
 #: multiplier 1 on the replace-one sensitivity 2S of fixed-size sampling, the Global DP
 #: default's sigma (epsilon 14 vs 8.9 after 100 rounds: no Poisson amplification).
 #: none / local: 0 (no Gaussian noise).
-DEFAULT_NOISE_MULTIPLIER = {"none": 0.0, "global": 1.0, "client": 0.2, "local": 0.0}
+#: Distributed DP: z = 2 on the sum (fixed-size sampling, replace-one sensitivity 2S:
+#: multiplier 1, as for the client-side noise default).
+DEFAULT_NOISE_MULTIPLIER = {"none": 0.0, "global": 1.0, "client": 0.2, "local": 0.0,
+                            "distributed": 2.0}
+#: The modes whose noise is Gaussian or discrete and accounted centrally (target_epsilon,
+#: delta_max, secure_mode apply).
+ACCOUNTED_MODES = (DPMode.GLOBAL, DPMode.CLIENT, DPMode.DISTRIBUTED)
 
 
 def fully_connected_model(input_shape: Sequence[int] = (28, 28),
@@ -87,7 +94,17 @@ class FederatedConfig:
     draws and broadcasts it); a zero-initialised tensor (a bias) takes the
     bound of the tensor before it.
 
-    Privacy arguments: ``dp`` (none | global | client | local), ``clip`` (S > 0, or
+    Distributed DP (``dp="distributed"``, `dpfl_tf.federated.distributed_dp`):
+    every client clips, rotates, scales and rounds its update, adds a discrete
+    noise share (``ddp_mechanism``: "discrete_gaussian" or "skellam") and
+    wraps it at ``bits`` bits; a (simulated) secure aggregation reveals only the
+    sum.  ``noise_multiplier`` is the noise std over ``clip`` of the sum of
+    ``min_clients`` shares (the fewest uploads the secure aggregation finishes a
+    round with; default m); ``dropout_rate`` simulates clients that drop out
+    before uploading (needs ``min_clients``).  Fixed-size sampling only.
+
+    Privacy arguments: ``dp`` (none | global | client | local | distributed),
+    ``clip`` (S > 0, or
     "adaptive": DP adaptive clipping, Andrew et al. 2021, global DP with flat
     clipping only: the bound starts at ``clip_initial`` and moves each round
     towards the ``clip_quantile`` quantile of the update norms at rate
@@ -135,6 +152,10 @@ class FederatedConfig:
     seed: int = 0
     noise_seed: int | None = None
     secure_mode: bool = False
+    ddp_mechanism: str = "discrete_gaussian"
+    bits: int = 16
+    min_clients: int | None = None
+    dropout_rate: float = 0.0
     eval_every: int = 1
     train_subset: int | None = None
 
@@ -144,8 +165,8 @@ class FederatedConfig:
         s(self, "partition", PartitionScheme.parse(self.partition))
         s(self, "dp", DPMode.parse(self.dp))
         if self.sampling is None:      # client-side noise is accounted for fixed size only
-            s(self, "sampling", SamplingMethod.FIXED_SIZE if self.dp is DPMode.CLIENT
-              else SamplingMethod.POISSON)
+            s(self, "sampling", SamplingMethod.FIXED_SIZE if self.dp in (
+                DPMode.CLIENT, DPMode.DISTRIBUTED) else SamplingMethod.POISSON)
         s(self, "sampling", SamplingMethod.parse(self.sampling))
         if self.sampling not in CLIENT_SAMPLING:
             raise ValueError("sampling must be one of "
@@ -204,7 +225,7 @@ class FederatedConfig:
             s(self, "noise_multiplier", DEFAULT_NOISE_MULTIPLIER[self.dp.value])
         s(self, "noise_multiplier", check_number("noise_multiplier", self.noise_multiplier,
                                                  low=0.0))
-        if self.dp in (DPMode.GLOBAL, DPMode.CLIENT) and self.delta_max is None:
+        if self.dp in ACCOUNTED_MODES and self.delta_max is None:
             s(self, "delta_max", min(1e-5, 0.1 / self.clients))
         if self.delta_max is not None:
             s(self, "delta_max", check_delta_max(check_number(
@@ -214,19 +235,20 @@ class FederatedConfig:
             s(self, "target_epsilon", check_number("target_epsilon", self.target_epsilon,
                                                    low=0.0, low_open=True))
             if self.dp in (DPMode.NONE, DPMode.LOCAL):
-                raise ValueError("target_epsilon needs dp='global' or dp='client' (local DP "
-                                 "has a per-coordinate ldp_epsilon instead)")
+                raise ValueError("target_epsilon needs dp='global', 'client' or 'distributed' "
+                                 "(local DP has a per-coordinate ldp_epsilon instead)")
         if self.dp is DPMode.CLIENT and self.sampling is not SamplingMethod.FIXED_SIZE:
             raise ValueError("dp='client' (client-side noise) needs sampling='fixed_size': "
                              "the released sum's noise depends on the number of uploads")
         if not isinstance(self.secure_mode, bool):
             raise ValueError(f"secure_mode must be True or False, got {self.secure_mode!r}")
         if self.secure_mode:
-            if self.dp not in (DPMode.GLOBAL, DPMode.CLIENT):
-                raise ValueError("secure_mode=True secures the Gaussian noise and the client "
-                                 "sampling of dp='global' and dp='client'; got "
+            if self.dp not in ACCOUNTED_MODES:
+                raise ValueError("secure_mode=True secures the noise and the client sampling "
+                                 "of dp='global', 'client' and 'distributed'; got "
                                  f"dp={self.dp.value!r}")
             refuse_seed(True, self.noise_seed, "noise_seed")
+        self._check_distributed()
         if self.train_subset is not None:
             s(self, "train_subset", check_count("train_subset", self.train_subset, minimum=1))
         s(self, "hidden", tuple(check_count("hidden", h, minimum=1) for h in self.hidden))
@@ -245,6 +267,54 @@ class FederatedConfig:
                 s(self, "ldp_bound", check_number("ldp_bound", bound, low=0.0, low_open=True))
             s(self, "ldp_bound_margin", check_number("ldp_bound_margin", self.ldp_bound_margin,
                                                      low=0.0, low_open=True))
+
+    def _check_distributed(self) -> None:
+        """The rules of dp='distributed' (and that its settings go with it alone)."""
+        from dpfl_tf.federated.distributed_dp import DistributedMechanism
+
+        s = object.__setattr__
+        try:
+            s(self, "ddp_mechanism", DistributedMechanism.parse(self.ddp_mechanism).value)
+        except ValueError:
+            raise ValueError("ddp_mechanism must be one of "
+                             f"{', '.join(m.value for m in DistributedMechanism)}, got "
+                             f"{self.ddp_mechanism!r}") from None
+        bits = check_count("bits", self.bits, minimum=2)
+        if bits > 30:
+            raise ValueError(f"bits must be in [2, 30], got {self.bits!r}")
+        s(self, "bits", bits)
+        s(self, "dropout_rate", check_number("dropout_rate", self.dropout_rate, low=0.0,
+                                             high=1.0, high_open=True))
+        if self.dp is not DPMode.DISTRIBUTED:
+            for name, unset in (("min_clients", None), ("dropout_rate", 0.0)):
+                if getattr(self, name) != unset:
+                    raise ValueError(f"{name} is a setting of dp='distributed' (its secure "
+                                     f"aggregation), got {name}={getattr(self, name)!r} with "
+                                     f"dp={self.dp.value!r}")
+            return
+        if self.sampling is not SamplingMethod.FIXED_SIZE:
+            raise ValueError("dp='distributed' needs sampling='fixed_size': with Poisson "
+                             "sampling the number of noise shares would depend on whether a "
+                             "client took part")
+        if self.per_layer:
+            raise ValueError("dp='distributed' clips the whole update to one bound; per_layer "
+                             "must be False")
+        if self.noise_multiplier <= 0:
+            raise ValueError(f"noise_multiplier must be > 0 with dp='distributed', got "
+                             f"{self.noise_multiplier!r}")
+        m = (self.clients_per_round if self.clients_per_round is not None
+             else max(1, int(round(self.fraction * self.clients))))
+        if self.min_clients is None:
+            if self.dropout_rate > 0:
+                raise ValueError(f"dropout_rate={self.dropout_rate:g} needs min_clients: the "
+                                 "fewest uploads the secure aggregation finishes a round with "
+                                 "(the privacy accounting assumes only their noise shares)")
+            s(self, "min_clients", m)
+        n_min = check_count("min_clients", self.min_clients, minimum=1)
+        if n_min > m:
+            raise ValueError(f"min_clients must be <= the clients per round (m={m}), got "
+                             f"{n_min}")
+        s(self, "min_clients", n_min)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -286,7 +356,9 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
     local_dp = None
     sampling = ClientSampling(c.sampling, clients_per_round=c.clients_per_round,
                               fraction=c.fraction if c.clients_per_round is None else None)
-    if c.dp in (DPMode.NONE, DPMode.LOCAL):
+    if c.dp is DPMode.DISTRIBUTED:
+        aggregator = _distributed_aggregator(c, trainer, sampling)
+    elif c.dp in (DPMode.NONE, DPMode.LOCAL):
         # local DP: the server is not trusted with n_k (client data no mechanism
         # protects), so the mean is unweighted
         aggregator = (MeanAggregator(weighted=c.dp is DPMode.NONE) if c.aggregator == "mean"
@@ -332,6 +404,23 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
 
         server._notice(deployment_note(c.noise_seed))  # in the log and the results' notices
     return server, ds
+
+
+def _distributed_aggregator(c: FederatedConfig, trainer, sampling):
+    """dp='distributed': the `DistributedDP` of the config for the model's parameters,
+    in a `DistributedDPAggregator` (simulated secure sum and dropouts)."""
+    from dpfl_tf.federated.aggregators import DistributedDPAggregator
+    from dpfl_tf.federated.distributed_dp import DistributedDP
+
+    dimension = int(sum(int(np.prod(v.shape)) for v in trainer.variables))
+    mechanism = DistributedDP(c.ddp_mechanism, c.bits, c.clip, c.noise_multiplier,
+                              sampling.clients_for(c.clients), dimension,
+                              min_clients=c.min_clients)
+    return DistributedDPAggregator(
+        mechanism, dropout_rate=c.dropout_rate, dropout_seed=derive_seed(c.seed, "dropout"),
+        rotation_key=(None if c.noise_seed is None
+                      else derive_seed(c.noise_seed, "rotation")),
+        secure_mode=c.secure_mode)
 
 
 def build_model(config: FederatedConfig, input_shape: Sequence[int], num_classes: int):
@@ -395,6 +484,8 @@ def _mechanism(c: FederatedConfig) -> str:
         return f"ldp_{c.ldp_mechanism}"
     if c.dp is DPMode.NONE:
         return "fedavg" if c.aggregator == "mean" else "fedmedian"
+    if c.dp is DPMode.DISTRIBUTED:
+        return f"distributed_{c.ddp_mechanism}"
     return "global_dp" if c.dp is DPMode.GLOBAL else "client_dp"
 
 
@@ -463,6 +554,8 @@ def federated_result(config: FederatedConfig, server, ds, *, seconds: float) -> 
         "privacy": report,
         **({"model": c.model} if c.model != "mlp" else {}),
         **(_local_summary(report["local_dp"]) if "local_dp" in report else {}),
+        **({"bits": c.bits, "bits_per_parameter": report["distributed"]["bits_per_parameter"]}
+           if "distributed" in report else {}),
         "local_epochs": c.local_epochs, "local_batch_size": c.local_batch_size,
         "learning_rate": c.learning_rate, "momentum": c.momentum,
         "config": c.to_dict(),

@@ -220,8 +220,8 @@ class FederatedServer:
     Args:
       trainer: the `LocalTrainer` (model + training arrays + local SGD settings).
       partition: the clients' index lists into the trainer's training arrays.
-      aggregator: `MeanAggregator`, `MedianAggregator`, `GlobalDPAggregator`
-        or `ClientNoiseDPAggregator`.
+      aggregator: `MeanAggregator`, `MedianAggregator`, `GlobalDPAggregator`,
+        `ClientNoiseDPAggregator` or `DistributedDPAggregator`.
       sampling: `ClientSampling`.
       test_data: (x_test, y_test) for the server's evaluation.
       target_epsilon: stop before the round that would make delta at this
@@ -417,24 +417,30 @@ class FederatedServer:
         t = self.rounds_done
         if self.noise_seed is not None:
             self.aggregator.reseed(derive_seed(self.noise_seed, "server-noise", t))
+        self.aggregator.begin_round(t)
         return t, self.sample_clients(self.round_rng(t))
 
     def client_upload(self, client_id: int, global_weights: Sequence[tf.Tensor], t: int, *,
-                      local_dp: LocalDPUpload | None = None) -> tuple[list[tf.Tensor], int]:
+                      local_dp: LocalDPUpload | None = None, client_step: bool = True
+                      ) -> tuple[list[tf.Tensor], int]:
         """What client k uploads in round t, and its n_k: Delta_k from `LocalTrainer.train`
         on its partition with `shuffle_rng(t, k)`, then the aggregator's client step
-        (`client_transform`: identity, or clip + noise for DP-FedAvg, drawn with
-        (noise_seed, "client-noise", t, k) when seeded), then the local-DP mechanism
-        (`local_dp`, default this server's) with its (t, k) generator."""
+        (`client_transform`: identity, clip + noise for DP-FedAvg, or distributed DP's
+        encoding, drawn with (noise_seed, "client-noise", t, k) when seeded; skipped
+        with ``client_step=False``, where a Flower client mod takes it), then the
+        local-DP mechanism (`local_dp`, default this server's) with its (t, k)
+        generator."""
         k = int(client_id)
         if not 0 <= k < self.num_clients:
             raise ValueError(f"client id (partition-id) must lie in [0, {self.num_clients}), "
                              f"got {client_id!r}")
         indices = self.partition.client(k)
         delta = self.trainer.train(list(global_weights), indices, self.shuffle_rng(t, k))
-        if self.noise_seed is not None and self.aggregator.client_noise:
-            self.aggregator.reseed(derive_seed(self.noise_seed, "client-noise", t, k))
-        upload = self.aggregator.client_transform(delta)
+        upload = delta
+        if client_step:
+            if self.noise_seed is not None and self.aggregator.client_noise:
+                self.aggregator.reseed(derive_seed(self.noise_seed, "client-noise", t, k))
+            upload = self.aggregator.client_transform(delta)
         local_dp = self.local_dp if local_dp is None else local_dp
         if local_dp is not None:
             upload = local_dp.apply(global_weights, upload, local_dp.generator(t, k))
@@ -485,6 +491,8 @@ class FederatedServer:
             for k in selected:
                 if should_stop is not None and should_stop():
                     raise RoundAbandoned(t + 1)
+                if self.aggregator.dropped_out(t, int(k)):   # uploads nothing
+                    continue
                 upload, n_k = self.client_upload(int(k), global_weights, t)
                 yield upload, float(n_k)
 
@@ -567,6 +575,10 @@ class FederatedServer:
         }
         if hasattr(self.aggregator, "clipping_report"):
             report["clipping"] = self.aggregator.clipping_report()
+        if hasattr(self.aggregator, "server_report"):     # distributed DP
+            report["distributed"] = self.aggregator.mechanism.report()
+            report["against_server"] = self.aggregator.server_report(self.participations,
+                                                                     self.delta_max)
         if isinstance(self.aggregator, ClientNoiseDPAggregator):
             n_max = int(self.participations.max()) if len(self.participations) else 0
             z = self.aggregator.upload_noise_multiplier(self.num_components)
