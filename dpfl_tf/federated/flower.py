@@ -95,6 +95,7 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess test
         "flwr.app / flwr.clientapp / flwr.serverapp); install the extra with: "
         "pip install 'dpfl-tf[flower]'") from _exc
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -844,8 +845,8 @@ class LocalGrid(Grid):
                 if node in self.down:   # as Flower's SuperLink: an error reply, not a raise
                     reply = Message(Error(code=0, reason=f"node {node} is offline"),
                                     reply_to=msg)
-                else:
-                    reply = self._app(msg, self.contexts[node])
+                else:   # a copy, as a transport delivers: a ClientApp may change its message
+                    reply = self._app(copy.deepcopy(msg), self.contexts[node])
             except Exception as exc:
                 if self.raise_client_errors:
                     raise
@@ -901,10 +902,21 @@ def run_on_flower(config: FederatedConfig, dataset=None, *, backend: str = "ray"
         per ClientApp, no GPU).
       local_dp: a client-side `LocalDPUpload`.
       strategy: the inner Flower strategy (default `default_inner_strategy`).
+
+    ``dp="distributed"`` runs in Flower's SecAgg+ workflow instead
+    (`dpfl_tf.federated.flower_secagg.run_on_secagg`).
       verbose: keep Flower's INFO logging (default: warnings only).
     """
     if not isinstance(config, FederatedConfig):
         raise TypeError(f"config must be a FederatedConfig, got {type(config).__name__}")
+    if config.dp is DPMode.DISTRIBUTED:     # Flower's secure aggregation (SecAgg+)
+        if local_dp is not None or strategy is not None:
+            raise ValueError("dp='distributed' runs in Flower's SecAggPlusWorkflow with "
+                             "DistributedDPStrategy: local_dp and strategy must be None")
+        from dpfl_tf.federated.flower_secagg import run_on_secagg
+
+        return run_on_secagg(config, dataset, backend=backend, backend_config=backend_config,
+                             verbose=verbose)
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend_config is not None and backend != "ray":

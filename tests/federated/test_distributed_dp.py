@@ -168,3 +168,95 @@ def test_events_calibration_and_errors():
     with pytest.raises(ValueError, match="the update has 9 parameters"):
         dp.clip(np.ones(9))
     assert np.array_equal(dp.clip(np.full(10_000, np.nan)), np.zeros(10_000))
+
+
+# ---------------------------------------------------------------------------
+# In the federated loop (simulated secure sum)
+
+def _config(**kw):
+    from dpfl_tf.federated.runner import FederatedConfig
+
+    base = dict(dp="distributed", clients=20, clients_per_round=10, min_clients=7,
+                dropout_rate=0.1, rounds=3, hidden=(16,), noise_multiplier=1.0, noise_seed=5,
+                partition="iid", bits=16)
+    base.update(kw)
+    return FederatedConfig(**base)
+
+
+def test_federated_rounds_decode_the_sum_and_report_both_guarantees(mnist_small):
+    from dpfl_tf.federated.runner import run_federated
+
+    cfg = _config()
+    a = run_federated(cfg, mnist_small, progress=False)
+    b = run_federated(cfg, mnist_small, progress=False)
+    assert [h["accuracy"] for h in a["history"]] == [h["accuracy"] for h in b["history"]]
+    assert a["mechanism"] == "distributed_discrete_gaussian" and a["bits"] == 16
+    privacy = a["privacy"]
+    assert privacy["distributed"]["min_clients"] == 7
+    assert "fixed-size(L=10 of N=20) distributed discrete Gaussian" in privacy["round_event"]
+    # the server knows who took part: no amplification, so more than the released model
+    assert privacy["against_server"]["epsilon"] > a["epsilon"] > 0
+    assert all(h["info"]["uploads"] <= 10 for h in a["history"])
+    assert a["bits_per_parameter"] == pytest.approx(
+        16 * privacy["distributed"]["padded_dimension"] / privacy["distributed"]["dimension"])
+
+
+def test_the_release_is_the_mean_of_the_clipped_updates_plus_noise(mnist_small):
+    """One round by hand: the server's new weights are w + decode(secure sum) / n."""
+    from dpfl_tf.federated.runner import build_server
+
+    server, _ = build_server(_config(noise_multiplier=0.05, bits=24, dropout_rate=0.0,
+                                     min_clients=10), mnist_small, progress=False)
+    agg = server.aggregator
+    w0 = server.trainer.get_weights()
+    t, selected = server.open_round()
+    deltas = [server.client_upload(int(k), w0, t, client_step=False)[0] for k in selected]
+    clipped = sum(agg.mechanism.clip(ddp.flatten(d)) for d in deltas) / len(deltas)
+    uploads = [(agg.client_transform(d), 1.0) for d in deltas]
+    result = agg.aggregate(uploads, w0, expected_clients=10)
+    got = ddp.flatten([np.asarray(u) for u in result.update])
+    noise_std = 0.05 * 1.0 / len(deltas)               # z c / n per coordinate
+    assert np.std(got - clipped) == pytest.approx(noise_std, rel=0.1)
+
+
+def test_secure_mode_in_the_federated_loop(mnist_small):
+    from dpfl_tf.federated.runner import FederatedConfig, run_federated
+
+    with pytest.raises(ValueError, match="refuses a seed"):
+        _config(secure_mode=True)
+    out = run_federated(_config(secure_mode=True, noise_seed=None, rounds=1), mnist_small,
+                        progress=False)
+    assert out["privacy"]["secure_mode"] is True
+    from dpfl_tf.federated.runner import build_server
+
+    server, _ = build_server(_config(secure_mode=True, noise_seed=None), mnist_small,
+                             progress=False)
+    assert isinstance(server.aggregator._source, dn.SecureSource)
+    with pytest.raises(ValueError, match="refuses a seed"):
+        server.aggregator.reseed(1)
+    for bad, message in [(dict(sampling="poisson"), "needs sampling='fixed_size'"),
+                         (dict(min_clients=None), "needs min_clients"),
+                         (dict(min_clients=11), r"min_clients must be <= the clients per round"),
+                         (dict(ddp_mechanism="laplace"), "ddp_mechanism must be one of"),
+                         (dict(dp="global"), "is a setting of dp='distributed'")]:
+        with pytest.raises(ValueError, match=message):
+            _config(**bad)
+    assert FederatedConfig(dp="distributed").noise_multiplier == 2.0
+
+
+def test_the_command_line_takes_the_distributed_flags():
+    import argparse
+
+    from dpfl_tf.federated.cli import add_federated_parser, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_federated_parser(parser.add_subparsers())
+    args = parser.parse_args(["federated", "--dp", "distributed", "--ddp-mechanism", "skellam",
+                              "--bits", "12", "-m", "50", "--min-clients", "40",
+                              "--dropout-rate", "0.1"])
+    c = config_from_args(args)
+    assert (c.dp.value, c.ddp_mechanism, c.bits, c.min_clients, c.dropout_rate) == \
+        ("distributed", "skellam", 12, 40, 0.1)
+    bad = parser.parse_args(["federated", "--dp", "distributed", "--bits", "40"])
+    with pytest.raises(ValueError, match="bits must be in"):
+        config_from_args(bad)
