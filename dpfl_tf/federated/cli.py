@@ -157,9 +157,10 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
                    help="--dp distributed: simulated probability that a sampled client drops "
                         "out before uploading (needs --min-clients)")
     q.add_argument("--secure-mode", action="store_true",
-                   help="--dp global/client/distributed: noise resistant to floating-point attacks and "
-                        "client sampling from os.urandom (dpfl_tf.secure_random); no seed "
-                        "reaches the DP randomness")
+                   help="--dp global/client/distributed: noise resistant to floating-point "
+                        "attacks (distributed: exact discrete noise from the OS's secure "
+                        "source) and client sampling from os.urandom (dpfl_tf.secure_random); "
+                        "no seed reaches the DP randomness")
     q.add_argument("--ldp-mechanism", default=default["ldp_mechanism"],
                    choices=values(MechanismKind), help="--dp local: the per-coordinate randomiser")
     q.add_argument("--ldp-epsilon", type=float_arg, default=default["ldp_epsilon"],

@@ -315,7 +315,10 @@ class DistributedDP:
         rounds = check_count("rounds", rounds, minimum=1)
 
         def event(z):
-            config = dataclasses.replace(self, noise_multiplier=max(z, 1e-6))
+            try:
+                config = dataclasses.replace(self, noise_multiplier=max(z, 1e-6))
+            except ValueError:      # shares below what the bound covers: no guarantee
+                return dp_accounting.NonPrivateDpEvent()
             return dp_accounting.SelfComposedDpEvent(config.round_event(
                 "fixed_size", dataset_size=num_clients, lot_size=self.clients_per_round),
                 rounds)

@@ -117,7 +117,7 @@ from dpfl_tf.federated.server import FederatedServer, RoundRecord
 __all__ = [
     "DPStrategy", "LocalDPUpload", "LocalGrid", "client_app", "client_update",
     "config_from_run_config", "config_to_run_config", "default_inner_strategy",
-    "make_client_app", "make_server_app", "run_on_flower", "server_app",
+    "make_client_app", "make_server_app", "run_apps", "run_on_flower", "server_app",
     "FLOWER_VERSION", "PARTITION_ID_KEY", "NUM_PARTITIONS_KEY", "ROUND_KEY",
 ]
 
@@ -928,6 +928,24 @@ def run_on_flower(config: FederatedConfig, dataset=None, *, backend: str = "ray"
 
     client = make_client_app(config, dataset, local_dp=local_dp)
     server = make_server_app(config, dataset, strategy=strategy, on_finish=on_finish)
+    run_apps(server, client, config.clients, backend=backend, backend_config=backend_config,
+             verbose=verbose)
+    if "strategy" not in finished:
+        raise RuntimeError(f"the Flower run ({backend}) ended without finishing the ServerApp; "
+                           "see Flower's log above")
+    return _result(config, finished["strategy"], finished["seconds"], backend=backend)
+
+
+def run_apps(server: ServerApp, client: ClientApp, num_nodes: int, *, backend: str = "ray",
+             backend_config: dict | None = None, verbose: bool = False,
+             raise_client_errors: bool = True) -> None:
+    """Runs a ServerApp with `num_nodes` nodes of a ClientApp: on Flower's Simulation
+    Engine (``"ray"``; one CPU per ClientApp unless `backend_config` says otherwise) or
+    on `LocalGrid` (``"local"``; a failing ClientApp raises unless
+    ``raise_client_errors=False``, which makes it an error reply as on Flower).
+    Flower logs warnings only unless `verbose`."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     flwr_logger = logging.getLogger("flwr")
     level = flwr_logger.level
     if not verbose:
@@ -935,20 +953,16 @@ def run_on_flower(config: FederatedConfig, dataset=None, *, backend: str = "ray"
     try:
         if backend == "ray":
             from flwr.simulation import run_simulation
-            run_simulation(server_app=server, client_app=client, num_supernodes=config.clients,
+            run_simulation(server_app=server, client_app=client, num_supernodes=int(num_nodes),
                            backend_config=backend_config or {
                                "client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
                            verbose_logging=verbose)
         else:
-            grid = LocalGrid(client, config.clients)
+            grid = LocalGrid(client, int(num_nodes), raise_client_errors=raise_client_errors)
             server(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                                  run_config={}))
     finally:
         flwr_logger.setLevel(level)
-    if "strategy" not in finished:
-        raise RuntimeError(f"the Flower run ({backend}) ended without finishing the ServerApp; "
-                           "see Flower's log above")
-    return _result(config, finished["strategy"], finished["seconds"], backend=backend)
 
 
 #: For ``flwr run``: in ``[tool.flwr.app.components]``,

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 try:
     import flwr.compat.common.recorddict_compat as compat
-    from flwr.app import ConfigRecord, Context, Message, RecordDict
+    from flwr.app import ConfigRecord, Context, Message
     from flwr.client import ClientApp, NumPyClient
     from flwr.client.mod import secaggplus_mod
     from flwr.common import (FitIns, GetPropertiesIns, ndarrays_to_parameters,
@@ -86,15 +86,15 @@ from dpfl_tf._seeds import derive_seed
 from dpfl_tf.discrete_noise import GeneratorSource, SecureSource
 from dpfl_tf.federated.aggregators import DistributedDPAggregator, dropped_out
 from dpfl_tf.federated.distributed_dp import DistributedDP, flatten
-from dpfl_tf.federated.flower import (PARTITION_ID_KEY, ROUND_KEY, LocalGrid, _ClientSpec,
+from dpfl_tf.federated.flower import (PARTITION_ID_KEY, ROUND_KEY, _ClientSpec,
                                       _dataset_fingerprint, _partition_id, _result, _runtime,
-                                      config_from_run_config)
+                                      config_from_run_config, run_apps)
 from dpfl_tf.federated.runner import DPMode, FederatedConfig, build_server
 from dpfl_tf.federated.server import FederatedServer
 
-__all__ = ["DistributedDPStrategy", "distributed_dp_mod", "make_dropout_mod",
+__all__ = ["DistributedDPStrategy", "client_app", "distributed_dp_mod", "make_dropout_mod",
            "make_secagg_client_app", "make_secagg_server_app", "recover_sum",
-           "run_on_secagg", "secagg_min_survivors", "secagg_ranges"]
+           "run_on_secagg", "secagg_min_survivors", "secagg_ranges", "server_app"]
 
 _log = logging.getLogger("dpfl_tf.federated.flower_secagg")
 #: the fit-config keys of the mechanism (`mechanism_config`, `mechanism_from_config`)
@@ -476,27 +476,19 @@ def run_on_secagg(config: FederatedConfig, dataset=None, *, backend: str = "ray"
     client = make_secagg_client_app(config, dataset)
     server = make_secagg_server_app(config, dataset, timeout=timeout, on_finish=lambda s, sec:
                                     finished.update(strategy=s, seconds=sec))
-    flwr_logger = logging.getLogger("flwr")
-    level = flwr_logger.level
-    if not verbose:
-        flwr_logger.setLevel(logging.WARNING)
-    try:
-        if backend == "ray":
-            from flwr.simulation import run_simulation
-            run_simulation(server_app=server, client_app=client, num_supernodes=config.clients,
-                           backend_config=backend_config or {
-                               "client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
-                           verbose_logging=verbose)
-        elif backend == "local":
-            grid = LocalGrid(client, config.clients, raise_client_errors=False)
-            server(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
-                                 run_config={}))
-        else:
-            raise ValueError(f"backend must be one of ('ray', 'local'), got {backend!r}")
-    finally:
-        flwr_logger.setLevel(level)
+    # a client that drops out fails its ClientApp: an error reply, as on Flower
+    run_apps(server, client, config.clients, backend=backend, backend_config=backend_config,
+             verbose=verbose, raise_client_errors=False)
     if "strategy" not in finished:
         raise RuntimeError(f"the Flower run ({backend}) ended without finishing the ServerApp; "
                            "see Flower's log above")
     return _result(config, finished["strategy"], finished["seconds"],
                    backend=f"{backend}, SecAgg+")
+
+
+#: For ``flwr run`` of a ``dp="distributed"`` app: in ``[tool.flwr.app.components]``,
+#: ``serverapp = "dpfl_tf.federated.flower_secagg:server_app"`` and
+#: ``clientapp = "dpfl_tf.federated.flower_secagg:client_app"``; the FederatedConfig comes
+#: from ``[tool.flwr.app.config]`` (`dpfl_tf.federated.flower.config_from_run_config`).
+client_app = make_secagg_client_app()
+server_app = make_secagg_server_app()
