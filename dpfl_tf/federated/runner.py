@@ -235,8 +235,9 @@ class FederatedConfig:
             s(self, "target_epsilon", check_number("target_epsilon", self.target_epsilon,
                                                    low=0.0, low_open=True))
             if self.dp in (DPMode.NONE, DPMode.LOCAL):
-                raise ValueError("target_epsilon needs dp='global', 'client' or 'distributed' "
-                                 "(local DP has a per-coordinate ldp_epsilon instead)")
+                raise ValueError("target_epsilon needs dp='global' or dp='client' (or "
+                                 "'distributed'; local DP has a per-coordinate ldp_epsilon "
+                                 "instead)")
         if self.dp is DPMode.CLIENT and self.sampling is not SamplingMethod.FIXED_SIZE:
             raise ValueError("dp='client' (client-side noise) needs sampling='fixed_size': "
                              "the released sum's noise depends on the number of uploads")
@@ -244,9 +245,9 @@ class FederatedConfig:
             raise ValueError(f"secure_mode must be True or False, got {self.secure_mode!r}")
         if self.secure_mode:
             if self.dp not in ACCOUNTED_MODES:
-                raise ValueError("secure_mode=True secures the noise and the client sampling "
-                                 "of dp='global', 'client' and 'distributed'; got "
-                                 f"dp={self.dp.value!r}")
+                raise ValueError("secure_mode=True secures the Gaussian noise and the client "
+                                 "sampling of dp='global' and dp='client' (and the discrete "
+                                 f"noise of dp='distributed'); got dp={self.dp.value!r}")
             refuse_seed(True, self.noise_seed, "noise_seed")
         self._check_distributed()
         if self.train_subset is not None:

@@ -48,7 +48,8 @@ def test_parser_reads_the_documented_flags():
         (0.5, 0.2, None)
 
 
-@pytest.mark.parametrize("argv", ["", "--dp global", "--dp client", "--dp local"])
+@pytest.mark.parametrize("argv", ["", "--dp global", "--dp client", "--dp local",
+                                  "--dp distributed"])
 def test_the_defaults_are_the_configs(argv):
     """No flag given: the CLI builds exactly the config's defaults (they were 100 rounds in
     the CLI against 10 in FederatedConfig), mode-dependent ones resolved by the config."""
@@ -62,10 +63,12 @@ def test_the_defaults_are_the_configs(argv):
     assert (c.clients, c.rounds, c.fraction, c.hidden) == (1000, 100, 0.1, (32,))
     assert (c.sampling.value, c.accountant.value, c.noise_multiplier) == {
         "none": ("poisson", "moments", 0.0), "global": ("poisson", "moments", 1.0),
-        "client": ("fixed_size", "rdp", 0.2), "local": ("poisson", "moments", 0.0)}[dp]
+        "client": ("fixed_size", "rdp", 0.2), "local": ("poisson", "moments", 0.0),
+        "distributed": ("fixed_size", "rdp", 2.0)}[dp]
 
 
 def test_help_shows_every_default_and_the_choices_are_the_enums(capsys):
+    from dpfl_tf.federated.distributed_dp import DistributedMechanism
     from dpfl_tf.federated.partition import PartitionScheme
     from dpfl_tf.federated.runner import AggregatorKind, DPMode
     from dpfl_tf.federated.settings import MechanismKind
@@ -78,7 +81,8 @@ def test_help_shows_every_default_and_the_choices_are_the_enums(capsys):
     choices = {a.dest: a.choices for a in fed._actions if a.choices}
     for dest, enum in [("partition", PartitionScheme), ("dp", DPMode),
                        ("aggregator", AggregatorKind), ("accountant", AccountantKind),
-                       ("ldp_mechanism", MechanismKind)]:
+                       ("ldp_mechanism", MechanismKind),
+                       ("ddp_mechanism", DistributedMechanism)]:
         assert choices[dest] == [m.value for m in enum]
     assert choices["sampling"] == ["poisson", "fixed_size"]
     for action in fed._actions:
@@ -86,7 +90,8 @@ def test_help_shows_every_default_and_the_choices_are_the_enums(capsys):
             continue   # --help, -v and on/off switches
         assert "default" in fed.formatter_class("x")._get_help_string(action), action.dest
     for shown in ["number of clients K (default: 1000)", "(default: 100)",
-                  "(default: 1 with --dp global, 0.2 with --dp client)",
+                  "(default: 1 with --dp global, 0.2 with --dp client, 2 with --dp "
+                  "distributed)",
                   "The defaults (MNIST, K = 1000"]:
         assert shown in text, shown
 

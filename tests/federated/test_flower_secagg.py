@@ -5,6 +5,7 @@ sum) and in SecAggPlusWorkflow (LocalGrid), with dropouts; the mod refuses to se
 a noised vector outside secure aggregation."""
 
 import dataclasses
+import importlib.util
 import os
 
 import numpy as np
@@ -85,6 +86,22 @@ def test_in_process_and_flower_secagg_give_the_same_rounds(mechanism):
         assert a["epsilon"] == b["epsilon"]
     assert here["privacy"]["against_server"] == there["privacy"]["against_server"]
     assert here["bits_per_parameter"] == there["bits_per_parameter"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                    reason="Flower's Simulation Engine needs Ray: pip install 'flwr[simulation]'")
+def test_secagg_on_the_simulation_engine_gives_the_in_process_rounds():
+    """SecAgg+ with Ray workers (serialised messages, one process per ClientApp actor),
+    dropouts included: the rounds of the in-process simulation.  (100 clients per
+    round: experiments/federated_distributed.py --flower.)"""
+    data = _small()
+    cfg = _cfg(clients=6, clients_per_round=5, min_clients=3, rounds=2, hidden=(4,))
+    here = run_federated(cfg, data, progress=False)
+    there = fl.run_on_flower(cfg, data, backend="ray")
+    assert there["flower_backend"] == "ray, SecAgg+"
+    assert [h["info"]["uploads"] for h in there["history"]] == \
+        [h["info"]["uploads"] for h in here["history"]]
+    assert [h["accuracy"] for h in there["history"]] == [h["accuracy"] for h in here["history"]]
 
 
 def test_a_round_below_min_clients_releases_nothing_on_both_runtimes():
