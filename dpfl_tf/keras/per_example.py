@@ -127,6 +127,13 @@ def _direct_children(layer) -> list:
     return list(layer._flatten_layers(include_self=False, recursive=False))
 
 
+def _trained(layer) -> list:
+    """The variables under `layer` that train (`trainable_variables` is empty for
+    a frozen layer even when a sublayer trains, as after KerasHub's
+    ``backbone.enable_lora``)."""
+    return [v for v in layer.variables if v.trainable]
+
+
 def plan_layers(model, excluded=frozenset()) -> dict:
     """{id(layer): (layer, rule)} for the trainable layers the tapped forward
     replaces: a layer with a registered rule that applies; else, a layer whose
@@ -138,16 +145,18 @@ def plan_layers(model, excluded=frozenset()) -> dict:
 
     def visit(layer):
         for child in _direct_children(layer):
-            if (id(child) in plan or id(child) in excluded or not child.trainable
-                    or not child.trainable_variables):
+            if id(child) in plan or id(child) in excluded or not _trained(child):
+                continue
+            if not child.trainable:  # frozen, with a sublayer that trains (enable_lora)
+                visit(child)
                 continue
             rule = find_rule(child)
             if rule is not None:
                 plan[id(child)] = (child, rule if rule.applies(child) else FALLBACK)
                 continue
             grandchildren = _direct_children(child)
-            held = {id(v) for g in grandchildren for v in g.trainable_variables}
-            if grandchildren and all(id(v) in held for v in child.trainable_variables):
+            held = {id(v) for g in grandchildren for v in _trained(g)}
+            if grandchildren and all(id(v) in held for v in _trained(child)):
                 visit(child)
             else:
                 plan[id(child)] = (child, FALLBACK)

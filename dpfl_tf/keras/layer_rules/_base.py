@@ -76,6 +76,11 @@ class LayerRule:
     def applies(self, layer) -> bool:
         return True
 
+    def rule_for(self, layer) -> "LayerRule":
+        """The rule for this layer's configuration: itself, or another rule a
+        configuration is handed to (Keras's LoRA layers, `lora.py`)."""
+        return self
+
     def forward(self, layer, *args, **kwargs):
         raise NotImplementedError
 
@@ -105,11 +110,12 @@ def unregister_rule(layer_class: type) -> None:
 
 
 def find_rule(layer) -> LayerRule | None:
-    """The rule for the layer's exact type, else for the nearest class of its MRO."""
+    """The rule for the layer's exact type, else for the nearest class of its MRO
+    (as that rule's `rule_for(layer)`)."""
     for cls in type(layer).__mro__:
         rule = _REGISTRY.get(cls)
         if rule is not None:
-            return rule
+            return rule.rule_for(layer)
     return None
 
 
