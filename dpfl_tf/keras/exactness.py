@@ -23,7 +23,8 @@ import tensorflow as tf
 
 from dpfl_tf.keras.per_example import PerExampleGradients, per_example_loss, plan_layers
 
-__all__ = ["Report", "compare", "fit_error", "plan", "reference_gradients"]
+__all__ = ["Report", "compare", "fit_error", "fit_once", "noiseless_step", "plan",
+           "reference_gradients", "relative_change"]
 
 
 def _row(x, i):
@@ -124,17 +125,12 @@ def compare(model, x, y, loss_fn, clip: float | None = None, **kwargs) -> Report
                   plan(model, per_example))
 
 
-def fit_error(model, x, y, loss_fn, clip: float | None = None,
-              batch_size: int | None = None, **compile_kwargs) -> tuple[float, float]:
-    """(relative error, clip) of one noiseless `DPModel.fit` lot over all of
-    (x, y) (``sampling="full_batch"``, `DPSGD`): the weights must move by
-    -lr / B sum_i g_i min(1, C / ||g_i||), with g_i from `reference_gradients`
-    (before the step).  `clip` defaults to the median reference norm; lr makes
-    the step as large as the weights (so float32 rounding of the weights does
-    not hide or fake an error)."""
-    from dpfl_tf.keras.model import DPModel
-    from dpfl_tf.keras.optimizers import DPSGD
-
+def noiseless_step(model, x, y, loss_fn, clip: float | None = None) -> tuple:
+    """(expected weight change, clip, learning rate) of one DP-SGD lot without
+    noise over all of (x, y): -lr / B sum_i g_i min(1, C / ||g_i||), with g_i
+    from `reference_gradients`.  `clip` defaults to the median reference norm;
+    lr makes the step as large as the weights (so float32 rounding of the
+    weights neither hides nor fakes an error)."""
     y = np.asarray(y)
     n = len(y)
     ref = reference_gradients(model, x, y, loss_fn)
@@ -143,14 +139,38 @@ def fit_error(model, x, y, loss_fn, clip: float | None = None,
         clip = float(np.median(norms)) or 1.0
     factors = np.minimum(1.0, clip / np.maximum(norms, 1e-30))
     step = [sum(f * r[j] for f, r in zip(factors, ref)) / n for j in range(len(ref[0]))]
-    before = [np.asarray(v, np.float64) for v in model.trainable_variables]
+    weights = np.sqrt(sum(np.sum(np.asarray(w, np.float64) ** 2)
+                          for w in model.trainable_variables))
     size = np.sqrt(sum(np.sum(s ** 2) for s in step))
-    learning_rate = float(np.sqrt(sum(np.sum(w ** 2) for w in before)) / size) if size else 1.0
-    expected = [-learning_rate * s for s in step]
-    dp = DPModel(model)
+    learning_rate = float(weights / size) if size and weights else 1.0
+    return [-learning_rate * s for s in step], clip, learning_rate
+
+
+def fit_once(dp, x, y, loss_fn, clip: float, learning_rate: float,
+             batch_size: int | None = None, **compile_kwargs):
+    """Compiles the `DPModel` dp with a noiseless `DPSGD` and fits one lot over
+    all of (x, y) (``sampling="full_batch"``); returns dp."""
+    from dpfl_tf.keras.optimizers import DPSGD
+
     dp.compile(optimizer=DPSGD(learning_rate, l2_norm_clip=clip, noise_multiplier=0.0),
                loss=loss_fn, **compile_kwargs)
-    dp.fit(x, y, lot_size=n, batch_size=batch_size, epochs=1, sampling="full_batch",
+    dp.fit(x, y, lot_size=len(y), batch_size=batch_size, epochs=1, sampling="full_batch",
            verbose=0)
+    return dp
+
+
+def fit_error(model, x, y, loss_fn, clip: float | None = None, **fit_kwargs) -> tuple:
+    """(relative error, clip) of one noiseless `fit_once` step of
+    ``DPModel(model)`` against `noiseless_step`."""
+    from dpfl_tf.keras.model import DPModel
+
+    expected, clip, learning_rate = noiseless_step(model, x, y, loss_fn, clip)
+    before = [np.asarray(v, np.float64) for v in model.trainable_variables]
+    fit_once(DPModel(model), x, y, loss_fn, clip, learning_rate, **fit_kwargs)
+    return relative_change(model, before, expected), clip
+
+
+def relative_change(model, before: list, expected: list) -> float:
+    """||(w - before) - expected|| / ||expected|| over the trainable weights."""
     moved = [np.asarray(v, np.float64) - b for v, b in zip(model.trainable_variables, before)]
-    return _relative(moved, expected), clip
+    return _relative(moved, expected)
