@@ -33,17 +33,15 @@ layer benchmark for how to make one); the JSON says so.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
 MODELS = ("bert", "gpt2", "gemma", "llama", "vit")
 IMPLEMENTATIONS = ("keras_nonprivate", "dpfl_tf")
 CLIP, NOISE, LR, RANK = 1.0, 1.0, 0.05, 4
@@ -56,7 +54,6 @@ TIME_TARGET, MEMORY_TARGET = 1.5, 2.0
 
 def build(name: str, size: dict, lora: bool):
     """(model, x, y) of one benchmark configuration."""
-    import keras
     import keras_hub
     import numpy as np
 
@@ -118,29 +115,25 @@ def worker(args) -> dict:
     keras.utils.set_random_seed(0)
     model, x, y = build(args.model, size, args.lora)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    timed, warmup = [], []
-
-    class EpochTimer(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.t0 = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            (warmup if epoch == 0 else timed).append(time.perf_counter() - self.t0)
-
+    ends = []   # perf_counter at fit's start and at each epoch's end
+    stamps = keras.callbacks.LambdaCallback(
+        on_train_begin=lambda logs: ends.append(time.perf_counter()),
+        on_epoch_end=lambda epoch, logs: ends.append(time.perf_counter()))
     extra = {}
     if args.implementation == "keras_nonprivate":
         model.compile(optimizer=keras.optimizers.SGD(LR), loss=loss)
         model.fit(x, y, batch_size=size["lot_size"], epochs=size["epochs"], verbose=0,
-                  callbacks=[EpochTimer()])
+                  callbacks=[stamps])
     else:
         dp = DPModel(model)
         dp.compile(optimizer=DPSGD(LR, l2_norm_clip=CLIP, noise_multiplier=NOISE), loss=loss)
         dp.fit(x, y, lot_size=size["lot_size"], epochs=size["epochs"], verbose=0,
-               callbacks=[EpochTimer()])
+               callbacks=[stamps])
         extra = {"physical_batch": dp._batch_size, "rules": _rules(model)}
+    epochs = [b - a for a, b in zip(ends, ends[1:])]   # the first is warm-up
     return {"model": args.model, "lora": args.lora, "implementation": args.implementation,
-            "seconds_per_epoch": statistics.median(timed), "epoch_seconds": timed,
-            "warmup_seconds": warmup,
+            "seconds_per_epoch": statistics.median(epochs[1:]), "epoch_seconds": epochs[1:],
+            "warmup_seconds": epochs[:1],
             "peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "trainable_parameters": int(sum(int(tf.size(v)) for v in model.trainable_variables)),
             "parameters": int(sum(int(tf.size(v)) for v in model.weights)),
@@ -227,26 +220,6 @@ def breakdown(name: str, size: dict, lora: bool, repeats: int = 5) -> dict:
             "rules_alone_total_seconds": sum(r["seconds"] for r in rows), "layers": rows}
 
 
-def _run(cmd: list, timeout: float) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
-    try:
-        proc = subprocess.run(cmd + ["--output", out], capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=ROOT)
-        result = {}
-        if os.path.getsize(out) > 0:
-            with open(out) as f:
-                result = json.load(f)
-        if not result:
-            result = {"error": (proc.stderr or proc.stdout)[-1500:]}
-        return result
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    finally:
-        os.unlink(out)
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
@@ -263,6 +236,7 @@ def main(argv=None) -> dict:
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--implementation", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    from benchmark_layers import _run   # one child process per configuration
     from dpfl_tf._io import atomic_write_json
 
     if args.worker:
@@ -317,7 +291,10 @@ def main(argv=None) -> dict:
         slowest = max(ratios, key=lambda r: r["time_ratio"])
         cmd = common + ["--breakdown-of", "1", "--model", slowest["model"], "--lora",
                         "on" if slowest["lora"] else "off"]
-        report["breakdown"] = dict(_run(cmd, args.timeout), command=" ".join(cmd[1:]))
+        result = _run(cmd, args.timeout)
+        if "layers" in result:   # a breakdown has no epoch time: not an error
+            result.pop("error", None)
+        report["breakdown"] = dict(result, command=" ".join(cmd[1:]))
         print("breakdown of", slowest["model"], "lora" if slowest["lora"] else "", flush=True)
     report["wall_seconds"] = round(time.perf_counter() - started, 1)
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)

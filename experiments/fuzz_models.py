@@ -73,20 +73,20 @@ class Case:
 
 @functools.lru_cache(maxsize=None)
 def _custom_layers():
-    """(ScaleShift, NamedDense, ScaledDense, BatchCentred): one class object each
-    per process, so a rule can be registered for them."""
+    """(Gate, NamedDense, ScaledDense, BatchCentred): one class object each per
+    process, so a rule can be registered for them."""
     import keras
     import tensorflow as tf
 
-    class ScaleShift(keras.layers.Layer):
-        """No rule: y = x * exp(s) + t (per-layer fallback)."""
+    class Gate(keras.layers.Layer):
+        """No rule: y = tanh(x w) + v^2 elementwise (per-layer fallback)."""
 
         def build(self, shape):
-            self.s = self.add_weight(shape=(shape[-1],), initializer="random_normal")
-            self.t = self.add_weight(shape=(shape[-1],), initializer="random_normal")
+            self.w, self.v = (self.add_weight(shape=(shape[-1],), initializer="random_normal")
+                              for _ in range(2))
 
         def call(self, x):
-            return x * tf.exp(self.s) + self.t
+            return tf.tanh(x * self.w) + tf.square(self.v)
 
     class NamedDense(keras.layers.Dense):
         """A subclass that does not override call (Dense's rule is right)."""
@@ -106,7 +106,7 @@ def _custom_layers():
         def call(self, x):
             return x - tf.reduce_mean(x, axis=0, keepdims=True)
 
-    return ScaleShift, NamedDense, ScaledDense, BatchCentred
+    return Gate, NamedDense, ScaledDense, BatchCentred
 
 
 # ---------------------------------------------------------------------------
@@ -122,7 +122,7 @@ class _Builder:
         self.rng = np.random.default_rng(seed)
         self.desc: list[str] = []
         self.features: set[str] = set()
-        (self.ScaleShift, self.NamedDense, self.ScaledDense,
+        (self.Gate, self.NamedDense, self.ScaledDense,
          self.BatchCentred) = _custom_layers()
         try:
             import keras_hub
@@ -164,8 +164,8 @@ class _Builder:
             self.note("RMSNormalization")
             return L.RMSNormalization()(h)
         if choice == "custom":
-            self.note("ScaleShift (custom layer, no rule)", "custom_layer")
-            return self.ScaleShift()(h)
+            self.note("Gate (custom layer, no rule)", "custom_layer")
+            return self.Gate()(h)
         if choice == "named":
             self.note(f"NamedDense({units}) (Dense subclass, call not overridden)")
             return self.NamedDense(units, activation=act)(h)
@@ -215,6 +215,19 @@ class _Builder:
         self.note(f"Dense({units}) in float64", "float64_layer")
         return L.Dense(units, activation="tanh", dtype="float64")(h)
 
+    def conv_variant(self, h, choice: str, units: int, dims: str):
+        """A depthwise, separable or transposed convolution of `dims` ("1D", "2D")."""
+        L = self.k.layers
+        layer, text = {
+            "depthwise": (lambda: getattr(L, "DepthwiseConv" + dims)(3, padding="same"),
+                          f"DepthwiseConv{dims}(3, same)"),
+            "separable": (lambda: getattr(L, "SeparableConv" + dims)(units, 3, padding="same"),
+                          f"SeparableConv{dims}({units}, 3, same)"),
+            "transpose": (lambda: getattr(L, f"Conv{dims}Transpose")(units, 2, strides=2),
+                          f"Conv{dims}Transpose({units}, 2, strides 2)")}[choice]
+        self.note(text)
+        return layer()(h)
+
     # -- blocks on sequences [B, T, F] --------------------------------------
     def sequence_block(self, h):
         L = self.k.layers
@@ -240,15 +253,8 @@ class _Builder:
                             dict(padding="same", strides=2), dict(padding="same", groups=1)])
             self.note(f"Conv1D({units}, 3, {kw})")
             return L.Conv1D(units, 3, activation="relu", **kw)(h)
-        if choice == "depthwise":
-            self.note("DepthwiseConv1D(3, same)")
-            return L.DepthwiseConv1D(3, padding="same")(h)
-        if choice == "separable":
-            self.note(f"SeparableConv1D({units}, 3, same)")
-            return L.SeparableConv1D(units, 3, padding="same")(h)
-        if choice == "transpose":
-            self.note(f"Conv1DTranspose({units}, 2, strides 2)")
-            return L.Conv1DTranspose(units, 2, strides=2)(h)
+        if choice in ("depthwise", "separable", "transpose"):
+            return self.conv_variant(h, choice, units, "1D")
         if choice == "rnn":
             cls = self.pick([L.LSTM, L.GRU, L.SimpleRNN])
             self.note(f"{cls.__name__}({units}, return_sequences)")
@@ -301,15 +307,8 @@ class _Builder:
         if choice == "conv_stride":
             self.note(f"Conv2D({units}, 3, strides 2, dilation 1)")
             return L.Conv2D(units, 3, strides=2, activation="tanh")(h)
-        if choice == "depthwise":
-            self.note("DepthwiseConv2D(3, same)")
-            return L.DepthwiseConv2D(3, padding="same")(h)
-        if choice == "separable":
-            self.note(f"SeparableConv2D({units}, 3, same)")
-            return L.SeparableConv2D(units, 3, padding="same")(h)
-        if choice == "transpose":
-            self.note(f"Conv2DTranspose({units}, 2, strides 2)")
-            return L.Conv2DTranspose(units, 2, strides=2)(h)
+        if choice in ("depthwise", "separable", "transpose"):
+            return self.conv_variant(h, choice, units, "2D")
         if choice == "groupnorm":
             self.note("GroupNormalization(1)")
             return L.GroupNormalization(1)(h)

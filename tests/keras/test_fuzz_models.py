@@ -48,11 +48,11 @@ def test_the_generator_is_seeded():
 
 
 def test_a_wrong_rule_is_caught():
-    # a rule that halves the clipped sum of the custom ScaleShift layer (seed 89
+    # a rule that halves the clipped sum of the custom Gate layer (seed 89
     # uses it): the fuzzer must say WRONG
     from dpfl_tf.keras import layer_rules
 
-    scale_shift = fuzz._custom_layers()[0]
+    gate = fuzz._custom_layers()[0]
 
     class HalvedRule(layer_rules.PerLayerJacobianRule):
         def gradients(self, layer, calls):
@@ -60,10 +60,10 @@ def test_a_wrong_rule_is_caught():
                                                       lambda c, g=g: 0.5 * g.clipped_sum(c)))
                     for v, g in super().gradients(layer, calls)]
 
-    layer_rules.register_rule(scale_shift, HalvedRule())
+    layer_rules.register_rule(gate, HalvedRule())
     try:
         row = fuzz.run_case(89)
     finally:
-        layer_rules.unregister_rule(scale_shift)
+        layer_rules.unregister_rule(gate)
     assert "custom_layer" in row["features"]
     assert row["outcome"] == "WRONG" and row["error"] > 1e-3, row
