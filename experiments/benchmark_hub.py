@@ -11,9 +11,9 @@ frozen):
   llama   LlamaCausalLM (untied head, grouped-query attention 4 q / 2 kv heads, RoPE)
   vit     ViTBackbone + ViTImageClassifier on 32x32x3 images, patches 4x4
 
-Text models: 2 layers, hidden 128, sequence 128, vocabulary 8,000, 4,096
-sequences of Zipf-distributed tokens; ViT: 2 layers, hidden 128, 4,096 uniform
-images; lot 128 (32 lots per epoch); the content of a token or pixel does not
+Text models: 2 layers, hidden 128, sequence 128, vocabulary 8,000, 2,048
+sequences of Zipf-distributed tokens; ViT: 2 layers, hidden 128, 2,048 uniform
+images; lot 128 (16 lots per epoch); the content of a token or pixel does not
 change a step's cost.  Each configuration runs in its own process: the first
 epoch is warm-up, the table shows the median of the other epochs and the
 process's peak RSS (ru_maxrss); ratios are to the non-private Keras epoch of
@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.join(ROOT, "experiments"))
 MODELS = ("bert", "gpt2", "gemma", "llama", "vit")
 IMPLEMENTATIONS = ("keras_nonprivate", "dpfl_tf")
 CLIP, NOISE, LR, RANK = 1.0, 1.0, 0.05, 4
-FULL = dict(examples=4096, lot_size=128, seq=128, hidden=128, layers=2, vocab=8000, image=32,
+FULL = dict(examples=2048, lot_size=128, seq=128, hidden=128, layers=2, vocab=8000, image=32,
             epochs=3)
 QUICK = dict(examples=256, lot_size=64, seq=32, hidden=32, layers=2, vocab=500, image=16,
              epochs=2)

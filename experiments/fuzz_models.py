@@ -634,12 +634,13 @@ def main(argv=None) -> dict:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--seeds", type=int, nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    from dpfl_tf._io import atomic_write_json
+
     if args.worker:
         rows = []
         for s in args.seeds:
             rows.append(run_case(s))
-            with open(args.output, "w") as f:
-                json.dump(rows, f)
+            atomic_write_json(args.output, rows)
         return {}
 
     import keras
@@ -647,23 +648,21 @@ def main(argv=None) -> dict:
 
     seeds = list(range(args.seed, args.seed + args.models))
     rows, started = [], time.perf_counter()
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    command = "python experiments/fuzz_models.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])
     for i in range(0, len(seeds), args.chunk):
         rows += run_seeds(seeds[i:i + args.chunk], args.timeout)
-        summary = summarise(rows)
-        print(f"{len(rows)}/{len(seeds)} models, {time.perf_counter() - started:.0f} s: "
-              f"{summary['counts']}", flush=True)
-    report = {"command": "python experiments/fuzz_models.py " + " ".join(
-                  argv if argv is not None else sys.argv[1:]),
-              "property": "every model fit accepts trains exactly (relative error of the "
-                          "weight update <= tolerance) or is refused with a clear error",
-              "tolerance": TOLERANCE, "expected_fix": EXPECTED_FIX,
-              "tensorflow": tf.__version__, "keras": keras.__version__,
-              "wall_seconds": round(time.perf_counter() - started, 1),
-              "summary": summarise(rows), "models": rows}
-    from dpfl_tf._io import atomic_write_json
-
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    atomic_write_json(args.output, report)
+        report = {"command": command, "complete": len(rows) == len(seeds),
+                  "property": "every model fit accepts trains exactly (relative error of the "
+                              "weight update <= tolerance) or is refused with a clear error",
+                  "tolerance": TOLERANCE, "expected_fix": EXPECTED_FIX,
+                  "tensorflow": tf.__version__, "keras": keras.__version__,
+                  "wall_seconds": round(time.perf_counter() - started, 1),
+                  "summary": summarise(rows), "models": rows}
+        atomic_write_json(args.output, report)   # after every chunk: a stopped run keeps its rows
+        print(f"{len(rows)}/{len(seeds)} models, {report['wall_seconds']:.0f} s: "
+              f"{report['summary']['counts']}", flush=True)
     print(json.dumps(report["summary"], indent=1))
     return report
 
