@@ -140,6 +140,7 @@ class ReversibleEmbeddingRule(LayerRule):
         ids, gl = gather("lookup", 1), gather("lookup", "z")
         h, g_head = gather("head", 1), gather("head", "z")
         looked, headed = ids is not None, h is not None
+        tied_head = headed and layer.tie_weights
         # static positions of each kind (the reshaped tensors lose them)
         at = {kind: static_positions(*[c.saved[1][..., None] if kind == "lookup"
                                        else c.saved[1] for c in calls if c.saved[0] == kind])
@@ -148,7 +149,6 @@ class ReversibleEmbeddingRule(LayerRule):
         if getattr(layer, "lora_enabled", False):
             a, bv = layer.lora_embeddings_a, layer.lora_embeddings_b
             sm, gm = gather("lookup", 2), gather("lookup", "m")
-            tied_head = headed and layer.tie_weights
             sw, gw = (gather("head", 2), gather("head", "w")) if tied_head else (None, None)
             if looked and tied_head:
                 result.append((a, tied_gradients(ids, gm, sw, g_head, at["head"], a)))
@@ -166,17 +166,17 @@ class ReversibleEmbeddingRule(LayerRule):
                 positions = None if None in counts else sum(counts)
                 result.append((bv, outer_gradients(left[:, :, None], right[:, :, None],
                                                    positions, lambda s: s[0], bv)))
+        trained = {id(v): v for v in layer.trainable_variables}
         table = layer._embeddings if getattr(layer, "lora_enabled", False) else layer.embeddings
-        if layer.tie_weights and looked and headed:
+        if id(table) in trained and looked and tied_head:   # (frozen under LoRA)
             result.append((table, tied_gradients(ids, gl, h, g_head, at["head"], table)))
-        elif looked:
+        elif id(table) in trained and looked:
             result.append((table, lookup_gradients(ids, gl, table)))
-        elif headed and layer.tie_weights:
+        elif id(table) in trained and tied_head:
             result.append((table, _head_gradients(h, g_head, at["head"], table, True)))
-        if not layer.tie_weights and headed:
+        if not layer.tie_weights and headed and id(layer.reverse_embeddings) in trained:
             result.append((layer.reverse_embeddings, _head_gradients(
                 h, g_head, at["head"], layer.reverse_embeddings, False)))
-        trained = {id(v): v for v in layer.trainable_variables}
         done = {id(v) for v, _ in result}
         return ([(v, g) for v, g in result if id(v) in trained]
                 + [(v, _zero(v, b)) for i, v in trained.items() if i not in done])
