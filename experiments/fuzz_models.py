@@ -18,6 +18,8 @@ policies, a loss and a batch size.  Outcomes:
   WRONG     fit trained but the update differs from the per-example loop
   CRASH     fit raised an error from TensorFlow/Keras internals (not a clear
             refusal), or changed the weights and then raised
+  invalid   the generator made a model Keras itself cannot train with that
+            loss (the per-example loop fails too): not a library result
 
 Each WRONG or CRASH model says which of its features are expected to be fixed
 by the refusals being added to the library (a subclass that overrides `call`
@@ -407,7 +409,7 @@ class _Builder:
             else:
                 out = L.Dense(classes)(h)
                 self.note(f"per-token Dense({classes}) head")
-            y = rng.integers(0, classes, size=(n, x.shape[1]))
+            y = rng.integers(0, classes, size=(n, out.shape[1]))   # strides change T
             loss = self.k.losses.SparseCategoricalCrossentropy(from_logits=True)
             self.note("loss: per-token SparseCategoricalCrossentropy")
         else:
@@ -499,8 +501,9 @@ def generate(seed: int) -> Case:
 # running one model
 
 def _raised_by_dpfl(error: BaseException) -> bool:
-    """A refusal: raised (innermost frame) inside the dpfl_tf package as a
-    ValueError / TypeError / NotImplementedError."""
+    """A refusal: raised (innermost frame, with Keras's and TensorFlow's
+    traceback filtering off) inside the dpfl_tf package as a ValueError /
+    TypeError / NotImplementedError."""
     frames = traceback.extract_tb(error.__traceback__)
     package = os.sep + "dpfl_tf" + os.sep
     return bool(frames) and package in frames[-1].filename and isinstance(
@@ -518,6 +521,7 @@ def run_case(seed: int) -> dict:
     from dpfl_tf.keras import exactness
     from dpfl_tf.keras.model import DPModel
 
+    keras.config.disable_traceback_filtering()   # the frame that raised is the real one
     started = time.perf_counter()
     row = {"seed": seed}
     try:
@@ -547,6 +551,9 @@ def run_case(seed: int) -> dict:
             row.update(message=_message(error), weights_unchanged=unchanged,
                        ledger_empty=dp.lots_computed == 0)
             row["outcome"] = "refused" if _raised_by_dpfl(error) and untouched else "CRASH"
+            if (row["outcome"] == "CRASH" and reference_error is not None
+                    and not _raised_by_dpfl(reference_error)):   # Keras rejects it too
+                row.update(outcome="invalid", reference_message=_message(reference_error))
             if row["outcome"] == "CRASH":
                 row["traceback"] = traceback.format_exception(error)[-6:]
         else:
