@@ -35,13 +35,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
+from _common import RESULTS, command_line, commit_of, peak_rss_mb, run_child
 MODELS = ("bert", "gpt2", "gemma", "llama", "vit")
 IMPLEMENTATIONS = ("keras_nonprivate", "dpfl_tf")
 CLIP, NOISE, LR, RANK = 1.0, 1.0, 0.05, 4
@@ -134,7 +132,7 @@ def worker(args) -> dict:
     return {"model": args.model, "lora": args.lora, "implementation": args.implementation,
             "seconds_per_epoch": statistics.median(epochs[1:]), "epoch_seconds": epochs[1:],
             "warmup_seconds": epochs[:1],
-            "peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_memory_mb": peak_rss_mb(),
             "trainable_parameters": int(sum(int(tf.size(v)) for v in model.trainable_variables)),
             "parameters": int(sum(int(tf.size(v)) for v in model.weights)),
             "tensorflow_version": tf.__version__, "keras_version": keras.__version__,
@@ -236,7 +234,6 @@ def main(argv=None) -> dict:
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--implementation", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    from benchmark_layers import _run   # one child process per configuration
     from dpfl_tf._io import atomic_write_json
 
     if args.worker:
@@ -246,7 +243,7 @@ def main(argv=None) -> dict:
         atomic_write_json(args.output, result)
         return result
     output = args.output or os.path.join(
-        ROOT, "results", "benchmark_hub_quick.json" if args.quick else "benchmark_hub.json")
+        RESULTS, "benchmark_hub_quick.json" if args.quick else "benchmark_hub.json")
     size = QUICK if args.quick else FULL
     common = [sys.executable, os.path.abspath(__file__), "--worker"] + (
         ["--quick"] if args.quick else [])
@@ -256,10 +253,11 @@ def main(argv=None) -> dict:
             base = None
             for impl in IMPLEMENTATIONS:
                 cmd = common + ["--model", name, "--implementation", impl, "--lora", lora]
-                t0 = time.perf_counter()
-                row = dict(_run(cmd, args.timeout), model=name, lora=lora == "on",
+                t0, load = time.perf_counter(), os.getloadavg()
+                row = dict(run_child(cmd, args.timeout), model=name, lora=lora == "on",
                            implementation=impl, command=" ".join(cmd[1:]),
-                           wall_seconds=round(time.perf_counter() - t0, 1))
+                           wall_seconds=round(time.perf_counter() - t0, 1),
+                           load_average_before=[round(v, 2) for v in load])
                 if impl == "keras_nonprivate":
                     base = row
                 elif base and base.get("seconds_per_epoch") and row.get("seconds_per_epoch"):
@@ -275,8 +273,7 @@ def main(argv=None) -> dict:
                       f"{row.get('memory_ratio', float('nan')):.2f}x memory"
                       + (f"  ERROR {row['error'][-200:]}" if row.get("error") else ""),
                       flush=True)
-    report = {"command": "python experiments/benchmark_hub.py " + " ".join(
-                  argv if argv is not None else sys.argv[1:]),
+    report = {"command": command_line(), "commit": commit_of(),
               "quick": args.quick, "shared_machine": args.shared_machine,
               "sizes": size, "settings": {"l2_norm_clip": CLIP, "noise_multiplier": NOISE,
                                           "learning_rate": LR, "lora_rank": RANK,
@@ -291,10 +288,8 @@ def main(argv=None) -> dict:
         slowest = max(ratios, key=lambda r: r["time_ratio"])
         cmd = common + ["--breakdown-of", "1", "--model", slowest["model"], "--lora",
                         "on" if slowest["lora"] else "off"]
-        result = _run(cmd, args.timeout)
-        if "layers" in result:   # a breakdown has no epoch time: not an error
-            result.pop("error", None)
-        report["breakdown"] = dict(result, command=" ".join(cmd[1:]))
+        report["breakdown"] = dict(run_child(cmd, args.timeout, key="dp_step_seconds"),
+                                   command=" ".join(cmd[1:]))
         print("breakdown of", slowest["model"], "lora" if slowest["lora"] else "", flush=True)
     report["wall_seconds"] = round(time.perf_counter() - started, 1)
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)

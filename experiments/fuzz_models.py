@@ -18,6 +18,9 @@ policies, a loss and a batch size.  Outcomes:
   WRONG     fit trained but the update differs from the per-example loop
   CRASH     fit raised an error from TensorFlow/Keras internals (not a clear
             refusal), or changed the weights and then raised
+  precision a mixed-precision model missed its tolerance, and the same model
+            in float32 is exact: the 16-bit rounding of batched against
+            one-example computation, not a rule
   invalid   the generator made a model Keras itself cannot train with that
             loss (the per-example loop fails too): not a library result
 
@@ -45,7 +48,7 @@ import traceback
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _common import RESULTS, ROOT, command_line, commit_of
 TOLERANCE = {"float32": 1e-5, "mixed_float16": 2e-2, "mixed_bfloat16": 1e-1}
 # features whose wrong results the library's coming refusals address
 EXPECTED_FIX = {
@@ -473,12 +476,14 @@ def _wrap(keras, inner):
     return Wrapper(inner)
 
 
-def generate(seed: int) -> Case:
-    """The model of `seed`: same seed, same model (architecture, weights, data)."""
+def generate(seed: int, policy: str | None = None) -> Case:
+    """The model of `seed`: same seed, same model (architecture, weights, data);
+    `policy` overrides the seed's precision policy (the same model in float32)."""
     import keras
 
     rng = np.random.default_rng([seed, 1])
-    policy = str(rng.choice(["float32"] * 8 + ["mixed_float16", "mixed_bfloat16"]))
+    drawn = str(rng.choice(["float32"] * 8 + ["mixed_float16", "mixed_bfloat16"]))
+    policy = policy or drawn
     keras.mixed_precision.set_global_policy(policy)
     keras.utils.set_random_seed(seed)
     builder = _Builder(seed)
@@ -515,7 +520,11 @@ def _message(error: BaseException) -> str:
     return f"{type(error).__name__}: {(lines or [''])[0][:400]}"
 
 
-def run_case(seed: int) -> dict:
+def run_case(seed: int, policy: str | None = None) -> dict:
+    """One model's row (see the module docstring); `policy` as in `generate`.  A
+    mixed-precision model whose update misses its tolerance is run again in
+    float32: if that is exact, the miss is the precision's ("precision"), not a
+    rule's."""
     import keras
 
     from dpfl_tf.keras import exactness
@@ -525,7 +534,7 @@ def run_case(seed: int) -> dict:
     started = time.perf_counter()
     row = {"seed": seed}
     try:
-        case = generate(seed)
+        case = generate(seed, policy)
     except Exception as error:   # a generator bug, not a library result
         keras.mixed_precision.set_global_policy("float32")
         return dict(row, outcome="invalid", message=_message(error))
@@ -570,6 +579,11 @@ def run_case(seed: int) -> dict:
     finally:
         keras.mixed_precision.set_global_policy("float32")
         keras.backend.clear_session()
+    if row["outcome"] == "WRONG" and case.policy != "float32":
+        twin = run_case(seed, policy="float32")
+        row["float32_twin"] = {k: twin.get(k) for k in ("outcome", "error")}
+        if twin["outcome"] == "exact":
+            row["outcome"] = "precision"
     if row["outcome"] in ("WRONG", "CRASH"):
         row["expected_fix"] = [EXPECTED_FIX[f] for f in row["features"] if f in EXPECTED_FIX]
     row["seconds"] = round(time.perf_counter() - started, 2)
@@ -637,7 +651,7 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0, help="first seed; models are seed, seed+1, ...")
     p.add_argument("--chunk", type=int, default=25, help="models per child process")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per chunk")
-    p.add_argument("--output", default=os.path.join(ROOT, "results", "fuzz_models.json"))
+    p.add_argument("--output", default=os.path.join(RESULTS, "fuzz_models.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--seeds", type=int, nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -656,11 +670,10 @@ def main(argv=None) -> dict:
     seeds = list(range(args.seed, args.seed + args.models))
     rows, started = [], time.perf_counter()
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    command = "python experiments/fuzz_models.py " + " ".join(
-        argv if argv is not None else sys.argv[1:])
+    command, commit = command_line(), commit_of()
     for i in range(0, len(seeds), args.chunk):
         rows += run_seeds(seeds[i:i + args.chunk], args.timeout)
-        report = {"command": command, "complete": len(rows) == len(seeds),
+        report = {"command": command, "commit": commit, "complete": len(rows) == len(seeds),
                   "property": "every model fit accepts trains exactly (relative error of the "
                               "weight update <= tolerance) or is refused with a clear error",
                   "tolerance": TOLERANCE, "expected_fix": EXPECTED_FIX,

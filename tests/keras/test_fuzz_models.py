@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
+if str(ROOT / "experiments") not in sys.path:   # as when the script runs (its _common)
+    sys.path.insert(0, str(ROOT / "experiments"))
 _spec = importlib.util.spec_from_file_location("fuzz_models",
                                                ROOT / "experiments" / "fuzz_models.py")
 fuzz = sys.modules["fuzz_models"] = importlib.util.module_from_spec(_spec)

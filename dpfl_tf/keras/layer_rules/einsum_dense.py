@@ -38,15 +38,20 @@ def _expand(equation: str, input_rank: int) -> tuple[str, str, str]:
     return inp, ker, out
 
 
+def batch_first(equation: str) -> bool:
+    """Whether the input's first axis (a letter, or the ellipsis's first) is a
+    batch axis the output keeps and the kernel does not have."""
+    lhs, out = equation.split("->")
+    inp, ker = lhs.split(",")
+    if "..." in ker:
+        return False
+    return out.startswith("...") if inp.startswith("...") else (
+        inp[0] in out and inp[0] not in ker)
+
+
 class EinsumDenseRule(LayerRule):
     def applies(self, layer) -> bool:
-        lhs, out = layer.equation.split("->")
-        inp, ker = lhs.split(",")
-        if not plain(layer) or "..." in ker:
-            return False
-        # the input's first axis (a letter, or the ellipsis's first) is the batch
-        return out.startswith("...") if inp.startswith("...") else (
-            inp[0] in out and inp[0] not in ker)
+        return plain(layer) and batch_first(layer.equation)
 
     def forward(self, layer, inputs, **kwargs):
         x = tf.convert_to_tensor(inputs)

@@ -29,8 +29,8 @@ import tensorflow as tf
 from dpfl_tf.keras.layer_rules._base import (LayerRule, Taps, f32, grad_or_zeros, register_rule,
                                              stopped, watched)
 from dpfl_tf.keras.layer_rules.dense import DenseRule
-from dpfl_tf.keras.layer_rules.einsum_dense import (EinsumDenseRule, _expand, bias_gradients,
-                                                    kernel_gradients)
+from dpfl_tf.keras.layer_rules.einsum_dense import (EinsumDenseRule, _expand, batch_first,
+                                                    bias_gradients, kernel_gradients)
 from dpfl_tf.keras.layer_rules.embedding import EmbeddingRule, lookup_gradients
 
 __all__ = ["LoraEinsumRule", "LoraEmbeddingRule", "lora_equations"]
@@ -61,7 +61,7 @@ class LoraEinsumRule(LayerRule):
     """LoRA of a Dense (the einsum ``...a,ab->...b``) or an EinsumDense."""
 
     def applies(self, layer) -> bool:
-        return _applies(layer)
+        return _applies(layer) and batch_first(self._einsum(layer)[0])
 
     @staticmethod
     def _einsum(layer) -> tuple[str, str | None]:
