@@ -36,7 +36,8 @@ def _call(model, x):
 
 
 def reference_gradients(model, x, y, loss_fn) -> list:
-    """[example][variable] gradients, one GradientTape per example (float64)."""
+    """Per-example gradients, a list per example of one array per variable
+    (float64), from one GradientTape per example."""
     _call(model, _row(x, 0))   # builds a subclassed model's variables
     variables = model.trainable_variables
     out = []
