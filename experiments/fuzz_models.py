@@ -526,11 +526,13 @@ def run_case(seed: int, policy: str | None = None) -> dict:
     float32: if that is exact, the miss is the precision's ("precision"), not a
     rule's."""
     import keras
+    import tensorflow as tf
 
     from dpfl_tf.keras import exactness
     from dpfl_tf.keras.model import DPModel
 
     keras.config.disable_traceback_filtering()   # the frame that raised is the real one
+    tf.debugging.disable_traceback_filtering()
     started = time.perf_counter()
     row = {"seed": seed}
     try:
@@ -652,6 +654,9 @@ def main(argv=None) -> dict:
     p.add_argument("--chunk", type=int, default=25, help="models per child process")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per chunk")
     p.add_argument("--output", default=os.path.join(RESULTS, "fuzz_models.json"))
+    p.add_argument("--rerun", nargs="+", metavar="OUTCOME",
+                   help="run again the models of --output with these outcomes (after a fix) "
+                        "and replace their rows; the file records which and at what commit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--seeds", type=int, nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -671,6 +676,18 @@ def main(argv=None) -> dict:
     rows, started = [], time.perf_counter()
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     command, commit = command_line(), commit_of()
+    if args.rerun:
+        with open(args.output) as f:
+            report = json.load(f)
+        seeds = [r["seed"] for r in report["models"] if r["outcome"] in args.rerun]
+        again = {r["seed"]: r for r in run_seeds(seeds, args.timeout)}
+        report["models"] = [again.get(r["seed"], r) for r in report["models"]]
+        report["summary"] = summarise(report["models"])
+        report.setdefault("reruns", []).append({"command": command, "commit": commit,
+                                                "outcomes": args.rerun, "seeds": seeds})
+        atomic_write_json(args.output, report)
+        print(json.dumps(report["summary"], indent=1))
+        return report
     for i in range(0, len(seeds), args.chunk):
         rows += run_seeds(seeds[i:i + args.chunk], args.timeout)
         report = {"command": command, "commit": commit, "complete": len(rows) == len(seeds),
