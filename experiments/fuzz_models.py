@@ -598,7 +598,8 @@ def summarise(rows: list) -> dict:
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
     bad = [r for r in rows if r["outcome"] in ("WRONG", "CRASH")]
     return {"counts": counts,
-            "exact_with_zero_step": sum(1 for r in rows if r.get("zero_step")),
+            "exact_with_zero_step": sum(1 for r in rows
+                                        if r.get("zero_step") and r["outcome"] == "exact"),
             "wrong_or_crash_expected_to_be_fixed": sum(1 for r in bad if r["expected_fix"]),
             "wrong_or_crash_not_explained": [
                 {"seed": r["seed"], "outcome": r["outcome"], "description": r["description"],
