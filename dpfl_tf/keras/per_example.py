@@ -25,8 +25,9 @@ positions s (sequence steps, conv patches):
                                   whichever needs less memory: 2 S^2 < d o)
     sum_i c_i grad_i W = sum_i a_i^T (c_i g_i)               (one matmul)
 
-Rules are looked up by exact type, then along the MRO (`register_rule` adds
-one).  A layer whose variables all belong to sublayers (MultiHeadAttention,
+Rules are looked up by exact type, then along the MRO unless the subclass
+overrides what the rule reimplements (`find_rule`; `register_rule` adds one).
+A layer whose variables all belong to sublayers (MultiHeadAttention,
 transformer blocks, nested models) is descended into, so its EinsumDense,
 Dense, LayerNormalization sublayers use their rules.  Any other trainable
 layer uses the per-layer fallback (`PerLayerJacobianRule`: the layer re-run on

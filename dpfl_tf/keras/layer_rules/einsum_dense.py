@@ -38,6 +38,8 @@ def _expand(equation: str, input_rank: int) -> tuple[str, str, str]:
 
 
 class EinsumDenseRule(LayerRule):
+    reimplements = ("call", "kernel")
+
     def applies(self, layer) -> bool:
         lhs, out = layer.equation.split("->")
         inp, ker = lhs.split(",")
