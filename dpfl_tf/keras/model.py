@@ -45,8 +45,9 @@ import tensorflow as tf
 from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.keras.multiworker import is_multi_worker, lot_shares
 from dpfl_tf.keras.optimizers import DPOptimizer
-from dpfl_tf.keras.per_example import (PerExampleGradients, _leaf_layers,
-                                       default_loss_scale, refuse_batch_mixing_layers)
+from dpfl_tf.keras.mixing import (PROBE_HALF, probe_batch_mixing, refuse_batch_mixing_layers,
+                                  refuse_batch_mixing_loss)
+from dpfl_tf.keras.per_example import PerExampleGradients, _leaf_layers, default_loss_scale
 from dpfl_tf.keras.sampling import LotSampler
 from dpfl_tf.keras.sources import SourceError, make_reader
 from dpfl_tf.privacy.events import SamplingMethod, describe_event, shuffle_epoch_event
@@ -175,6 +176,8 @@ class DPModel(keras.Model):
         self._dp_loss = keras.losses.get(loss) if isinstance(loss, str) else loss
         if isinstance(self._dp_loss, (list, dict)):
             raise ValueError("DPModel supports a single loss")
+        refuse_batch_mixing_loss(self._dp_loss)
+        self._mixing_probed = False  # the cross-example probe runs at the next fit
         # Keras would wrap the optimizer in a LossScaleOptimizer under mixed_float16;
         # the per-example path scales and unscales the loss itself (a static scale,
         # `default_loss_scale`), so norms, clipping and noise see true gradients
@@ -340,6 +343,7 @@ class DPModel(keras.Model):
                 f"jit_compile must be False under a distribution strategy with {replicas} "
                 "replicas: XLA cannot read the replicas' privacy counters across devices "
                 "(this mode is not supported, so it is refused)")
+        self._probe_batch_mixing(reader, preprocess)
         if is_multi_worker(self.distribute_strategy):
             # every worker the chief's lots, each replica its own share (multiworker.py)
             data = lot_shares(self.distribute_strategy, sampler, reader,
@@ -371,6 +375,21 @@ class DPModel(keras.Model):
                 "(their contribution zeroed; the lots were applied and counted): check the "
                 "data and the loss", RuntimeWarning, stacklevel=2)
         return history
+
+    def _probe_batch_mixing(self, reader, preprocess) -> None:
+        """Refuses, before any lot, a model or loss whose per-example losses depend
+        on other examples (`mixing.probe_batch_mixing`, on the first 2h records,
+        `preprocess`ed once); once per compile."""
+        if getattr(self, "_mixing_probed", True):
+            return
+        xs, ys = reader.read(tf.range(min(2 * PROBE_HALF, reader.size), dtype=tf.int64))
+        if preprocess is not None:
+            xs = preprocess(xs)
+        loss = self._dp_loss
+        name = getattr(loss, "name", None) or getattr(loss, "__name__", type(loss).__name__)
+        probe_batch_mixing(self.model, loss, xs, ys,
+                           loss_name=f"loss {name!r} ({type(loss).__name__})")
+        self._mixing_probed = True
 
     def _check_accountants(self, privacy_cb, delta: float) -> None:
         """Refuses, before any lot, an accountant of this fit (the callback's, else

@@ -63,33 +63,11 @@ import tensorflow as tf
 
 from dpfl_tf.keras.layer_rules import FALLBACK, LayerCall, find_rule, weighted_sum
 from dpfl_tf.keras.layer_rules._base import _ACTIVE, _ORIGINAL_CALLS, Taps
+from dpfl_tf.keras.mixing import (BatchMixingLayerError, _leaf_layers,  # noqa: F401
+                                  refuse_batch_mixing_layers)
 
 __all__ = ["PerExampleGradients", "refuse_batch_mixing_layers", "per_example_loss", "plan_layers",
            "default_loss_scale"]
-
-
-class BatchMixingLayerError(ValueError):
-    """A layer's output for one example depends on other examples of the batch."""
-
-
-def refuse_batch_mixing_layers(model: keras.Model) -> None:
-    """Raises for layers that mix examples in training mode (per-example
-    gradients, and so the privacy analysis, would be wrong)."""
-    for layer in _leaf_layers(model):
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
-            raise BatchMixingLayerError(
-                f"layer {layer.name!r} is BatchNormalization in training mode: it normalises "
-                "with statistics of the whole batch, so one example's output depends on the "
-                "others and per-example clipping does not bound its influence. Use "
-                "LayerNormalization or GroupNormalization, or freeze it (trainable=False).")
-
-
-def _leaf_layers(layer):
-    children = [c for c in layer._flatten_layers(include_self=False, recursive=False)]
-    if not children:
-        yield layer
-    for child in children:
-        yield from _leaf_layers(child)
 
 
 FLOAT16_LOSS_SCALE = 2.0 ** 10
