@@ -377,6 +377,7 @@ class PerExampleGradients:
                                  f"returned no gradients for variables {missing}")
         for var, j in zip(generic, jac):
             j = tf.zeros((tf.shape(losses)[0],) + tuple(var.shape), var.dtype) if j is None else j
+            j.set_shape([None, *var.shape])  # pfor inside a while loop loses it
             sq_norms[id(var)] = tf.reduce_sum(tf.reshape(tf.square(j), [tf.shape(j)[0], -1]), 1)
             sum_fns[id(var)] = (lambda c, j=j: weighted_sum(j, c))
 

@@ -59,6 +59,37 @@ def test_physical_batches_sum_to_the_same_lot_update_without_noise():
         np.testing.assert_allclose(a, c, atol=1e-6)
 
 
+def _transformer(seed=0):
+    """Embedding + MultiHeadAttention + LayerNorm + FFN on MNIST pixel tokens."""
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((16,), dtype="int32")
+    h = keras.layers.Embedding(16, 32)(inp)
+    h = keras.layers.LayerNormalization()(h + keras.layers.MultiHeadAttention(2, 8)(h, h))
+    f = keras.layers.Dense(32)(keras.layers.Dense(24, activation="relu")(h))
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.LayerNormalization()(h + f))
+    return keras.Model(inp, keras.layers.Dense(10)(h))
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_transformer_in_physical_batches_smaller_than_the_lot(fast):
+    """fast_gradients=False with batch_size < lot_size crashed with "Cannot convert
+    a partially known TensorShape (None, 32) to a Tensor" (the Jacobian taken in
+    the loop over physical batches had lost its static shape)."""
+    x, y = mnist_slice(64, flat=True)
+    tokens = np.floor(x[:, 400:416] * 15.99).astype("int32")
+    updates = []
+    for batch_size in (64, 24):
+        dp = DPModel(_transformer(), fast_gradients=fast)
+        dp.compile(optimizer=DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=0.0), loss=loss())
+        w0 = weights(dp.model)
+        dp.fit(tokens, y, lot_size=64, batch_size=batch_size, epochs=1, verbose=0,
+               sampling="full_batch")
+        assert dp.lots_computed == 1
+        updates.append([b - a for a, b in zip(w0, weights(dp.model))])
+    for a, b in zip(*updates):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 def test_noise_is_added_once_per_lot_not_once_per_physical_batch():
     """Update = -(lr / L) (sum + N(0, sigma^2 C^2)): noise std per coordinate is
     sigma C / L whatever the physical batch size.  Adding it per physical batch

@@ -174,7 +174,8 @@ def weighted_sum(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
     product (no scaled [B, ...] copy), dropped examples exactly 0 (see `kept`)."""
     flat = tf.reshape(kept(t, c), [tf.shape(t)[0], -1])
     s = tf.matmul(tf.cast(c, t.dtype)[None], flat)
-    return tf.reshape(s, t.shape[1:])
+    shape = t.shape[1:]  # a Jacobian taken inside a loop may lose its static shape
+    return tf.reshape(s, shape if shape.is_fully_defined() else tf.shape(t)[1:])
 
 
 def f32(t: tf.Tensor) -> tf.Tensor:
