@@ -607,128 +607,138 @@ class DPModel(keras.Model):
         self.optimizer.apply_noised_gradients(grads, variables)
         return tf.constant(True)
 
+    # -- one lot in named steps (cf. Opacus DPOptimizer.pre_step) ------------------
     def _dp_lot(self, x, y, mask, gate=None):
-        """One lot: clipped per-example sums over physical batches, noise once;
-        returns (noised gradient / L, loss sum, examples kept, examples dropped)."""
-        variables = self.model.trainable_variables
-        bsz = self._batch_size
-        n = tf.shape(mask)[0]
-        num_batches = (n + bsz - 1) // bsz
-        sanitizer, groups, counters = self._sanitizer, self._groups, self._counters
-        last_factors = []
-
-        def clip_factors(sq_norms):
-            grouped = [None] * (max(groups) + 1)
-            for g, s in zip(groups, sq_norms):
-                grouped[g] = s if grouped[g] is None else grouped[g] + s
-            factors = sanitizer.clip_factors(grouped)
-            last_factors.append(factors[0])
-            return [factors[g] for g in groups]
-
-        def take(t, start, size):
-            begin = tf.concat([[start], tf.zeros([t.shape.rank - 1], tf.int32)], 0)
-            sizes = tf.concat([[size], -tf.ones([t.shape.rank - 1], tf.int32)], 0)
-            # keep the static feature shape (layers such as GroupNormalization need it)
-            return tf.ensure_shape(tf.slice(t, begin, sizes), [None, *t.shape[1:]])
-
-        def one_by_one(xb, yb, mb):
-            """The clipped sum recomputed one example at a time (no example's
-            values can reach another's gradient), and the examples dropped."""
-            def one(i):
-                xs = tf.nest.map_structure(lambda t: take(t, i, 1), xb)
-                mine = []
-
-                def factors_of_one(sq_norms):
-                    factors = clip_factors(sq_norms)
-                    mine.append(last_factors.pop())
-                    return factors
-
-                sums, _, _ = self._per_example.compute(xs, take(yb, i, 1), take(mb, i, 1),
-                                                       factors_of_one)
-                bad = tf.logical_and(mb[i] > 0, tf.equal(mine[-1][0], 0.0))
-                return [tf.cast(s, v.dtype) for s, v in zip(sums, variables)] + [
-                    tf.cast(bad, tf.int64)]
-
-            spec = [tf.TensorSpec(v.shape, v.dtype) for v in variables] + [
-                tf.TensorSpec([], tf.int64)]
-            out = tf.map_fn(one, tf.range(tf.shape(mb)[0]), fn_output_signature=spec,
-                            parallel_iterations=1)
-            return [tf.reduce_sum(t, axis=0) for t in out[:-1]], tf.reduce_sum(out[-1])
-
-        def batch(xb, yb, mb):
-            """Clipped sums of one physical batch, its loss sum, kept and dropped."""
-            sums, losses, y_pred = self._per_example.compute(xb, yb, mb, clip_factors)
-            sums = [tf.cast(t, v.dtype) for t, v in zip(sums, variables)]
-            real = mb > 0
-            bad = tf.logical_and(real, tf.equal(last_factors.pop(), 0.0))
-            n_bad = tf.reduce_sum(tf.cast(bad, tf.int64))
-            # A non-finite value can cross examples inside one batched backward pass
-            # (0 x NaN in a shared matmul of the generic path): then every example of
-            # the batch looks non-finite.  Whenever any example is non-finite, the
-            # batch is recomputed one example at a time, so only the offending
-            # examples are dropped and the sensitivity stays C.
-            sums, n_bad = tf.cond(n_bad > 0, lambda: one_by_one(xb, yb, mb),
-                                  lambda: (sums, n_bad))
-            loss_sum, count = tf.constant(0.0), tf.constant(0.0)
-            kept = tf.cast(tf.logical_and(real, tf.math.is_finite(losses)), tf.float32)
-            if gate is not None:
-                kept = kept * gate
-            if self._log_metrics:  # non-private statistics of the kept examples
-                if self._compile_metrics is not None:
-                    self._compile_metrics.update_state(yb, y_pred, sample_weight=kept)
-                losses = tf.where(kept > 0, tf.cast(losses, tf.float32), 0.0)
-                loss_sum = tf.reduce_sum(losses)
-                count = tf.reduce_sum(kept)
-            return sums, loss_sum, count, n_bad
-
-        def whole_lot():  # the usual case: the lot is one physical batch
-            return batch(x, y, mask)
-
-        def in_batches():
-            xs, ys, ms = x, y, mask
-            if self._pad_to_batch:  # XLA: every slice has the static size bsz
-                padded = (n + bsz - 1) // bsz * bsz
-
-                def pad(t):
-                    return tf.pad(t, [[0, padded - n]] + [[0, 0]] * (t.shape.rank - 1))
-
-                xs, ys, ms = tf.nest.map_structure(pad, x), pad(y), pad(mask)
-
-            def body(i, acc, loss_sum, count, dropped):
-                start = i * bsz
-                size = bsz if self._pad_to_batch else tf.minimum(bsz, n - start)
-                xb = tf.nest.map_structure(lambda t: take(t, start, size), xs)
-                sums, b_loss, b_count, n_bad = batch(xb, take(ys, start, size),
-                                                     take(ms, start, size))
-                return (i + 1, [a + s for a, s in zip(acc, sums)], loss_sum + b_loss,
-                        count + b_count, dropped + n_bad)
-
-            acc0 = [tf.zeros(v.shape, v.dtype) for v in variables]
-            _, *out = tf.while_loop(
-                lambda i, *_: i < num_batches, body,
-                (tf.constant(0), acc0, tf.constant(0.0), tf.constant(0.0),
-                 tf.constant(0, tf.int64)),
-                parallel_iterations=1)
-            return tuple(out)
-
-        static_n = mask.shape[0]
-        if static_n is not None and static_n <= bsz:
-            clipped_sum, loss_sum, count, dropped = whole_lot()
-        else:
-            clipped_sum, loss_sum, count, dropped = tf.cond(n <= bsz, whole_lot, in_batches)
+        """One lot (Abadi et al. 2016, Algorithm 1): the clipped per-example
+        gradients summed over the lot's physical batches, Gaussian noise added
+        once, divided by the expected lot size L; returns (noised gradient / L,
+        loss sum, examples kept, examples dropped).  `gate` (0 or 1) zeroes the
+        statistics of a lot the budget skips under a distribution strategy."""
+        clipped_sum, loss_sum, count, dropped = self._clip_and_accumulate(x, y, mask, gate)
         if gate is not None:
             loss_sum, count = loss_sum * gate, count * gate
-        # lot t's noise is stream position t of the sanitizer's key: a seeded run
-        # continues its stream across fits and resumes and never reuses a position
-        noised = sanitizer.add_noise(clipped_sum, groups, step=counters.computed)
+        return self._scale_grad(self._add_noise(clipped_sum)), loss_sum, count, dropped
+
+    def _clip_factors(self, sq_norms):
+        """Per-variable clip factors from per-variable squared norms: the norms
+        summed within each clip group, the sanitizer's rule per group (an
+        example with a non-finite norm gets 0 in every group)."""
+        groups = self._groups
+        grouped = [None] * (max(groups) + 1)
+        for g, s in zip(groups, sq_norms):
+            grouped[g] = s if grouped[g] is None else grouped[g] + s
+        factors = self._sanitizer.clip_factors(grouped)
+        return [factors[g] for g in groups]
+
+    def _clip_batch(self, xb, yb, mb):
+        """Clipped sums of one physical batch (cast to the variables' dtypes),
+        its per-example losses and predictions, and whether each example was
+        dropped (a real example whose clip factor is 0: non-finite)."""
+        batch = self._per_example.clipped(xb, yb, mb, self._clip_factors)
+        sums = [tf.cast(t, v.dtype) for t, v in zip(batch.sums, self.model.trainable_variables)]
+        dropped = tf.logical_and(mb > 0, tf.equal(batch.factors[0], 0.0))
+        return sums, batch.losses, batch.y_pred, dropped
+
+    def _rerun_one_by_one(self, xb, yb, mb):
+        """The batch's clipped sum recomputed one example at a time (no
+        example's values can reach another's gradient), and the examples
+        dropped."""
+        variables = self.model.trainable_variables
+
+        def one(i):
+            sums, _, _, dropped = self._clip_batch(
+                tf.nest.map_structure(lambda t: _rows(t, i, 1), xb), _rows(yb, i, 1),
+                _rows(mb, i, 1))
+            return sums + [tf.cast(dropped[0], tf.int64)]
+
+        spec = [tf.TensorSpec(v.shape, v.dtype) for v in variables] + [
+            tf.TensorSpec([], tf.int64)]
+        out = tf.map_fn(one, tf.range(tf.shape(mb)[0]), fn_output_signature=spec,
+                        parallel_iterations=1)
+        return [tf.reduce_sum(t, axis=0) for t in out[:-1]], tf.reduce_sum(out[-1])
+
+    def _clip_physical_batch(self, xb, yb, mb, gate):
+        """One physical batch: (clipped sums, loss sum, examples kept, examples
+        dropped).  A non-finite value can cross examples inside one batched
+        backward pass (0 x NaN in a shared matmul of the generic path): then
+        every example looks non-finite.  Whenever any example is non-finite,
+        the batch is rerun one example at a time, so only the offending
+        examples are dropped and the sensitivity stays C."""
+        sums, losses, y_pred, dropped = self._clip_batch(xb, yb, mb)
+        n_bad = tf.reduce_sum(tf.cast(dropped, tf.int64))
+        sums, n_bad = tf.cond(n_bad > 0, lambda: self._rerun_one_by_one(xb, yb, mb),
+                              lambda: (sums, n_bad))
+        return (sums, *self._batch_statistics(yb, y_pred, losses, mb, gate), n_bad)
+
+    def _batch_statistics(self, yb, y_pred, losses, mb, gate):
+        """(loss sum, examples kept) of a physical batch, and its metrics:
+        non-private statistics of the kept examples (zeros when not logged)."""
+        if not self._log_metrics:
+            return tf.constant(0.0), tf.constant(0.0)
+        kept = tf.cast(tf.logical_and(mb > 0, tf.math.is_finite(losses)), tf.float32)
+        if gate is not None:
+            kept = kept * gate
+        if self._compile_metrics is not None:
+            self._compile_metrics.update_state(yb, y_pred, sample_weight=kept)
+        losses = tf.where(kept > 0, tf.cast(losses, tf.float32), 0.0)
+        return tf.reduce_sum(losses), tf.reduce_sum(kept)
+
+    def _clip_and_accumulate(self, x, y, mask, gate):
+        """The lot's clipped sum over its physical batches of `batch_size`
+        examples: one batch when the lot fits (the usual case), else a loop
+        (under XLA every slice padded to the static size)."""
+        bsz = self._batch_size
+        n = tf.shape(mask)[0]
+        if mask.shape[0] is not None and mask.shape[0] <= bsz:
+            return self._clip_physical_batch(x, y, mask, gate)
+        return tf.cond(n <= bsz, lambda: self._clip_physical_batch(x, y, mask, gate),
+                       lambda: self._sum_physical_batches(x, y, mask, gate))
+
+    def _sum_physical_batches(self, x, y, mask, gate):
+        bsz = self._batch_size
+        n = tf.shape(mask)[0]
+        if self._pad_to_batch:  # XLA: every slice has the static size bsz
+            padded = (n + bsz - 1) // bsz * bsz
+
+            def pad(t):
+                return tf.pad(t, [[0, padded - n]] + [[0, 0]] * (t.shape.rank - 1))
+
+            x, y, mask = tf.nest.map_structure(pad, x), pad(y), pad(mask)
+
+        def body(i, acc, loss_sum, count, dropped):
+            start = i * bsz
+            size = bsz if self._pad_to_batch else tf.minimum(bsz, n - start)
+            sums, b_loss, b_count, n_bad = self._clip_physical_batch(
+                tf.nest.map_structure(lambda t: _rows(t, start, size), x),
+                _rows(y, start, size), _rows(mask, start, size), gate)
+            return (i + 1, [a + s for a, s in zip(acc, sums)], loss_sum + b_loss,
+                    count + b_count, dropped + n_bad)
+
+        acc0 = [tf.zeros(v.shape, v.dtype) for v in self.model.trainable_variables]
+        _, *out = tf.while_loop(
+            lambda i, *_: i < (n + bsz - 1) // bsz, body,
+            (tf.constant(0), acc0, tf.constant(0.0), tf.constant(0.0),
+             tf.constant(0, tf.int64)),
+            parallel_iterations=1)
+        return tuple(out)
+
+    def _add_noise(self, clipped_sum):
+        """sum + N(0, sigma^2 C^2 I), once per lot.  Lot t's noise is stream
+        position t of the sanitizer's key: a seeded run continues its stream
+        across fits and resumes and never reuses a position.  Each replica sums
+        its share of the lot and the optimizer all-reduces the sums, so exactly
+        one replica contributes the (single) noise draw."""
+        noised = self._sanitizer.add_noise(clipped_sum, self._groups,
+                                           step=self._counters.computed)
         replica = tf.distribute.get_replica_context()
         if replica is not None and replica.num_replicas_in_sync > 1:
-            # each replica sums its share of the lot; the optimizer all-reduces the
-            # sum, so exactly one replica contributes the (single) noise draw
             first = tf.equal(replica.replica_id_in_sync_group, 0)
             noised = [tf.where(first, z, c) for c, z in zip(clipped_sum, noised)]
-        grads = [g / self._expected_lot for g in noised]
-        return grads, loss_sum, count, dropped
+        return noised
+
+    def _scale_grad(self, noised):
+        """(sum + noise) / L: L the expected lot size (the accounting's)."""
+        return [g / self._expected_lot for g in noised]
 
 
     # -- serialisation ----------------------------------------------------------
@@ -807,6 +817,14 @@ class _Counters:
         self._limit_value = int(value)
         if self.limit is not None:
             self.limit.assign(self._limit_value)
+
+
+def _rows(t, start, size):
+    """Rows [start, start + size) of t, keeping its static feature shape (layers
+    such as GroupNormalization need it)."""
+    begin = tf.concat([[start], tf.zeros([t.shape.rank - 1], tf.int32)], 0)
+    sizes = tf.concat([[size], -tf.ones([t.shape.rank - 1], tf.int32)], 0)
+    return tf.ensure_shape(tf.slice(t, begin, sizes), [None, *t.shape[1:]])
 
 
 def _refuse_regularizers(model) -> None:

@@ -56,7 +56,7 @@ import contextlib
 import math
 import dataclasses
 import threading
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import keras
 import tensorflow as tf
@@ -66,8 +66,8 @@ from dpfl_tf.keras.layer_rules._base import _ACTIVE, _ORIGINAL_CALLS, Taps
 from dpfl_tf.keras.mixing import (BatchMixingLayerError, _leaf_layers,  # noqa: F401
                                   refuse_batch_mixing_layers)
 
-__all__ = ["PerExampleGradients", "refuse_batch_mixing_layers", "per_example_loss", "plan_layers",
-           "default_loss_scale"]
+__all__ = ["PerExampleGradients", "ClippedBatch", "refuse_batch_mixing_layers",
+           "per_example_loss", "plan_layers", "default_loss_scale"]
 
 
 FLOAT16_LOSS_SCALE = 2.0 ** 10
@@ -234,6 +234,16 @@ def _call_with_training(op, training: bool):
     return call
 
 
+class ClippedBatch(NamedTuple):
+    """One batch's clipped sums (aligned with the model's trainable variables),
+    per-example losses, predictions, and the clip factors applied (one [B]
+    tensor per variable; 0 for an example dropped as non-finite)."""
+    sums: list
+    losses: tf.Tensor
+    y_pred: object
+    factors: list
+
+
 class PerExampleGradients:
     """Per-example squared norms and clipped sums for one model and loss.
 
@@ -282,7 +292,13 @@ class PerExampleGradients:
 
     def compute(self, x, y, weights: tf.Tensor, clip_factors_fn, training: bool = True):
         """Returns (clipped sums aligned with model.trainable_variables,
-        per-example losses, y_pred).
+        per-example losses, y_pred): `clipped` without the factors."""
+        return tuple(self.clipped(x, y, weights, clip_factors_fn, training)[:3])
+
+    def clipped(self, x, y, weights: tf.Tensor, clip_factors_fn,
+                training: bool = True) -> ClippedBatch:
+        """The batch's `ClippedBatch`: sum_i c_i grad_i per variable, with the
+        clip factors c that `clip_factors_fn` gave.
 
         `weights` is 1 for real examples and 0 for padding; `clip_factors_fn`
         maps a list of per-variable squared norms ([B] each) to per-variable
@@ -389,4 +405,4 @@ class PerExampleGradients:
         for v, f in zip(variables, factors):
             with _after(sums[-1:]):
                 sums.append(sum_fns[id(v)](tf.cast(f, v.dtype)))
-        return sums, losses, y_pred
+        return ClippedBatch(sums, losses, y_pred, list(factors))
