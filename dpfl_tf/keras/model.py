@@ -38,6 +38,7 @@ import math
 import warnings
 from typing import Any
 
+import dp_accounting
 import keras
 import numpy as np
 import tensorflow as tf
@@ -50,8 +51,11 @@ from dpfl_tf.keras.mixing import (PROBE_HALF, probe_batch_mixing, refuse_batch_m
 from dpfl_tf.keras.per_example import PerExampleGradients, _leaf_layers, default_loss_scale
 from dpfl_tf.keras.sampling import LotSampler
 from dpfl_tf.keras.sources import SourceError, make_reader
-from dpfl_tf.privacy.events import SamplingMethod, describe_event, shuffle_epoch_event
+from dpfl_tf.privacy.accountants import compute_epsilon
+from dpfl_tf.privacy.events import (SamplingMethod, describe_event, gaussian_step_event,
+                                    shuffle_epoch_event)
 from dpfl_tf.privacy.ledger import PrivacyBudget, PrivacyLedger
+from dpfl_tf.sanitizer import GaussianSanitizer
 
 __all__ = ["DPModel"]
 
@@ -139,6 +143,7 @@ class DPModel(keras.Model):
         self._pad_to_batch = False
         self._log_metrics = True
         self.stop_reason = None
+        self.calibration = None       # the last fit's noise calibration (dict), if any
 
     # -- Keras plumbing -------------------------------------------------------
     def call(self, inputs, training=None):
@@ -285,7 +290,11 @@ class DPModel(keras.Model):
           target_epsilon, target_delta: stop before the lot that would exceed
             (target_epsilon, target_delta); epsilon is logged either way.  When
             the budget stops training, `stop_reason` (and the History's
-            ``stop_reason``) is "budget_spent".
+            ``stop_reason``) is "budget_spent".  If the optimizer's
+            noise_multiplier is unset (None), fit first calibrates it: the
+            smallest sigma whose `epochs` of lots, on top of what the ledger
+            already holds, stay within the target under `accountant`
+            (`_calibrate_noise`; stored on the optimizer, in `calibration`).
           accountant: accountant for the budget and the logs (default: ledger's).
           preprocess: a function applied to each lot's x inside tf.data (e.g.
             augmentation; it must act on each example independently).
@@ -329,7 +338,8 @@ class DPModel(keras.Model):
         elif target_epsilon is not None:
             raise ValueError("pass target_epsilon either to fit() or to the PrivacyCallback")
         self._log_metrics = bool(log_train_metrics)
-        self._prepare(sampler, batch_size)
+        self._prepare(sampler, batch_size, calibrate_for=(privacy_cb, epochs - initial_epoch,
+                                                           verbose))
         self._check_accountants(privacy_cb, target_delta)
         replicas = self.distribute_strategy.num_replicas_in_sync
         if replicas > 1 and optimizer.secure_mode:
@@ -404,8 +414,9 @@ class DPModel(keras.Model):
                 f"{describe_event(self._step_event)}; pass accountant= one of {allowed}, or "
                 "use another sampling (nothing was trained)")
 
-    def _prepare(self, sampler: LotSampler, batch_size: int) -> None:
-        """Fixes the settings of this fit: sanitizer, groups, the lot's event."""
+    def _prepare(self, sampler: LotSampler, batch_size: int, calibrate_for=None) -> None:
+        """Fixes the settings of this fit: sanitizer, groups, the lot's event (and
+        the noise multiplier, if unset: `_calibrate_noise` with `calibrate_for`)."""
         restored = self.lots_applied > self.lots_computed
         if not restored:
             self._sync_ledger()  # lots of an earlier fit are recorded with their own event
@@ -418,6 +429,9 @@ class DPModel(keras.Model):
         layer_of = {id(v): layer.name for layer in _leaf_layers(self.model)
                     for v in layer.trainable_variables}
         self._groups, bounds = optimizer.clip_groups(variables, layer_of)
+        self.calibration = None
+        if optimizer.noise_multiplier is None and calibrate_for is not None:
+            self._calibrate_noise(sampler, bounds, *calibrate_for)
         self._sanitizer = optimizer.make_sanitizer(bounds)
         self._counters.create(self.distribute_strategy)
         self._expected_lot = float(sampler.lot_size)
@@ -430,21 +444,73 @@ class DPModel(keras.Model):
             sampler, self._per_example.materialised_parameters(),
             multiple=XLA_PAD if self.jit_compile else 8)
         num_groups = max(self._groups) + 1
+        self._step_event = _release_event(
+            sampler, self._sanitizer.effective_noise_multiplier(num_groups))
         if sampler.sampling is SamplingMethod.SHUFFLE:
-            self._epoch_event = shuffle_epoch_event(
-                self._sanitizer.effective_noise_multiplier(num_groups))
-            self._step_event = self._epoch_event
+            self._epoch_event = self._step_event
             self._lots_per_epoch = sampler.lots_per_epoch
             self._fit_start_lots = self.lots_computed
             self._recorded_epochs = 0
         else:
             self._epoch_event = None
-            self._step_event = self._sanitizer.event(num_groups, sampler.sampling,
-                                                     **sampler.sampling_args())
         self.sampler = sampler
         self.train_function = None  # retrace with the new settings
         if restored:
             self._adopt_restored_lots(stacklevel=4)
+
+    def _calibrate_noise(self, sampler: LotSampler, bounds, privacy_cb, epochs: int,
+                         verbose) -> None:
+        """Sets the optimizer's unset noise multiplier to the smallest sigma whose
+        planned releases (`epochs` x the lots of an epoch; shuffle: `epochs`
+        epochs), composed with what the ledger already holds (e.g. a DP-PCA
+        release), stay within (target_epsilon, delta) under the fit's accountant
+        (the ledger's by default): `privacy.calibrate_noise_multiplier`.  The
+        sigma is stored on the optimizer (its config keeps it), in
+        `self.calibration`, and printed unless verbose=0."""
+        from dpfl_tf.privacy.calibration import calibrate_noise_multiplier
+
+        optimizer: DPOptimizer = self.optimizer
+        target, delta = privacy_cb.target_epsilon, privacy_cb.delta
+        if target is None:
+            raise ValueError(
+                "noise_multiplier is unset (None) and fit got no target_epsilon: pass "
+                "target_epsilon= (and epochs=) to calibrate it, or set noise_multiplier on "
+                "the optimizer (nothing was trained)")
+        if self.lots_applied > self.lots_computed:
+            raise ValueError(
+                f"noise_multiplier is unset (None) but the weights carry "
+                f"{self.lots_applied - self.lots_computed} lots whose settings are unknown: "
+                "set the noise_multiplier that produced them (nothing was trained)")
+        kind = privacy_cb.accountant or self.ledger.accountant
+        # sigma_eff is linear in sigma (per-layer bounds and noise allocation fixed)
+        per_unit = GaussianSanitizer(bounds, 1.0, noise_allocation=optimizer.noise_allocation
+                                     ).effective_noise_multiplier(max(self._groups) + 1)
+        count = epochs if sampler.sampling is SamplingMethod.SHUFFLE else \
+            epochs * sampler.lots_per_epoch
+        prior = [self.ledger.event] if len(self.ledger) else []
+        spent = compute_epsilon(prior[0], delta, kind) if prior else 0.0
+        if spent >= target:
+            raise ValueError(
+                f"target_epsilon={target:g} is already spent: the ledger holds epsilon "
+                f"{spent:.4g} at delta {delta:g} ({kind.value}); no noise multiplier leaves "
+                "room for a lot (nothing was trained)")
+
+        def planned(sigma: float):
+            step = self.ledger.admit(_release_event(sampler, per_unit * sigma))
+            return dp_accounting.ComposedDpEvent(
+                prior + [dp_accounting.SelfComposedDpEvent(step, count)])
+
+        sigma, eps = calibrate_noise_multiplier(target, delta, planned, kind)
+        optimizer.noise_multiplier = sigma
+        unit = "epochs" if sampler.sampling is SamplingMethod.SHUFFLE else "lots"
+        self.calibration = {"noise_multiplier": sigma, "epsilon": eps, "delta": delta,
+                            "target_epsilon": target, "accountant": kind.value, unit: count,
+                            "epsilon_before": spent}
+        if verbose != 0:
+            print(f"calibrated noise_multiplier = {sigma:.4g}: {count} {unit} of "
+                  f"{describe_event(_release_event(sampler, per_unit * sigma))}"
+                  f"{f' after epsilon {spent:.4g} already spent' if prior else ''} reach "
+                  f"epsilon {eps:.4g} <= {target:g} at delta {delta:g} ({kind.value})")
 
     def _set_steps_per_execution(self, lots_per_epoch: int) -> None:
         """Lots per call of the training function for this fit: the "auto"
@@ -507,6 +573,51 @@ class DPModel(keras.Model):
             return
         self._counters.set_computed(self.lots_applied)
         self._sync_ledger()
+
+    def _no_lot_message(self, budget: PrivacyBudget) -> str:
+        """Why `budget` allows no further release with this fit's settings: what
+        one more costs under each accountant that can analyse it, and what to
+        change (one line)."""
+        from dpfl_tf.privacy.accountants import AccountantKind
+        from dpfl_tf.privacy.calibration import calibrate_noise_multiplier
+
+        unit = "epoch of shuffled lots" if self._epoch_event is not None else "lot"
+        prior = [self.ledger.event] if len(self.ledger) else []
+        step = self.ledger.admit(self._step_event)
+        costs = {}
+        for kind in AccountantKind:
+            event = dp_accounting.ComposedDpEvent(prior + [step])
+            if _accounts(event, budget.delta, kind):
+                costs[kind] = compute_epsilon(event, budget.delta, kind)
+        listed = ", ".join(f"{eps:.4g} ({kind.value})" for kind, eps in costs.items())
+        cost = (f"one more brings epsilon to {listed} (spent so far: "
+                f"{self.ledger.epsilon(budget.delta, budget.accountant):.4g})") if prior \
+            else f"one costs epsilon {listed}"
+        fits = sorted((eps, k.value) for k, eps in costs.items() if eps <= budget.epsilon)
+        advice = [f"fit(accountant={fits[0][1]!r}) (a tighter analysis of the same lots)"] \
+            if fits else []
+        sigma = self.optimizer.noise_multiplier
+        num_groups = max(self._groups) + 1
+        per_unit = self._sanitizer.effective_noise_multiplier(num_groups) / sigma \
+            if sigma else None
+        if per_unit and not (prior and self.ledger.epsilon(budget.delta, budget.accountant)
+                             >= budget.epsilon):
+            try:
+                needed, _ = calibrate_noise_multiplier(
+                    budget.epsilon, budget.delta, lambda s: dp_accounting.ComposedDpEvent(
+                        prior + [self.ledger.admit(_release_event(self.sampler,
+                                                                  per_unit * s))]),
+                    budget.accountant)
+                advice.append(f"noise_multiplier >= {needed:.3g} (now {sigma:g}) for one "
+                              f"{unit}")
+            except ValueError:
+                pass
+        advice.append("noise_multiplier=None on the optimizer to calibrate it to "
+                      "target_epsilon over the planned epochs")
+        return (f"the privacy budget (epsilon={budget.epsilon:g}, delta={budget.delta:g}, "
+                f"{budget.accountant.value}) allows no {unit} of {describe_event(step)}: "
+                f"{cost}; nothing was trained. Use "
+                + "; or ".join(advice) + "; or a larger target_epsilon")
 
     @property
     def lot_event(self):
@@ -817,6 +928,16 @@ class _Counters:
         self._limit_value = int(value)
         if self.limit is not None:
             self.limit.assign(self._limit_value)
+
+
+def _release_event(sampler: LotSampler, sigma_eff: float):
+    """What one release of this sampling records: a lot (Poisson, fixed size,
+    full batch) or an epoch of shuffled lots, noised at `sigma_eff`."""
+    if sampler.sampling is SamplingMethod.SHUFFLE:
+        return shuffle_epoch_event(sigma_eff)
+    if sigma_eff == 0:
+        return dp_accounting.NonPrivateDpEvent()
+    return gaussian_step_event(sigma_eff, sampler.sampling, **sampler.sampling_args())
 
 
 def _rows(t, start, size):

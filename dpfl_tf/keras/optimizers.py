@@ -52,7 +52,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         {layer name: C_layer} (a layer's kernel and bias share the bound) or a
         list with one bound per trainable variable.
       noise_multiplier: sigma; noise std is sigma * C (sigma * sqrt(sum C_j^2)
-        for per-layer bounds, see `GaussianSanitizer`).
+        for per-layer bounds, see `GaussianSanitizer`).  None (unset): the next
+        ``DPModel.fit(..., target_epsilon=, epochs=)`` calibrates it for the
+        planned lots and stores it here (so `get_config` keeps it).
       noise_allocation: per-layer only, "global" or "proportional".
       seed: seeds the noise (tests only; results then say "not for deployment").
         The noise of lot t is position t of the seed's stream, so the stream
@@ -63,7 +65,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
     """
 
     def __init__(self, inner_optimizer: keras.optimizers.Optimizer, *, l2_norm_clip: ClipSpec,
-                 noise_multiplier: float, noise_allocation: str = "global",
+                 noise_multiplier: float | None = None, noise_allocation: str = "global",
                  seed: int | None = None, secure_mode: bool = False,
                  name: str | None = None, **kwargs):
         if kwargs:
@@ -77,7 +79,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         super().__init__(learning_rate=0.0, name=name or f"dp_{inner_optimizer.name}")
         self.inner_optimizer = inner_optimizer
         self.l2_norm_clip = _check_clip(l2_norm_clip)
-        self.noise_multiplier = check_number("noise_multiplier", noise_multiplier, low=0.0)
+        self.noise_multiplier = None if noise_multiplier is None else check_number(
+            "noise_multiplier", noise_multiplier, low=0.0)
         if noise_allocation not in ("global", "proportional"):
             raise ValueError("noise_allocation must be 'global' or 'proportional', got "
                              f"{noise_allocation!r}")
@@ -110,6 +113,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return [order.index(n) for n in names], [self.l2_norm_clip[n] for n in order]
 
     def make_sanitizer(self, bounds: ClipSpec) -> GaussianSanitizer:
+        if self.noise_multiplier is None:
+            raise ValueError(
+                "noise_multiplier is unset (None): pass it to the optimizer, or pass "
+                "target_epsilon= (and epochs=) to DPModel.fit to calibrate it")
         return GaussianSanitizer(bounds, self.noise_multiplier,
                                  noise_allocation=self.noise_allocation, seed=self.seed,
                                  secure_mode=self.secure_mode)
@@ -196,7 +203,7 @@ class DPSGD(DPOptimizer):
     ``keras.optimizers.schedules.PolynomialDecay(0.1, 10 * steps_per_epoch, 0.052)``."""
 
     def __init__(self, learning_rate=0.01, momentum: float = 0.0, nesterov: bool = False, *,
-                 l2_norm_clip: ClipSpec, noise_multiplier: float,
+                 l2_norm_clip: ClipSpec, noise_multiplier: float | None = None,
                  noise_allocation: str = "global", seed: int | None = None,
                  secure_mode: bool = False, name: str = "dp_sgd"):
         super().__init__(keras.optimizers.SGD(learning_rate=learning_rate, momentum=momentum,
@@ -220,9 +227,9 @@ class DPAdam(DPOptimizer):
     """Adam on the clipped, noised, lot-averaged gradient."""
 
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999,
-                 epsilon: float = 1e-7, *, l2_norm_clip: ClipSpec, noise_multiplier: float,
-                 noise_allocation: str = "global", seed: int | None = None,
-                 secure_mode: bool = False, name: str = "dp_adam"):
+                 epsilon: float = 1e-7, *, l2_norm_clip: ClipSpec,
+                 noise_multiplier: float | None = None, noise_allocation: str = "global",
+                 seed: int | None = None, secure_mode: bool = False, name: str = "dp_adam"):
         super().__init__(keras.optimizers.Adam(learning_rate=learning_rate, beta_1=beta_1,
                                                beta_2=beta_2, epsilon=epsilon),
                          l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,

@@ -11,8 +11,9 @@ import tensorflow as tf
 from scipy import stats
 
 from dpfl_tf.keras import DPAdam, DPModel, DPOptimizer, DPSGD
-from dpfl_tf.privacy import (BudgetExceededError, compute_epsilon, dp_sgd_event,
-                             gaussian_step_event, max_steps)
+from dpfl_tf.privacy import (BudgetExceededError, PrivacyLedger, compute_epsilon,
+                             dp_sgd_event, gaussian_step_event, max_steps)
+from dpfl_tf.privacy.calibration import calibrate_noise_multiplier
 from tests.keras.helpers import loss, mlp, mnist_slice, mnist_test_slice
 
 
@@ -617,3 +618,65 @@ def test_several_lots_per_call_under_a_one_replica_strategy_are_refused():
         auto = dp_model()
     auto.fit(x, y, lot_size=20, epochs=1, verbose=0)   # "auto" is 1 there
     assert auto.steps_per_execution == 1 and auto.lots_computed == 20
+
+
+# -- calibration in fit, and refusals that say what a lot costs -------------------------
+def test_fit_calibrates_an_unset_noise_multiplier_to_the_target():
+    """fit(target_epsilon=, epochs=) with noise_multiplier=None: the smallest sigma
+    whose planned lots spend <= the target (close to it), stored on the optimizer."""
+    x, y = mnist_slice(1000, features=60)
+    dp = DPModel(mlp(), accountant="rdp")
+    opt = DPSGD(0.5, l2_norm_clip=1.0)
+    assert opt.noise_multiplier is None
+    dp.compile(optimizer=opt, loss=loss())
+    dp.fit(x, y, lot_size=50, epochs=3, target_epsilon=2.0, verbose=0)
+    sigma = opt.noise_multiplier
+    assert dp.lots_computed == 60 and dp.calibration["noise_multiplier"] == sigma
+    assert 1.98 < dp.epsilon(1e-5) <= 2.0
+    assert dp.calibration["epsilon"] == pytest.approx(dp.epsilon(1e-5), rel=1e-12)
+    want, _ = calibrate_noise_multiplier(
+        2.0, 1e-5, lambda s: dp_sgd_event(s, 60, sampling_rate=0.05), "rdp")
+    assert sigma == pytest.approx(want, rel=1e-12)
+    assert DPSGD.from_config(opt.get_config()).noise_multiplier == sigma
+    dp.fit(x, y, lot_size=50, epochs=1, verbose=0)   # set now: no recalibration
+    assert opt.noise_multiplier == sigma and dp.calibration is None
+
+
+def test_calibration_accounts_for_what_the_ledger_already_holds():
+    x, y = mnist_slice(1000, features=60)
+    ledger = PrivacyLedger("rdp")
+    ledger.record(dp_accounting.GaussianDpEvent(4.0), 1, label="dp-pca")
+    sigmas = []
+    for held in (None, ledger):
+        dp = DPModel(mlp(), accountant="rdp", ledger=held)
+        dp.compile(optimizer=DPSGD(0.5, l2_norm_clip=1.0), loss=loss())
+        dp.fit(x, y, lot_size=50, epochs=2, target_epsilon=2.0, verbose=0)
+        assert dp.lots_computed == 40 and 1.98 < dp.epsilon(1e-5) <= 2.0
+        sigmas.append(dp.optimizer.noise_multiplier)
+    assert dp.calibration["epsilon_before"] > 0.5
+    assert sigmas[1] > sigmas[0]
+
+
+def test_an_unset_noise_multiplier_without_a_target_is_refused():
+    x, y = mnist_slice(200, features=60)
+    dp = DPModel(mlp())
+    dp.compile(optimizer=DPSGD(0.5, l2_norm_clip=1.0), loss=loss())
+    with pytest.raises(ValueError, match="noise_multiplier is unset.*target_epsilon=") as err:
+        dp.fit(x, y, lot_size=50, verbose=0)
+    assert "\n" not in str(err.value)
+    assert dp.lots_computed == 0 and len(dp.privacy_ledger) == 0
+
+
+def test_a_budget_too_small_for_one_lot_says_what_a_lot_costs_per_accountant():
+    """sigma 1.1, q 0.01, target 1: the moments accountant says one lot costs
+    1.088, PLD 0.142; the refusal says so and what to change."""
+    x, y = mnist_slice(1000, features=60)
+    dp = dp_model(noise=1.1)
+    with pytest.raises(BudgetExceededError) as err:
+        dp.fit(x, y, lot_size=10, epochs=1, target_epsilon=1.0, verbose=0)
+    text = str(err.value)
+    assert "\n" not in text
+    assert "1.088 (moments)" in text and "0.1423 (pld)" in text
+    assert "fit(accountant='pld')" in text and "noise_multiplier >= 1.1" in text
+    assert "noise_multiplier=None" in text
+    assert dp.lots_computed == 0 and len(dp.privacy_ledger) == 0
