@@ -11,8 +11,9 @@ Two checks, both before anything trains:
 
 * *by construction* (`refuse_batch_mixing_layers`, `refuse_batch_mixing_loss`,
   at `compile`): the Keras 3 losses and layers known to mix the batch;
-* *a probe* (`probe_batch_mixing`, once per `fit`, eagerly, before the first
-  lot): 2h examples are run as one batch [x_1..x_h, x_h+1..x_2h] and as
+* *a probe* (`probe_batch_mixing`, at the first `fit` after `compile`,
+  eagerly, before the first lot is trained, on 2h examples of that lot): they
+  are run as one batch [x_1..x_h, x_h+1..x_2h] and as
   [x_1..x_h, x_1..x_h]; the first h examples' losses must not change when the
   other h do.  The randomness of the training forward (dropout masks) is the
   same in both runs (Keras seed-generator states and Python's `random` are
@@ -26,8 +27,7 @@ dependence on particular inputs only (a branch on the batch's content that
 these 2h examples do not take), dependence weaker than its tolerance (relative
 1e-4), dependence in the gradient but not in the loss (a custom gradient),
 randomness outside Keras seed generators (then it warns that it could not
-check), and mixing inside `fit(preprocess=...)`, which it runs once on the
-probe's examples.
+check), and mixing inside `fit(preprocess=...)`, whose output it takes as given.
 """
 
 from __future__ import annotations

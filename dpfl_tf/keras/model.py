@@ -46,6 +46,7 @@ import tensorflow as tf
 from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.keras.multiworker import is_multi_worker, lot_shares
 from dpfl_tf.keras.optimizers import DPOptimizer
+from dpfl_tf.keras.lot import LotStep
 from dpfl_tf.keras.mixing import (PROBE_HALF, probe_batch_mixing, refuse_batch_mixing_layers,
                                   refuse_batch_mixing_loss)
 from dpfl_tf.keras.per_example import PerExampleGradients, _leaf_layers, default_loss_scale
@@ -60,6 +61,7 @@ from dpfl_tf.sanitizer import GaussianSanitizer
 __all__ = ["DPModel"]
 
 _NO_LIMIT = np.iinfo(np.int64).max
+PROBE_LOTS = 4  # lots read at most for the cross-example probe's 2h examples
 XLA_PAD = 64  # under XLA, lots are padded to a multiple of 64 examples (few shapes to compile)
 MAX_DEFAULT_BATCH = 1024
 MATERIALISED_BYTES = 2 ** 30  # default physical batch: at most 1 GiB of per-example gradients
@@ -353,7 +355,6 @@ class DPModel(keras.Model):
                 f"jit_compile must be False under a distribution strategy with {replicas} "
                 "replicas: XLA cannot read the replicas' privacy counters across devices "
                 "(this mode is not supported, so it is refused)")
-        self._probe_batch_mixing(reader, preprocess)
         if is_multi_worker(self.distribute_strategy):
             # every worker the chief's lots, each replica its own share (multiworker.py)
             data = lot_shares(self.distribute_strategy, sampler, reader,
@@ -362,6 +363,7 @@ class DPModel(keras.Model):
             pad_to = (XLA_PAD if self.jit_compile else 1) * replicas
             data = sampler.dataset(reader, pad_to=pad_to, preprocess=preprocess,  # endless
                                    prefetch=2 * int(self.steps_per_execution))
+        self._probe_batch_mixing(data)
         callbacks = [privacy_cb] + [c for c in callbacks if c is not privacy_cb]
         self.stop_reason = None
         dropped_before = self.dropped_examples
@@ -386,19 +388,30 @@ class DPModel(keras.Model):
                 "data and the loss", RuntimeWarning, stacklevel=2)
         return history
 
-    def _probe_batch_mixing(self, reader, preprocess) -> None:
-        """Refuses, before any lot, a model or loss whose per-example losses depend
-        on other examples (`mixing.probe_batch_mixing`, on the first 2h records,
-        `preprocess`ed once); once per compile."""
+    def _probe_batch_mixing(self, data) -> None:
+        """Refuses, before any lot is trained, a model or loss whose per-example
+        losses depend on other examples (`mixing.probe_batch_mixing`), on the
+        first 2h real examples of the first lots `data` yields (this process's
+        share under a MultiWorkerMirroredStrategy): records the training reads
+        anyway, `preprocess`ed as in training.  Once per compile."""
         if getattr(self, "_mixing_probed", True):
             return
-        xs, ys = reader.read(tf.range(min(2 * PROBE_HALF, reader.size), dtype=tf.int64))
-        if preprocess is not None:
-            xs = preprocess(xs)
+        local = self.distribute_strategy.experimental_local_results
+        xs, ys, have = [], [], 0
+        for _, (x, y, mask) in zip(range(PROBE_LOTS), data):
+            real = tf.where(local(mask)[0] > 0)[:, 0]
+            xs.append(tf.nest.map_structure(lambda t: tf.gather(local(t)[0], real), x))
+            ys.append(tf.gather(local(y)[0], real))
+            have += int(tf.size(real))
+            if have >= 2 * PROBE_HALF:
+                break
+        if have < 2:
+            return  # lots too small to compare; probed at the next fit
         loss = self._dp_loss
         name = getattr(loss, "name", None) or getattr(loss, "__name__", type(loss).__name__)
-        probe_batch_mixing(self.model, loss, xs, ys,
-                           loss_name=f"loss {name!r} ({type(loss).__name__})")
+        probe_batch_mixing(self.model, loss,
+                           tf.nest.map_structure(lambda *t: tf.concat(t, 0), *xs),
+                           tf.concat(ys, 0), loss_name=f"loss {name!r} ({type(loss).__name__})")
         self._mixing_probed = True
 
     def _check_accountants(self, privacy_cb, delta: float) -> None:
@@ -718,139 +731,19 @@ class DPModel(keras.Model):
         self.optimizer.apply_noised_gradients(grads, variables)
         return tf.constant(True)
 
-    # -- one lot in named steps (cf. Opacus DPOptimizer.pre_step) ------------------
     def _dp_lot(self, x, y, mask, gate=None):
-        """One lot (Abadi et al. 2016, Algorithm 1): the clipped per-example
-        gradients summed over the lot's physical batches, Gaussian noise added
-        once, divided by the expected lot size L; returns (noised gradient / L,
-        loss sum, examples kept, examples dropped).  `gate` (0 or 1) zeroes the
-        statistics of a lot the budget skips under a distribution strategy."""
-        clipped_sum, loss_sum, count, dropped = self._clip_and_accumulate(x, y, mask, gate)
-        if gate is not None:
-            loss_sum, count = loss_sum * gate, count * gate
-        return self._scale_grad(self._add_noise(clipped_sum)), loss_sum, count, dropped
+        """One lot (`LotStep`: clip and accumulate, add noise, scale) with this
+        fit's settings; returns (noised gradient / L, loss sum, examples kept,
+        examples dropped).  Lot t draws noise at stream position t."""
+        lot = LotStep(self.model.trainable_variables, self._per_example, self._sanitizer,
+                      self._groups, batch_size=self._batch_size,
+                      expected_lot=self._expected_lot, pad_to_batch=self._pad_to_batch,
+                      update_metrics=self._update_metrics if self._log_metrics else None)
+        return lot(x, y, mask, step=self._counters.computed, gate=gate)
 
-    def _clip_factors(self, sq_norms):
-        """Per-variable clip factors from per-variable squared norms: the norms
-        summed within each clip group, the sanitizer's rule per group (an
-        example with a non-finite norm gets 0 in every group)."""
-        groups = self._groups
-        grouped = [None] * (max(groups) + 1)
-        for g, s in zip(groups, sq_norms):
-            grouped[g] = s if grouped[g] is None else grouped[g] + s
-        factors = self._sanitizer.clip_factors(grouped)
-        return [factors[g] for g in groups]
-
-    def _clip_batch(self, xb, yb, mb):
-        """Clipped sums of one physical batch (cast to the variables' dtypes),
-        its per-example losses and predictions, and whether each example was
-        dropped (a real example whose clip factor is 0: non-finite)."""
-        batch = self._per_example.clipped(xb, yb, mb, self._clip_factors)
-        sums = [tf.cast(t, v.dtype) for t, v in zip(batch.sums, self.model.trainable_variables)]
-        dropped = tf.logical_and(mb > 0, tf.equal(batch.factors[0], 0.0))
-        return sums, batch.losses, batch.y_pred, dropped
-
-    def _rerun_one_by_one(self, xb, yb, mb):
-        """The batch's clipped sum recomputed one example at a time (no
-        example's values can reach another's gradient), and the examples
-        dropped."""
-        variables = self.model.trainable_variables
-
-        def one(i):
-            sums, _, _, dropped = self._clip_batch(
-                tf.nest.map_structure(lambda t: _rows(t, i, 1), xb), _rows(yb, i, 1),
-                _rows(mb, i, 1))
-            return sums + [tf.cast(dropped[0], tf.int64)]
-
-        spec = [tf.TensorSpec(v.shape, v.dtype) for v in variables] + [
-            tf.TensorSpec([], tf.int64)]
-        out = tf.map_fn(one, tf.range(tf.shape(mb)[0]), fn_output_signature=spec,
-                        parallel_iterations=1)
-        return [tf.reduce_sum(t, axis=0) for t in out[:-1]], tf.reduce_sum(out[-1])
-
-    def _clip_physical_batch(self, xb, yb, mb, gate):
-        """One physical batch: (clipped sums, loss sum, examples kept, examples
-        dropped).  A non-finite value can cross examples inside one batched
-        backward pass (0 x NaN in a shared matmul of the generic path): then
-        every example looks non-finite.  Whenever any example is non-finite,
-        the batch is rerun one example at a time, so only the offending
-        examples are dropped and the sensitivity stays C."""
-        sums, losses, y_pred, dropped = self._clip_batch(xb, yb, mb)
-        n_bad = tf.reduce_sum(tf.cast(dropped, tf.int64))
-        sums, n_bad = tf.cond(n_bad > 0, lambda: self._rerun_one_by_one(xb, yb, mb),
-                              lambda: (sums, n_bad))
-        return (sums, *self._batch_statistics(yb, y_pred, losses, mb, gate), n_bad)
-
-    def _batch_statistics(self, yb, y_pred, losses, mb, gate):
-        """(loss sum, examples kept) of a physical batch, and its metrics:
-        non-private statistics of the kept examples (zeros when not logged)."""
-        if not self._log_metrics:
-            return tf.constant(0.0), tf.constant(0.0)
-        kept = tf.cast(tf.logical_and(mb > 0, tf.math.is_finite(losses)), tf.float32)
-        if gate is not None:
-            kept = kept * gate
+    def _update_metrics(self, y, y_pred, sample_weight) -> None:
         if self._compile_metrics is not None:
-            self._compile_metrics.update_state(yb, y_pred, sample_weight=kept)
-        losses = tf.where(kept > 0, tf.cast(losses, tf.float32), 0.0)
-        return tf.reduce_sum(losses), tf.reduce_sum(kept)
-
-    def _clip_and_accumulate(self, x, y, mask, gate):
-        """The lot's clipped sum over its physical batches of `batch_size`
-        examples: one batch when the lot fits (the usual case), else a loop
-        (under XLA every slice padded to the static size)."""
-        bsz = self._batch_size
-        n = tf.shape(mask)[0]
-        if mask.shape[0] is not None and mask.shape[0] <= bsz:
-            return self._clip_physical_batch(x, y, mask, gate)
-        return tf.cond(n <= bsz, lambda: self._clip_physical_batch(x, y, mask, gate),
-                       lambda: self._sum_physical_batches(x, y, mask, gate))
-
-    def _sum_physical_batches(self, x, y, mask, gate):
-        bsz = self._batch_size
-        n = tf.shape(mask)[0]
-        if self._pad_to_batch:  # XLA: every slice has the static size bsz
-            padded = (n + bsz - 1) // bsz * bsz
-
-            def pad(t):
-                return tf.pad(t, [[0, padded - n]] + [[0, 0]] * (t.shape.rank - 1))
-
-            x, y, mask = tf.nest.map_structure(pad, x), pad(y), pad(mask)
-
-        def body(i, acc, loss_sum, count, dropped):
-            start = i * bsz
-            size = bsz if self._pad_to_batch else tf.minimum(bsz, n - start)
-            sums, b_loss, b_count, n_bad = self._clip_physical_batch(
-                tf.nest.map_structure(lambda t: _rows(t, start, size), x),
-                _rows(y, start, size), _rows(mask, start, size), gate)
-            return (i + 1, [a + s for a, s in zip(acc, sums)], loss_sum + b_loss,
-                    count + b_count, dropped + n_bad)
-
-        acc0 = [tf.zeros(v.shape, v.dtype) for v in self.model.trainable_variables]
-        _, *out = tf.while_loop(
-            lambda i, *_: i < (n + bsz - 1) // bsz, body,
-            (tf.constant(0), acc0, tf.constant(0.0), tf.constant(0.0),
-             tf.constant(0, tf.int64)),
-            parallel_iterations=1)
-        return tuple(out)
-
-    def _add_noise(self, clipped_sum):
-        """sum + N(0, sigma^2 C^2 I), once per lot.  Lot t's noise is stream
-        position t of the sanitizer's key: a seeded run continues its stream
-        across fits and resumes and never reuses a position.  Each replica sums
-        its share of the lot and the optimizer all-reduces the sums, so exactly
-        one replica contributes the (single) noise draw."""
-        noised = self._sanitizer.add_noise(clipped_sum, self._groups,
-                                           step=self._counters.computed)
-        replica = tf.distribute.get_replica_context()
-        if replica is not None and replica.num_replicas_in_sync > 1:
-            first = tf.equal(replica.replica_id_in_sync_group, 0)
-            noised = [tf.where(first, z, c) for c, z in zip(clipped_sum, noised)]
-        return noised
-
-    def _scale_grad(self, noised):
-        """(sum + noise) / L: L the expected lot size (the accounting's)."""
-        return [g / self._expected_lot for g in noised]
-
+            self._compile_metrics.update_state(y, y_pred, sample_weight=sample_weight)
 
     # -- serialisation ----------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
@@ -938,14 +831,6 @@ def _release_event(sampler: LotSampler, sigma_eff: float):
     if sigma_eff == 0:
         return dp_accounting.NonPrivateDpEvent()
     return gaussian_step_event(sigma_eff, sampler.sampling, **sampler.sampling_args())
-
-
-def _rows(t, start, size):
-    """Rows [start, start + size) of t, keeping its static feature shape (layers
-    such as GroupNormalization need it)."""
-    begin = tf.concat([[start], tf.zeros([t.shape.rank - 1], tf.int32)], 0)
-    sizes = tf.concat([[size], -tf.ones([t.shape.rank - 1], tf.int32)], 0)
-    return tf.ensure_shape(tf.slice(t, begin, sizes), [None, *t.shape[1:]])
 
 
 def _refuse_regularizers(model) -> None:
