@@ -22,7 +22,7 @@ Two checks, both before anything trains:
   Cost: two forward passes of 2h = 16 examples in training mode (a third when
   they differ), no gradient.
 
-What the probe cannot see (docs/concepts/cross-example-dependence.md):
+What the probe cannot see (docs/concepts/what-epsilon-covers.md):
 dependence on particular inputs only (a branch on the batch's content that
 these 2h examples do not take), dependence weaker than its tolerance (relative
 1e-4), dependence in the gradient but not in the loss (a custom gradient),
