@@ -32,6 +32,7 @@ import tensorflow as tf
 from dpfl_tf.keras.lot import LotStep
 from dpfl_tf.keras.mixing import (PROBE_HALF, probe_batch_mixing, refuse_batch_mixing_layers,
                                   refuse_batch_mixing_loss)
+from dpfl_tf.keras.model import _refuse_regularizers, _release_event, default_batch_size
 from dpfl_tf.keras.optimizers import DPOptimizer
 from dpfl_tf.keras.per_example import PerExampleGradients, _leaf_layers, default_loss_scale
 from dpfl_tf.keras.sampling import LotSampler
@@ -60,8 +61,6 @@ _KEEP = 8
 def _prepared(model, loss, optimizer: DPOptimizer, sampler: LotSampler, batch_size,
               fast_gradients: bool) -> _Prepared:
     """The lot step of these settings, made (and checked) once and reused."""
-    from dpfl_tf.keras.model import _refuse_regularizers, _release_event, default_batch_size
-
     variables = model.trainable_variables
     key = (id(model), id(loss), id(optimizer), repr(optimizer._dp_config()), id(sampler),
            batch_size, bool(fast_gradients), tuple(id(v) for v in variables))

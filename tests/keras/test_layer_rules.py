@@ -619,6 +619,32 @@ def test_a_subclassed_embedding_overriding_call_is_exact():
     check_exact(model, x, y, {"ScaledEmbedding": "PerLayerJacobianRule", "Dense": "DenseRule"})
 
 
+def test_a_tied_reversible_embedding_takes_the_exact_fallback_not_embeddings_rule():
+    """keras.layers.ReversibleEmbedding(Embedding) overrides call (reverse=True is
+    the tied output projection): with Embedding's rule fit failed with a shape
+    error ("output.shape=(None, 16, 8, 8)"); it now takes the exact fallback."""
+    keras.utils.set_random_seed(44)
+    x, _ = _tokens(steps=13)
+    inp, target = x[:, :-1], x[:, 1:]
+    tokens = keras.Input(inp.shape[1:], dtype="int32")
+    emb = keras.layers.ReversibleEmbedding(16, 8)
+    model = keras.Model(tokens, emb(keras.layers.Dense(8, activation="tanh")(emb(tokens)),
+                                    reverse=True))
+    used = {type(la).__name__: type(r).__name__ for la, r in plan_layers(model).values()}
+    assert used == {"ReversibleEmbedding": "PerLayerJacobianRule", "Dense": "DenseRule"}
+    ref = []
+    for i in range(len(inp)):   # the per-example loss: the mean over the tokens
+        with tf.GradientTape() as tape:
+            li = tf.reduce_mean(loss().call(target[i:i + 1], model(inp[i:i + 1])))
+        ref.append([g.numpy() for g in tape.gradient(li, model.trainable_variables)])
+    sums, sq, _ = _run(model, inp, target)
+    for j, v in enumerate(model.trainable_variables):
+        np.testing.assert_allclose(sq[j], [np.sum(r[j] ** 2) for r in ref], rtol=3e-4,
+                                   atol=1e-9, err_msg=v.path)
+        np.testing.assert_allclose(sums[j], sum(r[j] for r in ref), rtol=3e-4, atol=2e-6,
+                                   err_msg=v.path)
+
+
 def test_a_subclass_keeping_call_keeps_the_fast_rule_and_a_registration_declares_one():
     keras.utils.set_random_seed(43)
     x, y = _sequence()
