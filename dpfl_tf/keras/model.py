@@ -363,11 +363,11 @@ class DPModel(keras.Model):
             pad_to = (XLA_PAD if self.jit_compile else 1) * replicas
             data = sampler.dataset(reader, pad_to=pad_to, preprocess=preprocess,  # endless
                                    prefetch=2 * int(self.steps_per_execution))
-        self._probe_batch_mixing(data)
         callbacks = [privacy_cb] + [c for c in callbacks if c is not privacy_cb]
         self.stop_reason = None
         dropped_before = self.dropped_examples
         try:
+            self._probe_batch_mixing(data)  # reads the first lot: a bad record is said here
             history = super().fit(data, epochs=epochs, initial_epoch=initial_epoch,
                                   steps_per_epoch=sampler.lots_per_epoch, verbose=verbose,
                                   callbacks=callbacks, validation_data=validation_data,
