@@ -14,6 +14,7 @@ from dpfl_tf.keras import DPModel, DPSGD
 from dpfl_tf.keras.mixing import (BatchMixingLayerError, BatchMixingLossError,
                                   probe_batch_mixing)
 from tests.keras.helpers import loss, mlp, mnist_slice
+from tests.keras.test_per_example import Subclassed
 
 
 def _dp(model, loss_fn=None, **compile_kwargs):
@@ -99,17 +100,12 @@ def test_the_probe_runs_under_a_mirrored_strategy():
     assert "'batch_centre'" in _refused_by_probe(dp, model)
 
 
-class BatchCentred(keras.Model):
+class BatchCentred(Subclassed):
     """Mixing in the model's own call, between its layers."""
 
-    def __init__(self):
-        super().__init__()
-        self.hidden = keras.layers.Dense(16, activation="relu")
-        self.out = keras.layers.Dense(10)
-
     def call(self, x, training=None):
-        h = self.hidden(x)
-        return self.out(h - keras.ops.mean(h, axis=0))
+        h = self.d1(x)
+        return self.d2(h - keras.ops.mean(h, axis=0))
 
 
 def test_mixing_in_a_subclassed_models_call_names_the_model():
