@@ -194,7 +194,8 @@ class GaussianSanitizer:
         if not self.per_layer:  # one bound on the whole record: sensitivity C, noise sigma C
             return self.noise_multiplier
         bounds = self.clip_bounds(num_components)
-        stds = self.noise_stddevs(num_components)
+        # this class's s_j (a subclass may scale its noise by a strategy's sensitivity)
+        stds = GaussianSanitizer.noise_stddevs(self, num_components)
         return 1.0 / math.sqrt(sum((c / s) ** 2 for c, s in zip(bounds, stds)))
 
     def event(self, num_components: int, sampling: SamplingMethod | str = SamplingMethod.POISSON,
