@@ -43,7 +43,7 @@ from dpfl_tf.privacy.matrix_factorization import (BandedToeplitz, BufferedToepli
                                                   MatrixMechanism, TreeAggregation)
 from dpfl_tf.sanitizer import GaussianSanitizer, noise_seed, seeded_noise_key
 
-__all__ = ["CorrelatedNoise", "CorrelatedSanitizer"]
+__all__ = ["CorrelatedNoise", "CorrelatedSanitizer", "CorrelatedRun"]
 
 
 class CorrelatedNoise:
@@ -177,10 +177,10 @@ class CorrelatedNoise:
         """Continues from a saved state.  Refuses one behind the positions this
         object already released (that would release those rows again)."""
         position = int(state["position"])
-        if position < self._high_water or position < int(self.position.numpy()):
-            raise ValueError(
-                f"state position {position} is behind the {max(self._high_water, int(self.position.numpy()))} "
-                "steps already released: restoring it would replay released steps")
+        released = max(self._high_water, int(self.position.numpy()))
+        if position < released:
+            raise ValueError(f"state position {position} is behind the {released} steps already "
+                             "released: restoring it would replay released steps")
         buffers = state["buffers"]
         if len(buffers) != len(self.buffers):
             raise ValueError(f"state has {len(buffers)} buffers, expected {len(self.buffers)}")
@@ -262,3 +262,103 @@ class CorrelatedSanitizer(GaussianSanitizer):
     def __repr__(self) -> str:
         return (f"CorrelatedSanitizer(l2_norm_clip={self.l2_norm_clip!r}, "
                 f"mechanism={self.mechanism.describe()!r})")
+
+
+class CorrelatedRun:
+    """One correlated-noise run of DP-SGD: the mechanism, where it started (the
+    model's lot number of position 0), its sanitizer and noise state, and
+    whether its event is in the ledger.  Made by
+    `DPOptimizer.plan_correlated_run`; a later `fit` continues it when it
+    starts at the run's next position with the same participation.
+
+    Args:
+      mechanism: the `MatrixMechanism` (horizon = the run's lots).
+      first_lot: the model's lot number of position 0.
+      sampling: the sampling method of the run's lots.
+      noise_allocation, seed, secure_mode: as for `GaussianSanitizer`.
+    """
+
+    def __init__(self, mechanism: MatrixMechanism, *, first_lot: int, sampling,
+                 noise_allocation: str = "global", seed: int | None = None,
+                 secure_mode: bool = False, recorded: bool = False):
+        from dpfl_tf.privacy.events import SamplingMethod
+
+        self.mechanism = mechanism
+        self.first_lot = int(first_lot)
+        self.sampling = SamplingMethod.parse(sampling)
+        self.noise_allocation = noise_allocation
+        self.seed = seed
+        self.secure_mode = bool(secure_mode)
+        self.recorded = bool(recorded)
+        self._sanitizer: CorrelatedSanitizer | None = None
+        self._bounds = None
+        self._pending_state = None
+
+    def sanitizer(self, bounds) -> CorrelatedSanitizer:
+        """The run's sanitizer (one per run: its noise state carries over)."""
+        if self._sanitizer is None:
+            self._sanitizer = CorrelatedSanitizer(
+                bounds, self.mechanism, noise_allocation=self.noise_allocation, seed=self.seed,
+                secure_mode=self.secure_mode)
+            self._bounds = bounds
+        elif bounds != self._bounds:
+            raise ValueError(f"the clip bounds changed within a correlated-noise run "
+                             f"({self._bounds!r} -> {bounds!r}); start a new run")
+        return self._sanitizer
+
+    def build(self, variables) -> CorrelatedNoise:
+        """The noise state for the model's variables (restored if pending)."""
+        noise = self._sanitizer.build(variables)
+        if self._pending_state is not None:
+            noise.set_state(self._pending_state)
+            self._pending_state = None
+        return noise
+
+    @property
+    def position(self) -> int:
+        """Steps of the mechanism released so far."""
+        if self._sanitizer is not None and self._sanitizer.noise is not None:
+            return int(self._sanitizer.noise.position.numpy())
+        if self._pending_state is not None:
+            return int(self._pending_state["position"])
+        return 0
+
+    @property
+    def remaining(self) -> int:
+        return self.mechanism.steps - self.position
+
+    def continues(self, sampler, first_lot: int, lots: int) -> bool:
+        """Whether a fit of `lots` of `sampler`'s lots from `first_lot` is the
+        rest of this run: a run that has begun, same sampling and epoch length,
+        its next position, its remaining steps, and (shuffled epochs) at an
+        epoch boundary of the run."""
+        from dpfl_tf.privacy.events import SamplingMethod
+
+        position = self.position
+        if (sampler.sampling is not self.sampling or position == 0
+                or lots != self.mechanism.steps - position
+                or first_lot != self.first_lot + position):
+            return False
+        if sampler.participation(self.mechanism.steps) != self.mechanism.participation:
+            return False
+        if self.sampling is SamplingMethod.SHUFFLE:
+            return position % sampler.lots_per_epoch == 0
+        if self.sampling is SamplingMethod.CYCLIC_POISSON:   # the same groups
+            return sampler.seed is not None and self.seed is not None
+        return True
+
+    def get_state(self) -> dict:
+        """The run for a checkpoint (SECRET: holds the noise buffers)."""
+        noise = self._sanitizer.noise if self._sanitizer is not None else None
+        return {"mechanism": self.mechanism.to_config(), "first_lot": self.first_lot,
+                "sampling": self.sampling.value, "recorded": self.recorded,
+                "noise": noise.get_state() if noise is not None else self._pending_state}
+
+    @classmethod
+    def from_state(cls, state: dict, *, noise_allocation: str = "global",
+                   seed: int | None = None, secure_mode: bool = False) -> "CorrelatedRun":
+        run = cls(MatrixMechanism.from_config(state["mechanism"]), first_lot=state["first_lot"],
+                  sampling=state["sampling"], noise_allocation=noise_allocation, seed=seed,
+                  secure_mode=secure_mode, recorded=state["recorded"])
+        run._pending_state = state["noise"]
+        return run

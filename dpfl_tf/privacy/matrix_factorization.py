@@ -89,7 +89,7 @@ __all__ = [
     "ParticipationKind", "Participation", "Strategy", "TreeAggregation", "BandedToeplitz",
     "BufferedToeplitz", "MatrixMechanism", "optimize_banded_toeplitz", "optimize_blt",
     "strategy_from_config", "sensitivity_squared_bound", "PatternViolation",
-    "ParticipationGuard", "MAX_DENSE_STEPS",
+    "ParticipationGuard", "MAX_DENSE_STEPS", "MechanismKind", "CorrelatedNoiseConfig",
 ]
 
 #: The largest n for which a sensitivity is computed from the dense n x n Gram
@@ -455,7 +455,8 @@ class TreeAggregation(Strategy):
         return {"name": self.name, "restart_every": self.restart_every}
 
     def describe(self) -> str:
-        every = "no restart" if self.restart_every is None else f"restart every {self.restart_every}"
+        every = ("no restart" if self.restart_every is None
+                 else f"restart every {self.restart_every}")
         return f"tree aggregation ({every})"
 
 
@@ -786,6 +787,71 @@ class MatrixMechanism:
     def describe(self) -> str:
         return (f"{self.strategy.describe()}, {self.participation.describe()}, "
                 f"sigma={self.noise_multiplier:g}, sensitivity={self.sensitivity:.4g}")
+
+
+class MechanismKind(ChoiceEnum):
+    """The correlated-noise mechanisms offered (`CorrelatedNoiseConfig`)."""
+
+    __argument__ = "mechanism"
+    __aliases__ = {"ftrl": "tree", "dp_ftrl": "tree", "banded_mf": "banded", "bandmf": "banded"}
+    TREE = "tree"
+    BANDED = "banded"
+    BLT = "blt"
+
+
+#: Bands of a banded strategy unless given: (b - 1) stored copies of the model.
+DEFAULT_MAX_BANDS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class CorrelatedNoiseConfig:
+    """Which mechanism to build once the participation is known (at `fit`, or
+    when a federated run starts); the strategy is then optimised for its n
+    steps and pattern (`build`).
+
+    Attributes:
+      mechanism: ``tree`` (DP-FTRL; restarted every separation / epoch),
+        ``banded`` (banded MF) or ``blt``.
+      bands: banded only: the number of bands (at most the separation, so that
+        a unit's participations use orthogonal columns; for cyclic Poisson
+        sampling it is also the cycle length).  Default min(separation, 16).
+      buffers: BLT only: the number of buffers d.
+    """
+
+    mechanism: MechanismKind = MechanismKind.BANDED
+    bands: int | None = None
+    buffers: int = 4
+
+    def __post_init__(self):
+        object.__setattr__(self, "mechanism", MechanismKind.parse(self.mechanism))
+        if self.bands is not None:
+            object.__setattr__(self, "bands", check_count("bands", self.bands, minimum=1))
+        object.__setattr__(self, "buffers", check_count("buffers", self.buffers, minimum=1))
+
+    def strategy_for(self, participation: Participation) -> Strategy:
+        """The strategy for `participation`, its coefficients optimised for it."""
+        kind, sep, n = self.mechanism, participation.separation, participation.steps
+        if kind is MechanismKind.TREE:
+            return TreeAggregation(restart_every=min(sep, n))
+        if kind is MechanismKind.BLT:
+            return optimize_blt(participation, self.buffers)
+        bands = self.bands if self.bands is not None else min(sep, DEFAULT_MAX_BANDS)
+        if bands > sep and participation.kind is not ParticipationKind.EPOCHS:
+            raise ValueError(f"bands must be <= the participation's separation ({sep}), got "
+                             f"{bands}")
+        return optimize_banded_toeplitz(n, bands)
+
+    def build(self, participation: Participation, noise_multiplier: float) -> MatrixMechanism:
+        return MatrixMechanism(self.strategy_for(participation), participation,
+                               noise_multiplier)
+
+    def to_config(self) -> dict:
+        return {"mechanism": self.mechanism.value, "bands": self.bands,
+                "buffers": self.buffers}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "CorrelatedNoiseConfig":
+        return cls(**config)
 
 
 _SENSITIVITY_CACHE: dict = {}
