@@ -41,7 +41,7 @@ import tensorflow as tf
 from dpfl_tf import secure_random
 from dpfl_tf.privacy.matrix_factorization import (BandedToeplitz, BufferedToeplitz,
                                                   MatrixMechanism, TreeAggregation)
-from dpfl_tf.sanitizer import GaussianSanitizer, noise_seed, seeded_noise_key
+from dpfl_tf.sanitizer import GaussianSanitizer, noise_seed, stream_key
 
 __all__ = ["CorrelatedNoise", "CorrelatedSanitizer", "CorrelatedRun"]
 
@@ -67,10 +67,8 @@ class CorrelatedNoise:
                             f"{type(mechanism).__name__}")
         self.mechanism = mechanism
         self.secure_mode = bool(secure_mode)
-        secure_random.refuse_seed(self.secure_mode, seed)
         self.seed = seed
-        self.noise_key = (seeded_noise_key(seed) if seed is not None
-                          else (secure_random.secure_key(), secure_random.secure_key()))
+        self.noise_key = stream_key(seed, self.secure_mode)
         self.dtype = tf.float64 if self.secure_mode else tf.as_dtype(dtype)
         self.shapes = [tf.TensorShape(s) for s in shapes]
         strategy, n = mechanism.strategy, mechanism.steps

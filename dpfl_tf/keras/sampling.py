@@ -111,10 +111,12 @@ class LotSampler:
         from dpfl_tf.privacy.matrix_factorization import Participation
 
         per = self.lots_per_epoch
+        # the data's order fixes the lots: the neighbours are datasets with one
+        # example replaced (removing one would move the others' lots)
         if self.sampling is SamplingMethod.SHUFFLE:   # epochs start with this sampler's lots
-            return Participation.epochs(steps, per)
+            return Participation.epochs(steps, per, relation="replace_one")
         if self.sampling is SamplingMethod.IN_ORDER:
-            return Participation.min_separation(steps, per)
+            return Participation.min_separation(steps, per, relation="replace_one")
         if self.sampling is SamplingMethod.FULL_BATCH:
             return Participation.min_separation(steps, 1)
         if self.sampling is SamplingMethod.CYCLIC_POISSON:

@@ -23,7 +23,11 @@ with equality when X >= 0 on the pattern (Choquette-Choo et al. 2023, eq. (4)
 and the absolute-value bound of their section 4).  The noise std is
 s = sigma * clip * sens(C), and the run is then ``GaussianDpEvent(sigma)``
 under add/remove-one (`MatrixMechanism.event`): epsilon comes from the same
-accountants as DP-SGD's.
+accountants as DP-SGD's.  Where the data's order fixes a unit's steps
+(shuffled epochs, a source read in order) removing a unit moves the others, so
+the pattern holds under replace-one only: a replaced unit moves each of its
+contributions by up to 2 clip, and the run is ``ReplaceOneGaussianDpEvent(sigma
+/ 2)``, as shuffled DP-SGD's epochs are (`Participation.relation`).
 
 Strategies (C) offered here
 ---------------------------
@@ -84,6 +88,7 @@ from scipy import optimize as _optimize
 from scipy import signal as _signal
 
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
+from dpfl_tf.privacy.events import ReplaceOneGaussianDpEvent, parse_relation, relation_name
 
 __all__ = [
     "ParticipationKind", "Participation", "Strategy", "TreeAggregation", "BandedToeplitz",
@@ -119,6 +124,15 @@ class Participation:
         (default: as many as the pattern allows in n steps).
       sampling_rate: q, ``cyclic_poisson`` only: the probability that a unit of
         the group whose turn it is joins the step.
+      relation: the neighbouring relation the pattern holds under.
+        ``add_or_remove_one`` (default) when a unit's steps do not depend on the
+        other units (every unit every step; clients that check in on their
+        own; groups drawn independently per unit).  ``replace_one`` when the
+        data's order fixes the steps (shuffled epochs, a source read in order):
+        removing a unit would move the others, so the neighbours are datasets
+        with one unit replaced, which moves each of its contributions by up to
+        2 clip -- the event is then ``ReplaceOneGaussianDpEvent(sigma / 2)``,
+        as for shuffled DP-SGD (`dpfl_tf.privacy.events`).
     """
 
     kind: ParticipationKind
@@ -126,6 +140,7 @@ class Participation:
     separation: int
     max_participations: int | None = None
     sampling_rate: float | None = None
+    relation: Any = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -147,16 +162,23 @@ class Participation:
         elif self.sampling_rate is not None:
             raise ValueError(f"sampling_rate is for participation='cyclic_poisson' only, got "
                              f"{self.sampling_rate!r} with participation={self.kind.value!r}")
+        set_(self, "relation", parse_relation(self.relation, "relation"))
+        if (self.kind is ParticipationKind.CYCLIC_POISSON
+                and self.relation is not dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE):
+            raise ValueError("participation='cyclic_poisson' is analysed under add/remove-one "
+                             f"(Poisson sampling), got relation={self.relation!r}")
 
     @classmethod
-    def min_separation(cls, steps: int, separation: int,
-                       max_participations: int | None = None) -> "Participation":
-        return cls(ParticipationKind.MIN_SEPARATION, steps, separation, max_participations)
+    def min_separation(cls, steps: int, separation: int, max_participations: int | None = None,
+                       relation="add_or_remove_one") -> "Participation":
+        return cls(ParticipationKind.MIN_SEPARATION, steps, separation, max_participations,
+                   relation=relation)
 
     @classmethod
-    def epochs(cls, steps: int, epoch_length: int,
-               max_participations: int | None = None) -> "Participation":
-        return cls(ParticipationKind.EPOCHS, steps, epoch_length, max_participations)
+    def epochs(cls, steps: int, epoch_length: int, max_participations: int | None = None,
+               relation="add_or_remove_one") -> "Participation":
+        return cls(ParticipationKind.EPOCHS, steps, epoch_length, max_participations,
+                   relation=relation)
 
     @classmethod
     def cyclic_poisson(cls, steps: int, cycle_length: int,
@@ -175,7 +197,7 @@ class Participation:
     def to_config(self) -> dict:
         return {"kind": self.kind.value, "steps": self.steps, "separation": self.separation,
                 "max_participations": self.max_participations,
-                "sampling_rate": self.sampling_rate}
+                "sampling_rate": self.sampling_rate, "relation": relation_name(self.relation)}
 
     @classmethod
     def from_config(cls, config: dict) -> "Participation":
@@ -765,9 +787,13 @@ class MatrixMechanism:
             * self.sensitivity
 
     def event(self) -> dp_accounting.DpEvent:
-        """The event of the whole run of `steps` releases (add/remove-one)."""
-        gaussian = dp_accounting.GaussianDpEvent(self.noise_multiplier)
+        """The event of the whole run of `steps` releases, under the
+        participation's relation (replace-one: sensitivity 2 clip sens(C), so
+        ``ReplaceOneGaussianDpEvent(sigma / 2)``)."""
         p = self.participation
+        if p.relation is dp_accounting.NeighboringRelation.REPLACE_ONE:
+            return ReplaceOneGaussianDpEvent(self.noise_multiplier / 2.0)
+        gaussian = dp_accounting.GaussianDpEvent(self.noise_multiplier)
         if p.kind is ParticipationKind.CYCLIC_POISSON:
             sampled = dp_accounting.PoissonSampledDpEvent(p.sampling_rate, gaussian)
             return dp_accounting.SelfComposedDpEvent(sampled, p.participations)

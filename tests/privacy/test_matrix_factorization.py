@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from dp_accounting import rdp
 
-from dpfl_tf.privacy import compute_epsilon
+from dpfl_tf.privacy import ReplaceOneGaussianDpEvent, compute_epsilon, neighboring_relation_of
 from dpfl_tf.privacy import matrix_factorization as mf
 
 STRATEGIES = [
@@ -139,6 +139,20 @@ def test_mechanism_noise_and_event():
     assert mech.noise_stddev(clip=0.5) == pytest.approx(1.5 * 0.5 * math.sqrt(20.0))
     assert mech.event() == dp_accounting.GaussianDpEvent(1.5)
     assert mf.MatrixMechanism.from_config(mech.to_config()) == mech
+
+
+def test_an_order_fixed_by_the_data_is_accounted_under_replace_one():
+    """Shuffled epochs or a fixed order: a replaced unit moves each of its
+    contributions by up to 2 clip, so sigma / 2 under replace-one."""
+    p = mf.Participation.epochs(20, 5, relation="replace_one")
+    mech = mf.MatrixMechanism(mf.BandedToeplitz((1.0, 0.5)), p, 3.0)
+    assert mech.event() == ReplaceOneGaussianDpEvent(1.5)
+    assert neighboring_relation_of(mech.event()) is dp_accounting.NeighboringRelation.REPLACE_ONE
+    assert mf.MatrixMechanism.from_config(mech.to_config()) == mech
+    with pytest.raises(ValueError, match="relation must be one of"):
+        mf.Participation.epochs(20, 5, relation="zero_out")
+    with pytest.raises(ValueError, match="cyclic_poisson' is analysed under add/remove-one"):
+        mf.Participation("cyclic_poisson", 20, 5, sampling_rate=0.5, relation="replace_one")
 
 
 def test_amplified_event_is_k_cycles_of_a_sampled_gaussian():
