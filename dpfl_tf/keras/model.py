@@ -424,6 +424,13 @@ class DPModel(keras.Model):
             multiple=XLA_PAD if self.jit_compile else 8)
         num_groups = max(self._groups) + 1
         if self._correlated is not None:
+            if restored:   # their lots would be recorded as this run's no-op lots
+                raise ValueError(
+                    f"the weights carry {self.lots_applied - self.lots_computed} lots this "
+                    "model did not compute, and a correlated-noise fit cannot tell what "
+                    "they cost: load the full .keras model (its ledger), or pass the ledger "
+                    "and recorded_lots to DPModel, and restore the run's state with "
+                    "DPOptimizer.restore_correlated_run (nothing was trained)")
             # the run's event is recorded once, before its first lot
             # (`_begin_correlated_run`); its lots are covered by it
             self._correlated.build(variables)

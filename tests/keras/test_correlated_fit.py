@@ -125,6 +125,14 @@ def test_an_interrupted_run_resumes_with_the_same_noise_and_one_event():
         assert [e["label"] for e in resumed.privacy_ledger.entries].count("mf") == 1
         assert resumed.lots_computed == 12
     assert other.epsilon(1e-5) == pytest.approx(whole.epsilon(1e-5))
+    # weights that carry lots the model did not compute: refused, not recorded as no-ops
+    bare = dp_model("blt", noise=1.0, seed=5, lr=0.5, model=mlp(hidden=8, seed=9))
+    bare.set_weights(weights)
+    with pytest.raises(ValueError, match="the weights carry 4 lots this model did not "
+                                         "compute"):
+        bare.fit(x, y, lot_size=LOT, epochs=3, initial_epoch=1, verbose=0,
+                 sampling="in_order")
+    assert bare.privacy_ledger.entries == []
 
 
 def test_in_order_lots_repeat_the_same_order_every_epoch():
