@@ -16,8 +16,8 @@ accountant; the same recipe otherwise (lot, clip, learning rate, epochs).
   python experiments/mf_centralised.py --dataset cifar10 --seeds 3
   python experiments/mf_centralised.py --part cost    # a banded-MF lot vs a DP-SGD lot
 
-Writes results/mf_centralised[_quick].json (every run with its settings) and
-results/mf_centralised[_quick].png; the cost part results/mf_cost[_quick].json.
+Writes results/mf_centralised[_quick][_TAG].json (every run with its settings)
+and the .png beside it; the cost part results/mf_cost[_quick].json.
 """
 
 from __future__ import annotations
@@ -156,7 +156,8 @@ def part_accuracy(args):
     epsilons = [8.0] if args.quick else args.epsilon
     seeds = range(1 if args.quick else args.seeds)
     methods = ("dpsgd", "banded", "amplified") if args.quick else args.methods
-    out = os.path.join(RESULTS, "mf_centralised" + ("_quick" if args.quick else ""))
+    out = os.path.join(RESULTS, "mf_centralised" + ("_quick" if args.quick else "")
+                       + (f"_{args.tag}" if args.tag else ""))
     runs = []
     for dataset in datasets:
         recipe = RECIPES[dataset]
@@ -277,6 +278,8 @@ def main():
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=None, help="default: the recipe's")
     parser.add_argument("--train-size", type=int, default=None)
+    parser.add_argument("--tag", default="", help="suffix of the results' file names "
+                        "(a partial run beside the full one)")
     args = parser.parse_args()
     (part_cost if args.part == "cost" else part_accuracy)(args)
 
