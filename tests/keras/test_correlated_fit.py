@@ -165,15 +165,16 @@ def test_cyclic_poisson_lots_take_one_group_per_lot(secure):
         LotSampler(1000, 10, "shuffle", cycle_length=5)
 
 
-@pytest.mark.filterwarnings("ignore:seed=")
-def test_amplified_banded_fit_records_k_sampled_cycles():
+def test_amplified_banded_fit_in_secure_mode_records_k_sampled_cycles():
     x, y = mnist_slice(N, features=60)
     config = mf.CorrelatedNoiseConfig("banded", bands=2)
-    dp = dp_model(config, noise=1.0)
-    dp.fit(x, y, lot_size=LOT, epochs=2, verbose=0, sampling="cyclic_poisson",
-           sampling_seed=0)
-    assert dp.lots_computed == 8
-    sens = dp.optimizer.correlated_run.mechanism.sensitivity
+    dp = dp_model(config, noise=1.0, seed=None, secure_mode=True)
+    dp.fit(x, y, lot_size=LOT, epochs=2, verbose=0, sampling="cyclic_poisson")
+    run = dp.optimizer.correlated_run
+    assert dp.lots_computed == 8 == run.position
+    assert all(b.dtype == "float64" for b in run.sanitizer(1.0).noise.buffers)
+    assert all(np.isfinite(w).all() for w in dp.get_weights())
+    sens = run.mechanism.sensitivity
     assert sens == pytest.approx(1.0)       # one participation: ||c|| = 1
     assert dp.privacy_ledger.entries[0]["event"] == (
         "4 x Poisson(q=0.5) Gaussian(sigma=1) (add/remove-one)")
