@@ -679,8 +679,14 @@ def optimize_banded_toeplitz(steps: int, bands: int, *, max_iterations: int = 50
 
     def loss(c):
         norm2 = float(c @ c)
-        error, grad = _mean_error_and_grad(c, n)
-        return norm2 * error, 2.0 * c * error + norm2 * grad
+        # a trial point whose C^{-1} blows up (a root of c(z) in the unit disc)
+        # gives inf / nan, which the line search steps back from
+        with np.errstate(over="ignore", invalid="ignore"):
+            error, grad = _mean_error_and_grad(c, n)
+            value = norm2 * error
+        if not np.isfinite(value) or not np.all(np.isfinite(grad)):
+            return 1e300, np.zeros_like(c)
+        return value, 2.0 * c * error + norm2 * grad
 
     bounds = [(1e-6, None)] + [(None, None)] * (b - 1)
     result = _optimize.minimize(loss, start, jac=True, method="L-BFGS-B", bounds=bounds,
@@ -719,6 +725,10 @@ def optimize_blt(participation: Participation, buffers: int = 4, *,
         return theta, omega
 
     def loss(params):
+        with np.errstate(over="ignore", invalid="ignore"):
+            return _blt_loss(params)
+
+    def _blt_loss(params):
         theta, omega = unpack(params)
         blt = BufferedToeplitz(tuple(theta.clip(0.0, 1 - 1e-12)), tuple(omega))
         sens2 = _toeplitz_min_sep_squared(blt.coefficients(n), n, sep, k)
