@@ -223,13 +223,18 @@ class CorrelatedSanitizer(GaussianSanitizer):
 
     def add_noise(self, summed, groups=None, *, step=None) -> list[tf.Tensor]:
         """sum + s_j sens w_t (class docstring); `step` is the monotonic stream
-        index (required: the noise state advances once per call)."""
-        if step is None:
-            raise ValueError("CorrelatedSanitizer.add_noise needs step (a monotonic release "
-                             "index), got None")
+        index (DP-SGD's lots computed).  Without it (eager calls only: a
+        federated round) the index is the mechanism's position, which only
+        moves forward."""
         groups = list(range(len(summed))) if groups is None else list(groups)
         stds = self.noise_stddevs(max(groups) + 1)
-        noise = self.build(summed).next(step)
+        noise = self.build(summed)
+        if step is None:
+            if not tf.executing_eagerly():
+                raise ValueError("CorrelatedSanitizer.add_noise needs step (a monotonic "
+                                 "release index) inside a tf.function, got None")
+            step = int(noise.position.numpy())
+        noise = noise.next(step)
         out = []
         for s, w, g in zip(summed, noise, groups):
             if self.secure_mode:

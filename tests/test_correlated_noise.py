@@ -124,8 +124,11 @@ def test_sanitizer_scales_by_the_sensitivity_and_reports_the_run_event():
     zero = [tf.zeros((20_000,))]
     out = san.add_noise(zero, step=0)[0].numpy()
     assert np.std(out) == pytest.approx(2.0 * 0.5 * mech.sensitivity, rel=0.03)
+    # eager without a step: the position is the index (a federated round)
+    second = san.add_noise(zero)[0].numpy()
+    assert san.noise.position.numpy() == 2 and not np.allclose(second, out)
     with pytest.raises(ValueError, match="needs step"):
-        san.add_noise(zero)
+        tf.function(lambda: san.add_noise(zero))()
     per_layer = CorrelatedSanitizer([1.0, 1.0], mech, noise_allocation="proportional", seed=0)
     assert per_layer.event(2) == dp_accounting.GaussianDpEvent(2.0 / math.sqrt(2))
     again = CorrelatedSanitizer.from_config(san.get_config())
