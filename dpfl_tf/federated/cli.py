@@ -102,7 +102,8 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--cohorts", type=_int,
                    help="--dp ftrl/banded_mf/blt: b cohorts of clients (client k in cohort "
                         "k mod b) take turns, so a client's rounds are b apart; --fraction is "
-                        "then the share of the cohort each round (default 1)")
+                        "then the share of the cohort each round, default 1 (default: none; "
+                        "required with those modes)")
     s.add_argument("--rounds", "-T", type=_int, default=default["rounds"],
                    help="maximum number of rounds")
     s.add_argument("--local-epochs", "-E", type=_int, default=default["local_epochs"],
