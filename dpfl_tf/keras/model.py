@@ -38,6 +38,7 @@ import math
 import warnings
 from typing import Any
 
+import dp_accounting
 import keras
 import numpy as np
 import tensorflow as tf
@@ -50,7 +51,7 @@ from dpfl_tf.keras.per_example import (PerExampleGradients, _leaf_layers,
 from dpfl_tf.keras.sampling import LotSampler
 from dpfl_tf.keras.sources import SourceError, make_reader
 from dpfl_tf.privacy.events import SamplingMethod, describe_event, shuffle_epoch_event
-from dpfl_tf.privacy.ledger import PrivacyBudget, PrivacyLedger
+from dpfl_tf.privacy.ledger import BudgetExceededError, PrivacyBudget, PrivacyLedger
 
 __all__ = ["DPModel"]
 
@@ -132,6 +133,7 @@ class DPModel(keras.Model):
         self._recorded_epochs = 0
         self._dp_loss = None
         self._sanitizer = None
+        self._correlated = None       # a correlated-noise run (DPOptimizer(correlated_noise=))
         self._groups = None
         self._batch_size = None
         self._expected_lot = None
@@ -309,7 +311,8 @@ class DPModel(keras.Model):
         optimizer: DPOptimizer = self.optimizer
         sampler = LotSampler(reader.size, lot_size, sampling, seed=sampling_seed,
                              secure_mode=optimizer.secure_mode,
-                             first_lot=max(self.lots_computed, self.lots_applied))
+                             first_lot=max(self.lots_computed, self.lots_applied),
+                             cycle_length=_cycle_length(optimizer, sampling))
         if batch_size is not None:
             batch_size = check_count("batch_size", batch_size, minimum=1)
         check_count("epochs", epochs, minimum=1)
@@ -326,9 +329,18 @@ class DPModel(keras.Model):
         elif target_epsilon is not None:
             raise ValueError("pass target_epsilon either to fit() or to the PrivacyCallback")
         self._log_metrics = bool(log_train_metrics)
+        self._correlated = optimizer.plan_correlated_run(
+            sampler, lots=(epochs - initial_epoch) * sampler.lots_per_epoch,
+            first_lot=sampler.first_lot)
         self._prepare(sampler, batch_size)
         self._check_accountants(privacy_cb, target_delta)
+        self._begin_correlated_run(privacy_cb, target_delta)
         replicas = self.distribute_strategy.num_replicas_in_sync
+        if replicas > 1 and self._correlated is not None:
+            raise ValueError(
+                f"correlated_noise is not supported under a distribution strategy with "
+                f"{replicas} replicas (each replica would advance the noise state); train "
+                "on one replica")
         if replicas > 1 and optimizer.secure_mode:
             raise ValueError(
                 f"secure_mode=True is not supported under a distribution strategy with "
@@ -411,7 +423,20 @@ class DPModel(keras.Model):
             sampler, self._per_example.materialised_parameters(),
             multiple=XLA_PAD if self.jit_compile else 8)
         num_groups = max(self._groups) + 1
-        if sampler.sampling is SamplingMethod.SHUFFLE:
+        if self._correlated is not None:
+            if restored:   # their lots would be recorded as this run's no-op lots
+                raise ValueError(
+                    f"the weights carry {self.lots_applied - self.lots_computed} lots this "
+                    "model did not compute, and a correlated-noise fit cannot tell what "
+                    "they cost: load the full .keras model (its ledger), or pass the ledger "
+                    "and recorded_lots to DPModel, and restore the run's state with "
+                    "DPOptimizer.restore_correlated_run (nothing was trained)")
+            # the run's event is recorded once, before its first lot
+            # (`_begin_correlated_run`); its lots are covered by it
+            self._correlated.build(variables)
+            self._epoch_event = None
+            self._step_event = dp_accounting.NoOpDpEvent()
+        elif sampler.sampling is SamplingMethod.SHUFFLE:
             self._epoch_event = shuffle_epoch_event(
                 self._sanitizer.effective_noise_multiplier(num_groups))
             self._step_event = self._epoch_event
@@ -426,6 +451,32 @@ class DPModel(keras.Model):
         self.train_function = None  # retrace with the new settings
         if restored:
             self._adopt_restored_lots(stacklevel=4)
+
+    def _begin_correlated_run(self, privacy_cb, delta: float) -> None:
+        """Correlated noise: records the run's event before its first lot
+        (refusing, with nothing recorded, a run that would exceed the fit's
+        budget), and stops lots at the mechanism's horizon in the graph."""
+        run = self._correlated
+        if run is None:
+            self.set_lot_limit(None, reason="mechanism")
+            return
+        event = self._sanitizer.event(max(self._groups) + 1)
+        if not run.recorded:
+            target = privacy_cb.target_epsilon
+            if target is not None:
+                trial = PrivacyLedger.from_dict(self.ledger.to_dict())
+                trial.record(event, label="mf")
+                kind = privacy_cb.accountant or self.ledger.accountant
+                spent = trial.epsilon(delta, kind)
+                if spent > target:
+                    raise BudgetExceededError(
+                        f"the correlated-noise run ({run.mechanism.describe()}) would bring "
+                        f"epsilon to {spent:.4g} > target_epsilon={target:g} at delta="
+                        f"{delta:g}; nothing was trained (raise noise_multiplier or train "
+                        "fewer epochs)")
+            self.ledger.record(event, label="mf")
+            run.recorded = True
+        self.set_lot_limit(self.lots_computed + run.remaining, reason="mechanism")
 
     def _set_steps_per_execution(self, lots_per_epoch: int) -> None:
         """Lots per call of the training function for this fit: the "auto"
@@ -499,6 +550,11 @@ class DPModel(keras.Model):
         self._sync_ledger()
         ledger = PrivacyLedger.from_dict({**self.ledger.to_dict(),
                                           "budget": budget.to_dict()})
+        if self._correlated is not None:
+            # the run's event is recorded already: the budget allows all its lots
+            # (or none), and its horizon is a limit of its own ("mechanism")
+            within = ledger.epsilon(budget.delta, budget.accountant) <= budget.epsilon
+            return _UNLIMITED_BY_BUDGET if within else 0
         if self._epoch_event is not None:
             epochs = ledger.steps_within_budget(self._epoch_event)
             done = self.lots_computed - self._fit_start_lots
@@ -788,6 +844,21 @@ class _Counters:
         self._limit_value = int(value)
         if self.limit is not None:
             self.limit.assign(self._limit_value)
+
+
+_UNLIMITED_BY_BUDGET = 10 ** 8   # as `max_steps`' limit
+
+
+def _cycle_length(optimizer, sampling) -> int | None:
+    """Cyclic Poisson lots cycle over the banded strategy's bands."""
+    if SamplingMethod.parse(sampling) is not SamplingMethod.CYCLIC_POISSON:
+        return None
+    config = getattr(optimizer, "correlated_noise", None)
+    if config is None or config.bands is None:
+        raise ValueError("sampling='cyclic_poisson' needs a DP optimizer with "
+                         "correlated_noise=CorrelatedNoiseConfig('banded', bands=b) (b is the "
+                         f"cycle length), got correlated_noise={config!r}")
+    return config.bands
 
 
 def _refuse_regularizers(model) -> None:

@@ -149,6 +149,10 @@ class SamplingMethod(ChoiceEnum):
     FIXED_SIZE = "fixed_size"
     SHUFFLE = "shuffle"
     FULL_BATCH = "full_batch"
+    #: the same fixed order every epoch (a source read in order); correlated noise only
+    IN_ORDER = "in_order"
+    #: units in b groups, group t mod b Poisson-sampled at step t; correlated noise only
+    CYCLIC_POISSON = "cyclic_poisson"
 
 
 def gaussian_step_event(
@@ -219,6 +223,11 @@ def _sampled(sigmas, sampling, sampling_rate, dataset_size, lot_size) -> dp_acco
         if lot > n:
             raise ValueError(f"lot_size must be <= dataset_size ({n}), got {lot}")
         return dp_accounting.SampledWithoutReplacementDpEvent(n, lot, inner(0.5))
+    if method in (SamplingMethod.IN_ORDER, SamplingMethod.CYCLIC_POISSON):
+        raise ValueError(
+            f"sampling={method.value!r} has no per-lot event: it is accounted with a "
+            "correlated-noise mechanism for the whole run (DPOptimizer(correlated_noise=...), "
+            "dpfl_tf.privacy.matrix_factorization.MatrixMechanism.event)")
     raise ValueError(
         "sampling='shuffle' has no per-lot event: an epoch of shuffled lots is one "
         "replace-one Gaussian, recorded once per epoch touched -- use "
