@@ -183,7 +183,18 @@ class DPTuner(kt.Tuner):
         return {SCORE_NAME: self.selection.score_of(model)}
 
     def save_model(self, trial_id, model, step=0):
+        if not model.built:   # a DPModel trained by fit is built through its inner model
+            model.build(None)
         model.save_weights(self._get_checkpoint_fname(trial_id))
+
+    def load_model(self, trial):
+        """The trial's DPModel with its trained weights (its own ledger is empty:
+        the search's is `ledger`)."""
+        model = self.hypermodel.build(trial.hyperparameters)
+        if not model.built:
+            model.build(None)
+        model.load_weights(self._get_checkpoint_fname(trial.trial_id))
+        return model
 
     def report(self) -> dict:
         """The release: the best trial's hyperparameters and score, and the
