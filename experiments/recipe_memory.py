@@ -26,7 +26,7 @@ import os
 import sys
 import tempfile
 
-from _common import RESULTS, ROOT, commit_of, run_measured
+from _common import DATA_DIR, RESULTS, ROOT, commit_of, run_measured
 
 RECIPES = {
     "mnist_mlp": ["train", "mnist", "--epsilon", "2"],
@@ -72,8 +72,7 @@ def main(argv=None) -> dict:
     p.add_argument("--cache-dir", default=None,
                    help="a scattering-feature cache shared by the runs (default: a fresh "
                         "one per tree and recipe: every run computes its features)")
-    p.add_argument("--data-dir", default=os.environ.get(
-        "DPFL_DATA_DIR", os.path.join(os.path.dirname(ROOT), "shared", "data")))
+    p.add_argument("--data-dir", default=DATA_DIR)
     p.add_argument("--output", default=os.path.join(RESULTS, "recipe_memory.json"))
     args = p.parse_args(argv)
     trees = args.tree or [f"current={ROOT}"]
