@@ -56,7 +56,8 @@ from dpfl_tf.keras.sources import ArrayReader, IndexedReader, make_reader
 from dpfl_tf.privacy.events import SamplingMethod
 from dpfl_tf.secure_random import refuse_seed, secure_uniform
 
-__all__ = ["UserLotSampler", "PerUserGradients", "group_users", "rerun_user_by_user"]
+__all__ = ["UserLotSampler", "PerUserGradients", "group_users", "rerun_user_by_user",
+           "user_level_sampler"]
 
 #: the ledger label of user-level lots (example-level lots are "dpsgd")
 USER_LEVEL_LABEL = "dpsgd (user-level)"
@@ -143,6 +144,9 @@ class UserLotSampler:
     """
 
     sampling = SamplingMethod.POISSON
+    ledger_label = USER_LEVEL_LABEL
+    #: physical batch: the whole lot (`DPModel` never splits a user-level lot)
+    batch_size = 2 ** 30
 
     def __init__(self, user_ids, num_examples: int, users_per_lot: int, *,
                  max_examples_per_user: int | None = None, seed: int | None = None,
@@ -283,3 +287,34 @@ def rerun_user_by_user(clip_user: Callable, variables, x, y, mask, segments):
     spec = [tf.TensorSpec(v.shape, v.dtype) for v in variables] + [tf.TensorSpec([], tf.int64)]
     out = tf.map_fn(one, tf.range(users), fn_output_signature=spec, parallel_iterations=1)
     return [tf.reduce_sum(t, axis=0) for t in out[:-1]], tf.reduce_sum(out[-1])
+
+
+def user_level_sampler(model, num_examples: int, lot_size: int, *, sampling, batch_size,
+                       user_ids, max_examples_per_user, seed, first_lot) -> UserLotSampler:
+    """The sampler of ``DPModel.fit(..., user_ids=...)``, after the refusals
+    that keep its lots user-level: Poisson sampling only, one physical batch
+    per lot, one replica, and a ledger that holds no example-level lots (an
+    example-level and a user-level epsilon do not compose into either)."""
+    if user_ids is None:
+        raise ValueError(f"max_examples_per_user={max_examples_per_user!r} needs user_ids (the "
+                         "user of every example)")
+    if SamplingMethod.parse(sampling) is not SamplingMethod.POISSON:
+        raise ValueError(f"user-level DP-SGD samples users with Poisson sampling: sampling "
+                         f"must be 'poisson', got {sampling!r}")
+    if batch_size is not None:
+        raise ValueError(f"user-level lots are computed in one physical batch (a user's "
+                         f"examples in one backward pass): batch_size must be None, got "
+                         f"{batch_size!r}; bound the lot with max_examples_per_user")
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if replicas > 1:
+        raise ValueError(f"user-level DP-SGD runs on one replica, got a distribution strategy "
+                         f"with {replicas} (a user's examples would be split; not supported)")
+    example_level = model.ledger.count("dpsgd")
+    if example_level:
+        raise ValueError(
+            f"this model's ledger holds {example_level} example-level lots: a user-level "
+            "epsilon composed with them bounds neither unit of privacy. Train user-level "
+            "from a fresh DPModel (or one whose ledger holds user-level lots only)")
+    return UserLotSampler(user_ids, num_examples, lot_size,
+                          max_examples_per_user=max_examples_per_user, seed=seed,
+                          secure_mode=model.optimizer.secure_mode, first_lot=first_lot)

@@ -163,3 +163,111 @@ def test_user_sampler_poisson_over_users_and_the_cap():
         UserLotSampler(ids, n, 201)
     with pytest.raises(ValueError, match="max_examples_per_user must be a whole number >= 1"):
         UserLotSampler(ids, n, 20, max_examples_per_user=0)
+
+
+N_USERS, PER_USER = 60, 10
+
+
+@pytest.fixture(scope="module")
+def mnist_users():
+    x, y = mnist_slice(N_USERS * PER_USER, features=60)
+    return x, y, np.repeat(np.arange(N_USERS), PER_USER)
+
+
+def _dp_model(sigma=1.0, seed=0):
+    model = DPModel(mlp(seed=0))
+    model.compile(optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=sigma, seed=seed),
+                  loss=loss(), metrics=["accuracy"])
+    return model
+
+
+def test_fit_with_user_ids_trains_and_accounts_users(mnist_users):
+    x, y, users = mnist_users
+    model = _dp_model()
+    history = model.fit(x, y, lot_size=12, epochs=2, user_ids=users, max_examples_per_user=5,
+                        sampling_seed=0, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    # 2 epochs of U / L_u = 5 lots, each a Poisson(q = 12 / 60) sample of users
+    assert model.lots_computed == 10
+    assert model.ledger.entries == [{"event": "Poisson(q=0.2) Gaussian(sigma=1) (add/remove-one)",
+                                     "count": 10, "label": "dpsgd (user-level)"}]
+    expected = dp_sgd_event(1.0, 10, sampling_rate=12 / 60)
+    assert model.epsilon(1e-5) == pytest.approx(compute_epsilon(expected, 1e-5))
+    # more training on the same users continues the user-level ledger
+    model.fit(x, y, lot_size=12, epochs=1, user_ids=users, sampling_seed=1, verbose=0)
+    assert model.ledger.count("dpsgd (user-level)") == 15
+
+
+def test_user_level_lot_equals_per_user_brute_force(mnist_users):
+    """One lot through fit, no noise: the update is -lr * (sum over the lot's
+    users of clip(gradient of the user's loss sum)) / L_u, with the examples the
+    sampler drew (q = 1: one lot an epoch, every user, at most 4 examples each)."""
+    x, y, users = mnist_users
+    model = _dp_model(sigma=0.0)
+    before = [v.numpy() for v in model.model.trainable_variables]
+    idx, slots = UserLotSampler(users, len(y), N_USERS, max_examples_per_user=4,
+                                seed=3).lot(0)
+    assert len(idx) == 4 * N_USERS and len(np.unique(slots)) == N_USERS
+    model.fit(x, y, lot_size=N_USERS, epochs=1, user_ids=users, max_examples_per_user=4,
+              sampling_seed=3, verbose=0)
+    assert model.lots_computed == 1
+    ref = mlp(seed=0)
+    ref.set_weights(before)
+    global C
+    saved, C = C, 1.0
+    try:
+        clipped = _brute_force(ref, tf.constant(x[idx]), tf.constant(y[idx]), slots)
+    finally:
+        C = saved
+    for b, after, g in zip(before, model.model.trainable_variables, clipped):
+        np.testing.assert_allclose(after.numpy(), b - 0.5 * g.numpy() / N_USERS,
+                                   rtol=1e-4, atol=1e-6)
+
+
+def test_fit_refusals(mnist_users):
+    x, y, users = mnist_users
+    model = _dp_model()
+    with pytest.raises(ValueError, match=r"user_ids must hold one id per example \(600\), got "
+                       r"shape \(599,\)"):
+        model.fit(x, y, lot_size=12, user_ids=users[:-1], verbose=0)
+    with pytest.raises(ValueError, match="max_examples_per_user=3 needs user_ids"):
+        model.fit(x, y, lot_size=12, max_examples_per_user=3, verbose=0)
+    with pytest.raises(ValueError, match="sampling must be 'poisson', got 'shuffle'"):
+        model.fit(x, y, lot_size=12, user_ids=users, sampling="shuffle", verbose=0)
+    with pytest.raises(ValueError, match="batch_size must be None, got 64"):
+        model.fit(x, y, lot_size=12, user_ids=users, batch_size=64, verbose=0)
+    with pytest.raises(ValueError, match=r"1 user\(s\) hold no examples"):
+        model.fit(x, y, lot_size=12, user_ids=[list(range(600)), []], verbose=0)
+    assert model.lots_computed == 0   # nothing trained
+    model.fit(x, y, lot_size=60, epochs=1, verbose=0)   # example-level lots
+    with pytest.raises(ValueError, match="ledger holds 10 example-level lots"):
+        model.fit(x, y, lot_size=12, user_ids=users, verbose=0)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_non_finite_example_drops_its_user_only(mnist_users, fast):
+    x, y, users = mnist_users
+    x = x.copy()
+    x[25, 3] = np.nan          # user 2's example
+    model = DPModel(mlp(seed=0), fast_gradients=fast)
+    model.compile(optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=0.0), loss=loss())
+    before = [v.numpy() for v in model.model.trainable_variables]
+    idx, slots = UserLotSampler(users, len(y), N_USERS, max_examples_per_user=10,
+                                seed=4).lot(0)
+    with pytest.warns(RuntimeWarning, match="10 training examples had a NaN or inf gradient"):
+        model.fit(x, y, lot_size=N_USERS, epochs=1, user_ids=users, sampling_seed=4,
+                  max_examples_per_user=10, verbose=0)
+    assert model.dropped_examples == 10    # all of user 2's examples, no one else's
+    ref = mlp(seed=0)
+    ref.set_weights(before)
+    global C
+    saved, C = C, 1.0
+    try:
+        keep = slots != 2
+        clipped = _brute_force(ref, tf.constant(x[idx][keep]), tf.constant(y[idx][keep]),
+                               slots[keep])
+    finally:
+        C = saved
+    for b, after, g in zip(before, model.model.trainable_variables, clipped):
+        np.testing.assert_allclose(after.numpy(), b - 0.5 * g.numpy() / N_USERS,
+                                   rtol=1e-4, atol=1e-6)
