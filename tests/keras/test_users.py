@@ -271,3 +271,20 @@ def test_a_non_finite_example_drops_its_user_only(mnist_users, fast):
     for b, after, g in zip(before, model.model.trainable_variables, clipped):
         np.testing.assert_allclose(after.numpy(), b - 0.5 * g.numpy() / N_USERS,
                                    rtol=1e-4, atol=1e-6)
+
+
+def test_random_access_source_gives_the_same_lot_as_arrays(mnist_users):
+    """fit(source, user_ids=...) reads the same user-level lot as fit(x, y, ...)."""
+    from dpfl_tf.data import ArraySource
+
+    x, y, users = mnist_users
+    weights = []
+    for data in ((x, y), (ArraySource(x, y),)):
+        model = _dp_model(sigma=0.0)
+        model.fit(*data, lot_size=N_USERS, epochs=1, user_ids=users, max_examples_per_user=3,
+                  sampling_seed=5, verbose=0)
+        weights.append([v.numpy() for v in model.model.trainable_variables])
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match=r"user_ids must hold one id per example \(600\)"):
+        _dp_model().fit(ArraySource(x, y), lot_size=12, user_ids=users[:10], verbose=0)
