@@ -57,7 +57,7 @@ from dpfl_tf.privacy.events import SamplingMethod
 from dpfl_tf.secure_random import refuse_seed, secure_uniform
 
 __all__ = ["UserLotSampler", "PerUserGradients", "group_users", "rerun_user_by_user",
-           "user_level_sampler"]
+           "user_level_sampler", "example_level_epsilon"]
 
 #: the ledger label of user-level lots (example-level lots are "dpsgd")
 USER_LEVEL_LABEL = "dpsgd (user-level)"
@@ -318,3 +318,30 @@ def user_level_sampler(model, num_examples: int, lot_size: int, *, sampling, bat
     return UserLotSampler(user_ids, num_examples, lot_size,
                           max_examples_per_user=max_examples_per_user, seed=seed,
                           secure_mode=model.optimizer.secure_mode, first_lot=first_lot)
+
+
+def example_level_epsilon(noise_multiplier: float, sampling_rate: float, lots: int,
+                          delta: float) -> float:
+    """The example-level epsilon a user-level run implies (add/remove one example).
+
+    Removing one example of user u changes u's clipped contribution
+    clip(G_u) -> clip(G_u - g_i): two vectors of norm <= C, so the noised sum
+    moves by up to 2C when u is sampled (probability q) and not at all
+    otherwise -- the replace-one relation of the Poisson-sampled Gaussian
+    (a removal, u's only example, is the case clip(G_u - g_i) = 0).  dp-
+    accounting's PLD accountant analyses exactly that pair under
+    ``REPLACE_ONE`` (its multiplier is std / C, the sensitivity doubled
+    inside).  The cap's extra sampling of a large user's examples is ignored
+    (conservative).  So a user-level epsilon does not carry over to examples
+    unchanged: the example-level one is larger (up to about twice at the same
+    delta), while an example-level epsilon says nothing useful about a user
+    of many examples (group privacy multiplies it by their number).
+    """
+    import dp_accounting
+    from dp_accounting import pld
+
+    accountant = pld.PLDAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(
+        sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier)), int(lots))
+    return float(accountant.get_epsilon(delta))

@@ -288,3 +288,17 @@ def test_random_access_source_gives_the_same_lot_as_arrays(mnist_users):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match=r"user_ids must hold one id per example \(600\)"):
         _dp_model().fit(ArraySource(x, y), lot_size=12, user_ids=users[:10], verbose=0)
+
+
+def test_example_level_epsilon_of_a_user_level_run():
+    """One example moves its user's clipped contribution by up to 2C: without
+    sampling that is the Gaussian mechanism of sensitivity 2C (multiplier
+    sigma / 2); with sampling it exceeds the user-level epsilon."""
+    from dpfl_tf.keras.users import example_level_epsilon
+
+    every = dp_sgd_event(2.0 / 2, 50, "full_batch")
+    assert example_level_epsilon(2.0, 1.0, 50, 1e-5) == pytest.approx(
+        compute_epsilon(every, 1e-5, "pld"), rel=1e-3)
+    user = compute_epsilon(dp_sgd_event(2.0, 300, sampling_rate=0.1), 1e-5, "pld")
+    example = example_level_epsilon(2.0, 0.1, 300, 1e-5)
+    assert user < example < 2.5 * user
