@@ -139,7 +139,7 @@ def main(argv=None):
                "noise_multiplier": sigma, "lot_size": lot, "lots": m.lots_computed,
                "example_epsilon": e,
                "group_privacy_for_a_user_of_k_examples": {
-                   "k": k, "epsilon": k * e, "delta": min(1.0, k * math.exp((k - 1) * e) * delta)},
+                   "k": k, "epsilon": k * e, "delta": math.exp(min(0.0, math.log(k) + (k - 1) * e + math.log(delta)))},
                "test_accuracy": accuracy(m), "seconds": round(time.time() - start, 1)}
         runs.append(run)
         print(json.dumps(run), flush=True)

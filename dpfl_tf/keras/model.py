@@ -49,6 +49,8 @@ from dpfl_tf.keras.per_example import (PerExampleGradients, _leaf_layers,
                                        default_loss_scale, refuse_batch_mixing_layers)
 from dpfl_tf.keras.sampling import LotSampler
 from dpfl_tf.keras.sources import SourceError, make_reader
+from dpfl_tf.keras.users import (USER_LEVEL_LABEL, PerUserGradients, refuse_mixed_units,
+                                 rerun_user_by_user, user_level_sampler)
 from dpfl_tf.privacy.events import SamplingMethod, describe_event, shuffle_epoch_event
 from dpfl_tf.privacy.ledger import PrivacyBudget, PrivacyLedger
 
@@ -318,11 +320,10 @@ class DPModel(keras.Model):
         optimizer: DPOptimizer = self.optimizer
         first_lot = max(self.lots_computed, self.lots_applied)
         if user_ids is None and max_examples_per_user is None:
+            refuse_mixed_units(self.ledger, user_level=False)
             sampler = LotSampler(reader.size, lot_size, sampling, seed=sampling_seed,
                                  secure_mode=optimizer.secure_mode, first_lot=first_lot)
         else:  # user-level DP-SGD
-            from dpfl_tf.keras.users import user_level_sampler
-
             sampler = user_level_sampler(
                 self, reader.size, lot_size, sampling=sampling, batch_size=batch_size,
                 user_ids=user_ids, max_examples_per_user=max_examples_per_user,
@@ -423,11 +424,10 @@ class DPModel(keras.Model):
         self._pad_to_batch = bool(self.jit_compile)
         self._ledger_label = getattr(sampler, "ledger_label", "dpsgd")
         per_example = PerExampleGradients
-        if self._ledger_label != "dpsgd":  # user-level: clipped by the user's norm
-            from dpfl_tf.keras.users import PerUserGradients as per_example
-        self._per_example = per_example(self.model, self._dp_loss,
-                                                fast=self.fast_gradients,
-                                                loss_scale=default_loss_scale(self.model))
+        if self._ledger_label == USER_LEVEL_LABEL:  # clipped by the user's norm
+            per_example = PerUserGradients
+        self._per_example = per_example(self.model, self._dp_loss, fast=self.fast_gradients,
+                                        loss_scale=default_loss_scale(self.model))
         self._set_steps_per_execution(sampler.lots_per_epoch)
         self._batch_size = batch_size or default_batch_size(
             sampler, self._per_example.materialised_parameters(),
@@ -662,8 +662,6 @@ class DPModel(keras.Model):
 
         def user_by_user(xb, yb, mb):
             """User-level lots: the clipped sum recomputed one user at a time."""
-            from dpfl_tf.keras.users import rerun_user_by_user
-
             per_example = self._per_example
             segments = per_example.segments
 

@@ -43,7 +43,6 @@ NaN cannot reach another user's gradient) and that user is dropped.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import numpy as np
@@ -51,13 +50,13 @@ import tensorflow as tf
 
 from dpfl_tf._validation import check_count
 from dpfl_tf.keras.per_example import PerExampleGradients
-from dpfl_tf.keras.sampling import _read_padded
+from dpfl_tf.keras.sampling import LotSampler, _read_padded
 from dpfl_tf.keras.sources import ArrayReader, IndexedReader, make_reader
 from dpfl_tf.privacy.events import SamplingMethod
-from dpfl_tf.secure_random import refuse_seed, secure_uniform
+from dpfl_tf.secure_random import secure_uniform
 
 __all__ = ["UserLotSampler", "PerUserGradients", "group_users", "rerun_user_by_user",
-           "user_level_sampler", "example_level_epsilon"]
+           "user_level_sampler", "refuse_mixed_units", "example_level_epsilon"]
 
 #: the ledger label of user-level lots (example-level lots are "dpsgd")
 USER_LEVEL_LABEL = "dpsgd (user-level)"
@@ -125,7 +124,7 @@ def _checked_partition(indices, offsets, n):
     return indices, offsets
 
 
-class UserLotSampler:
+class UserLotSampler(LotSampler):
     """Draws user-level lots: Poisson sampling of users (module docstring).
 
     Args:
@@ -138,12 +137,11 @@ class UserLotSampler:
       secure_mode: draw every decision from ``os.urandom`` (refuses a seed).
       first_lot: the number of the first lot drawn.
 
-    The interface `DPModel` reads from a `LotSampler` (dataset_size,
-    lot_size, sampling, sampling_rate, sampling_args, lots_per_epoch,
-    first_lot, dataset) counts *users*.
+    A `LotSampler` over the U users (its dataset_size, lot_size, sampling
+    rate, lots per epoch and event arguments count users); `lot(t)` gives
+    lot t's examples and `dataset` reads them.
     """
 
-    sampling = SamplingMethod.POISSON
     ledger_label = USER_LEVEL_LABEL
     #: physical batch: the whole lot (`DPModel` never splits a user-level lot)
     batch_size = 2 ** 30
@@ -153,36 +151,27 @@ class UserLotSampler:
                  secure_mode: bool = False, first_lot: int = 0):
         self.indices, self.offsets = group_users(user_ids, num_examples)
         self.num_examples = int(num_examples)
-        self.dataset_size = len(self.offsets) - 1          # U users
-        self.lot_size = check_count("lot_size (users per lot)", users_per_lot, minimum=1)
-        if self.lot_size > self.dataset_size:
+        users = len(self.offsets) - 1
+        lot = check_count("lot_size (users per lot)", users_per_lot, minimum=1)
+        if lot > users:
             raise ValueError(f"lot_size (users per lot) must be <= the number of users "
-                             f"({self.dataset_size}), got {self.lot_size}")
+                             f"({users}), got {lot}")
+        super().__init__(users, lot, SamplingMethod.POISSON, seed=seed,
+                         secure_mode=secure_mode, first_lot=first_lot)
         self.max_examples_per_user = None if max_examples_per_user is None else check_count(
             "max_examples_per_user", max_examples_per_user, minimum=1)
-        self.secure_mode = bool(secure_mode)
-        refuse_seed(self.secure_mode, seed, "sampling_seed")
-        self.seed = seed
-        self.key = int(seed) if seed is not None else \
-            int.from_bytes(os.urandom(8), "little") >> 1
-        self.first_lot = check_count("first_lot", first_lot, minimum=0)
 
     @property
     def sizes(self) -> np.ndarray:
         """Examples of each user."""
         return np.diff(self.offsets)
 
-    @property
-    def sampling_rate(self) -> float:
-        return self.lot_size / self.dataset_size
+    def index_dataset(self, num_lots=None):
+        raise NotImplementedError("user-level lots are (examples, user slots): use lot(t) "
+                                  "or dataset()")
 
-    @property
-    def lots_per_epoch(self) -> int:
-        """U // L_u lots make one epoch (every user once, in expectation)."""
-        return max(1, self.dataset_size // self.lot_size)
-
-    def sampling_args(self) -> dict:
-        return {"sampling_rate": self.sampling_rate}
+    def replica_shares(self, *args, **kwargs):
+        raise NotImplementedError("user-level lots are not split among replicas")
 
     def expected_lot_examples(self) -> float:
         """E[examples in a lot] = q sum_u min(n_u, k)."""
@@ -289,6 +278,20 @@ def rerun_user_by_user(clip_user: Callable, variables, x, y, mask, segments):
     return [tf.reduce_sum(t, axis=0) for t in out[:-1]], tf.reduce_sum(out[-1])
 
 
+def refuse_mixed_units(ledger, *, user_level: bool) -> None:
+    """ValueError if `ledger` holds lots of the other unit of privacy: an
+    epsilon composed from example-level and user-level lots bounds neither."""
+    held_label, held, new, fix = (("dpsgd", "example", "user", "leave out user_ids=")
+                                  if user_level else
+                                  (USER_LEVEL_LABEL, "user", "example", "pass user_ids="))
+    count = ledger.count(held_label)
+    if count:
+        raise ValueError(
+            f"this model's ledger holds {count} {held}-level lots: {new}-level lots composed "
+            "with them give an epsilon that bounds neither unit of privacy. Train from a "
+            f"fresh DPModel, or keep to one unit ({fix})")
+
+
 def user_level_sampler(model, num_examples: int, lot_size: int, *, sampling, batch_size,
                        user_ids, max_examples_per_user, seed, first_lot) -> UserLotSampler:
     """The sampler of ``DPModel.fit(..., user_ids=...)``, after the refusals
@@ -309,12 +312,7 @@ def user_level_sampler(model, num_examples: int, lot_size: int, *, sampling, bat
     if replicas > 1:
         raise ValueError(f"user-level DP-SGD runs on one replica, got a distribution strategy "
                          f"with {replicas} (a user's examples would be split; not supported)")
-    example_level = model.ledger.count("dpsgd")
-    if example_level:
-        raise ValueError(
-            f"this model's ledger holds {example_level} example-level lots: a user-level "
-            "epsilon composed with them bounds neither unit of privacy. Train user-level "
-            "from a fresh DPModel (or one whose ledger holds user-level lots only)")
+    refuse_mixed_units(model.ledger, user_level=True)
     return UserLotSampler(user_ids, num_examples, lot_size,
                           max_examples_per_user=max_examples_per_user, seed=seed,
                           secure_mode=model.optimizer.secure_mode, first_lot=first_lot)

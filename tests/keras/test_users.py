@@ -44,7 +44,7 @@ def _data(kind, n=24):
     return tf.constant(x), tf.constant(y)
 
 
-def _brute_force(model, x, y, segments, drop=None):
+def _brute_force(model, x, y, segments, drop=None, clip=C):
     """sum over users of clip(gradient of the sum of the user's losses)."""
     lossf = loss()
     total = [tf.zeros_like(v) for v in model.trainable_variables]
@@ -58,7 +58,7 @@ def _brute_force(model, x, y, segments, drop=None):
         grads = [tf.convert_to_tensor(g)   # an Embedding's IndexedSlices repeat rows
                  for g in tape.gradient(value, model.trainable_variables)]
         norm = tf.linalg.global_norm(grads)
-        factor = C / tf.maximum(norm, C)
+        factor = clip / tf.maximum(norm, clip)
         total = [t + factor * g for t, g in zip(total, grads)]
     return total
 
@@ -198,6 +198,17 @@ def test_fit_with_user_ids_trains_and_accounts_users(mnist_users):
     assert model.ledger.count("dpsgd (user-level)") == 15
 
 
+def _assert_one_sgd_lot(model, before, x, y, slots):
+    """The model's weights are `before` after one noiseless DPSGD(0.5) lot of
+    these users (clip 1, L_u = N_USERS), computed by brute force."""
+    ref = mlp(seed=0)
+    ref.set_weights(before)
+    clipped = _brute_force(ref, tf.constant(x), tf.constant(y), slots, clip=1.0)
+    for b, after, g in zip(before, model.model.trainable_variables, clipped):
+        np.testing.assert_allclose(after.numpy(), b - 0.5 * g.numpy() / N_USERS,
+                                   rtol=1e-4, atol=1e-6)
+
+
 def test_user_level_lot_equals_per_user_brute_force(mnist_users):
     """One lot through fit, no noise: the update is -lr * (sum over the lot's
     users of clip(gradient of the user's loss sum)) / L_u, with the examples the
@@ -211,17 +222,7 @@ def test_user_level_lot_equals_per_user_brute_force(mnist_users):
     model.fit(x, y, lot_size=N_USERS, epochs=1, user_ids=users, max_examples_per_user=4,
               sampling_seed=3, verbose=0)
     assert model.lots_computed == 1
-    ref = mlp(seed=0)
-    ref.set_weights(before)
-    global C
-    saved, C = C, 1.0
-    try:
-        clipped = _brute_force(ref, tf.constant(x[idx]), tf.constant(y[idx]), slots)
-    finally:
-        C = saved
-    for b, after, g in zip(before, model.model.trainable_variables, clipped):
-        np.testing.assert_allclose(after.numpy(), b - 0.5 * g.numpy() / N_USERS,
-                                   rtol=1e-4, atol=1e-6)
+    _assert_one_sgd_lot(model, before, x[idx], y[idx], slots)
 
 
 def test_fit_refusals(mnist_users):
@@ -240,8 +241,14 @@ def test_fit_refusals(mnist_users):
         model.fit(x, y, lot_size=12, user_ids=[list(range(600)), []], verbose=0)
     assert model.lots_computed == 0   # nothing trained
     model.fit(x, y, lot_size=60, epochs=1, verbose=0)   # example-level lots
-    with pytest.raises(ValueError, match="ledger holds 10 example-level lots"):
+    with pytest.raises(ValueError, match="ledger holds 10 example-level lots: user-level lots "
+                       "composed with them give an epsilon that bounds neither"):
         model.fit(x, y, lot_size=12, user_ids=users, verbose=0)
+    user_model = _dp_model()
+    user_model.fit(x, y, lot_size=30, user_ids=users, verbose=0)
+    with pytest.raises(ValueError, match=r"ledger holds 2 user-level lots: example-level lots "
+                       r".*\(pass user_ids=\)"):
+        user_model.fit(x, y, lot_size=60, verbose=0)
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -258,19 +265,8 @@ def test_a_non_finite_example_drops_its_user_only(mnist_users, fast):
         model.fit(x, y, lot_size=N_USERS, epochs=1, user_ids=users, sampling_seed=4,
                   max_examples_per_user=10, verbose=0)
     assert model.dropped_examples == 10    # all of user 2's examples, no one else's
-    ref = mlp(seed=0)
-    ref.set_weights(before)
-    global C
-    saved, C = C, 1.0
-    try:
-        keep = slots != 2
-        clipped = _brute_force(ref, tf.constant(x[idx][keep]), tf.constant(y[idx][keep]),
-                               slots[keep])
-    finally:
-        C = saved
-    for b, after, g in zip(before, model.model.trainable_variables, clipped):
-        np.testing.assert_allclose(after.numpy(), b - 0.5 * g.numpy() / N_USERS,
-                                   rtol=1e-4, atol=1e-6)
+    keep = slots != 2
+    _assert_one_sgd_lot(model, before, x[idx][keep], y[idx][keep], slots[keep])
 
 
 def test_random_access_source_gives_the_same_lot_as_arrays(mnist_users):
