@@ -7,8 +7,9 @@ Three kinds of data are read:
 
 * in-memory arrays (numpy, tensors; dicts / tuples of them for several
   inputs): gathered in the graph, no Python per lot (`ArrayReader`);
-* ``np.memmap`` arrays: only the rows of each lot are read from disk, never
-  the whole array (`IndexedReader`);
+* ``np.memmap`` arrays and `dpfl_tf.data.NpyRows` (a ``.npy`` file read row
+  by row, not mapped: nothing of it stays resident in the process): only the
+  rows of each lot are read from disk, never the whole array (`IndexedReader`);
 * any object with ``__len__`` and ``__getitem__(i) -> (x, y)`` (x a tensor,
   tuple or dict): ``tfds.data_source(...)``, Hugging Face style datasets,
   `dpfl_tf.data.ImageFolderSource`, your own class (`IndexedReader`).  An
@@ -73,7 +74,8 @@ def make_reader(x, y=None):
         x = tuple(x)         # structure tf.data keeps (a list would be stacked)
     leaves = tf.nest.flatten(x) + [y]
     n = _num_examples(x, y)
-    if any(isinstance(leaf, np.memmap) for leaf in leaves):
+    if any(isinstance(leaf, np.memmap) or getattr(leaf, "read_on_demand", False)
+           for leaf in leaves):   # memmaps, `dpfl_tf.data.NpyRows`: read lot by lot
         return IndexedReader.from_arrays(x, y, n)
     return ArrayReader(x, y, n)
 

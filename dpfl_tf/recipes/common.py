@@ -30,19 +30,22 @@ def paper_learning_rate(initial: float, final: float, decay_epochs: int,
         initial, decay_epochs * lots_per_epoch, final, power=1.0)
 
 
-def accuracy(model: keras.Model, x, y, batch_size: int = 2000) -> float:
-    """Top-1 accuracy, predicted chunk by chunk: `predict` on a whole array makes
-    a tensor of all of it (a second 3 GB copy of CIFAR-10's scattering features,
-    on every evaluation)."""
+def accuracy(model: keras.Model, x, y, batch_size: int = 2000,
+             chunk_bytes: int = 2 ** 26) -> float:
+    """Top-1 accuracy, predicted chunk by chunk (at most `chunk_bytes` of inputs
+    at a time): `predict` on a whole array makes a tensor of all of it (a second
+    6 GB copy of CIFAR-10's scattering features), and `x` may be a file read by
+    rows (`dpfl_tf.data.NpyRows`) or a memmap."""
     y = np.asarray(y).reshape(-1)
     if not hasattr(x, "__getitem__"):   # a tf.data pipeline: it streams already
         logits = model.predict(x, batch_size=batch_size, verbose=0)
         return float(np.mean(np.argmax(logits, axis=-1) == y))
+    example_bytes = int(np.prod(np.shape(x)[1:], dtype=np.int64)) * 4
+    chunk = max(1, min(8 * batch_size, chunk_bytes // max(1, example_bytes)))
     correct = 0
-    for i in range(0, len(y), 8 * batch_size):
-        logits = model.predict(np.asarray(x[i:i + 8 * batch_size]), batch_size=batch_size,
-                               verbose=0)
-        correct += int(np.sum(np.argmax(logits, axis=-1) == y[i:i + 8 * batch_size]))
+    for i in range(0, len(y), chunk):
+        logits = model.predict(np.asarray(x[i:i + chunk]), batch_size=batch_size, verbose=0)
+        correct += int(np.sum(np.argmax(logits, axis=-1) == y[i:i + chunk]))
     return correct / len(y) if len(y) else float("nan")
 
 

@@ -147,26 +147,38 @@ class MnistConfig:
 FEATURES_VERSION = "kymatio-filters-1"
 
 
+#: images scattered at a time (the transform's peak memory does not grow with N)
+SCATTER_CHUNK = 1024
+
+
 def _scattering_features(data, mirror: bool = False):
     """(train, test) order-2 scattering features (J=2, L=8) of the images scaled
     to [0, 1]; with `mirror`, [N, 2, ...]: each image's and its mirror image's
-    (`Scattering2D.transform`).  The transform is fixed, so each array is computed
-    once and kept in the cache directory (``$DPFL_CACHE_DIR``, else
-    ``~/.cache/dpfl_tf``) as ``scattering/<hash>.npy``, then opened as a
-    read-only ``np.memmap``: DP-SGD reads each lot from it, and no run holds the
-    6.2 GB of CIFAR-10's training features with mirror views in memory.  The
-    hash covers the pixels, the settings, the filter bank and `FEATURES_VERSION`;
-    a file of another shape or dtype is recomputed.  The files are derived from
-    the (private) training images: they are written readable by their owner
-    only.  If the cache cannot be written (read-only, or no room for the whole
-    file), the features are computed in memory, with a warning."""
+    (`Scattering2D.transform`).  The transform is fixed, so each array is
+    computed once, `SCATTER_CHUNK` images at a time, straight into the cache
+    directory (``$DPFL_CACHE_DIR``, else ``~/.cache/dpfl_tf``) as
+    ``scattering/<hash>.npy``, and returned as `dpfl_tf.data.NpyRows`: DP-SGD,
+    the DP statistics and evaluation read the rows they need from the file, so
+    no run holds the 6.2 GB of CIFAR-10's training features with mirror views
+    in memory (nor maps them).  The hash covers the pixels, the settings, the
+    filter bank and `FEATURES_VERSION`; a file of another shape or dtype is
+    recomputed.  The files are derived from the (private) training images:
+    they are written readable by their owner only.  If the cache cannot be
+    written (read-only, or no room for the whole file), the features are
+    computed in memory, with a warning."""
     from dpfl_tf._io import atomic_path
+    from dpfl_tf.data import NpyRows
     from dpfl_tf.data.image_folder import default_cache_dir
 
     scattering = Scattering2D(J=2, L=8, shape=data.x_train.shape[1:3])
     filters = hashlib.blake2b(digest_size=16)
     for f in (scattering.psi_hat, scattering.phi_hat):
         filters.update(np.ascontiguousarray(f).data)
+
+    def scatter(images, start, stop):
+        return scattering.transform(images[start:stop].astype("float32") / 255.0,
+                                    mirror=mirror)
+
     out = []
     for x in (data.x_train, data.x_test):
         x = np.ascontiguousarray(x)
@@ -177,28 +189,25 @@ def _scattering_features(data, mirror: bool = False):
         digest.update(x.data)
         path = os.path.join(default_cache_dir(), "scattering", digest.hexdigest() + ".npy")
         if os.path.exists(path):
-            cached = np.load(path, mmap_mode="r")
+            cached = NpyRows(path)
             if cached.shape == shape and cached.dtype == np.float32:
                 out.append(cached)
                 continue
-        images = x.astype("float32") / 255.0
         try:
             with atomic_path(path, mode=0o600) as tmp:   # never readable by others
-                features = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
-                                                     shape=shape)
-                with open(tmp, "r+b") as f:   # all the room now: a full disk is an
-                    os.posix_fallocate(f.fileno(), 0, os.path.getsize(tmp))  # OSError
-                scattering.transform(images, mirror=mirror, out=features)
-                features.flush()
-                del features
+                features = NpyRows.create(tmp, shape, np.float32)   # a full disk: OSError
+                for i in range(0, len(x), SCATTER_CHUNK):
+                    features.write(i, scatter(x, i, i + SCATTER_CHUNK))
+                features.close()
         except OSError as e:   # a read-only or full cache: compute in memory
             warnings.warn(f"scattering features not cached ({e}); computing them in "
                           "memory", RuntimeWarning, stacklevel=2)
-            features = scattering.transform(images, mirror=mirror)
+            features = np.concatenate([scatter(x, i, i + SCATTER_CHUNK)
+                                       for i in range(0, len(x), SCATTER_CHUNK)])
             features.setflags(write=False)
             out.append(features)
             continue
-        out.append(np.load(path, mmap_mode="r"))
+        out.append(NpyRows(path))
     return tuple(out)
 
 
