@@ -48,7 +48,34 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="searches per method (seeds)")
     p.add_argument("--score-noise", type=float, default=20.0,
                    help="noise multiplier of the validation score's sum")
+    p.add_argument("--noise-only", action="store_true",
+                   help="only the training noise each search needs for the target (accounting "
+                        "only, seconds): results/private_tuning_noise[_quick].json")
     return p.parse_args(argv)
+
+
+def noise_table(args, s: dict) -> dict:
+    """The training noise multiplier that makes each search cost the target
+    epsilon, for mean numbers of trials 2..32 (RDP; no training)."""
+    from dpfl_tf.privacy import calibrate_noise_multiplier, dp_sgd_event
+    from dpfl_tf.tuning import TrialCount, ValidationScore, calibrate_search
+
+    n, lot = s["train"], s["lot"]
+    steps = s["epochs"] * (n // lot)
+    score = ValidationScore(np.zeros((1, 2)), np.zeros(1), noise_multiplier=args.score_noise)
+
+    def trial_event(sigma):
+        return dp_sgd_event(sigma, steps, sampling_rate=lot / n)
+
+    rows = []
+    for k in (2, 4, 8, 16, 32):
+        rows.append({"trials": k, **{name: calibrate_search(
+            args.epsilon, args.delta, trials, trial_event, score)[0] for name, trials in (
+                ("composed", k), ("geometric", TrialCount.geometric(k)),
+                ("logarithmic", TrialCount.logarithmic(k)))}})
+    return {"single_run": calibrate_noise_multiplier(args.epsilon, args.delta, trial_event,
+                                                     "rdp")[0],
+            "by_mean_trials": rows, "steps": steps, "sampling_rate": lot / n}
 
 
 def settings(quick: bool) -> dict:
@@ -70,6 +97,18 @@ def main(argv=None):
     from dpfl_tf.tuning import TrialCount, ValidationScore, calibrate_search, private_search
 
     s = settings(args.quick)
+    if args.noise_only:
+        name = "private_tuning_noise" + ("_quick" if args.quick else "")
+        out = {"experiment": "private_tuning --noise-only", "quick": args.quick,
+               "commit": commit_of(), "settings": {**s, "epsilon": args.epsilon,
+                                                   "delta": args.delta, "accountant": "rdp",
+                                                   "score_noise": args.score_noise},
+               "noise_multiplier": noise_table(args, s)}
+        os.makedirs(RESULTS, exist_ok=True)
+        with open(os.path.join(RESULTS, name + ".json"), "w") as f:
+            json.dump(out, f, indent=1)
+        print(json.dumps(out["noise_multiplier"], indent=1))
+        return
     ds = load_dataset("mnist")
     x = ds.x_train.reshape(len(ds.x_train), -1).astype("float32") / 255.0
     y = ds.y_train.astype("int64")

@@ -296,7 +296,7 @@ def user_level_sampler(model, num_examples: int, lot_size: int, *, sampling, bat
                        user_ids, max_examples_per_user, seed, first_lot) -> UserLotSampler:
     """The sampler of ``DPModel.fit(..., user_ids=...)``, after the refusals
     that keep its lots user-level: Poisson sampling only, one physical batch
-    per lot, one replica, and a ledger that holds no example-level lots (an
+    per lot, no XLA, one replica, and a ledger that holds no example-level lots (an
     example-level and a user-level epsilon do not compose into either)."""
     if user_ids is None:
         raise ValueError(f"max_examples_per_user={max_examples_per_user!r} needs user_ids (the "
@@ -308,6 +308,10 @@ def user_level_sampler(model, num_examples: int, lot_size: int, *, sampling, bat
         raise ValueError(f"user-level lots are computed in one physical batch (a user's "
                          f"examples in one backward pass): batch_size must be None, got "
                          f"{batch_size!r}; bound the lot with max_examples_per_user")
+    if model.jit_compile:
+        raise ValueError("user-level DP-SGD needs jit_compile=False: the number of users in a "
+                         "lot changes from lot to lot, a shape XLA would compile anew (this "
+                         "mode is not supported, so it is refused)")
     replicas = model.distribute_strategy.num_replicas_in_sync
     if replicas > 1:
         raise ValueError(f"user-level DP-SGD runs on one replica, got a distribution strategy "

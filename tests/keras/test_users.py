@@ -239,6 +239,11 @@ def test_fit_refusals(mnist_users):
         model.fit(x, y, lot_size=12, user_ids=users, batch_size=64, verbose=0)
     with pytest.raises(ValueError, match=r"1 user\(s\) hold no examples"):
         model.fit(x, y, lot_size=12, user_ids=[list(range(600)), []], verbose=0)
+    xla = DPModel(mlp(seed=0))
+    xla.compile(optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss(),
+                jit_compile=True)
+    with pytest.raises(ValueError, match="user-level DP-SGD needs jit_compile=False"):
+        xla.fit(x, y, lot_size=12, user_ids=users, verbose=0)
     assert model.lots_computed == 0   # nothing trained
     model.fit(x, y, lot_size=60, epochs=1, verbose=0)   # example-level lots
     with pytest.raises(ValueError, match="ledger holds 10 example-level lots: user-level lots "
