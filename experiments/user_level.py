@@ -135,11 +135,13 @@ def main(argv=None):
         m.fit(x, y, lot_size=lot, epochs=s["example_epochs"], verbose=0)
         e = m.epsilon(delta)
         k = s["per_user"]
+        # group privacy (Dwork & Roth 2014): k examples, (k eps, k e^((k-1) eps) delta)
+        group_delta = math.exp(min(0.0, math.log(k) + (k - 1) * e + math.log(delta)))
         run = {"level": "example", "split": "any", "target_epsilon": eps,
                "noise_multiplier": sigma, "lot_size": lot, "lots": m.lots_computed,
                "example_epsilon": e,
                "group_privacy_for_a_user_of_k_examples": {
-                   "k": k, "epsilon": k * e, "delta": math.exp(min(0.0, math.log(k) + (k - 1) * e + math.log(delta)))},
+                   "k": k, "epsilon": k * e, "delta": group_delta},
                "test_accuracy": accuracy(m), "seconds": round(time.time() - start, 1)}
         runs.append(run)
         print(json.dumps(run), flush=True)
