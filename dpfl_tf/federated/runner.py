@@ -15,15 +15,18 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dpfl_tf._seeds import derive_rng, derive_seed
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
+from dpfl_tf.federated.settings import (MAX_EPSILON, MechanismKind, check_clients_per_round,
+                                        check_delta_max)
 from dpfl_tf.federated.partition import PartitionScheme, make_partition
 from dpfl_tf.privacy.accountants import AccountantKind
 from dpfl_tf.privacy.events import SamplingMethod
 from dpfl_tf.secure_random import refuse_seed
 
-__all__ = ["DPMode", "FederatedConfig", "MODELS", "build_model", "build_server",
+__all__ = ["AggregatorKind", "DPMode", "FederatedConfig", "MODELS", "build_model", "build_server",
            "fully_connected_model", "local_dp_upload",
-           "peak_rss_mb", "run_federated"]
+           "peak_rss_mb", "result_status", "run_federated"]
 
 
 class DPMode(ChoiceEnum):
@@ -34,12 +37,29 @@ class DPMode(ChoiceEnum):
     LOCAL = "local"      # local DP: every client perturbs its model before upload
 
 
+class AggregatorKind(ChoiceEnum):
+    __argument__ = "aggregator"
+    MEAN = "mean"        # FedAvg
+    MEDIAN = "median"    # FedMedian (no DP mode)
+
+
 #: The models a config can name (`build_model`).
 MODELS = ("mlp", "cnn2", "cnn3")
+#: How a round's clients can be chosen (`dpfl_tf.federated.server.ClientSampling`).
+CLIENT_SAMPLING = (SamplingMethod.POISSON, SamplingMethod.FIXED_SIZE)
+#: dp mode -> the noise multiplier used when none is given.  Global DP: sigma = 1 with
+#: m = 100 of K = 1000 (Geyer et al. 2017's K = 1000 setting; McMahan et al. 2018 use
+#: z = 1 as well): noise sigma S / m = 0.01 per coordinate.  Client-side noise: z = 0.2
+#: per upload, so the released mean of m = 100 uploads carries z sqrt(m) = 2, i.e.
+#: multiplier 1 on the replace-one sensitivity 2S of fixed-size sampling, the Global DP
+#: default's sigma (epsilon 14 vs 8.9 after 100 rounds: no Poisson amplification).
+#: none / local: 0 (no Gaussian noise).
+DEFAULT_NOISE_MULTIPLIER = {"none": 0.0, "global": 1.0, "client": 0.2, "local": 0.0}
 
 
 def fully_connected_model(input_shape: Sequence[int] = (28, 28),
-                          hidden: Sequence[int] = (600, 100), num_classes: int = 10, *, use_bias: bool = False, seed: int | None = None):
+                          hidden: Sequence[int] = (600, 100), num_classes: int = 10, *,
+                          use_bias: bool = False, seed: int | None = None):
     """The small fully connected net of Geyer et al.'s code (784-600-100-10, ReLU,
     no biases by default), returning logits."""
     import keras
@@ -83,18 +103,18 @@ class FederatedConfig:
     """
 
     dataset: str = "mnist"
-    clients: int = 100
+    clients: int = 1000
     partition: PartitionScheme = PartitionScheme.SHARDS
     dirichlet_alpha: float = 0.5
     clients_per_round: int | None = None
     fraction: float | None = None
-    sampling: SamplingMethod = SamplingMethod.POISSON
-    rounds: int = 10
+    sampling: SamplingMethod | None = None
+    rounds: int = 100
     local_epochs: int = 1
     local_batch_size: int = 10
-    learning_rate: float = 0.1
+    learning_rate: float = 0.2
     momentum: float = 0.0
-    aggregator: str = "mean"
+    aggregator: AggregatorKind = AggregatorKind.MEAN
     dp: DPMode = DPMode.NONE
     clip: float | str = 1.0
     clip_initial: float = 0.1
@@ -102,14 +122,14 @@ class FederatedConfig:
     clip_lr: float = 0.2
     clip_count_stddev: float | None = None
     per_layer: bool = False
-    noise_multiplier: float = 1.0
+    noise_multiplier: float | None = None
     target_epsilon: float | None = None
     delta_max: float | None = None
-    accountant: AccountantKind = AccountantKind.MOMENTS
-    hidden: tuple[int, ...] = (600, 100)
+    accountant: AccountantKind | None = None
+    hidden: tuple[int, ...] = (32,)
     model: str = "mlp"
     ldp_mechanism: str = "pnpm"
-    ldp_epsilon: float = 1.0
+    ldp_epsilon: float = 2.0
     ldp_bound: float | str = "init"
     ldp_bound_margin: float = 2.0
     seed: int = 0
@@ -122,8 +142,18 @@ class FederatedConfig:
         s = object.__setattr__
         s(self, "clients", check_count("clients", self.clients, minimum=1))
         s(self, "partition", PartitionScheme.parse(self.partition))
-        s(self, "sampling", SamplingMethod.parse(self.sampling))
         s(self, "dp", DPMode.parse(self.dp))
+        if self.sampling is None:      # client-side noise is accounted for fixed size only
+            s(self, "sampling", SamplingMethod.FIXED_SIZE if self.dp is DPMode.CLIENT
+              else SamplingMethod.POISSON)
+        s(self, "sampling", SamplingMethod.parse(self.sampling))
+        if self.sampling not in CLIENT_SAMPLING:
+            raise ValueError("sampling must be one of "
+                             f"{', '.join(m.value for m in CLIENT_SAMPLING)}, got "
+                             f"{self.sampling.value!r}")
+        if self.accountant is None:    # fixed-size sampling: only "rdp" reads the event
+            s(self, "accountant", AccountantKind.RDP if self.sampling is
+              SamplingMethod.FIXED_SIZE else AccountantKind.MOMENTS)
         s(self, "accountant", AccountantKind.parse(self.accountant))
         s(self, "rounds", check_count("rounds", self.rounds))
         s(self, "local_epochs", check_count("local_epochs", self.local_epochs, minimum=1))
@@ -133,19 +163,18 @@ class FederatedConfig:
                                               low_open=True))
         s(self, "momentum", check_number("momentum", self.momentum, low=0.0, high=1.0,
                                          high_open=True))
-        if self.aggregator not in ("mean", "median"):
-            raise ValueError(f"aggregator must be 'mean' or 'median', got {self.aggregator!r}")
-        if self.dp is not DPMode.NONE and self.aggregator != "mean":
+        s(self, "aggregator", AggregatorKind.parse(self.aggregator))
+        if self.dp is not DPMode.NONE and self.aggregator is not AggregatorKind.MEAN:
             raise ValueError("the DP modes average clipped updates; aggregator must be 'mean' "
-                             f"with dp={self.dp.value!r}, got {self.aggregator!r}")
+                             f"with dp={self.dp.value!r}, got {self.aggregator.value!r}")
         if self.clients_per_round is None and self.fraction is None:
             s(self, "fraction", 0.1)
         if self.fraction is not None:
             s(self, "fraction", check_number("fraction", self.fraction, low=0.0, high=1.0,
                                              low_open=True))
         if self.clients_per_round is not None:
-            s(self, "clients_per_round", check_count("clients_per_round",
-                                                     self.clients_per_round, minimum=1))
+            s(self, "clients_per_round", check_clients_per_round(check_count(
+                "clients_per_round", self.clients_per_round, minimum=1), self.clients))
         if self.clip == "median":
             raise ValueError("clip='median' (the median of the round's raw update norms, read "
                              "without noise: not differentially private) is no longer offered; "
@@ -171,13 +200,16 @@ class FederatedConfig:
         if self.clip_count_stddev is not None:
             s(self, "clip_count_stddev", check_number("clip_count_stddev",
                                                       self.clip_count_stddev, low=0.0))
+        if self.noise_multiplier is None:
+            s(self, "noise_multiplier", DEFAULT_NOISE_MULTIPLIER[self.dp.value])
         s(self, "noise_multiplier", check_number("noise_multiplier", self.noise_multiplier,
                                                  low=0.0))
         if self.dp in (DPMode.GLOBAL, DPMode.CLIENT) and self.delta_max is None:
             s(self, "delta_max", min(1e-5, 0.1 / self.clients))
         if self.delta_max is not None:
-            s(self, "delta_max", check_number("delta_max", self.delta_max, low=0.0, high=1.0,
-                                              low_open=True, high_open=True))
+            s(self, "delta_max", check_delta_max(check_number(
+                "delta_max", self.delta_max, low=0.0, high=1.0, low_open=True,
+                high_open=True), self.clients))
         if self.target_epsilon is not None:
             s(self, "target_epsilon", check_number("target_epsilon", self.target_epsilon,
                                                    low=0.0, low_open=True))
@@ -201,8 +233,6 @@ class FederatedConfig:
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if self.dp is DPMode.LOCAL:
-            from dpfl_tf.federated.local_dp import MAX_EPSILON, MechanismKind
-
             s(self, "ldp_mechanism", MechanismKind.parse(self.ldp_mechanism).value)
             s(self, "ldp_epsilon", check_number("ldp_epsilon", self.ldp_epsilon, low=0.0,
                                                 high=MAX_EPSILON, low_open=True))
@@ -244,10 +274,11 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
     ds = dataset if dataset is not None else load_dataset(c.dataset)
     x, y = ds.x_train, ds.y_train
     if c.train_subset is not None:
-        keep = np.random.default_rng(c.seed).permutation(len(y))[:c.train_subset]
+        keep = derive_rng(c.seed, "train-subset").permutation(len(y))[:c.train_subset]
         x, y = x[np.sort(keep)], y[np.sort(keep)]
     kwargs = {"alpha": c.dirichlet_alpha} if c.partition is PartitionScheme.DIRICHLET else {}
-    partition = make_partition(y, c.clients, c.partition, seed=c.seed, **kwargs)
+    partition = make_partition(y, c.clients, c.partition, seed=derive_seed(c.seed, "partition"),
+                               **kwargs)
     model = build_model(c, ds.input_shape, ds.num_classes)
     trainer = LocalTrainer(model, x, y, local_epochs=c.local_epochs,
                            batch_size=c.local_batch_size, learning_rate=c.learning_rate,
@@ -304,14 +335,16 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
 
 
 def build_model(config: FederatedConfig, input_shape: Sequence[int], num_classes: int):
-    """The config's model, initialised from ``config.seed``."""
+    """The config's model, initialised from the stream (``config.seed``, "model-init")
+    (32 bits: `keras.utils.set_random_seed` seeds numpy's legacy generator too)."""
+    seed = derive_seed(config.seed, "model-init") >> 31
     if config.model == "mlp":
-        return fully_connected_model(input_shape, config.hidden, num_classes, seed=config.seed)
+        return fully_connected_model(input_shape, config.hidden, num_classes, seed=seed)
     import keras
 
     from dpfl_tf.models import pnpm_cnn
 
-    keras.utils.set_random_seed(int(config.seed))
+    keras.utils.set_random_seed(seed)
     return pnpm_cnn(tuple(input_shape), num_classes, depth=2 if config.model == "cnn2" else 3)
 
 
@@ -365,6 +398,13 @@ def _mechanism(c: FederatedConfig) -> str:
     return "global_dp" if c.dp is DPMode.GLOBAL else "client_dp"
 
 
+def result_status(stop_reason: str | None) -> str:
+    """A results file's ``status`` for a finished run's stop reason."""
+    if stop_reason == "interrupted":
+        return "interrupted"
+    return "budget_spent" if (stop_reason or "").startswith("privacy budget") else "completed"
+
+
 def run_federated(config: FederatedConfig, dataset=None, *, progress: bool = True,
                   checkpoint_dir: str | None = None, checkpoint_every_round: bool = True,
                   should_stop=None, on_round=None, on_resume=None) -> dict[str, Any]:
@@ -385,22 +425,23 @@ def run_federated(config: FederatedConfig, dataset=None, *, progress: bool = Tru
         on_resume({"directory": every, "rounds": server.rounds_done,
                    "epsilon": server.epsilon()})
     server.run(config.rounds, checkpoint_dir=every, resume=False, should_stop=should_stop,
-               on_round=None if on_round is None else
-               (lambda srv: on_round(federated_result(config, srv, ds, start))))
+               on_round=None if on_round is None else (lambda srv: on_round(
+                   federated_result(config, srv, ds, seconds=time.perf_counter() - start))))
     if server.stop_reason == "interrupted" and checkpoint_dir is not None and every is None:
         server.save_checkpoint(checkpoint_dir)
-    return federated_result(config, server, ds, start)
+    return federated_result(config, server, ds, seconds=time.perf_counter() - start)
 
 
-def federated_result(config: FederatedConfig, server, ds, start: float) -> dict[str, Any]:
-    """The JSON-ready result of `server`'s run so far."""
-    seconds = time.perf_counter() - start
+def federated_result(config: FederatedConfig, server, ds, *, seconds: float) -> dict[str, Any]:
+    """The JSON-ready result of `server`'s run so far, on either runtime (in-process
+    and `dpfl_tf.federated.flower`, which adds its runtime labels).  `ds` is the
+    server's dataset (None: the config's dataset name is the label)."""
     c = config
     last = server.history[-1] if server.history else None
     report = server.privacy_report()
     round_secs = [r.seconds for r in server.history]
     return {
-        "dataset": ds.source.label if hasattr(ds, "source") else c.dataset,
+        "dataset": getattr(getattr(ds, "source", None), "label", c.dataset),
         "partition": c.partition.value, "clients": c.clients,
         "clients_per_round": server.expected_clients,
         "sampling": c.sampling.value, "rounds": server.rounds_done,

@@ -15,9 +15,15 @@ Each round t:
    matching how clients were really sampled), evaluate on the server's test
    set, write the checkpoint.
 
-Randomness is derived from (seed, round index, sampling key), so a run resumed from a
-checkpoint samples the same clients and batches as an uninterrupted one; the
-DP noise comes from OS entropy unless `noise_seed` is given (tests).
+Every stream is derived with `dpfl_tf._seeds.derive_seed` from (seed, purpose,
+round, client): client sampling (keyed also by a secret drawn from OS entropy
+unless `noise_seed` is given), each client's batch order, and -- with
+`noise_seed` (tests) -- the server's and each client's noise.  A run resumed
+from a checkpoint therefore draws what the uninterrupted run drew; without
+`noise_seed` the DP noise comes from OS entropy.
+
+`open_round`, `client_upload`, `close_round` and `finish` are the round in
+named parts; the Flower strategy calls the same methods.
 """
 
 from __future__ import annotations
@@ -30,16 +36,18 @@ import os
 import secrets
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import dp_accounting
 import numpy as np
 import tensorflow as tf
 
 from dpfl_tf._io import atomic_write, atomic_write_json, read_checkpoint_json
+from dpfl_tf._seeds import derive_rng, derive_seed
 from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.secure_random import refuse_seed, secure_uniform
-from dpfl_tf.federated.aggregators import Aggregator, ClientNoiseDPAggregator
+from dpfl_tf.federated.settings import check_clients_per_round, check_delta_max
+from dpfl_tf.federated.aggregators import AggregateResult, Aggregator, ClientNoiseDPAggregator
 from dpfl_tf.federated.client import LocalTrainer, preprocess_images, refuse_unprotected_state
 from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report
 from dpfl_tf.federated.partition import ClientPartition
@@ -95,10 +103,7 @@ class ClientSampling:
         k = check_count("num_clients", num_clients, minimum=1)
         m = (self.clients_per_round if self.clients_per_round is not None
              else max(1, int(round(self.fraction * k))))
-        if m > k:
-            raise ValueError(f"clients_per_round (m={m}) must be <= the number of clients "
-                             f"(K={k})")
-        return m
+        return check_clients_per_round(m, k)
 
     def rate(self, num_clients: int) -> float:
         """q = m / K (or C)."""
@@ -139,6 +144,42 @@ class ClientSampling:
                 "fraction": self.fraction}
 
 
+class RoundProgress:
+    """One progress line per run, rewritten after every round on a terminal (and
+    printed every tenth of the run otherwise): counts as integers, accuracy and
+    epsilon with four decimals, seconds per round."""
+
+    def __init__(self, rounds: int, done: int = 0, stream=None):
+        self.rounds, self.stream = int(rounds), stream or sys.stdout
+        self.every = max(1, self.rounds // 10)
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.start, self.first = time.perf_counter(), int(done)
+        self.shown = False
+
+    def line(self, record: RoundRecord) -> str:
+        width = len(str(self.rounds))
+        parts = [f"round {record.round:>{width}}/{self.rounds}", f"clients {record.clients}"]
+        if record.accuracy is not None:
+            parts.append(f"acc {record.accuracy:.4f}")
+        if record.epsilon is not None:
+            parts.append(f"eps {record.epsilon:.4f}")
+        done = record.round - self.first
+        if done > 0:
+            parts.append(f"{(time.perf_counter() - self.start) / done:.2f} s/round")
+        return " - ".join(parts)
+
+    def update(self, record: RoundRecord) -> None:
+        if self.tty:
+            print(f"\r{self.line(record)}\x1b[K", end="", file=self.stream, flush=True)
+            self.shown = True
+        elif record.round % self.every == 0 or record.round == self.rounds:
+            print(self.line(record), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.shown:
+            print(file=self.stream, flush=True)
+
+
 class RoundAbandoned(Exception):
     """A round stopped before its update was released (see `FederatedServer.run_round`)."""
 
@@ -159,6 +200,11 @@ class RoundRecord:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def rounds_text(n: int) -> str:
+    """'1 round', '2 rounds'."""
+    return f"{n} round" + ("" if n == 1 else "s")
 
 
 def _json_float(x):
@@ -260,11 +306,9 @@ class FederatedServer:
                                             low_open=True))
         self.delta_max = None
         if delta_max is not None:
-            self.delta_max = check_number("delta_max", delta_max, low=0.0, high=1.0,
-                                          low_open=True, high_open=True)
-            if self.delta_max >= 1.0 / self.num_clients:
-                raise ValueError(f"delta_max must be < 1/K = {1.0 / self.num_clients:g} "
-                                 f"(delta << 1/K), got {self.delta_max:g}")
+            self.delta_max = check_delta_max(check_number(
+                "delta_max", delta_max, low=0.0, high=1.0, low_open=True, high_open=True),
+                self.num_clients)
         self.num_components = (aggregator.num_components(trainer.variables)
                                if hasattr(aggregator, "num_components")
                                else len(trainer.variables))
@@ -341,49 +385,68 @@ class FederatedServer:
             return False
         return self.delta_after(1) > self.delta_max
 
-    # -- the loop --------------------------------------------------------------
+    # -- one round in named parts: the in-process loop and the Flower strategy ------
+    # (`dpfl_tf.federated.flower.DPStrategy`) call the same methods, so a round is
+    # opened, trained, closed and recorded by one implementation.
     def round_rng(self, t: int) -> np.random.Generator:
-        """Client sampling and local shuffling of round t: (seed, t, secret key)."""
-        return np.random.default_rng([self.seed, int(t), self._sampling_key])
+        """Client sampling of round t: the stream (seed, "client-sampling", t, secret key)."""
+        return derive_rng(self.seed, "client-sampling", int(t), self._sampling_key)
+
+    def shuffle_rng(self, t: int, client_id: int) -> np.random.Generator:
+        """Client k's local batch order in round t: (seed, "local-shuffle", t, k).  One
+        stream per client, so a client computes it alone (on Flower, on its node)."""
+        return derive_rng(self.seed, "local-shuffle", int(t), int(client_id))
 
     def sample_clients(self, rng: np.random.Generator) -> np.ndarray:
         """This round's clients: from the round's `rng`, or in secure mode from
-        ``os.urandom`` (`ClientSampling.sample`).  The in-process loop and the
-        Flower strategy both call this."""
+        ``os.urandom`` (`ClientSampling.sample`)."""
         return self.sampling.sample(None if self.secure_mode else rng, self.num_clients)
 
-    def run_round(self, should_stop=None) -> RoundRecord:
-        """Runs one round (no budget check; `run` checks first).  `should_stop()`
-        is polled before each client; True abandons the round (`RoundAbandoned`):
-        no update is released or recorded and the global weights are restored."""
+    def budget_stop_reason(self) -> str | None:
+        """Why the next round must not run (the stop rule, `would_exceed_budget`), or None."""
+        if not self.would_exceed_budget():
+            return None
+        return (f"privacy budget: round {self.rounds_done + 1} would make delta at "
+                f"epsilon={self.target_epsilon:g} exceed delta_max={self.delta_max:g} "
+                f"({self.accountant.value} accountant); stopped after "
+                f"{rounds_text(self.rounds_done)}")
+
+    def open_round(self) -> tuple[int, np.ndarray]:
+        """(t, the sampled client ids) of the next round; with `noise_seed`, the
+        server's noise is reseeded from (noise_seed, "server-noise", t)."""
         t = self.rounds_done
-        start, cpu_start = time.perf_counter(), time.process_time()
-        rng = self.round_rng(t)
         if self.noise_seed is not None:
-            self.aggregator.reseed(int(np.random.default_rng([int(self.noise_seed), t])
-                                       .integers(2**62)))
-        selected = self.sample_clients(rng)
-        global_weights = self.trainer.get_weights()
+            self.aggregator.reseed(derive_seed(self.noise_seed, "server-noise", t))
+        return t, self.sample_clients(self.round_rng(t))
 
-        def uploads():
-            for k in selected:
-                if should_stop is not None and should_stop():
-                    raise RoundAbandoned(t + 1)
-                indices = self.partition.client(int(k))
-                delta = self.trainer.train(global_weights, indices, rng)
-                upload = self.aggregator.client_transform(delta)
-                if self.local_dp is not None:
-                    upload = self.local_dp.apply(global_weights, upload,
-                                                 self.local_dp.generator(t, int(k)))
-                yield upload, float(len(indices))
+    def client_upload(self, client_id: int, global_weights: Sequence[tf.Tensor], t: int, *,
+                      local_dp: LocalDPUpload | None = None) -> tuple[list[tf.Tensor], int]:
+        """What client k uploads in round t, and its n_k: Delta_k from `LocalTrainer.train`
+        on its partition with `shuffle_rng(t, k)`, then the aggregator's client step
+        (`client_transform`: identity, or clip + noise for DP-FedAvg, drawn with
+        (noise_seed, "client-noise", t, k) when seeded), then the local-DP mechanism
+        (`local_dp`, default this server's) with its (t, k) generator."""
+        k = int(client_id)
+        if not 0 <= k < self.num_clients:
+            raise ValueError(f"client id (partition-id) must lie in [0, {self.num_clients}), "
+                             f"got {client_id!r}")
+        indices = self.partition.client(k)
+        delta = self.trainer.train(list(global_weights), indices, self.shuffle_rng(t, k))
+        if self.noise_seed is not None and self.aggregator.client_noise:
+            self.aggregator.reseed(derive_seed(self.noise_seed, "client-noise", t, k))
+        upload = self.aggregator.client_transform(delta)
+        local_dp = self.local_dp if local_dp is None else local_dp
+        if local_dp is not None:
+            upload = local_dp.apply(global_weights, upload, local_dp.generator(t, k))
+        return upload, len(indices)
 
-        try:
-            result = self.aggregator.aggregate(uploads(), global_weights,
-                                               expected_clients=self.expected_clients)
-        except RoundAbandoned:  # nothing released: the global model stays as it was
-            self.trainer.set_weights(global_weights)
-            raise
-        self.trainer.set_weights([w + d for w, d in zip(global_weights, result.update)])
+    def close_round(self, t: int, selected: np.ndarray, global_weights: Sequence[tf.Tensor],
+                    result: AggregateResult, *, start: float, cpu_start: float) -> RoundRecord:
+        """Releases round t: w_{t+1} = w_t + the aggregate, the participations, the
+        round's event in the ledger, the evaluation (every `eval_every` rounds),
+        epsilon and delta, and the history row, which it returns."""
+        new_weights = [w + tf.cast(d, w.dtype) for w, d in zip(global_weights, result.update)]
+        self.trainer.set_weights(new_weights)
         seconds = time.perf_counter() - start
         cpu_seconds = time.process_time() - cpu_start
         self.participations[selected] += 1
@@ -396,11 +459,43 @@ class FederatedServer:
         eps = self.epsilon()
         delta = (self.delta_after(0) if self.aggregator.private and self.target_epsilon
                  else None)
-        info = {k: v for k, v in result.info.items()}
-        record = RoundRecord(t + 1, len(selected), seconds, acc, loss, eps, delta, info,
-                             cpu_seconds)
+        record = RoundRecord(t + 1, len(selected), seconds, acc, loss, eps, delta,
+                             dict(result.info), cpu_seconds)
         self.history.append(record)
         return record
+
+    def finish(self, rounds: int) -> None:
+        """The end of a run of up to `rounds` rounds: the stop reason if none was
+        set, and the last round evaluated if `eval_every` skipped it."""
+        if self.stop_reason is None and self.rounds_done >= rounds:
+            self.stop_reason = f"completed {rounds_text(self.rounds_done)}"
+        if self.history and self.history[-1].accuracy is None and self._test is not None:
+            self.history[-1].loss, self.history[-1].accuracy = self.evaluate()
+
+    # -- the in-process loop ---------------------------------------------------------
+    def run_round(self, should_stop=None) -> RoundRecord:
+        """Runs one round (no budget check; `run` checks first).  `should_stop()`
+        is polled before each client; True abandons the round (`RoundAbandoned`):
+        no update is released or recorded and the global weights are restored."""
+        start, cpu_start = time.perf_counter(), time.process_time()
+        t, selected = self.open_round()
+        global_weights = self.trainer.get_weights()
+
+        def uploads():
+            for k in selected:
+                if should_stop is not None and should_stop():
+                    raise RoundAbandoned(t + 1)
+                upload, n_k = self.client_upload(int(k), global_weights, t)
+                yield upload, float(n_k)
+
+        try:
+            result = self.aggregator.aggregate(uploads(), global_weights,
+                                               expected_clients=self.expected_clients)
+        except RoundAbandoned:  # nothing released: the global model stays as it was
+            self.trainer.set_weights(global_weights)
+            raise
+        return self.close_round(t, selected, global_weights, result, start=start,
+                                cpu_start=cpu_start)
 
     def run(self, rounds: int, *, checkpoint_dir: str | os.PathLike | None = None,
             resume: bool = True, should_stop=None, on_round=None) -> list[RoundRecord]:
@@ -416,18 +511,10 @@ class FederatedServer:
         self.stop_reason = None
         if checkpoint_dir is not None and resume:
             self.load_checkpoint(checkpoint_dir, missing_ok=True)
-        bar = None
-        if self.progress:
-            import keras
-            bar = keras.utils.Progbar(rounds, stateful_metrics=["acc", "eps", "delta", "clients"])
-            bar.update(self.rounds_done)
+        bar = RoundProgress(rounds, self.rounds_done) if self.progress else None
         while self.rounds_done < rounds:
-            if self.would_exceed_budget():
-                self.stop_reason = (
-                    f"privacy budget: round {self.rounds_done + 1} would make delta at "
-                    f"epsilon={self.target_epsilon:g} exceed delta_max={self.delta_max:g} "
-                    f"({self.accountant.value} accountant); stopped after "
-                    f"{self.rounds_done} rounds")
+            self.stop_reason = self.budget_stop_reason()
+            if self.stop_reason is not None:
                 break
             try:
                 rec = self.run_round(should_stop)
@@ -439,18 +526,12 @@ class FederatedServer:
             if on_round is not None:
                 on_round(self)
             if bar is not None:
-                values = [("clients", rec.clients)]
-                if rec.accuracy is not None:
-                    values.append(("acc", rec.accuracy))
-                if rec.epsilon is not None:
-                    values.append(("eps", rec.epsilon))
-                bar.update(self.rounds_done, values=values)
-        if self.stop_reason is None and self.rounds_done >= rounds:
-            self.stop_reason = f"completed {self.rounds_done} rounds"
-        if self.history and self.history[-1].accuracy is None and self._test is not None:
-            self.history[-1].loss, self.history[-1].accuracy = self.evaluate()
-        if bar is not None and self.stop_reason.startswith("privacy"):
-            print(f"\n{self.stop_reason}", file=sys.stderr)
+                bar.update(rec)
+        self.finish(rounds)
+        if bar is not None:
+            bar.close()
+            if self.stop_reason.startswith("privacy"):
+                print(self.stop_reason, file=sys.stderr)
         return self.history
 
     # -- reports -----------------------------------------------------------------
