@@ -50,6 +50,8 @@ from dpfl_tf.keras.per_example import (PerExampleGradients, _leaf_layers,
                                        default_loss_scale, refuse_batch_mixing_layers)
 from dpfl_tf.keras.sampling import LotSampler
 from dpfl_tf.keras.sources import SourceError, make_reader
+from dpfl_tf.keras.users import (USER_LEVEL_LABEL, PerUserGradients, refuse_mixed_units,
+                                 rerun_user_by_user, user_level_sampler)
 from dpfl_tf.privacy.events import SamplingMethod, describe_event, shuffle_epoch_event
 from dpfl_tf.privacy.ledger import BudgetExceededError, PrivacyBudget, PrivacyLedger
 
@@ -139,6 +141,7 @@ class DPModel(keras.Model):
         self._expected_lot = None
         self._pad_to_batch = False
         self._log_metrics = True
+        self._ledger_label = "dpsgd"  # user-level lots: users.USER_LEVEL_LABEL
         self.stop_reason = None
 
     # -- Keras plumbing -------------------------------------------------------
@@ -245,10 +248,10 @@ class DPModel(keras.Model):
         if self._epoch_event is not None:  # shuffle: one Gaussian per epoch touched
             epochs = math.ceil((computed - self._fit_start_lots) / self._lots_per_epoch)
             self.ledger.record(self._epoch_event, epochs - self._recorded_epochs,
-                               label="dpsgd")
+                               label=self._ledger_label)
             self._recorded_epochs = epochs
         else:
-            self.ledger.record(self._step_event, pending, label="dpsgd")
+            self.ledger.record(self._step_event, pending, label=self._ledger_label)
         self._recorded_lots = computed
 
     def set_lot_limit(self, limit: int | None, reason: str = "budget") -> None:
@@ -267,7 +270,8 @@ class DPModel(keras.Model):
             target_epsilon: float | None = None, target_delta: float = 1e-5,
             accountant: str | None = None, verbose="auto", callbacks=None,
             validation_data=None, initial_epoch: int = 0, preprocess=None,
-            sampling_seed: int | None = None, log_train_metrics: bool = True, **kwargs):
+            sampling_seed: int | None = None, log_train_metrics: bool = True,
+            user_ids=None, max_examples_per_user: int | None = None, **kwargs):
         """DP-SGD training on arrays or a random-access source.
 
         Args:
@@ -293,6 +297,13 @@ class DPModel(keras.Model):
             count of dropped examples, are computed on private data without
             noise: they are NON-PRIVATE statistics.  Set False to not compute or
             log them (epsilon and the lots released are still logged).
+          user_ids: user-level DP-SGD (`dpfl_tf.keras.users`): the user of every
+            example (N ids, or a partition); the unit of privacy is then a user,
+            `lot_size` is the expected number of USERS per lot (Poisson over
+            users), each user's summed gradient is clipped and the ledger
+            counts user-level lots.
+          max_examples_per_user: with `user_ids`, at most this many examples of
+            a user per lot (a fresh random subset each lot).
 
         Examples whose gradient is NaN or inf are dropped (zeroed; the lot is
         applied and counted) and counted in `dropped_examples`, with a warning.
@@ -309,10 +320,24 @@ class DPModel(keras.Model):
         reader = make_reader(x, y)
         _check_input_shape(self.model, reader, check_shape=preprocess is None)
         optimizer: DPOptimizer = self.optimizer
-        sampler = LotSampler(reader.size, lot_size, sampling, seed=sampling_seed,
-                             secure_mode=optimizer.secure_mode,
-                             first_lot=max(self.lots_computed, self.lots_applied),
-                             cycle_length=_cycle_length(optimizer, sampling))
+        first_lot = max(self.lots_computed, self.lots_applied)
+        if user_ids is None and max_examples_per_user is None:
+            refuse_mixed_units(self.ledger, user_level=False)
+            sampler = LotSampler(reader.size, lot_size, sampling, seed=sampling_seed,
+                                 secure_mode=optimizer.secure_mode, first_lot=first_lot,
+                                 cycle_length=_cycle_length(optimizer, sampling))
+        else:  # user-level DP-SGD
+            if getattr(optimizer, "correlated_noise", None) is not None:
+                raise ValueError(
+                    "user_ids: user-level DP-SGD with correlated_noise="
+                    f"{optimizer.correlated_noise!r} is not supported (the correlated "
+                    "mechanism's participation is declared per example); use a DP optimizer "
+                    "without correlated_noise")
+            sampler = user_level_sampler(
+                self, reader.size, lot_size, sampling=sampling, batch_size=batch_size,
+                user_ids=user_ids, max_examples_per_user=max_examples_per_user,
+                seed=sampling_seed, first_lot=first_lot)
+            batch_size = sampler.batch_size
         if batch_size is not None:
             batch_size = check_count("batch_size", batch_size, minimum=1)
         check_count("epochs", epochs, minimum=1)
@@ -415,9 +440,12 @@ class DPModel(keras.Model):
         self._counters.create(self.distribute_strategy)
         self._expected_lot = float(sampler.lot_size)
         self._pad_to_batch = bool(self.jit_compile)
-        self._per_example = PerExampleGradients(self.model, self._dp_loss,
-                                                fast=self.fast_gradients,
-                                                loss_scale=default_loss_scale(self.model))
+        self._ledger_label = getattr(sampler, "ledger_label", "dpsgd")
+        per_example = PerExampleGradients
+        if self._ledger_label == USER_LEVEL_LABEL:  # clipped by the user's norm
+            per_example = PerUserGradients
+        self._per_example = per_example(self.model, self._dp_loss, fast=self.fast_gradients,
+                                        loss_scale=default_loss_scale(self.model))
         self._set_steps_per_execution(sampler.lots_per_epoch)
         self._batch_size = batch_size or default_batch_size(
             sampler, self._per_example.materialised_parameters(),
@@ -531,7 +559,7 @@ class DPModel(keras.Model):
             # are ceil(pending / lots per epoch) epochs, and this fit's lots start a
             # new epoch (one accounting epoch never straddles two permutations)
             self.ledger.record(self._epoch_event, math.ceil(pending / self._lots_per_epoch),
-                               label="dpsgd")
+                               label=self._ledger_label)
             self._counters.set_computed(self.lots_applied)
             self._recorded_lots = self.lots_computed
             self._fit_start_lots = self.lots_computed
@@ -565,7 +593,9 @@ class DPModel(keras.Model):
         return ledger.steps_within_budget(self._step_event)
 
     def train_step(self, data):
-        x, y, mask = data
+        x, y, mask, *segments = data   # user-level lots: the user slot of every example
+        if segments:
+            self._per_example.segments = segments[0]
         counters = self._counters
         variables = self.model.trainable_variables
         # The budget guard is a branch of the computation, not an assert (XLA drops
@@ -692,6 +722,22 @@ class DPModel(keras.Model):
                             parallel_iterations=1)
             return [tf.reduce_sum(t, axis=0) for t in out[:-1]], tf.reduce_sum(out[-1])
 
+        def user_by_user(xb, yb, mb):
+            """User-level lots: the clipped sum recomputed one user at a time."""
+            per_example = self._per_example
+            segments = per_example.segments
+
+            def clip_user(xu, yu, mu, su):
+                per_example.segments = su
+                try:
+                    sums, _, _ = per_example.compute(xu, yu, mu, clip_factors)
+                finally:
+                    per_example.segments = segments
+                bad = tf.logical_and(mu > 0, tf.equal(last_factors.pop(), 0.0))
+                return sums, tf.reduce_sum(tf.cast(bad, tf.int64))
+
+            return rerun_user_by_user(clip_user, variables, xb, yb, mb, segments)
+
         def batch(xb, yb, mb):
             """Clipped sums of one physical batch, its loss sum, kept and dropped."""
             sums, losses, y_pred = self._per_example.compute(xb, yb, mb, clip_factors)
@@ -704,7 +750,9 @@ class DPModel(keras.Model):
             # the batch looks non-finite.  Whenever any example is non-finite, the
             # batch is recomputed one example at a time, so only the offending
             # examples are dropped and the sensitivity stays C.
-            sums, n_bad = tf.cond(n_bad > 0, lambda: one_by_one(xb, yb, mb),
+            rerun = one_by_one if getattr(self._per_example, "segments", None) is None \
+                else user_by_user
+            sums, n_bad = tf.cond(n_bad > 0, lambda: rerun(xb, yb, mb),
                                   lambda: (sums, n_bad))
             loss_sum, count = tf.constant(0.0), tf.constant(0.0)
             kept = tf.cast(tf.logical_and(real, tf.math.is_finite(losses)), tf.float32)
@@ -749,7 +797,8 @@ class DPModel(keras.Model):
             return tuple(out)
 
         static_n = mask.shape[0]
-        if static_n is not None and static_n <= bsz:
+        user_level = getattr(self._per_example, "segments", None) is not None
+        if user_level or (static_n is not None and static_n <= bsz):  # one physical batch
             clipped_sum, loss_sum, count, dropped = whole_lot()
         else:
             clipped_sum, loss_sum, count, dropped = tf.cond(n <= bsz, whole_lot, in_batches)
