@@ -1,24 +1,34 @@
 """What the `dpfl-tf` commands that train share: output paths checked before any
 data is loaded, results written atomically as the run goes (with a `status`),
-Ctrl-C / SIGTERM turned into a clean stop, and a quiet TensorFlow start-up.
+Ctrl-C / SIGTERM turned into a clean stop, a quiet TensorFlow start-up, and the
+life cycle of one run of a command (`run_command`: run, results, interrupts,
+failures, the resume command and the summary), written once for `train` and
+`federated`.
 
 Nothing here imports TensorFlow.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["check_output_file", "check_output_dir", "ResultsFile", "Interrupts",
-           "RunInterrupted", "quiet_tensorflow", "STATUSES", "EXIT_CODES"]
+__all__ = ["check_output_file", "check_output_dir", "resolve_output", "ResultsFile",
+           "Interrupts", "RunInterrupted", "quiet_tensorflow", "CommandRun", "run_command",
+           "RunFailed", "STATUSES", "FINISHED", "EXIT_CODES", "DEFAULT_RUNS_DIR"]
 
 #: the values of a results file's ``status``
 STATUSES = ("running", "completed", "budget_spent", "interrupted", "failed")
+#: statuses of a run that ended: its results file is not overwritten without --overwrite
+FINISHED = ("completed", "budget_spent")
+#: where a command's results go by default (relative to the working directory)
+DEFAULT_RUNS_DIR = "runs"
 #: exit code of a run stopped by a signal: 128 + the signal number (as a shell reports it)
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -69,6 +79,40 @@ def check_output_file(flag: str, path: str | os.PathLike) -> str:
         check_output_dir(flag, parent)
     except ValueError as e:
         raise ValueError(str(e).replace(f"{flag} {parent}", f"{flag} {path}", 1)) from None
+    return path
+
+
+def resolve_output(flag: str, path: str | None, default_name: str, *,
+                   overwrite: bool = False, resuming: bool = False) -> str:
+    """The results file of a run, checked before any data is loaded.
+
+    None: ``runs/<default_name>-<date>-<time>.json`` (a new file for every run,
+    so no run's results are lost).  A directory (an existing one, or a path
+    ending in a separator) takes ``<default_name>.json`` inside it.  A file
+    that holds a finished run (status completed or budget_spent) is refused
+    unless `overwrite` (or `resuming` that run's checkpoint).  Missing parents
+    are created; raises ValueError naming `flag` and the path."""
+    if path is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = os.path.join(DEFAULT_RUNS_DIR, f"{default_name}-{stamp}.json")
+        n = 1
+        while os.path.exists(path):
+            n += 1
+            path = os.path.join(DEFAULT_RUNS_DIR, f"{default_name}-{stamp}-{n}.json")
+    elif os.fspath(path).endswith(("/", os.sep)) or os.path.isdir(path):
+        check_output_dir(flag, path)
+        path = os.path.join(path, default_name + ".json")
+    path = check_output_file(flag, path)
+    if os.path.isfile(path) and not (overwrite or resuming):
+        try:
+            with open(path) as f:
+                status = json.load(f).get("status")
+        except (OSError, ValueError, AttributeError):
+            status = None
+        if status in FINISHED:
+            raise ValueError(f"{flag} {path} holds the results of a finished run (status "
+                             f"{status}); pass --overwrite to replace them, or another "
+                             f"{flag}")
     return path
 
 
@@ -142,14 +186,27 @@ class Interrupts:
             print(f"\n{self.name}: stopping after the current step (again to stop at once)",
                   file=sys.stderr, flush=True)
             return
+        self._raise(frame)
+
+    def _raise(self, frame) -> None:
+        """Raises `RunInterrupted` -- but not inside a finalizer (``__del__``, run by
+        the garbage collector at any point), where Python prints "Exception
+        ignored in ..." and drops it: there, again in 10 ms (SIGALRM)."""
+        if _in_finalizer(frame):
+            signal.signal(signal.SIGALRM, lambda s, f: self._raise(f))
+            signal.setitimer(signal.ITIMER_REAL, 0.01)
+            return
         raise RunInterrupted(self.signum)
 
     def __enter__(self) -> "Interrupts":
+        for sig in (*EXIT_CODES, signal.SIGALRM):
+            self._previous[sig] = signal.getsignal(sig)
         for sig in EXIT_CODES:
-            self._previous[sig] = signal.signal(sig, self._handler)
+            signal.signal(sig, self._handler)
         return self
 
     def __exit__(self, *exc) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
 
@@ -168,13 +225,29 @@ class Interrupts:
         return _Deferred()
 
 
+def _in_finalizer(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def quiet_tensorflow(verbose: bool) -> None:
     """Raises TensorFlow's C++ log level (unless `verbose` or the user set
-    ``TF_CPP_MIN_LOG_LEVEL``) and imports TensorFlow with file descriptor 2
+    ``TF_CPP_MIN_LOG_LEVEL``), hides absl's and TensorFlow's Python warnings
+    (``-v`` shows them), and imports TensorFlow with file descriptor 2
     pointed at /dev/null, which hides the lines its libraries print while they
     load (before any log level applies: oneDNN, CUDA probing).  Import errors
     still surface as Python exceptions."""
-    if verbose or "tensorflow" in sys.modules:
+    if verbose:
+        return
+    import logging
+
+    # Python-side warnings of absl (dp_accounting's RDP orders) and TensorFlow
+    for name in ("absl", "tensorflow"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    if "tensorflow" in sys.modules:
         return
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sys.stderr.flush()
@@ -188,3 +261,116 @@ def quiet_tensorflow(verbose: bool) -> None:
         os.dup2(saved, 2)
         os.close(saved)
 
+
+
+# ------------------------------------------------------------------ one run of a command
+
+
+class RunFailed(Exception):
+    """A run that failed after it started, with what was kept (exit code 1)."""
+
+
+@dataclasses.dataclass
+class CommandRun:
+    """One run of a `dpfl-tf` command, as `run_command` drives it.
+
+    run(checkpoint_dir=, checkpoint_every=, should_stop=, on_progress=,
+      on_resume=) -> result: the work; `on_progress(result so far)` after
+      every epoch / round, `should_stop()` polled, `on_resume(info)` once when
+      it resumes from `checkpoint_dir`.  A ValueError or FileNotFoundError
+      before anything was measured is a refusal (one line, exit code 2).
+    unit: what `result[unit]` counts ("epochs", "rounds").
+    status: the results file's status of a finished result.
+    resumed: the line printed on resuming (from the info).
+    progress: "after ..." of an interrupted result (lots, epsilon).
+    summary: the lines printed at the end of a run.
+    figure(result, path) -> bool: draws the figure (False: nothing to draw).
+    """
+
+    command: str
+    argv: list
+    output: str
+    checkpoint_dir: str | None
+    unit: str
+    run: Callable[..., dict]
+    status: Callable[[dict], str]
+    resumed: Callable[[dict], str]
+    progress: Callable[[dict], str]
+    summary: Callable[[dict], list]
+    figure: Callable[[dict, str], bool] | None = None
+
+    @property
+    def checkpoint(self) -> str:
+        """Where checkpoints go: --checkpoint-dir, else beside the results."""
+        return self.checkpoint_dir or os.path.splitext(self.output)[0] + ".checkpoint"
+
+    def resume_command(self) -> str:
+        """The command line that resumes this run (its output and checkpoint named)."""
+        import shlex
+
+        argv = list(self.argv)
+        for flag, value in (("--output", self.output), ("--checkpoint-dir", self.checkpoint)):
+            if flag not in argv and not any(a.startswith(flag + "=") for a in argv):
+                argv += [flag, value]
+        return "dpfl-tf " + " ".join(shlex.quote(str(a)) for a in argv)
+
+
+def run_command(run: CommandRun, refuse: Callable[[str], None]) -> int:
+    """Runs `run.run`, writing the results after every epoch / round, and
+    prints the summary.  Ctrl-C / SIGTERM stop after the current step: results
+    marked interrupted, a checkpoint, the command that resumes, exit code
+    130 / 143 (a second signal stops at once).  A failure after the first
+    results keeps them (status failed, exit code 1); before, `refuse(message)`
+    (one line, exit code 2).  Returns the exit code."""
+    import gc
+
+    out, unit = run.output, run.unit
+    results = ResultsFile(out)
+    figure = os.path.splitext(out)[0] + ".png"
+    checkpoint = run.checkpoint
+    with Interrupts() as interrupts:
+        try:
+            with interrupts.deferred():
+                result = run.run(checkpoint_dir=checkpoint,
+                                 checkpoint_every=run.checkpoint_dir is not None,
+                                 should_stop=lambda: interrupts.requested,
+                                 on_progress=lambda r: results.write("running", r),
+                                 on_resume=lambda info: print(run.resumed(info), flush=True))
+        except RunInterrupted:
+            kept = (f"results of {results.last.get(unit)} {unit} in {out}" if results.written
+                    else "nothing measured yet")
+            results.write("interrupted", results.last or {"command": run.resume_command()})
+            resumable = os.path.isdir(checkpoint) and bool(os.listdir(checkpoint))
+            how = (f"; resume with: {run.resume_command()}" if resumable
+                   else "; no checkpoint was written yet: run the command again")
+            print(f"\ninterrupted ({interrupts.name}): kept {kept} (status interrupted){how}",
+                  file=sys.stderr)
+            return interrupts.exit_code
+        except Exception as e:
+            from dpfl_tf.privacy.ledger import BudgetExceededError
+
+            message = getattr(e, "cli_message", None) or str(e)
+            if not isinstance(e, (ValueError, FileNotFoundError, BudgetExceededError)):
+                if results.written:
+                    results.write("failed", results.last, error=f"{type(e).__name__}: {e}")
+                raise
+            if not results.written:
+                refuse(message)   # nothing ran: a refusal
+                return 2
+            results.write("failed", results.last, error=message)
+            print(f"dpfl-tf {run.command}: failed after {results.last.get(unit)} {unit}: "
+                  f"{message}; results so far in {out} (status failed)", file=sys.stderr)
+            return 1
+    gc.collect()  # finalise tf.data's generator iterators now, not at interpreter exit
+    status = run.status(result)
+    results.write(status, result)
+    drew = run.figure(result, figure) if run.figure is not None else False
+    if status == "interrupted":
+        print(f"\ninterrupted ({interrupts.name}) {run.progress(result)}: results in {out} "
+              f"(status interrupted), checkpoint in {checkpoint}; resume with: "
+              f"{run.resume_command()}", file=sys.stderr)
+        return interrupts.exit_code
+    for line in run.summary(result):
+        print(line)
+    print(f"results: {out}" + (f"  figure: {figure}" if drew else ""))
+    return 0

@@ -165,71 +165,90 @@ def _run_privacy(args, error) -> int:
     return 0
 
 
+def _train_epilog() -> str:
+    import textwrap
+
+    from dpfl_tf.recipes.settings import TRAIN_DEFAULTS
+
+    lines = textwrap.wrap("Each model's defaults (its paper's recipe), and what they reach "
+                          "at the default epsilon 2, delta 1e-5 (test accuracy on mnist or "
+                          "cifar10, one run, 2 CPU cores):", 79)
+    for (family, model), d in TRAIN_DEFAULTS.items():
+        data = "cifar10" if family == "cifar10" else "mnist, fashion_mnist"
+        lines += textwrap.wrap(f"{model} ({data}; {d.source}): {d.describe()}. Reaches: "
+                               f"{d.reaches}.", 79, initial_indent="  ",
+                               subsequent_indent="      ")
+    lines += textwrap.wrap("Results go to runs/train_<dataset>-<date>-<time>.json unless "
+                           "--output is given; Ctrl-C stops after the current step and "
+                           "prints the command that resumes.", 79)
+    return "\n".join(lines)
+
+
 def _add_train_parser(sub) -> None:
     p = sub.add_parser(
         "train", help="DP-SGD training of a paper baseline; prints accuracy and (eps, delta)",
-        description="Abadi et al. 2016 section 5.2: DP-PCA + MLP (or a tanh CNN) with "
-                    "DP-SGD, trained until the privacy budget is spent; section 5.3 "
-                    "(cifar10): frozen pretrained convolutions, DP-SGD on the dense layers.")
+        description="DP-SGD on a paper's model until the privacy budget is spent: Abadi et "
+                    "al. 2016 (mnist: DP-PCA + MLP; cifar10: frozen pretrained "
+                    "convolutions), Papernot et al. 2021 (tanh CNN), Tramer & Boneh 2021 "
+                    "(ScatterNet features). Settings left out take the model's defaults "
+                    "(below).",
+        epilog=_train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dataset", choices=["mnist", "fashion_mnist", "cifar10"])
-    p.add_argument("--epsilon", type=float_arg, default=2.0, help="target epsilon (budget)")
-    p.add_argument("--delta", type=float_arg, default=1e-5)
-    p.add_argument("--accountant", default=None, choices=["moments", "rdp", "pld"],
-                   help="default: pld for scatter_linear / scatter_cnn (the accountant of "
-                        "their measured settings: the least noise for the budget), moments "
-                        "(Abadi et al.) otherwise")
     p.add_argument("--model", default=None,
-                   choices=["mlp", "tanh_cnn", "scatter_linear", "scatter_cnn"],
-                   help="mnist: mlp (default; DP-PCA + MLP, Abadi et al.) or tanh_cnn "
-                        "(Papernot et al. 2021); any dataset: scatter_linear / scatter_cnn, "
-                        "ScatterNet features + a linear model / a small CNN "
-                        "(Tramer & Boneh 2021; defaults lot 4096 "
-                        "(cifar10: 8192), clip 0.1, lr 8 (cifar10: 4), momentum 0.9, 60 epochs, "
-                        "noise calibrated for the epochs, no public data). cifar10 without "
-                        "--model: the paper's convnet, frozen pretrained convolutions")
+                   choices=["mlp", "tanh_cnn", "scatter_linear", "scatter_cnn", "convnet"],
+                   help="default: mlp (mnist, fashion_mnist), convnet (cifar10)")
+    p.add_argument("--epsilon", type=float_arg, default=2.0,
+                   help="target epsilon, the budget (default: %(default)s)")
+    p.add_argument("--delta", type=float_arg, default=1e-5, help="default: %(default)s")
+    p.add_argument("--accountant", default=None, choices=["moments", "rdp", "pld"],
+                   help="default: the model's (below)")
+    p.add_argument("--noise-multiplier", type=float_arg,
+                   help="sigma (default: the model's: the paper's 2 / 4 / 8 by the budget "
+                        "for mlp, else calibrated so that --epochs epochs spend the budget)")
+    p.add_argument("--pca-noise-multiplier", type=float_arg,
+                   help="mlp: sigma of DP-PCA (default: the paper's 4 / 7 / 16)")
+    p.add_argument("--epochs", type=float_arg, default=None,
+                   help="epochs (an upper bound: training stops when the budget is spent)")
+    p.add_argument("--lot-size", type=float_arg, default=None)
+    p.add_argument("--clip", type=float_arg, default=None,
+                   help="clip bound (convnet: per hidden layer, twice that for the softmax "
+                        "layer)")
+    p.add_argument("--lr", type=float_arg, default=None, help="learning rate")
     p.add_argument("--feature-norm", default=None, choices=["group", "dp_stats"],
-                   help="scatter models: the input normalisation, per-example GroupNorm "
-                        "(group; default for mnist, fashion_mnist) or channel statistics "
-                        "released under DP and paid from the budget (dp_stats; default for "
-                        "cifar10)")
+                   help="scatter models: per-example GroupNorm (group; mnist's default) or "
+                        "channel statistics released under DP and paid from the budget "
+                        "(dp_stats; cifar10's default)")
     p.add_argument("--mirror-views", default=None, action=argparse.BooleanOptionalAction,
                    help="scatter models: train on each image and its mirror image, the "
                         "model averaging its logits over both (mirror-invariant; same "
                         "privacy cost); default on for cifar10, off for mnist and "
                         "fashion_mnist")
-    p.add_argument("--noise-multiplier", type=float_arg,
-                   help="sigma (default: the paper's setting for the epsilon: 2 / 4 / 8; "
-                        "cifar10 and scatter_linear: calibrated so that --epochs epochs "
-                        "spend the budget)")
-    p.add_argument("--pca-noise-multiplier", type=float_arg,
-                   help="sigma_p of DP-PCA (default: the paper's 4 / 7 / 16)")
-    p.add_argument("--epochs", type=float_arg, default=None,
-                   help="upper bound on epochs (training stops when the budget is spent; "
-                        "default 1000; cifar10: 30)")
-    p.add_argument("--lot-size", type=float_arg, default=None, help="default 600; cifar10: 2000")
-    p.add_argument("--clip", type=float_arg, default=None,
-                   help="clip bound (default 4; cifar10: 3 per hidden layer, twice that "
-                        "for the softmax layer)")
-    p.add_argument("--lr", type=float_arg, default=None, help="default 0.1; cifar10: 0.05")
-    p.add_argument("--trained-layers", default="top", choices=["softmax", "top", "dense"],
-                   help="cifar10: layers trained privately (the convolutions stay frozen)")
+    p.add_argument("--trained-layers", default=None, choices=["softmax", "top", "dense"],
+                   help="convnet: layers trained privately (the convolutions stay frozen; "
+                        "default: top)")
     p.add_argument("--pretrained", default=None,
-                   help="cifar10: weights from experiments/cifar10_pretrain.py (default: "
+                   help="convnet: weights from experiments/cifar10_pretrain.py (default: "
                         "models/cifar10_public_convnet.weights.h5 if present, else a short "
                         "pretraining on the public split first); the public split they "
                         "were trained on is held out, the rest is private")
     p.add_argument("--seed", type=int, help="reproducible run (NOT for deployment)")
     p.add_argument("--output", default=None,
-                   help="results JSON (default results/train_<dataset>.json), rewritten after "
-                        "every epoch with a status (running, completed, budget_spent, "
-                        "interrupted, failed); the figure goes beside it (.png)")
+                   help="results JSON, rewritten after every epoch with a status (running, "
+                        "completed, budget_spent, interrupted, failed); the figure goes "
+                        "beside it (.png).  A directory takes train_<dataset>.json inside. "
+                        "Default: runs/train_<dataset>-<date>-<time>.json")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of a finished run in --output")
     p.add_argument("--checkpoint-dir", default=None,
                    help="checkpoint here after every epoch, and resume from it if it holds "
-                        "a checkpoint of the same run")
+                        "a checkpoint of the same run (default: beside the results, written "
+                        "when the run is interrupted)")
     p.add_argument("--tensorboard", default=None, metavar="LOG_DIR",
                    help="TensorBoard logs (epsilon per lot and epoch); needs "
                         "pip install 'dpfl-tf[tensorboard]'")
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None,
+                   help="where the dataset files are (default: $DPFL_DATA_DIR, the Keras "
+                        "cache, /usr/share/datasets, then a download)")
     _add_verbose(p)
     p.set_defaults(func=_run_train)
 
@@ -239,145 +258,122 @@ def _add_verbose(p) -> None:
                    help="show TensorFlow's start-up and log messages")
 
 
-def _paper_setting_for(epsilon: float) -> str:
-    if epsilon >= 5:
-        return "small_noise"
-    return "medium_noise" if epsilon >= 1 else "large_noise"
+def _train_settings(args) -> dict:
+    """The settings given on the command line, validated, as config fields."""
+    given = {}
+    for flag, attr, field in (("--epochs", "epochs", "epochs"),
+                              ("--lot-size", "lot_size", "lot_size"),
+                              ("--clip", "clip", "l2_norm_clip"),
+                              ("--lr", "lr", "learning_rate"),
+                              ("--noise-multiplier", "noise_multiplier", "noise_multiplier"),
+                              ("--pca-noise-multiplier", "pca_noise_multiplier",
+                               "pca_noise_multiplier")):
+        value = getattr(args, attr)
+        if value is not None:
+            given[field] = (check_count(flag, value, minimum=1) if field in ("epochs", "lot_size")
+                            else check_number(flag, value, low=0.0, low_open=True))
+    return given
 
 
 def _run_train(args, error) -> int:
-    scatter = args.model in ("scatter_linear", "scatter_cnn")
-    cifar = args.dataset == "cifar10" and not scatter   # the paper's frozen convnet
-    if args.dataset == "cifar10" and args.model in ("mlp", "tanh_cnn"):
-        error(f"--model {args.model} needs 28x28 grey images (mnist, fashion_mnist); for "
-              f"cifar10 use --model scatter_linear, scatter_cnn or leave --model out")
-    if args.feature_norm is not None and not scatter:
-        error("--feature-norm is for --model scatter_linear and scatter_cnn")
-    if args.mirror_views is not None and not scatter:
-        error("--mirror-views is for --model scatter_linear and scatter_cnn")
-    args.model = args.model or "mlp"
-    args.accountant = args.accountant or ("pld" if scatter else "moments")
-    column = 1 if cifar else 2 if scatter else 0
-    colour = args.dataset == "cifar10"
-    for name, *defaults in (("epochs", 1000, 30, 60),
-                            ("lot_size", 600, 2000, 8192 if colour else 4096),
-                            ("clip", 4.0, 3.0, 0.1), ("lr", 0.1, 0.05, 4.0 if colour else 8.0)):
-        if getattr(args, name) is None:  # mnist, cifar10, scatter_linear (Tramer & Boneh)
-            setattr(args, name, defaults[column])
+    from dpfl_tf.recipes.settings import defaults_for, train_config
+
+    model = args.model or ("convnet" if args.dataset == "cifar10" else "mlp")
+    scatter = model in ("scatter_linear", "scatter_cnn")
     try:
+        defaults_for(args.dataset, model)
+        for flag, value, ok in (("--feature-norm", args.feature_norm, scatter),
+                                ("--mirror-views", args.mirror_views, scatter),
+                                ("--trained-layers", args.trained_layers, model == "convnet"),
+                                ("--pretrained", args.pretrained, model == "convnet")):
+            if value is not None and not ok:
+                raise ValueError(f"{flag} is for --model " + (
+                    "scatter_linear and scatter_cnn" if flag.startswith(("--feature",
+                                                                         "--mirror"))
+                    else "convnet (cifar10)"))
         epsilon = check_number("--epsilon", args.epsilon, low=0.0, low_open=True)
         delta = check_number("--delta", args.delta, low=0.0, high=1.0, low_open=True,
                              high_open=True)
-        epochs = check_count("--epochs", args.epochs, minimum=1)
-        lot = check_count("--lot-size", args.lot_size, minimum=1)
-        clip = check_number("--clip", args.clip, low=0.0, low_open=True)
-        lr = check_number("--lr", args.lr, low=0.0, low_open=True)
-        for name in ("noise_multiplier", "pca_noise_multiplier"):
-            if getattr(args, name) is not None:
-                check_number("--" + name.replace("_", "-"), getattr(args, name), low=0.0,
-                             low_open=True)
+        given = _train_settings(args)
     except ValueError as e:
         error(str(e))
     _check_outputs(args, error, f"train_{args.dataset}")
     quiet_tensorflow(args.verbose)
-    if cifar:
-        return _run_train_cifar10(args, error, epsilon, delta, epochs, lot, clip, lr)
-    from dpfl_tf.recipes.mnist import (MIRROR_VIEWS_BATCH, PAPER_SETTINGS, MnistConfig,
-                                       train_mnist)
-
-    common = dict(dataset=args.dataset, model=args.model, target_epsilon=epsilon, delta=delta,
-                  accountant=args.accountant, epochs=epochs, lot_size=lot, l2_norm_clip=clip,
-                  learning_rate=lr, seed=args.seed, data_dir=args.data_dir, eval_every=5)
-    if scatter:  # Tramer & Boneh 2021: constant lr, momentum, noise calibrated for the epochs
-        norm = args.feature_norm or ("dp_stats" if args.dataset == "cifar10" else "group")
-        mirror = colour if args.mirror_views is None else args.mirror_views
-        batch = MIRROR_VIEWS_BATCH[args.model] if mirror else 4096
-        config = MnistConfig(projection="none", noise_multiplier=args.noise_multiplier,
-                             batch_size=min(lot, batch),
-                             final_learning_rate=lr, momentum=0.9, feature_norm=norm,
-                             mirror_views=mirror, **common)
-        sigma = "calibrated" if args.noise_multiplier is None else f"{args.noise_multiplier:g}"
-        head = "linear" if args.model == "scatter_linear" else "CNN"
-        head += " averaged over each image and its mirror image" if mirror else ""
-        what = (f"scattering features (J=2, L=8), {norm} normalisation + {head}, "
-                f"sigma={sigma}, lot={lot}, clip={clip:g}, lr={lr:g}, momentum 0.9, "
-                f"{epochs} epochs")
-    else:
-        setting = _paper_setting_for(epsilon)
-        paper = PAPER_SETTINGS[setting]
-        config = MnistConfig(
-            setting=setting if args.noise_multiplier is None else "custom",
-            projection="dp_pca" if args.model == "mlp" else "none",
-            noise_multiplier=args.noise_multiplier or paper["noise_multiplier"],
-            pca_noise_multiplier=args.pca_noise_multiplier or paper["pca_noise_multiplier"],
-            batch_size=1024 if args.model == "mlp" else 256, final_learning_rate=lr * 0.52,
-            **common)
-        what = f"{config.model}, sigma={config.noise_multiplier:g}, lot={lot}, clip={clip:g}"
-    print(f"DP-SGD on {args.dataset}: {what}, target epsilon={epsilon:g} at delta={delta:g} "
-          f"({args.accountant} accountant)")
-    return _train_and_report(args, error, lambda **kw: train_mnist(config, **kw),
-                             lambda r: f"test accuracy = {r['test_accuracy']:.4f} after "
-                                       f"{r['epochs']} epochs"
-                                       + (f", sigma = {r['noise_multiplier']:.3f}" if scatter
-                                          else "")
-                                       + f"; train accuracy = {r['train_accuracy']:.4f} "
-                                         "(non-private statistic)")
-
-
-def _run_train_cifar10(args, error, epsilon, delta, epochs, lot, clip, lr) -> int:
-    """`dpfl-tf train cifar10`: DP-SGD on the private split, convolutions frozen."""
-    import os
-
-    from dpfl_tf.recipes.cifar10 import (CifarConfig, PretrainConfig, pretrain_split,
-                                         read_pretrained_record, train_cifar10)
-
-    weights = args.pretrained
-    default = os.path.join("models", "cifar10_public_convnet.weights.h5")
-    if weights is None and os.path.isfile(default):
-        weights = default
+    extra = dict(trained_layers=args.trained_layers, pretrained_weights=args.pretrained)
+    if scatter:
+        extra = dict(feature_norm=args.feature_norm, mirror_views=args.mirror_views)
+    elif model != "convnet":
+        extra = {}
     try:
-        pretraining = dict(epochs=30, data_dir=args.data_dir, seed=args.seed)
-        if weights is not None:  # hold out the public split the weights were trained on
-            try:
-                pretrain = pretrain_split(read_pretrained_record(weights), **pretraining)
-            except (FileNotFoundError, ValueError) as e:
-                raise ValueError(f"--pretrained {weights}: {e}") from None
-        else:
-            pretrain = PretrainConfig(**pretraining)
-        config = CifarConfig(
-            setting="cli", trained_layers=args.trained_layers, pretrained_weights=weights,
-            pretrain=pretrain,
-            noise_multiplier=args.noise_multiplier, l2_norm_clip=clip, lot_size=lot,
-            batch_size=min(lot, 1000), learning_rate=lr, target_epsilon=epsilon, delta=delta,
-            accountant=args.accountant, epochs=epochs, seed=args.seed, data_dir=args.data_dir)
+        config = train_config(args.dataset, model, target_epsilon=epsilon, delta=delta,
+                              accountant=args.accountant, seed=args.seed,
+                              data_dir=args.data_dir, **given, **extra)
     except ValueError as e:
         error(str(e))
-    sigma = "calibrated" if args.noise_multiplier is None else f"{args.noise_multiplier:g}"
-    print(f"DP-SGD on cifar10: convolutions frozen, training {args.trained_layers} layers, "
-          f"sigma={sigma}, lot={lot}, clip={config.clip_bounds}, target epsilon={epsilon:g} "
-          f"at delta={delta:g} ({args.accountant} accountant)")
-    if weights is None:
+    sigma = ("calibrated" if config.noise_multiplier is None
+             else f"{config.noise_multiplier:g}")
+    if model == "convnet":
+        what = (f"convolutions frozen, training {config.trained_layers.value} layers, "
+                f"sigma={sigma}, lot={config.lot_size}, clip={config.clip_bounds}")
+    else:
+        what = (f"{model}, sigma={sigma}, lot={config.lot_size}, "
+                f"clip={config.l2_norm_clip:g}, lr={config.learning_rate:g}")
+        if scatter:
+            what += (f", {config.feature_norm} normalisation"
+                     + (", mirror views" if config.mirror_views else ""))
+    print(f"DP-SGD on {args.dataset}: {what}, up to {config.epochs} epochs, target epsilon="
+          f"{epsilon:g} at delta={delta:g} ({config.accountant} accountant)")
+    if model == "convnet" and config.pretrained_weights is None:
         print("note: no pretrained weights given or found in models/; pretraining 30 epochs "
               "on the public split first (python experiments/cifar10_pretrain.py makes "
               "the full model)")
-    return _train_and_report(
-        args, error, lambda **kw: train_cifar10(config, **kw),
-        lambda r: f"test accuracy = {r['test_accuracy']:.4f} after {r['epochs']} epochs on "
-                  f"{r['dataset']} (start {r['pretrained_on_cifar10_test']:.4f}; "
-                  f"pretraining: {r['pretraining']})", ylim=(0.0, 1.0))
+
+    def train(**kw):
+        if model == "convnet":
+            from dpfl_tf.recipes import cifar10
+
+            return cifar10.train_cifar10(config, **kw)
+        from dpfl_tf.recipes import mnist
+
+        return mnist.train_mnist(config, **kw)
+
+    def summary(r) -> list:
+        epochs = f"{r['epochs']} epoch{'s' if r['epochs'] != 1 else ''}"
+        line = f"test accuracy = {r['test_accuracy']:.4f} after {epochs}"
+        if model == "convnet":
+            line += (f" on {r['dataset']} (start {r['pretrained_on_cifar10_test']:.4f}; "
+                     f"pretraining: {r['pretraining']})")
+        else:
+            line += (f", sigma = {r['noise_multiplier']:.3f}; train accuracy = "
+                     f"{r['train_accuracy']:.4f} (non-private statistic)")
+        return [line, f"privacy spent: epsilon = {r['epsilon']:.4f} at delta = {delta:g} "
+                      f"({config.accountant}; {r['events']})"]
+
+    return _run_with_results(args, error, train, summary, unit="epochs",
+                             resumed=lambda info: (
+                                 f"resumed from {info['directory']}: {info['lots']} lots "
+                                 f"({info['epoch']:.2f} epochs), epsilon so far "
+                                 f"{info['epsilon']:.4f}"),
+                             progress=lambda r: (
+                                 f"after {r['lots']} lots (in epoch {r['epochs']}; epsilon = "
+                                 f"{r['epsilon']:.4f})"),
+                             figure=_save_training_figure)
 
 
 def _check_outputs(args, error, default_name: str) -> None:
     """Before any data is loaded: the results file (and checkpoint / TensorBoard
     directories) can be written -- missing parents are created -- or the run is
     refused with one line (exit code 2)."""
-    from dpfl_tf._runs import check_output_dir, check_output_file
-
     import os
 
-    args.output = args.output or os.path.join("results", default_name + ".json")
+    from dpfl_tf._runs import check_output_dir, resolve_output
+
     try:
-        check_output_file("--output", args.output)
+        resuming = args.checkpoint_dir is not None and os.path.isdir(args.checkpoint_dir) \
+            and bool(os.listdir(args.checkpoint_dir))
+        args.output = resolve_output("--output", args.output, default_name,
+                                     overwrite=getattr(args, "overwrite", False),
+                                     resuming=resuming)
         if getattr(args, "checkpoint_dir", None) is not None:
             check_output_dir("--checkpoint-dir", args.checkpoint_dir)
         if getattr(args, "tensorboard", None) is not None:
@@ -392,112 +388,61 @@ def _check_outputs(args, error, default_name: str) -> None:
         error(str(e))
 
 
-def _resume_command(args, checkpoint_dir: str) -> str:
-    import shlex
-
-    argv = list(getattr(args, "argv", None) or sys.argv[1:])
-    if "--checkpoint-dir" not in argv and not any(a.startswith("--checkpoint-dir=")
-                                                  for a in argv):
-        argv += ["--checkpoint-dir", checkpoint_dir]
-    return "dpfl-tf " + " ".join(shlex.quote(a) for a in argv)
-
-
 def _status(stop_reason: str | None) -> str:
     return {"completed": "completed", "budget_spent": "budget_spent",
             "interrupted": "interrupted"}.get(stop_reason or "", "completed")
 
 
-def _train_and_report(args, error, train: Callable[..., dict],
-                      accuracy_line: Callable[[dict], str], ylim=None) -> int:
-    """Runs a training recipe, writing its results after every epoch (and its
-    figure at the end), and prints the summary.  Ctrl-C / SIGTERM stop after the
-    current lot: results marked interrupted, a checkpoint, exit code 130 / 143."""
-    import gc
-    import os
-
-    from dpfl_tf._runs import Interrupts, ResultsFile, RunInterrupted
-    from dpfl_tf.privacy.ledger import BudgetExceededError
+def _run_with_results(args, error, train: Callable[..., dict], summary, *, unit: str,
+                      resumed, progress, figure) -> int:
+    """`train` as one run of the command (`dpfl_tf._runs.run_command`)."""
+    from dpfl_tf._runs import CommandRun, run_command
 
     if args.seed is not None:
         print(f"note: --seed {args.seed} makes the run reproducible; it is NOT for deployment")
-    out = args.output
-    results = ResultsFile(out)
-    figure = os.path.splitext(out)[0] + ".png"
-    checkpoint_dir = args.checkpoint_dir or os.path.splitext(out)[0] + ".checkpoint"
-
-    def resumed(info):
-        print(f"resumed from {info['directory']}: {info['lots']} lots "
-              f"({info['epoch']:.2f} epochs), epsilon so far {info['epsilon']:.4f}", flush=True)
-
     extra = {}
-    if args.tensorboard is not None:
+    if getattr(args, "tensorboard", None) is not None:
         from dpfl_tf.keras.tensorboard import tensorboard_callback
 
         extra["callbacks"] = [tensorboard_callback(args.tensorboard)]
-    with Interrupts() as interrupts:
-        try:
-            with interrupts.deferred():
-                result = train(checkpoint_dir=checkpoint_dir,
-                               checkpoint_every_epoch=args.checkpoint_dir is not None,
-                               on_epoch=lambda r: results.write("running", r),
-                               should_stop=lambda: interrupts.requested,
-                               on_resume=resumed, **extra)
-        except RunInterrupted:
-            kept = "nothing measured yet"
-            if results.written:
-                results.write("interrupted", results.last)
-                kept = f"results of {results.last.get('epochs')} epochs in {out}"
-            else:
-                results.write("interrupted", {"command": _resume_command(args, checkpoint_dir)})
-            has_ckpt = os.path.exists(os.path.join(checkpoint_dir, "state.json"))
-            how = (f"; resume with: {_resume_command(args, checkpoint_dir)}" if has_ckpt
-                   else "; no checkpoint was written yet: run the command again")
-            print(f"\ninterrupted ({interrupts.name}): kept {kept} (status interrupted){how}",
-                  file=sys.stderr)
-            return interrupts.exit_code
-        except (ValueError, FileNotFoundError, BudgetExceededError) as e:
-            if results.written:   # failed mid-run: no usage block, say what was kept
-                results.write("failed", results.last, error=str(e))
-                print(f"dpfl-tf {args.command}: failed after {results.last.get('epochs')} "
-                      f"epochs: {e}; results so far in {out} (status failed)",
-                      file=sys.stderr)
-                return 1
-            message = str(e)
-            if message.startswith("lot_size ("):
-                message = "--lot-size" + message[len("lot_size"):]
-            error(message)
-        except Exception as e:
-            if results.written:
-                results.write("failed", results.last, error=f"{type(e).__name__}: {e}")
-            raise
-    gc.collect()  # finalise tf.data's generator iterators now, not at interpreter exit
-    status = _status(result.get("stop_reason"))
-    results.write(status, result)
-    _save_training_figure(result, figure, ylim)
-    if status == "interrupted":
-        print(f"\ninterrupted ({interrupts.name}) after {result['lots']} lots "
-              f"(in epoch {result['epochs']}; epsilon = {result['epsilon']:.4f}): results in {out} "
-              f"(status interrupted), checkpoint in {checkpoint_dir}; resume with: "
-              f"{_resume_command(args, checkpoint_dir)}", file=sys.stderr)
-        return interrupts.exit_code
-    print(accuracy_line(result))
-    print(f"privacy spent: epsilon = {result['epsilon']:.4f} at delta = {args.delta:g} "
-          f"({args.accountant}; {result['events']})")
-    print(f"results: {out}  figure: {figure}")
-    return 0
+
+    def run(*, checkpoint_dir, checkpoint_every, should_stop, on_progress, on_resume):
+        return train(checkpoint_dir=checkpoint_dir, checkpoint_every_epoch=checkpoint_every,
+                     on_epoch=on_progress, should_stop=should_stop, on_resume=on_resume,
+                     **extra)
+
+    def refuse(message: str) -> None:
+        if message.startswith("lot_size ("):
+            message = "--lot-size" + message[len("lot_size"):]
+        error(message)
+
+    return run_command(CommandRun(
+        command=args.command, argv=list(getattr(args, "argv", None) or sys.argv[1:]),
+        output=args.output, checkpoint_dir=args.checkpoint_dir, unit=unit, run=run,
+        status=lambda r: _status(r.get("stop_reason")), resumed=resumed, progress=progress,
+        summary=summary, figure=figure), refuse)
 
 
-def _save_training_figure(result: dict, path: str, ylim=None) -> None:
+def _save_training_figure(result: dict, path: str) -> bool:
+    """Accuracy and epsilon per epoch, titled with the budget and the noise;
+    nothing is drawn (False) before an evaluated epoch."""
     from matplotlib.figure import Figure
 
     from dpfl_tf.plotting import plot_accuracy_and_epsilon, save_figure
 
-    fig = Figure(figsize=(5, 3.5))
+    evaluated = [r for r in result["history"] if "test_accuracy" in r]
+    if not evaluated:
+        return False
+    fig = Figure(figsize=(5.5, 3.8))
     ax = fig.add_subplot()
-    plot_accuracy_and_epsilon(result["history"], ax, f"{result['dataset']} DP-SGD")
-    if ylim:
-        ax.set_ylim(*ylim)
+    sigma = result.get("noise_multiplier")
+    title = (f"{result['dataset']} {result.get('model') or 'convnet'}: DP-SGD, target "
+             f"eps {result['target_epsilon']:g}, delta {result['delta']:g}"
+             + (f", sigma {sigma:.3g}" if sigma is not None else ""))
+    plot_accuracy_and_epsilon(result["history"], ax, title)
+    ax.set_ylim(0.0, 1.0)
     save_figure(fig, path)
+    return True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -515,6 +460,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def refusal(command: str) -> Callable[[str], None]:
+    """The `error` of a command: one line on stderr, exit code 2 (argparse's own
+    errors, for arguments that cannot be parsed, also print the usage)."""
+    def error(message: str) -> None:
+        print(f"dpfl-tf {command}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    return error
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -524,8 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import os
 
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    sub_parser = parser._subparsers._group_actions[0].choices[args.command]  # for error()
-    return args.func(args, sub_parser.error)
+    return args.func(args, refusal(args.command))
 
 
 if __name__ == "__main__":

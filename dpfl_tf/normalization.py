@@ -68,10 +68,10 @@ EPSILON = 1e-5
 def channel_moments(x, batch_size: int = 4096):
     """Per example, the mean over positions of x and of x^2: two float64 [N, K]
     arrays for x of shape [N, ..., K] (read in batches of at most `batch_size`
-    examples and ~256 MB of float64, so x may be a memmap)."""
+    examples and ~64 MB of float64, so x may be a file read by rows)."""
     n = len(x)
     k = int(np.shape(x)[-1])
-    batch_size = max(1, min(batch_size, 2 ** 25 // max(1, int(np.prod(np.shape(x)[1:])))))
+    batch_size = max(1, min(batch_size, 2 ** 23 // max(1, int(np.prod(np.shape(x)[1:])))))
     first = np.empty((n, k))
     second = np.empty((n, k))
     for i in range(0, n, batch_size):

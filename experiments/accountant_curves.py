@@ -11,6 +11,7 @@ import argparse
 import os
 import time
 
+import _common  # noqa: F401  (this checkout's package first on sys.path)
 import numpy as np
 
 from dpfl_tf._io import atomic_write_json

@@ -65,13 +65,11 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
+from _common import RESULTS
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from dpfl_tf._io import atomic_write_json  # noqa: E402
+from dpfl_tf._io import atomic_write_json
 
 DELTA = 1e-5
 CONFIDENCE = 0.95
@@ -529,14 +527,14 @@ def main(argv=None) -> int:
                   f"bounds {lbs}; above the claim in {rep['above_claim']}/{n_rep}", flush=True)
             repeats.append(rep)
     ideal = ideal_rows(targets, m * pool)
-    mia = mia_rows(os.path.join(ROOT, "results", "audit_mia.json"))
+    mia = mia_rows(os.path.join(RESULTS, "audit_mia.json"))
     violations = [r for r in runs if r["variant"] == "dpfl_tf" and r["caught"]]
     violations += [r for r in repeats if r["variant"] == "dpfl_tf" and r["above_claim"]]
     missed = [{"variant": r["variant"], "epsilon": r["epsilon"], "unit": r["unit"],
                "method": r["method"], "epsilon_lower_bound": r["epsilon_lower_bound"]}
               for r in runs if r["variant"] != "dpfl_tf" and not r["caught"]]
     out = args.output or os.path.join(
-        ROOT, "results", "audit_canary_quick.json" if args.quick else "audit_canary.json")
+        RESULTS, "audit_canary_quick.json" if args.quick else "audit_canary.json")
     result = {"experiment": "canary audit: one run (Steinke, Nasr, Jagielski 2023; f-DP "
                             "refinement of Mahloujifar, Melis, Chaudhuri 2024) and multi-run",
               "command": "python experiments/audit_canary.py" + (" --quick" if args.quick else ""),

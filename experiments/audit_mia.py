@@ -41,12 +41,11 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from _common import RESULTS
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from dpfl_tf._io import atomic_write_json  # noqa: E402
+from dpfl_tf._io import atomic_write_json
 
 ATTACKS = ("loss_threshold", "logistic_regression", "mlp")
 TARGETS = {"dp_eps8": ("small_noise", 8.0), "dp_eps2": ("medium_noise", 2.0),
@@ -153,7 +152,7 @@ def main(argv=None) -> int:
     from dpfl_tf.recipes.common import accuracy, privacy_summary
 
     members = args.members or (1000 if args.quick else 10000)
-    out = args.output or os.path.join(ROOT, "results",
+    out = args.output or os.path.join(RESULTS,
                                       "audit_mia_quick.json" if args.quick else "audit_mia.json")
     data = split_members(load_dataset("mnist", data_dir=args.data_dir), members)
     runs = {k: v for k, v in configs(args.quick).items() if not args.only or k in args.only}

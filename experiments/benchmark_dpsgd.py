@@ -39,16 +39,14 @@ Peer environments (see README): --tfp-python / --opacus-python, defaulting to
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _common import ROOT, peak_rss_mb, run_child
+
 MODELS = ("mnist_mlp", "cifar_frozen_conv", "cifar_full_conv")
 OURS = ("keras_nonprivate", "keras_nonprivate_spe", "keras_nonprivate_xla", "dpfl_tf",
         "dpfl_tf_spe1", "dpfl_tf_memmap", "dpfl_tf_xla", "dpfl_tf_secure")
@@ -149,7 +147,7 @@ def worker(args) -> dict:
             if args.implementation.startswith("dpfl_tf") else "keras", "library_version": keras.__version__,
             "seconds_per_epoch": statistics.median(timed), "epoch_seconds": timed,
             "warmup_seconds": warmup,
-            "peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_memory_mb": peak_rss_mb(),
             "examples": args.examples, "lot_size": args.lot_size,
             "settings": {"l2_norm_clip": CLIP, "noise_multiplier": NOISE, "learning_rate": LR,
                          "sampling": "poisson" if args.implementation.startswith("dpfl_tf") else
@@ -159,24 +157,6 @@ def worker(args) -> dict:
 
 # ---------------------------------------------------------------------------
 # orchestrator
-
-def _run(cmd: list[str], timeout: float) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out_path = f.name
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
-    try:
-        proc = subprocess.run(cmd + ["--output", out_path], capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=ROOT)
-        if os.path.getsize(out_path) > 0:
-            with open(out_path) as f:
-                return json.load(f)
-        return {"seconds_per_epoch": None,
-                "error": (proc.stderr or proc.stdout)[-2000:] or f"exit {proc.returncode}"}
-    except subprocess.TimeoutExpired:
-        return {"seconds_per_epoch": None, "error": f"timed out after {timeout:.0f} s"}
-    finally:
-        os.unlink(out_path)
-
 
 def _merge(merged: dict | None, result: dict) -> dict:
     """One configuration's results over its processes: every timed epoch (the
@@ -250,7 +230,7 @@ def main(argv=None) -> list[dict]:
                 cmd = [python, script, *extra, "--model", model, "--implementation", impl,
                        "--epochs", str(epochs), "--repeats", "1", *common]
                 start = time.perf_counter()
-                result = _run(cmd, args.timeout)
+                result = run_child(cmd, args.timeout)
                 label = impl if script.endswith("benchmark_dpsgd.py") else \
                     ("tfp_" if "tfp" in script else "opacus_") + impl
                 walls[label] = walls.get(label, 0.0) + time.perf_counter() - start

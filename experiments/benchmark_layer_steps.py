@@ -18,15 +18,11 @@ arrays as the epoch benchmark (content does not change the cost).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
+from _common import RESULTS
 
 
 def time_model(name: str, batch: int, repeats: int) -> dict:
@@ -78,8 +74,7 @@ def main(argv=None):
     p.add_argument("--models", nargs="+", default=list(bl.MODELS), choices=bl.MODELS)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--output", default=os.path.join(ROOT, "results",
-                                                    "benchmark_layer_steps.json"))
+    p.add_argument("--output", default=os.path.join(RESULTS, "benchmark_layer_steps.json"))
     args = p.parse_args(argv)
     from dpfl_tf._io import atomic_write_json
 

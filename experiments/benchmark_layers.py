@@ -17,8 +17,9 @@ and, for the transformer, in Keras 2:
 Data are synthetic (the content of a token or a pixel does not change the cost
 of a step): tokens drawn from a Zipf-like law over a 20,000-word vocabulary,
 25,000 sequences (the size of IMDB's training set); 50,000 uniform images
-(CIFAR-10's training set size); random labels.  The recipe is numpy only and
-the same in `experiments/peers/opacus_layers.py` and `experiments/peers/tfp_layers.py`.
+(CIFAR-10's training set size); random labels.  The recipe is numpy only, in
+`experiments/peers/_peer_common.py` with the architecture's constants: the
+Opacus and tensorflow-privacy peers take them from there too.
 
 Implementations, each in its own process (so peak RSS is its own), first
 epoch of every repeat as warm-up, median of the timed epochs:
@@ -72,14 +73,18 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _common import RESULTS, ROOT, command_line, peak_rss_mb, run_child
+# the architecture and data of every framework's models (numpy only)
+from peers._peer_common import (BLOCKS, CONV_DENSE, CONV_FILTERS, CONV_KERNEL, CONV_STRIDE,
+                                FFN, GN_GROUPS, HEADS, IMAGE, IMAGE_CLASSES, LSTM_UNITS,
+                                RESNET_BLOCKS, RESNET_STAGES, SEQ_LEN, TEXT_CLASSES, VOCAB,
+                                WIDTH, layers_data)
+from peers._peer_common import positions as _positions
+
 MODELS = ("transformer", "conv1d_text", "resnet20_gn", "lstm")
 OURS = ("keras_nonprivate", "dpfl_tf")
 OPACUS = ("nonprivate", "opacus", "opacus_ghost")
@@ -88,13 +93,6 @@ PEERS = ("opacus", "tfp")
 FRAMEWORKS = {"ours": "keras", "opacus": "pytorch", "tfp": "keras 2"}
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 CLIP, NOISE, LR = 4.0, 1.0, 0.05
-
-# architecture (the same constants are in experiments/peers/opacus_layers.py)
-VOCAB, SEQ_LEN, WIDTH, HEADS, FFN, BLOCKS = 20_000, 128, 128, 4, 256, 2
-CONV_FILTERS, CONV_KERNEL, CONV_STRIDE, CONV_DENSE = 128, 7, 3, 128
-LSTM_UNITS = 128
-RESNET_STAGES, RESNET_BLOCKS, GN_GROUPS, IMAGE = (16, 32, 64), 3, 8, (32, 32, 3)
-TEXT_CLASSES, IMAGE_CLASSES = 2, 10
 
 # full-size data and realistic lots (issue 16: lots of 256-1024)
 FULL = {"transformer": dict(examples=25_000, lot_size=256),
@@ -135,26 +133,10 @@ def tfp_reason(model: str) -> str:
 # data and models (Keras)
 
 def make_data(model_name: str, n: int):
-    """Synthetic features and labels; identical recipe in peers/opacus_layers.py."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    if model_name == "resnet20_gn":
-        x = rng.uniform(0.0, 1.0, size=(n,) + IMAGE).astype("float32")
-        return x, rng.integers(0, IMAGE_CLASSES, n).astype("int64")
-    # Zipf-like token frequencies (p ~ 1 / rank); id 0 is never drawn (padding)
-    p = 1.0 / np.arange(1, VOCAB)
-    x = 1 + rng.choice(VOCAB - 1, size=(n, SEQ_LEN), p=p / p.sum())
-    return x.astype("int32"), rng.integers(0, TEXT_CLASSES, n).astype("int64")
-
-
-def _positions():
-    import numpy as np
-
-    pos = np.arange(SEQ_LEN)[:, None]
-    i = np.arange(WIDTH // 2)[None, :]
-    angle = pos / np.power(10_000.0, 2 * i / WIDTH)
-    return np.concatenate([np.sin(angle), np.cos(angle)], axis=-1).astype("float32")
+    """Synthetic features and labels (token ids int32, images NHWC): the recipe
+    of peers/_peer_common.py, the same numbers as the peers train on."""
+    x, y, _ = layers_data(model_name, n)
+    return x, y
 
 
 def build_model(model_name: str):
@@ -269,7 +251,7 @@ def worker(args) -> dict:
             "library_version": keras.__version__, "tensorflow_version": tf.__version__,
             "seconds_per_epoch": statistics.median(timed), "epoch_seconds": timed,
             "warmup_seconds": warmup,
-            "peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_memory_mb": peak_rss_mb(),
             "examples": args.examples, "lot_size": args.lot_size,
             "settings": {"l2_norm_clip": CLIP, "noise_multiplier": NOISE, "learning_rate": LR,
                          "optimizer": "DPSGD" if args.implementation == "dpfl_tf" else "SGD",
@@ -282,26 +264,6 @@ def worker(args) -> dict:
 
 # ---------------------------------------------------------------------------
 # orchestrator
-
-def _run(cmd: list[str], timeout: float) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out_path = f.name
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
-    try:
-        proc = subprocess.run(cmd + ["--output", out_path], capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=ROOT)
-        result = {}
-        if os.path.getsize(out_path) > 0:
-            with open(out_path) as f:
-                result = json.load(f)
-        if result.get("seconds_per_epoch") is None and not result.get("error"):
-            result["error"] = (proc.stderr or proc.stdout)[-2000:] or f"exit {proc.returncode}"
-        return result
-    except subprocess.TimeoutExpired:
-        return {"seconds_per_epoch": None, "error": f"timed out after {timeout:.0f} s"}
-    finally:
-        os.unlink(out_path)
-
 
 def _error_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
@@ -469,7 +431,7 @@ def main(argv=None) -> list[dict]:
     if args.quick:
         args.epochs, args.repeats, args.peer_epochs = 2, 1, 2
     output = args.output or os.path.join(
-        ROOT, "results", "benchmark_layers_quick.json" if args.quick else "benchmark_layers.json")
+        RESULTS, "benchmark_layers_quick.json" if args.quick else "benchmark_layers.json")
     figure = args.figure or os.path.splitext(output)[0] + ".png"
     if args.skip_ours and args.skip_peers:
         p.error("--skip-ours with --skip-peers runs nothing")
@@ -530,7 +492,7 @@ def main(argv=None) -> list[dict]:
             cmd = [python, script, *extra, "--model", model, "--implementation", impl,
                    "--epochs", str(epochs), "--repeats", str(repeats), *common]
             start = time.perf_counter()
-            result = _run(cmd, args.timeout)
+            result = run_child(cmd, args.timeout)
             kind = ("ours" if script.endswith("benchmark_layers.py") else
                     "tfp" if script.endswith("tfp_layers.py") else "opacus")
             label = {"ours": impl, "tfp": f"tfp_{impl}",
@@ -593,7 +555,6 @@ def main(argv=None) -> list[dict]:
                   "not in tensorflow-privacy's fast-clipping registry", flush=True)
     checks = _checks(rows)
     _print_checks(checks, args.quick)
-    sys.path.insert(0, ROOT)  # the package from this checkout, installed or not
     from dpfl_tf._io import atomic_write_json
 
     report = {"description": __doc__.split("\n\n")[0],
@@ -602,7 +563,7 @@ def main(argv=None) -> list[dict]:
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "python": platform.python_version(),
                           "load_average_at_end": os.getloadavg()},
-              "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+              "command": command_line(),
               "wall_seconds": time.perf_counter() - started,
               "targets": {"time": TIME_TARGETS, "memory": MEMORY_TARGET},
               "checks": checks, "rows": rows}

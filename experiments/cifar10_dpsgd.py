@@ -46,16 +46,14 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from _common import RESULTS, ROOT, load_runs, shown
 
-from dpfl_tf._io import atomic_write_json, merge_json_runs  # noqa: E402
-from dpfl_tf.recipes.cifar10 import (CifarConfig, Init, PretrainConfig,  # noqa: E402
+from dpfl_tf._io import atomic_write_json, merge_json_runs
+from dpfl_tf.recipes.cifar10 import (CifarConfig, Init, PretrainConfig,
                                      TrainedLayers, load_pretrained, train_cifar10)
-from dpfl_tf.recipes.mnist import MIRROR_VIEWS_BATCH, MnistConfig, train_mnist  # noqa: E402
+from dpfl_tf.recipes.mnist import MIRROR_VIEWS_BATCH, MnistConfig, train_mnist
 
 EPSILONS = (2.0, 4.0, 8.0)
 LOTS = (600, 2000, 4000)
@@ -412,19 +410,6 @@ def time_pipeline(args) -> dict:
 # ---------------------------------------------------------------------- main
 
 
-def _shown(path: str) -> str:
-    """Paths inside the repository relative to it, others absolute."""
-    path = os.path.abspath(path)
-    return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
-
-
-def _load(path: str) -> list[dict]:
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
-    return []
-
-
 def _quick(config: CifarConfig, limit_private: int, limit_test: int) -> CifarConfig:
     """Smoke-run version: 2 epochs on a stratified slice, lots scaled to keep q = L / N."""
     full_private = 40000
@@ -465,7 +450,7 @@ def main(argv=None) -> list[dict]:
                    help="time the augmented tf.data pipeline against training epochs, write "
                         "cifar10_pipeline_timing.json and exit")
     p.add_argument("--timing-lot", type=int, default=2000)
-    p.add_argument("--output-dir", default=os.path.join(ROOT, "results"))
+    p.add_argument("--output-dir", default=RESULTS)
     p.add_argument("--data-dir", default=None)
     args = p.parse_args(argv)
 
@@ -502,7 +487,7 @@ def main(argv=None) -> list[dict]:
     if args.quick:
         limit_private, limit_test = limit_private or 1000, limit_test or 500
     path = os.path.join(args.output_dir, "cifar10_dpsgd.json")
-    results = _load(path)
+    results = load_runs(path)
     for name, config in runs.items():
         if c100:
             name = "cifar100:" + name
@@ -522,7 +507,7 @@ def main(argv=None) -> list[dict]:
             result = run_scatternet(name, config)
         else:
             config = dataclasses.replace(
-                config, pretrain=pretrain, pretrained_weights=_shown(weights)
+                config, pretrain=pretrain, pretrained_weights=shown(weights)
                 if config.init is not Init.SCRATCH else None, data_dir=args.data_dir,
                 seed=args.seed, limit_private=limit_private, limit_test=limit_test,
                 **overrides)

@@ -24,55 +24,38 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from _common import DATA_DIR, RESULTS, commit_of, run_measured
 
-from dpfl_tf._io import atomic_write_json  # noqa: E402
+from dpfl_tf._io import atomic_write_json
 
 TRAIN_ARGS = ["train", "cifar10", "--epochs", "1", "--seed", "0"]
-
-
-def _commit(tree: str) -> str:
-    out = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", tree, "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return out.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
 
 
 def run_once(tree: str, cache_dir: str, data_dir: str, output: str) -> dict:
     command = [sys.executable, "-m", "dpfl_tf", *TRAIN_ARGS, "--output", output]
     env = {**os.environ, "PYTHONPATH": tree, "DPFL_CACHE_DIR": cache_dir,
            "DPFL_DATA_DIR": data_dir, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    load = os.getloadavg()
-    start = time.perf_counter()
-    with open(output + ".log", "w") as log:
-        proc = subprocess.Popen(command, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"{shlex.join(command)} failed ({proc.returncode}); see {output}.log")
+    run = run_measured(command, cwd=tree, env=env, log=output + ".log")
+    if run["exit_code"] != 0:
+        raise RuntimeError(f"{run['command']} failed ({run['exit_code']}); see {output}.log")
     with open(output) as f:
         result = json.load(f)
     result = result.get("result", result)
     return {
         "command": (f"cd {tree} && PYTHONPATH={tree} DPFL_CACHE_DIR={cache_dir} "
                     f"DPFL_DATA_DIR={data_dir} {shlex.join(['python', *command[1:]])}"),
-        "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
-        "wall_seconds": round(wall, 1),
+        "peak_rss_mb": run["peak_rss_mb"],
+        "wall_seconds": run["wall_seconds"],
         "recipe_seconds": round(result["seconds"], 1),
         "epoch_seconds": round(result["history"][-1]["seconds"], 1),
         "test_accuracy": result["test_accuracy"],
         "start_test_accuracy": result["pretrained_on_cifar10_test"],
         "epsilon": result["epsilon"],
         "lots": result["lots"],
-        "load_average_before": [round(v, 2) for v in load],
+        "load_average_before": run["load_average_before"],
     }
 
 
@@ -81,9 +64,8 @@ def main(argv=None) -> dict:
     p.add_argument("--tree", action="append", required=True, metavar="NAME=PATH",
                    help="a checkout to measure (repeatable), e.g. before=/tmp/before")
     p.add_argument("--repeats", type=int, default=2, help="runs per tree (first: cold cache)")
-    p.add_argument("--data-dir", default=os.environ.get(
-        "DPFL_DATA_DIR", os.path.join(os.path.dirname(ROOT), "shared", "data")))
-    p.add_argument("--output", default=os.path.join(ROOT, "results", "cifar10_peak_rss.json"))
+    p.add_argument("--data-dir", default=DATA_DIR)
+    p.add_argument("--output", default=os.path.join(RESULTS, "cifar10_peak_rss.json"))
     args = p.parse_args(argv)
 
     out = {"what": "peak RSS of `dpfl-tf train cifar10 --epochs 1 --seed 0` (20 DP-SGD lots "
@@ -105,7 +87,7 @@ def main(argv=None) -> dict:
                   f"test accuracy {row['test_accuracy']:.4f}, {row['wall_seconds']} s",
                   flush=True)
             runs.append(row)
-        out["runs"][name] = {"tree": tree, "commit": _commit(tree), "runs": runs,
+        out["runs"][name] = {"tree": tree, "commit": commit_of(tree), "runs": runs,
                              "max_peak_rss_mb": max(r["peak_rss_mb"] for r in runs)}
     atomic_write_json(args.output, out)
     print(f"wrote {args.output}")

@@ -23,33 +23,13 @@ import datetime
 import os
 import platform
 import shlex
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from _common import ROOT, commit_of, shown
 
-from dpfl_tf._io import atomic_write_json, atomic_write_text  # noqa: E402
-from dpfl_tf.recipes.cifar10 import (PretrainConfig, pretrain_public,  # noqa: E402
+from dpfl_tf._io import atomic_write_json, atomic_write_text
+from dpfl_tf.recipes.cifar10 import (PretrainConfig, pretrain_public,
                                      pretraining_description, save_pretrained)
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + (" (with uncommitted changes)" if dirty else "") \
-            if out.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def _shown(path: str) -> str:
-    """Paths inside the repository relative to it, others absolute."""
-    path = os.path.abspath(path)
-    return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
 
 
 def model_card(info: dict, *, command: str, weights: str, results: str, quick: bool) -> str:
@@ -72,6 +52,7 @@ def model_card(info: dict, *, command: str, weights: str, results: str, quick: b
         limited = (f"\n**Smoke run, not the real artifact**: trained on "
                    f"{info['pretrained_on']:,} images for {info['epochs']} epochs.\n")
     aug = info["augmentation"]
+    commit = commit_of(untracked=True)  # new files count as changes too
     return f"""# {os.path.basename(weights)}
 {limited}
 `dpfl_tf.models.cifar_convnet` (Abadi et al. 2016, section 5.3: conv 5x5x64 + max-pool 2x2,
@@ -105,8 +86,8 @@ data, for the CIFAR-10 DP-SGD runs with frozen convolutional layers
 ```
 {command}
 ```
-Made on {datetime.date.today().isoformat()} at commit {_git_commit()}; per-epoch history in
-`{_shown(results)}`.
+Made on {datetime.date.today().isoformat()} at commit {commit}; per-epoch history in
+`{shown(results)}`.
 """
 
 

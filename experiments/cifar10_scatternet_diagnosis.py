@@ -75,15 +75,13 @@ import argparse
 import io
 import json
 import os
-import sys
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from _common import RESULTS
 
-from dpfl_tf._io import atomic_write_json  # noqa: E402
+from dpfl_tf._io import atomic_write_json
 
 EPSILON, DELTA = 3.0, 1e-5
 KEY = ("part", "filters", "features", "normalisation", "data", "private",
@@ -323,8 +321,7 @@ def main(argv=None) -> dict:
                    help="sampling: the paired seeds (NOT for deployment)")
     p.add_argument("--mirror-seeds", type=int, nargs="+", default=[0, 1],
                    help="mirror, mirror_tb: the paired seeds (NOT for deployment)")
-    p.add_argument("--output", default=os.path.join(ROOT, "results",
-                                                    "cifar10_scatternet_diagnosis.json"))
+    p.add_argument("--output", default=os.path.join(RESULTS, "cifar10_scatternet_diagnosis.json"))
     args = p.parse_args(argv)
     import tempfile
 

@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from _common import RESULTS, load_runs
 
-from dpfl_tf._io import atomic_write_json  # noqa: E402
-from dpfl_tf.recipes.mnist import PAPER_SETTINGS, MnistConfig, train_mnist  # noqa: E402
+from dpfl_tf._io import atomic_write_json
+from dpfl_tf.recipes.mnist import PAPER_SETTINGS, MnistConfig, train_mnist
 
 PAPER_BASE = dict(projection="dp_pca", pca_dim=60, hidden_units=1000, lot_size=600,
                   batch_size=1024, l2_norm_clip=4.0, learning_rate=0.1,
@@ -138,20 +135,13 @@ def draw_all(results: list[dict], out_dir: str, dataset: str) -> None:
 GROUPS = {"paper": paper_runs, "beyond": beyond_runs, "sweep": sweep_runs}
 
 
-def _load(path: str) -> list[dict]:
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
-    return []
-
-
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="mnist", choices=["mnist", "fashion_mnist"])
     p.add_argument("--group", nargs="+", default=["paper"], choices=sorted(GROUPS))
     p.add_argument("--only", nargs="+", help="run names (or prefixes) to run")
     p.add_argument("--quick", action="store_true", help="cap every run at 3 epochs")
-    p.add_argument("--output-dir", default=os.path.join(ROOT, "results"))
+    p.add_argument("--output-dir", default=RESULTS)
     p.add_argument("--data-dir", default=None)
     p.add_argument("--list", action="store_true", help="list the run names and exit")
     args = p.parse_args(argv)
@@ -174,7 +164,7 @@ def main(argv=None) -> list[dict]:
         result["run"] = name
         result["quick"] = bool(args.quick)
         # re-read before writing: another invocation may have added runs meanwhile
-        results = [r for r in _load(path) if r.get("run") != name] + [result]
+        results = [r for r in load_runs(path) if r.get("run") != name] + [result]
         atomic_write_json(path, results)
         print(f"   test accuracy {result['test_accuracy']:.4f}  train {result['train_accuracy']:.4f}"
               " (non-private statistic)"

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _common import RESULTS, ROOT, peak_rss_mb
 CGROUP = "/sys/fs/cgroup/memory"
 
 
@@ -55,8 +55,6 @@ def write_data(path: str, n: int, d: int, chunk: int = 50_000) -> None:
 
 def child(args) -> dict:
     """One training run (in this process)."""
-    import resource
-
     import keras
     import numpy as np
 
@@ -83,7 +81,7 @@ def child(args) -> dict:
             "peak_rss_mb": status["VmHWM"] / 1024,  # includes mapped (reclaimable) file pages
             "anonymous_rss_mb_at_end": status["RssAnon"] / 1024,
             "file_rss_mb_at_end": status["RssFile"] / 1024,
-            "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "maxrss_mb": peak_rss_mb()}
 
 
 def _evict_from_page_cache(path: str) -> None:
@@ -96,7 +94,7 @@ def _evict_from_page_cache(path: str) -> None:
 
 
 def run_limited(args, mode: str, limit_bytes: int | None) -> dict:
-    out = os.path.join(ROOT, "results", f".oom_{mode}.json")
+    out = os.path.join(RESULTS, f".oom_{mode}.json")
     if os.path.exists(out):
         os.unlink(out)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode,
@@ -148,7 +146,7 @@ def main(argv=None):
     p.add_argument("--lot-size", type=int, default=1000)
     p.add_argument("--limit-mb", type=float, default=1536)
     p.add_argument("--no-limit", action="store_true")
-    p.add_argument("--output", default=os.path.join(ROOT, "results", "out_of_memory.json"))
+    p.add_argument("--output", default=os.path.join(RESULTS, "out_of_memory.json"))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

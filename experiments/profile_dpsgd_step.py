@@ -25,14 +25,11 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-sys.path.insert(0, ROOT)
+from _common import RESULTS, command_line
 
-from benchmark_dpsgd import CLIP, FULL_SIZE, LR, MODELS, NOISE, _data, _model  # noqa: E402
+from benchmark_dpsgd import CLIP, FULL_SIZE, LR, MODELS, NOISE, _data, _model
 
 
 def main(argv=None) -> dict:
@@ -129,12 +126,11 @@ def main(argv=None) -> dict:
               "examples": n, "lot_size": lot, "rounds": args.rounds, "calls": args.calls,
               "median_ms": ms, "ratio_to_nonprivate_step": {k: v / base for k, v in ms.items()},
               "round_ms": times,
-              "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+              "command": command_line(),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "load_average_at_end": os.getloadavg()},
               "tensorflow_version": tf.__version__, "keras_version": keras.__version__}
-    output = args.output or os.path.join(ROOT, "results",
-                                         f"profile_dpsgd_step_{args.model}.json")
+    output = args.output or os.path.join(RESULTS, f"profile_dpsgd_step_{args.model}.json")
     atomic_write_json(output, report)
     print(f"wrote {output}")
     return report

@@ -16,6 +16,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _load(relative, name):
+    """The script as a module, its directory first on sys.path as when it runs
+    (for experiments/_common.py and experiments/peers/_peer_common.py)."""
+    folder = str((ROOT / relative).parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(name, ROOT / relative)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -149,7 +154,7 @@ def test_skip_ours_runs_only_the_chosen_peer_and_keeps_the_other_rows(tmp_path, 
                 "peak_memory_mb": 900.0 if impl == "nonprivate" else 1800.0,
                 "library": "tensorflow-privacy", "settings": {"trainable_parameters": 2825218}}
 
-    monkeypatch.setattr(ours, "_run", fake_run)
+    monkeypatch.setattr(ours, "run_child", fake_run)
     rows = ours.main(["--skip-ours", "--peers", "tfp", "--models", "transformer", "lstm",
                       "--tfp-python", sys.executable, "--opacus-python", "/no/such/python",
                       "--output", str(output), "--figure", str(tmp_path / "layers.png")])
@@ -183,7 +188,7 @@ def test_reuse_peers_keeps_both_peers_rows(tmp_path, monkeypatch):
         commands.append(cmd)
         return {"seconds_per_epoch": 11.0, "peak_memory_mb": 1000.0}
 
-    monkeypatch.setattr(ours, "_run", fake_run)
+    monkeypatch.setattr(ours, "run_child", fake_run)
     rows = ours.main(["--skip-peers", "--reuse-peers", "--models", "transformer",
                       "--output", str(output), "--figure", str(tmp_path / "layers.png")])
     assert all(c[1].endswith("benchmark_layers.py") for c in commands)

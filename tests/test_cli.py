@@ -210,9 +210,33 @@ def test_mirror_views_are_refused_for_models_without_scattering_features(capsys)
     ("scatter_linear", ["--accountant", "rdp"], "rdp"),   # an explicit choice wins
     ("scatter_cnn", ["--accountant", "moments"], "moments"),
     ("mlp", [], "moments"),                                # Abadi et al.'s own accountant
-    ("tanh_cnn", [], "moments")])
+    ("tanh_cnn", [], "pld")])                              # as its measured recipe
 def test_train_accountant_default_depends_on_the_model(monkeypatch, tmp_path, model, extra,
                                                        accountant):
     config = _config_trained_by(monkeypatch, [
         "train", "mnist", "--model", model, *extra, "--output", str(tmp_path / "r.json")])
     assert config.accountant == accountant
+
+
+@pytest.mark.parametrize("model,expected", [
+    # Papernot et al. 2021's recipe, not the MLP's (lot 600, clip 4, sigma 4)
+    ("tanh_cnn", dict(lot_size=256, batch_size=256, l2_norm_clip=0.1, learning_rate=4.0,
+                      final_learning_rate=4.0, epochs=40, noise_multiplier=None,
+                      projection="none")),
+    # Abadi et al. 2016: the medium-noise setting for epsilon 2, linear decay over 10 epochs
+    ("mlp", dict(lot_size=600, l2_norm_clip=4.0, learning_rate=0.1, final_learning_rate=0.052,
+                 decay_epochs=10, noise_multiplier=4.0, pca_noise_multiplier=7.0,
+                 projection="dp_pca", setting="medium_noise"))])
+def test_train_models_run_their_papers_recipes(monkeypatch, tmp_path, model, expected):
+    config = _config_trained_by(monkeypatch, [
+        "train", "mnist", "--model", model, "--output", str(tmp_path / "r.json")])
+    assert {k: getattr(config, k) for k in expected} == expected
+
+
+def test_a_given_setting_overrides_the_models_default_and_keeps_its_schedule(monkeypatch,
+                                                                             tmp_path):
+    config = _config_trained_by(monkeypatch, [
+        "train", "mnist", "--lr", "0.2", "--lot-size", "300", "--noise-multiplier", "3",
+        "--output", str(tmp_path / "r.json")])
+    assert (config.learning_rate, config.final_learning_rate, config.lot_size,
+            config.noise_multiplier, config.setting) == (0.2, 0.104, 300, 3.0, "custom")

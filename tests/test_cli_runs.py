@@ -107,6 +107,32 @@ def test_unwritable_output_is_refused_before_data_loads(command, tmp_path):
         assert "download disabled" not in res.stderr and "Traceback" not in res.stderr
 
 
+def test_train_refusals_are_one_line_and_missing_data_names_the_flags(tmp_path):
+    """A refusal is one line (no usage block); a finished run's results are not
+    replaced without --overwrite; the data-not-found message speaks the command
+    line's words (--data-dir), not Python's (data_dir=)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    offline = dict(DPFL_DATA_DIR=str(empty), HOME=str(empty), KERAS_HOME=str(empty),
+                   DPFL_NO_DOWNLOAD="1")
+    done = tmp_path / "done.json"
+    done.write_text(json.dumps({"status": "completed", "test_accuracy": 0.9448}))
+    for args, message in (
+            (["--mirror-views"], "--mirror-views is for --model scatter_linear"),
+            (["--output", str(done)], "holds the results of a finished run (status "
+                                      "completed); pass --overwrite")):
+        res = _run(["train", "mnist", *args], **offline)
+        assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+            f"dpfl-tf train: error: {res.stderr.strip().split('error: ', 1)[1]}"], res.stderr
+        assert message in res.stderr and "usage:" not in res.stderr
+    assert json.loads(done.read_text())["test_accuracy"] == 0.9448   # untouched
+    res = _run(["train", "mnist", "--data-dir", str(empty), "--output", str(done),
+                "--overwrite"], **offline)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "--data-dir /that/dir" in res.stderr and "data_dir=" not in res.stderr
+    assert "download=True" not in res.stderr and "usage:" not in res.stderr
+
+
 def test_missing_parents_of_the_output_are_created(tmp_path):
     out = tmp_path / "new" / "deeper" / "run.json"
     res = _run(["federated", "--clients", "10", "--train-subset", "300", "--clients-per-round",

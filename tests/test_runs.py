@@ -80,3 +80,63 @@ def test_a_signal_outside_a_deferred_section_raises_at_once():
         with pytest.raises(RunInterrupted) as e:
             os.kill(os.getpid(), signal.SIGTERM)
         assert e.value.signum == signal.SIGTERM and interrupts.exit_code == 143
+
+
+# -- the results file of a run: where it goes, and no finished run overwritten ------------------
+def test_a_directory_output_takes_the_default_name_inside(tmp_path):
+    from dpfl_tf._runs import resolve_output
+
+    new = str(tmp_path / "some" / "new" / "dir") + os.sep   # a trailing slash: a directory
+    assert resolve_output("--output", new, "train_mnist") == \
+        os.path.join(new, "train_mnist.json")
+    assert (tmp_path / "some" / "new" / "dir").is_dir()
+    assert resolve_output("--output", str(tmp_path), "x") == str(tmp_path / "x.json")
+
+
+def test_the_default_output_is_a_new_file_under_runs(tmp_path, monkeypatch):
+    from dpfl_tf._runs import resolve_output
+
+    monkeypatch.chdir(tmp_path)
+    first = resolve_output("--output", None, "train_mnist")
+    assert first.startswith(os.path.join("runs", "train_mnist-")) and first.endswith(".json")
+    open(first, "w").close()
+    second = resolve_output("--output", None, "train_mnist")
+    assert second != first and not os.path.exists(second)
+
+
+@pytest.mark.parametrize("status,refused", [("completed", True), ("budget_spent", True),
+                                            ("interrupted", False), ("failed", False)])
+def test_the_results_of_a_finished_run_are_not_overwritten_without_asking(tmp_path, status,
+                                                                          refused):
+    from dpfl_tf._runs import resolve_output
+
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"status": status, "test_accuracy": 0.9448}))
+    if refused:
+        with pytest.raises(ValueError, match=f"holds the results of a finished run \\(status "
+                                             f"{status}\\); pass --overwrite"):
+            resolve_output("--output", str(path), "x")
+        assert resolve_output("--output", str(path), "x", overwrite=True) == str(path)
+        assert resolve_output("--output", str(path), "x", resuming=True) == str(path)
+    else:
+        assert resolve_output("--output", str(path), "x") == str(path)
+
+
+def test_a_second_signal_inside_a_finalizer_still_stops_the_run():
+    """Python prints and drops an exception raised in __del__ ("Exception ignored
+    in ..."): the stop is raised again once outside the finalizer."""
+    import sys
+    import time
+
+    class Finalized:
+        def __del__(self):   # the second Ctrl-C arrives while the GC runs this
+            interrupts._handler(signal.SIGINT, sys._getframe())
+
+    with Interrupts() as interrupts:
+        with interrupts.deferred():
+            interrupts._handler(signal.SIGINT, None)   # the first Ctrl-C: asks to stop
+            assert interrupts.requested
+            with pytest.raises(RunInterrupted):
+                obj = Finalized()
+                del obj
+                time.sleep(1.0)   # the stop arrives here, not inside __del__

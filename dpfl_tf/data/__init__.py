@@ -39,7 +39,7 @@ from dpfl_tf.data.locate import DatasetFormatError, DatasetNotFoundError
 
 __all__ = [
     "ArraySource", "DataSource", "Dataset", "DatasetFormatError", "DatasetNotFoundError",
-    "ImageFolderSource", "SourceDataset", "available_datasets", "load_dataset",
+    "ImageFolderSource", "NpyRows", "SourceDataset", "available_datasets", "load_dataset",
     "register_dataset",
 ]
 
@@ -187,3 +187,4 @@ def load_dataset(name: str, data_dir: str | os.PathLike | None = None, **kwargs)
 # random-access sources (records read on demand); imported last: they use the classes above
 from dpfl_tf.data.sources import ArraySource, SourceDataset  # noqa: E402
 from dpfl_tf.data.image_folder import ImageFolderSource  # noqa: E402
+from dpfl_tf.data.npy_rows import NpyRows  # noqa: E402

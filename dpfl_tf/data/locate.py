@@ -66,11 +66,14 @@ class DatasetNotFoundError(FileNotFoundError):
     """
 
     def __init__(self, message: str, *, dataset: str = "",
-                 places: Sequence["SearchPlace"] = (), download_error: str | None = None):
+                 places: Sequence["SearchPlace"] = (), download_error: str | None = None,
+                 cli_message: str | None = None):
         super().__init__(message)
         self.dataset = dataset
         self.places = tuple(places)
         self.download_error = download_error
+        #: the same, with the command line's words (--data-dir) for the Python ones
+        self.cli_message = cli_message or message
 
     def __str__(self) -> str:  # FileNotFoundError would print "[Errno None]" otherwise
         return self.args[0] if self.args else ""
@@ -280,7 +283,9 @@ def locate(dataset: DatasetFiles | str, data_dir: str | os.PathLike | None = Non
                 return located
     raise DatasetNotFoundError(_not_found_message(spec, sets, places, download_error),
                                dataset=spec.display_name, places=places,
-                               download_error=download_error)
+                               download_error=download_error,
+                               cli_message=_not_found_message(spec, sets, places,
+                                                              download_error, cli=True))
 
 
 # ------------------------------------------------------------------------- download
@@ -353,7 +358,10 @@ def _try_download(spec: DatasetFiles, fs: FileSet,
 
 
 def _not_found_message(spec: DatasetFiles, sets: Sequence[FileSet],
-                       places: Sequence[SearchPlace], download_error: str | None) -> str:
+                       places: Sequence[SearchPlace], download_error: str | None,
+                       cli: bool = False) -> str:
+    """Where we looked and how to provide the files; `cli`: in the words of the
+    `dpfl-tf` command line (``--data-dir``) instead of Python's (``data_dir=``)."""
     lines = [f"Could not find the {spec.display_name} dataset ({spec.name!r}).",
              "Looked for any one of these file sets:"]
     for fs in sets:
@@ -368,11 +376,13 @@ def _not_found_message(spec: DatasetFiles, sets: Sequence[FileSet],
         lines.append(f"Download: {download_error}.")
     lines.append("To provide the files:")
     lines.append("  - put them in a directory and set the environment variable "
-                 "DPFL_DATA_DIR=/that/dir, or pass data_dir='/that/dir';")
+                 "DPFL_DATA_DIR=/that/dir, or pass "
+                 + ("--data-dir /that/dir;" if cli else "data_dir='/that/dir';"))
     urls = [u for fs in sets for u in fs.urls]
     if urls:
-        lines.append(f"  - or, online, allow the download (download=True, DPFL_NO_DOWNLOAD "
-                     f"unset) from {urls[0]}"
+        allow = ("DPFL_NO_DOWNLOAD unset" if cli
+                 else "download=True, DPFL_NO_DOWNLOAD unset")
+        lines.append(f"  - or, online, allow the download ({allow}) from {urls[0]}"
                      + (f" (+{len(urls) - 1} more files)" if len(urls) > 1 else "")
                      + f" into {keras_cache_dir()};")
     lines.extend(f"  - {line}" for line in spec.how_to_get)

@@ -19,6 +19,7 @@ from typing import Callable
 import tensorflow as tf
 
 from dpfl_tf.keras.per_example import PerExampleGradients
+from dpfl_tf.keras.users import rerun_user_by_user
 from dpfl_tf.sanitizer import GaussianSanitizer
 
 __all__ = ["LotStep"]
@@ -106,17 +107,38 @@ class LotStep:
                         parallel_iterations=1)
         return [tf.reduce_sum(t, axis=0) for t in out[:-1]], tf.reduce_sum(out[-1])
 
+    @property
+    def segments(self):
+        """User-level lots (`PerUserGradients`): the user slot of each example."""
+        return getattr(self.per_example, "segments", None)
+
+    def rerun_user_by_user(self, xb, yb, mb):
+        """User-level lots: the clipped sum recomputed one user at a time, and
+        the examples dropped."""
+        per_example, segments = self.per_example, self.segments
+
+        def clip_user(xu, yu, mu, su):
+            per_example.segments = su
+            try:
+                sums, _, _, dropped = self.clip_batch(xu, yu, mu)
+            finally:
+                per_example.segments = segments
+            return sums, tf.reduce_sum(tf.cast(dropped, tf.int64))
+
+        return rerun_user_by_user(clip_user, self.variables, xb, yb, mb, segments)
+
     def clip_physical_batch(self, xb, yb, mb, gate):
         """One physical batch: (clipped sums, loss sum, examples kept, examples
         dropped).  A non-finite value can cross examples inside one batched
         backward pass (0 x NaN in a shared matmul of the generic path): then
         every example looks non-finite.  Whenever any example is non-finite,
         the batch is rerun one example at a time, so only the offending
-        examples are dropped and the sensitivity stays C."""
+        examples are dropped and the sensitivity stays C (user-level lots: rerun
+        one user at a time)."""
         sums, losses, y_pred, dropped = self.clip_batch(xb, yb, mb)
         n_bad = tf.reduce_sum(tf.cast(dropped, tf.int64))
-        sums, n_bad = tf.cond(n_bad > 0, lambda: self.rerun_one_by_one(xb, yb, mb),
-                              lambda: (sums, n_bad))
+        rerun = self.rerun_one_by_one if self.segments is None else self.rerun_user_by_user
+        sums, n_bad = tf.cond(n_bad > 0, lambda: rerun(xb, yb, mb), lambda: (sums, n_bad))
         return (sums, *self.batch_statistics(yb, y_pred, losses, mb, gate), n_bad)
 
     def batch_statistics(self, yb, y_pred, losses, mb, gate):
@@ -133,9 +155,12 @@ class LotStep:
 
     def clip_and_accumulate(self, x, y, mask, gate=None):
         """The lot's clipped sum over its physical batches of `batch_size`
-        examples: one batch when the lot fits (the usual case), else a loop."""
+        examples: one batch when the lot fits (the usual case; always for
+        user-level lots, whose users must not be split), else a loop."""
         n = tf.shape(mask)[0]
-        if mask.shape[0] is not None and mask.shape[0] <= self.batch_size:
+        one_batch = self.segments is not None or (
+            mask.shape[0] is not None and mask.shape[0] <= self.batch_size)
+        if one_batch:
             return self.clip_physical_batch(x, y, mask, gate)
         return tf.cond(n <= self.batch_size, lambda: self.clip_physical_batch(x, y, mask, gate),
                        lambda: self.sum_physical_batches(x, y, mask, gate))

@@ -52,10 +52,12 @@ from dpfl_tf.keras.mixing import (PROBE_HALF, probe_batch_mixing, refuse_batch_m
 from dpfl_tf.keras.per_example import PerExampleGradients, _leaf_layers, default_loss_scale
 from dpfl_tf.keras.sampling import LotSampler
 from dpfl_tf.keras.sources import SourceError, make_reader
+from dpfl_tf.keras.users import (USER_LEVEL_LABEL, PerUserGradients, refuse_mixed_units,
+                                 rerun_user_by_user, user_level_sampler)
 from dpfl_tf.privacy.accountants import compute_epsilon
 from dpfl_tf.privacy.events import (SamplingMethod, describe_event, gaussian_step_event,
                                     shuffle_epoch_event)
-from dpfl_tf.privacy.ledger import PrivacyBudget, PrivacyLedger
+from dpfl_tf.privacy.ledger import BudgetExceededError, PrivacyBudget, PrivacyLedger
 from dpfl_tf.sanitizer import GaussianSanitizer
 
 __all__ = ["DPModel"]
@@ -139,11 +141,13 @@ class DPModel(keras.Model):
         self._recorded_epochs = 0
         self._dp_loss = None
         self._sanitizer = None
+        self._correlated = None       # a correlated-noise run (DPOptimizer(correlated_noise=))
         self._groups = None
         self._batch_size = None
         self._expected_lot = None
         self._pad_to_batch = False
         self._log_metrics = True
+        self._ledger_label = "dpsgd"  # user-level lots: users.USER_LEVEL_LABEL
         self.stop_reason = None
         self.calibration = None       # the last fit's noise calibration (dict), if any
 
@@ -253,10 +257,10 @@ class DPModel(keras.Model):
         if self._epoch_event is not None:  # shuffle: one Gaussian per epoch touched
             epochs = math.ceil((computed - self._fit_start_lots) / self._lots_per_epoch)
             self.ledger.record(self._epoch_event, epochs - self._recorded_epochs,
-                               label="dpsgd")
+                               label=self._ledger_label)
             self._recorded_epochs = epochs
         else:
-            self.ledger.record(self._step_event, pending, label="dpsgd")
+            self.ledger.record(self._step_event, pending, label=self._ledger_label)
         self._recorded_lots = computed
 
     def set_lot_limit(self, limit: int | None, reason: str = "budget") -> None:
@@ -275,7 +279,8 @@ class DPModel(keras.Model):
             target_epsilon: float | None = None, target_delta: float = 1e-5,
             accountant: str | None = None, verbose="auto", callbacks=None,
             validation_data=None, initial_epoch: int = 0, preprocess=None,
-            sampling_seed: int | None = None, log_train_metrics: bool = True, **kwargs):
+            sampling_seed: int | None = None, log_train_metrics: bool = True,
+            user_ids=None, max_examples_per_user: int | None = None, **kwargs):
         """DP-SGD training on arrays or a random-access source.
 
         Args:
@@ -305,6 +310,13 @@ class DPModel(keras.Model):
             count of dropped examples, are computed on private data without
             noise: they are NON-PRIVATE statistics.  Set False to not compute or
             log them (epsilon and the lots released are still logged).
+          user_ids: user-level DP-SGD (`dpfl_tf.keras.users`): the user of every
+            example (N ids, or a partition); the unit of privacy is then a user,
+            `lot_size` is the expected number of USERS per lot (Poisson over
+            users), each user's summed gradient is clipped and the ledger
+            counts user-level lots.
+          max_examples_per_user: with `user_ids`, at most this many examples of
+            a user per lot (a fresh random subset each lot).
 
         Examples whose gradient is NaN or inf are dropped (zeroed; the lot is
         applied and counted) and counted in `dropped_examples`, with a warning.
@@ -321,9 +333,24 @@ class DPModel(keras.Model):
         reader = make_reader(x, y)
         _check_input_shape(self.model, reader, check_shape=preprocess is None)
         optimizer: DPOptimizer = self.optimizer
-        sampler = LotSampler(reader.size, lot_size, sampling, seed=sampling_seed,
-                             secure_mode=optimizer.secure_mode,
-                             first_lot=max(self.lots_computed, self.lots_applied))
+        first_lot = max(self.lots_computed, self.lots_applied)
+        if user_ids is None and max_examples_per_user is None:
+            refuse_mixed_units(self.ledger, user_level=False)
+            sampler = LotSampler(reader.size, lot_size, sampling, seed=sampling_seed,
+                                 secure_mode=optimizer.secure_mode, first_lot=first_lot,
+                                 cycle_length=_cycle_length(optimizer, sampling))
+        else:  # user-level DP-SGD
+            if getattr(optimizer, "correlated_noise", None) is not None:
+                raise ValueError(
+                    "user_ids: user-level DP-SGD with correlated_noise="
+                    f"{optimizer.correlated_noise!r} is not supported (the correlated "
+                    "mechanism's participation is declared per example); use a DP optimizer "
+                    "without correlated_noise")
+            sampler = user_level_sampler(
+                self, reader.size, lot_size, sampling=sampling, batch_size=batch_size,
+                user_ids=user_ids, max_examples_per_user=max_examples_per_user,
+                seed=sampling_seed, first_lot=first_lot)
+            batch_size = sampler.batch_size
         if batch_size is not None:
             batch_size = check_count("batch_size", batch_size, minimum=1)
         check_count("epochs", epochs, minimum=1)
@@ -340,10 +367,19 @@ class DPModel(keras.Model):
         elif target_epsilon is not None:
             raise ValueError("pass target_epsilon either to fit() or to the PrivacyCallback")
         self._log_metrics = bool(log_train_metrics)
+        self._correlated = optimizer.plan_correlated_run(
+            sampler, lots=(epochs - initial_epoch) * sampler.lots_per_epoch,
+            first_lot=sampler.first_lot)
         self._prepare(sampler, batch_size, calibrate_for=(privacy_cb, epochs - initial_epoch,
                                                            verbose))
         self._check_accountants(privacy_cb, target_delta)
+        self._begin_correlated_run(privacy_cb, target_delta)
         replicas = self.distribute_strategy.num_replicas_in_sync
+        if replicas > 1 and self._correlated is not None:
+            raise ValueError(
+                f"correlated_noise is not supported under a distribution strategy with "
+                f"{replicas} replicas (each replica would advance the noise state); train "
+                "on one replica")
         if replicas > 1 and optimizer.secure_mode:
             raise ValueError(
                 f"secure_mode=True is not supported under a distribution strategy with "
@@ -398,7 +434,7 @@ class DPModel(keras.Model):
             return
         local = self.distribute_strategy.experimental_local_results
         xs, ys, have = [], [], 0
-        for _, (x, y, mask) in zip(range(PROBE_LOTS), data):
+        for _, (x, y, mask, *_) in zip(range(PROBE_LOTS), data):  # (user slots)
             real = tf.where(local(mask)[0] > 0)[:, 0]
             xs.append(tf.nest.map_structure(lambda t: tf.gather(local(t)[0], real), x))
             ys.append(tf.gather(local(y)[0], real))
@@ -449,23 +485,41 @@ class DPModel(keras.Model):
         self._counters.create(self.distribute_strategy)
         self._expected_lot = float(sampler.lot_size)
         self._pad_to_batch = bool(self.jit_compile)
-        self._per_example = PerExampleGradients(self.model, self._dp_loss,
-                                                fast=self.fast_gradients,
-                                                loss_scale=default_loss_scale(self.model))
+        self._ledger_label = getattr(sampler, "ledger_label", "dpsgd")
+        per_example = PerExampleGradients
+        if self._ledger_label == USER_LEVEL_LABEL:  # clipped by the user's norm
+            per_example = PerUserGradients
+        self._per_example = per_example(self.model, self._dp_loss, fast=self.fast_gradients,
+                                        loss_scale=default_loss_scale(self.model))
         self._set_steps_per_execution(sampler.lots_per_epoch)
         self._batch_size = batch_size or default_batch_size(
             sampler, self._per_example.materialised_parameters(),
             multiple=XLA_PAD if self.jit_compile else 8)
         num_groups = max(self._groups) + 1
-        self._step_event = _release_event(
-            sampler, self._sanitizer.effective_noise_multiplier(num_groups))
-        if sampler.sampling is SamplingMethod.SHUFFLE:
-            self._epoch_event = self._step_event
+        if self._correlated is not None:
+            if restored:   # their lots would be recorded as this run's no-op lots
+                raise ValueError(
+                    f"the weights carry {self.lots_applied - self.lots_computed} lots this "
+                    "model did not compute, and a correlated-noise fit cannot tell what "
+                    "they cost: load the full .keras model (its ledger), or pass the ledger "
+                    "and recorded_lots to DPModel, and restore the run's state with "
+                    "DPOptimizer.restore_correlated_run (nothing was trained)")
+            # the run's event is recorded once, before its first lot
+            # (`_begin_correlated_run`); its lots are covered by it
+            self._correlated.build(variables)
+            self._epoch_event = None
+            self._step_event = dp_accounting.NoOpDpEvent()
+        elif sampler.sampling is SamplingMethod.SHUFFLE:
+            self._epoch_event = _release_event(
+                sampler, self._sanitizer.effective_noise_multiplier(num_groups))
+            self._step_event = self._epoch_event
             self._lots_per_epoch = sampler.lots_per_epoch
             self._fit_start_lots = self.lots_computed
             self._recorded_epochs = 0
         else:
             self._epoch_event = None
+            self._step_event = _release_event(
+                sampler, self._sanitizer.effective_noise_multiplier(num_groups))
         self.sampler = sampler
         self.train_function = None  # retrace with the new settings
         if restored:
@@ -525,6 +579,32 @@ class DPModel(keras.Model):
                   f"{f' after epsilon {spent:.4g} already spent' if prior else ''} reach "
                   f"epsilon {eps:.4g} <= {target:g} at delta {delta:g} ({kind.value})")
 
+    def _begin_correlated_run(self, privacy_cb, delta: float) -> None:
+        """Correlated noise: records the run's event before its first lot
+        (refusing, with nothing recorded, a run that would exceed the fit's
+        budget), and stops lots at the mechanism's horizon in the graph."""
+        run = self._correlated
+        if run is None:
+            self.set_lot_limit(None, reason="mechanism")
+            return
+        event = self._sanitizer.event(max(self._groups) + 1)
+        if not run.recorded:
+            target = privacy_cb.target_epsilon
+            if target is not None:
+                trial = PrivacyLedger.from_dict(self.ledger.to_dict())
+                trial.record(event, label="mf")
+                kind = privacy_cb.accountant or self.ledger.accountant
+                spent = trial.epsilon(delta, kind)
+                if spent > target:
+                    raise BudgetExceededError(
+                        f"the correlated-noise run ({run.mechanism.describe()}) would bring "
+                        f"epsilon to {spent:.4g} > target_epsilon={target:g} at delta="
+                        f"{delta:g}; nothing was trained (raise noise_multiplier or train "
+                        "fewer epochs)")
+            self.ledger.record(event, label="mf")
+            run.recorded = True
+        self.set_lot_limit(self.lots_computed + run.remaining, reason="mechanism")
+
     def _set_steps_per_execution(self, lots_per_epoch: int) -> None:
         """Lots per call of the training function for this fit: the "auto"
         choice, or the integer given to `compile`, which must divide the
@@ -578,7 +658,7 @@ class DPModel(keras.Model):
             # are ceil(pending / lots per epoch) epochs, and this fit's lots start a
             # new epoch (one accounting epoch never straddles two permutations)
             self.ledger.record(self._epoch_event, math.ceil(pending / self._lots_per_epoch),
-                               label="dpsgd")
+                               label=self._ledger_label)
             self._counters.set_computed(self.lots_applied)
             self._recorded_lots = self.lots_computed
             self._fit_start_lots = self.lots_computed
@@ -642,6 +722,11 @@ class DPModel(keras.Model):
         self._sync_ledger()
         ledger = PrivacyLedger.from_dict({**self.ledger.to_dict(),
                                           "budget": budget.to_dict()})
+        if self._correlated is not None:
+            # the run's event is recorded already: the budget allows all its lots
+            # (or none), and its horizon is a limit of its own ("mechanism")
+            within = ledger.epsilon(budget.delta, budget.accountant) <= budget.epsilon
+            return _UNLIMITED_BY_BUDGET if within else 0
         if self._epoch_event is not None:
             epochs = ledger.steps_within_budget(self._epoch_event)
             done = self.lots_computed - self._fit_start_lots
@@ -652,7 +737,9 @@ class DPModel(keras.Model):
         return ledger.steps_within_budget(self._step_event)
 
     def train_step(self, data):
-        x, y, mask = data
+        x, y, mask, *segments = data   # user-level lots: the user slot of every example
+        if segments:
+            self._per_example.segments = segments[0]
         counters = self._counters
         variables = self.model.trainable_variables
         # The budget guard is a branch of the computation, not an assert (XLA drops
@@ -831,6 +918,21 @@ def _release_event(sampler: LotSampler, sigma_eff: float):
     if sigma_eff == 0:
         return dp_accounting.NonPrivateDpEvent()
     return gaussian_step_event(sigma_eff, sampler.sampling, **sampler.sampling_args())
+
+
+_UNLIMITED_BY_BUDGET = 10 ** 8   # as `max_steps`' limit
+
+
+def _cycle_length(optimizer, sampling) -> int | None:
+    """Cyclic Poisson lots cycle over the banded strategy's bands."""
+    if SamplingMethod.parse(sampling) is not SamplingMethod.CYCLIC_POISSON:
+        return None
+    config = getattr(optimizer, "correlated_noise", None)
+    if config is None or config.bands is None:
+        raise ValueError("sampling='cyclic_poisson' needs a DP optimizer with "
+                         "correlated_noise=CorrelatedNoiseConfig('banded', bands=b) (b is the "
+                         f"cycle length), got correlated_noise={config!r}")
+    return config.bands
 
 
 def _refuse_regularizers(model) -> None:

@@ -310,6 +310,12 @@ class PerExampleGradients:
             if result is not None:
                 return result
 
+    def _clipped_norms(self, variables, sq_norms: dict, sum_fns: dict) -> list:
+        """The squared norms clipping reads, one [B] vector per variable: each
+        example's own (`dpfl_tf.keras.users.PerUserGradients` gives each example
+        its user's instead)."""
+        return [sq_norms[id(v)] for v in variables]
+
     def _compute(self, x, y, weights, clip_factors_fn, training):
         """One pass; None (and more `_excluded` layers) if a tapped variable has a
         use outside its layer's taps."""
@@ -400,7 +406,7 @@ class PerExampleGradients:
         if scale != 1.0:  # back to the gradients of the loss itself, in float32
             sq_norms = {k: tf.cast(q, tf.float32) / (scale * scale) for k, q in sq_norms.items()}
             sum_fns = {k: (lambda c, fn=fn: fn(c) / scale) for k, fn in sum_fns.items()}
-        factors = clip_factors_fn([sq_norms[id(v)] for v in variables])
+        factors = clip_factors_fn(self._clipped_norms(variables, sq_norms, sum_fns))
         sums = []  # one variable at a time too (each sum scales a [B, ...] copy)
         for v, f in zip(variables, factors):
             with _after(sums[-1:]):

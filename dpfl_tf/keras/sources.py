@@ -7,8 +7,9 @@ Three kinds of data are read:
 
 * in-memory arrays (numpy, tensors; dicts / tuples of them for several
   inputs): gathered in the graph, no Python per lot (`ArrayReader`);
-* ``np.memmap`` arrays: only the rows of each lot are read from disk, never
-  the whole array (`IndexedReader`);
+* ``np.memmap`` arrays and `dpfl_tf.data.NpyRows` (a ``.npy`` file read row
+  by row, not mapped: nothing of it stays resident in the process): only the
+  rows of each lot are read from disk, never the whole array (`IndexedReader`);
 * any object with ``__len__`` and ``__getitem__(i) -> (x, y)`` (x a tensor,
   tuple or dict): ``tfds.data_source(...)``, Hugging Face style datasets,
   `dpfl_tf.data.ImageFolderSource`, your own class (`IndexedReader`).  An
@@ -73,7 +74,8 @@ def make_reader(x, y=None):
         x = tuple(x)         # structure tf.data keeps (a list would be stacked)
     leaves = tf.nest.flatten(x) + [y]
     n = _num_examples(x, y)
-    if any(isinstance(leaf, np.memmap) for leaf in leaves):
+    if any(isinstance(leaf, np.memmap) or getattr(leaf, "read_on_demand", False)
+           for leaf in leaves):   # memmaps, `dpfl_tf.data.NpyRows`: read lot by lot
         return IndexedReader.from_arrays(x, y, n)
     return ArrayReader(x, y, n)
 
@@ -128,6 +130,11 @@ class ArrayReader:
     def element_shapes(self):
         """([per-example shape of each leaf of x], per-example shape of y)."""
         return [tuple(t.shape[1:]) for t in tf.nest.flatten(self._x)], tuple(self._y.shape[1:])
+
+    def example_bytes(self) -> int:
+        """Bytes of one record (x and y)."""
+        return sum(int(np.prod(t.shape[1:], dtype=np.int64)) * t.dtype.size
+                   for t in tf.nest.flatten(self._x) + [self._y])
 
     def read(self, idx: tf.Tensor):
         return tf.nest.map_structure(lambda t: tf.gather(t, idx), self._x), \
@@ -209,6 +216,11 @@ class IndexedReader:
     def element_shapes(self):
         """([per-example shape of each leaf of x], per-example shape of y)."""
         return [s.shape for s in tf.nest.flatten(self._x_spec)], self._y_spec.shape
+
+    def example_bytes(self) -> int:
+        """Bytes of one record (x and y)."""
+        return sum(int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize
+                   for s in tf.nest.flatten(self._x_spec) + [self._y_spec])
 
     def _check_length(self) -> None:
         length = self._length_fn()

@@ -26,12 +26,13 @@ Normalisation (``normalization=``):
   subtraction, i.e. a no-op;
 * ``"unit"``: pixels scaled to [0, 1] (after the clipped distortions).
 
-Seeding (``Augmentation(seed=...)``) is for tests and debugging.  A pipeline
-that calls the augmentation from several parallel ``tf.data`` map calls (the
-DP lot pipeline of `DPModel.fit` does) takes the draws from the shared
-generator in a varying order, so only the draws' distribution, not their
-assignment to lots, is reproducible there; `train_dataset` maps sequentially
-when the augmentation is seeded.
+Seeding (``Augmentation(seed=...)``) is for tests and debugging.  In DP-SGD
+(`DPModel.fit(preprocess=augmentation)`) the draws of lot t are keyed by
+(key, t) -- stateless, so they do not depend on the order in which parallel
+``tf.data`` calls run, and a resumed seeded run draws what an uninterrupted
+one would.  Called without a lot number (the non-private `train_dataset`),
+draws come from a generator whose state persists; `train_dataset` maps
+sequentially when the augmentation is seeded.
 
 Inputs are uint8 (0..255) or float images already in [0, 1], shape
 (B, H, W, C) or a single (H, W, C) image; outputs are float32
@@ -42,12 +43,14 @@ example's augmentation must not depend on the others in its lot).
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
+from dpfl_tf._seeds import derive_seed
 from dpfl_tf.sanitizer import make_generator
 
 __all__ = ["Normalization", "Augmentation", "center_crop", "normalize",
@@ -216,6 +219,11 @@ class Augmentation:
         self.normalization = Normalization.parse(normalization)
         self.seed = seed
         self._generator = None
+        # the key of the per-lot draws: from the seed (a stream of its own, not the
+        # DP noise's), else from OS entropy
+        self._key = (tuple(derive_seed(seed, "augmentation", i) for i in range(2))
+                     if seed is not None else
+                     tuple(int.from_bytes(os.urandom(8), "little") >> 1 for _ in range(2)))
 
     @property
     def generator(self) -> tf.random.Generator:
@@ -225,9 +233,11 @@ class Augmentation:
                 self._generator = make_generator(self.seed)
         return self._generator
 
-    def __call__(self, images) -> tf.Tensor:
-        """Random crop + flip + brightness + contrast + normalisation, per example."""
-        gen = self.generator
+    def __call__(self, images, lot=None) -> tf.Tensor:
+        """Random crop + flip + brightness + contrast + normalisation, per example.
+        `lot`: the number of the lot (DP-SGD's `preprocess`): its draws are
+        keyed by (key, lot); None: draws from the persistent generator."""
+        gen = self.generator if lot is None else _LotDraws(self._key, lot)
         x = random_crop_and_flip(images, self.crop_size, flip=self.flip, generator=gen)
         x = random_brightness_contrast(x, max_brightness=self.max_brightness,
                                        contrast=self.contrast, generator=gen)
@@ -253,6 +263,26 @@ class Augmentation:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
         return f"Augmentation({args})"
+
+
+class _LotDraws:
+    """What the distortions need of a `tf.random.Generator` (``uniform``), drawn
+    statelessly: the k-th call for lot t is keyed by (key, t, k)."""
+
+    def __init__(self, key, lot):
+        self._seed = tf.random.experimental.stateless_fold_in(
+            tf.constant(key, tf.int64), tf.cast(lot, tf.int64))
+        self._calls = 0
+
+    def uniform(self, shape, minval=0, maxval=None, dtype=tf.float32):
+        # int64 data keep a 64-bit seed (a Python int would fold in as int32)
+        seed = tf.random.experimental.stateless_fold_in(
+            self._seed, tf.constant(self._calls, tf.int64))
+        self._calls += 1
+        if maxval is None and dtype.is_floating:
+            maxval = 1
+        return tf.random.stateless_uniform(shape, seed, minval, maxval, dtype=dtype,
+                                           alg="philox")
 
 
 def _records(x, y) -> tuple[tf.data.Dataset, Callable | None]:

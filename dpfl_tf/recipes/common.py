@@ -17,8 +17,7 @@ from dpfl_tf.sanitizer import deployment_note  # noqa: F401  (re-exported for th
 
 __all__ = ["EpochHistory", "paper_learning_rate", "accuracy", "deployment_note",
            "privacy_summary", "RUN_STATE", "LotStopper", "RunCheckpoint", "comparable_config",
-           "read_run_state", "resumable_run_state", "resume_seed", "sampling_seed_for",
-           "mark_run_finished"]
+           "read_run_state", "resumable_run_state", "mark_run_finished"]
 
 
 def paper_learning_rate(initial: float, final: float, decay_epochs: int,
@@ -31,19 +30,22 @@ def paper_learning_rate(initial: float, final: float, decay_epochs: int,
         initial, decay_epochs * lots_per_epoch, final, power=1.0)
 
 
-def accuracy(model: keras.Model, x, y, batch_size: int = 2000) -> float:
-    """Top-1 accuracy, predicted chunk by chunk: `predict` on a whole array makes
-    a tensor of all of it (a second 3 GB copy of CIFAR-10's scattering features,
-    on every evaluation)."""
+def accuracy(model: keras.Model, x, y, batch_size: int = 2000,
+             chunk_bytes: int = 2 ** 26) -> float:
+    """Top-1 accuracy, predicted chunk by chunk (at most `chunk_bytes` of inputs
+    at a time): `predict` on a whole array makes a tensor of all of it (a second
+    6 GB copy of CIFAR-10's scattering features), and `x` may be a file read by
+    rows (`dpfl_tf.data.NpyRows`) or a memmap."""
     y = np.asarray(y).reshape(-1)
     if not hasattr(x, "__getitem__"):   # a tf.data pipeline: it streams already
         logits = model.predict(x, batch_size=batch_size, verbose=0)
         return float(np.mean(np.argmax(logits, axis=-1) == y))
+    example_bytes = int(np.prod(np.shape(x)[1:], dtype=np.int64)) * 4
+    chunk = max(1, min(8 * batch_size, chunk_bytes // max(1, example_bytes)))
     correct = 0
-    for i in range(0, len(y), 8 * batch_size):
-        logits = model.predict(np.asarray(x[i:i + 8 * batch_size]), batch_size=batch_size,
-                               verbose=0)
-        correct += int(np.sum(np.argmax(logits, axis=-1) == y[i:i + 8 * batch_size]))
+    for i in range(0, len(y), chunk):
+        logits = model.predict(np.asarray(x[i:i + chunk]), batch_size=batch_size, verbose=0)
+        correct += int(np.sum(np.argmax(logits, axis=-1) == y[i:i + chunk]))
     return correct / len(y) if len(y) else float("nan")
 
 
@@ -257,19 +259,6 @@ def resumable_run_state(checkpoint_dir: str | None, config: dict,
         raise ValueError(f"{checkpoint_dir} holds a finished run ({state['finished']}); "
                          "nothing to resume: use another checkpoint directory")
     return state
-
-
-def resume_seed(seed: int | None, state: dict | None) -> int | None:
-    """The global seed of a (resumed) seeded run: a resumed run draws afresh
-    rather than replaying the random numbers of its first part."""
-    if seed is None:
-        return None
-    return seed if state is None else seed + 1000003 * state["lots"]
-
-
-def sampling_seed_for(seed: int | None, initial_epoch: int) -> int | None:
-    """The lot sampler's seed of a seeded run starting at `initial_epoch`."""
-    return None if seed is None else seed + initial_epoch
 
 
 def mark_run_finished(checkpoint_dir: str | None, state: Callable[[], dict],

@@ -35,48 +35,36 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import time
 import warnings
 
-import dp_accounting
 import keras
 import numpy as np
 
 from dpfl_tf.data import load_dataset
-from dpfl_tf.keras import DPModel, DPSGD
 from dpfl_tf.models import mlp, scatter_cnn, scatter_linear, tanh_cnn
 from dpfl_tf.pca import DPPCA, PCAProjection, RandomProjection, _Projection
 from dpfl_tf.normalization import DPFeatureNormalization, FeatureNormalization
 from dpfl_tf.scattering import Scattering2D, scattering_channels, scattering_orders
-from dpfl_tf.privacy import (PrivacyLedger, calibrate_noise_multiplier, compute_epsilon,
-                             dp_sgd_event, gaussian_step_event, max_steps)
-from dpfl_tf.recipes.common import (EpochHistory, LotStopper, RunCheckpoint, accuracy,
-                                    comparable_config, mark_run_finished, paper_learning_rate,
-                                    privacy_summary, resumable_run_state, resume_seed,
-                                    sampling_seed_for)
+from dpfl_tf.privacy import PrivacyLedger, compute_epsilon
+from dpfl_tf.recipes.run import Inputs, Recipe, run_recipe
+from dpfl_tf.recipes.settings import MIRROR_VIEWS_BATCH, PAPER_NOISE  # noqa: F401 (re-exported)
 
 __all__ = ["MnistConfig", "train_mnist", "PAPER_SETTINGS", "MODELS"]
 
 MODELS = ("mlp", "tanh_cnn", "scatter_linear", "scatter_cnn")
 #: models on scattering features
 SCATTER_MODELS = ("scatter_linear", "scatter_cnn")
-#: the physical batch of a scattering model with mirror views (two views hold
-#: twice the activations); the CNN's is the one measured in 24 GB.  Memory
-#: only: the lots, and so the privacy, do not depend on it
-MIRROR_VIEWS_BATCH = {"scatter_linear": 2048, "scatter_cnn": 1024}
 #: input normalisations of the scattering models
 FEATURE_NORMS = ("group", "dp_stats", "stats")
 #: colour datasets: the ScatterNet model takes them, the paper models need 28x28 grey images
 COLOUR_DATASETS = ("cifar10", "cifar100")
 
-PAPER_SETTINGS = {  # Abadi et al. 2016, section 5.2
-    "small_noise": {"noise_multiplier": 2.0, "pca_noise_multiplier": 4.0, "target_epsilon": 8.0,
-                    "paper_test_accuracy": 0.97},
-    "medium_noise": {"noise_multiplier": 4.0, "pca_noise_multiplier": 7.0,
-                     "target_epsilon": 2.0, "paper_test_accuracy": 0.95},
-    "large_noise": {"noise_multiplier": 8.0, "pca_noise_multiplier": 16.0,
-                    "target_epsilon": 0.5, "paper_test_accuracy": 0.90},
-}
+#: Abadi et al. 2016, section 5.2: the three noise settings and their budgets
+PAPER_SETTINGS = {
+    name: {"noise_multiplier": PAPER_NOISE[name][0], "pca_noise_multiplier": PAPER_NOISE[name][1],
+           "target_epsilon": eps, "paper_test_accuracy": acc}
+    for name, eps, acc in (("small_noise", 8.0, 0.97), ("medium_noise", 2.0, 0.95),
+                           ("large_noise", 0.5, 0.90))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,26 +147,38 @@ class MnistConfig:
 FEATURES_VERSION = "kymatio-filters-1"
 
 
+#: images scattered at a time (the transform's peak memory does not grow with N)
+SCATTER_CHUNK = 1024
+
+
 def _scattering_features(data, mirror: bool = False):
     """(train, test) order-2 scattering features (J=2, L=8) of the images scaled
     to [0, 1]; with `mirror`, [N, 2, ...]: each image's and its mirror image's
-    (`Scattering2D.transform`).  The transform is fixed, so each array is computed
-    once and kept in the cache directory (``$DPFL_CACHE_DIR``, else
-    ``~/.cache/dpfl_tf``) as ``scattering/<hash>.npy``, then opened as a
-    read-only ``np.memmap``: DP-SGD reads each lot from it, and no run holds the
-    6.2 GB of CIFAR-10's training features with mirror views in memory.  The
-    hash covers the pixels, the settings, the filter bank and `FEATURES_VERSION`;
-    a file of another shape or dtype is recomputed.  The files are derived from
-    the (private) training images: they are written readable by their owner
-    only.  If the cache cannot be written (read-only, or no room for the whole
-    file), the features are computed in memory, with a warning."""
+    (`Scattering2D.transform`).  The transform is fixed, so each array is
+    computed once, `SCATTER_CHUNK` images at a time, straight into the cache
+    directory (``$DPFL_CACHE_DIR``, else ``~/.cache/dpfl_tf``) as
+    ``scattering/<hash>.npy``, and returned as `dpfl_tf.data.NpyRows`: DP-SGD,
+    the DP statistics and evaluation read the rows they need from the file, so
+    no run holds the 6.2 GB of CIFAR-10's training features with mirror views
+    in memory (nor maps them).  The hash covers the pixels, the settings, the
+    filter bank and `FEATURES_VERSION`; a file of another shape or dtype is
+    recomputed.  The files are derived from the (private) training images:
+    they are written readable by their owner only.  If the cache cannot be
+    written (read-only, or no room for the whole file), the features are
+    computed in memory, with a warning."""
     from dpfl_tf._io import atomic_path
+    from dpfl_tf.data import NpyRows
     from dpfl_tf.data.image_folder import default_cache_dir
 
     scattering = Scattering2D(J=2, L=8, shape=data.x_train.shape[1:3])
     filters = hashlib.blake2b(digest_size=16)
     for f in (scattering.psi_hat, scattering.phi_hat):
         filters.update(np.ascontiguousarray(f).data)
+
+    def scatter(images, start, stop):
+        return scattering.transform(images[start:stop].astype("float32") / 255.0,
+                                    mirror=mirror)
+
     out = []
     for x in (data.x_train, data.x_test):
         x = np.ascontiguousarray(x)
@@ -189,32 +189,35 @@ def _scattering_features(data, mirror: bool = False):
         digest.update(x.data)
         path = os.path.join(default_cache_dir(), "scattering", digest.hexdigest() + ".npy")
         if os.path.exists(path):
-            cached = np.load(path, mmap_mode="r")
+            cached = NpyRows(path)
             if cached.shape == shape and cached.dtype == np.float32:
                 out.append(cached)
                 continue
-        images = x.astype("float32") / 255.0
         try:
             with atomic_path(path, mode=0o600) as tmp:   # never readable by others
-                features = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
-                                                     shape=shape)
-                with open(tmp, "r+b") as f:   # all the room now: a full disk is an
-                    os.posix_fallocate(f.fileno(), 0, os.path.getsize(tmp))  # OSError
-                scattering.transform(images, mirror=mirror, out=features)
-                features.flush()
-                del features
+                features = NpyRows.create(tmp, shape, np.float32)   # a full disk: OSError
+                for i in range(0, len(x), SCATTER_CHUNK):
+                    features.write(i, scatter(x, i, i + SCATTER_CHUNK))
+                features.close()
         except OSError as e:   # a read-only or full cache: compute in memory
             warnings.warn(f"scattering features not cached ({e}); computing them in "
                           "memory", RuntimeWarning, stacklevel=2)
-            features = scattering.transform(images, mirror=mirror)
+            features = np.concatenate([scatter(x, i, i + SCATTER_CHUNK)
+                                       for i in range(0, len(x), SCATTER_CHUNK)])
             features.setflags(write=False)
             out.append(features)
             continue
-        out.append(np.load(path, mmap_mode="r"))
+        out.append(NpyRows(path))
     return tuple(out)
 
 
-def _inputs(config: MnistConfig, data, ledger: PrivacyLedger | None):
+def _inputs(config: MnistConfig, data, ledger: PrivacyLedger | None,
+            projection: np.ndarray | None = None):
+    """(x_train, x_test, the released projection's components or None): pixels
+    scaled to [0, 1], then the model's input transform.  `projection`: the
+    components of a projection released before (a resumed run); else DP-PCA
+    (or a random projection) is fitted here, its release recorded in `ledger`.
+    A first run and a resume go through this one function."""
     if config.model in SCATTER_MODELS:  # fixed, data-independent: no privacy cost
         x_train, x_test = _scattering_features(data, config.mirror_views)
         return x_train, x_test, None
@@ -224,15 +227,20 @@ def _inputs(config: MnistConfig, data, ledger: PrivacyLedger | None):
         return x_train[..., None], x_test[..., None], None
     if config.projection == "none":
         return x_train.reshape(len(x_train), -1), x_test.reshape(len(x_test), -1), None
-    if config.projection == "dp_pca":
+    if projection is not None:
+        proj = _SavedProjection(projection)
+    elif config.projection == "dp_pca":
         proj = DPPCA(config.pca_dim, config.pca_noise_multiplier,
                      config.pca_sample_size or len(x_train), seed=config.seed)
     elif config.projection == "pca":
         proj = PCAProjection(config.pca_dim)
     else:
         proj = RandomProjection(config.pca_dim, seed=0)
-    proj.fit(x_train, ledger=ledger)
-    return proj.transform(x_train), proj.transform(x_test), proj
+    if projection is None:
+        proj.fit(x_train, ledger=ledger)
+    released = proj.components if isinstance(proj, (DPPCA, RandomProjection,
+                                                      _SavedProjection)) else None
+    return proj.transform(x_train), proj.transform(x_test), released
 
 
 def _feature_norm_layer(config: MnistConfig, x_train, ledger: PrivacyLedger | None):
@@ -257,24 +265,75 @@ def feature_norm_release(config: MnistConfig, colours: int = 1) -> DPFeatureNorm
                                   seed=config.seed, epsilon=config.feature_norm_epsilon)
 
 
-PROJECTION_FILE = "projection.npy"   # beside the checkpoint: the released DP-PCA projection
-#: config fields a resumed run may change (they do not change what is trained)
-_RESUMABLE_CHANGES = ("data_dir", "eval_every")
-
-
 class _SavedProjection(_Projection):
     def __init__(self, components):
         self.components = components
 
 
-def _comparable(config: MnistConfig) -> dict:
-    return comparable_config(dataclasses.asdict(config), _RESUMABLE_CHANGES)
+class MnistRecipe(Recipe):
+    """`train_mnist` on the shared life cycle (`dpfl_tf.recipes.run`)."""
+
+    default_config = None   # set below, once MnistConfig's defaults are known
+
+    def check(self) -> None:
+        config = self.config
+        if config.private and config.feature_norm == "dp_stats" \
+                and config.target_epsilon is not None:   # before any data is read
+            cost = compute_epsilon(feature_norm_release(config).planned_event(), config.delta,
+                                   config.accountant)
+            if cost >= config.target_epsilon:
+                raise ValueError(
+                    f"the DP feature statistics alone cost epsilon = {cost:.3f} "
+                    f"(feature_norm_noise_multiplier={config.feature_norm_noise_multiplier:g}"
+                    f"), which leaves nothing of target_epsilon = {config.target_epsilon:g} "
+                    "for DP-SGD: raise feature_norm_noise_multiplier or use "
+                    "feature_norm='group'")
+
+    def inputs(self, ledger, releases) -> Inputs:
+        config = self.config
+        self.data = load_dataset(config.dataset, data_dir=config.data_dir)
+        saved = (releases or {}).get("projection")
+        x_train, x_test, released = _inputs(config, self.data, ledger, saved)
+        y_train = self.data.y_train.astype("int64")
+        return Inputs(x_train, y_train, x_test, self.data.y_test.astype("int64"),
+                      examples=len(y_train), x_train_eval=x_train, y_train_eval=y_train,
+                      releases={} if released is None or saved is not None
+                      else {"projection": released})
+
+    def network(self, inputs, ledger) -> keras.Model:
+        config, x_train = self.config, inputs.x_train
+        if config.model == "tanh_cnn":
+            return tanh_cnn(x_train.shape[1:])
+        if config.model in SCATTER_MODELS:
+            norm = _feature_norm_layer(config, x_train, ledger)
+            build = scatter_cnn if config.model == "scatter_cnn" else scatter_linear
+            views = 2 if config.mirror_views else 1
+            return build(x_train.shape[1 + (views > 1):], normalization=norm, views=views)
+        return mlp(x_train.shape[1], config.hidden_units)
+
+    def too_few_examples(self, n: int) -> str:
+        return (f"lot_size ({self.config.lot_size}) exceeds the dataset size: "
+                f"{self.config.dataset} has {n} training examples")
+
+    def fields(self, run, model) -> dict:
+        config = self.config
+        return {**dataclasses.asdict(config), "deltas": list(config.deltas),
+                "pca_noise_multiplier": (config.pca_noise_multiplier
+                                         if config.projection == "dp_pca"
+                                         and config.model == "mlp" else None),
+                "dataset_source": getattr(getattr(self.data, "source", None), "label",
+                                          config.dataset)}
+
+
+MnistRecipe.default_config = MnistConfig()
 
 
 def train_mnist(config: MnistConfig, *, verbose: bool = True,
                 checkpoint_dir: str | None = None, checkpoint_every_epoch: bool = True,
-                on_epoch=None, should_stop=None, on_resume=None, callbacks=()) -> dict:
-    """Trains one configuration; returns a JSON-ready result with per-epoch history.
+                on_epoch=None, should_stop=None, on_resume=None, callbacks=(),
+                return_model: bool = False):
+    """Trains one configuration; returns a JSON-ready result with per-epoch history
+    (and the trained model too if `return_model`).
 
     checkpoint_dir: if it holds a checkpoint of the same configuration, training
       resumes from it exactly (weights, ledger, lot counter, optimizer state and
@@ -283,175 +342,14 @@ def train_mnist(config: MnistConfig, *, verbose: bool = True,
       are written there after every epoch (`checkpoint_every_epoch`) or only
       when `should_stop` ends the run early.
     on_epoch(result): called after every epoch with everything measured so far.
-    should_stop(): polled after every lot; True ends training after that lot
-      (``stop_reason`` "interrupted"; a checkpoint is written).
+    should_stop(): polled after every call of the training function; True ends
+      training there (``stop_reason`` "interrupted"; a checkpoint is written).
     on_resume(info): called once when resuming ({"directory", "lots", "epoch",
       "epsilon"}).
     """
-    from dpfl_tf.keras.checkpoint import DPCheckpoint
-
-    start = time.perf_counter()
-    original_config = config
-    state = resumable_run_state(checkpoint_dir, _comparable(config),
-                                defaults=_comparable(MnistConfig()))
-    if state is None and config.private and config.feature_norm == "dp_stats" \
-            and config.target_epsilon is not None:   # before any data is read
-        cost = compute_epsilon(feature_norm_release(config).planned_event(), config.delta,
-                               config.accountant)
-        if cost >= config.target_epsilon:
-            raise ValueError(f"the DP feature statistics alone cost epsilon = {cost:.3f} "
-                             f"(feature_norm_noise_multiplier="
-                             f"{config.feature_norm_noise_multiplier:g}), which leaves nothing "
-                             f"of target_epsilon = {config.target_epsilon:g} for DP-SGD: raise "
-                             "feature_norm_noise_multiplier or use feature_norm='group'")
-    if config.seed is not None:
-        keras.utils.set_random_seed(resume_seed(config.seed, state))
-    data = load_dataset(config.dataset, data_dir=config.data_dir)
-    n = len(data.y_train)
-    if config.lot_size > n:
-        raise ValueError(f"lot_size ({config.lot_size}) exceeds the dataset size: "
-                         f"{config.dataset} has {n} training examples")
-    y_train = data.y_train.astype("int64")
-    y_test = data.y_test.astype("int64")
-    lots_per_epoch = max(1, n // config.lot_size)
-    if state is not None:   # resume: the same inputs, the model as it was
-        if state["projection"] is not None:
-            proj = _SavedProjection(np.load(os.path.join(checkpoint_dir, state["projection"])))
-            x_train, x_test = proj.transform(data.x_train), proj.transform(data.x_test)
-        else:
-            x_train, x_test, proj = _inputs(config, data, None)
-        model, _ = DPCheckpoint.restore(checkpoint_dir)
-        config = dataclasses.replace(config, noise_multiplier=state["noise_multiplier"])
-        total_epochs = state["total_epochs"]
-        initial_epoch = model.lots_applied // lots_per_epoch
-        ledger = model.privacy_ledger
-        if on_resume is not None:
-            on_resume({"directory": checkpoint_dir, "lots": model.lots_applied,
-                       "epoch": model.lots_applied / lots_per_epoch,
-                       "epsilon": model.epsilon(config.delta)})
-    else:
-        ledger = PrivacyLedger(config.accountant) if config.private else None
-        x_train, x_test, proj = _inputs(config, data, ledger)
-        initial_epoch = 0
-        total_epochs = config.epochs
-    if config.model == "tanh_cnn":
-        net = tanh_cnn(x_train.shape[1:])
-    elif config.model in SCATTER_MODELS:
-        # a resumed run restores its model, normalisation included: no second release
-        norm = None if state is not None else _feature_norm_layer(config, x_train, ledger)
-        build = scatter_cnn if config.model == "scatter_cnn" else scatter_linear
-        views = 2 if config.mirror_views else 1
-        net = build(x_train.shape[1 + (views > 1):], normalization=norm, views=views)
-    else:
-        net = mlp(x_train.shape[1], config.hidden_units)
-    lr = paper_learning_rate(config.learning_rate, config.final_learning_rate,
-                             config.decay_epochs, lots_per_epoch)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    if state is None and config.private and config.noise_multiplier is None:
-        if config.target_epsilon is None:
-            raise ValueError("noise_multiplier=None needs a target_epsilon to calibrate for")
-        prior = [ledger.event]
-
-        def event_for(sigma):
-            return dp_accounting.ComposedDpEvent(prior + [dp_sgd_event(
-                sigma, config.epochs * lots_per_epoch, sampling_rate=config.lot_size / n)])
-
-        sigma, _ = calibrate_noise_multiplier(config.target_epsilon, config.delta, event_for,
-                                              config.accountant, tolerance=1e-3)
-        config = dataclasses.replace(config, noise_multiplier=sigma)
-    if state is None and config.private and config.target_epsilon is not None:
-        lots = max_steps(config.target_epsilon, config.delta,
-                         gaussian_step_event(config.noise_multiplier,
-                                             sampling_rate=config.lot_size / n),
-                         config.accountant, already_spent=ledger.event)
-        total_epochs = min(config.epochs, EpochHistory.estimated_epochs(lots, lots_per_epoch))
-    history = EpochHistory(x_test, y_test, x_train, y_train, every=config.eval_every,
-                           deltas=config.deltas, total_epochs=total_epochs,
-                           private=config.private, verbose=verbose)
-    seconds_before = 0.0
-    if state is not None:
-        history.rows = [r for r in state["history"] if r["epoch"] <= initial_epoch]
-        seconds_before = state["seconds"]
-    stopper = LotStopper(total_epochs * lots_per_epoch, should_stop)
-    projection_name = state["projection"] if state is not None else None
-
-    def result_of(model, final: bool = False) -> dict:
-        rows = history.rows
-        last = rows[-1] if rows else {"epoch": initial_epoch}
-        evaluated = [r for r in rows if "test_accuracy" in r]
-        test_acc = last.get("test_accuracy", evaluated[-1]["test_accuracy"] if evaluated
-                            else None)
-        train_acc = last.get("train_accuracy", evaluated[-1].get("train_accuracy")
-                             if evaluated else None)
-        if final:
-            test_acc = last.get("test_accuracy", accuracy(model, x_test, y_test))
-            train_acc = last.get("train_accuracy", accuracy(model, x_train, y_train))
-        dp_ledger = model.privacy_ledger if config.private else None
-        return {
-            **dataclasses.asdict(config),
-            "deltas": list(config.deltas),
-            "pca_noise_multiplier": (config.pca_noise_multiplier
-                                     if config.projection == "dp_pca" and config.model == "mlp"
-                                     else None),
-            "noise_multiplier": config.noise_multiplier if config.private else None,
-            "epochs": last["epoch"],
-            "lots": (model.lots_applied if config.private
-                     else last["epoch"] * lots_per_epoch),
-            "epsilon": dp_ledger.epsilon(config.delta) if config.private else None,
-            "test_accuracy": test_acc,
-            "train_accuracy": train_acc,
-            "seconds": seconds_before + time.perf_counter() - start,
-            "dataset_source": getattr(getattr(data, "source", None), "label", config.dataset),
-            "stop_reason": getattr(model, "stop_reason", None) or "running",
-            "history": rows,
-            **privacy_summary(dp_ledger, config.delta, config.seed),
-        }
-
-    def run_state() -> dict:
-        nonlocal projection_name
-        if projection_name is None and isinstance(proj, (DPPCA, RandomProjection)):
-            from dpfl_tf._io import atomic_write
-
-            # the released DP-PCA projection (its privacy cost is in the ledger)
-            atomic_write(os.path.join(checkpoint_dir, PROJECTION_FILE),
-                         lambda f: np.save(f, proj.components), binary=True)
-            projection_name = PROJECTION_FILE
-        return {"config": _comparable(original_config),
-                "noise_multiplier": config.noise_multiplier, "total_epochs": total_epochs,
-                "lots_per_epoch": lots_per_epoch, "lots": model.lots_applied,
-                "projection": projection_name, "history": history.rows,
-                "seconds": seconds_before + time.perf_counter() - start, "finished": None}
-
-    if config.private:
-        if state is None:
-            model = DPModel(net, ledger=ledger)
-            model.compile(optimizer=DPSGD(lr, momentum=config.momentum,
-                                          l2_norm_clip=config.l2_norm_clip,
-                                          noise_multiplier=config.noise_multiplier,
-                                          seed=config.seed),
-                          loss=loss)
-        saver = RunCheckpoint(checkpoint_dir, checkpoint_every_epoch, stopper, run_state,
-                              result_of, on_epoch)
-        if model.lots_applied < stopper.total_lots:
-            model.fit(x_train, y_train, lot_size=config.lot_size, batch_size=config.batch_size,
-                      epochs=total_epochs, initial_epoch=initial_epoch,
-                      target_epsilon=config.target_epsilon, target_delta=config.delta,
-                      callbacks=[history, stopper, saver, *callbacks], verbose=0,
-                      sampling_seed=sampling_seed_for(config.seed, initial_epoch))
-        else:
-            model.stop_reason = "completed"
-    else:
-        if state is not None:
-            raise ValueError("checkpoint_dir: resuming is for private runs (private=True)")
-        model = net
-        model.compile(optimizer=keras.optimizers.SGD(lr, momentum=config.momentum), loss=loss)
-        model.fit(x_train, y_train, batch_size=config.lot_size, epochs=total_epochs,
-                  callbacks=[history, *callbacks], verbose=0)
-        model.stop_reason = "completed"
-
-    if config.private:
-        mark_run_finished(checkpoint_dir, run_state, model.stop_reason)
-    if model.stop_reason == "interrupted":
-        return result_of(model)
-    return result_of(model, final=True)
+    result, model = run_recipe(MnistRecipe(config), verbose=verbose,
+                               checkpoint_dir=checkpoint_dir,
+                               checkpoint_every_epoch=checkpoint_every_epoch,
+                               on_epoch=on_epoch, should_stop=should_stop,
+                               on_resume=on_resume, callbacks=callbacks)
+    return (result, model) if return_model else result

@@ -14,21 +14,23 @@ memory belongs to that configuration alone.  Every repeat builds a fresh
 model / optimizer / PrivacyEngine and trains it for ``--epochs`` epochs; the
 first epoch of each repeat is a warm-up and is not timed.
 
-The models and data recipes match experiments/peers/tfp_benchmark.py (images
-are generated in NHWC exactly as there and transposed to NCHW).
-This file is standalone: it must not import the project's own package.
+The models and data recipes match experiments/peers/tfp_benchmark.py (the
+data from _peer_common.benchmark_data, the images generated NHWC as there and
+transposed to NCHW).
+This file is standalone but for _peer_common.py beside it: it must not import
+the project's own package.
 """
 
 import argparse
-import json
-import os
 import platform
-import resource
-import statistics
 import sys
 import time
 
 import numpy as np
+from _peer_common import (L2_NORM_CLIP, LEARNING_RATE, MNIST_FEATURES, NOISE_MULTIPLIER,
+                          NUM_CLASSES, benchmark_data, check_run_args, finish,
+                          limit_address_space, median_seconds, peak_memory_mb, record_repeat,
+                          run_guarded)
 
 MODELS = ("mnist_mlp", "cifar_frozen_conv", "cifar_full_conv")
 
@@ -43,13 +45,6 @@ IMPLEMENTATIONS = {
         "'ghost' (ghost / fast gradient clipping), Poisson sampling"
     ),
 }
-
-L2_NORM_CLIP = 4.0
-NOISE_MULTIPLIER = 1.0
-LEARNING_RATE = 0.05
-MNIST_FEATURES = 60
-CIFAR_SHAPE = (24, 24, 3)  # generated NHWC, fed to torch as NCHW
-NUM_CLASSES = 10
 
 
 def parse_args(argv=None):
@@ -79,71 +74,9 @@ def parse_args(argv=None):
     parser.add_argument("--list-implementations", action="store_true",
                         help="print implementation names and exit")
     args = parser.parse_args(argv)
-    if args.list_implementations:
-        return args
-    missing = [name for name in ("model", "implementation", "output")
-               if getattr(args, name) is None]
-    if missing:
-        parser.error("missing required arguments: "
-                     + ", ".join("--" + m.replace("_", "-") for m in missing))
-    if args.epochs < 2:
-        parser.error("--epochs must be >= 2 (the first epoch is warm-up)")
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
-    if args.lot_size < 1 or args.examples < args.lot_size:
-        parser.error("need 1 <= --lot-size <= --examples")
+    if not args.list_implementations:
+        check_run_args(parser, args, required=("model", "implementation", "output"))
     return args
-
-
-# --------------------------------------------------------------------------
-# Data (numpy only; identical recipe in tfp_benchmark.py)
-# --------------------------------------------------------------------------
-
-def find_mnist(explicit):
-    here = os.path.dirname(os.path.abspath(__file__))
-    repo_root = os.path.dirname(os.path.dirname(here))
-    candidates = []
-    if explicit:
-        candidates.append(explicit)
-    if os.environ.get("DPFL_DATA_DIR"):
-        candidates.append(os.path.join(os.environ["DPFL_DATA_DIR"], "mnist.npz"))
-    candidates.append(os.path.join(os.path.dirname(repo_root), "shared", "data",
-                                   "mnist.npz"))
-    candidates.append(os.path.expanduser("~/.keras/datasets/mnist.npz"))
-    for path in candidates:
-        if os.path.isfile(path):
-            return path
-    raise FileNotFoundError("mnist.npz not found; looked in: "
-                            + ", ".join(candidates)
-                            + " (pass --mnist-path or set DPFL_DATA_DIR)")
-
-
-def make_data(model_name, examples, mnist_path):
-    """Returns float32 features, int64 labels and a description."""
-    if model_name == "mnist_mlp":
-        path = find_mnist(mnist_path)
-        with np.load(path) as data:
-            images = data["x_train"][:examples]
-            labels = data["y_train"][:examples]
-        if len(images) < examples:
-            raise ValueError(f"{path} has only {len(images)} training rows")
-        flat = images.reshape(examples, -1).astype(np.float32) / 255.0
-        projection = np.random.default_rng(0).standard_normal(
-            (flat.shape[1], MNIST_FEATURES)).astype(np.float32)
-        features = (flat @ projection).astype(np.float32)
-        desc = (f"first {examples} MNIST train rows from {path}, /255, "
-                f"flattened, times a fixed N(0,1) 784x{MNIST_FEATURES} matrix "
-                f"(numpy default_rng(0))")
-    else:
-        rng = np.random.default_rng(0)
-        features = rng.uniform(0.0, 1.0, size=(examples,) + CIFAR_SHAPE
-                               ).astype(np.float32)
-        labels = rng.integers(0, NUM_CLASSES, size=examples)
-        features = np.ascontiguousarray(features.transpose(0, 3, 1, 2))
-        desc = (f"{examples} random uniform [0,1) images {CIFAR_SHAPE} "
-                f"(generated NHWC, transposed to NCHW) and random labels "
-                f"(numpy default_rng(0))")
-    return features, labels.astype(np.int64), desc
 
 
 # --------------------------------------------------------------------------
@@ -171,20 +104,6 @@ def build_model(nn, model_name):
             for param in module.parameters():
                 param.requires_grad_(False)
     return model
-
-
-def limit_address_space(gigabytes):
-    if gigabytes and gigabytes > 0:
-        limit = int(gigabytes * 1024 ** 3)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-
-def write_result(path, result):
-    out_dir = os.path.dirname(os.path.abspath(path))
-    os.makedirs(out_dir, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(result, handle, indent=2)
-        handle.write("\n")
 
 
 def run_repeats(torch, args, features, labels, warmup, timed, extra):
@@ -250,13 +169,10 @@ def run_repeats(torch, args, features, labels, warmup, timed, extra):
                 sizes.append(len(targets))
             times.append(time.perf_counter() - start)
             batch_sizes.append(sizes)
-        warmup.append(times[0])
-        timed.extend(times[1:])
+        record_repeat(repeat, times, warmup, timed)
         extra.setdefault("steps_per_epoch", len(batch_sizes[-1]))
         extra.setdefault("batch_sizes_seen", []).extend(
             b for sizes in batch_sizes for b in sizes)
-        print(f"repeat {repeat}: warm-up {times[0]:.3f}s, epochs "
-              + ", ".join(f"{t:.3f}s" for t in times[1:]), file=sys.stderr)
         del model, optimizer, loader
 
 
@@ -272,17 +188,13 @@ def main(argv=None):
     from importlib import metadata  # pylint: disable=import-outside-toplevel
 
     torch.set_num_threads(args.threads)
-    features, labels, data_desc = make_data(args.model, args.examples,
-                                            args.mnist_path)
+    features, labels, data_desc = benchmark_data(args.model, args.examples,
+                                                 args.mnist_path, nchw=True)
 
-    warmup, timed, extra, error = [], [], {}, None
-    try:
-        run_repeats(torch, args, features, labels, warmup, timed, extra)
-    except Exception as exc:  # pylint: disable=broad-except
-        error = f"{type(exc).__name__}: {str(exc)[:1500]}"
-        print("FAILED: " + error, file=sys.stderr)
+    warmup, timed, extra = [], [], {}
+    error = run_guarded(run_repeats, torch, args, features, labels, warmup, timed, extra)
 
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    peak_mb = peak_memory_mb()
     sizes = extra.pop("batch_sizes_seen", [])
     private = args.implementation != "nonprivate"
     settings = {
@@ -314,21 +226,14 @@ def main(argv=None):
         "implementation": args.implementation,
         "library": "opacus",
         "library_version": metadata.version("opacus"),
-        "seconds_per_epoch": (statistics.median(timed)
-                              if timed and error is None else None),
+        "seconds_per_epoch": median_seconds(timed, error),
         "epoch_seconds": timed,
         "peak_memory_mb": peak_mb,
         "examples": args.examples,
         "lot_size": args.lot_size,
         "settings": settings,
     }
-    if error is not None:
-        result["error"] = error
-    write_result(args.output, result)
-    print(json.dumps({k: result[k] for k in
-                      ("model", "implementation", "seconds_per_epoch",
-                       "peak_memory_mb")}))
-    return 0 if error is None else 3
+    return finish(args.output, result, error)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ model / optimizer / PrivacyEngine and trains it for ``--epochs`` epochs; the
 first epoch of each repeat is a warm-up and is not timed.
 
 The architectures, sizes and the numpy data recipe are those of
-experiments/benchmark_layers.py (Keras), layer for layer:
+experiments/benchmark_layers.py (Keras), layer for layer (the constants and
+the data from _peer_common.py, which both import):
 
   transformer   Embedding + fixed sinusoidal positions, 2 post-LN blocks of
                 multi-head self-attention (separate q/k/v/output nn.Linear with
@@ -31,20 +32,26 @@ experiments/benchmark_layers.py (Keras), layer for layer:
                 PyTorch's LSTM has two bias vectors (b_ih, b_hh), Keras's one:
                 512 more parameters.
 
-This file is standalone: it must not import the project's own package.
+This file is standalone but for _peer_common.py beside it: it must not import
+the project's own package.
 """
 
 import argparse
-import json
 import math
 import os
 import platform
-import resource
-import statistics
 import sys
 import time
 
 import numpy as np
+# the architecture of experiments/benchmark_layers.py, every constant (SEQ_LEN too)
+from _peer_common import (BLOCKS, CONV_DENSE, CONV_FILTERS, CONV_KERNEL,  # noqa: F401
+                          CONV_STRIDE, FFN, GN_GROUPS, HEADS, IMAGE, IMAGE_CLASSES,
+                          LSTM_UNITS, RESNET_BLOCKS, RESNET_STAGES, SEQ_LEN, TEXT_CLASSES,
+                          VOCAB, WIDTH)
+from _peer_common import (L2_NORM_CLIP, LEARNING_RATE, NOISE_MULTIPLIER, check_run_args,
+                          finish, layers_data, limit_address_space, median_seconds,
+                          peak_memory_mb, positions, record_repeat, run_guarded)
 
 MODELS = ("transformer", "conv1d_text", "resnet20_gn", "lstm")
 
@@ -55,18 +62,6 @@ IMPLEMENTATIONS = {
     "opacus_ghost": ("opacus PrivacyEngine.make_private, grad_sample_mode='ghost' "
                      "(ghost / fast gradient clipping), Poisson sampling"),
 }
-
-L2_NORM_CLIP = 4.0
-NOISE_MULTIPLIER = 1.0
-LEARNING_RATE = 0.05
-
-# architecture: the same constants as experiments/benchmark_layers.py
-VOCAB, SEQ_LEN, WIDTH, HEADS, FFN, BLOCKS = 20_000, 128, 128, 4, 256, 2
-CONV_FILTERS, CONV_KERNEL, CONV_STRIDE, CONV_DENSE = 128, 7, 3, 128
-LSTM_UNITS = 128
-RESNET_STAGES, RESNET_BLOCKS, GN_GROUPS, IMAGE = (16, 32, 64), 3, 8, (32, 32, 3)
-TEXT_CLASSES, IMAGE_CLASSES = 2, 10
-
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -91,42 +86,13 @@ def parse_args(argv=None):
                              "configuration fails with an out-of-memory error instead of "
                              "exhausting the machine; 0 = no limit (default 20)")
     args = parser.parse_args(argv)
-    if args.epochs < 2:
-        parser.error("--epochs must be >= 2 (the first epoch is warm-up)")
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
-    if args.max_steps < 0:
-        parser.error("--max-steps must be >= 0 (0 = whole epochs)")
-    if args.lot_size < 1 or args.examples < args.lot_size:
-        parser.error("need 1 <= --lot-size <= --examples")
+    check_run_args(parser, args)
     return args
 
 
-# --------------------------------------------------------------------------
-# Data (numpy only; identical recipe in experiments/benchmark_layers.py)
-# --------------------------------------------------------------------------
-
 def make_data(model_name, n):
-    rng = np.random.default_rng(0)
-    if model_name == "resnet20_gn":
-        x = rng.uniform(0.0, 1.0, size=(n,) + IMAGE).astype(np.float32)
-        y = rng.integers(0, IMAGE_CLASSES, n).astype(np.int64)
-        return (np.ascontiguousarray(x.transpose(0, 3, 1, 2)), y,
-                f"{n} uniform [0,1) images {IMAGE} (NHWC, fed as NCHW), random labels "
-                "(numpy default_rng(0))")
-    p = 1.0 / np.arange(1, VOCAB)
-    x = 1 + rng.choice(VOCAB - 1, size=(n, SEQ_LEN), p=p / p.sum())
-    y = rng.integers(0, TEXT_CLASSES, n).astype(np.int64)
-    return (x.astype(np.int64), y,
-            f"{n} sequences of {SEQ_LEN} tokens, Zipf-like (p ~ 1/rank) over ids "
-            f"1..{VOCAB - 1}, random labels (numpy default_rng(0))")
-
-
-def positions():
-    pos = np.arange(SEQ_LEN)[:, None]
-    i = np.arange(WIDTH // 2)[None, :]
-    angle = pos / np.power(10_000.0, 2 * i / WIDTH)
-    return np.concatenate([np.sin(angle), np.cos(angle)], axis=-1).astype(np.float32)
+    """_peer_common.layers_data: int64 token ids (PyTorch's), images NCHW."""
+    return layers_data(model_name, n, token_dtype=np.int64, nchw=True)
 
 
 # --------------------------------------------------------------------------
@@ -244,19 +210,6 @@ def build_model(torch, model_name, private):
 # Training
 # --------------------------------------------------------------------------
 
-def limit_address_space(gigabytes):
-    if gigabytes and gigabytes > 0:
-        limit = int(gigabytes * 1024 ** 3)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-
-def write_result(path, result):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(result, handle, indent=2)
-        handle.write("\n")
-
-
 def run_repeats(torch, args, features, labels, warmup, timed, extra):
     """Trains args.repeats fresh models; appends epoch times in place."""
     from torch.utils.data import DataLoader, TensorDataset  # pylint: disable=import-outside-toplevel
@@ -307,11 +260,8 @@ def run_repeats(torch, args, features, labels, warmup, timed, extra):
             # a partial epoch (--max-steps) is scaled to the epoch's lots
             times.append((time.perf_counter() - start) * lots_per_epoch / steps)
         extra["lots_per_epoch"] = lots_per_epoch
-        warmup.append(times[0])
-        timed.extend(times[1:])
+        record_repeat(repeat, times, warmup, timed)
         extra["batch_size_min_mean_max"] = [min(sizes), float(np.mean(sizes)), max(sizes)]
-        print(f"repeat {repeat}: warm-up {times[0]:.3f}s, epochs "
-              + ", ".join(f"{t:.3f}s" for t in times[1:]), file=sys.stderr)
         del model, optimizer, loader
 
 
@@ -323,12 +273,8 @@ def main(argv=None):
 
     torch.set_num_threads(args.threads)
     features, labels, data_desc = make_data(args.model, args.examples)
-    warmup, timed, extra, error = [], [], {}, None
-    try:
-        run_repeats(torch, args, features, labels, warmup, timed, extra)
-    except Exception as exc:  # pylint: disable=broad-except
-        error = f"{type(exc).__name__}: {str(exc)[:1500]}"
-        print("FAILED: " + error, file=sys.stderr)
+    warmup, timed, extra = [], [], {}
+    error = run_guarded(run_repeats, torch, args, features, labels, warmup, timed, extra)
 
     private = args.implementation != "nonprivate"
     settings = {
@@ -352,18 +298,13 @@ def main(argv=None):
         "model": args.model, "implementation": args.implementation,
         "library": "opacus" if private else "torch",
         "library_version": metadata.version("opacus") if private else torch.__version__,
-        "seconds_per_epoch": statistics.median(timed) if timed and error is None else None,
+        "seconds_per_epoch": median_seconds(timed, error),
         "epoch_seconds": timed,
         "warmup_seconds": warmup,
-        "peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "peak_memory_mb": peak_memory_mb(),
         "examples": args.examples, "lot_size": args.lot_size, "settings": settings,
     }
-    if error is not None:
-        result["error"] = error
-    write_result(args.output, result)
-    print(json.dumps({k: result[k] for k in
-                      ("model", "implementation", "seconds_per_epoch", "peak_memory_mb")}))
-    return 0 if error is None else 3
+    return finish(args.output, result, error)
 
 
 if __name__ == "__main__":

@@ -14,20 +14,22 @@ memory belongs to that configuration alone.  Every repeat builds and compiles
 a fresh model and trains it for ``--epochs`` epochs; the first epoch of each
 repeat (tracing / XLA compilation) is a warm-up and is not timed.
 
-This file is standalone: it must not import the project's own package, since
-it runs under a different TensorFlow version.
+The data are _peer_common.benchmark_data's, as in opacus_benchmark.py.
+This file is standalone but for _peer_common.py beside it: it must not import
+the project's own package, since it runs under a different TensorFlow version.
 """
 
 import argparse
-import json
 import os
 import platform
-import resource
-import statistics
 import sys
 import time
 
 import numpy as np
+from _peer_common import (CIFAR_SHAPE, L2_NORM_CLIP, LEARNING_RATE, MNIST_FEATURES,
+                          NOISE_MULTIPLIER, NUM_CLASSES, benchmark_data, check_run_args,
+                          finish, limit_address_space, median_seconds, peak_memory_mb,
+                          record_repeat, run_guarded)
 
 MODELS = ("mnist_mlp", "cifar_frozen_conv", "cifar_full_conv")
 
@@ -48,13 +50,6 @@ IMPLEMENTATIONS = {
         "plain legacy SGD optimizer"
     ),
 }
-
-L2_NORM_CLIP = 4.0
-NOISE_MULTIPLIER = 1.0
-LEARNING_RATE = 0.05
-MNIST_FEATURES = 60
-CIFAR_SHAPE = (24, 24, 3)
-NUM_CLASSES = 10
 
 
 def parse_args(argv=None):
@@ -97,17 +92,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.list_implementations:
         return args
-    missing = [name for name in ("model", "implementation", "output")
-               if getattr(args, name) is None]
-    if missing:
-        parser.error("missing required arguments: "
-                     + ", ".join("--" + m.replace("_", "-") for m in missing))
-    if args.epochs < 2:
-        parser.error("--epochs must be >= 2 (the first epoch is warm-up)")
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
-    if args.lot_size < 1 or args.examples < args.lot_size:
-        parser.error("need 1 <= --lot-size <= --examples")
+    check_run_args(parser, args, required=("model", "implementation", "output"))
     if args.physical_batch_size is None:
         args.physical_batch_size = args.lot_size
     if args.physical_batch_size != args.lot_size:
@@ -118,55 +103,6 @@ def parse_args(argv=None):
                 or args.lot_size % args.physical_batch_size):
             parser.error("--physical-batch-size must divide --lot-size")
     return args
-
-
-# --------------------------------------------------------------------------
-# Data (numpy only; identical recipe in opacus_benchmark.py)
-# --------------------------------------------------------------------------
-
-def find_mnist(explicit):
-    here = os.path.dirname(os.path.abspath(__file__))
-    repo_root = os.path.dirname(os.path.dirname(here))
-    candidates = []
-    if explicit:
-        candidates.append(explicit)
-    if os.environ.get("DPFL_DATA_DIR"):
-        candidates.append(os.path.join(os.environ["DPFL_DATA_DIR"], "mnist.npz"))
-    candidates.append(os.path.join(os.path.dirname(repo_root), "shared", "data",
-                                   "mnist.npz"))
-    candidates.append(os.path.expanduser("~/.keras/datasets/mnist.npz"))
-    for path in candidates:
-        if os.path.isfile(path):
-            return path
-    raise FileNotFoundError("mnist.npz not found; looked in: "
-                            + ", ".join(candidates)
-                            + " (pass --mnist-path or set DPFL_DATA_DIR)")
-
-
-def make_data(model_name, examples, mnist_path):
-    """Returns float32 features, int64 labels and a description."""
-    if model_name == "mnist_mlp":
-        path = find_mnist(mnist_path)
-        with np.load(path) as data:
-            images = data["x_train"][:examples]
-            labels = data["y_train"][:examples]
-        if len(images) < examples:
-            raise ValueError(f"{path} has only {len(images)} training rows")
-        flat = images.reshape(examples, -1).astype(np.float32) / 255.0
-        projection = np.random.default_rng(0).standard_normal(
-            (flat.shape[1], MNIST_FEATURES)).astype(np.float32)
-        features = (flat @ projection).astype(np.float32)
-        desc = (f"first {examples} MNIST train rows from {path}, /255, "
-                f"flattened, times a fixed N(0,1) 784x{MNIST_FEATURES} matrix "
-                f"(numpy default_rng(0))")
-    else:
-        rng = np.random.default_rng(0)
-        features = rng.uniform(0.0, 1.0, size=(examples,) + CIFAR_SHAPE
-                               ).astype(np.float32)
-        labels = rng.integers(0, NUM_CLASSES, size=examples)
-        desc = (f"{examples} random uniform [0,1) images {CIFAR_SHAPE} (NHWC) "
-                f"and random labels (numpy default_rng(0))")
-    return features, labels.astype(np.int64), desc
 
 
 # --------------------------------------------------------------------------
@@ -277,12 +213,6 @@ def build_and_compile(tf, tfp, args):
     return model, extra
 
 
-def limit_address_space(gigabytes):
-    if gigabytes and gigabytes > 0:
-        limit = int(gigabytes * 1024 ** 3)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-
 def summarize_error(exc):
     text = str(exc)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -292,14 +222,6 @@ def summarize_error(exc):
     if oom:
         summary += " | " + oom[0][:300]
     return summary[:1500]
-
-
-def write_result(path, result):
-    out_dir = os.path.dirname(os.path.abspath(path))
-    os.makedirs(out_dir, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(result, handle, indent=2)
-        handle.write("\n")
 
 
 def run_repeats(tf, tfp, args, features, labels, timer_cls, warmup, timed,
@@ -319,11 +241,7 @@ def run_repeats(tf, tfp, args, features, labels, timer_cls, warmup, timed,
         model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[timer])
         extra["_trainable_parameters"] = int(sum(
             int(np.prod(v.shape)) for v in model.trainable_variables))
-        warmup.append(timer.times[0])
-        timed.extend(timer.times[1:])
-        print(f"repeat {repeat}: warm-up {timer.times[0]:.3f}s, epochs "
-              + ", ".join(f"{t:.3f}s" for t in timer.times[1:]),
-              file=sys.stderr)
+        record_repeat(repeat, timer.times, warmup, timed)
         del model, dataset
 
 
@@ -343,8 +261,8 @@ def main(argv=None):
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
 
-    features, labels, data_desc = make_data(args.model, args.examples,
-                                            args.mnist_path)
+    features, labels, data_desc = benchmark_data(args.model, args.examples,
+                                                 args.mnist_path)
     steps = args.examples // args.lot_size  # logical (noised) steps
     used = steps * args.lot_size  # batches of exactly lot_size examples
     if used != args.examples:
@@ -365,17 +283,13 @@ def main(argv=None):
         def on_epoch_end(self, epoch, logs=None):
             self.times.append(time.perf_counter() - self._start)
 
-    warmup, timed, extra, n_params, error = [], [], {}, None, None
-    try:
-        run_repeats(tf, tfp, args, features, labels, EpochTimer,
-                    warmup, timed, extra)
-    except Exception as exc:  # pylint: disable=broad-except
-        # Typically ResourceExhaustedError (OOM) for per-example Jacobians.
-        error = summarize_error(exc)
-        print("FAILED: " + error, file=sys.stderr)
+    warmup, timed, extra = [], [], {}
+    # typically ResourceExhaustedError (OOM) for per-example Jacobians
+    error = run_guarded(run_repeats, tf, tfp, args, features, labels, EpochTimer,
+                        warmup, timed, extra, describe=summarize_error)
     n_params = extra.pop("_trainable_parameters", None)
 
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    peak_mb = peak_memory_mb()
     settings = {
         "l2_norm_clip": None if args.implementation == "nonprivate"
         else L2_NORM_CLIP,
@@ -410,21 +324,14 @@ def main(argv=None):
         "implementation": args.implementation,
         "library": "tensorflow-privacy",
         "library_version": metadata.version("tensorflow-privacy"),
-        "seconds_per_epoch": (statistics.median(timed)
-                              if timed and error is None else None),
+        "seconds_per_epoch": median_seconds(timed, error),
         "epoch_seconds": timed,
         "peak_memory_mb": peak_mb,
         "examples": args.examples,
         "lot_size": args.lot_size,
         "settings": settings,
     }
-    if error is not None:
-        result["error"] = error
-    write_result(args.output, result)
-    print(json.dumps({k: result[k] for k in
-                      ("model", "implementation", "seconds_per_epoch",
-                       "peak_memory_mb")}))
-    return 0 if error is None else 3
+    return finish(args.output, result, error)
 
 
 if __name__ == "__main__":

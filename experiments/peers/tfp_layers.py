@@ -54,20 +54,23 @@ Sampling is tensorflow-privacy's (whatever batches fit is given): the data
 are shuffled every epoch and cut into fixed batches of exactly lot size
 (remainder dropped), not Poisson-sampled lots.
 
-This file is standalone: it must not import the project's own package, since
-it runs under a different TensorFlow and Keras version.
+This file is standalone but for _peer_common.py beside it (the architecture
+constants and the data recipe of experiments/benchmark_layers.py, which
+imports them from there too): it must not import the project's own package,
+since it runs under a different TensorFlow and Keras version.
 """
 
 import argparse
-import json
 import os
 import platform
-import resource
-import statistics
 import sys
 import time
 
 import numpy as np
+from _peer_common import (BLOCKS, FFN, HEADS, L2_NORM_CLIP, LEARNING_RATE, NOISE_MULTIPLIER,
+                          SEQ_LEN, TEXT_CLASSES, VOCAB, WIDTH, check_run_args, finish,
+                          layers_data, limit_address_space, median_seconds, peak_memory_mb,
+                          positions, record_repeat, run_guarded)
 
 MODELS = ("transformer",)
 
@@ -77,14 +80,6 @@ IMPLEMENTATIONS = {
                       "fast gradient clipping with a layer registry covering every "
                       "trainable layer, legacy SGD, shuffled batches of lot size"),
 }
-
-L2_NORM_CLIP = 4.0
-NOISE_MULTIPLIER = 1.0
-LEARNING_RATE = 0.05
-
-# architecture: the same constants as experiments/benchmark_layers.py
-VOCAB, SEQ_LEN, WIDTH, HEADS, FFN, BLOCKS = 20_000, 128, 128, 4, 256, 2
-TEXT_CLASSES = 2
 
 # How each registry function of tensorflow-privacy 0.9.0 gets a layer's
 # per-example squared gradient norms (read from its registry_functions/).
@@ -138,43 +133,18 @@ def parse_args(argv=None):
                              "configuration fails with an out-of-memory error instead of "
                              "exhausting the machine; 0 = no limit (default 20)")
     args = parser.parse_args(argv)
-    if args.epochs < 2:
-        parser.error("--epochs must be >= 2 (the first epoch is warm-up)")
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
-    if args.max_steps < 0:
-        parser.error("--max-steps must be >= 0 (0 = whole epochs)")
+    check_run_args(parser, args)
     if args.norm_check < 0:
         parser.error("--norm-check must be >= 0 (0 = skip)")
-    if args.lot_size < 1 or args.examples < args.lot_size:
-        parser.error("need 1 <= --lot-size <= --examples")
     return args
 
 
-# --------------------------------------------------------------------------
-# Data: a copy of the recipe of experiments/benchmark_layers.py (make_data,
-# _positions) and peers/opacus_layers.py, constants and numpy calls alike, so
-# that the tokens and labels are the same numbers.
-# --------------------------------------------------------------------------
-
 def make_data(model_name, n):
+    """_peer_common.layers_data for the transformer: int32 token ids, as the
+    Keras model of experiments/benchmark_layers.py takes them."""
     if model_name not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {model_name!r}")
-    rng = np.random.default_rng(0)
-    # Zipf-like token frequencies (p ~ 1 / rank); id 0 is never drawn (padding)
-    p = 1.0 / np.arange(1, VOCAB)
-    x = 1 + rng.choice(VOCAB - 1, size=(n, SEQ_LEN), p=p / p.sum())
-    y = rng.integers(0, TEXT_CLASSES, n).astype(np.int64)
-    return (x.astype(np.int32), y,
-            f"{n} sequences of {SEQ_LEN} tokens, Zipf-like (p ~ 1/rank) over ids "
-            f"1..{VOCAB - 1}, random labels (numpy default_rng(0))")
-
-
-def positions():
-    pos = np.arange(SEQ_LEN)[:, None]
-    i = np.arange(WIDTH // 2)[None, :]
-    angle = pos / np.power(10_000.0, 2 * i / WIDTH)
-    return np.concatenate([np.sin(angle), np.cos(angle)], axis=-1).astype(np.float32)
+    return layers_data(model_name, n, token_dtype=np.int32)
 
 
 # --------------------------------------------------------------------------
@@ -276,19 +246,6 @@ def check_norms(tf, model, registry, features, labels, loss_fn, count):
 # Training
 # --------------------------------------------------------------------------
 
-def limit_address_space(gigabytes):
-    if gigabytes and gigabytes > 0:
-        limit = int(gigabytes * 1024 ** 3)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-
-def write_result(path, result):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(result, handle, indent=2)
-        handle.write("\n")
-
-
 def run_repeats(tf, args, features, labels, warmup, timed, extra):
     """Trains args.repeats fresh models; appends epoch times in place."""
     private = args.implementation == "fast_clipping"
@@ -367,10 +324,7 @@ def run_repeats(tf, args, features, labels, warmup, timed, extra):
         timer = EpochTimer()
         model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[timer])
         extra["lots_per_epoch"] = lots_per_epoch
-        warmup.append(timer.times[0])
-        timed.extend(timer.times[1:])
-        print(f"repeat {repeat}: warm-up {timer.times[0]:.3f}s, epochs "
-              + ", ".join(f"{t:.3f}s" for t in timer.times[1:]), file=sys.stderr)
+        record_repeat(repeat, timer.times, warmup, timed)
         del model, dataset
 
 
@@ -384,12 +338,8 @@ def main(argv=None):
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     features, labels, data_desc = make_data(args.model, args.examples)
-    warmup, timed, extra, error = [], [], {}, None
-    try:
-        run_repeats(tf, args, features, labels, warmup, timed, extra)
-    except Exception as exc:  # pylint: disable=broad-except
-        error = f"{type(exc).__name__}: {str(exc)[:1500]}"
-        print("FAILED: " + error, file=sys.stderr)
+    warmup, timed, extra = [], [], {}
+    error = run_guarded(run_repeats, tf, args, features, labels, warmup, timed, extra)
 
     private = args.implementation == "fast_clipping"
     lots = args.examples // args.lot_size
@@ -421,19 +371,14 @@ def main(argv=None):
         "library": "tensorflow-privacy" if private else "tf.keras",
         "library_version": (metadata.version("tensorflow-privacy") if private
                             else metadata.version("keras")),
-        "seconds_per_epoch": statistics.median(timed) if timed and error is None else None,
+        "seconds_per_epoch": median_seconds(timed, error),
         "epoch_seconds": timed,
         "warmup_seconds": warmup,
-        "peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "peak_memory_mb": peak_memory_mb(),
         "examples": args.examples, "lot_size": args.lot_size, "settings": settings,
         "command": " ".join([sys.executable] + sys.argv),
     }
-    if error is not None:
-        result["error"] = error
-    write_result(args.output, result)
-    print(json.dumps({k: result[k] for k in
-                      ("model", "implementation", "seconds_per_epoch", "peak_memory_mb")}))
-    return 0 if error is None else 3
+    return finish(args.output, result, error)
 
 
 if __name__ == "__main__":

@@ -273,3 +273,28 @@ def test_cli_train_cifar10_validates_before_training(capsys):
     with pytest.raises(SystemExit):
         cli_main(["train", "cifar10", "--trained-layers", "conv"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+@needs_jpeg_copy
+def test_a_resumed_run_ends_with_the_weights_of_the_uninterrupted_run(env, pretrained,
+                                                                      tmp_path):
+    """Augmentation included: its draws are keyed by the lot, so a seeded run
+    interrupted inside an epoch and resumed ends where the uninterrupted one does."""
+    net, info, pre = pretrained
+    config = _config(env, pre, trained_layers="top", epochs=2, noise_multiplier=0.5)
+    whole, whole_model = train_cifar10(config, pretrained=(net, info), verbose=False,
+                                       return_model=True)
+    lots = whole["lots"]
+    assert lots == 2 * ((10 * N_TRAIN - PUBLIC) // 50) and lots >= 4
+    polls = iter(range(10 ** 6))
+    ckpt = str(tmp_path / "ckpt")
+    first = train_cifar10(config, pretrained=(net, info), verbose=False, checkpoint_dir=ckpt,
+                          checkpoint_every_epoch=False,
+                          should_stop=lambda: next(polls) >= lots // 2)
+    assert first["stop_reason"] == "interrupted" and first["lots"] == lots // 2 + 1
+    resumed, resumed_model = train_cifar10(config, verbose=False, checkpoint_dir=ckpt,
+                                           return_model=True)
+    assert resumed["lots"] == lots
+    for a, b in zip(whole_model.model.get_weights(), resumed_model.model.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    assert resumed["test_accuracy"] == whole["test_accuracy"]

@@ -1,0 +1,136 @@
+"""What the experiment scripts share: the checkout on the import path, where
+results and data are, the commit a result was measured at, this process's
+peak memory, and the two ways of running a child process (one measured from
+outside, one that returns the JSON object it writes).
+
+    from _common import ROOT, RESULTS, commit_of, run_measured   # in experiments/*.py
+
+Importing this module puts the checkout first on ``sys.path`` (the package of
+this checkout, installed or not) and ``experiments/`` after it.  It imports
+neither TensorFlow nor the package.  The peer scripts in ``experiments/peers/``
+run in other environments and share ``peers/_peer_common.py`` instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+__all__ = ["DATA_DIR", "ROOT", "RESULTS", "command_line", "commit_of", "load_runs",
+           "peak_rss_mb", "run_child", "run_measured", "shown"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "results")
+# the offline data: $DPFL_DATA_DIR, else shared/data beside the checkout
+DATA_DIR = os.environ.get("DPFL_DATA_DIR", os.path.join(os.path.dirname(ROOT), "shared", "data"))
+for _path in (os.path.join(ROOT, "experiments"), ROOT):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+
+def commit_of(tree: str = ROOT, *, untracked: bool = False) -> str:
+    """The short commit of a checkout, "(with uncommitted changes)" when a
+    tracked file is changed (or, with `untracked`, when any file git does not
+    ignore is new); "unknown" when git cannot tell."""
+    try:
+        head = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", tree, "status", "--porcelain",
+                                "--untracked-files=" + ("normal" if untracked else "no")],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + (" (with uncommitted changes)" if dirty else "")
+
+
+def shown(path: str) -> str:
+    """A path as a result file records it: inside the checkout relative to
+    it, elsewhere absolute."""
+    path = os.path.abspath(path)
+    return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
+
+
+def command_line() -> str:
+    """This script's command line as a result file records it: the script
+    relative to the checkout, then its arguments."""
+    return " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
+
+
+def load_runs(path: str) -> list:
+    """The runs a results file holds (a JSON list), [] when there is no file yet."""
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return []
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB (``ru_maxrss``)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_measured(command: list, *, cwd: str = ROOT, env: dict | None = None,
+                 log: str | None = None, timeout: float | None = None) -> dict:
+    """Runs `command` as a child process; returns its exit code, wall seconds
+    and peak RSS (the child's ``ru_maxrss`` from ``wait4``: resident memory,
+    mapped file pages included, as ``/usr/bin/time -v`` reports it), with the
+    command line and the load average before it started."""
+    load = os.getloadavg()
+    start = time.perf_counter()
+    out = open(log, "w") if log else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                proc.kill()
+            time.sleep(0.2)
+    finally:
+        if log:
+            out.close()
+    return {"command": shlex.join(command), "exit_code": os.waitstatus_to_exitcode(status),
+            "wall_seconds": round(time.perf_counter() - start, 1),
+            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+            "load_average_before": [round(v, 2) for v in load]}
+
+
+def run_child(cmd: list, timeout: float, *, key: str = "seconds_per_epoch") -> dict:
+    """Runs a worker that writes one JSON object to the path given after
+    ``--output`` (appended to `cmd` here) and returns that object.
+
+    The child runs in the checkout with it as ``PYTHONPATH`` and TensorFlow's
+    C++ logging at warnings.  A child that wrote nothing, or an object with no
+    value for `key` and no "error", gets `key` None and as "error" the last
+    2,000 characters of its stderr (else of its stdout, else "exit N").  One
+    still running after `timeout` seconds is killed:
+    ``{key: None, "error": "timed out after N s"}``."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out_path = f.name
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    try:
+        proc = subprocess.run(cmd + ["--output", out_path], capture_output=True, text=True,
+                              timeout=timeout, env=env, cwd=ROOT)
+        result = {}
+        if os.path.getsize(out_path) > 0:
+            with open(out_path) as f:
+                result = json.load(f)
+        if result.get(key) is None and not result.get("error"):
+            result[key] = None
+            result["error"] = (proc.stderr or proc.stdout)[-2000:] or f"exit {proc.returncode}"
+        return result
+    except subprocess.TimeoutExpired:
+        return {key: None, "error": f"timed out after {timeout:.0f} s"}
+    finally:
+        os.unlink(out_path)
