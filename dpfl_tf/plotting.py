@@ -72,7 +72,8 @@ def plot_federated_rounds(runs, ax_accuracy=None, ax_epsilon=None, title: str = 
     """Test accuracy (left) and epsilon (right) per round, one line per run,
     labelled by its mechanism (results of `run_federated` / ``dpfl-tf
     federated``).  Runs without client-level DP have no epsilon line (their
-    epsilon is infinite; the panel's title says so)."""
+    epsilon is infinite; the panel's title says so; a local-DP run is labelled with
+    its per-coordinate epsilon).  The accuracy axis spans [0, 1]."""
     if ax_accuracy is None or ax_epsilon is None:
         from matplotlib.figure import Figure
 
@@ -81,6 +82,8 @@ def plot_federated_rounds(runs, ax_accuracy=None, ax_epsilon=None, title: str = 
     for i, run in enumerate(runs):
         color = f"C{i % 10}"
         label = run.get("mechanism", f"run {i + 1}")
+        if label.startswith("ldp_") and run.get("epsilon_per_coordinate") is not None:
+            label = f"{label} (local DP, eps {run['epsilon_per_coordinate']:g} per coordinate)"
         rows = run["history"]
         acc = [r for r in rows if r.get("accuracy") is not None]
         ax_accuracy.plot([r["round"] for r in acc], [r["accuracy"] for r in acc], color=color,
@@ -89,10 +92,11 @@ def plot_federated_rounds(runs, ax_accuracy=None, ax_epsilon=None, title: str = 
         if eps:
             ax_epsilon.plot([r["round"] for r in eps], [r["epsilon"] for r in eps],
                             color=color, marker="o" if len(eps) < 20 else None, label=label)
-        else:
+        elif not label.startswith("ldp_"):   # local DP has no client-level epsilon
             no_dp.append(label)
     ax_accuracy.set_xlabel("round")
     ax_accuracy.set_ylabel("test accuracy")
+    ax_accuracy.set_ylim(0.0, 1.0)   # chance-level noise is not blown up into big swings
     ax_accuracy.grid(alpha=0.3)
     ax_accuracy.legend(fontsize=8)
     ax_accuracy.set_title(title or "accuracy per round", fontsize=9)
@@ -101,7 +105,7 @@ def plot_federated_rounds(runs, ax_accuracy=None, ax_epsilon=None, title: str = 
     ax_epsilon.grid(alpha=0.3)
     ax_epsilon.set_title("epsilon per round" + (f" ({', '.join(no_dp)}: no DP, epsilon = inf)"
                                                 if no_dp else ""), fontsize=9)
-    if len(no_dp) < len(runs):
+    if ax_epsilon.lines:
         ax_epsilon.legend(fontsize=8)
     return ax_accuracy, ax_epsilon
 

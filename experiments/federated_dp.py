@@ -33,6 +33,8 @@ import os
 
 import numpy as np
 
+from _common import RESULTS
+
 from dpfl_tf._io import atomic_write_json, merge_json_runs
 from dpfl_tf.federated.runner import FederatedConfig, peak_rss_mb, run_federated
 from dpfl_tf.plotting import save_figure
@@ -172,7 +174,7 @@ def main(argv=None) -> list[dict]:
                    help="also time N alternating DP / non-private rounds per K "
                         "(writes results/federated_speed.json)")
     p.add_argument("--speed-only", action="store_true", help="only the timing comparison")
-    p.add_argument("--output-dir", default="results")
+    p.add_argument("--output-dir", default=RESULTS)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     args.clip = args.clip if args.clip == "adaptive" else float(args.clip)

@@ -32,6 +32,8 @@ import time
 
 import numpy as np
 
+from _common import RESULTS
+
 from dpfl_tf._io import atomic_write_json
 from dpfl_tf.federated.runner import FederatedConfig, run_federated
 
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, nargs="+", default=[32])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--backend", choices=["ray", "local"], default="ray")
-    p.add_argument("--out", default="results/federated_flower.json")
+    p.add_argument("--out", default=os.path.join(RESULTS, "federated_flower.json"))
     args = p.parse_args(argv)
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")   # before flwr is imported

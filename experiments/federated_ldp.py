@@ -36,6 +36,8 @@ import os
 
 import numpy as np
 
+from _common import RESULTS
+
 from dpfl_tf._io import merge_json_runs
 from dpfl_tf.federated.runner import FederatedConfig, run_federated
 from dpfl_tf.plotting import save_figure
@@ -160,7 +162,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--momentum", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
-    p.add_argument("--output-dir", default="results")
+    p.add_argument("--output-dir", default=RESULTS)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--plot-only", action="store_true", help="redraw the figure from the results")
     args = p.parse_args(argv)

@@ -68,6 +68,7 @@ import dp_accounting
 import numpy as np
 import tensorflow as tf
 
+from dpfl_tf._seeds import derive_seed
 from dpfl_tf._validation import check_number
 from dpfl_tf.privacy.events import (SamplingMethod, clipped_upload_event,
                                     complementary_noise_multiplier, gaussian_step_event,
@@ -106,6 +107,8 @@ class Aggregator:
     private: bool = False
     #: True if `aggregate` needs only O(model) memory.
     streaming: bool = True
+    #: True if `client_transform` draws noise (each client's own stream when seeded).
+    client_noise: bool = False
 
     def client_transform(self, update: Update) -> list[tf.Tensor]:
         """What a client does to its update before upload (identity here)."""
@@ -347,7 +350,8 @@ class GlobalDPAggregator(_SanitizedAggregator):
                     f"{self.count_stddev:g}")
             self._count = GaussianSanitizer(
                 0.5, 2.0 * self.count_stddev,
-                seed=None if sanitizer.seed is None else _derived_seed(sanitizer.seed, 1),
+                seed=None if sanitizer.seed is None else derive_seed(sanitizer.seed,
+                                                                       "count-noise"),
                 secure_mode=self.secure_mode)
         self.clip_bound = float(sanitizer.l2_norm_clip) if not sanitizer.per_layer else None
 
@@ -416,7 +420,7 @@ class GlobalDPAggregator(_SanitizedAggregator):
     def reseed(self, seed: int) -> None:
         super().reseed(seed)      # refuses in secure mode
         if self.clip == "adaptive":
-            self._count.generator.reset_from_seed(_derived_seed(seed, 1))
+            self._count.generator.reset_from_seed(derive_seed(seed, "count-noise"))
 
     def get_state(self) -> dict:
         return {"clip_bound": self.clip_bound} if self.clip == "adaptive" else {}
@@ -449,11 +453,6 @@ class GlobalDPAggregator(_SanitizedAggregator):
         return config
 
 
-def _derived_seed(seed: int, stream: int) -> int:
-    """An independent seed for a second noise stream of a seeded run (tests only)."""
-    return int(np.random.default_rng([int(seed), int(stream)]).integers(2**62))
-
-
 class ClientNoiseDPAggregator(_SanitizedAggregator):
     """DP-FedAvg with client-side noise (module docstring has the event).
 
@@ -467,6 +466,8 @@ class ClientNoiseDPAggregator(_SanitizedAggregator):
       groups: as for `GlobalDPAggregator`.
       secure_mode: the sanitizer must be secure; `reseed` refuses.
     """
+
+    client_noise = True
 
     def __init__(self, sanitizer: GaussianSanitizer, *, groups: Sequence[int] | None = None,
                  secure_mode: bool = False):

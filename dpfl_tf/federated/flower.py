@@ -35,21 +35,23 @@ or a real deployment, with OUR mechanisms and OUR accounting:
 
 How a round maps (in-process -> Flower)
 ---------------------------------------
+The round is `FederatedServer`'s own named parts on both runtimes:
+
 =================================  ============================================
-``FederatedServer.run_round``      ``DPStrategy``
+``FederatedServer.run``            ``DPStrategy``
 =================================  ============================================
-budget check before the round      ``configure_train`` (same method)
-sample with rng (seed, t)          ``configure_train``: the same
-                                   `ClientSampling` over the sorted node ids;
-                                   the inner strategy addresses exactly them
-trainer.train(w_t, idx_k, rng)     ClientApp ``train``: rng (seed, t, k) per
-                                   client (a client cannot share the server's
-                                   stream), same `LocalTrainer`
-aggregator.client_transform        ClientApp ``train`` (same object and method)
+``budget_stop_reason``             ``configure_train`` (same method)
+``open_round``: sample clients     ``configure_train`` (same method), then the
+                                   nodes of the sampled clients (enrolment:
+                                   each node says its ``partition-id``); the
+                                   inner strategy addresses exactly them
+``client_upload``: train, client   ClientApp ``train`` (same method, on the
+step, local DP                     client's node; streams (seed, t, k))
 aggregator.aggregate               ``aggregate_train`` (same object); without
                                    DP the inner strategy aggregates the updates
-ledger.record(round_event)         ``aggregate_train`` (same ledger and event)
-evaluate                           ``aggregate_train`` (same method)
+``close_round``: weights, ledger,  ``aggregate_train`` (same method), then the
+participations, test, history      checkpoint and the results file
+``finish``                         ``run`` (same method)
 =================================  ============================================
 
 Clients upload the *update* Delta_k (after their mechanism), not the new
@@ -105,14 +107,14 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator
-from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report, stream_seed
-from dpfl_tf.federated.runner import (DPMode, FederatedConfig, _local_summary, build_server,
-                                     peak_rss_mb)
+from dpfl_tf._validation import check_count
+from dpfl_tf.federated.aggregators import AggregateResult, ClientNoiseDPAggregator
+from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report
+from dpfl_tf.federated.runner import DPMode, FederatedConfig, build_server, federated_result
 from dpfl_tf.federated.server import FederatedServer, RoundRecord
 
 __all__ = [
-    "DPStrategy", "LocalDPUpload", "LocalGrid", "client_app", "client_rng", "client_update",
+    "DPStrategy", "LocalDPUpload", "LocalGrid", "client_app", "client_update",
     "config_from_run_config", "config_to_run_config", "default_inner_strategy",
     "make_client_app", "make_server_app", "run_on_flower", "server_app",
     "FLOWER_VERSION", "PARTITION_ID_KEY", "NUM_PARTITIONS_KEY", "ROUND_KEY",
@@ -126,15 +128,10 @@ NUM_PARTITIONS_KEY = "num-partitions"
 ROUND_KEY = "dpfl-round"
 _STATE_KEY = "dpfl"
 _BACKENDS = ("ray", "local")
+#: the composed epsilons clients report in their metrics (the largest is kept)
+_CLIENT_EPSILONS = ("client-dp-epsilon-total", "ldp-epsilon-total",
+                    "ldp-accountant-epsilon-total", "ldp-epsilon-total-sign-only")
 _log = logging.getLogger("dpfl_tf.federated.flower")
-
-
-def client_rng(seed: int, round_index: int, client_id: int) -> np.random.Generator:
-    """The generator that shuffles client k's examples in round t: (seed, t, k).
-
-    In-process all clients of a round draw from one stream (seed, t); a
-    Flower client cannot see that stream, so it gets its own."""
-    return np.random.default_rng([int(seed), int(round_index), int(client_id)])
 
 
 # ---------------------------------------------------------------------------
@@ -142,7 +139,7 @@ def client_rng(seed: int, round_index: int, client_id: int) -> np.random.Generat
 
 _FIELDS = {f.name: f for f in dataclasses.fields(FederatedConfig)}
 #: run-config keys the apps read besides FederatedConfig's fields.
-_EXTRA_RUN_KEYS = ("results-path",)
+_EXTRA_RUN_KEYS = ("results-path", "checkpoint-dir", "min-nodes", "node-timeout")
 
 
 def config_from_run_config(run_config: dict) -> FederatedConfig:
@@ -191,27 +188,12 @@ def config_to_run_config(config: FederatedConfig) -> dict:
 def client_update(server: FederatedServer, client_id: int, global_weights: Sequence[tf.Tensor],
                   round_index: int, *, local_dp: LocalDPUpload | None = None
                   ) -> tuple[list[tf.Tensor], int]:
-    """What client k uploads in round t, and its n_k.
-
-    ``Delta_k = server.trainer.train(w_t, partition.client(k), client_rng(seed, t, k))``,
-    then the aggregator's client-side step (`client_transform`: identity,
-    or clip + noise through the sanitizer for DP-FedAvg with client-side
-    noise), then the local-DP mechanism if any.  `server` is the
-    `FederatedServer` built from the run's config (the client uses its
-    trainer, partition and aggregator, never its ledger)."""
-    k = int(client_id)
-    if not 0 <= k < server.num_clients:
-        raise ValueError(f"client id (partition-id) must lie in [0, {server.num_clients}), "
-                         f"got {client_id!r}")
-    indices = server.partition.client(k)
-    rng = client_rng(server.seed, round_index, k)
-    delta = server.trainer.train(list(global_weights), indices, rng)
-    if server.noise_seed is not None:      # tests only: per (noise_seed, t, k)
-        server.aggregator.reseed(stream_seed(server.noise_seed, round_index, k))
-    upload = server.aggregator.client_transform(delta)
-    if local_dp is not None:
-        upload = local_dp.apply(global_weights, upload, local_dp.generator(round_index, k))
-    return [tf.convert_to_tensor(u) for u in upload], len(indices)
+    """What client k uploads in round t, and its n_k: `FederatedServer.client_upload`,
+    the in-process client step itself (`server` is built from the run's config;
+    the client uses its trainer, partition and aggregator, never its ledger)."""
+    upload, n_k = server.client_upload(client_id, global_weights, round_index,
+                                       local_dp=local_dp)
+    return [tf.convert_to_tensor(u) for u in upload], n_k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,7 +237,9 @@ def _only(records: dict, what: str):
     return next(iter(records.values()))
 
 
-def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
+def _partition_id(spec: _ClientSpec, context: Context) -> tuple[FederatedConfig, int]:
+    """(the run's config, this node's partition id k), checked: 0 <= k < K and the node's
+    num-partitions equal to K."""
     config = spec.config if spec.config is not None else config_from_run_config(
         dict(context.run_config))
     node_config = context.node_config
@@ -269,6 +253,20 @@ def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
         raise ValueError(f"{NUM_PARTITIONS_KEY}={node_config[NUM_PARTITIONS_KEY]} but the "
                          f"config has clients={config.clients}: every client must build the "
                          "same partition")
+    if not 0 <= k < config.clients:
+        raise ValueError(f"client id (partition-id) must lie in [0, {config.clients}), "
+                         f"got {k}")
+    return config, k
+
+
+def _client_query(spec: _ClientSpec, msg: Message, context: Context) -> Message:
+    """Enrolment: the node says which client (partition) it holds (`DPStrategy`)."""
+    _, k = _partition_id(spec, context)
+    return Message(RecordDict({"metrics": MetricRecord({PARTITION_ID_KEY: k})}), reply_to=msg)
+
+
+def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
+    config, k = _partition_id(spec, context)
     server = _runtime(spec, config)
     arrays = _only(msg.content.array_records, "ArrayRecord").to_numpy_ndarrays()
     train_config = _only(msg.content.config_records, "ConfigRecord")
@@ -353,6 +351,10 @@ def make_client_app(config: FederatedConfig | None = None, dataset=None, *,
     def train(msg: Message, context: Context) -> Message:
         return _client_train(spec, msg, context)
 
+    @app.query()
+    def query(msg: Message, context: Context) -> Message:
+        return _client_query(spec, msg, context)
+
     return app
 
 
@@ -424,7 +426,24 @@ class DPStrategy(Strategy):
         sampling, aggregator, ledger, stop rule, evaluation, history and
         privacy report are used as they are.  Its trainer's model holds the
         global weights; its local-training arrays are not used on Flower.
-      node_timeout: seconds to wait for the K nodes to connect.
+      node_timeout: seconds the first round waits for the K enrolled clients'
+        nodes to connect (later rounds do not wait: a sampled client whose node is
+        down is a dropout).
+      min_nodes: the fewest live enrolled nodes a round runs with (default K: every
+        client's node; fewer, and a node lost mid-run does not end the run).
+      checkpoint_dir: the server's checkpoint is written there after every round and
+        read back by `run` (a Flower run started again continues where it stopped).
+      on_round: ``on_round(strategy)`` after every round (after its checkpoint).
+
+    Enrolment.  K = ``config.clients`` is the enrolled population the privacy event
+    is about, not the number of live nodes: every node is asked (a ``query``
+    message) which client (``partition-id``) it holds; two nodes claiming one
+    client, or a client id outside [0, K), are refused, naming the nodes.  The
+    round samples clients from the K enrolled ones; a sampled client whose node is
+    not alive uploads nothing (a dropout: the round proceeds with the uploads that
+    arrive and records the full round's event, which is conservative; the metrics
+    say ``uploads`` and ``missing-clients``).  With client-side noise a dropout
+    is refused instead (the released sum would carry less noise than accounted).
 
     Per round ``aggregate_train`` returns (new global weights, a
     MetricRecord with ``epsilon`` (at delta_max, the ledger's), ``delta``
@@ -437,7 +456,9 @@ class DPStrategy(Strategy):
     """
 
     def __init__(self, strategy: Strategy, server: FederatedServer, *,
-                 node_timeout: float = 120.0):
+                 node_timeout: float = 120.0, min_nodes: int | None = None,
+                 checkpoint_dir: str | None = None,
+                 on_round: Callable[["DPStrategy"], None] | None = None):
         super().__init__()
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a flwr Strategy, got {type(strategy).__name__}")
@@ -448,36 +469,80 @@ class DPStrategy(Strategy):
         self.strategy = strategy
         self.server = server
         self.node_timeout = float(node_timeout)
+        k = server.num_clients
+        self.min_nodes = k if min_nodes is None else check_count("min_nodes", min_nodes,
+                                                                  minimum=1)
+        if self.min_nodes > k:
+            raise ValueError(f"min_nodes must be <= the number of clients (K={k}), got "
+                             f"{self.min_nodes}")
+        self.checkpoint_dir = checkpoint_dir
+        self.on_round = on_round
+        #: seconds to wait for replies (`run`'s timeout, as for the rounds' replies)
+        self.reply_timeout = 3600.0
+        #: enrolled clients: partition id -> the node holding it (`_enrol`)
+        self.partition_nodes: dict[int, int] = {}
         self.stopped = False
         self.client_metrics: dict[int, dict] = {}
         self._pending: dict[int, _Pending] = {}
         self._reported_round: int | None = None
+        self._started = False
+        #: the server's dataset (its label goes into the result; `from_config` sets it)
+        self.dataset = None
 
     @classmethod
     def from_config(cls, config: FederatedConfig, dataset=None, *,
                     strategy: Strategy | None = None, **kwargs) -> "DPStrategy":
-        server, _ = build_server(config, dataset, progress=False)
-        return cls(strategy if strategy is not None else default_inner_strategy(config),
-                   server, **kwargs)
+        server, ds = build_server(config, dataset, progress=False)
+        out = cls(strategy if strategy is not None else default_inner_strategy(config),
+                  server, **kwargs)
+        out.dataset = ds
+        return out
 
     # -- helpers -----------------------------------------------------------------
     def initial_arrays(self) -> ArrayRecord:
         """The global model w_0 (the in-process initial model for the same seed)."""
         return ArrayRecord([np.asarray(w) for w in self.server.trainer.get_weights()])
 
-    def _nodes(self, grid: Grid) -> list[int]:
+    def _ask_partitions(self, grid: Grid, node_ids: list[int]) -> None:
+        """Asks `node_ids` which client they hold; refuses duplicates and bad ids."""
+        messages = [grid.create_message(RecordDict({"config": ConfigRecord({})}), "query",
+                                        n, "dpfl-enrol") for n in node_ids]
+        # answered by a ClientApp each (on a SuperNode: a process that starts up first)
+        for reply in grid.send_and_receive(messages, timeout=self.reply_timeout):
+            node = int(reply.metadata.src_node_id)
+            if reply.has_error():
+                raise ValueError(f"node {node} could not enrol: {reply.error.reason}")
+            k = int(_only(reply.content.metric_records, "MetricRecord")[PARTITION_ID_KEY])
+            other = self.partition_nodes.get(k)
+            if other is not None and other != node:
+                raise ValueError(f"nodes {other} and {node} both hold {PARTITION_ID_KEY}={k}: "
+                                 "every client must run on one node (give each SuperNode "
+                                 "its own partition-id)")
+            self.partition_nodes[k] = node
+
+    def _enrol(self, grid: Grid, wait: bool) -> dict[int, int]:
+        """The live enrolled clients, partition id -> node id (waiting up to
+        `node_timeout` for K live nodes when `wait`)."""
         k = self.server.num_clients
-        deadline = time.monotonic() + self.node_timeout
+        deadline = time.monotonic() + (self.node_timeout if wait else 0.0)
         while True:
-            ids = sorted(int(n) for n in grid.get_node_ids())
-            if len(ids) >= k or time.monotonic() > deadline:
+            live = sorted(int(n) for n in grid.get_node_ids())
+            if len(live) >= k or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        if len(ids) != k:
-            raise ValueError(f"the federation has {len(ids)} nodes but the config has "
-                             f"clients={k}: K enters the privacy event, so they must match "
-                             "(set num-supernodes / start K SuperNodes)")
-        return ids
+        self.partition_nodes = {p: n for p, n in self.partition_nodes.items() if n in live}
+        known = set(self.partition_nodes.values())
+        new = [n for n in live if n not in known]
+        if new and len(live) >= self.min_nodes:
+            self._ask_partitions(grid, new)
+        if len(self.partition_nodes) < self.min_nodes:
+            raise ValueError(
+                f"the federation has {len(live)} nodes but the config has clients={k}: "
+                f"{len(self.partition_nodes)} enrolled clients are alive, fewer than "
+                f"min_nodes={self.min_nodes} (K enters the privacy event as the enrolled "
+                "population: start the missing SuperNodes, or set min-nodes to run with "
+                "dropouts)")
+        return dict(self.partition_nodes)
 
     def _stop(self, reason: str) -> None:
         self.stopped = True
@@ -497,20 +562,18 @@ class DPStrategy(Strategy):
         srv = self.server
         if self.stopped:
             return []
-        if srv.would_exceed_budget():   # FederatedServer's stop rule, same method
-            self._stop(f"privacy budget: round {srv.rounds_done + 1} would make delta at "
-                       f"epsilon={srv.target_epsilon:g} exceed delta_max={srv.delta_max:g} "
-                       f"({srv.accountant.value} accountant); stopped after "
-                       f"{srv.rounds_done} rounds")
+        reason = srv.budget_stop_reason()   # FederatedServer's stop rule, same method
+        if reason is not None:
+            self._stop(reason)
             return []
-        node_ids = self._nodes(grid)
+        nodes = self._enrol(grid, wait=not self._started)
+        self._started = True
         start, cpu_start = time.perf_counter(), time.process_time()
-        t = srv.rounds_done
-        rng = srv.round_rng(t)                              # as FederatedServer.run_round
-        if srv.noise_seed is not None:
-            srv.aggregator.reseed(stream_seed(srv.noise_seed, t))
-        selected = srv.sample_clients(rng)                  # os.urandom in secure mode
-        chosen = [node_ids[int(i)] for i in selected]
+        t, selected = srv.open_round()       # as FederatedServer.run_round
+        chosen = [nodes[int(k)] for k in selected if int(k) in nodes]
+        if len(chosen) < len(selected):
+            _log.warning("round %d: %d of the %d sampled clients have no live node (dropouts)",
+                         t + 1, len(selected) - len(chosen), len(selected))
         weights = [tf.constant(a) for a in arrays.to_numpy_ndarrays()]
         config[ROUND_KEY] = int(t)
         messages: list[Message] = []
@@ -544,16 +607,16 @@ class DPStrategy(Strategy):
                 raise ValueError(f"reply from node {node}, which was not sampled this round "
                                  "or replied twice")
             by_node[node] = r
-        missing = len(pending.nodes) - len(by_node)
+        missing = len(pending.selected) - len(by_node)    # dropouts and failed replies
         if missing:
-            reasons = "; ".join(str(r.error.reason) for r in failed) or "no reply"
+            reasons = "; ".join(str(r.error.reason) for r in failed) or "no live node"
             if isinstance(srv.aggregator, ClientNoiseDPAggregator):
                 raise RuntimeError(
-                    f"{missing} of {len(pending.nodes)} clients did not upload ({reasons}); with "
-                    "client-side noise the released sum would carry less noise than the "
+                    f"{missing} of {len(pending.selected)} clients did not upload ({reasons}); "
+                    "with client-side noise the released sum would carry less noise than the "
                     "accounted event, so the round is refused")
             _log.warning("round %d: %d of %d clients did not upload (%s)", pending.round_index + 1,
-                         missing, len(pending.nodes), reasons)
+                         missing, len(pending.selected), reasons)
         ordered = [by_node[n] for n in pending.nodes if n in by_node]   # selection order
         for r in ordered:
             metrics = dict(_only(r.content.metric_records, "MetricRecord"))
@@ -579,26 +642,22 @@ class DPStrategy(Strategy):
         if missing:
             info["missing_clients"] = missing
 
-        new_weights = [w + tf.cast(d, w.dtype) for w, d in zip(pending.weights, update)]
-        srv.trainer.set_weights(new_weights)
-        seconds = time.perf_counter() - pending.start
-        cpu_seconds = time.process_time() - pending.cpu_start
-        srv.participations[pending.selected] += 1
-        if srv.round_event is not None:   # the same event, the same ledger as in-process
-            srv.ledger.record(srv.round_event, 1, label="federated round")
-        srv.rounds_done += 1
-        acc = loss = None
-        if srv._test is not None and srv.rounds_done % srv.eval_every == 0:
-            loss, acc = srv.evaluate()
-        eps = srv.epsilon()
-        delta = srv.delta_after(0) if srv.aggregator.private and srv.target_epsilon else None
-        record = RoundRecord(pending.round_index + 1, len(pending.selected), seconds, acc, loss,
-                             eps, delta, info, cpu_seconds)
-        srv.history.append(record)
-        return ArrayRecord([np.asarray(w) for w in new_weights]), self._metrics(record)
+        # the in-process round's closing: weights, participations, ledger, test, history
+        record = srv.close_round(pending.round_index, pending.selected, pending.weights,
+                                 AggregateResult(update, len(ordered), info),
+                                 start=pending.start, cpu_start=pending.cpu_start)
+        if self.checkpoint_dir is not None:
+            srv.save_checkpoint(self.checkpoint_dir)
+        if self.on_round is not None:
+            self.on_round(self)
+        return ArrayRecord([np.asarray(w) for w in srv.trainer.get_weights()]), \
+            self._metrics(record)
 
     def _metrics(self, record: RoundRecord) -> MetricRecord:
+        missing = int(record.info.get("missing_clients", 0))
         out: dict[str, float | int] = {"round": record.round, "clients": record.clients,
+                                       "uploads": record.clients - missing,
+                                       "missing-clients": missing,
                                        "seconds": float(record.seconds)}
         if record.epsilon is not None:
             out["epsilon"] = _finite(record.epsilon)
@@ -611,8 +670,7 @@ class DPStrategy(Strategy):
         if "unclipped_fraction_noised" in record.info:     # adaptive clipping's release
             out["unclipped-fraction-noised"] = float(record.info["unclipped_fraction_noised"])
             out["clip"] = float(record.info["clip"])
-        for key in ("client-dp-epsilon-total", "ldp-epsilon-total",
-                    "ldp-accountant-epsilon-total", "ldp-epsilon-total-sign-only"):
+        for key in _CLIENT_EPSILONS:
             values = [m[key] for m in self.client_metrics.values() if key in m]
             if values:
                 out[f"max-{key}"] = float(max(values))
@@ -644,13 +702,15 @@ class DPStrategy(Strategy):
         Flower's ``Strategy.start`` and returns its ``Result``."""
         srv = self.server
         srv.stop_reason = None
+        self.reply_timeout = float(timeout)
+        if self.checkpoint_dir is not None and srv.load_checkpoint(self.checkpoint_dir,
+                                                                   missing_ok=True):
+            _log.warning("resumed from %s: %d rounds, epsilon so far %s", self.checkpoint_dir,
+                         srv.rounds_done, srv.epsilon())
         todo = max(0, int(num_rounds) - srv.rounds_done)
         result = self.start(grid, self.initial_arrays(), num_rounds=todo, timeout=timeout,
                             train_config=ConfigRecord(), evaluate_fn=self.evaluate_fn)
-        if srv.stop_reason is None and srv.rounds_done >= num_rounds:
-            srv.stop_reason = f"completed {srv.rounds_done} rounds"
-        if srv.history and srv.history[-1].accuracy is None and srv._test is not None:
-            srv.history[-1].loss, srv.history[-1].accuracy = srv.evaluate()
+        srv.finish(num_rounds)
         return result
 
 
@@ -660,8 +720,13 @@ def make_server_app(config: FederatedConfig | None = None, dataset=None, *,
                     ) -> ServerApp:
     """A Flower ``ServerApp`` running `DPStrategy` for `config.rounds` rounds.
 
-    `config` None reads it from the run config (``flwr run``); a run-config
-    key ``results-path`` makes the app write the result JSON there.
+    `config` None reads it from the run config (``flwr run``).  Run-config keys
+    besides the config's: ``results-path`` -- the result JSON, rewritten
+    atomically after every round with a ``status`` (running, completed,
+    budget_spent, failed: the epsilon spent so far is kept when a run fails);
+    ``checkpoint-dir`` -- the server's checkpoint after every round, from which
+    the same ``flwr run`` started again continues (ledger, weights, history);
+    ``min-nodes`` and ``node-timeout`` (`DPStrategy`).
     `on_finish(strategy, flower_result, seconds)` receives the finished
     strategy (`run_on_flower` uses it to build its result)."""
     if config is not None and not isinstance(config, FederatedConfig):
@@ -671,11 +736,31 @@ def make_server_app(config: FederatedConfig | None = None, dataset=None, *,
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
+        from dpfl_tf._runs import ResultsFile
+        from dpfl_tf.federated.runner import result_status
+
         start = time.perf_counter()
         run_config = dict(context.run_config)
         cfg = config if config is not None else config_from_run_config(run_config)
-        dp = DPStrategy.from_config(cfg, dataset, strategy=strategy)
-        result = dp.run(grid, cfg.rounds)
+        path = run_config.get("results-path")
+        results = ResultsFile(str(path)) if path else None
+
+        def write(status: str, dp: DPStrategy, **extra) -> None:
+            if results is not None:
+                results.write(status, _result(cfg, dp, time.perf_counter() - start,
+                                              backend="flwr run"), **extra)
+
+        dp = DPStrategy.from_config(
+            cfg, dataset, strategy=strategy,
+            node_timeout=float(run_config.get("node-timeout", 120.0)),
+            min_nodes=run_config.get("min-nodes"),
+            checkpoint_dir=run_config.get("checkpoint-dir") or None,
+            on_round=lambda d: write("running", d))
+        try:
+            result = dp.run(grid, cfg.rounds)
+        except Exception as e:
+            write("failed", dp, error=f"{type(e).__name__}: {e}")
+            raise
         seconds = time.perf_counter() - start
         if on_finish is not None:
             on_finish(dp, result, seconds)
@@ -684,10 +769,7 @@ def make_server_app(config: FederatedConfig | None = None, dataset=None, *,
         _log.warning("dpfl_tf on Flower: %s; accuracy %s; epsilon %s at delta %s",
                      dp.server.stop_reason, None if last is None else last.accuracy,
                      report.get("epsilon"), report.get("delta"))
-        path = run_config.get("results-path")
-        if path:
-            from dpfl_tf._io import atomic_write_json
-            atomic_write_json(str(path), _result(cfg, dp, seconds, backend="flwr run"))
+        write(result_status(dp.server.stop_reason), dp)
 
     return app
 
@@ -729,6 +811,8 @@ class LocalGrid(Grid):
             for k in range(int(num_nodes))}
         self._replies: dict[str, Message] = {}
         self.raise_client_errors = bool(raise_client_errors)
+        #: nodes taken down by `stop_node`
+        self.down: set[int] = set()
         _ensure_task_identity(1)
 
     def set_run(self, run) -> None:
@@ -742,7 +826,12 @@ class LocalGrid(Grid):
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
-        return list(self.contexts)
+        return [n for n in self.contexts if n not in self.down]
+
+    def stop_node(self, node_id: int) -> None:
+        """Takes a node down (tests: a SuperNode lost mid-run): it leaves
+        `get_node_ids` and a message sent to it gets an error reply."""
+        self.down.add(int(node_id))
 
     def push_messages(self, messages) -> Iterable[str]:
         ids = []
@@ -752,7 +841,11 @@ class LocalGrid(Grid):
                 raise ValueError(f"no node {node} in this LocalGrid")
             msg_id = uuid.uuid4().hex
             try:
-                reply = self._app(msg, self.contexts[node])
+                if node in self.down:   # as Flower's SuperLink: an error reply, not a raise
+                    reply = Message(Error(code=0, reason=f"node {node} is offline"),
+                                    reply_to=msg)
+                else:
+                    reply = self._app(msg, self.contexts[node])
             except Exception as exc:
                 if self.raise_client_errors:
                     raise
@@ -774,16 +867,10 @@ class LocalGrid(Grid):
 # One config, on Flower
 
 def _result(config: FederatedConfig, dp: DPStrategy, seconds: float, *, backend: str) -> dict:
-    """The `run_federated` result dict, for a run on Flower."""
-    srv, c = dp.server, config
-    last = srv.history[-1] if srv.history else None
-    report = srv.privacy_report()
-    round_secs = [r.seconds for r in srv.history]
-    mechanism = ("fedavg" if c.aggregator == "mean" else "fedmedian") if c.dp is DPMode.NONE \
-        else ("global_dp" if c.dp is DPMode.GLOBAL else "client_dp")
+    """`runner.federated_result` (the in-process result, one function) plus what only a
+    Flower run has: the runtime's labels and what the clients reported of themselves."""
     client_side = {}
-    for key in ("client-dp-epsilon-total", "ldp-epsilon-total", "ldp-accountant-epsilon-total",
-                "ldp-epsilon-total-sign-only"):
+    for key in _CLIENT_EPSILONS:
         values = [m[key] for m in dp.client_metrics.values() if key in m]
         if values:   # JSON-ready: an infinite epsilon is None with a flag
             top = float(max(values))
@@ -791,29 +878,9 @@ def _result(config: FederatedConfig, dp: DPStrategy, seconds: float, *, backend:
             client_side[name] = top if math.isfinite(top) else None
             if not math.isfinite(top):
                 client_side[f"{name}_is_infinite"] = True
-    return {
-        "dataset": c.dataset, "partition": c.partition.value, "clients": c.clients,
-        "clients_per_round": srv.expected_clients, "sampling": c.sampling.value,
-        "rounds": srv.rounds_done, "rounds_requested": c.rounds, "mechanism": mechanism,
-        "noise_multiplier": c.noise_multiplier if c.dp is not DPMode.NONE else 0.0,
-        "clip": c.clip if c.dp is not DPMode.NONE else None, "per_layer": c.per_layer,
-        "epsilon": report.get("epsilon"), "delta": report.get("delta"),
-        "accountant": c.accountant.value if c.dp is not DPMode.NONE else None,
-        "test_accuracy": last.accuracy if last else None, "seconds": seconds,
-        "median_round_seconds": float(np.median(round_secs)) if round_secs else None,
-        "rounds_per_minute": 60.0 / float(np.median(round_secs)) if round_secs else None,
-        "peak_rss_mb": peak_rss_mb(), "stop_reason": srv.stop_reason, "notices": srv.notices,
-        "privacy": report, "local_epochs": c.local_epochs,
-        "local_batch_size": c.local_batch_size, "learning_rate": c.learning_rate,
-        "momentum": c.momentum, "config": c.to_dict(),
-        "history": [r.to_dict() for r in srv.history],
-        "runtime": "flower", "flower_backend": backend, "flwr_version": FLOWER_VERSION,
-        "client_reported": client_side,
-        **(_local_summary(report["local_dp"]) if "local_dp" in report else {}),
-        # as run_federated: a seeded-noise run says it is not a deployment
-        **({"note": srv.notices[-1]} if c.noise_seed is not None and c.dp is not DPMode.NONE
-           and srv.notices else {}),
-    }
+    return {**federated_result(config, dp.server, dp.dataset, seconds=seconds),
+            "runtime": "flower", "flower_backend": backend, "flwr_version": FLOWER_VERSION,
+            "client_reported": client_side}
 
 
 def run_on_flower(config: FederatedConfig, dataset=None, *, backend: str = "ray",

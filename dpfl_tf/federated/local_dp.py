@@ -93,7 +93,9 @@ import dp_accounting
 import numpy as np
 import tensorflow as tf
 
+from dpfl_tf._seeds import derive_seed
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
+from dpfl_tf.federated.settings import MAX_EPSILON, MechanismKind
 from dpfl_tf.privacy.accountants import AccountantKind, compute_epsilon
 from dpfl_tf.privacy.events import REPLACE_ONE_UPDATE, clipped_upload_event
 from dpfl_tf.sanitizer import make_generator
@@ -104,12 +106,9 @@ __all__ = [
     "MechanismKind", "make_mechanism",
     "DomainMode", "DomainPolicy", "out_of_domain_counts",
     "LocalPrivacyReport", "privacy_report", "gaussian_upload_report",
-    "pnpm_magnitude_distinguishability", "LocalDPUpload", "stream_seed",
+    "pnpm_magnitude_distinguishability", "LocalDPUpload",
 ]
 
-#: eps above this makes e^eps overflow the constants' useful precision; such a
-#: budget protects nothing anyway.
-MAX_EPSILON = 50.0
 
 
 def _check_epsilon(epsilon: Any) -> float:
@@ -879,17 +878,6 @@ class GaussianMechanism(_AdditiveNoiseMechanism):
 # ---------------------------------------------------------------------------
 # Registry
 
-class MechanismKind(ChoiceEnum):
-    __argument__ = "mechanism"
-    __aliases__ = {'pm': 'piecewise', 'ldpfl': 'ldp_fl'}
-    DUCHI = "duchi"
-    PIECEWISE = "piecewise"
-    PNPM = "pnpm"
-    LDP_FL = "ldp_fl"
-    LAPLACE = "laplace"
-    GAUSSIAN = "gaussian"
-
-
 _CLASSES = {
     MechanismKind.DUCHI: DuchiMechanism, MechanismKind.PIECEWISE: PiecewiseMechanism,
     MechanismKind.PNPM: PNPMMechanism, MechanismKind.LDP_FL: LDPFLMechanism,
@@ -929,12 +917,6 @@ def out_of_domain_counts(weights: Sequence[Any], policy: DomainPolicy,
 # ---------------------------------------------------------------------------
 # The client's local-DP step (shared by FederatedServer and the Flower ClientApp)
 
-def stream_seed(*parts: int) -> int:
-    """A 62-bit seed derived from integers, e.g. (noise_seed, round, client): the
-    formula FederatedServer uses to reseed its noise per round."""
-    return int(np.random.default_rng([int(p) for p in parts]).integers(2**62))
-
-
 @dataclasses.dataclass(frozen=True)
 class LocalDPUpload:
     """A local-DP mechanism applied by the client to what it uploads.
@@ -968,10 +950,11 @@ class LocalDPUpload:
             raise ValueError(f"perturb must be 'weights' or 'update', got {self.perturb!r}")
 
     def generator(self, round_index: int, client_id: int) -> tf.random.Generator:
-        """OS entropy, or (mechanism.seed, t, k) when the mechanism is seeded (tests)."""
+        """OS entropy, or the stream (mechanism.seed, "local-dp", t, k) when the
+        mechanism is seeded (tests; `dpfl_tf._seeds.derive_seed`)."""
         seed = self.mechanism.seed
-        return make_generator(None if seed is None else stream_seed(seed, round_index,
-                                                                     client_id))
+        return make_generator(None if seed is None else derive_seed(seed, "local-dp",
+                                                                     round_index, client_id))
 
     def apply(self, global_weights: Sequence[tf.Tensor], update: Sequence[tf.Tensor],
               generator: tf.random.Generator) -> list[tf.Tensor]:

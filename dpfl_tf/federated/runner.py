@@ -15,15 +15,18 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dpfl_tf._seeds import derive_rng, derive_seed
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
+from dpfl_tf.federated.settings import (MAX_EPSILON, MechanismKind, check_clients_per_round,
+                                        check_delta_max)
 from dpfl_tf.federated.partition import PartitionScheme, make_partition
 from dpfl_tf.privacy.accountants import AccountantKind
 from dpfl_tf.privacy.events import SamplingMethod
 from dpfl_tf.secure_random import refuse_seed
 
-__all__ = ["DPMode", "FederatedConfig", "MODELS", "build_model", "build_server",
+__all__ = ["AggregatorKind", "DPMode", "FederatedConfig", "MODELS", "build_model", "build_server",
            "fully_connected_model", "local_dp_upload",
-           "peak_rss_mb", "run_federated"]
+           "peak_rss_mb", "result_status", "run_federated"]
 
 
 class DPMode(ChoiceEnum):
@@ -32,14 +35,41 @@ class DPMode(ChoiceEnum):
     GLOBAL = "global"    # Geyer et al.: server clips and noises the sum
     CLIENT = "client"    # DP-FedAvg with client-side noise
     LOCAL = "local"      # local DP: every client perturbs its model before upload
+    # the server clips and adds noise correlated across rounds; cyclic cohorts of clients
+    # (dpfl_tf.privacy.matrix_factorization, docs/concepts/correlated-noise.md)
+    FTRL = "ftrl"            # DP-FTRL, tree aggregation (Kairouz et al. 2021)
+    BANDED_MF = "banded_mf"  # banded matrix factorization (Choquette-Choo et al. 2023)
+    BLT = "blt"              # buffered linear Toeplitz (McMahan et al. 2024)
+
+
+class AggregatorKind(ChoiceEnum):
+    __argument__ = "aggregator"
+    MEAN = "mean"        # FedAvg
+    MEDIAN = "median"    # FedMedian (no DP mode)
 
 
 #: The models a config can name (`build_model`).
 MODELS = ("mlp", "cnn2", "cnn3")
+#: How a round's clients can be chosen (`dpfl_tf.federated.server.ClientSampling`).
+CLIENT_SAMPLING = (SamplingMethod.POISSON, SamplingMethod.FIXED_SIZE,
+                   SamplingMethod.CYCLIC_POISSON)
+#: the correlated-noise modes, and the mechanism each builds
+CORRELATED_DP = {DPMode.FTRL: "tree", DPMode.BANDED_MF: "banded", DPMode.BLT: "blt"}
+#: the modes whose server adds central Gaussian noise (global, client, correlated)
+#: dp mode -> the noise multiplier used when none is given.  Global DP: sigma = 1 with
+#: m = 100 of K = 1000 (Geyer et al. 2017's K = 1000 setting; McMahan et al. 2018 use
+#: z = 1 as well): noise sigma S / m = 0.01 per coordinate.  Client-side noise: z = 0.2
+#: per upload, so the released mean of m = 100 uploads carries z sqrt(m) = 2, i.e.
+#: multiplier 1 on the replace-one sensitivity 2S of fixed-size sampling, the Global DP
+#: default's sigma (epsilon 14 vs 8.9 after 100 rounds: no Poisson amplification).
+#: none / local: 0 (no Gaussian noise).
+DEFAULT_NOISE_MULTIPLIER = {"none": 0.0, "global": 1.0, "client": 0.2, "local": 0.0,
+                            "ftrl": 1.0, "banded_mf": 1.0, "blt": 1.0}
 
 
 def fully_connected_model(input_shape: Sequence[int] = (28, 28),
-                          hidden: Sequence[int] = (600, 100), num_classes: int = 10, *, use_bias: bool = False, seed: int | None = None):
+                          hidden: Sequence[int] = (600, 100), num_classes: int = 10, *,
+                          use_bias: bool = False, seed: int | None = None):
     """The small fully connected net of Geyer et al.'s code (784-600-100-10, ReLU,
     no biases by default), returning logits."""
     import keras
@@ -83,18 +113,19 @@ class FederatedConfig:
     """
 
     dataset: str = "mnist"
-    clients: int = 100
+    clients: int = 1000
     partition: PartitionScheme = PartitionScheme.SHARDS
     dirichlet_alpha: float = 0.5
     clients_per_round: int | None = None
     fraction: float | None = None
-    sampling: SamplingMethod = SamplingMethod.POISSON
-    rounds: int = 10
+    sampling: SamplingMethod | None = None
+    cohorts: int | None = None
+    rounds: int = 100
     local_epochs: int = 1
     local_batch_size: int = 10
-    learning_rate: float = 0.1
+    learning_rate: float = 0.2
     momentum: float = 0.0
-    aggregator: str = "mean"
+    aggregator: AggregatorKind = AggregatorKind.MEAN
     dp: DPMode = DPMode.NONE
     clip: float | str = 1.0
     clip_initial: float = 0.1
@@ -102,14 +133,14 @@ class FederatedConfig:
     clip_lr: float = 0.2
     clip_count_stddev: float | None = None
     per_layer: bool = False
-    noise_multiplier: float = 1.0
+    noise_multiplier: float | None = None
     target_epsilon: float | None = None
     delta_max: float | None = None
-    accountant: AccountantKind = AccountantKind.MOMENTS
-    hidden: tuple[int, ...] = (600, 100)
+    accountant: AccountantKind | None = None
+    hidden: tuple[int, ...] = (32,)
     model: str = "mlp"
     ldp_mechanism: str = "pnpm"
-    ldp_epsilon: float = 1.0
+    ldp_epsilon: float = 2.0
     ldp_bound: float | str = "init"
     ldp_bound_margin: float = 2.0
     seed: int = 0
@@ -122,8 +153,35 @@ class FederatedConfig:
         s = object.__setattr__
         s(self, "clients", check_count("clients", self.clients, minimum=1))
         s(self, "partition", PartitionScheme.parse(self.partition))
-        s(self, "sampling", SamplingMethod.parse(self.sampling))
         s(self, "dp", DPMode.parse(self.dp))
+        correlated = self.dp in CORRELATED_DP
+        if self.sampling is None:      # client-side noise is accounted for fixed size only
+            s(self, "sampling", SamplingMethod.FIXED_SIZE if self.dp is DPMode.CLIENT
+              else SamplingMethod.CYCLIC_POISSON if correlated else SamplingMethod.POISSON)
+        s(self, "sampling", SamplingMethod.parse(self.sampling))
+        if correlated != (self.sampling is SamplingMethod.CYCLIC_POISSON):
+            raise ValueError(f"dp={self.dp.value!r} goes with sampling "
+                             f"{'cyclic_poisson' if correlated else 'poisson or fixed_size'}, "
+                             f"got sampling={self.sampling.value!r}")
+        if correlated:   # b cohorts take turns; fraction = q within the cohort (default all)
+            if self.cohorts is None or self.clients_per_round is not None:
+                raise ValueError(f"dp={self.dp.value!r} takes cohorts (b, the rounds between "
+                                 "two turns of a client) and optionally fraction (within the "
+                                 f"cohort), got cohorts={self.cohorts!r}, clients_per_round="
+                                 f"{self.clients_per_round!r}")
+            s(self, "cohorts", check_count("cohorts", self.cohorts, minimum=1))
+            if self.fraction is None:
+                s(self, "fraction", 1.0)
+        elif self.cohorts is not None:
+            raise ValueError(f"cohorts is for dp='ftrl', 'banded_mf' or 'blt', got "
+                             f"cohorts={self.cohorts!r} with dp={self.dp.value!r}")
+        if self.sampling not in CLIENT_SAMPLING:
+            raise ValueError("sampling must be one of "
+                             f"{', '.join(m.value for m in CLIENT_SAMPLING)}, got "
+                             f"{self.sampling.value!r}")
+        if self.accountant is None:    # fixed-size sampling: only "rdp" reads the event
+            s(self, "accountant", AccountantKind.RDP if self.sampling is
+              SamplingMethod.FIXED_SIZE else AccountantKind.MOMENTS)
         s(self, "accountant", AccountantKind.parse(self.accountant))
         s(self, "rounds", check_count("rounds", self.rounds))
         s(self, "local_epochs", check_count("local_epochs", self.local_epochs, minimum=1))
@@ -133,19 +191,18 @@ class FederatedConfig:
                                               low_open=True))
         s(self, "momentum", check_number("momentum", self.momentum, low=0.0, high=1.0,
                                          high_open=True))
-        if self.aggregator not in ("mean", "median"):
-            raise ValueError(f"aggregator must be 'mean' or 'median', got {self.aggregator!r}")
-        if self.dp is not DPMode.NONE and self.aggregator != "mean":
+        s(self, "aggregator", AggregatorKind.parse(self.aggregator))
+        if self.dp is not DPMode.NONE and self.aggregator is not AggregatorKind.MEAN:
             raise ValueError("the DP modes average clipped updates; aggregator must be 'mean' "
-                             f"with dp={self.dp.value!r}, got {self.aggregator!r}")
+                             f"with dp={self.dp.value!r}, got {self.aggregator.value!r}")
         if self.clients_per_round is None and self.fraction is None:
             s(self, "fraction", 0.1)
         if self.fraction is not None:
             s(self, "fraction", check_number("fraction", self.fraction, low=0.0, high=1.0,
                                              low_open=True))
         if self.clients_per_round is not None:
-            s(self, "clients_per_round", check_count("clients_per_round",
-                                                     self.clients_per_round, minimum=1))
+            s(self, "clients_per_round", check_clients_per_round(check_count(
+                "clients_per_round", self.clients_per_round, minimum=1), self.clients))
         if self.clip == "median":
             raise ValueError("clip='median' (the median of the round's raw update norms, read "
                              "without noise: not differentially private) is no longer offered; "
@@ -171,13 +228,16 @@ class FederatedConfig:
         if self.clip_count_stddev is not None:
             s(self, "clip_count_stddev", check_number("clip_count_stddev",
                                                       self.clip_count_stddev, low=0.0))
+        if self.noise_multiplier is None:
+            s(self, "noise_multiplier", DEFAULT_NOISE_MULTIPLIER[self.dp.value])
         s(self, "noise_multiplier", check_number("noise_multiplier", self.noise_multiplier,
                                                  low=0.0))
-        if self.dp in (DPMode.GLOBAL, DPMode.CLIENT) and self.delta_max is None:
+        if (self.dp in (DPMode.GLOBAL, DPMode.CLIENT) or correlated) and self.delta_max is None:
             s(self, "delta_max", min(1e-5, 0.1 / self.clients))
         if self.delta_max is not None:
-            s(self, "delta_max", check_number("delta_max", self.delta_max, low=0.0, high=1.0,
-                                              low_open=True, high_open=True))
+            s(self, "delta_max", check_delta_max(check_number(
+                "delta_max", self.delta_max, low=0.0, high=1.0, low_open=True,
+                high_open=True), self.clients))
         if self.target_epsilon is not None:
             s(self, "target_epsilon", check_number("target_epsilon", self.target_epsilon,
                                                    low=0.0, low_open=True))
@@ -190,7 +250,7 @@ class FederatedConfig:
         if not isinstance(self.secure_mode, bool):
             raise ValueError(f"secure_mode must be True or False, got {self.secure_mode!r}")
         if self.secure_mode:
-            if self.dp not in (DPMode.GLOBAL, DPMode.CLIENT):
+            if self.dp not in (DPMode.GLOBAL, DPMode.CLIENT) and not correlated:
                 raise ValueError("secure_mode=True secures the Gaussian noise and the client "
                                  "sampling of dp='global' and dp='client'; got "
                                  f"dp={self.dp.value!r}")
@@ -201,8 +261,6 @@ class FederatedConfig:
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if self.dp is DPMode.LOCAL:
-            from dpfl_tf.federated.local_dp import MAX_EPSILON, MechanismKind
-
             s(self, "ldp_mechanism", MechanismKind.parse(self.ldp_mechanism).value)
             s(self, "ldp_epsilon", check_number("ldp_epsilon", self.ldp_epsilon, low=0.0,
                                                 high=MAX_EPSILON, low_open=True))
@@ -244,17 +302,19 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
     ds = dataset if dataset is not None else load_dataset(c.dataset)
     x, y = ds.x_train, ds.y_train
     if c.train_subset is not None:
-        keep = np.random.default_rng(c.seed).permutation(len(y))[:c.train_subset]
+        keep = derive_rng(c.seed, "train-subset").permutation(len(y))[:c.train_subset]
         x, y = x[np.sort(keep)], y[np.sort(keep)]
     kwargs = {"alpha": c.dirichlet_alpha} if c.partition is PartitionScheme.DIRICHLET else {}
-    partition = make_partition(y, c.clients, c.partition, seed=c.seed, **kwargs)
+    partition = make_partition(y, c.clients, c.partition, seed=derive_seed(c.seed, "partition"),
+                               **kwargs)
     model = build_model(c, ds.input_shape, ds.num_classes)
     trainer = LocalTrainer(model, x, y, local_epochs=c.local_epochs,
                            batch_size=c.local_batch_size, learning_rate=c.learning_rate,
                            momentum=c.momentum)
     local_dp = None
     sampling = ClientSampling(c.sampling, clients_per_round=c.clients_per_round,
-                              fraction=c.fraction if c.clients_per_round is None else None)
+                              fraction=c.fraction if c.clients_per_round is None else None,
+                              cohorts=c.cohorts)
     if c.dp in (DPMode.NONE, DPMode.LOCAL):
         # local DP: the server is not trusted with n_k (client data no mechanism
         # protects), so the mean is unweighted
@@ -268,9 +328,20 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
         adaptive = c.clip == "adaptive"
         bound = c.clip_initial if adaptive else c.clip
         clip_arg = [bound] * n_layers if c.per_layer else bound
-        sanitizer = GaussianSanitizer(clip_arg, c.noise_multiplier,
-                                      noise_allocation="proportional" if c.per_layer
-                                      else "global", secure_mode=c.secure_mode)
+        allocation = "proportional" if c.per_layer else "global"
+        if c.dp in CORRELATED_DP:
+            from dpfl_tf.correlated_noise import CorrelatedSanitizer
+            from dpfl_tf.privacy.matrix_factorization import CorrelatedNoiseConfig
+
+            mechanism = CorrelatedNoiseConfig(CORRELATED_DP[c.dp]).build(
+                sampling.participation(c.rounds), c.noise_multiplier)
+            seed = None if c.noise_seed is None else derive_seed(c.noise_seed, "mf-noise")
+            sanitizer = CorrelatedSanitizer(clip_arg, mechanism, noise_allocation=allocation,
+                                            seed=seed, secure_mode=c.secure_mode)
+        else:
+            sanitizer = GaussianSanitizer(clip_arg, c.noise_multiplier,
+                                          noise_allocation=allocation,
+                                          secure_mode=c.secure_mode)
         if c.dp is DPMode.GLOBAL and adaptive:
             count_stddev = (c.clip_count_stddev if c.clip_count_stddev is not None
                             else 0.05 * sampling.expected_clients(c.clients))
@@ -285,7 +356,7 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
                                      "expected clients per round; set clip_count_stddev)") \
                         from None
                 raise
-        elif c.dp is DPMode.GLOBAL:
+        elif c.dp is DPMode.GLOBAL or c.dp in CORRELATED_DP:
             aggregator = GlobalDPAggregator(sanitizer, groups=groups, secure_mode=c.secure_mode)
         else:
             aggregator = ClientNoiseDPAggregator(sanitizer, groups=groups,
@@ -304,14 +375,16 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
 
 
 def build_model(config: FederatedConfig, input_shape: Sequence[int], num_classes: int):
-    """The config's model, initialised from ``config.seed``."""
+    """The config's model, initialised from the stream (``config.seed``, "model-init")
+    (32 bits: `keras.utils.set_random_seed` seeds numpy's legacy generator too)."""
+    seed = derive_seed(config.seed, "model-init") >> 31
     if config.model == "mlp":
-        return fully_connected_model(input_shape, config.hidden, num_classes, seed=config.seed)
+        return fully_connected_model(input_shape, config.hidden, num_classes, seed=seed)
     import keras
 
     from dpfl_tf.models import pnpm_cnn
 
-    keras.utils.set_random_seed(int(config.seed))
+    keras.utils.set_random_seed(seed)
     return pnpm_cnn(tuple(input_shape), num_classes, depth=2 if config.model == "cnn2" else 3)
 
 
@@ -362,7 +435,16 @@ def _mechanism(c: FederatedConfig) -> str:
         return f"ldp_{c.ldp_mechanism}"
     if c.dp is DPMode.NONE:
         return "fedavg" if c.aggregator == "mean" else "fedmedian"
+    if c.dp in CORRELATED_DP:
+        return c.dp.value
     return "global_dp" if c.dp is DPMode.GLOBAL else "client_dp"
+
+
+def result_status(stop_reason: str | None) -> str:
+    """A results file's ``status`` for a finished run's stop reason."""
+    if stop_reason == "interrupted":
+        return "interrupted"
+    return "budget_spent" if (stop_reason or "").startswith("privacy budget") else "completed"
 
 
 def run_federated(config: FederatedConfig, dataset=None, *, progress: bool = True,
@@ -385,22 +467,23 @@ def run_federated(config: FederatedConfig, dataset=None, *, progress: bool = Tru
         on_resume({"directory": every, "rounds": server.rounds_done,
                    "epsilon": server.epsilon()})
     server.run(config.rounds, checkpoint_dir=every, resume=False, should_stop=should_stop,
-               on_round=None if on_round is None else
-               (lambda srv: on_round(federated_result(config, srv, ds, start))))
+               on_round=None if on_round is None else (lambda srv: on_round(
+                   federated_result(config, srv, ds, seconds=time.perf_counter() - start))))
     if server.stop_reason == "interrupted" and checkpoint_dir is not None and every is None:
         server.save_checkpoint(checkpoint_dir)
-    return federated_result(config, server, ds, start)
+    return federated_result(config, server, ds, seconds=time.perf_counter() - start)
 
 
-def federated_result(config: FederatedConfig, server, ds, start: float) -> dict[str, Any]:
-    """The JSON-ready result of `server`'s run so far."""
-    seconds = time.perf_counter() - start
+def federated_result(config: FederatedConfig, server, ds, *, seconds: float) -> dict[str, Any]:
+    """The JSON-ready result of `server`'s run so far, on either runtime (in-process
+    and `dpfl_tf.federated.flower`, which adds its runtime labels).  `ds` is the
+    server's dataset (None: the config's dataset name is the label)."""
     c = config
     last = server.history[-1] if server.history else None
     report = server.privacy_report()
     round_secs = [r.seconds for r in server.history]
     return {
-        "dataset": ds.source.label if hasattr(ds, "source") else c.dataset,
+        "dataset": getattr(getattr(ds, "source", None), "label", c.dataset),
         "partition": c.partition.value, "clients": c.clients,
         "clients_per_round": server.expected_clients,
         "sampling": c.sampling.value, "rounds": server.rounds_done,

@@ -48,6 +48,67 @@ def test_parser_reads_the_documented_flags():
         (0.5, 0.2, None)
 
 
+@pytest.mark.parametrize("argv", ["", "--dp global", "--dp client", "--dp local"])
+def test_the_defaults_are_the_configs(argv):
+    """No flag given: the CLI builds exactly the config's defaults (they were 100 rounds in
+    the CLI against 10 in FederatedConfig), mode-dependent ones resolved by the config."""
+    from dpfl_tf.federated.runner import FederatedConfig
+
+    parser, _ = _parser()
+    args = parser.parse_args(["federated", *argv.split()])
+    dp = argv.split()[-1] if argv else "none"
+    assert config_from_args(args) == FederatedConfig(dp=dp)
+    c = FederatedConfig(dp=dp)
+    assert (c.clients, c.rounds, c.fraction, c.hidden) == (1000, 100, 0.1, (32,))
+    assert (c.sampling.value, c.accountant.value, c.noise_multiplier) == {
+        "none": ("poisson", "moments", 0.0), "global": ("poisson", "moments", 1.0),
+        "client": ("fixed_size", "rdp", 0.2), "local": ("poisson", "moments", 0.0)}[dp]
+
+
+def test_help_shows_every_default_and_the_choices_are_the_enums(capsys):
+    from dpfl_tf.federated.partition import PartitionScheme
+    from dpfl_tf.federated.runner import AggregatorKind, DPMode
+    from dpfl_tf.federated.settings import MechanismKind
+    from dpfl_tf.privacy.accountants import AccountantKind
+
+    parser, fed = _parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["federated", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    choices = {a.dest: a.choices for a in fed._actions if a.choices}
+    for dest, enum in [("partition", PartitionScheme), ("dp", DPMode),
+                       ("aggregator", AggregatorKind), ("accountant", AccountantKind),
+                       ("ldp_mechanism", MechanismKind)]:
+        assert choices[dest] == [m.value for m in enum]
+    assert choices["sampling"] == ["poisson", "fixed_size", "cyclic_poisson"]
+    for action in fed._actions:
+        if action.dest in ("help", "verbose") or action.const is True:
+            continue   # --help, -v and on/off switches
+        assert "default" in fed.formatter_class("x")._get_help_string(action), action.dest
+    for shown in ["number of clients K (default: 1000)", "(default: 100)",
+                  "(default: 1 with --dp global, 0.2 with --dp client, 1 with --dp ftrl, "
+                  "1 with --dp banded_mf, 1 with --dp blt)",
+                  "The defaults (MNIST, K = 1000"]:
+        assert shown in text, shown
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(clients=10, clients_per_round=20),
+     r"clients_per_round \(m=20\) must be <= the number of clients \(K=10\)"),
+    (dict(dp="global", clients=100, delta_max=0.5), r"delta_max must be < 1/K = 0.01"),
+    (dict(sampling="shuffle"),
+     "sampling must be one of poisson, fixed_size, cyclic_poisson, got 'shuffle'"),
+    (dict(aggregator="trimmed"), "aggregator must be one of mean, median, got 'trimmed'"),
+])
+def test_the_config_owns_the_rules(kwargs, message):
+    """The rules tying two settings live in FederatedConfig (the CLI, experiments and Flower
+    get them without checking again)."""
+    from dpfl_tf.federated.runner import FederatedConfig
+
+    with pytest.raises(ValueError, match=message):
+        FederatedConfig(**kwargs)
+
+
 @pytest.mark.parametrize("argv, message", [
     ("--clients 10 --clients-per-round 20", "--clients-per-round (m=20) must be <= the number"),
     ("--dp global --clip 0", "--clip must be > 0"),
@@ -162,3 +223,122 @@ def test_secure_mode_run(tmp_path, capsys):
         "--delta-max", "1e-3")
     assert data["config"]["secure_mode"] is True and data["privacy"]["secure_mode"] is True
     assert data["rounds"] == 1 and data["epsilon"] > 0
+
+
+def test_ctrl_c_resume_command_keeps_checkpoint_dir_given_with_equals(tmp_path):
+    """Ctrl-C mid-run: exit 130, results kept, and a resume command that names the
+    checkpoint directory once (it was appended again when given as --checkpoint-dir=X);
+    running that command resumes from the checkpoint."""
+    import os
+    import shlex
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out, ckpt = tmp_path / "run.json", tmp_path / "ck"
+    argv = ["federated", "--clients", "6", "-m", "3", "--train-subset", "600", "--hidden", "8",
+            "--eval-every", "100000", "--no-progress", f"--checkpoint-dir={ckpt}",
+            "--output", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "dpfl_tf", *argv, "--rounds", "100000"],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (ckpt / "state.json").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert json.loads(out.read_text())["status"] == "interrupted"
+    command = err.split("resume with: ", 1)[1].strip()
+    assert command.count("--checkpoint-dir") == 1 and f"--checkpoint-dir={ckpt}" in command
+    words = shlex.split(command)
+    assert words[:2] == ["dpfl-tf", "federated"]
+    done = json.loads((ckpt / "state.json").read_text())["round"]
+    words[words.index("100000", words.index("--rounds"))] = str(done + 1)
+    again = subprocess.run([sys.executable, "-m", "dpfl_tf", *words[1:]], cwd=root,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from {ckpt}: {done} rounds" in again.stdout
+    assert json.loads(out.read_text())["rounds"] == done + 1
+
+
+def test_a_refusal_is_one_line_without_the_usage_block(tmp_path, capsys):
+    from dpfl_tf.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    for argv, message in [
+            (["--clients", "10", "-m", "20"], "--clients-per-round (m=20) must be <= the number"),
+            (["--output", str(tmp_path / "afile" / "r.json")], "is a file, not a directory"),
+            (["--dp", "local", "--epsilon", "8"], "--epsilon needs dp='global'")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["federated", *argv, "--output", str(tmp_path / "r.json")]
+                 if "--output" not in argv else ["federated", *argv])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "usage:" not in err, err
+        assert err.startswith("dpfl-tf federated: error: ") and message in err, err
+    with pytest.raises(SystemExit):      # arguments that do not parse keep argparse's usage
+        main(["federated", "--clients", "many"])
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_local_dp_run_prints_no_tensorflow_start_up_lines_and_counts_as_integers(tmp_path):
+    """`federated --dp local` built its config through the local-DP module, which
+    imported TensorFlow before the CLI had quieted it (absl / oneDNN lines)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    argv = ["federated", "--dp", "local", "--clients", "4", "-m", "4", "--train-subset", "400",
+            "--hidden", "8", "--rounds", "2", "--output", str(tmp_path / "r.json")]
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    run = subprocess.run([sys.executable, "-m", "dpfl_tf", *argv], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    for noise in ("absl", "I0000", "E0000", "W0000", "oneDNN", "cuda"):
+        assert noise not in run.stderr, run.stderr
+    # the progress (not a terminal: one line per tenth of the run) counts clients as integers
+    assert "round 1/2 - clients 4 - acc " in run.stdout, run.stdout
+    assert "4.0000" not in run.stdout
+    assert "local DP report" in run.stdout and "after 2 rounds (ldp_pnpm" in run.stdout
+
+
+def _result(dp, history, **config):
+    from dpfl_tf.federated.runner import FederatedConfig
+
+    c = FederatedConfig(dp=dp, **config).to_dict()
+    eps = history[-1]["epsilon"]
+    return {"mechanism": {"none": "fedavg", "global": "global_dp", "local": "ldp_pnpm"}[dp],
+            "dataset": "mnist", "clients_per_round": 100.0, "rounds": len(history),
+            "epsilon": eps, "delta": c["delta_max"], "history": history, "config": c,
+            **({"epsilon_per_coordinate": c["ldp_epsilon"]} if dp == "local" else {})}
+
+
+def test_figures_say_what_they_show(tmp_path):
+    from dpfl_tf.federated.cli import figure_title, save_round_figure
+
+    rows = [{"round": t, "accuracy": 0.1 + 0.01 * t, "epsilon": 0.5 * t} for t in (1, 2, 3)]
+    glob = _result("global", rows, target_epsilon=8.0)
+    assert figure_title(glob) == (
+        "Global DP (server noise): sigma = 1, S = 1.0; epsilon 1.5 at delta = 1e-05 "
+        "(target 8); mnist, K = 1000, m = 100 (poisson), 3 rounds")
+    fig = save_round_figure([glob], str(tmp_path / "g.png"))
+    acc, eps = fig.axes
+    assert acc.get_ylim() == (0.0, 1.0)    # chance-level wiggles are not blown up
+    assert fig._suptitle.get_text() == figure_title(glob)
+    # local DP: labelled as local DP with its epsilon; one panel (no empty epsilon plot)
+    local = _result("local", [{"round": 1, "accuracy": 0.5, "epsilon": None}])
+    fig = save_round_figure([local], str(tmp_path / "l.png"))
+    assert len(fig.axes) == 1 and fig.axes[0].get_ylim() == (0.0, 1.0)
+    assert fig.axes[0].lines[0].get_label() == \
+        "ldp_pnpm (local DP, eps 2 per coordinate)"
+    assert len(fig.axes[0].lines[0].get_xdata()) == 1 and fig.axes[0].lines[0].get_marker() == "o"
+    assert figure_title(local).startswith("local DP: pnpm, epsilon 2 per coordinate (no central")
+    assert "1 round" in figure_title(local) and "1 rounds" not in figure_title(local)
+    none = _result("none", [{"round": 1, "accuracy": 0.5, "epsilon": None}])
+    assert figure_title(none).startswith("fedavg, no DP (epsilon = inf)")
+    assert (tmp_path / "l.png").read_bytes()[:4] == b"\x89PNG"

@@ -4,6 +4,7 @@ Flower (LocalGrid without Ray; Flower's Simulation Engine on Ray), bad
 configurations are refused."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import tensorflow as tf  # noqa: E402
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
+from dpfl_tf._seeds import derive_seed  # noqa: E402
 from dpfl_tf.federated import flower as fl  # noqa: E402
 from dpfl_tf.federated.aggregators import ClientNoiseDPAggregator  # noqa: E402
 from dpfl_tf.federated.local_dp import (DomainPolicy, PiecewiseMechanism,  # noqa: E402
@@ -84,11 +86,14 @@ def test_client_upload_equals_in_process_client_update(mnist_small, dp):
     ref, _ = build_server(cfg, mnist_small, progress=False)
     w0 = ref.trainer.get_weights()
     t, k = 3, 2
-    # in-process: LocalTrainer.train on the client's indices with the client's generator ...
-    expected = ref.trainer.train(w0, ref.partition.client(k), np.random.default_rng([0, t, k]))
+    # in-process: LocalTrainer.train on the client's indices with the client's generator
+    # (the streams are derive_seed's since the seeding helper; the formula was numpy's
+    # SeedSequence of (seed, t, k) before) ...
+    expected = ref.trainer.train(w0, ref.partition.client(k),
+                                 np.random.default_rng(derive_seed(0, "local-shuffle", t, k)))
     if dp == "client":   # ... then the DP-FedAvg client step: clip + noise by the sanitizer
         agg = ClientNoiseDPAggregator(GaussianSanitizer(0.5, 0.7))
-        agg.reseed(int(np.random.default_rng([1, t, k]).integers(2**62)))
+        agg.reseed(derive_seed(1, "client-noise", t, k))
         expected = agg.client_transform(expected)
         assert float(tf.linalg.global_norm(expected)) > 0.5   # noise was added
     app = fl.make_client_app(cfg, mnist_small)
@@ -119,8 +124,8 @@ def test_client_local_dp_upload_and_its_composition_across_rounds(mnist_small):
     app = fl.make_client_app(cfg, mnist_small, local_dp=fl.LocalDPUpload(mech, policy))
     ctx = _context(1)
     reply = app(_train_message(w0, 0), ctx)
-    delta = ref.trainer.train(w0, ref.partition.client(1), np.random.default_rng([0, 0, 1]))
-    gen = make_generator(fl.stream_seed(5, 0, 1))
+    delta = ref.trainer.train(w0, ref.partition.client(1), ref.shuffle_rng(0, 1))
+    gen = make_generator(derive_seed(5, "local-dp", 0, 1))   # (mechanism seed, t, k)
     want = [p - w for p, w in zip(mech.perturb_weights([w + d for w, d in zip(w0, delta)],
                                                        policy, generator=gen), w0)]
     for g, e in zip(_arrays(reply), want):
@@ -186,6 +191,67 @@ def test_same_config_same_epsilon_in_process_and_on_flower(mnist_small, dp, samp
         # what the clients themselves report equals the server's per-client report
         assert flower["client_reported"]["max_client_dp_epsilon_total"] == pytest.approx(
             against["epsilon"])
+
+
+#: result keys two runs of one config may differ in: wall and CPU time, the process's memory
+TIMING_KEYS = {"seconds", "median_round_seconds", "rounds_per_minute", "peak_rss_mb"}
+HISTORY_TIMING_KEYS = {"seconds", "cpu_seconds"}
+#: what only a Flower result has: the runtime's labels and the clients' own reports
+RUNTIME_KEYS = {"runtime", "flower_backend", "flwr_version", "client_reported"}
+
+
+def _assert_same(got, want, where="result"):
+    """Equal, floats to 1e-6 (Flower's FedAvg averages in numpy, in-process in TF)."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), (where, got, want)
+        for key in want:
+            _assert_same(got[key], want[key], f"{where}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), (where, got, want)
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_same(g, w, f"{where}[{i}]")
+    elif isinstance(want, float) and not isinstance(got, bool):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), (where, got, want)
+    else:
+        assert got == want, (where, got, want)
+
+
+@pytest.mark.parametrize("dp", ["local", "client", "global"])
+def test_one_config_gives_one_result_on_both_runtimes(mnist_small, dp):
+    """The in-process server and the Flower strategy open, train, close and report a
+    round with the same functions: every result key agrees (seeded runs), apart from
+    timings and Flower's runtime labels."""
+    extra = dict(ldp_mechanism="piecewise", ldp_epsilon=2.0, ldp_bound=0.5,
+                 accountant="moments") if dp == "local" else {}
+    cfg = _cfg(dp=dp, rounds=3, eval_every=2, **extra)
+    inproc = run_federated(cfg, mnist_small, progress=False)
+    flower = fl.run_on_flower(cfg, mnist_small, backend="local")
+    assert set(flower) - set(inproc) == RUNTIME_KEYS
+    assert flower["mechanism"] == inproc["mechanism"] == {
+        "local": "ldp_piecewise", "client": "client_dp", "global": "global_dp"}[dp]
+    assert flower["dataset"] == inproc["dataset"] == mnist_small.source.label
+    for key in sorted(set(inproc) - TIMING_KEYS - {"history"}):
+        _assert_same(flower[key], inproc[key], key)
+    assert len(flower["history"]) == len(inproc["history"]) == 3
+    for got, want in zip(flower["history"], inproc["history"]):
+        _assert_same({k: v for k, v in got.items() if k not in HISTORY_TIMING_KEYS},
+                     {k: v for k, v in want.items() if k not in HISTORY_TIMING_KEYS})
+    assert inproc["history"][0]["accuracy"] is None      # eval_every=2: rounds 2 and 3
+    assert inproc["test_accuracy"] == inproc["history"][-1]["accuracy"] is not None
+
+
+def test_correlated_noise_gives_one_result_on_both_runtimes(mnist_small):
+    """Banded MF with cyclic cohorts: the Flower strategy closes rounds with the
+    server's functions, so its noise, ledger and history are the in-process run's."""
+    cfg = _cfg(dp="banded_mf", clients_per_round=None, sampling=None, cohorts=2, rounds=4)
+    inproc = run_federated(cfg, mnist_small, progress=False)
+    flower = fl.run_on_flower(cfg, mnist_small, backend="local")
+    assert flower["mechanism"] == inproc["mechanism"] == "banded_mf"
+    for key in sorted(set(inproc) - TIMING_KEYS - {"history"}):
+        _assert_same(flower[key], inproc[key], key)
+    for got, want in zip(flower["history"], inproc["history"]):
+        _assert_same({k: v for k, v in got.items() if k not in HISTORY_TIMING_KEYS},
+                     {k: v for k, v in want.items() if k not in HISTORY_TIMING_KEYS})
 
 
 def test_strategy_reports_the_ledger_epsilon_per_round_and_stops_at_the_budget(mnist_small):
@@ -343,3 +409,92 @@ def test_secure_mode_on_flower(mnist_small):
     assert out["epsilon"] == pytest.approx(want, rel=1e-9)
     assert out["privacy"]["secure_mode"] is True
     assert fl.config_from_run_config(fl.config_to_run_config(cfg)) == cfg
+
+
+# ---------------------------------------------------------------------------
+# nodes that come and go; books kept (issue 39, on LocalGrid)
+
+class _LosingGrid(fl.LocalGrid):
+    """A LocalGrid whose node `lose` goes down once `after` rounds have trained."""
+
+    def __init__(self, *args, lose, after, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lose, self.after, self.rounds = lose, after, 0
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        replies = super().send_and_receive(messages, timeout=timeout)
+        if messages and messages[0].metadata.message_type == "train":
+            self.rounds += 1
+            if self.rounds == self.after:
+                self.stop_node(self.lose)
+        return replies
+
+
+def _server_context(**run_config):
+    return Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                   run_config=run_config)
+
+
+def test_a_node_lost_mid_run_is_a_dropout_with_min_nodes(mnist_small):
+    cfg = _cfg(clients=4, clients_per_round=3, rounds=5)
+    strategy = fl.DPStrategy.from_config(cfg, mnist_small, min_nodes=2)
+    grid = _LosingGrid(fl.make_client_app(cfg, mnist_small), 4, lose=2, after=1)
+    result = strategy.run(grid, cfg.rounds)
+    srv = strategy.server
+    assert srv.rounds_done == 5 and srv.stop_reason == "completed 5 rounds"
+    assert strategy.partition_nodes == {0: 1, 2: 3, 3: 4}       # node 2 (client 1) is gone
+    # every round records the full round's event (conservative for a dropout)
+    want = compute_epsilon(dp_accounting.SelfComposedDpEvent(_round_event(cfg), 5),
+                           cfg.delta_max, "rdp")
+    assert srv.epsilon() == pytest.approx(want, rel=1e-9)
+    dropped = [r for r in srv.history[1:] if r.info.get("missing_clients")]
+    assert dropped, "client 1 was never sampled after its node went down"
+    for r in dropped:
+        metrics = result.train_metrics_clientapp[r.round]
+        assert (metrics["clients"], metrics["uploads"], metrics["missing-clients"]) == (3, 2, 1)
+
+
+def test_duplicate_or_out_of_range_partition_ids_are_refused_naming_the_nodes(mnist_small):
+    cfg = _cfg()
+    grid = fl.LocalGrid(fl.make_client_app(cfg, mnist_small), 4)
+    grid.contexts[3].node_config[fl.PARTITION_ID_KEY] = 0        # node 3 claims client 0 too
+    with pytest.raises(ValueError, match=r"nodes 1 and 3 both hold partition-id=0"):
+        fl.DPStrategy.from_config(cfg, mnist_small).run(grid, 1)
+    grid = fl.LocalGrid(fl.make_client_app(cfg, mnist_small), 4, raise_client_errors=False)
+    grid.contexts[4].node_config[fl.PARTITION_ID_KEY] = 9     # as on Flower: an error reply
+    with pytest.raises(ValueError, match=r"node 4 could not enrol: .*must lie in \[0, 4\), "
+                                         r"got 9"):
+        fl.DPStrategy.from_config(cfg, mnist_small).run(grid, 1)
+
+
+def test_a_failed_flower_run_keeps_its_results_and_resumes_from_its_checkpoint(mnist_small,
+                                                                               tmp_path):
+    """The ServerApp writes the results after every round and on failure; `flwr run`
+    again with the same run config continues from the checkpoint and ends where the
+    uninterrupted run ends (weights, accuracy, ledger)."""
+    cfg = _cfg(clients=4, clients_per_round=2, rounds=4)
+    client = fl.make_client_app(cfg, mnist_small)
+    straight = {}
+    fl.make_server_app(cfg, mnist_small, on_finish=lambda d, r, s: straight.update(d=d))(
+        fl.LocalGrid(client, 4), _server_context())
+
+    out, ckpt = tmp_path / "flower.json", tmp_path / "ckpt"
+    run_config = {"results-path": str(out), "checkpoint-dir": str(ckpt), "node-timeout": 0.2}
+    app = fl.make_server_app(cfg, mnist_small)
+    with pytest.raises(ValueError, match="fewer than min_nodes=4"):
+        app(_LosingGrid(client, 4, lose=3, after=2), _server_context(**run_config))
+    kept = json.loads(out.read_text())
+    assert kept["status"] == "failed" and "fewer than min_nodes=4" in kept["error"]
+    assert kept["rounds"] == 2 and kept["epsilon"] == straight["d"].server.history[1].epsilon
+
+    resumed = {}
+    fl.make_server_app(cfg, mnist_small, on_finish=lambda d, r, s: resumed.update(d=d))(
+        fl.LocalGrid(client, 4), _server_context(**run_config))
+    done = json.loads(out.read_text())
+    assert done["status"] == "completed" and done["rounds"] == 4
+    a, b = resumed["d"].server, straight["d"].server
+    assert a.ledger == b.ledger and done["epsilon"] == b.epsilon()
+    assert a.history[-1].accuracy == b.history[-1].accuracy
+    for x, y in zip(a.trainer.get_weights(), b.trainer.get_weights()):
+        np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=1e-6, atol=1e-7)

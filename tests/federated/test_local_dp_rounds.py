@@ -31,11 +31,13 @@ def test_a_round_averages_the_perturbed_local_models(mnist_small, mechanism, pol
                              sampling=ClientSampling("fixed_size", clients_per_round=4),
                              test_data=None, seed=3, progress=False, local_dp=upload)
     w0 = trainer.get_weights()
-    rng = server.round_rng(0)
-    chosen = server.sampling.sample(rng, 4)
+    # the round's streams: sampling from round_rng, each client's batch order from its
+    # own shuffle_rng (one stream per client since the seeding helper, so a Flower
+    # client draws what the in-process client draws)
+    chosen = server.sampling.sample(server.round_rng(0), 4)
     expected = [np.zeros(w.shape) for w in w0]
     for k in chosen:
-        delta = trainer.train(w0, partition.client(int(k)), rng)
+        delta = trainer.train(w0, partition.client(int(k)), server.shuffle_rng(0, int(k)))
         local = [w + d for w, d in zip(w0, delta)]
         noisy = mechanism.perturb_weights(local, policy,
                                           generator=upload.generator(0, int(k)))

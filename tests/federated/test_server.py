@@ -53,12 +53,13 @@ def test_one_round_equals_the_hand_computed_weighted_average(trainer):
     server = FederatedServer(trainer, partition, MeanAggregator(), sampling=sampling,
                              test_data=None, seed=5, progress=False)
     w0 = trainer.get_weights()
-    # the same randomness the server derives for round 0
-    rng = server.round_rng(0)
-    chosen = sampling.sample(rng, 6)
+    # the same randomness the server derives for round 0: the sampling stream, then
+    # one batch-order stream per client (since the seeding helper; was one shared stream)
+    chosen = sampling.sample(server.round_rng(0), 6)
     deltas, sizes = [], []
     for k in chosen:
-        deltas.append([d.numpy() for d in trainer.train(w0, partition.client(int(k)), rng)])
+        deltas.append([d.numpy() for d in trainer.train(w0, partition.client(int(k)),
+                                                        server.shuffle_rng(0, int(k)))])
         sizes.append(len(partition.client(int(k))))
     trainer.set_weights(w0)
     server.run_round()

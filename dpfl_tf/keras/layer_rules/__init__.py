@@ -1,9 +1,12 @@
 """Per-layer rules for per-example gradient norms and clipped sums.
 
 One module per layer family; each registers a `LayerRule` for its Keras
-classes.  A rule is looked up by the layer's exact type, then along its MRO;
-a trainable layer without a rule (or whose rule refuses its configuration)
-uses `PerLayerJacobianRule`, exact for any differentiable layer but slower.
+classes.  A rule is looked up by the layer's exact type, then along its MRO,
+but never by inheritance alone: a subclass that overrides a method the rule
+reimplements (`LayerRule.reimplements`, at least `call`) computes another
+function and gets no rule from its parent.  A trainable layer without a rule
+(or whose rule refuses its configuration) uses `PerLayerJacobianRule`, exact
+for any differentiable layer but slower.
 Register a rule for your own layer with one call::
 
     from dpfl_tf.keras.layer_rules import register_rule

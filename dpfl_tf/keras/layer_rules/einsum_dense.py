@@ -50,6 +50,8 @@ def batch_first(equation: str) -> bool:
 
 
 class EinsumDenseRule(LayerRule):
+    reimplements = ("call", "kernel")
+
     def applies(self, layer) -> bool:
         return plain(layer) and batch_first(layer.equation)
 

@@ -26,6 +26,8 @@ from dpfl_tf.keras.layer_rules.dense import plain
 
 
 class EmbeddingRule(LayerRule):
+    reimplements = ("call", "embeddings")
+
     def applies(self, layer) -> bool:
         return plain(layer)
 

@@ -1,0 +1,251 @@
+"""The federated wrapper on Flower's Deployment Engine: a SuperLink and K
+SuperNodes as separate processes on 127.0.0.1, the ``dpfl_tf.federated.flower``
+apps run with ``flwr run``, one SuperNode killed mid-run (issue 39).
+
+Scenarios (each a fresh results file and checkpoint directory):
+
+* ``kill`` -- min-nodes = K (the default): node K-1 is killed (SIGKILL) once
+  round 1 is in the results file.  The round under way completes without it
+  (after the SuperLink's heartbeat timeout), the next round finds too few
+  nodes and the run fails -- with its results file (status failed, the epsilon
+  already spent) and its checkpoint.  The node is started again and the same
+  ``flwr run`` continues from the checkpoint to the last round.
+* ``dropout`` -- min-nodes = 1: the killed node's client is a dropout in every
+  later round it is sampled in, and the run completes.
+
+Each run's epsilon is compared with the in-process run of the same config
+(`run_federated`: the same events, so the same epsilon).  Every process
+started here is stopped at the end.
+
+    python experiments/federated_flower_deploy.py                 # both scenarios
+    python experiments/federated_flower_deploy.py --only dropout --rounds 3
+
+Writes results/federated_flower_deploy.json (per scenario: status, rounds,
+epsilon, seconds per round, missing clients per round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from _common import RESULTS, ROOT, command_line, commit_of
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _toml(value) -> str:
+    return json.dumps(value) if isinstance(value, str) else repr(value).lower() \
+        if isinstance(value, bool) else repr(value)
+
+
+class Deployment:
+    """A SuperLink and K SuperNodes on 127.0.0.1 (``flower-superlink`` /
+    ``flower-supernode``, insecure, no runtime dependency installation), the app
+    directory and the ``flwr`` connection for them.  Use as a context manager:
+    every process it started is stopped on exit."""
+
+    def __init__(self, directory: str, run_config: dict, clients: int):
+        self.dir, self.k = directory, clients
+        self.port = _free_port()
+        self.env = {**os.environ, "FLWR_HOME": os.path.join(directory, "flwr-home"),
+                    "PYTHONPATH": os.pathsep.join(filter(None, [ROOT,
+                                                                os.environ.get("PYTHONPATH")])),
+                    "FLWR_TELEMETRY_ENABLED": "0", "TF_CPP_MIN_LOG_LEVEL": "3"}
+        os.makedirs(self.env["FLWR_HOME"], exist_ok=True)
+        with open(os.path.join(self.env["FLWR_HOME"], "config.toml"), "w") as f:
+            f.write(f'[superlink]\ndefault = "deploy"\n\n[superlink.deploy]\n'
+                    f'address = "127.0.0.1:{self.port}"\ninsecure = true\n')
+        self.app = os.path.join(directory, "app")
+        os.makedirs(self.app, exist_ok=True)
+        config = "\n".join(f"{k} = {_toml(v)}" for k, v in run_config.items())
+        with open(os.path.join(self.app, "pyproject.toml"), "w") as f:
+            f.write(APP_PYPROJECT + config + "\n")
+        self.procs: dict[str, subprocess.Popen] = {}
+        #: process groups started (one per SuperLink / SuperNode, with their children)
+        self.groups: list[int] = []
+
+    def _start(self, name: str, argv: list[str]) -> None:
+        log = open(os.path.join(self.dir, f"{name}.log"), "a")
+        self.procs[name] = subprocess.Popen(argv, env=self.env, stdout=log, stderr=log,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        self.groups.append(self.procs[name].pid)
+
+    def left_running(self) -> list[int]:
+        """Processes of the groups started here that are still alive (zombies aside)."""
+        alive = []
+        for group in self.groups:
+            out = subprocess.run(["pgrep", "-g", str(group)], capture_output=True, text=True)
+            for pid in out.stdout.split():
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().split(") ", 1)[1][0] != "Z":
+                        alive.append(int(pid))
+        return alive
+
+    def start_node(self, k: int) -> None:
+        self._start(f"node{k}", ["flower-supernode", "--insecure", "--superlink",
+                                 f"127.0.0.1:{self.port}", "--port", str(_free_port()),
+                                 "--node-config",
+                                 f"partition-id={k} num-partitions={self.k}"])
+
+    def kill_node(self, k: int) -> None:
+        """SIGKILL to the SuperNode's process group (its ClientApp processes too)."""
+        proc = self.procs.pop(f"node{k}")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def __enter__(self) -> "Deployment":
+        self._start("superlink", ["flower-superlink", "--insecure", "--port", str(self.port),
+                                  "--disable-runtime-dependency-installation"])
+        time.sleep(3)
+        for k in range(self.k):
+            self.start_node(k)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        time.sleep(2)
+        for pid in self.left_running():     # a child that outlived its SuperNode
+            os.kill(pid, signal.SIGKILL)
+
+    def flwr_run(self, **overrides) -> None:
+        """``flwr run app deploy --run-config ...`` (returns once the run is submitted)."""
+        pairs = " ".join(f"{k}={_toml(v)}" for k, v in overrides.items())
+        out = subprocess.run(["flwr", "run", self.app, "deploy", "--run-config", pairs],
+                             env=self.env, capture_output=True, text=True, timeout=300)
+        if "Successfully started run" not in out.stdout:
+            raise RuntimeError(f"flwr run failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
+
+
+APP_PYPROJECT = """[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "dpfl-federated-app"
+version = "1.0.0"
+description = "dpfl_tf's federated wrapper as a Flower app"
+license = "Apache-2.0"
+dependencies = []
+
+[tool.flwr.app]
+publisher = "dpfl"
+
+[tool.flwr.app.components]
+serverapp = "dpfl_tf.federated.flower:server_app"
+clientapp = "dpfl_tf.federated.flower:client_app"
+
+[tool.flwr.app.config]
+"""
+
+
+def _read(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _wait(path: str, done, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        data = _read(path)
+        if data is not None and done(data):
+            return data
+        time.sleep(2)
+    raise TimeoutError(f"{path}: no result in {timeout:g} s (last: {_read(path)})")
+
+
+def _summary(data: dict) -> dict:
+    return {"status": data["status"], "rounds": data["rounds"], "epsilon": data["epsilon"],
+            "error": data.get("error"), "test_accuracy": data["test_accuracy"],
+            "round_seconds": [h["seconds"] for h in data["history"]],
+            "missing_clients": [h["info"].get("missing_clients", 0) for h in data["history"]]}
+
+
+def scenario(name: str, dep: Deployment, rounds: int, timeout: float) -> dict:
+    out, ckpt = (os.path.join(dep.dir, f"{name}.json"), os.path.join(dep.dir, f"{name}.ckpt"))
+    keys = {"results-path": out, "checkpoint-dir": ckpt,
+            "min-nodes": dep.k if name == "kill" else 1}
+    start = time.perf_counter()
+    dep.flwr_run(**keys)
+    _wait(out, lambda d: d["rounds"] >= 1 or d["status"] != "running", timeout)
+    dep.kill_node(dep.k - 1)
+    row = {"scenario": name, "min_nodes": keys["min-nodes"], "killed_node": dep.k - 1}
+    if name == "kill":
+        failed = _wait(out, lambda d: d["status"] != "running", timeout)
+        row["first_run"] = _summary(failed)
+        dep.start_node(dep.k - 1)
+        time.sleep(5)
+        dep.flwr_run(**keys)
+        final = _wait(out, lambda d: d["status"] != "running" and d["rounds"] > failed["rounds"]
+                      or d["status"] == "failed" and d.get("error") != failed.get("error"),
+                      timeout)
+    else:
+        final = _wait(out, lambda d: d["status"] != "running", timeout)
+        dep.start_node(dep.k - 1)
+    row["final"] = _summary(final)
+    row["minutes"] = (time.perf_counter() - start) / 60
+    print(f"{name}: {json.dumps(row)}", flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="+", choices=["kill", "dropout"])
+    p.add_argument("--clients", type=int, default=2, help="K SuperNodes")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per wait")
+    p.add_argument("--output", default=os.path.join(RESULTS, "federated_flower_deploy.json"))
+    args = p.parse_args(argv)
+    from dpfl_tf._io import atomic_write_json
+    from dpfl_tf.federated.flower import config_from_run_config
+    from dpfl_tf.federated.runner import run_federated
+
+    run_config = {"clients": args.clients, "clients-per-round": args.clients,
+                  "sampling": "fixed_size", "rounds": args.rounds, "dp": "global",
+                  "partition": "iid", "train-subset": 600,
+                  "results-path": "", "checkpoint-dir": "", "min-nodes": args.clients,
+                  "node-timeout": 120.0}
+    config = config_from_run_config(run_config)
+    inproc = run_federated(config, progress=False)
+    out = {"command": command_line(), "commit": commit_of(), "run_config": run_config,
+           "in_process_epsilon": inproc["epsilon"], "scenarios": []}
+    with tempfile.TemporaryDirectory(prefix="dpfl-flower-") as tmp:
+        with Deployment(tmp, run_config, args.clients) as dep:
+            for name in args.only or ["kill", "dropout"]:
+                row = scenario(name, dep, args.rounds, args.timeout)
+                row["epsilon_equals_in_process"] = row["final"]["epsilon"] == inproc["epsilon"]
+                out["scenarios"].append(row)
+                atomic_write_json(args.output, out)
+        out["processes_left_running"] = dep.left_running()
+        atomic_write_json(args.output, out)
+    print(f"wrote {args.output}")
+    return 0 if all(r["final"]["status"] == "completed" and r["epsilon_equals_in_process"]
+                    for r in out["scenarios"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

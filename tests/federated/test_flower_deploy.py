@@ -1,0 +1,48 @@
+"""Flower's Deployment Engine end to end: a SuperLink and two SuperNodes started as
+processes on 127.0.0.1, a short Global DP run, one SuperNode killed (SIGKILL) after
+round 1 -- the run fails with its results file kept, resumes from its checkpoint
+once the node is back, and ends at the in-process epsilon; with min-nodes = 1 the
+killed node's client is a dropout and the run completes.  Every process started is
+stopped (`experiments/federated_flower_deploy.py`).
+
+Several minutes (every message starts a ClientApp process that imports TensorFlow),
+so it runs only with DPFL_FLOWER_DEPLOY=1."""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = [
+    pytest.mark.skipif(os.environ.get("DPFL_FLOWER_DEPLOY") != "1",
+                       reason="several minutes: set DPFL_FLOWER_DEPLOY=1 to run"),
+    pytest.mark.skipif(importlib.util.find_spec("flwr") is None
+                       or shutil.which("flower-superlink") is None,
+                       reason="Flower is not installed: pip install 'dpfl-tf[flower]'"),
+]
+
+
+def test_a_killed_supernode_keeps_the_books_and_the_run_resumes(tmp_path):
+    out = tmp_path / "deploy.json"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "experiments",
+                                                       "federated_flower_deploy.py"),
+                          "--rounds", "3", "--output", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    kill, dropout = data["scenarios"]
+    first = kill["first_run"]
+    assert first["status"] == "failed" and "fewer than min_nodes=2" in first["error"]
+    assert first["rounds"] >= 1 and first["epsilon"] > 0        # the spent budget is kept
+    assert kill["final"]["status"] == "completed" and kill["final"]["rounds"] == 3
+    assert kill["final"]["epsilon"] == data["in_process_epsilon"]
+    assert dropout["final"]["status"] == "completed" and sum(
+        dropout["final"]["missing_clients"]) >= 1
+    assert dropout["final"]["epsilon"] == data["in_process_epsilon"]
+    assert data["processes_left_running"] == []         # every process it started stopped
