@@ -521,9 +521,28 @@ class DPModel(keras.Model):
             self._step_event = _release_event(
                 sampler, self._sanitizer.effective_noise_multiplier(num_groups))
         self.sampler = sampler
-        self.train_function = None  # retrace with the new settings
+        self._keep_or_reset_train_function(variables)
         if restored:
             self._adopt_restored_lots(stacklevel=4)
+
+    def _keep_or_reset_train_function(self, variables) -> None:
+        """Retraces the training function only when a setting it was traced with
+        changed: a new fit with the same settings reuses it (and the sanitizer
+        and per-example objects it holds), so fits in one process do not each
+        leave a traced function behind.  A correlated-noise run always retraces
+        (its noise state is built per run)."""
+        key = (tuple(id(v) for v in variables), id(self._dp_loss), type(self._per_example),
+               self.fast_gradients, repr(sorted(self._sanitizer.get_config().items())),
+               tuple(self._groups), self._batch_size, self._expected_lot, self._pad_to_batch,
+               self._log_metrics, self.steps_per_execution, self._ledger_label,
+               id(self.distribute_strategy), self.jit_compile, bool(self.run_eagerly))
+        if (self._correlated is None and self.train_function is not None
+                and key == getattr(self, "_traced_key", None)):
+            self._sanitizer, self._per_example = self._traced_objects
+            return
+        self.train_function = None  # retrace with the new settings
+        self._traced_key = None if self._correlated is not None else key
+        self._traced_objects = (self._sanitizer, self._per_example)
 
     def _calibrate_noise(self, sampler: LotSampler, bounds, privacy_cb, epochs: int,
                          verbose) -> None:

@@ -51,6 +51,35 @@ def _one_lot_update(batch_size, noise, seed, n=600):
     return [b - a for a, b in zip(w0, weights(dp.model))]
 
 
+def test_a_fit_with_the_same_settings_reuses_the_traced_function_and_a_change_retraces():
+    """Fits in one process reuse the training function while its settings hold
+    (each retrace kept the old function: ~20 MB a fit); a changed noise
+    multiplier, lot size or clip retraces, and the new setting is what trains."""
+    x, y = mnist_slice(400, features=60)
+    dp = dp_model(noise=0.0, clip=1.0, lr=0.5)
+    dp.fit(x, y, lot_size=100, epochs=1, verbose=0, sampling_seed=0)
+    first = dp.train_function
+    dp.fit(x, y, lot_size=100, epochs=1, verbose=0, sampling_seed=0)
+    assert dp.train_function is first
+    w0 = weights(dp.model)
+    dp.fit(x, y, lot_size=100, epochs=1, verbose=0, sampling_seed=0)
+    noiseless = max(np.abs(b - a).max() for a, b in zip(w0, weights(dp.model)))
+    dp.optimizer.noise_multiplier = 1000.0
+    w0 = weights(dp.model)
+    dp.fit(x, y, lot_size=100, epochs=1, verbose=0, sampling_seed=0)
+    assert dp.train_function is not first
+    noised = max(np.abs(b - a).max() for a, b in zip(w0, weights(dp.model)))
+    assert noised > 100 * noiseless   # sigma C / L = 1000 x 1 / 100 per lot
+    second = dp.train_function
+    for change in ({"lot_size": 200}, {"lot_size": 200, "batch_size": 50}):
+        dp.fit(x, y, epochs=1, verbose=0, sampling_seed=0, **change)
+        assert dp.train_function is not second
+        second = dp.train_function
+    dp.optimizer.l2_norm_clip = 0.5
+    dp.fit(x, y, lot_size=200, batch_size=50, epochs=1, verbose=0, sampling_seed=0)
+    assert dp.train_function is not second
+
+
 def test_physical_batches_sum_to_the_same_lot_update_without_noise():
     one = _one_lot_update(600, 0.0, 0)
     four = _one_lot_update(150, 0.0, 0)
