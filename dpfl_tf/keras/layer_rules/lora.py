@@ -148,10 +148,13 @@ def _training(layer, result: list) -> list:
 
 class _PlainOrLora(LayerRule):
     """Registered for Dense, EinsumDense and Embedding: the family's rule, or its
-    LoRA rule once ``enable_lora`` was called (`LayerRule.rule_for`)."""
+    LoRA rule once ``enable_lora`` was called (`LayerRule.rule_for`).  It
+    reimplements what either of them does, so a subclass overriding any of it
+    gets neither by inheritance."""
 
     def __init__(self, plain: LayerRule, lora: LayerRule):
         self.plain, self.lora = plain, lora
+        self.reimplements = tuple(dict.fromkeys(plain.reimplements + lora.reimplements))
 
     def rule_for(self, layer) -> LayerRule:
         return self.lora if enabled(layer) else self.plain
