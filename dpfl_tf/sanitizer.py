@@ -97,6 +97,17 @@ def seeded_noise_key(seed: int) -> tuple[int, int]:
             int.from_bytes(digest[8:], "little") % 2**63)
 
 
+def stream_key(seed: int | None, secure_mode: bool) -> tuple[int, int]:
+    """The key of a stateless noise stream: hashed from the seed when seeded
+    (so a resumed run continues the same stream at lot t), otherwise two fresh
+    63-bit words from `secrets` (126 bits), held in memory only, never saved.
+    Secure mode refuses a seed."""
+    secure_random.refuse_seed(secure_mode, seed)
+    if seed is not None:
+        return seeded_noise_key(seed)
+    return (secure_random.secure_key(), secure_random.secure_key())
+
+
 def noise_seed(noise_key, step, j: int) -> tf.Tensor:
     """The stateless seed of tensor j's noise in lot `step`: [k0 XOR step, k1 XOR j].
 
@@ -144,15 +155,10 @@ class GaussianSanitizer:
                              f"got {noise_allocation!r}")
         self.noise_allocation = noise_allocation
         self.secure_mode = bool(secure_mode)
-        secure_random.refuse_seed(self.secure_mode, seed)
         self.seed = seed
         self._generator = generator
-        # key of the stateless per-lot noise stream (`add_noise(..., step=t)`): the
-        # seed when seeded (so a resumed run continues the same stream at lot t),
-        # otherwise two fresh 63-bit words from `secrets` (126 bits), held in
-        # memory only, never saved.
-        self.noise_key = (seeded_noise_key(seed) if seed is not None
-                          else (secure_random.secure_key(), secure_random.secure_key()))
+        # key of the stateless per-lot noise stream (`add_noise(..., step=t)`)
+        self.noise_key = stream_key(seed, self.secure_mode)
 
     # -- configuration ------------------------------------------------------
     @property
@@ -194,7 +200,8 @@ class GaussianSanitizer:
         if not self.per_layer:  # one bound on the whole record: sensitivity C, noise sigma C
             return self.noise_multiplier
         bounds = self.clip_bounds(num_components)
-        stds = self.noise_stddevs(num_components)
+        # this class's s_j (a subclass may scale its noise by a strategy's sensitivity)
+        stds = GaussianSanitizer.noise_stddevs(self, num_components)
         return 1.0 / math.sqrt(sum((c / s) ** 2 for c, s in zip(bounds, stds)))
 
     def event(self, num_components: int, sampling: SamplingMethod | str = SamplingMethod.POISSON,

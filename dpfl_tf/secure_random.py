@@ -52,7 +52,8 @@ import numpy as np
 # TensorFlow is imported inside the functions that draw with it: the seed check
 # and the host-side uniforms are used by modules the CLI loads before TensorFlow
 
-__all__ = ["secure_generator", "secure_key", "secure_add_noise", "secure_uniform",
+__all__ = ["secure_generator", "secure_key", "secure_add_noise", "secure_normal64",
+           "secure_uniform",
            "refuse_seed", "SECURE_DRAWS"]
 
 SECURE_DRAWS = 4  # Z = sum of four N(0, 1) draws / 2
@@ -87,6 +88,14 @@ def secure_add_noise(value, generator, stddev, *, seed=None):
 
     noise = _secure_noise64(generator, tf.shape(value), stddev, seed)
     return tf.cast(tf.cast(value, tf.float64) + noise, value.dtype)
+
+
+def secure_normal64(shape, stddev, *, seed):
+    """s Z in float64, Z the normalised sum of four standard normals drawn
+    statelessly from `seed` (a shape-[2] int64 tensor): the secure sample of
+    this module's docstring, before any rounding (correlated noise adds it to
+    float64 buffers and rounds once, `dpfl_tf.correlated_noise`)."""
+    return _secure_noise64(None, shape, stddev, seed)
 
 
 def _secure_noise64(generator, shape, stddev, seed):

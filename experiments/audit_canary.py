@@ -336,7 +336,8 @@ def multi_run(variant: str, target_epsilon: float, runs: int, *, real, seed: int
     for test in TESTS:
         res = multi_run_epsilon_lower_bound(scores[coins], scores[~coins], delta=DELTA,
                                             confidence=CONFIDENCE, method=test,
-                                            threshold=mu_claim / 2)
+                                            threshold=mu_claim / 2,
+                                            mechanism=dp.privacy_ledger)  # full batch
         rows.append({"variant": variant, "target_epsilon": target_epsilon,
                      "epsilon": claimed, "delta": DELTA, "accountant": "pld",
                      "confidence": CONFIDENCE, "sampling": "full_batch", "lots": STEPS,

@@ -64,8 +64,8 @@ def _swap(sanitizer: GaussianSanitizer, cls) -> GaussianSanitizer:
 class _Broken(DPModel):
     sanitizer_class = None
 
-    def _prepare(self, sampler, batch_size):
-        super()._prepare(sampler, batch_size)  # the claim (event) is the honest one
+    def _prepare(self, sampler, batch_size, **kwargs):
+        super()._prepare(sampler, batch_size, **kwargs)  # the claim (event) is the honest one
         if self.sanitizer_class is not None:
             self._sanitizer = _swap(self._sanitizer, self.sanitizer_class)
 
@@ -90,15 +90,15 @@ class _PerBatchNoise:
         self.inner = inner
         self.stddev = stddev
 
-    def compute(self, x, y, weights, clip_factors_fn, training=True):
-        sums, losses, y_pred = self.inner.compute(x, y, weights, clip_factors_fn, training)
-        sums = [s + self.stddev * tf.random.normal(tf.shape(s), dtype=s.dtype) for s in sums]
-        return sums, losses, y_pred
+    def clipped(self, x, y, weights, clip_factors_fn, training=True):
+        batch = self.inner.clipped(x, y, weights, clip_factors_fn, training)
+        return batch._replace(sums=[s + self.stddev * tf.random.normal(tf.shape(s), dtype=s.dtype)
+                                    for s in batch.sums])
 
 
 class PerBatchNoiseDPModel(DPModel):
-    def _prepare(self, sampler, batch_size):
-        super()._prepare(sampler, batch_size)
+    def _prepare(self, sampler, batch_size, **kwargs):
+        super()._prepare(sampler, batch_size, **kwargs)
         honest = self._sanitizer
         k = max(1, math.ceil(sampler.lot_size / batch_size))
         std = honest.noise_multiplier * honest.total_clip(max(self._groups) + 1) / k

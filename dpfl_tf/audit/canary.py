@@ -85,14 +85,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import dp_accounting
 import keras
 import numpy as np
 import tensorflow as tf
 
 from dpfl_tf._validation import check_count, check_number
-from dpfl_tf.audit.one_run import OneRunResult, epsilon_lower_bound_from_scores
-from dpfl_tf.privacy.events import iter_events
+from dpfl_tf.audit.one_run import (OneRunResult, epsilon_lower_bound_from_scores,
+                                   refuse_gdp_on_sampling)
 
 __all__ = ["DiracCanaries", "MislabelledCanaries", "WhiteBoxObserver", "STATISTICS",
            "observe_rounds"]
@@ -105,14 +104,9 @@ def _rng(seed):
     return np.random.default_rng(seed)
 
 
-def _has_subsampling(event) -> bool:
-    """True if the event composes a sampled release (Poisson with q < 1, or
-    sampling with or without replacement)."""
-    return any(isinstance(e, (dp_accounting.SampledWithoutReplacementDpEvent,
-                              dp_accounting.SampledWithReplacementDpEvent))
-               or (isinstance(e, dp_accounting.PoissonSampledDpEvent)
-                   and e.sampling_probability < 1)
-               for e in iter_events(event))
+def _holding_a_ledger(model):
+    """The model if it keeps a privacy ledger (a `DPModel`), else None."""
+    return model if hasattr(model, "privacy_ledger") else None
 
 
 class DiracCanaries:
@@ -214,18 +208,16 @@ class DiracCanaries:
 
     def audit(self, observer: "WhiteBoxObserver", *, delta: float, confidence: float = 0.95,
               statistic: str = "sum", guess_fractions: Sequence[float] | None = None,
-              method: str = "eps_dp") -> OneRunResult:
+              method: str = "eps_dp", mechanism=None) -> OneRunResult:
         """The one-run lower bound from the observer's scores and the coins.
         ``method="gdp"`` only for full-batch lots (or Global DP with every
-        client every round): see `dpfl_tf.audit.one_run`; it is refused when the
-        observed model's ledger holds sampled lots (the GDP test's null is then
-        not the mechanism that ran)."""
-        if method == "gdp":
-            ledger = getattr(getattr(observer, "dp_model", None), "privacy_ledger", None)
-            if ledger is not None and _has_subsampling(ledger.event):
-                raise ValueError("method='gdp' needs full-batch lots (a plain Gaussian "
-                                 "mechanism); this model's ledger holds sampled lots: use "
-                                 "method='eps_dp'")
+        client every round): see `dpfl_tf.audit.one_run`; it is refused on a
+        sampled mechanism (the GDP test's null is then not the mechanism that
+        ran), read from `mechanism`, else from what the observer watched (the
+        `DPModel`, or the server of `observe_rounds`), and refused when neither
+        says what ran."""
+        refuse_gdp_on_sampling(method, mechanism if mechanism is not None
+                               else observer.mechanism)
         return epsilon_lower_bound_from_scores(observer.scores(statistic), self._coins,
                                                delta=delta, confidence=confidence,
                                                guess_fractions=guess_fractions, method=method)
@@ -268,6 +260,15 @@ class WhiteBoxObserver(keras.callbacks.Callback):
         self.chunk = check_count("chunk", chunk, minimum=1)
         self.projections: list[np.ndarray] = []
         self._before = None
+        self.released_by = None  # a FederatedServer, set by `observe_rounds`
+
+    @property
+    def mechanism(self):
+        """What released the observed changes and keeps their ledger: the
+        server of `observe_rounds`, else the `DPModel` (None for a plain model)."""
+        if self.released_by is not None:
+            return self.released_by
+        return _holding_a_ledger(self.dp_model)
 
     @property
     def _inner(self):
@@ -406,7 +407,15 @@ class MislabelledCanaries:
 
     def audit(self, model, *, delta: float, confidence: float = 0.95,
               guess_fractions: Sequence[float] | None = None,
-              from_logits: bool = True, method: str = "eps_dp") -> OneRunResult:
+              from_logits: bool = True, method: str = "eps_dp",
+              mechanism=None) -> OneRunResult:
+        """The one-run lower bound from the final model's losses on the canaries.
+        ``method="gdp"`` is refused on a sampled mechanism, read from
+        `mechanism` (a DpEvent, PrivacyLedger or FederatedServer) or from
+        `model` when it is the `DPModel`, and refused when neither says what
+        ran (`dpfl_tf.audit.one_run.refuse_gdp_on_sampling`)."""
+        refuse_gdp_on_sampling(method, mechanism if mechanism is not None
+                               else _holding_a_ledger(model))
         return epsilon_lower_bound_from_scores(self.scores(model, from_logits=from_logits),
                                                self._coins, delta=delta,
                                                confidence=confidence,
@@ -419,6 +428,7 @@ def observe_rounds(server, rounds: int, observer: WhiteBoxObserver) -> None:
     observer around each round.  Stops early, like `FederatedServer.run`, when
     the next round would exceed the server's privacy budget."""
     check_count("rounds", rounds, minimum=1)
+    observer.released_by = server  # its ledger says what ran (`DiracCanaries.audit`)
     for _ in range(rounds):
         if server.would_exceed_budget():
             break

@@ -48,7 +48,7 @@ from scipy import special
 
 from dpfl_tf._validation import check_number
 from dpfl_tf.audit.membership import clopper_pearson, epsilon_lower_bound
-from dpfl_tf.audit.one_run import METHODS, gdp_epsilon
+from dpfl_tf.audit.one_run import METHODS, gdp_epsilon, refuse_gdp_on_sampling
 
 __all__ = ["MultiRunResult", "multi_run_epsilon_lower_bound"]
 
@@ -96,7 +96,7 @@ def _counts(in_scores, out_scores, t):
 def multi_run_epsilon_lower_bound(in_scores: Sequence[float], out_scores: Sequence[float], *,
                                   delta: float, confidence: float = 0.95,
                                   method: str = "eps_dp", threshold: float | None = None,
-                                  split: float = 0.5, seed: int | None = 0
+                                  split: float = 0.5, seed: int | None = 0, mechanism=None
                                   ) -> MultiRunResult:
     """The epsilon lower bound from the scores of runs with the canary
     (`in_scores`) and without it (`out_scores`); higher score = "in".
@@ -104,11 +104,15 @@ def multi_run_epsilon_lower_bound(in_scores: Sequence[float], out_scores: Sequen
     Args:
       delta: the claim's delta.
       method: "eps_dp" (any mechanism) or "gdp" (Gaussian mechanisms; module docstring).
+      mechanism: with "gdp", what one run released (its DpEvent or PrivacyLedger,
+        or the DPModel / FederatedServer): a sampled mechanism is refused
+        (`refuse_gdp_on_sampling`), and gdp without it too.
       threshold: fixed before the runs; if None, a random `split` fraction of
         each side's runs (seeded by `seed`) chooses it and the rest bound it.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    refuse_gdp_on_sampling(method, mechanism)
     ins = np.asarray(in_scores, np.float64).ravel()
     outs = np.asarray(out_scores, np.float64).ravel()
     if len(ins) < 1 or len(outs) < 1:

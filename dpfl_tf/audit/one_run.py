@@ -92,15 +92,17 @@ import dataclasses
 import math
 from typing import Sequence
 
+import dp_accounting
 import numpy as np
 from scipy import optimize, special, stats
 
 from dpfl_tf._validation import check_count, check_number
+from dpfl_tf.privacy.events import describe_event, iter_events
 
 __all__ = ["OneRunResult", "DEFAULT_GUESS_FRACTIONS", "GDP_GUESS_FRACTIONS", "METHODS",
            "one_run_p_value", "one_run_epsilon_lower_bound", "epsilon_lower_bound_from_scores",
            "guesses_from_scores", "ideal_gaussian_lower_bound", "gdp_epsilon", "gdp_mu",
-           "gdp_one_run_rejects", "one_run_gdp_mu_lower_bound"]
+           "gdp_one_run_rejects", "one_run_gdp_mu_lower_bound", "refuse_gdp_on_sampling"]
 
 #: guess counts tried by default, as fractions of the number of canaries
 DEFAULT_GUESS_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -114,6 +116,59 @@ GDP_GUESS_FRACTIONS = (0.05,)
 METHODS = ("eps_dp", "gdp")
 _EPS_MAX = 50.0
 _MU_MAX = 12.0
+
+
+def _event_of(mechanism):
+    """The DpEvent of what ran: a DpEvent, a `PrivacyLedger`, or an object
+    holding one (`DPModel.privacy_ledger`, `FederatedServer.ledger`); None if
+    none is given."""
+    from dpfl_tf.privacy.ledger import PrivacyLedger
+
+    for attr in ("privacy_ledger", "ledger"):
+        held = getattr(mechanism, attr, None)
+        if isinstance(held, PrivacyLedger):
+            mechanism = held
+            break
+    if isinstance(mechanism, PrivacyLedger):
+        return mechanism.event
+    if mechanism is None or isinstance(mechanism, dp_accounting.DpEvent):
+        return mechanism
+    raise TypeError("mechanism must be a DpEvent, a PrivacyLedger, or a DPModel / "
+                    f"FederatedServer holding one, got {type(mechanism).__name__}")
+
+
+def _is_sampled(event) -> bool:
+    """True if the event composes a sampled release (Poisson with q < 1, or
+    sampling with or without replacement: sampled lots or sampled clients)."""
+    return any(isinstance(e, (dp_accounting.SampledWithoutReplacementDpEvent,
+                              dp_accounting.SampledWithReplacementDpEvent))
+               or (isinstance(e, dp_accounting.PoissonSampledDpEvent)
+                   and e.sampling_probability < 1)
+               for e in iter_events(event))
+
+
+def refuse_gdp_on_sampling(method: str, mechanism, *, required: bool = True) -> None:
+    """Refuses ``method="gdp"`` on a sampled mechanism.  The GDP test's null
+    hypothesis is mu-GDP, the trade-off curve of a plain Gaussian mechanism
+    (full-batch DP-SGD, Global DP with every client every round); a sampled
+    Gaussian (Poisson lots, sampled clients) has another curve, so a bound from
+    that test is not a statement about the mechanism that ran.  With
+    `required`, gdp without a `mechanism` to check is refused too."""
+    if method != "gdp":
+        return
+    event = _event_of(mechanism)
+    if event is None:
+        if required:
+            raise ValueError(
+                "method='gdp' needs mechanism= (the DpEvent or PrivacyLedger of what ran, or "
+                "the DPModel / FederatedServer) to refuse sampled mechanisms; or use "
+                "method='eps_dp', valid for every mechanism")
+        return
+    if _is_sampled(event):
+        raise ValueError(
+            f"method='gdp' is refused on a sampled mechanism ({describe_event(event)}): "
+            "its privacy curve is not Gaussian, so the GDP test's null is not what ran; use "
+            "method='eps_dp'")
 
 
 def _check_counts(canaries, guesses, correct) -> tuple[int, int, int]:
@@ -321,7 +376,7 @@ def epsilon_lower_bound_from_scores(scores: Sequence[float], coins: Sequence[boo
                                     delta: float, confidence: float = 0.95,
                                     guess_fractions: Sequence[float] | None = None,
                                     sides: str | None = None, resolution: float | None = None,
-                                    method: str = "eps_dp") -> OneRunResult:
+                                    method: str = "eps_dp", mechanism=None) -> OneRunResult:
     """The one-run lower bound from per-canary scores (higher = "more likely
     in") and the secret coins (True = included).
 
@@ -336,10 +391,12 @@ def epsilon_lower_bound_from_scores(scores: Sequence[float], coins: Sequence[boo
     mechanism.  ``method="gdp"`` (`GDP_GUESS_FRACTIONS`, "in" guesses only, mu
     grid step 0.005) tests mu-GDP (module docstring): much tighter, but valid
     only for a claim that is a Gaussian mechanism (full-batch DP-SGD, Global
-    DP with every client every round), not for Poisson-sampled lots.
+    DP with every client every round), not for Poisson-sampled lots: given
+    `mechanism` (what ran: `refuse_gdp_on_sampling`), a sampled one is refused.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    refuse_gdp_on_sampling(method, mechanism, required=False)
     gdp = method == "gdp"
     if guess_fractions is None:
         guess_fractions = GDP_GUESS_FRACTIONS if gdp else DEFAULT_GUESS_FRACTIONS

@@ -100,6 +100,11 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--sampling", choices=[m.value for m in CLIENT_SAMPLING],
                    help="Poisson (rate m/K) or m without replacement (default: poisson; "
                         "fixed_size with --dp client)")
+    s.add_argument("--cohorts", type=_int,
+                   help="--dp ftrl/banded_mf/blt: b cohorts of clients (client k in cohort "
+                        "k mod b) take turns, so a client's rounds are b apart; --fraction is "
+                        "then the share of the cohort each round, default 1 (default: none; "
+                        "required with those modes)")
     s.add_argument("--rounds", "-T", type=_int, default=default["rounds"],
                    help="maximum number of rounds")
     s.add_argument("--local-epochs", "-E", type=_int, default=default["local_epochs"],
@@ -119,7 +124,9 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
     q = p.add_argument_group("privacy")
     q.add_argument("--dp", default=default["dp"].value, choices=values(DPMode),
                    help="none, global (server noise), client (client-side noise), local, "
-                        "distributed (discrete noise shares + secure aggregation)")
+                        "distributed (discrete noise shares + secure aggregation); ftrl, "
+                        "banded_mf, blt: server noise correlated across rounds, with "
+                        "--cohorts (docs/concepts/correlated-noise.md)")
     q.add_argument("--clip", "-S", type=_clip, default=default["clip"],
                    help="clip bound S > 0, or 'adaptive' (DP adaptive clipping, Andrew et al. "
                         "2021; --dp global, flat)")
@@ -206,7 +213,8 @@ def config_from_args(args, error=None):
     kwargs = dict(
         dataset=args.dataset, clients=args.clients, partition=args.partition,
         dirichlet_alpha=args.dirichlet_alpha, clients_per_round=args.clients_per_round,
-        fraction=args.fraction, sampling=args.sampling, rounds=args.rounds,
+        fraction=args.fraction, sampling=args.sampling, cohorts=args.cohorts,
+        rounds=args.rounds,
         local_epochs=args.local_epochs, local_batch_size=args.local_batch_size,
         learning_rate=args.lr, momentum=args.momentum, aggregator=args.aggregator, dp=args.dp,
         clip=args.clip, clip_initial=args.clip_initial, clip_quantile=args.clip_quantile,
@@ -252,7 +260,8 @@ def _summary(config, result: dict) -> list[str]:
         lines.append("epsilon = inf: no noise, no differential privacy guarantee")
     else:
         lines.append(f"epsilon = {_eps(result['epsilon'])} at delta = {result['delta']:g} "
-                     f"({result['accountant']} accountant; {privacy['round_event']}; "
+                     f"({result['accountant']} accountant; "
+                     f"{privacy.get('run_event') or privacy['round_event']}; "
                      f"{privacy['relation']})")
         clipping = privacy.get("clipping", {})
         if clipping.get("mode", "").startswith("adaptive"):
@@ -341,7 +350,9 @@ def figure_title(result: dict) -> str:
         return (f"local DP: {c['ldp_mechanism']}, epsilon {c['ldp_epsilon']:g} per coordinate "
                 f"(no central epsilon); {setup}")
     what = {"global": "Global DP (server noise)", "client": "DP-FedAvg, client-side noise",
-            "distributed": f"distributed DP ({c['ddp_mechanism']}, {c['bits']} bits)"}
+            "distributed": f"distributed DP ({c.get('ddp_mechanism')}, {c.get('bits')} bits)",
+            "ftrl": "DP-FTRL (tree), cyclic cohorts", "banded_mf": "banded MF, cyclic cohorts",
+            "blt": "BLT, cyclic cohorts"}
     target = "none" if c["target_epsilon"] is None else f"{c['target_epsilon']:g}"
     eps = "inf" if result["epsilon"] is None else f"{result['epsilon']:.3g}"
     return (f"{what[c['dp']]}: sigma = {c['noise_multiplier']:g}, S = {c['clip']}; "

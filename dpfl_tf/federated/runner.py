@@ -36,6 +36,11 @@ class DPMode(ChoiceEnum):
     CLIENT = "client"    # DP-FedAvg with client-side noise
     LOCAL = "local"      # local DP: every client perturbs its model before upload
     DISTRIBUTED = "distributed"  # distributed DP: discrete noise shares + secure sum
+    # the server clips and adds noise correlated across rounds; cyclic cohorts of clients
+    # (dpfl_tf.privacy.matrix_factorization, docs/concepts/correlated-noise.md)
+    FTRL = "ftrl"            # DP-FTRL, tree aggregation (Kairouz et al. 2021)
+    BANDED_MF = "banded_mf"  # banded matrix factorization (Choquette-Choo et al. 2023)
+    BLT = "blt"              # buffered linear Toeplitz (McMahan et al. 2024)
 
 
 class AggregatorKind(ChoiceEnum):
@@ -47,7 +52,11 @@ class AggregatorKind(ChoiceEnum):
 #: The models a config can name (`build_model`).
 MODELS = ("mlp", "cnn2", "cnn3")
 #: How a round's clients can be chosen (`dpfl_tf.federated.server.ClientSampling`).
-CLIENT_SAMPLING = (SamplingMethod.POISSON, SamplingMethod.FIXED_SIZE)
+CLIENT_SAMPLING = (SamplingMethod.POISSON, SamplingMethod.FIXED_SIZE,
+                   SamplingMethod.CYCLIC_POISSON)
+#: the correlated-noise modes, and the mechanism each builds
+CORRELATED_DP = {DPMode.FTRL: "tree", DPMode.BANDED_MF: "banded", DPMode.BLT: "blt"}
+#: the modes whose server adds central Gaussian noise (global, client, correlated)
 #: dp mode -> the noise multiplier used when none is given.  Global DP: sigma = 1 with
 #: m = 100 of K = 1000 (Geyer et al. 2017's K = 1000 setting; McMahan et al. 2018 use
 #: z = 1 as well): noise sigma S / m = 0.01 per coordinate.  Client-side noise: z = 0.2
@@ -58,10 +67,10 @@ CLIENT_SAMPLING = (SamplingMethod.POISSON, SamplingMethod.FIXED_SIZE)
 #: Distributed DP: z = 2 on the sum (fixed-size sampling, replace-one sensitivity 2S:
 #: multiplier 1, as for the client-side noise default).
 DEFAULT_NOISE_MULTIPLIER = {"none": 0.0, "global": 1.0, "client": 0.2, "local": 0.0,
-                            "distributed": 2.0}
+                            "distributed": 2.0, "ftrl": 1.0, "banded_mf": 1.0, "blt": 1.0}
 #: The modes whose noise is Gaussian or discrete and accounted centrally (target_epsilon,
 #: delta_max, secure_mode apply).
-ACCOUNTED_MODES = (DPMode.GLOBAL, DPMode.CLIENT, DPMode.DISTRIBUTED)
+ACCOUNTED_MODES = (DPMode.GLOBAL, DPMode.CLIENT, DPMode.DISTRIBUTED, *CORRELATED_DP)
 
 
 def fully_connected_model(input_shape: Sequence[int] = (28, 28),
@@ -126,6 +135,7 @@ class FederatedConfig:
     clients_per_round: int | None = None
     fraction: float | None = None
     sampling: SamplingMethod | None = None
+    cohorts: int | None = None
     rounds: int = 100
     local_epochs: int = 1
     local_batch_size: int = 10
@@ -164,10 +174,28 @@ class FederatedConfig:
         s(self, "clients", check_count("clients", self.clients, minimum=1))
         s(self, "partition", PartitionScheme.parse(self.partition))
         s(self, "dp", DPMode.parse(self.dp))
+        correlated = self.dp in CORRELATED_DP
         if self.sampling is None:      # client-side noise is accounted for fixed size only
             s(self, "sampling", SamplingMethod.FIXED_SIZE if self.dp in (
-                DPMode.CLIENT, DPMode.DISTRIBUTED) else SamplingMethod.POISSON)
+                DPMode.CLIENT, DPMode.DISTRIBUTED) else SamplingMethod.CYCLIC_POISSON
+              if correlated else SamplingMethod.POISSON)
         s(self, "sampling", SamplingMethod.parse(self.sampling))
+        if correlated != (self.sampling is SamplingMethod.CYCLIC_POISSON):
+            raise ValueError(f"dp={self.dp.value!r} goes with sampling "
+                             f"{'cyclic_poisson' if correlated else 'poisson or fixed_size'}, "
+                             f"got sampling={self.sampling.value!r}")
+        if correlated:   # b cohorts take turns; fraction = q within the cohort (default all)
+            if self.cohorts is None or self.clients_per_round is not None:
+                raise ValueError(f"dp={self.dp.value!r} takes cohorts (b, the rounds between "
+                                 "two turns of a client) and optionally fraction (within the "
+                                 f"cohort), got cohorts={self.cohorts!r}, clients_per_round="
+                                 f"{self.clients_per_round!r}")
+            s(self, "cohorts", check_count("cohorts", self.cohorts, minimum=1))
+            if self.fraction is None:
+                s(self, "fraction", 1.0)
+        elif self.cohorts is not None:
+            raise ValueError(f"cohorts is for dp='ftrl', 'banded_mf' or 'blt', got "
+                             f"cohorts={self.cohorts!r} with dp={self.dp.value!r}")
         if self.sampling not in CLIENT_SAMPLING:
             raise ValueError("sampling must be one of "
                              f"{', '.join(m.value for m in CLIENT_SAMPLING)}, got "
@@ -247,7 +275,8 @@ class FederatedConfig:
             if self.dp not in ACCOUNTED_MODES:
                 raise ValueError("secure_mode=True secures the Gaussian noise and the client "
                                  "sampling of dp='global' and dp='client' (and the discrete "
-                                 f"noise of dp='distributed'); got dp={self.dp.value!r}")
+                                 "noise of dp='distributed', the correlated noise of 'ftrl', "
+                                 f"'banded_mf' and 'blt'); got dp={self.dp.value!r}")
             refuse_seed(True, self.noise_seed, "noise_seed")
         self._check_distributed()
         if self.train_subset is not None:
@@ -356,7 +385,8 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
                            momentum=c.momentum)
     local_dp = None
     sampling = ClientSampling(c.sampling, clients_per_round=c.clients_per_round,
-                              fraction=c.fraction if c.clients_per_round is None else None)
+                              fraction=c.fraction if c.clients_per_round is None else None,
+                              cohorts=c.cohorts)
     if c.dp is DPMode.DISTRIBUTED:
         aggregator = _distributed_aggregator(c, trainer, sampling)
     elif c.dp in (DPMode.NONE, DPMode.LOCAL):
@@ -372,9 +402,20 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
         adaptive = c.clip == "adaptive"
         bound = c.clip_initial if adaptive else c.clip
         clip_arg = [bound] * n_layers if c.per_layer else bound
-        sanitizer = GaussianSanitizer(clip_arg, c.noise_multiplier,
-                                      noise_allocation="proportional" if c.per_layer
-                                      else "global", secure_mode=c.secure_mode)
+        allocation = "proportional" if c.per_layer else "global"
+        if c.dp in CORRELATED_DP:
+            from dpfl_tf.correlated_noise import CorrelatedSanitizer
+            from dpfl_tf.privacy.matrix_factorization import CorrelatedNoiseConfig
+
+            mechanism = CorrelatedNoiseConfig(CORRELATED_DP[c.dp]).build(
+                sampling.participation(c.rounds), c.noise_multiplier)
+            seed = None if c.noise_seed is None else derive_seed(c.noise_seed, "mf-noise")
+            sanitizer = CorrelatedSanitizer(clip_arg, mechanism, noise_allocation=allocation,
+                                            seed=seed, secure_mode=c.secure_mode)
+        else:
+            sanitizer = GaussianSanitizer(clip_arg, c.noise_multiplier,
+                                          noise_allocation=allocation,
+                                          secure_mode=c.secure_mode)
         if c.dp is DPMode.GLOBAL and adaptive:
             count_stddev = (c.clip_count_stddev if c.clip_count_stddev is not None
                             else 0.05 * sampling.expected_clients(c.clients))
@@ -389,7 +430,7 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
                                      "expected clients per round; set clip_count_stddev)") \
                         from None
                 raise
-        elif c.dp is DPMode.GLOBAL:
+        elif c.dp is DPMode.GLOBAL or c.dp in CORRELATED_DP:
             aggregator = GlobalDPAggregator(sanitizer, groups=groups, secure_mode=c.secure_mode)
         else:
             aggregator = ClientNoiseDPAggregator(sanitizer, groups=groups,
@@ -487,6 +528,8 @@ def _mechanism(c: FederatedConfig) -> str:
         return "fedavg" if c.aggregator == "mean" else "fedmedian"
     if c.dp is DPMode.DISTRIBUTED:
         return f"distributed_{c.ddp_mechanism}"
+    if c.dp in CORRELATED_DP:
+        return c.dp.value
     return "global_dp" if c.dp is DPMode.GLOBAL else "client_dp"
 
 

@@ -47,7 +47,8 @@ from dpfl_tf._seeds import derive_rng, derive_seed
 from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.secure_random import refuse_seed, secure_uniform
 from dpfl_tf.federated.settings import check_clients_per_round, check_delta_max
-from dpfl_tf.federated.aggregators import AggregateResult, Aggregator, ClientNoiseDPAggregator
+from dpfl_tf.federated.aggregators import (AggregateResult, Aggregator, ClientNoiseDPAggregator,
+                                           GlobalDPAggregator)
 from dpfl_tf.federated.client import LocalTrainer, preprocess_images, refuse_unprotected_state
 from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report
 from dpfl_tf.federated.partition import ClientPartition
@@ -63,7 +64,9 @@ CHECKPOINT_FORMAT = 1
 #: (`dpfl_tf.privacy.events`): Poisson -> add/remove one client, m of K without
 #: replacement -> replace one client.
 RELATIONS = {SamplingMethod.POISSON: "add/remove-one client (Poisson client sampling)",
-             SamplingMethod.FIXED_SIZE: "replace-one client (fixed-size client sampling)"}
+             SamplingMethod.FIXED_SIZE: "replace-one client (fixed-size client sampling)",
+             SamplingMethod.CYCLIC_POISSON: "add/remove-one client (cyclic cohorts by client "
+                                            "id; correlated noise)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,18 +77,37 @@ class ClientSampling:
     ``POISSON``: every client joins independently with q = m/K (or C);
     ``FIXED_SIZE``: m = clients_per_round (or round(C K), at least 1) drawn
     uniformly without replacement.
+    ``CYCLIC_POISSON`` (correlated noise only): client k belongs to cohort
+    k mod b (b = `cohorts`); round t takes each client of cohort t mod b with
+    probability q = `fraction` (1: the whole cohort).  A client's rounds are
+    then at least b apart (`participation`), whoever else there is: the
+    add/remove-one relation holds.
     """
 
     method: SamplingMethod = SamplingMethod.POISSON
     clients_per_round: int | None = None
     fraction: float | None = None
+    cohorts: int | None = None
 
     def __post_init__(self):
         method = SamplingMethod.parse(self.method)
-        if method not in (SamplingMethod.POISSON, SamplingMethod.FIXED_SIZE):
-            raise ValueError(f"client sampling must be 'poisson' or 'fixed_size', got "
-                             f"{method.value!r}")
+        allowed = (SamplingMethod.POISSON, SamplingMethod.FIXED_SIZE,
+                   SamplingMethod.CYCLIC_POISSON)
+        if method not in allowed:
+            raise ValueError(f"client sampling must be 'poisson', 'fixed_size' or "
+                             f"'cyclic_poisson', got {method.value!r}")
         object.__setattr__(self, "method", method)
+        if method is SamplingMethod.CYCLIC_POISSON:
+            if self.cohorts is None or self.clients_per_round is not None:
+                raise ValueError("client sampling 'cyclic_poisson' takes cohorts (b) and "
+                                 "fraction (q within the cohort), got "
+                                 f"cohorts={self.cohorts!r}, "
+                                 f"clients_per_round={self.clients_per_round!r}")
+            object.__setattr__(self, "cohorts", check_count("cohorts", self.cohorts,
+                                                            minimum=1))
+        elif self.cohorts is not None:
+            raise ValueError(f"cohorts is for client sampling 'cyclic_poisson' only, got "
+                             f"cohorts={self.cohorts!r} with {method.value!r}")
         if (self.clients_per_round is None) == (self.fraction is None):
             raise ValueError("give exactly one of clients_per_round and fraction, got "
                              f"clients_per_round={self.clients_per_round!r}, "
@@ -98,9 +120,30 @@ class ClientSampling:
             object.__setattr__(self, "fraction", check_number(
                 "fraction", self.fraction, low=0.0, high=1.0, low_open=True))
 
+    def cohort_of(self, client_id) -> int:
+        """The cohort of a client (cyclic sampling): its id mod b."""
+        return int(client_id) % self.cohorts
+
+    def participation(self, rounds: int):
+        """Cyclic cohorts: the `Participation` of a client over `rounds` rounds
+        (min separation b with the whole cohort, cyclic Poisson with q < 1)."""
+        from dpfl_tf.privacy.matrix_factorization import Participation
+
+        if self.method is not SamplingMethod.CYCLIC_POISSON:
+            raise ValueError(f"correlated noise needs client sampling 'cyclic_poisson' "
+                             f"(cohorts), got {self.method.value!r}: independent client "
+                             "sampling can pick a client in consecutive rounds")
+        if self.fraction == 1.0:
+            return Participation.min_separation(rounds, self.cohorts)
+        return Participation.cyclic_poisson(rounds, self.cohorts, self.fraction)
+
     def clients_for(self, num_clients: int) -> int:
         """m for K clients (expected m for Poisson sampling, as an int for fixed size)."""
         k = check_count("num_clients", num_clients, minimum=1)
+        if self.method is SamplingMethod.CYCLIC_POISSON:
+            if self.cohorts > k:
+                raise ValueError(f"cohorts must be <= the {k} clients, got {self.cohorts}")
+            return max(1, int(round(self.fraction * k / self.cohorts)))
         m = (self.clients_per_round if self.clients_per_round is not None
              else max(1, int(round(self.fraction * k))))
         return check_clients_per_round(m, k)
@@ -112,6 +155,9 @@ class ClientSampling:
         return self.clients_for(num_clients) / num_clients
 
     def expected_clients(self, num_clients: int) -> float:
+        if self.method is SamplingMethod.CYCLIC_POISSON:   # q K / b: fixed, data-independent
+            self.clients_for(num_clients)
+            return self.fraction * num_clients / self.cohorts
         if self.method is SamplingMethod.POISSON:
             self.clients_for(num_clients)  # validates m <= K
             return self.rate(num_clients) * num_clients
@@ -119,16 +165,29 @@ class ClientSampling:
 
     def event_args(self, num_clients: int) -> dict:
         """Keyword arguments for `gaussian_step_event` / `GaussianSanitizer.event`."""
+        if self.method is SamplingMethod.CYCLIC_POISSON:
+            return {}   # the run's event is the mechanism's (`MatrixMechanism.event`)
         if self.method is SamplingMethod.POISSON:
             self.clients_for(num_clients)
             return {"sampling_rate": self.rate(num_clients)}
         return {"dataset_size": num_clients, "lot_size": self.clients_for(num_clients)}
 
-    def sample(self, rng: np.random.Generator | None, num_clients: int) -> np.ndarray:
+    def sample(self, rng: np.random.Generator | None, num_clients: int,
+               round_index: int | None = None) -> np.ndarray:
         """The sorted ids of this round's clients, from `rng`, or -- `rng` None, secure
         mode -- from ``os.urandom`` (`dpfl_tf.secure_random.secure_uniform`, 53 bits per
         client): Poisson keeps client k when u_k < q; fixed size keeps the m clients
-        with the smallest u_k (a uniformly random m-subset)."""
+        with the smallest u_k (a uniformly random m-subset); cyclic keeps the
+        clients of cohort `round_index` mod b with u_k < q."""
+        if self.method is SamplingMethod.CYCLIC_POISSON:
+            if round_index is None:
+                raise ValueError("cyclic client sampling needs round_index, got None")
+            ids = np.arange(num_clients)
+            turn = ids % self.cohorts == int(round_index) % self.cohorts
+            if self.fraction < 1.0:
+                u = secure_uniform(num_clients) if rng is None else rng.random(num_clients)
+                turn &= u < self.fraction
+            return np.flatnonzero(turn)
         if self.method is SamplingMethod.POISSON:
             q = self.rate(num_clients)
             self.clients_for(num_clients)
@@ -140,8 +199,11 @@ class ClientSampling:
         return np.sort(rng.choice(num_clients, size=m, replace=False))
 
     def to_dict(self) -> dict:
-        return {"method": self.method.value, "clients_per_round": self.clients_per_round,
-                "fraction": self.fraction}
+        out = {"method": self.method.value, "clients_per_round": self.clients_per_round,
+               "fraction": self.fraction}
+        if self.cohorts is not None:   # (older checkpoints' fingerprints have no cohorts)
+            out["cohorts"] = self.cohorts
+        return out
 
 
 class RoundProgress:
@@ -313,15 +375,24 @@ class FederatedServer:
                                if hasattr(aggregator, "num_components")
                                else len(trainer.variables))
         self.round_event: dp_accounting.DpEvent | None = None
+        self.correlated = _correlated_run(aggregator, sampling)
         budget = None
         if aggregator.private:
             if self.delta_max is None:
                 raise ValueError("a private aggregator needs delta_max (the delta at which "
                                  "epsilon is reported and the stop rule's bound)")
-            self.round_event = aggregator.round_event(
-                self.num_components, sampling.method, **sampling.event_args(self.num_clients))
+            if self.correlated is not None:   # one event for the run, recorded before round 1
+                self.round_event = dp_accounting.NoOpDpEvent()
+                self.correlated.check_budget(self.num_components, self.target_epsilon,
+                                             self.delta_max, self.accountant)
+            else:
+                self.round_event = aggregator.round_event(
+                    self.num_components, sampling.method,
+                    **sampling.event_args(self.num_clients))
             # fail now, not after the first round, if the accountant cannot read the event
-            compute_epsilon(self.round_event, self.delta_max, self.accountant)
+            compute_epsilon(self.correlated.event(self.num_components)
+                            if self.correlated is not None else self.round_event,
+                            self.delta_max, self.accountant)
             if self.target_epsilon is not None:
                 budget = PrivacyBudget(self.target_epsilon, self.delta_max, self.accountant)
         elif self.target_epsilon is not None:
@@ -383,6 +454,8 @@ class FederatedServer:
         """The stop rule: True if running one more round makes delta(target eps) > delta_max."""
         if not self.aggregator.private or self.target_epsilon is None:
             return False
+        if self.correlated is not None:   # paid for the whole run, checked at the start
+            return False
         return self.delta_after(1) > self.delta_max
 
     # -- one round in named parts: the in-process loop and the Flower strategy ------
@@ -397,13 +470,17 @@ class FederatedServer:
         stream per client, so a client computes it alone (on Flower, on its node)."""
         return derive_rng(self.seed, "local-shuffle", int(t), int(client_id))
 
-    def sample_clients(self, rng: np.random.Generator) -> np.ndarray:
+    def sample_clients(self, rng: np.random.Generator, t: int | None = None) -> np.ndarray:
         """This round's clients: from the round's `rng`, or in secure mode from
-        ``os.urandom`` (`ClientSampling.sample`)."""
-        return self.sampling.sample(None if self.secure_mode else rng, self.num_clients)
+        ``os.urandom`` (`ClientSampling.sample`); cyclic cohorts by round `t`."""
+        return self.sampling.sample(None if self.secure_mode else rng, self.num_clients, t)
 
     def budget_stop_reason(self) -> str | None:
-        """Why the next round must not run (the stop rule, `would_exceed_budget`), or None."""
+        """Why the next round must not run (the stop rule, `would_exceed_budget`, or
+        the correlated-noise mechanism's horizon), or None."""
+        if self.correlated is not None and self.rounds_done >= self.correlated.steps:
+            return (f"the correlated-noise mechanism's horizon of "
+                    f"{rounds_text(self.correlated.steps)} is reached")
         if not self.would_exceed_budget():
             return None
         return (f"privacy budget: round {self.rounds_done + 1} would make delta at "
@@ -418,7 +495,10 @@ class FederatedServer:
         if self.noise_seed is not None:
             self.aggregator.reseed(derive_seed(self.noise_seed, "server-noise", t))
         self.aggregator.begin_round(t)
-        return t, self.sample_clients(self.round_rng(t))
+        selected = self.sample_clients(self.round_rng(t), t)
+        if self.correlated is not None:   # refused before any client trains
+            self.correlated.open(t, selected, self.ledger, self.num_components)
+        return t, selected
 
     def client_upload(self, client_id: int, global_weights: Sequence[tf.Tensor], t: int, *,
                       local_dp: LocalDPUpload | None = None, client_step: bool = True
@@ -456,6 +536,8 @@ class FederatedServer:
         seconds = time.perf_counter() - start
         cpu_seconds = time.process_time() - cpu_start
         self.participations[selected] += 1
+        if self.correlated is not None:
+            self.correlated.guard.record(t, [int(k) for k in selected])
         if self.round_event is not None:
             self.ledger.record(self.round_event, 1, label="federated round")
         self.rounds_done += 1
@@ -568,6 +650,10 @@ class FederatedServer:
             "accountant": self.accountant.value, "rounds": len(self.ledger),
             "secure_mode": self.secure_mode,
             "round_event": describe_event(self.round_event),
+            "run_event": (describe_event(self.correlated.event(self.num_components))
+                          if self.correlated is not None else None),
+            "mechanism": (self.correlated.mechanism.describe()
+                          if self.correlated is not None else None),
             "relation": RELATIONS[self.sampling.method],
             "target_epsilon": self.target_epsilon,
             "delta_at_target_epsilon": (_json_float(self.delta_after(0))
@@ -621,12 +707,17 @@ class FederatedServer:
         name = f"weights-{self.rounds_done:06d}.npz"
         arrays = {f"w{i}": v.numpy() for i, v in enumerate(self.trainer.variables)}
         arrays["participations"] = self.participations
+        correlated = None
+        if self.correlated is not None:   # secret noise buffers: private, like the weights
+            correlated, buffers = self.correlated.get_state()
+            arrays.update({f"mf_buffer{i}": b for i, b in enumerate(buffers)})
         atomic_write(os.path.join(directory, name), lambda f: np.savez(f, **arrays), binary=True)
         state = {"format": CHECKPOINT_FORMAT, "round": self.rounds_done, "weights": name,
                  "fingerprint": self._fingerprint(), "ledger": self.ledger.to_dict(),
                  "history": [r.to_dict() for r in self.history], "notices": self.notices,
                  "aggregator_state": self.aggregator.get_state(),
-                 "sampling_key": self._sampling_key}  # private state, like the weights
+                 "sampling_key": self._sampling_key,  # private state, like the weights
+                 "correlated": correlated}
         atomic_write_json(os.path.join(directory, "state.json"), state)
         for old in glob.glob(os.path.join(directory, "weights-*.npz")):
             if os.path.basename(old) != name:
@@ -650,9 +741,98 @@ class FederatedServer:
         with np.load(os.path.join(os.fspath(directory), state["weights"])) as data:
             self.trainer.set_weights([data[f"w{i}"] for i in range(len(self.trainer.variables))])
             self.participations = data["participations"].astype(np.int32)
+            if self.correlated is not None:
+                count = sum(1 for key in data.files if key.startswith("mf_buffer"))
+                buffers = [data[f"mf_buffer{i}"] for i in range(count)]
+                self.correlated.set_state(state["correlated"], buffers, self.trainer.variables)
         self.ledger = PrivacyLedger.from_dict(state["ledger"])
         self.history = [RoundRecord(**r) for r in state["history"]]
         self.rounds_done = int(state["round"])
         self._sampling_key = int(state["sampling_key"])
         self.aggregator.set_state(state.get("aggregator_state", {}))
         return True
+
+
+def _correlated_run(aggregator: Aggregator, sampling: ClientSampling):
+    """The `_FederatedCorrelatedRun` of an aggregator whose sanitizer is a
+    `CorrelatedSanitizer` (None otherwise); refuses cyclic cohorts without
+    correlated noise and correlated noise with other sampling."""
+    from dpfl_tf.correlated_noise import CorrelatedSanitizer
+
+    sanitizer = getattr(aggregator, "sanitizer", None)
+    cyclic = sampling.method is SamplingMethod.CYCLIC_POISSON
+    if not isinstance(sanitizer, CorrelatedSanitizer):
+        if cyclic:
+            raise ValueError("client sampling 'cyclic_poisson' (cohorts) is for correlated "
+                             "noise: give the aggregator a CorrelatedSanitizer")
+        return None
+    if not isinstance(aggregator, GlobalDPAggregator) or aggregator.clip != "fixed":
+        raise ValueError(f"correlated noise is supported by GlobalDPAggregator with "
+                         f"clip='fixed', got {aggregator!r}")
+    mechanism = sanitizer.mechanism
+    declared = sampling.participation(mechanism.steps)
+    if declared != mechanism.participation:
+        raise ValueError(f"the mechanism was built for {mechanism.participation.describe()}, "
+                         f"but the client sampling gives {declared.describe()}")
+    return _FederatedCorrelatedRun(sanitizer, sampling)
+
+
+class _FederatedCorrelatedRun:
+    """A federated run's correlated noise: the guard of the declared pattern,
+    the run's event (recorded in the ledger when round 1 opens), the state."""
+
+    def __init__(self, sanitizer, sampling: ClientSampling):
+        from dpfl_tf.privacy.matrix_factorization import ParticipationGuard
+
+        self.sanitizer = sanitizer
+        self.mechanism = sanitizer.mechanism
+        self.steps = self.mechanism.steps
+        self.guard = ParticipationGuard(self.mechanism.participation,
+                                        group_of=sampling.cohort_of)
+        self.recorded = False
+
+    def event(self, num_components: int) -> dp_accounting.DpEvent:
+        return self.sanitizer.event(num_components)
+
+    def check_budget(self, num_components, target_epsilon, delta, accountant) -> None:
+        if target_epsilon is None:
+            return
+        eps = compute_epsilon(self.event(num_components), delta, accountant)
+        if eps > target_epsilon:
+            raise ValueError(f"the correlated-noise run ({self.mechanism.describe()}) costs "
+                             f"epsilon {eps:.4g} > target_epsilon={target_epsilon:g} at delta="
+                             f"{delta:g}: raise the noise multiplier or declare fewer rounds")
+
+    def open(self, t: int, selected, ledger: PrivacyLedger, num_components: int) -> None:
+        """Refuses round t's clients if they break the pattern; records the run's
+        event before the first round is released."""
+        self.guard.check(t, [int(k) for k in selected])
+        if not self.recorded:
+            ledger.record(self.event(num_components), label="mf")
+            self.recorded = True
+
+    def get_state(self) -> tuple[dict, list]:
+        noise = self.sanitizer.noise
+        state = {"recorded": self.recorded, "guard": _json_guard(self.guard.get_state())}
+        if noise is None:
+            return state, []
+        full = noise.get_state()
+        state.update(position=full["position"], last_index=full["last_index"])
+        return state, full["buffers"]
+
+    def set_state(self, state: dict, buffers: list, variables) -> None:
+        self.recorded = bool(state["recorded"])
+        guard = state["guard"]
+        self.guard.set_state({"last": {int(k): v for k, v in guard["last"].items()},
+                              "count": {int(k): v for k, v in guard["count"].items()},
+                              "steps_released": guard["steps_released"]})
+        if "position" in state:
+            self.sanitizer.build(variables).set_state(
+                {"position": state["position"], "last_index": state["last_index"],
+                 "buffers": buffers})
+
+
+def _json_guard(state: dict) -> dict:
+    return {"last": {str(k): int(v) for k, v in state["last"].items()},
+            "count": {str(k): int(v) for k, v in state["count"].items()},
+            "steps_released": int(state["steps_released"])}

@@ -60,11 +60,8 @@ class PrivacyCallback(keras.callbacks.Callback):
             return
         self.budget = PrivacyBudget(self.target_epsilon, self.delta, kind)
         remaining = self.model.steps_within_budget(self.budget)
-        if remaining <= 0:
-            raise BudgetExceededError(
-                f"the privacy budget (epsilon={self.budget.epsilon:g}, delta={self.delta:g}, "
-                f"{kind.value}) allows no further lot with these settings; spent so far "
-                f"epsilon={self.model.epsilon(self.delta, kind):.4g}")
+        if remaining <= 0:  # what one lot costs per accountant, and what to change
+            raise BudgetExceededError(self.model._no_lot_message(self.budget))
         self.allowed_lots = self.model.lots_computed + remaining
         self.model.set_lot_limit(self.allowed_lots)
 

@@ -38,6 +38,7 @@ import math
 import warnings
 from typing import Any
 
+import dp_accounting
 import keras
 import numpy as np
 import tensorflow as tf
@@ -45,16 +46,24 @@ import tensorflow as tf
 from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.keras.multiworker import is_multi_worker, lot_shares
 from dpfl_tf.keras.optimizers import DPOptimizer
-from dpfl_tf.keras.per_example import (PerExampleGradients, _leaf_layers,
-                                       default_loss_scale, refuse_batch_mixing_layers)
+from dpfl_tf.keras.lot import LotStep
+from dpfl_tf.keras.mixing import (PROBE_HALF, probe_batch_mixing, refuse_batch_mixing_layers,
+                                  refuse_batch_mixing_loss)
+from dpfl_tf.keras.per_example import PerExampleGradients, _leaf_layers, default_loss_scale
 from dpfl_tf.keras.sampling import LotSampler
 from dpfl_tf.keras.sources import SourceError, make_reader
-from dpfl_tf.privacy.events import SamplingMethod, describe_event, shuffle_epoch_event
-from dpfl_tf.privacy.ledger import PrivacyBudget, PrivacyLedger
+from dpfl_tf.keras.users import (USER_LEVEL_LABEL, PerUserGradients, refuse_mixed_units,
+                                 rerun_user_by_user, user_level_sampler)
+from dpfl_tf.privacy.accountants import compute_epsilon
+from dpfl_tf.privacy.events import (SamplingMethod, describe_event, gaussian_step_event,
+                                    shuffle_epoch_event)
+from dpfl_tf.privacy.ledger import BudgetExceededError, PrivacyBudget, PrivacyLedger
+from dpfl_tf.sanitizer import GaussianSanitizer
 
 __all__ = ["DPModel"]
 
 _NO_LIMIT = np.iinfo(np.int64).max
+PROBE_LOTS = 4  # lots read at most for the cross-example probe's 2h examples
 XLA_PAD = 64  # under XLA, lots are padded to a multiple of 64 examples (few shapes to compile)
 MAX_DEFAULT_BATCH = 1024
 MATERIALISED_BYTES = 2 ** 30  # default physical batch: at most 1 GiB of per-example gradients
@@ -132,12 +141,15 @@ class DPModel(keras.Model):
         self._recorded_epochs = 0
         self._dp_loss = None
         self._sanitizer = None
+        self._correlated = None       # a correlated-noise run (DPOptimizer(correlated_noise=))
         self._groups = None
         self._batch_size = None
         self._expected_lot = None
         self._pad_to_batch = False
         self._log_metrics = True
+        self._ledger_label = "dpsgd"  # user-level lots: users.USER_LEVEL_LABEL
         self.stop_reason = None
+        self.calibration = None       # the last fit's noise calibration (dict), if any
 
     # -- Keras plumbing -------------------------------------------------------
     def call(self, inputs, training=None):
@@ -175,6 +187,8 @@ class DPModel(keras.Model):
         self._dp_loss = keras.losses.get(loss) if isinstance(loss, str) else loss
         if isinstance(self._dp_loss, (list, dict)):
             raise ValueError("DPModel supports a single loss")
+        refuse_batch_mixing_loss(self._dp_loss)
+        self._mixing_probed = False  # the cross-example probe runs at the next fit
         # Keras would wrap the optimizer in a LossScaleOptimizer under mixed_float16;
         # the per-example path scales and unscales the loss itself (a static scale,
         # `default_loss_scale`), so norms, clipping and noise see true gradients
@@ -243,10 +257,10 @@ class DPModel(keras.Model):
         if self._epoch_event is not None:  # shuffle: one Gaussian per epoch touched
             epochs = math.ceil((computed - self._fit_start_lots) / self._lots_per_epoch)
             self.ledger.record(self._epoch_event, epochs - self._recorded_epochs,
-                               label="dpsgd")
+                               label=self._ledger_label)
             self._recorded_epochs = epochs
         else:
-            self.ledger.record(self._step_event, pending, label="dpsgd")
+            self.ledger.record(self._step_event, pending, label=self._ledger_label)
         self._recorded_lots = computed
 
     def set_lot_limit(self, limit: int | None, reason: str = "budget") -> None:
@@ -265,7 +279,8 @@ class DPModel(keras.Model):
             target_epsilon: float | None = None, target_delta: float = 1e-5,
             accountant: str | None = None, verbose="auto", callbacks=None,
             validation_data=None, initial_epoch: int = 0, preprocess=None,
-            sampling_seed: int | None = None, log_train_metrics: bool = True, **kwargs):
+            sampling_seed: int | None = None, log_train_metrics: bool = True,
+            user_ids=None, max_examples_per_user: int | None = None, **kwargs):
         """DP-SGD training on arrays or a random-access source.
 
         Args:
@@ -282,7 +297,11 @@ class DPModel(keras.Model):
           target_epsilon, target_delta: stop before the lot that would exceed
             (target_epsilon, target_delta); epsilon is logged either way.  When
             the budget stops training, `stop_reason` (and the History's
-            ``stop_reason``) is "budget_spent".
+            ``stop_reason``) is "budget_spent".  If the optimizer's
+            noise_multiplier is unset (None), fit first calibrates it: the
+            smallest sigma whose `epochs` of lots, on top of what the ledger
+            already holds, stay within the target under `accountant`
+            (`_calibrate_noise`; stored on the optimizer, in `calibration`).
           accountant: accountant for the budget and the logs (default: ledger's).
           preprocess: a function applied to each lot's x inside tf.data (e.g.
             augmentation; it must act on each example independently).
@@ -291,6 +310,13 @@ class DPModel(keras.Model):
             count of dropped examples, are computed on private data without
             noise: they are NON-PRIVATE statistics.  Set False to not compute or
             log them (epsilon and the lots released are still logged).
+          user_ids: user-level DP-SGD (`dpfl_tf.keras.users`): the user of every
+            example (N ids, or a partition); the unit of privacy is then a user,
+            `lot_size` is the expected number of USERS per lot (Poisson over
+            users), each user's summed gradient is clipped and the ledger
+            counts user-level lots.
+          max_examples_per_user: with `user_ids`, at most this many examples of
+            a user per lot (a fresh random subset each lot).
 
         Examples whose gradient is NaN or inf are dropped (zeroed; the lot is
         applied and counted) and counted in `dropped_examples`, with a warning.
@@ -307,9 +333,24 @@ class DPModel(keras.Model):
         reader = make_reader(x, y)
         _check_input_shape(self.model, reader, check_shape=preprocess is None)
         optimizer: DPOptimizer = self.optimizer
-        sampler = LotSampler(reader.size, lot_size, sampling, seed=sampling_seed,
-                             secure_mode=optimizer.secure_mode,
-                             first_lot=max(self.lots_computed, self.lots_applied))
+        first_lot = max(self.lots_computed, self.lots_applied)
+        if user_ids is None and max_examples_per_user is None:
+            refuse_mixed_units(self.ledger, user_level=False)
+            sampler = LotSampler(reader.size, lot_size, sampling, seed=sampling_seed,
+                                 secure_mode=optimizer.secure_mode, first_lot=first_lot,
+                                 cycle_length=_cycle_length(optimizer, sampling))
+        else:  # user-level DP-SGD
+            if getattr(optimizer, "correlated_noise", None) is not None:
+                raise ValueError(
+                    "user_ids: user-level DP-SGD with correlated_noise="
+                    f"{optimizer.correlated_noise!r} is not supported (the correlated "
+                    "mechanism's participation is declared per example); use a DP optimizer "
+                    "without correlated_noise")
+            sampler = user_level_sampler(
+                self, reader.size, lot_size, sampling=sampling, batch_size=batch_size,
+                user_ids=user_ids, max_examples_per_user=max_examples_per_user,
+                seed=sampling_seed, first_lot=first_lot)
+            batch_size = sampler.batch_size
         if batch_size is not None:
             batch_size = check_count("batch_size", batch_size, minimum=1)
         check_count("epochs", epochs, minimum=1)
@@ -326,9 +367,19 @@ class DPModel(keras.Model):
         elif target_epsilon is not None:
             raise ValueError("pass target_epsilon either to fit() or to the PrivacyCallback")
         self._log_metrics = bool(log_train_metrics)
-        self._prepare(sampler, batch_size)
+        self._correlated = optimizer.plan_correlated_run(
+            sampler, lots=(epochs - initial_epoch) * sampler.lots_per_epoch,
+            first_lot=sampler.first_lot)
+        self._prepare(sampler, batch_size, calibrate_for=(privacy_cb, epochs - initial_epoch,
+                                                           verbose))
         self._check_accountants(privacy_cb, target_delta)
+        self._begin_correlated_run(privacy_cb, target_delta)
         replicas = self.distribute_strategy.num_replicas_in_sync
+        if replicas > 1 and self._correlated is not None:
+            raise ValueError(
+                f"correlated_noise is not supported under a distribution strategy with "
+                f"{replicas} replicas (each replica would advance the noise state); train "
+                "on one replica")
         if replicas > 1 and optimizer.secure_mode:
             raise ValueError(
                 f"secure_mode=True is not supported under a distribution strategy with "
@@ -352,6 +403,7 @@ class DPModel(keras.Model):
         self.stop_reason = None
         dropped_before = self.dropped_examples
         try:
+            self._probe_batch_mixing(data)  # reads the first lot: a bad record is said here
             history = super().fit(data, epochs=epochs, initial_epoch=initial_epoch,
                                   steps_per_epoch=sampler.lots_per_epoch, verbose=verbose,
                                   callbacks=callbacks, validation_data=validation_data,
@@ -372,6 +424,32 @@ class DPModel(keras.Model):
                 "data and the loss", RuntimeWarning, stacklevel=2)
         return history
 
+    def _probe_batch_mixing(self, data) -> None:
+        """Refuses, before any lot is trained, a model or loss whose per-example
+        losses depend on other examples (`mixing.probe_batch_mixing`), on the
+        first 2h real examples of the first lots `data` yields (this process's
+        share under a MultiWorkerMirroredStrategy): records the training reads
+        anyway, `preprocess`ed as in training.  Once per compile."""
+        if getattr(self, "_mixing_probed", True):
+            return
+        local = self.distribute_strategy.experimental_local_results
+        xs, ys, have = [], [], 0
+        for _, (x, y, mask, *_) in zip(range(PROBE_LOTS), data):  # (user slots)
+            real = tf.where(local(mask)[0] > 0)[:, 0]
+            xs.append(tf.nest.map_structure(lambda t: tf.gather(local(t)[0], real), x))
+            ys.append(tf.gather(local(y)[0], real))
+            have += int(tf.size(real))
+            if have >= 2 * PROBE_HALF:
+                break
+        if have < 2:
+            return  # lots too small to compare; probed at the next fit
+        loss = self._dp_loss
+        name = getattr(loss, "name", None) or getattr(loss, "__name__", type(loss).__name__)
+        probe_batch_mixing(self.model, loss,
+                           tf.nest.map_structure(lambda *t: tf.concat(t, 0), *xs),
+                           tf.concat(ys, 0), loss_name=f"loss {name!r} ({type(loss).__name__})")
+        self._mixing_probed = True
+
     def _check_accountants(self, privacy_cb, delta: float) -> None:
         """Refuses, before any lot, an accountant of this fit (the callback's, else
         the ledger's) that cannot analyse this fit's lots."""
@@ -385,8 +463,9 @@ class DPModel(keras.Model):
                 f"{describe_event(self._step_event)}; pass accountant= one of {allowed}, or "
                 "use another sampling (nothing was trained)")
 
-    def _prepare(self, sampler: LotSampler, batch_size: int) -> None:
-        """Fixes the settings of this fit: sanitizer, groups, the lot's event."""
+    def _prepare(self, sampler: LotSampler, batch_size: int, calibrate_for=None) -> None:
+        """Fixes the settings of this fit: sanitizer, groups, the lot's event (and
+        the noise multiplier, if unset: `_calibrate_noise` with `calibrate_for`)."""
         restored = self.lots_applied > self.lots_computed
         if not restored:
             self._sync_ledger()  # lots of an earlier fit are recorded with their own event
@@ -399,33 +478,151 @@ class DPModel(keras.Model):
         layer_of = {id(v): layer.name for layer in _leaf_layers(self.model)
                     for v in layer.trainable_variables}
         self._groups, bounds = optimizer.clip_groups(variables, layer_of)
+        self.calibration = None
+        if optimizer.noise_multiplier is None and calibrate_for is not None:
+            self._calibrate_noise(sampler, bounds, *calibrate_for)
         self._sanitizer = optimizer.make_sanitizer(bounds)
         self._counters.create(self.distribute_strategy)
         self._expected_lot = float(sampler.lot_size)
         self._pad_to_batch = bool(self.jit_compile)
-        self._per_example = PerExampleGradients(self.model, self._dp_loss,
-                                                fast=self.fast_gradients,
-                                                loss_scale=default_loss_scale(self.model))
+        self._ledger_label = getattr(sampler, "ledger_label", "dpsgd")
+        per_example = PerExampleGradients
+        if self._ledger_label == USER_LEVEL_LABEL:  # clipped by the user's norm
+            per_example = PerUserGradients
+        self._per_example = per_example(self.model, self._dp_loss, fast=self.fast_gradients,
+                                        loss_scale=default_loss_scale(self.model))
         self._set_steps_per_execution(sampler.lots_per_epoch)
         self._batch_size = batch_size or default_batch_size(
             sampler, self._per_example.materialised_parameters(),
             multiple=XLA_PAD if self.jit_compile else 8)
         num_groups = max(self._groups) + 1
-        if sampler.sampling is SamplingMethod.SHUFFLE:
-            self._epoch_event = shuffle_epoch_event(
-                self._sanitizer.effective_noise_multiplier(num_groups))
+        if self._correlated is not None:
+            if restored:   # their lots would be recorded as this run's no-op lots
+                raise ValueError(
+                    f"the weights carry {self.lots_applied - self.lots_computed} lots this "
+                    "model did not compute, and a correlated-noise fit cannot tell what "
+                    "they cost: load the full .keras model (its ledger), or pass the ledger "
+                    "and recorded_lots to DPModel, and restore the run's state with "
+                    "DPOptimizer.restore_correlated_run (nothing was trained)")
+            # the run's event is recorded once, before its first lot
+            # (`_begin_correlated_run`); its lots are covered by it
+            self._correlated.build(variables)
+            self._epoch_event = None
+            self._step_event = dp_accounting.NoOpDpEvent()
+        elif sampler.sampling is SamplingMethod.SHUFFLE:
+            self._epoch_event = _release_event(
+                sampler, self._sanitizer.effective_noise_multiplier(num_groups))
             self._step_event = self._epoch_event
             self._lots_per_epoch = sampler.lots_per_epoch
             self._fit_start_lots = self.lots_computed
             self._recorded_epochs = 0
         else:
             self._epoch_event = None
-            self._step_event = self._sanitizer.event(num_groups, sampler.sampling,
-                                                     **sampler.sampling_args())
+            self._step_event = _release_event(
+                sampler, self._sanitizer.effective_noise_multiplier(num_groups))
         self.sampler = sampler
-        self.train_function = None  # retrace with the new settings
+        self._keep_or_reset_train_function(variables)
         if restored:
             self._adopt_restored_lots(stacklevel=4)
+
+    def _keep_or_reset_train_function(self, variables) -> None:
+        """Retraces the training function only when a setting it was traced with
+        changed: a new fit with the same settings reuses it (and the sanitizer
+        and per-example objects it holds), so fits in one process do not each
+        leave a traced function behind.  A correlated-noise run always retraces
+        (its noise state is built per run)."""
+        key = (tuple(id(v) for v in variables), id(self._dp_loss), type(self._per_example),
+               self.fast_gradients, repr(sorted(self._sanitizer.get_config().items())),
+               tuple(self._groups), self._batch_size, self._expected_lot, self._pad_to_batch,
+               self._log_metrics, self.steps_per_execution, self._ledger_label,
+               id(self.distribute_strategy), self.jit_compile, bool(self.run_eagerly))
+        if (self._correlated is None and self.train_function is not None
+                and key == getattr(self, "_traced_key", None)):
+            self._sanitizer, self._per_example = self._traced_objects
+            return
+        self.train_function = None  # retrace with the new settings
+        self._traced_key = None if self._correlated is not None else key
+        self._traced_objects = (self._sanitizer, self._per_example)
+
+    def _calibrate_noise(self, sampler: LotSampler, bounds, privacy_cb, epochs: int,
+                         verbose) -> None:
+        """Sets the optimizer's unset noise multiplier to the smallest sigma whose
+        planned releases (`epochs` x the lots of an epoch; shuffle: `epochs`
+        epochs), composed with what the ledger already holds (e.g. a DP-PCA
+        release), stay within (target_epsilon, delta) under the fit's accountant
+        (the ledger's by default): `privacy.calibrate_noise_multiplier`.  The
+        sigma is stored on the optimizer (its config keeps it), in
+        `self.calibration`, and printed unless verbose=0."""
+        from dpfl_tf.privacy.calibration import calibrate_noise_multiplier
+
+        optimizer: DPOptimizer = self.optimizer
+        target, delta = privacy_cb.target_epsilon, privacy_cb.delta
+        if target is None:
+            raise ValueError(
+                "noise_multiplier is unset (None) and fit got no target_epsilon: pass "
+                "target_epsilon= (and epochs=) to calibrate it, or set noise_multiplier on "
+                "the optimizer (nothing was trained)")
+        if self.lots_applied > self.lots_computed:
+            raise ValueError(
+                f"noise_multiplier is unset (None) but the weights carry "
+                f"{self.lots_applied - self.lots_computed} lots whose settings are unknown: "
+                "set the noise_multiplier that produced them (nothing was trained)")
+        kind = privacy_cb.accountant or self.ledger.accountant
+        # sigma_eff is linear in sigma (per-layer bounds and noise allocation fixed)
+        per_unit = GaussianSanitizer(bounds, 1.0, noise_allocation=optimizer.noise_allocation
+                                     ).effective_noise_multiplier(max(self._groups) + 1)
+        count = epochs if sampler.sampling is SamplingMethod.SHUFFLE else \
+            epochs * sampler.lots_per_epoch
+        prior = [self.ledger.event] if len(self.ledger) else []
+        spent = compute_epsilon(prior[0], delta, kind) if prior else 0.0
+        if spent >= target:
+            raise ValueError(
+                f"target_epsilon={target:g} is already spent: the ledger holds epsilon "
+                f"{spent:.4g} at delta {delta:g} ({kind.value}); no noise multiplier leaves "
+                "room for a lot (nothing was trained)")
+
+        def planned(sigma: float):
+            step = self.ledger.admit(_release_event(sampler, per_unit * sigma))
+            return dp_accounting.ComposedDpEvent(
+                prior + [dp_accounting.SelfComposedDpEvent(step, count)])
+
+        sigma, eps = calibrate_noise_multiplier(target, delta, planned, kind)
+        optimizer.noise_multiplier = sigma
+        unit = "epochs" if sampler.sampling is SamplingMethod.SHUFFLE else "lots"
+        self.calibration = {"noise_multiplier": sigma, "epsilon": eps, "delta": delta,
+                            "target_epsilon": target, "accountant": kind.value, unit: count,
+                            "epsilon_before": spent}
+        if verbose != 0:
+            print(f"calibrated noise_multiplier = {sigma:.4g}: {count} {unit} of "
+                  f"{describe_event(_release_event(sampler, per_unit * sigma))}"
+                  f"{f' after epsilon {spent:.4g} already spent' if prior else ''} reach "
+                  f"epsilon {eps:.4g} <= {target:g} at delta {delta:g} ({kind.value})")
+
+    def _begin_correlated_run(self, privacy_cb, delta: float) -> None:
+        """Correlated noise: records the run's event before its first lot
+        (refusing, with nothing recorded, a run that would exceed the fit's
+        budget), and stops lots at the mechanism's horizon in the graph."""
+        run = self._correlated
+        if run is None:
+            self.set_lot_limit(None, reason="mechanism")
+            return
+        event = self._sanitizer.event(max(self._groups) + 1)
+        if not run.recorded:
+            target = privacy_cb.target_epsilon
+            if target is not None:
+                trial = PrivacyLedger.from_dict(self.ledger.to_dict())
+                trial.record(event, label="mf")
+                kind = privacy_cb.accountant or self.ledger.accountant
+                spent = trial.epsilon(delta, kind)
+                if spent > target:
+                    raise BudgetExceededError(
+                        f"the correlated-noise run ({run.mechanism.describe()}) would bring "
+                        f"epsilon to {spent:.4g} > target_epsilon={target:g} at delta="
+                        f"{delta:g}; nothing was trained (raise noise_multiplier or train "
+                        "fewer epochs)")
+            self.ledger.record(event, label="mf")
+            run.recorded = True
+        self.set_lot_limit(self.lots_computed + run.remaining, reason="mechanism")
 
     def _set_steps_per_execution(self, lots_per_epoch: int) -> None:
         """Lots per call of the training function for this fit: the "auto"
@@ -480,7 +677,7 @@ class DPModel(keras.Model):
             # are ceil(pending / lots per epoch) epochs, and this fit's lots start a
             # new epoch (one accounting epoch never straddles two permutations)
             self.ledger.record(self._epoch_event, math.ceil(pending / self._lots_per_epoch),
-                               label="dpsgd")
+                               label=self._ledger_label)
             self._counters.set_computed(self.lots_applied)
             self._recorded_lots = self.lots_computed
             self._fit_start_lots = self.lots_computed
@@ -488,6 +685,51 @@ class DPModel(keras.Model):
             return
         self._counters.set_computed(self.lots_applied)
         self._sync_ledger()
+
+    def _no_lot_message(self, budget: PrivacyBudget) -> str:
+        """Why `budget` allows no further release with this fit's settings: what
+        one more costs under each accountant that can analyse it, and what to
+        change (one line)."""
+        from dpfl_tf.privacy.accountants import AccountantKind
+        from dpfl_tf.privacy.calibration import calibrate_noise_multiplier
+
+        unit = "epoch of shuffled lots" if self._epoch_event is not None else "lot"
+        prior = [self.ledger.event] if len(self.ledger) else []
+        step = self.ledger.admit(self._step_event)
+        costs = {}
+        for kind in AccountantKind:
+            event = dp_accounting.ComposedDpEvent(prior + [step])
+            if _accounts(event, budget.delta, kind):
+                costs[kind] = compute_epsilon(event, budget.delta, kind)
+        listed = ", ".join(f"{eps:.4g} ({kind.value})" for kind, eps in costs.items())
+        cost = (f"one more brings epsilon to {listed} (spent so far: "
+                f"{self.ledger.epsilon(budget.delta, budget.accountant):.4g})") if prior \
+            else f"one costs epsilon {listed}"
+        fits = sorted((eps, k.value) for k, eps in costs.items() if eps <= budget.epsilon)
+        advice = [f"fit(accountant={fits[0][1]!r}) (a tighter analysis of the same lots)"] \
+            if fits else []
+        sigma = self.optimizer.noise_multiplier
+        num_groups = max(self._groups) + 1
+        per_unit = self._sanitizer.effective_noise_multiplier(num_groups) / sigma \
+            if sigma else None
+        if per_unit and not (prior and self.ledger.epsilon(budget.delta, budget.accountant)
+                             >= budget.epsilon):
+            try:
+                needed, _ = calibrate_noise_multiplier(
+                    budget.epsilon, budget.delta, lambda s: dp_accounting.ComposedDpEvent(
+                        prior + [self.ledger.admit(_release_event(self.sampler,
+                                                                  per_unit * s))]),
+                    budget.accountant)
+                advice.append(f"noise_multiplier >= {needed:.3g} (now {sigma:g}) for one "
+                              f"{unit}")
+            except ValueError:
+                pass
+        advice.append("noise_multiplier=None on the optimizer to calibrate it to "
+                      "target_epsilon over the planned epochs")
+        return (f"the privacy budget (epsilon={budget.epsilon:g}, delta={budget.delta:g}, "
+                f"{budget.accountant.value}) allows no {unit} of {describe_event(step)}: "
+                f"{cost}; nothing was trained. Use "
+                + "; or ".join(advice) + "; or a larger target_epsilon")
 
     @property
     def lot_event(self):
@@ -499,6 +741,11 @@ class DPModel(keras.Model):
         self._sync_ledger()
         ledger = PrivacyLedger.from_dict({**self.ledger.to_dict(),
                                           "budget": budget.to_dict()})
+        if self._correlated is not None:
+            # the run's event is recorded already: the budget allows all its lots
+            # (or none), and its horizon is a limit of its own ("mechanism")
+            within = ledger.epsilon(budget.delta, budget.accountant) <= budget.epsilon
+            return _UNLIMITED_BY_BUDGET if within else 0
         if self._epoch_event is not None:
             epochs = ledger.steps_within_budget(self._epoch_event)
             done = self.lots_computed - self._fit_start_lots
@@ -509,7 +756,9 @@ class DPModel(keras.Model):
         return ledger.steps_within_budget(self._step_event)
 
     def train_step(self, data):
-        x, y, mask = data
+        x, y, mask, *segments = data   # user-level lots: the user slot of every example
+        if segments:
+            self._per_example.segments = segments[0]
         counters = self._counters
         variables = self.model.trainable_variables
         # The budget guard is a branch of the computation, not an assert (XLA drops
@@ -589,128 +838,18 @@ class DPModel(keras.Model):
         return tf.constant(True)
 
     def _dp_lot(self, x, y, mask, gate=None):
-        """One lot: clipped per-example sums over physical batches, noise once;
-        returns (noised gradient / L, loss sum, examples kept, examples dropped)."""
-        variables = self.model.trainable_variables
-        bsz = self._batch_size
-        n = tf.shape(mask)[0]
-        num_batches = (n + bsz - 1) // bsz
-        sanitizer, groups, counters = self._sanitizer, self._groups, self._counters
-        last_factors = []
+        """One lot (`LotStep`: clip and accumulate, add noise, scale) with this
+        fit's settings; returns (noised gradient / L, loss sum, examples kept,
+        examples dropped).  Lot t draws noise at stream position t."""
+        lot = LotStep(self.model.trainable_variables, self._per_example, self._sanitizer,
+                      self._groups, batch_size=self._batch_size,
+                      expected_lot=self._expected_lot, pad_to_batch=self._pad_to_batch,
+                      update_metrics=self._update_metrics if self._log_metrics else None)
+        return lot(x, y, mask, step=self._counters.computed, gate=gate)
 
-        def clip_factors(sq_norms):
-            grouped = [None] * (max(groups) + 1)
-            for g, s in zip(groups, sq_norms):
-                grouped[g] = s if grouped[g] is None else grouped[g] + s
-            factors = sanitizer.clip_factors(grouped)
-            last_factors.append(factors[0])
-            return [factors[g] for g in groups]
-
-        def take(t, start, size):
-            begin = tf.concat([[start], tf.zeros([t.shape.rank - 1], tf.int32)], 0)
-            sizes = tf.concat([[size], -tf.ones([t.shape.rank - 1], tf.int32)], 0)
-            # keep the static feature shape (layers such as GroupNormalization need it)
-            return tf.ensure_shape(tf.slice(t, begin, sizes), [None, *t.shape[1:]])
-
-        def one_by_one(xb, yb, mb):
-            """The clipped sum recomputed one example at a time (no example's
-            values can reach another's gradient), and the examples dropped."""
-            def one(i):
-                xs = tf.nest.map_structure(lambda t: take(t, i, 1), xb)
-                mine = []
-
-                def factors_of_one(sq_norms):
-                    factors = clip_factors(sq_norms)
-                    mine.append(last_factors.pop())
-                    return factors
-
-                sums, _, _ = self._per_example.compute(xs, take(yb, i, 1), take(mb, i, 1),
-                                                       factors_of_one)
-                bad = tf.logical_and(mb[i] > 0, tf.equal(mine[-1][0], 0.0))
-                return [tf.cast(s, v.dtype) for s, v in zip(sums, variables)] + [
-                    tf.cast(bad, tf.int64)]
-
-            spec = [tf.TensorSpec(v.shape, v.dtype) for v in variables] + [
-                tf.TensorSpec([], tf.int64)]
-            out = tf.map_fn(one, tf.range(tf.shape(mb)[0]), fn_output_signature=spec,
-                            parallel_iterations=1)
-            return [tf.reduce_sum(t, axis=0) for t in out[:-1]], tf.reduce_sum(out[-1])
-
-        def batch(xb, yb, mb):
-            """Clipped sums of one physical batch, its loss sum, kept and dropped."""
-            sums, losses, y_pred = self._per_example.compute(xb, yb, mb, clip_factors)
-            sums = [tf.cast(t, v.dtype) for t, v in zip(sums, variables)]
-            real = mb > 0
-            bad = tf.logical_and(real, tf.equal(last_factors.pop(), 0.0))
-            n_bad = tf.reduce_sum(tf.cast(bad, tf.int64))
-            # A non-finite value can cross examples inside one batched backward pass
-            # (0 x NaN in a shared matmul of the generic path): then every example of
-            # the batch looks non-finite.  Whenever any example is non-finite, the
-            # batch is recomputed one example at a time, so only the offending
-            # examples are dropped and the sensitivity stays C.
-            sums, n_bad = tf.cond(n_bad > 0, lambda: one_by_one(xb, yb, mb),
-                                  lambda: (sums, n_bad))
-            loss_sum, count = tf.constant(0.0), tf.constant(0.0)
-            kept = tf.cast(tf.logical_and(real, tf.math.is_finite(losses)), tf.float32)
-            if gate is not None:
-                kept = kept * gate
-            if self._log_metrics:  # non-private statistics of the kept examples
-                if self._compile_metrics is not None:
-                    self._compile_metrics.update_state(yb, y_pred, sample_weight=kept)
-                losses = tf.where(kept > 0, tf.cast(losses, tf.float32), 0.0)
-                loss_sum = tf.reduce_sum(losses)
-                count = tf.reduce_sum(kept)
-            return sums, loss_sum, count, n_bad
-
-        def whole_lot():  # the usual case: the lot is one physical batch
-            return batch(x, y, mask)
-
-        def in_batches():
-            xs, ys, ms = x, y, mask
-            if self._pad_to_batch:  # XLA: every slice has the static size bsz
-                padded = (n + bsz - 1) // bsz * bsz
-
-                def pad(t):
-                    return tf.pad(t, [[0, padded - n]] + [[0, 0]] * (t.shape.rank - 1))
-
-                xs, ys, ms = tf.nest.map_structure(pad, x), pad(y), pad(mask)
-
-            def body(i, acc, loss_sum, count, dropped):
-                start = i * bsz
-                size = bsz if self._pad_to_batch else tf.minimum(bsz, n - start)
-                xb = tf.nest.map_structure(lambda t: take(t, start, size), xs)
-                sums, b_loss, b_count, n_bad = batch(xb, take(ys, start, size),
-                                                     take(ms, start, size))
-                return (i + 1, [a + s for a, s in zip(acc, sums)], loss_sum + b_loss,
-                        count + b_count, dropped + n_bad)
-
-            acc0 = [tf.zeros(v.shape, v.dtype) for v in variables]
-            _, *out = tf.while_loop(
-                lambda i, *_: i < num_batches, body,
-                (tf.constant(0), acc0, tf.constant(0.0), tf.constant(0.0),
-                 tf.constant(0, tf.int64)),
-                parallel_iterations=1)
-            return tuple(out)
-
-        static_n = mask.shape[0]
-        if static_n is not None and static_n <= bsz:
-            clipped_sum, loss_sum, count, dropped = whole_lot()
-        else:
-            clipped_sum, loss_sum, count, dropped = tf.cond(n <= bsz, whole_lot, in_batches)
-        if gate is not None:
-            loss_sum, count = loss_sum * gate, count * gate
-        # lot t's noise is stream position t of the sanitizer's key: a seeded run
-        # continues its stream across fits and resumes and never reuses a position
-        noised = sanitizer.add_noise(clipped_sum, groups, step=counters.computed)
-        replica = tf.distribute.get_replica_context()
-        if replica is not None and replica.num_replicas_in_sync > 1:
-            # each replica sums its share of the lot; the optimizer all-reduces the
-            # sum, so exactly one replica contributes the (single) noise draw
-            first = tf.equal(replica.replica_id_in_sync_group, 0)
-            noised = [tf.where(first, z, c) for c, z in zip(clipped_sum, noised)]
-        grads = [g / self._expected_lot for g in noised]
-        return grads, loss_sum, count, dropped
-
+    def _update_metrics(self, y, y_pred, sample_weight) -> None:
+        if self._compile_metrics is not None:
+            self._compile_metrics.update_state(y, y_pred, sample_weight=sample_weight)
 
     # -- serialisation ----------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
@@ -788,6 +927,31 @@ class _Counters:
         self._limit_value = int(value)
         if self.limit is not None:
             self.limit.assign(self._limit_value)
+
+
+def _release_event(sampler: LotSampler, sigma_eff: float):
+    """What one release of this sampling records: a lot (Poisson, fixed size,
+    full batch) or an epoch of shuffled lots, noised at `sigma_eff`."""
+    if sampler.sampling is SamplingMethod.SHUFFLE:
+        return shuffle_epoch_event(sigma_eff)
+    if sigma_eff == 0:
+        return dp_accounting.NonPrivateDpEvent()
+    return gaussian_step_event(sigma_eff, sampler.sampling, **sampler.sampling_args())
+
+
+_UNLIMITED_BY_BUDGET = 10 ** 8   # as `max_steps`' limit
+
+
+def _cycle_length(optimizer, sampling) -> int | None:
+    """Cyclic Poisson lots cycle over the banded strategy's bands."""
+    if SamplingMethod.parse(sampling) is not SamplingMethod.CYCLIC_POISSON:
+        return None
+    config = getattr(optimizer, "correlated_noise", None)
+    if config is None or config.bands is None:
+        raise ValueError("sampling='cyclic_poisson' needs a DP optimizer with "
+                         "correlated_noise=CorrelatedNoiseConfig('banded', bands=b) (b is the "
+                         f"cycle length), got correlated_noise={config!r}")
+    return config.bands
 
 
 def _refuse_regularizers(model) -> None:

@@ -52,7 +52,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         {layer name: C_layer} (a layer's kernel and bias share the bound) or a
         list with one bound per trainable variable.
       noise_multiplier: sigma; noise std is sigma * C (sigma * sqrt(sum C_j^2)
-        for per-layer bounds, see `GaussianSanitizer`).
+        for per-layer bounds, see `GaussianSanitizer`).  None (unset): the next
+        ``DPModel.fit(..., target_epsilon=, epochs=)`` calibrates it for the
+        planned lots and stores it here (so `get_config` keeps it).
       noise_allocation: per-layer only, "global" or "proportional".
       seed: seeds the noise (tests only; results then say "not for deployment").
         The noise of lot t is position t of the seed's stream, so the stream
@@ -60,12 +62,20 @@ class DPOptimizer(keras.optimizers.Optimizer):
       secure_mode: noise and lot sampling from the OS's secure source, Gaussian
         samples drawn against floating-point attacks (`dpfl_tf.secure_random`);
         refuses a seed.
+      correlated_noise: a `CorrelatedNoiseConfig` (or its mechanism name:
+        "tree", "banded", "blt") for noise correlated across lots
+        (matrix factorization; `dpfl_tf.correlated_noise`).  `fit` then needs
+        sampling "shuffle", "in_order", "cyclic_poisson" or "full_batch"; the
+        strategy is optimised for the fit's lots and that participation, the
+        noise of each lot is s * sens(C) * w_t, and the ledger records the run's
+        event (one Gaussian with multiplier `noise_multiplier`, or k cycles of
+        a Poisson-sampled one) before the first lot.
     """
 
     def __init__(self, inner_optimizer: keras.optimizers.Optimizer, *, l2_norm_clip: ClipSpec,
-                 noise_multiplier: float, noise_allocation: str = "global",
+                 noise_multiplier: float | None = None, noise_allocation: str = "global",
                  seed: int | None = None, secure_mode: bool = False,
-                 name: str | None = None, **kwargs):
+                 correlated_noise=None, name: str | None = None, **kwargs):
         if kwargs:
             raise ValueError(f"DPOptimizer does not support arguments {sorted(kwargs)}; set "
                              "them on the inner optimizer")
@@ -77,7 +87,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         super().__init__(learning_rate=0.0, name=name or f"dp_{inner_optimizer.name}")
         self.inner_optimizer = inner_optimizer
         self.l2_norm_clip = _check_clip(l2_norm_clip)
-        self.noise_multiplier = check_number("noise_multiplier", noise_multiplier, low=0.0)
+        self.noise_multiplier = None if noise_multiplier is None else check_number(
+            "noise_multiplier", noise_multiplier, low=0.0)
         if noise_allocation not in ("global", "proportional"):
             raise ValueError("noise_allocation must be 'global' or 'proportional', got "
                              f"{noise_allocation!r}")
@@ -87,6 +98,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.seed = seed
         if seed is not None:
             warnings.warn(deployment_note(seed), UserWarning, stacklevel=2)
+        self.correlated_noise = _correlated_config(correlated_noise)
+        self._run = None   # the correlated-noise run in progress (`plan_correlated_run`)
 
     # -- the sanitizer for a model's variables -------------------------------
     def clip_groups(self, variables, layer_of: Mapping[int, str]) -> tuple[list[int], ClipSpec]:
@@ -110,9 +123,57 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return [order.index(n) for n in names], [self.l2_norm_clip[n] for n in order]
 
     def make_sanitizer(self, bounds: ClipSpec) -> GaussianSanitizer:
+        if self._run is not None:
+            return self._run.sanitizer(bounds)
+        if self.noise_multiplier is None:
+            raise ValueError(
+                "noise_multiplier is unset (None): pass it to the optimizer, or pass "
+                "target_epsilon= (and epochs=) to DPModel.fit to calibrate it")
         return GaussianSanitizer(bounds, self.noise_multiplier,
                                  noise_allocation=self.noise_allocation, seed=self.seed,
                                  secure_mode=self.secure_mode)
+
+    # -- correlated noise ---------------------------------------------------------
+    def plan_correlated_run(self, sampler, *, lots: int, first_lot: int):
+        """The correlated-noise run for a fit of `lots` lots from lot `first_lot`
+        (None without `correlated_noise`): the run in progress when this fit
+        finishes it (same participation, its next position is this fit's first
+        lot, its remaining steps are this fit's lots), else a new one of `lots`
+        steps."""
+        if self.correlated_noise is None:
+            self._run = None
+            return None
+        if self.noise_multiplier is None:
+            raise ValueError(
+                f"correlated_noise={self.correlated_noise!r} needs noise_multiplier set: fit "
+                "calibrates an unset one for independent noise only (nothing was trained)")
+        from dpfl_tf.correlated_noise import CorrelatedRun
+
+        run = self._run
+        if run is None or not run.continues(sampler, first_lot, lots):
+            participation = sampler.participation(lots)
+            mechanism = self.correlated_noise.build(participation, self.noise_multiplier)
+            run = CorrelatedRun(mechanism, first_lot=first_lot,
+                                noise_allocation=self.noise_allocation, seed=self.seed,
+                                secure_mode=self.secure_mode, sampling=sampler.sampling)
+        self._run = run
+        return run
+
+    @property
+    def correlated_run(self):
+        """The correlated-noise run of the last fit (None without one)."""
+        return self._run
+
+    def restore_correlated_run(self, state: dict) -> None:
+        """Continues a run saved with ``correlated_run.get_state()`` (in another
+        process): the next `fit` that starts at its next lot continues its
+        noise instead of starting (and recording) a new run."""
+        from dpfl_tf.correlated_noise import CorrelatedRun
+
+        if self.correlated_noise is None:
+            raise ValueError("restore_correlated_run needs an optimizer with correlated_noise")
+        self._run = CorrelatedRun.from_state(state, noise_allocation=self.noise_allocation,
+                                             seed=self.seed, secure_mode=self.secure_mode)
 
     # -- optimizer protocol ---------------------------------------------------
     def build(self, var_list):
@@ -159,7 +220,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return {"l2_norm_clip": dict(clip) if isinstance(clip, Mapping) else clip,
                 "noise_multiplier": self.noise_multiplier,
                 "noise_allocation": self.noise_allocation, "seed": self.seed,
-                "secure_mode": self.secure_mode}
+                "secure_mode": self.secure_mode,
+                "correlated_noise": (None if self.correlated_noise is None
+                                     else self.correlated_noise.to_config())}
 
     def get_config(self):
         return {"name": self.name,
@@ -176,6 +239,22 @@ class DPOptimizer(keras.optimizers.Optimizer):
     def __repr__(self):
         return (f"{type(self).__name__}(inner={type(self.inner_optimizer).__name__}, "
                 f"l2_norm_clip={self.l2_norm_clip!r}, noise_multiplier={self.noise_multiplier})")
+
+
+def _correlated_config(value):
+    """None, a `CorrelatedNoiseConfig`, its dict, or a mechanism name."""
+    if value is None:
+        return None
+    from dpfl_tf.privacy.matrix_factorization import CorrelatedNoiseConfig
+
+    if isinstance(value, CorrelatedNoiseConfig):
+        return value
+    if isinstance(value, dict):
+        return CorrelatedNoiseConfig.from_config(value)
+    if isinstance(value, str):
+        return CorrelatedNoiseConfig(value)
+    raise TypeError(f"correlated_noise must be None, a CorrelatedNoiseConfig, its dict or a "
+                    f"mechanism name, got {type(value).__name__}")
 
 
 def _serialize_lr(lr):
@@ -196,14 +275,15 @@ class DPSGD(DPOptimizer):
     ``keras.optimizers.schedules.PolynomialDecay(0.1, 10 * steps_per_epoch, 0.052)``."""
 
     def __init__(self, learning_rate=0.01, momentum: float = 0.0, nesterov: bool = False, *,
-                 l2_norm_clip: ClipSpec, noise_multiplier: float,
+                 l2_norm_clip: ClipSpec, noise_multiplier: float | None = None,
                  noise_allocation: str = "global", seed: int | None = None,
-                 secure_mode: bool = False, name: str = "dp_sgd"):
+                 secure_mode: bool = False, correlated_noise=None, name: str = "dp_sgd"):
         super().__init__(keras.optimizers.SGD(learning_rate=learning_rate, momentum=momentum,
                                               nesterov=nesterov),
                          l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
                          noise_allocation=noise_allocation, seed=seed,
-                         secure_mode=secure_mode, name=name)
+                         secure_mode=secure_mode, correlated_noise=correlated_noise,
+                         name=name)
 
     def get_config(self):
         inner = self.inner_optimizer
@@ -220,14 +300,16 @@ class DPAdam(DPOptimizer):
     """Adam on the clipped, noised, lot-averaged gradient."""
 
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999,
-                 epsilon: float = 1e-7, *, l2_norm_clip: ClipSpec, noise_multiplier: float,
-                 noise_allocation: str = "global", seed: int | None = None,
-                 secure_mode: bool = False, name: str = "dp_adam"):
+                 epsilon: float = 1e-7, *, l2_norm_clip: ClipSpec,
+                 noise_multiplier: float | None = None, noise_allocation: str = "global",
+                 seed: int | None = None, secure_mode: bool = False, correlated_noise=None,
+                 name: str = "dp_adam"):
         super().__init__(keras.optimizers.Adam(learning_rate=learning_rate, beta_1=beta_1,
                                                beta_2=beta_2, epsilon=epsilon),
                          l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
                          noise_allocation=noise_allocation, seed=seed,
-                         secure_mode=secure_mode, name=name)
+                         secure_mode=secure_mode, correlated_noise=correlated_noise,
+                         name=name)
 
     def get_config(self):
         inner = self.inner_optimizer

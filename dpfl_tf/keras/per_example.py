@@ -25,8 +25,9 @@ positions s (sequence steps, conv patches):
                                   whichever needs less memory: 2 S^2 < d o)
     sum_i c_i grad_i W = sum_i a_i^T (c_i g_i)               (one matmul)
 
-Rules are looked up by exact type, then along the MRO (`register_rule` adds
-one).  A layer whose variables all belong to sublayers (MultiHeadAttention,
+Rules are looked up by exact type, then along the MRO unless the subclass
+overrides what the rule reimplements (`find_rule`; `register_rule` adds one).
+A layer whose variables all belong to sublayers (MultiHeadAttention,
 transformer blocks, nested models) is descended into, so its EinsumDense,
 Dense, LayerNormalization sublayers use their rules.  Any other trainable
 layer uses the per-layer fallback (`PerLayerJacobianRule`: the layer re-run on
@@ -55,40 +56,18 @@ import contextlib
 import math
 import dataclasses
 import threading
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import keras
 import tensorflow as tf
 
 from dpfl_tf.keras.layer_rules import FALLBACK, LayerCall, find_rule, weighted_sum
 from dpfl_tf.keras.layer_rules._base import _ACTIVE, _ORIGINAL_CALLS, Taps
+from dpfl_tf.keras.mixing import (BatchMixingLayerError, _leaf_layers,  # noqa: F401
+                                  refuse_batch_mixing_layers)
 
-__all__ = ["PerExampleGradients", "refuse_batch_mixing_layers", "per_example_loss", "plan_layers",
-           "default_loss_scale"]
-
-
-class BatchMixingLayerError(ValueError):
-    """A layer's output for one example depends on other examples of the batch."""
-
-
-def refuse_batch_mixing_layers(model: keras.Model) -> None:
-    """Raises for layers that mix examples in training mode (per-example
-    gradients, and so the privacy analysis, would be wrong)."""
-    for layer in _leaf_layers(model):
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
-            raise BatchMixingLayerError(
-                f"layer {layer.name!r} is BatchNormalization in training mode: it normalises "
-                "with statistics of the whole batch, so one example's output depends on the "
-                "others and per-example clipping does not bound its influence. Use "
-                "LayerNormalization or GroupNormalization, or freeze it (trainable=False).")
-
-
-def _leaf_layers(layer):
-    children = [c for c in layer._flatten_layers(include_self=False, recursive=False)]
-    if not children:
-        yield layer
-    for child in children:
-        yield from _leaf_layers(child)
+__all__ = ["PerExampleGradients", "ClippedBatch", "refuse_batch_mixing_layers",
+           "per_example_loss", "plan_layers", "default_loss_scale"]
 
 
 FLOAT16_LOSS_SCALE = 2.0 ** 10
@@ -127,6 +106,13 @@ def _direct_children(layer) -> list:
     return list(layer._flatten_layers(include_self=False, recursive=False))
 
 
+def _trained(layer) -> list:
+    """The variables under `layer` that train (`trainable_variables` is empty for
+    a frozen layer even when a sublayer trains, as after KerasHub's
+    ``backbone.enable_lora``)."""
+    return [v for v in layer.variables if v.trainable]
+
+
 def plan_layers(model, excluded=frozenset()) -> dict:
     """{id(layer): (layer, rule)} for the trainable layers the tapped forward
     replaces: a layer with a registered rule that applies; else, a layer whose
@@ -138,16 +124,18 @@ def plan_layers(model, excluded=frozenset()) -> dict:
 
     def visit(layer):
         for child in _direct_children(layer):
-            if (id(child) in plan or id(child) in excluded or not child.trainable
-                    or not child.trainable_variables):
+            if id(child) in plan or id(child) in excluded or not _trained(child):
+                continue
+            if not child.trainable:  # frozen, with a sublayer that trains (enable_lora)
+                visit(child)
                 continue
             rule = find_rule(child)
             if rule is not None:
                 plan[id(child)] = (child, rule if rule.applies(child) else FALLBACK)
                 continue
             grandchildren = _direct_children(child)
-            held = {id(v) for g in grandchildren for v in g.trainable_variables}
-            if grandchildren and all(id(v) in held for v in child.trainable_variables):
+            held = {id(v) for g in grandchildren for v in _trained(g)}
+            if grandchildren and all(id(v) in held for v in _trained(child)):
                 visit(child)
             else:
                 plan[id(child)] = (child, FALLBACK)
@@ -255,6 +243,16 @@ def _call_with_training(op, training: bool):
     return call
 
 
+class ClippedBatch(NamedTuple):
+    """One batch's clipped sums (aligned with the model's trainable variables),
+    per-example losses, predictions, and the clip factors applied (one [B]
+    tensor per variable; 0 for an example dropped as non-finite)."""
+    sums: list
+    losses: tf.Tensor
+    y_pred: object
+    factors: list
+
+
 class PerExampleGradients:
     """Per-example squared norms and clipped sums for one model and loss.
 
@@ -303,7 +301,13 @@ class PerExampleGradients:
 
     def compute(self, x, y, weights: tf.Tensor, clip_factors_fn, training: bool = True):
         """Returns (clipped sums aligned with model.trainable_variables,
-        per-example losses, y_pred).
+        per-example losses, y_pred): `clipped` without the factors."""
+        return tuple(self.clipped(x, y, weights, clip_factors_fn, training)[:3])
+
+    def clipped(self, x, y, weights: tf.Tensor, clip_factors_fn,
+                training: bool = True) -> ClippedBatch:
+        """The batch's `ClippedBatch`: sum_i c_i grad_i per variable, with the
+        clip factors c that `clip_factors_fn` gave.
 
         `weights` is 1 for real examples and 0 for padding; `clip_factors_fn`
         maps a list of per-variable squared norms ([B] each) to per-variable
@@ -314,6 +318,12 @@ class PerExampleGradients:
             result = self._compute(x, y, weights, clip_factors_fn, training)
             if result is not None:
                 return result
+
+    def _clipped_norms(self, variables, sq_norms: dict, sum_fns: dict) -> list:
+        """The squared norms clipping reads, one [B] vector per variable: each
+        example's own (`dpfl_tf.keras.users.PerUserGradients` gives each example
+        its user's instead)."""
+        return [sq_norms[id(v)] for v in variables]
 
     def _compute(self, x, y, weights, clip_factors_fn, training):
         """One pass; None (and more `_excluded` layers) if a tapped variable has a
@@ -398,15 +408,16 @@ class PerExampleGradients:
                                  f"returned no gradients for variables {missing}")
         for var, j in zip(generic, jac):
             j = tf.zeros((tf.shape(losses)[0],) + tuple(var.shape), var.dtype) if j is None else j
+            j.set_shape([None, *var.shape])  # pfor inside a while loop loses it
             sq_norms[id(var)] = tf.reduce_sum(tf.reshape(tf.square(j), [tf.shape(j)[0], -1]), 1)
             sum_fns[id(var)] = (lambda c, j=j: weighted_sum(j, c))
 
         if scale != 1.0:  # back to the gradients of the loss itself, in float32
             sq_norms = {k: tf.cast(q, tf.float32) / (scale * scale) for k, q in sq_norms.items()}
             sum_fns = {k: (lambda c, fn=fn: fn(c) / scale) for k, fn in sum_fns.items()}
-        factors = clip_factors_fn([sq_norms[id(v)] for v in variables])
+        factors = clip_factors_fn(self._clipped_norms(variables, sq_norms, sum_fns))
         sums = []  # one variable at a time too (each sum scales a [B, ...] copy)
         for v, f in zip(variables, factors):
             with _after(sums[-1:]):
                 sums.append(sum_fns[id(v)](tf.cast(f, v.dtype)))
-        return sums, losses, y_pred
+        return ClippedBatch(sums, losses, y_pred, list(factors))

@@ -10,6 +10,14 @@ whole lot.
   sizes vary around L; the update is normalised by the expected size L.
 * ``fixed_size``: L examples drawn uniformly without replacement for each lot.
 * ``shuffle``: each epoch a fresh permutation is cut into N // L lots of L.
+* ``in_order``: the same order every epoch, lot j of an epoch being examples
+  [j L, (j + 1) L) (a source that can only be read in order); with correlated
+  noise only (an example's participations are exactly N // L lots apart).
+* ``cyclic_poisson``: each example is assigned once, independently and
+  uniformly, to one of b groups (b = ``cycle_length``); lot t Poisson-samples
+  group t mod b with probability q = b L / N (Choquette-Choo et al. 2023,
+  section 5; the independent assignment keeps the add/remove-one analysis);
+  with correlated noise only.
 
 The sampling runs in the graph: lot t's decisions are the stateless Philox
 uniforms keyed by (sampler key, t), so no Python runs per lot for in-memory
@@ -35,7 +43,10 @@ from dpfl_tf.keras.sources import ArrayReader, IndexedReader, make_reader
 from dpfl_tf.privacy.events import SamplingMethod
 from dpfl_tf.secure_random import refuse_seed, secure_uniform
 
-__all__ = ["LotSampler"]
+__all__ = ["LotSampler", "READ_AHEAD_BYTES"]
+
+#: lots read ahead of the one in training hold at most this many bytes (at least one lot)
+READ_AHEAD_BYTES = 2 ** 29
 
 
 class LotSampler:
@@ -53,7 +64,8 @@ class LotSampler:
 
     def __init__(self, dataset_size: int, lot_size: int,
                  sampling: SamplingMethod | str = SamplingMethod.POISSON,
-                 seed: int | None = None, secure_mode: bool = False, first_lot: int = 0):
+                 seed: int | None = None, secure_mode: bool = False, first_lot: int = 0,
+                 cycle_length: int | None = None):
         self.dataset_size = check_count("dataset_size", dataset_size, minimum=1)
         self.lot_size = check_count("lot_size", lot_size, minimum=1)
         if self.lot_size > self.dataset_size:
@@ -71,10 +83,51 @@ class LotSampler:
         # the key of the in-graph stateless draws (63 bits of OS entropy by default)
         self.key = int(seed) if seed is not None else \
             int.from_bytes(os.urandom(8), "little") >> 1
+        self.cycle_length = None
+        if self.sampling is SamplingMethod.CYCLIC_POISSON:
+            if cycle_length is None:
+                raise ValueError("sampling='cyclic_poisson' needs cycle_length (the number of "
+                                 "groups b), got None")
+            self.cycle_length = check_count("cycle_length", cycle_length, minimum=1)
+            if self.cycle_length > self.lots_per_epoch:
+                raise ValueError(
+                    f"cycle_length must be <= N // L = {self.lots_per_epoch} (so that "
+                    f"q = b L / N <= 1), got {self.cycle_length}")
+            # the group of each example: fixed for this sampler, uniform and independent
+            self._secure_groups = (np.floor(secure_uniform(self.dataset_size)
+                                            * self.cycle_length).astype(np.int64)
+                                   if self.secure_mode else None)
+        elif cycle_length is not None:
+            raise ValueError(f"cycle_length is for sampling='cyclic_poisson' only, got "
+                             f"{cycle_length!r} with sampling={self.sampling.value!r}")
 
     @property
     def sampling_rate(self) -> float:
-        return self.lot_size / self.dataset_size
+        """q = L / N; b L / N for cyclic Poisson (within the group whose turn it is)."""
+        return self.lot_size * (self.cycle_length or 1) / self.dataset_size
+
+    def participation(self, steps: int):
+        """The `Participation` of one example over `steps` lots from the first
+        lot of this sampler, for correlated-noise accounting.  Refuses Poisson
+        and fixed-size lots: they can put one example in consecutive lots, and
+        the mechanisms here claim no amplification from them."""
+        from dpfl_tf.privacy.matrix_factorization import Participation
+
+        per = self.lots_per_epoch
+        # the data's order fixes the lots: the neighbours are datasets with one
+        # example replaced (removing one would move the others' lots)
+        if self.sampling is SamplingMethod.SHUFFLE:   # epochs start with this sampler's lots
+            return Participation.epochs(steps, per, relation="replace_one")
+        if self.sampling is SamplingMethod.IN_ORDER:
+            return Participation.min_separation(steps, per, relation="replace_one")
+        if self.sampling is SamplingMethod.FULL_BATCH:
+            return Participation.min_separation(steps, 1)
+        if self.sampling is SamplingMethod.CYCLIC_POISSON:
+            return Participation.cyclic_poisson(steps, self.cycle_length, self.sampling_rate)
+        raise ValueError(
+            f"correlated noise needs sampling 'shuffle', 'in_order', 'cyclic_poisson' or "
+            f"'full_batch', got {self.sampling.value!r}: its lots can hold one example in "
+            "consecutive lots, and no amplification by sampling is claimed for it")
 
     @property
     def lots_per_epoch(self) -> int:
@@ -115,6 +168,10 @@ class LotSampler:
     def _lot_in_graph(self, t) -> tf.Tensor:
         """Indices (sorted, int64) of lot t, Poisson or fixed-size, in the graph."""
         t = tf.cast(t, tf.int64) + self.first_lot
+        if self.sampling is SamplingMethod.CYCLIC_POISSON:
+            groups = tf.cast(tf.floor(self._uniforms(2, 0) * self.cycle_length), tf.int64)
+            turn = tf.equal(groups, tf.math.floormod(t, self.cycle_length))
+            return tf.where(turn & (self._uniforms(0, t) < self.sampling_rate))[:, 0]
         if self.sampling is SamplingMethod.POISSON:
             threshold = self.inclusion_threshold
             if threshold is None:
@@ -129,17 +186,24 @@ class LotSampler:
     def _permutation(self, epoch) -> tf.Tensor:
         return tf.argsort(self._uniforms(1, epoch), stable=True)
 
-    def _secure_lots(self, num_lots: int) -> Iterator[np.ndarray]:
-        """Secure mode: every decision from ``os.urandom`` (53 bits each)."""
+    def _secure_lots(self, num_lots: int, start: int = 0) -> Iterator[np.ndarray]:
+        """Secure mode: every decision from ``os.urandom`` (53 bits each); lots
+        number start, start + 1, ... after the first lot."""
         n, lot = self.dataset_size, self.lot_size
         perm = None
-        for i in range(num_lots):
+        for i in range(start, start + num_lots):
             if self.sampling is SamplingMethod.POISSON:
                 yield np.flatnonzero(secure_uniform(n) < lot / n)
             elif self.sampling is SamplingMethod.FIXED_SIZE:
                 yield np.sort(np.argpartition(secure_uniform(n), lot - 1)[:lot])
             elif self.sampling is SamplingMethod.FULL_BATCH:
                 yield np.arange(n)
+            elif self.sampling is SamplingMethod.IN_ORDER:
+                j = (self.first_lot + i) % self.lots_per_epoch
+                yield np.arange(j * lot, (j + 1) * lot)
+            elif self.sampling is SamplingMethod.CYCLIC_POISSON:
+                turn = self._secure_groups == (self.first_lot + i) % self.cycle_length
+                yield np.flatnonzero(turn & (secure_uniform(n) < self.sampling_rate))
             else:
                 j = i % self.lots_per_epoch
                 if j == 0:
@@ -156,14 +220,20 @@ class LotSampler:
             return self.index_dataset(None).take(num_lots)
         if self.secure_mode:
             def endless():
+                start = 0
                 while True:
-                    yield from self._secure_lots(self.lots_per_epoch)
+                    yield from self._secure_lots(self.lots_per_epoch, start)
+                    start += self.lots_per_epoch
 
             return tf.data.Dataset.from_generator(
                 endless, output_signature=tf.TensorSpec([None], tf.int64))
         if self.sampling is SamplingMethod.FULL_BATCH:
             return tf.data.Dataset.from_tensors(
                 tf.range(self.dataset_size, dtype=tf.int64)).repeat()
+        if self.sampling is SamplingMethod.IN_ORDER:
+            per, lot = self.lots_per_epoch, self.lot_size
+            return tf.data.Dataset.counter(start=self.first_lot).map(
+                lambda t: tf.range(t % per * lot, (t % per + 1) * lot))
         if self.sampling is SamplingMethod.SHUFFLE:
             per, lot = self.lots_per_epoch, self.lot_size
 
@@ -192,18 +262,31 @@ class LotSampler:
         reader from `dpfl_tf.keras.sources.make_reader`.  `preprocess` maps the
         lot's x (its real examples) inside tf.data, e.g. augmentation; it must
         act on each example independently.  `prefetch` lots are read ahead (a
-        call of the training function that trains k lots takes k at once)."""
+        call of the training function that trains k lots takes k at once), at
+        most `READ_AHEAD_BYTES` of them (at least one): lots of large records
+        (a lot of 8,192 CIFAR-10 scattering features with mirror views is 1 GB)
+        are read one ahead, not several."""
         pad_to = check_count("pad_to", pad_to, minimum=1)
         prefetch = check_count("prefetch", prefetch, minimum=1)
         reader, total = self._reader_and_total(x, y, epochs)
+        ahead = self.lots_ahead(reader, prefetch)
 
         def load(t, idx):
             n = tf.shape(idx, out_type=tf.int64)[0]
             padded = tf.maximum(tf.constant(pad_to, tf.int64), (n + pad_to - 1) // pad_to * pad_to)
             return _read_padded(reader, idx, padded, preprocess, t)
 
+        # the parallel map runs `ahead` lots ahead of the one in training
         return self.index_dataset(total).enumerate(self.first_lot).map(
-            load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(prefetch)
+            load, num_parallel_calls=ahead, deterministic=True)
+
+    def lots_ahead(self, reader, prefetch: int) -> int:
+        """Lots to read ahead: `prefetch`, or fewer when they would hold more
+        than `READ_AHEAD_BYTES` (the expected lot, padded for Poisson's spread)."""
+        lot = self.lot_size + (math.ceil(5 * math.sqrt(self.lot_size))
+                               if self.sampling is SamplingMethod.POISSON else 0)
+        lot_bytes = max(1, lot * reader.example_bytes())
+        return max(1, min(prefetch, READ_AHEAD_BYTES // lot_bytes))
 
     def _reader_and_total(self, x, y, epochs):
         """The reader of the data, and the number of lots (None: endless)."""

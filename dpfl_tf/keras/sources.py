@@ -131,6 +131,11 @@ class ArrayReader:
         """([per-example shape of each leaf of x], per-example shape of y)."""
         return [tuple(t.shape[1:]) for t in tf.nest.flatten(self._x)], tuple(self._y.shape[1:])
 
+    def example_bytes(self) -> int:
+        """Bytes of one record (x and y)."""
+        return sum(int(np.prod(t.shape[1:], dtype=np.int64)) * t.dtype.size
+                   for t in tf.nest.flatten(self._x) + [self._y])
+
     def read(self, idx: tf.Tensor):
         return tf.nest.map_structure(lambda t: tf.gather(t, idx), self._x), \
             tf.gather(self._y, idx)
@@ -211,6 +216,11 @@ class IndexedReader:
     def element_shapes(self):
         """([per-example shape of each leaf of x], per-example shape of y)."""
         return [s.shape for s in tf.nest.flatten(self._x_spec)], self._y_spec.shape
+
+    def example_bytes(self) -> int:
+        """Bytes of one record (x and y)."""
+        return sum(int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize
+                   for s in tf.nest.flatten(self._x_spec) + [self._y_spec])
 
     def _check_length(self) -> None:
         length = self._length_fn()

@@ -27,7 +27,8 @@ from dpfl_tf.privacy.events import (describe_event, event_to_json, iter_events,
 from dpfl_tf.privacy.moments import MomentsAccountant
 from dpfl_tf.privacy.strong import StrongCompositionAccountant
 
-__all__ = ["AccountantKind", "make_accountant", "compute_epsilon", "compute_delta"]
+__all__ = ["AccountantKind", "make_accountant", "compute_epsilon", "compute_delta", "rdp_curve",
+           "refuse_repeat_and_select"]
 
 
 class AccountantKind(ChoiceEnum):
@@ -165,6 +166,7 @@ def _one_gaussian_per_sample(event: dp_accounting.DpEvent) -> dp_accounting.DpEv
 def _accountant_for(event: dp_accounting.DpEvent, kind) -> dp_accounting.PrivacyAccountant:
     neighboring_relation_of(event)  # refuses add/remove-one mixed with replace-one
     if AccountantKind.parse(kind) is not AccountantKind.RDP:
+        refuse_repeat_and_select(event, kind)
         event = _one_gaussian_per_sample(event)
     accountant = make_accountant(kind, neighboring_relation=_accountant_relation(event))
     if not accountant.supports(event):
@@ -173,6 +175,29 @@ def _accountant_for(event: dp_accounting.DpEvent, kind) -> dp_accounting.Privacy
             f"{describe_event(event)}; fixed-size sampling without replacement and the "
             "distributed DP events are interpreted by 'rdp' only")
     return accountant.compose(event)
+
+
+def refuse_repeat_and_select(event: dp_accounting.DpEvent, kind) -> None:
+    """ValueError if `event` holds a `RepeatAndSelectDpEvent` (the best of a random
+    number of runs, Papernot & Steinke 2022) and `kind` is not 'rdp': their
+    bound is a bound on Renyi DP, which only the RDP accountant composes (the
+    moments accountant's log-moments are RDP at integer orders 2..33 only, and
+    PLD and strong composition read no RDP curve)."""
+    kind = AccountantKind.parse(kind)
+    if kind is AccountantKind.RDP:
+        return
+    if any(isinstance(e, _dp_event.RepeatAndSelectDpEvent) for e in iter_events(event)):
+        raise ValueError(
+            f"accountant {kind.value!r} cannot account {describe_event(event)}: the best of "
+            "a random number of runs (RepeatAndSelectDpEvent, Papernot & Steinke 2022) is "
+            "bounded in Renyi DP only; use accountant='rdp'")
+
+
+def rdp_curve(event: dp_accounting.DpEvent) -> tuple[np.ndarray, np.ndarray]:
+    """(orders, RDP epsilons) of `event` from dp_accounting's RDP accountant
+    (its default orders), under the relation the event is stated in."""
+    accountant = _accountant_for(event, AccountantKind.RDP)
+    return np.asarray(accountant._orders, dtype=float), np.asarray(accountant._rdp, dtype=float)
 
 
 def compute_epsilon(event: dp_accounting.DpEvent, delta: float,

@@ -65,11 +65,22 @@ Mironov, Talwar, Zhang 2019, "Renyi DP of the sampled Gaussian mechanism",
 section 3; Andrew et al. 2021, Theorem 1), which is how dp-accounting's RDP
 accountant reads such an event and how `dpfl_tf.privacy.accountants` rewrites
 it for the accountants that read only a sampled single Gaussian.
+
+Best of a random number of runs
+-------------------------------
+A hyperparameter search that trains K times, K drawn from a distribution
+independent of the data, and releases only the best run is
+``RepeatAndSelectDpEvent(run, mean, shape)`` (Papernot & Steinke 2022,
+"Hyperparameter tuning with Renyi differential privacy", Theorems 2 and 6):
+its relation is the run's, and its bound is one on Renyi DP, so only the
+``rdp`` accountant interprets it (`dpfl_tf.privacy.accountants` refuses it
+for the others, naming the event).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import attr
@@ -205,6 +216,10 @@ class SamplingMethod(ChoiceEnum):
     FIXED_SIZE = "fixed_size"
     SHUFFLE = "shuffle"
     FULL_BATCH = "full_batch"
+    #: the same fixed order every epoch (a source read in order); correlated noise only
+    IN_ORDER = "in_order"
+    #: units in b groups, group t mod b Poisson-sampled at step t; correlated noise only
+    CYCLIC_POISSON = "cyclic_poisson"
 
 
 def gaussian_step_event(
@@ -275,6 +290,11 @@ def _sampled(sigmas, sampling, sampling_rate, dataset_size, lot_size) -> dp_acco
         if lot > n:
             raise ValueError(f"lot_size must be <= dataset_size ({n}), got {lot}")
         return dp_accounting.SampledWithoutReplacementDpEvent(n, lot, inner(0.5))
+    if method in (SamplingMethod.IN_ORDER, SamplingMethod.CYCLIC_POISSON):
+        raise ValueError(
+            f"sampling={method.value!r} has no per-lot event: it is accounted with a "
+            "correlated-noise mechanism for the whole run (DPOptimizer(correlated_noise=...), "
+            "dpfl_tf.privacy.matrix_factorization.MatrixMechanism.event)")
     raise ValueError(
         "sampling='shuffle' has no per-lot event: an epoch of shuffled lots is one "
         "replace-one Gaussian, recorded once per epoch touched -- use "
@@ -367,7 +387,8 @@ def iter_events(event: dp_accounting.DpEvent):
     yield event
     if isinstance(event, (_dp_event.SelfComposedDpEvent, _dp_event.PoissonSampledDpEvent,
                           _dp_event.SampledWithoutReplacementDpEvent,
-                          _dp_event.SampledWithReplacementDpEvent)):
+                          _dp_event.SampledWithReplacementDpEvent,
+                          _dp_event.RepeatAndSelectDpEvent)):
         yield from iter_events(event.event)
     elif isinstance(event, _dp_event.ComposedDpEvent):
         for e in event.events:
@@ -379,8 +400,8 @@ def relations_of(event: dp_accounting.DpEvent) -> frozenset:
     two: a mixture, which no accountant here interprets)."""
     if isinstance(event, (_dp_event.NoOpDpEvent, _dp_event.NonPrivateDpEvent)):
         return frozenset()
-    if isinstance(event, _dp_event.SelfComposedDpEvent):
-        return relations_of(event.event)
+    if isinstance(event, (_dp_event.SelfComposedDpEvent, _dp_event.RepeatAndSelectDpEvent)):
+        return relations_of(event.event)   # best of K runs: the runs' relation
     if isinstance(event, _dp_event.ComposedDpEvent):
         return frozenset().union(*(relations_of(e) for e in event.events))
     if isinstance(event, (_dp_event.SampledWithoutReplacementDpEvent,
@@ -433,6 +454,10 @@ def to_replace_one(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
         return _dp_event.SelfComposedDpEvent(to_replace_one(event.event), event.count)
     if isinstance(event, _dp_event.ComposedDpEvent):
         return _dp_event.ComposedDpEvent([to_replace_one(e) for e in event.events])
+    if isinstance(event, _dp_event.RepeatAndSelectDpEvent):
+        # Papernot & Steinke's bound holds for any neighbouring relation: it reads
+        # the RDP curve of one run, stated here under replace-one
+        return attr.evolve(event, event=to_replace_one(event.event))
     if type(event) is _dp_event.GaussianDpEvent:
         return ReplaceOneGaussianDpEvent(event.noise_multiplier / 2.0)
     if isinstance(event, _dp_event.PoissonSampledDpEvent) and event.sampling_probability == 1:
@@ -526,11 +551,24 @@ def _describe(event: dp_accounting.DpEvent) -> str:
     if isinstance(event, DistributedSkellamDpEvent):
         return (f"distributed Skellam(>= {event.num_shares} shares of variance "
                 f"{event.share_variance:g}, L2 {event.l2_sensitivity:g})")
+    if isinstance(event, _dp_event.RepeatAndSelectDpEvent):
+        return (f"best of {_trial_count_name(event.mean, event.shape)} runs of "
+                f"[{_describe(event.event)}]")
     if isinstance(event, _dp_event.NoOpDpEvent):
         return "no-op"
     if isinstance(event, _dp_event.NonPrivateDpEvent):
         return "NON-PRIVATE"
     return type(event).__name__
+
+
+def _trial_count_name(mean: float, shape: float) -> str:
+    """The distribution of a RepeatAndSelectDpEvent's number of runs, in words."""
+    if math.isinf(shape):
+        return f"Poisson(mean={mean:g})"
+    name = {0.0: "logarithmic", 1.0: "geometric"}.get(float(shape))
+    if name:
+        return f"{name}(mean={mean:g})"
+    return f"truncated-negative-binomial(mean={mean:g}, shape={shape:g})"
 
 
 def _describe_inner(event: dp_accounting.DpEvent) -> str:

@@ -50,7 +50,8 @@ import numpy as np
 import tensorflow as tf
 
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
-from dpfl_tf.sanitizer import make_generator, seeded_noise_key
+from dpfl_tf._seeds import derive_seed
+from dpfl_tf.sanitizer import make_generator
 
 __all__ = ["Normalization", "Augmentation", "center_crop", "normalize",
            "random_crop_and_flip", "random_brightness_contrast", "train_dataset",
@@ -218,8 +219,10 @@ class Augmentation:
         self.normalization = Normalization.parse(normalization)
         self.seed = seed
         self._generator = None
-        # the key of the per-lot draws: from the seed, else from OS entropy
-        self._key = (seeded_noise_key(seed) if seed is not None else
+        # the key of the per-lot draws: from the seed (a stream of its own, not the
+        # DP noise's), else from OS entropy
+        self._key = (tuple(derive_seed(seed, "augmentation", i) for i in range(2))
+                     if seed is not None else
                      tuple(int.from_bytes(os.urandom(8), "little") >> 1 for _ in range(2)))
 
     @property
@@ -272,7 +275,9 @@ class _LotDraws:
         self._calls = 0
 
     def uniform(self, shape, minval=0, maxval=None, dtype=tf.float32):
-        seed = tf.random.experimental.stateless_fold_in(self._seed, self._calls)
+        # int64 data keep a 64-bit seed (a Python int would fold in as int32)
+        seed = tf.random.experimental.stateless_fold_in(
+            self._seed, tf.constant(self._calls, tf.int64))
         self._calls += 1
         if maxval is None and dtype.is_floating:
             maxval = 1

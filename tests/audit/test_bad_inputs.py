@@ -194,7 +194,8 @@ def _(ctx):
 
 
 @row("fit/budget-spent", "budget spent", BudgetExceededError,
-     "allows no further lot with these settings; spent so far epsilon=")
+     "allows no lot of Poisson(q=0.25) Gaussian(sigma=1) (add/remove-one): one more brings "
+     "epsilon to")
 def _(ctx):
     x, y = _data()
     model = _dp()
@@ -428,7 +429,7 @@ def _(ctx):
 
 
 @row("cli/train/budget-spent", "budget spent", SystemExit,
-     "allows no further lot with these settings")
+     "allows no lot of")
 def _(ctx):  # a budget that not even the first lot fits in
     _cli(ctx, "train", "mnist", "--model", "tanh_cnn", "--epsilon", "0.0001", "--epochs", "1")
 

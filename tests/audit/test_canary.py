@@ -257,3 +257,63 @@ def test_the_gdp_test_is_refused_on_sampled_lots(mnist_slice):
         else:
             canaries.audit(observer, delta=DELTA, method="gdp")
         canaries.audit(observer, delta=DELTA)          # the eps-DP test applies to both
+
+
+def test_the_gdp_test_is_refused_for_black_box_canaries_on_sampled_lots(mnist_slice):
+    """MislabelledCanaries.audit took method='gdp' on any model: it now reads
+    the mechanism from the DPModel (or mechanism=) and refuses sampled lots, and
+    a plain model with no mechanism to check."""
+    x, y, xb, yb = mnist_slice
+    for sampling in ("poisson", "full_batch"):
+        canaries = DiracCanaries(20, input_dim=784, num_classes=10, value=10.0, seed=6)
+        bb = MislabelledCanaries(canaries.pad(xb[:40]), yb[:40], num_classes=10, seed=6)
+        x_train, y_train = canaries.training_data(x[:200], y[:200])
+        xi, yi = bb.included()
+        dp, _ = _train(DPModel, canaries, np.concatenate([x_train, xi]),
+                       np.concatenate([y_train, yi]), sigma=1.0, sampling=sampling, seed=6)
+        with pytest.raises(ValueError, match="needs mechanism="):
+            bb.audit(dp.model, delta=DELTA, method="gdp")
+        if sampling == "poisson":
+            for model, mechanism in ((dp, None), (dp.model, dp.privacy_ledger)):
+                with pytest.raises(ValueError, match="sampled mechanism") as err:
+                    bb.audit(model, delta=DELTA, method="gdp", mechanism=mechanism)
+                assert "method='eps_dp'" in str(err.value) and "\n" not in str(err.value)
+        else:
+            bb.audit(dp, delta=DELTA, method="gdp")
+            bb.audit(dp.model, delta=DELTA, method="gdp", mechanism=dp.privacy_ledger)
+        bb.audit(dp.model, delta=DELTA)                # the eps-DP test applies to both
+
+
+def test_the_gdp_test_is_refused_for_the_federated_observer_on_sampled_clients(mnist_slice):
+    """The white-box observer of federated rounds took method='gdp' with sampled
+    clients (its model has no ledger): observe_rounds now tells it the server,
+    whose ledger says the clients were sampled."""
+    from dpfl_tf.audit.canary import observe_rounds
+    from dpfl_tf.federated.aggregators import GlobalDPAggregator
+    from dpfl_tf.federated.client import LocalTrainer
+    from dpfl_tf.federated.partition import ClientPartition
+    from dpfl_tf.federated.server import ClientSampling, FederatedServer
+    from dpfl_tf.sanitizer import GaussianSanitizer
+
+    x, y, *_ = mnist_slice
+    partition = ClientPartition.from_lists([list(range(i * 10, (i + 1) * 10))
+                                            for i in range(10)])
+    for fraction in (0.5, 1.0):
+        keras.utils.set_random_seed(7)
+        canaries = DiracCanaries(10, input_dim=784, num_classes=10, value=10.0, seed=7)
+        xa, ya, pa = canaries.federated_data(x[:100], y[:100], partition)
+        model = keras.Sequential([keras.Input((canaries.total_dim,)),
+                                  keras.layers.Dense(10, kernel_initializer="zeros")])
+        trainer = LocalTrainer(model, xa, ya, local_epochs=1, batch_size=10, learning_rate=0.1)
+        server = FederatedServer(
+            trainer, pa, GlobalDPAggregator(GaussianSanitizer(0.1, 1.0, seed=7)),
+            sampling=ClientSampling("poisson", fraction=fraction), test_data=None,
+            delta_max=DELTA, accountant="rdp", seed=7, noise_seed=7, progress=False)
+        observer = canaries.observer(trainer.model, loss=trainer.loss)
+        observe_rounds(server, 2, observer)
+        if fraction < 1:
+            with pytest.raises(ValueError, match="sampled mechanism.*method='eps_dp'"):
+                canaries.audit(observer, delta=DELTA, method="gdp")
+        else:
+            canaries.audit(observer, delta=DELTA, method="gdp")
+        canaries.audit(observer, delta=DELTA)

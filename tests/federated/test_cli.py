@@ -84,14 +84,14 @@ def test_help_shows_every_default_and_the_choices_are_the_enums(capsys):
                        ("ldp_mechanism", MechanismKind),
                        ("ddp_mechanism", DistributedMechanism)]:
         assert choices[dest] == [m.value for m in enum]
-    assert choices["sampling"] == ["poisson", "fixed_size"]
+    assert choices["sampling"] == ["poisson", "fixed_size", "cyclic_poisson"]
     for action in fed._actions:
         if action.dest in ("help", "verbose") or action.const is True:
             continue   # --help, -v and on/off switches
         assert "default" in fed.formatter_class("x")._get_help_string(action), action.dest
     for shown in ["number of clients K (default: 1000)", "(default: 100)",
                   "(default: 1 with --dp global, 0.2 with --dp client, 2 with --dp "
-                  "distributed)",
+                  "distributed, 1 with --dp ftrl, 1 with --dp banded_mf, 1 with --dp blt)",
                   "The defaults (MNIST, K = 1000"]:
         assert shown in text, shown
 
@@ -100,7 +100,8 @@ def test_help_shows_every_default_and_the_choices_are_the_enums(capsys):
     (dict(clients=10, clients_per_round=20),
      r"clients_per_round \(m=20\) must be <= the number of clients \(K=10\)"),
     (dict(dp="global", clients=100, delta_max=0.5), r"delta_max must be < 1/K = 0.01"),
-    (dict(sampling="shuffle"), "sampling must be one of poisson, fixed_size, got 'shuffle'"),
+    (dict(sampling="shuffle"),
+     "sampling must be one of poisson, fixed_size, cyclic_poisson, got 'shuffle'"),
     (dict(aggregator="trimmed"), "aggregator must be one of mean, median, got 'trimmed'"),
 ])
 def test_the_config_owns_the_rules(kwargs, message):

@@ -284,7 +284,8 @@ def test_bad_sampling_inputs():
         ClientSampling("poisson")
     with pytest.raises(ValueError, match="fraction must be in"):
         ClientSampling("poisson", fraction=1.5)
-    with pytest.raises(ValueError, match="client sampling must be 'poisson' or 'fixed_size'"):
+    with pytest.raises(ValueError, match="client sampling must be 'poisson', 'fixed_size' or "
+                                         "'cyclic_poisson'"):
         ClientSampling("shuffle", clients_per_round=3)
     assert ClientSampling("fixed_size", fraction=0.1).clients_for(1000) == 100
 

@@ -240,6 +240,20 @@ def test_one_config_gives_one_result_on_both_runtimes(mnist_small, dp):
     assert inproc["test_accuracy"] == inproc["history"][-1]["accuracy"] is not None
 
 
+def test_correlated_noise_gives_one_result_on_both_runtimes(mnist_small):
+    """Banded MF with cyclic cohorts: the Flower strategy closes rounds with the
+    server's functions, so its noise, ledger and history are the in-process run's."""
+    cfg = _cfg(dp="banded_mf", clients_per_round=None, sampling=None, cohorts=2, rounds=4)
+    inproc = run_federated(cfg, mnist_small, progress=False)
+    flower = fl.run_on_flower(cfg, mnist_small, backend="local")
+    assert flower["mechanism"] == inproc["mechanism"] == "banded_mf"
+    for key in sorted(set(inproc) - TIMING_KEYS - {"history"}):
+        _assert_same(flower[key], inproc[key], key)
+    for got, want in zip(flower["history"], inproc["history"]):
+        _assert_same({k: v for k, v in got.items() if k not in HISTORY_TIMING_KEYS},
+                     {k: v for k, v in want.items() if k not in HISTORY_TIMING_KEYS})
+
+
 def test_strategy_reports_the_ledger_epsilon_per_round_and_stops_at_the_budget(mnist_small):
     base = _cfg(rounds=5)
     event = _round_event(base)

@@ -95,7 +95,26 @@ def one_replica():
     return out
 
 
-json.dump({**tiny_lots(), **secure_refusal(), **one_replica(),
+def mixing_refusal():
+    """A layer centring the batch, on 2 replicas: refused before any lot."""
+    from dpfl_tf.keras import BatchMixingLayerError
+
+    with mirrored.scope():
+        dp = DPModel(keras.Sequential([
+            keras.Input((60,)), keras.layers.Dense(8),
+            keras.layers.Lambda(lambda t: t - keras.ops.mean(t, axis=0), name="centre"),
+            keras.layers.Dense(10)]))
+        dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss())
+    try:
+        dp.fit(x[:40], y[:40], lot_size=20, epochs=1, verbose=0)
+    except BatchMixingLayerError as err:
+        return {"mixing_refusal": str(err), "mixing_lots": dp.lots_computed,
+                "mixing_ledger": len(dp.privacy_ledger)}
+    return {"mixing_refusal": None, "mixing_lots": dp.lots_computed,
+            "mixing_ledger": len(dp.privacy_ledger)}
+
+
+json.dump({**tiny_lots(), **secure_refusal(), **one_replica(), **mixing_refusal(),
     "replicas": mirrored.num_replicas_in_sync,
     "mirrored_max_diff": float(np.max(np.abs(clean - clean_m))),
     "xla_max_diff": float(np.max(np.abs(clean - clean_x))),

@@ -60,3 +60,8 @@ def test_a_strategy_of_one_replica_trains_and_stops_like_no_strategy(child):
     lots, applied, ledger, stop = child["one_replica_lots"]
     assert lots == applied == ledger == child["plain_replica_lots"][0]
     assert 0 < lots < 50 and stop == "budget_spent"
+
+
+def test_a_layer_mixing_the_batch_is_refused_on_two_replicas(child):
+    assert "layer 'centre' (Lambda)" in child["mixing_refusal"]
+    assert child["mixing_lots"] == child["mixing_ledger"] == 0

@@ -559,6 +559,109 @@ def test_register_rule_checks_its_arguments():
         register_rule(ScaleShift, lambda *a: None)
 
 
+# ---------------------------------------------------------------------------
+# No rule by inheritance alone: a subclass that overrides what a rule
+# reimplements computes another function
+
+class ScaledDense(keras.layers.Dense):
+    def call(self, x):
+        return keras.layers.Dense.call(self, x) * 3 + 1
+
+
+class DoubledKernelDense(keras.layers.Dense):
+    @property
+    def kernel(self):
+        return super().kernel * 2
+
+
+class ScaledEmbedding(keras.layers.Embedding):
+    """A transformer's embedding scaled by sqrt(d)."""
+
+    def call(self, ids):
+        return super().call(ids) * float(np.sqrt(self.output_dim))
+
+
+class ShiftedLayerNormalization(keras.layers.LayerNormalization):
+    def call(self, x):
+        return super().call(x) * 2 + 0.5
+
+
+class NamedDense(keras.layers.Dense):
+    """A subclass that only changes the constructor: still a Dense."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(units, activation="tanh", **kwargs)
+
+
+OVERRIDING = {
+    "dense_call": (ScaledDense, lambda: ScaledDense(6, activation="tanh")),
+    "dense_kernel_property": (DoubledKernelDense, lambda: DoubledKernelDense(6)),
+    "layer_normalization_call": (ShiftedLayerNormalization, ShiftedLayerNormalization),
+}
+
+
+@pytest.mark.parametrize("name", list(OVERRIDING))
+def test_a_subclass_overriding_what_the_rule_reimplements_is_exact(name):
+    cls, make = OVERRIDING[name]
+    keras.utils.set_random_seed(41)
+    x, y = _sequence()
+    inp = keras.Input(x.shape[1:])
+    model = keras.Model(inp, _head(make()(inp)))
+    check_exact(model, x, y, {cls.__name__: "PerLayerJacobianRule", "Dense": "DenseRule"})
+
+
+def test_a_subclassed_embedding_overriding_call_is_exact():
+    keras.utils.set_random_seed(42)
+    x, y = _tokens()
+    inp = keras.Input(x.shape[1:], dtype="int32")
+    h = keras.layers.GlobalAveragePooling1D()(ScaledEmbedding(16, 4)(inp))
+    model = keras.Model(inp, _head(h, pool=False))
+    check_exact(model, x, y, {"ScaledEmbedding": "PerLayerJacobianRule", "Dense": "DenseRule"})
+
+
+def test_a_tied_reversible_embedding_has_its_own_rule_not_embeddings():
+    """keras.layers.ReversibleEmbedding(Embedding) overrides call (reverse=True is
+    the tied output projection): with Embedding's rule fit failed with a shape
+    error ("output.shape=(None, 16, 8, 8)"); it now has its own rule (lookup and
+    tied head summed before the norm), exact against a per-example loop."""
+    keras.utils.set_random_seed(44)
+    x, _ = _tokens(steps=13)
+    inp, target = x[:, :-1], x[:, 1:]
+    tokens = keras.Input(inp.shape[1:], dtype="int32")
+    emb = keras.layers.ReversibleEmbedding(16, 8)
+    model = keras.Model(tokens, emb(keras.layers.Dense(8, activation="tanh")(emb(tokens)),
+                                    reverse=True))
+    used = {type(la).__name__: type(r).__name__ for la, r in plan_layers(model).values()}
+    assert used == {"ReversibleEmbedding": "ReversibleEmbeddingRule", "Dense": "DenseRule"}
+    ref = []
+    for i in range(len(inp)):   # the per-example loss: the mean over the tokens
+        with tf.GradientTape() as tape:
+            li = tf.reduce_mean(loss().call(target[i:i + 1], model(inp[i:i + 1])))
+        ref.append([g.numpy() for g in tape.gradient(li, model.trainable_variables)])
+    sums, sq, _ = _run(model, inp, target)
+    for j, v in enumerate(model.trainable_variables):
+        np.testing.assert_allclose(sq[j], [np.sum(r[j] ** 2) for r in ref], rtol=3e-4,
+                                   atol=1e-9, err_msg=v.path)
+        np.testing.assert_allclose(sums[j], sum(r[j] for r in ref), rtol=3e-4, atol=2e-6,
+                                   err_msg=v.path)
+
+
+def test_a_subclass_keeping_call_keeps_the_fast_rule_and_a_registration_declares_one():
+    keras.utils.set_random_seed(43)
+    x, y = _sequence()
+    inp = keras.Input(x.shape[1:])
+    model = keras.Model(inp, _head(NamedDense(6)(inp)))
+    check_exact(model, x, y, {"NamedDense": "DenseRule", "Dense": "DenseRule"})
+    layer = ScaledDense(3)
+    assert find_rule(layer) is None
+    rule = find_rule(keras.layers.Dense(3))
+    register_rule(ScaledDense, rule)  # the user declares the rule valid for it
+    try:
+        assert find_rule(layer) is rule
+    finally:
+        layer_rules.unregister_rule(ScaledDense)
+
+
 def test_a_rule_refusing_a_configuration_sends_the_layer_to_the_fallback():
     keras.utils.set_random_seed(27)
     x, y = _images()

@@ -11,8 +11,9 @@ import tensorflow as tf
 from scipy import stats
 
 from dpfl_tf.keras import DPAdam, DPModel, DPOptimizer, DPSGD
-from dpfl_tf.privacy import (BudgetExceededError, compute_epsilon, dp_sgd_event,
-                             gaussian_step_event, max_steps)
+from dpfl_tf.privacy import (BudgetExceededError, PrivacyLedger, compute_epsilon,
+                             dp_sgd_event, gaussian_step_event, max_steps)
+from dpfl_tf.privacy.calibration import calibrate_noise_multiplier
 from tests.keras.helpers import loss, mlp, mnist_slice, mnist_test_slice
 
 
@@ -50,6 +51,35 @@ def _one_lot_update(batch_size, noise, seed, n=600):
     return [b - a for a, b in zip(w0, weights(dp.model))]
 
 
+def test_a_fit_with_the_same_settings_reuses_the_traced_function_and_a_change_retraces():
+    """Fits in one process reuse the training function while its settings hold
+    (each retrace kept the old function: ~20 MB a fit); a changed noise
+    multiplier, lot size or clip retraces, and the new setting is what trains."""
+    x, y = mnist_slice(400, features=60)
+    dp = dp_model(noise=0.0, clip=1.0, lr=0.5)
+    dp.fit(x, y, lot_size=100, epochs=1, verbose=0, sampling_seed=0)
+    first = dp.train_function
+    dp.fit(x, y, lot_size=100, epochs=1, verbose=0, sampling_seed=0)
+    assert dp.train_function is first
+    w0 = weights(dp.model)
+    dp.fit(x, y, lot_size=100, epochs=1, verbose=0, sampling_seed=0)
+    noiseless = max(np.abs(b - a).max() for a, b in zip(w0, weights(dp.model)))
+    dp.optimizer.noise_multiplier = 1000.0
+    w0 = weights(dp.model)
+    dp.fit(x, y, lot_size=100, epochs=1, verbose=0, sampling_seed=0)
+    assert dp.train_function is not first
+    noised = max(np.abs(b - a).max() for a, b in zip(w0, weights(dp.model)))
+    assert noised > 100 * noiseless   # sigma C / L = 1000 x 1 / 100 per lot
+    second = dp.train_function
+    for change in ({"lot_size": 200}, {"lot_size": 200, "batch_size": 50}):
+        dp.fit(x, y, epochs=1, verbose=0, sampling_seed=0, **change)
+        assert dp.train_function is not second
+        second = dp.train_function
+    dp.optimizer.l2_norm_clip = 0.5
+    dp.fit(x, y, lot_size=200, batch_size=50, epochs=1, verbose=0, sampling_seed=0)
+    assert dp.train_function is not second
+
+
 def test_physical_batches_sum_to_the_same_lot_update_without_noise():
     one = _one_lot_update(600, 0.0, 0)
     four = _one_lot_update(150, 0.0, 0)
@@ -57,6 +87,37 @@ def test_physical_batches_sum_to_the_same_lot_update_without_noise():
     for a, b, c in zip(one, four, seven):
         np.testing.assert_allclose(a, b, atol=1e-6)
         np.testing.assert_allclose(a, c, atol=1e-6)
+
+
+def _transformer(seed=0):
+    """Embedding + MultiHeadAttention + LayerNorm + FFN on MNIST pixel tokens."""
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((16,), dtype="int32")
+    h = keras.layers.Embedding(16, 32)(inp)
+    h = keras.layers.LayerNormalization()(h + keras.layers.MultiHeadAttention(2, 8)(h, h))
+    f = keras.layers.Dense(32)(keras.layers.Dense(24, activation="relu")(h))
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.LayerNormalization()(h + f))
+    return keras.Model(inp, keras.layers.Dense(10)(h))
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_transformer_in_physical_batches_smaller_than_the_lot(fast):
+    """fast_gradients=False with batch_size < lot_size crashed with "Cannot convert
+    a partially known TensorShape (None, 32) to a Tensor" (the Jacobian taken in
+    the loop over physical batches had lost its static shape)."""
+    x, y = mnist_slice(64, flat=True)
+    tokens = np.floor(x[:, 400:416] * 15.99).astype("int32")
+    updates = []
+    for batch_size in (64, 24):
+        dp = DPModel(_transformer(), fast_gradients=fast)
+        dp.compile(optimizer=DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=0.0), loss=loss())
+        w0 = weights(dp.model)
+        dp.fit(tokens, y, lot_size=64, batch_size=batch_size, epochs=1, verbose=0,
+               sampling="full_batch")
+        assert dp.lots_computed == 1
+        updates.append([b - a for a, b in zip(w0, weights(dp.model))])
+    for a, b in zip(*updates):
+        np.testing.assert_allclose(a, b, atol=1e-6)
 
 
 def test_noise_is_added_once_per_lot_not_once_per_physical_batch():
@@ -586,3 +647,65 @@ def test_several_lots_per_call_under_a_one_replica_strategy_are_refused():
         auto = dp_model()
     auto.fit(x, y, lot_size=20, epochs=1, verbose=0)   # "auto" is 1 there
     assert auto.steps_per_execution == 1 and auto.lots_computed == 20
+
+
+# -- calibration in fit, and refusals that say what a lot costs -------------------------
+def test_fit_calibrates_an_unset_noise_multiplier_to_the_target():
+    """fit(target_epsilon=, epochs=) with noise_multiplier=None: the smallest sigma
+    whose planned lots spend <= the target (close to it), stored on the optimizer."""
+    x, y = mnist_slice(1000, features=60)
+    dp = DPModel(mlp(), accountant="rdp")
+    opt = DPSGD(0.5, l2_norm_clip=1.0)
+    assert opt.noise_multiplier is None
+    dp.compile(optimizer=opt, loss=loss())
+    dp.fit(x, y, lot_size=50, epochs=3, target_epsilon=2.0, verbose=0)
+    sigma = opt.noise_multiplier
+    assert dp.lots_computed == 60 and dp.calibration["noise_multiplier"] == sigma
+    assert 1.98 < dp.epsilon(1e-5) <= 2.0
+    assert dp.calibration["epsilon"] == pytest.approx(dp.epsilon(1e-5), rel=1e-12)
+    want, _ = calibrate_noise_multiplier(
+        2.0, 1e-5, lambda s: dp_sgd_event(s, 60, sampling_rate=0.05), "rdp")
+    assert sigma == pytest.approx(want, rel=1e-12)
+    assert DPSGD.from_config(opt.get_config()).noise_multiplier == sigma
+    dp.fit(x, y, lot_size=50, epochs=1, verbose=0)   # set now: no recalibration
+    assert opt.noise_multiplier == sigma and dp.calibration is None
+
+
+def test_calibration_accounts_for_what_the_ledger_already_holds():
+    x, y = mnist_slice(1000, features=60)
+    ledger = PrivacyLedger("rdp")
+    ledger.record(dp_accounting.GaussianDpEvent(4.0), 1, label="dp-pca")
+    sigmas = []
+    for held in (None, ledger):
+        dp = DPModel(mlp(), accountant="rdp", ledger=held)
+        dp.compile(optimizer=DPSGD(0.5, l2_norm_clip=1.0), loss=loss())
+        dp.fit(x, y, lot_size=50, epochs=2, target_epsilon=2.0, verbose=0)
+        assert dp.lots_computed == 40 and 1.98 < dp.epsilon(1e-5) <= 2.0
+        sigmas.append(dp.optimizer.noise_multiplier)
+    assert dp.calibration["epsilon_before"] > 0.5
+    assert sigmas[1] > sigmas[0]
+
+
+def test_an_unset_noise_multiplier_without_a_target_is_refused():
+    x, y = mnist_slice(200, features=60)
+    dp = DPModel(mlp())
+    dp.compile(optimizer=DPSGD(0.5, l2_norm_clip=1.0), loss=loss())
+    with pytest.raises(ValueError, match="noise_multiplier is unset.*target_epsilon=") as err:
+        dp.fit(x, y, lot_size=50, verbose=0)
+    assert "\n" not in str(err.value)
+    assert dp.lots_computed == 0 and len(dp.privacy_ledger) == 0
+
+
+def test_a_budget_too_small_for_one_lot_says_what_a_lot_costs_per_accountant():
+    """sigma 1.1, q 0.01, target 1: the moments accountant says one lot costs
+    1.088, PLD 0.142; the refusal says so and what to change."""
+    x, y = mnist_slice(1000, features=60)
+    dp = dp_model(noise=1.1)
+    with pytest.raises(BudgetExceededError) as err:
+        dp.fit(x, y, lot_size=10, epochs=1, target_epsilon=1.0, verbose=0)
+    text = str(err.value)
+    assert "\n" not in text
+    assert "1.088 (moments)" in text and "0.1423 (pld)" in text
+    assert "fit(accountant='pld')" in text and "noise_multiplier >= 1.1" in text
+    assert "noise_multiplier=None" in text
+    assert dp.lots_computed == 0 and len(dp.privacy_ledger) == 0

@@ -71,10 +71,24 @@ class LayerRule:
     covering every trainable variable of the layer, from all its calls.
     `applies(layer)` may refuse a configuration (the layer then uses the
     generic per-layer fallback).
+
+    `reimplements` names the methods and properties of the registered class
+    whose computation `forward` rewrites.  A subclass that overrides one of
+    them computes another function (``class ScaledDense(Dense)`` whose `call`
+    is ``Dense.call(x) * 3 + 1``), so the rule does not apply to it by
+    inheritance (`find_rule`); registering the rule for that exact subclass
+    declares it valid there.
     """
+
+    reimplements: tuple[str, ...] = ("call",)
 
     def applies(self, layer) -> bool:
         return True
+
+    def rule_for(self, layer) -> "LayerRule":
+        """The rule for this layer's configuration: itself, or another rule a
+        configuration is handed to (Keras's LoRA layers, `lora.py`)."""
+        return self
 
     def forward(self, layer, *args, **kwargs):
         raise NotImplementedError
@@ -88,8 +102,9 @@ _LOCK = threading.Lock()
 
 
 def register_rule(layer_class: type, rule: LayerRule) -> None:
-    """Registers `rule` for `layer_class` and its subclasses (a subclass's own
-    registration, or the nearest class in its MRO, wins)."""
+    """Registers `rule` for `layer_class`, and for its subclasses that override
+    none of `rule.reimplements` (a subclass's own registration, or the nearest
+    registered class in its MRO, wins; see `find_rule`)."""
     if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
         raise TypeError(f"layer_class must be a keras.layers.Layer subclass, got {layer_class!r}")
     if not isinstance(rule, LayerRule):
@@ -105,11 +120,20 @@ def unregister_rule(layer_class: type) -> None:
 
 
 def find_rule(layer) -> LayerRule | None:
-    """The rule for the layer's exact type, else for the nearest class of its MRO."""
-    for cls in type(layer).__mro__:
+    """The rule registered for the layer's exact type; else the rule of the
+    nearest registered class of its MRO, unless a class in between overrides
+    a method or property the rule reimplements (then None: the layer's own
+    computation is not the rule's, so it is descended into or takes the exact
+    per-layer fallback).  No rule by inheritance alone.  The rule found may
+    hand the layer's configuration to another rule (`LayerRule.rule_for`)."""
+    mro = type(layer).__mro__
+    for depth, cls in enumerate(mro):
         rule = _REGISTRY.get(cls)
-        if rule is not None:
-            return rule
+        if rule is None:
+            continue
+        overridden = [name for k in mro[:depth] for name in rule.reimplements
+                      if name in vars(k)]
+        return None if overridden else rule.rule_for(layer)
     return None
 
 
@@ -156,7 +180,8 @@ def weighted_sum(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
     product (no scaled [B, ...] copy), dropped examples exactly 0 (see `kept`)."""
     flat = tf.reshape(kept(t, c), [tf.shape(t)[0], -1])
     s = tf.matmul(tf.cast(c, t.dtype)[None], flat)
-    return tf.reshape(s, t.shape[1:])
+    shape = t.shape[1:]  # a Jacobian taken inside a loop may lose its static shape
+    return tf.reshape(s, shape if shape.is_fully_defined() else tf.shape(t)[1:])
 
 
 def f32(t: tf.Tensor) -> tf.Tensor:

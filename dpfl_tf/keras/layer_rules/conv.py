@@ -93,6 +93,8 @@ def _grouped(p: tf.Tensor, g: tf.Tensor, k: int, groups: int):
 class ConvRule(LayerRule):
     """Conv1D/2D/3D (BaseConv): any strides, dilation, groups, padding."""
 
+    reimplements = ("call", "kernel", "convolution_op")
+
     def applies(self, layer) -> bool:
         return plain(layer) and layer.data_format == "channels_last"
 

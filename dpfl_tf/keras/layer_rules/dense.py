@@ -24,6 +24,8 @@ def plain(layer) -> bool:
 
 
 class DenseRule(LayerRule):
+    reimplements = ("call", "kernel")
+
     def applies(self, layer) -> bool:
         return plain(layer)
 

@@ -15,6 +15,7 @@ The bias (over `bias_axes`) gets g summed over the other output axes.
 
 from __future__ import annotations
 
+import math
 import string
 
 import keras
@@ -37,15 +38,22 @@ def _expand(equation: str, input_rank: int) -> tuple[str, str, str]:
     return inp, ker, out
 
 
+def batch_first(equation: str) -> bool:
+    """Whether the input's first axis (a letter, or the ellipsis's first) is a
+    batch axis the output keeps and the kernel does not have."""
+    lhs, out = equation.split("->")
+    inp, ker = lhs.split(",")
+    if "..." in ker:
+        return False
+    return out.startswith("...") if inp.startswith("...") else (
+        inp[0] in out and inp[0] not in ker)
+
+
 class EinsumDenseRule(LayerRule):
+    reimplements = ("call", "kernel")
+
     def applies(self, layer) -> bool:
-        lhs, out = layer.equation.split("->")
-        inp, ker = lhs.split(",")
-        if not plain(layer) or "..." in ker:
-            return False
-        # the input's first axis (a letter, or the ellipsis's first) is the batch
-        return out.startswith("...") if inp.startswith("...") else (
-            inp[0] in out and inp[0] not in ker)
+        return plain(layer) and batch_first(layer.equation)
 
     def forward(self, layer, inputs, **kwargs):
         x = tf.convert_to_tensor(inputs)
@@ -57,52 +65,58 @@ class EinsumDenseRule(LayerRule):
         return out, Taps({"z": z}, x)
 
     def gradients(self, layer, calls):
-        x0 = calls[0].saved
-        inp, ker, out = _expand(layer.equation, x0.shape.rank)
-        b = inp[0]
-        k_in = [c for c in ker if c in inp and c not in out]
-        k_out = [c for c in ker if c in out and c not in inp]
-        both = [c for c in ker if c in inp and c in out]
-        s_letters = [c for c in inp if c in out and c not in ker and c != b]
-        kernel = layer.kernel
         xs = [f32(c.saved) for c in calls]
         gs = [f32(grad_or_zeros(c, "z")) for c in calls]
-        if both or b in ker:
-            per_example = tf.add_n([tf.einsum(f"{inp},{out}->{b}{ker}", x, g)
-                                    for x, g in zip(xs, gs)])
-            result = [(kernel, materialised(per_example, kernel))]
-        else:
-            size = dict(zip(ker, kernel.shape))
-            d_in = 1
-            for c in k_in:
-                d_in *= size[c]
-            d_out = 1
-            for c in k_out:
-                d_out *= size[c]
-            s_str, in_str, out_str = "".join(s_letters), "".join(k_in), "".join(k_out)
-            a3 = tf.concat([tf.reshape(tf.einsum(f"{inp}->{b}{s_str}{in_str}", x),
-                                       [tf.shape(x)[0], -1, d_in]) for x in xs], axis=1)
-            g3 = tf.concat([tf.reshape(tf.einsum(f"{out}->{b}{s_str}{out_str}", g),
-                                       [tf.shape(g)[0], -1, d_out]) for g in gs], axis=1)
-            positions = 0  # static number of positions over all calls, if known
-            for x in xs:
-                count = 1
-                for c in s_letters:
-                    dim = x.shape[inp.index(c)]
-                    count = None if dim is None or count is None else count * dim
-                positions = None if count is None or positions is None else positions + count
-            shape = [size[c] for c in k_in + k_out]
-            to_kernel = (lambda s: tf.einsum(f"{in_str}{out_str}->{ker}", tf.reshape(s, shape)))
-            result = [(kernel, outer_gradients(a3[:, :, None], g3[:, :, None], positions,
-                                               to_kernel, kernel))]
+        result = [(layer.kernel, kernel_gradients(layer.equation, xs, gs, layer.kernel))]
         if layer.bias is not None:
-            spec = layer.bias_axes
-            first = min(out.index(c) for c in spec)
-            summed = [i for i in range(1, len(out)) if i < first or out[i] not in spec]
-            per_example = tf.add_n([tf.reduce_sum(g, axis=summed, keepdims=True) for g in gs])
-            per_example = tf.reshape(per_example, [-1, *layer.bias.shape])
-            result.append((layer.bias, materialised(per_example, layer.bias)))
+            out = _expand(layer.equation, xs[0].shape.rank)[2]
+            result.append((layer.bias, bias_gradients(out, layer.bias_axes, gs, layer.bias)))
         return result
+
+
+def kernel_gradients(equation: str, xs, gs, kernel):
+    """VariableGradients of the kernel of z = einsum(equation, x, kernel), from the
+    inputs `xs` and the output gradients `gs` of its calls (see the module
+    docstring: a Dense on [B, S, |K_in|] -> [B, S, |K_out|], or materialised
+    for a diagonal kernel)."""
+    inp, ker, out = _expand(equation, xs[0].shape.rank)
+    b = inp[0]
+    k_in = [c for c in ker if c in inp and c not in out]
+    k_out = [c for c in ker if c in out and c not in inp]
+    both = [c for c in ker if c in inp and c in out]
+    s_letters = [c for c in inp if c in out and c not in ker and c != b]
+    if both or b in ker:
+        per_example = tf.add_n([tf.einsum(f"{inp},{out}->{b}{ker}", x, g)
+                                for x, g in zip(xs, gs)])
+        return materialised(per_example, kernel)
+    size = dict(zip(ker, kernel.shape))
+    d_in = math.prod(size[c] for c in k_in)
+    d_out = math.prod(size[c] for c in k_out)
+    s_str, in_str, out_str = "".join(s_letters), "".join(k_in), "".join(k_out)
+    a3 = tf.concat([tf.reshape(tf.einsum(f"{inp}->{b}{s_str}{in_str}", x),
+                               [tf.shape(x)[0], -1, d_in]) for x in xs], axis=1)
+    g3 = tf.concat([tf.reshape(tf.einsum(f"{out}->{b}{s_str}{out_str}", g),
+                               [tf.shape(g)[0], -1, d_out]) for g in gs], axis=1)
+    positions = 0  # static number of positions over all calls, if known
+    for x in xs:
+        count = 1
+        for c in s_letters:
+            dim = x.shape[inp.index(c)]
+            count = None if dim is None or count is None else count * dim
+        positions = None if count is None or positions is None else positions + count
+    shape = [size[c] for c in k_in + k_out]
+    to_kernel = (lambda s: tf.einsum(f"{in_str}{out_str}->{ker}", tf.reshape(s, shape)))
+    return outer_gradients(a3[:, :, None], g3[:, :, None], positions, to_kernel, kernel)
+
+
+def bias_gradients(out: str, bias_axes: str, gs, bias):
+    """VariableGradients of a bias over `bias_axes` added to an output with
+    letters `out` (no ellipsis): g summed over the other output axes (and over
+    calls), materialised."""
+    first = min(out.index(c) for c in bias_axes)
+    summed = [i for i in range(1, len(out)) if i < first or out[i] not in bias_axes]
+    per_example = tf.add_n([tf.reduce_sum(g, axis=summed, keepdims=True) for g in gs])
+    return materialised(tf.reshape(per_example, [-1, *bias.shape]), bias)
 
 
 register_rule(keras.layers.EinsumDense, EinsumDenseRule())

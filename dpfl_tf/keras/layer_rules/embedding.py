@@ -26,6 +26,8 @@ from dpfl_tf.keras.layer_rules.dense import plain
 
 
 class EmbeddingRule(LayerRule):
+    reimplements = ("call", "embeddings")
+
     def applies(self, layer) -> bool:
         return plain(layer)
 
@@ -39,18 +41,26 @@ class EmbeddingRule(LayerRule):
         b = tf.shape(gs[0])[0]
         ids = tf.concat([tf.reshape(c.saved, [b, -1]) for c in calls], axis=1)
         gf = tf.concat([tf.reshape(g, [b, -1, g.shape[-1]]) for g in gs], axis=1)
-        sq = _per_example_row_norms(ids, gf)
-        table = layer.embeddings
-
-        def clipped_sum(c, gf=gf, ids=ids):
-            rows = tf.reshape(scaled(gf, c), [-1, gf.shape[-1]])
-            s = tf.math.unsorted_segment_sum(rows, tf.reshape(ids, [-1]), layer.input_dim)
-            return tf.cast(s, table.dtype)
-
-        return [(table, VariableGradients(sq, clipped_sum))]
+        return [(layer.embeddings, lookup_gradients(ids, gf, layer.embeddings))]
 
 
-def _per_example_row_norms(ids: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+def lookup_gradients(ids: tf.Tensor, g: tf.Tensor, table) -> VariableGradients:
+    """VariableGradients of a table [R, d] read as z_it = table[ids_it], for ids
+    [B, T] and g [B, T, d] (see the module docstring)."""
+
+    def clipped_sum(c, g=g, ids=ids):
+        return tf.cast(lookup_sum(ids, scaled(g, c), table.shape[0]), table.dtype)
+
+    return VariableGradients(lookup_sq_norms(ids, g), clipped_sum)
+
+
+def lookup_sum(ids: tf.Tensor, g: tf.Tensor, rows: int) -> tf.Tensor:
+    """sum_i sum_t g_it scattered into row ids_it: [rows, d]."""
+    return tf.math.unsorted_segment_sum(tf.reshape(g, [-1, g.shape[-1]]),
+                                        tf.reshape(ids, [-1]), rows)
+
+
+def lookup_sq_norms(ids: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
     """sum_r ||sum_{t: ids_it = r} g_it||^2 per example, for ids [B, T] and
     g [B, T, d]: runs of equal ids after a per-example sort, one segment each
     (static segment count B T, so it compiles under XLA)."""

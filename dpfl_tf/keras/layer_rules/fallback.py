@@ -51,6 +51,8 @@ class PerLayerJacobianRule(LayerRule):
         per example, in a loop).
     """
 
+    reimplements = ()  # runs the layer's own `call`: exact for any subclass
+
     def __init__(self, vectorize: bool = True):
         self.vectorize = bool(vectorize)
 

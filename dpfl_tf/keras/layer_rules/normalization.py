@@ -28,6 +28,9 @@ def _axes(layer, rank: int) -> list[int]:
 class AffineNormalizationRule(LayerRule):
     """y = normalise(x) * scale + offset, parameters over the layer's `axis`."""
 
+    # the layer's own call gives normalise(x); where scale and offset enter is the rule's
+    reimplements = ("call", "_apply_normalization")
+
     def __init__(self, scale: str | None, offset: str | None):
         self.scale, self.offset = scale, offset
 

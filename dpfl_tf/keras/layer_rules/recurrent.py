@@ -85,6 +85,8 @@ def _biases(cell, dtype):
 class RecurrentRule(LayerRule):
     """SimpleRNN, LSTM and GRU (reset_after=True) layers, from per-step taps."""
 
+    reimplements = ("call", "inner_loop")
+
     def applies(self, layer) -> bool:
         cell = getattr(layer, "cell", None)
         return (plain(layer) and type(cell) in _STEPS and not layer.stateful

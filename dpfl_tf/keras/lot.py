@@ -1,0 +1,214 @@
+"""One lot of DP-SGD in named steps (Abadi et al. 2016, Algorithm 1).
+
+    g~ = ( sum_i clip(g_i) + N(0, sigma^2 C^2 I) ) / L,   clip(g) = g min(1, C / ||g||)
+
+in the spirit of Opacus's ``DPOptimizer.pre_step`` (``clip_and_accumulate``,
+``add_noise``, ``scale_grad``): the lot's physical batches are clipped per
+example and summed (`LotStep.clip_and_accumulate`), Gaussian noise is added
+once for the lot (`add_noise`) and the sum divided by the expected lot size L
+(`scale_grad`).  A physical batch in which some example is non-finite is
+rerun one example at a time (`rerun_one_by_one`), so that only that example
+is dropped.  `DPModel` trains with it; `dpfl_tf.keras.dp_gradients` gives the
+same step to a custom training loop.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import tensorflow as tf
+
+from dpfl_tf.keras.per_example import PerExampleGradients
+from dpfl_tf.keras.users import rerun_user_by_user
+from dpfl_tf.sanitizer import GaussianSanitizer
+
+__all__ = ["LotStep"]
+
+
+def _rows(t, start, size):
+    """Rows [start, start + size) of t, keeping its static feature shape (layers
+    such as GroupNormalization need it)."""
+    begin = tf.concat([[start], tf.zeros([t.shape.rank - 1], tf.int32)], 0)
+    sizes = tf.concat([[size], -tf.ones([t.shape.rank - 1], tf.int32)], 0)
+    return tf.ensure_shape(tf.slice(t, begin, sizes), [None, *t.shape[1:]])
+
+
+class LotStep:
+    """The noised, normalised gradient of one lot for `variables`.
+
+    Args:
+      variables: the trainable variables (the model's), in order.
+      per_example: the model's `PerExampleGradients`.
+      sanitizer: clipping rule and noise (`GaussianSanitizer`).
+      groups: the clip group of each variable (`DPOptimizer.clip_groups`).
+      batch_size: physical batch size (memory only).
+      expected_lot: L, the divisor (the expected lot size the accounting uses).
+      pad_to_batch: pad every physical batch to `batch_size` (XLA's static shapes).
+      update_metrics: called as (y, y_pred, sample_weight) per physical batch
+        with the kept examples' weights; None computes no statistics.
+    """
+
+    def __init__(self, variables, per_example: PerExampleGradients,
+                 sanitizer: GaussianSanitizer, groups, *, batch_size: int,
+                 expected_lot: float, pad_to_batch: bool = False,
+                 update_metrics: Callable | None = None):
+        self.variables = list(variables)
+        self.per_example = per_example
+        self.sanitizer = sanitizer
+        self.groups = list(groups)
+        self.batch_size = int(batch_size)
+        self.expected_lot = float(expected_lot)
+        self.pad_to_batch = bool(pad_to_batch)
+        self.update_metrics = update_metrics
+
+    def __call__(self, x, y, mask, step, gate=None):
+        """Returns (noised gradient / L, loss sum, examples kept, examples
+        dropped) for the lot (x, y, mask: 1 for real examples, 0 for padding);
+        `step` is the lot's position in the noise stream; `gate` (0 or 1)
+        zeroes the statistics of a lot the budget skips."""
+        clipped_sum, loss_sum, count, dropped = self.clip_and_accumulate(x, y, mask, gate)
+        if gate is not None:
+            loss_sum, count = loss_sum * gate, count * gate
+        return self.scale_grad(self.add_noise(clipped_sum, step)), loss_sum, count, dropped
+
+    def clip_factors(self, sq_norms):
+        """Per-variable clip factors from per-variable squared norms: the norms
+        summed within each clip group, the sanitizer's rule per group (an
+        example with a non-finite norm gets 0 in every group)."""
+        groups = self.groups
+        grouped = [None] * (max(groups) + 1)
+        for g, s in zip(groups, sq_norms):
+            grouped[g] = s if grouped[g] is None else grouped[g] + s
+        factors = self.sanitizer.clip_factors(grouped)
+        return [factors[g] for g in groups]
+
+    def clip_batch(self, xb, yb, mb):
+        """Clipped sums of one physical batch (cast to the variables' dtypes),
+        its per-example losses and predictions, and whether each example was
+        dropped (a real example whose clip factor is 0: non-finite)."""
+        batch = self.per_example.clipped(xb, yb, mb, self.clip_factors)
+        sums = [tf.cast(t, v.dtype) for t, v in zip(batch.sums, self.variables)]
+        dropped = tf.logical_and(mb > 0, tf.equal(batch.factors[0], 0.0))
+        return sums, batch.losses, batch.y_pred, dropped
+
+    def rerun_one_by_one(self, xb, yb, mb):
+        """The batch's clipped sum recomputed one example at a time (no
+        example's values can reach another's gradient), and the examples
+        dropped."""
+        def one(i):
+            sums, _, _, dropped = self.clip_batch(
+                tf.nest.map_structure(lambda t: _rows(t, i, 1), xb), _rows(yb, i, 1),
+                _rows(mb, i, 1))
+            return sums + [tf.cast(dropped[0], tf.int64)]
+
+        spec = [tf.TensorSpec(v.shape, v.dtype) for v in self.variables] + [
+            tf.TensorSpec([], tf.int64)]
+        out = tf.map_fn(one, tf.range(tf.shape(mb)[0]), fn_output_signature=spec,
+                        parallel_iterations=1)
+        return [tf.reduce_sum(t, axis=0) for t in out[:-1]], tf.reduce_sum(out[-1])
+
+    @property
+    def segments(self):
+        """User-level lots (`PerUserGradients`): the user slot of each example."""
+        return getattr(self.per_example, "segments", None)
+
+    def rerun_user_by_user(self, xb, yb, mb):
+        """User-level lots: the clipped sum recomputed one user at a time, and
+        the examples dropped."""
+        per_example, segments = self.per_example, self.segments
+
+        def clip_user(xu, yu, mu, su):
+            per_example.segments = su
+            try:
+                sums, _, _, dropped = self.clip_batch(xu, yu, mu)
+            finally:
+                per_example.segments = segments
+            return sums, tf.reduce_sum(tf.cast(dropped, tf.int64))
+
+        return rerun_user_by_user(clip_user, self.variables, xb, yb, mb, segments)
+
+    def clip_physical_batch(self, xb, yb, mb, gate):
+        """One physical batch: (clipped sums, loss sum, examples kept, examples
+        dropped).  A non-finite value can cross examples inside one batched
+        backward pass (0 x NaN in a shared matmul of the generic path): then
+        every example looks non-finite.  Whenever any example is non-finite,
+        the batch is rerun one example at a time, so only the offending
+        examples are dropped and the sensitivity stays C (user-level lots: rerun
+        one user at a time)."""
+        sums, losses, y_pred, dropped = self.clip_batch(xb, yb, mb)
+        n_bad = tf.reduce_sum(tf.cast(dropped, tf.int64))
+        rerun = self.rerun_one_by_one if self.segments is None else self.rerun_user_by_user
+        sums, n_bad = tf.cond(n_bad > 0, lambda: rerun(xb, yb, mb), lambda: (sums, n_bad))
+        return (sums, *self.batch_statistics(yb, y_pred, losses, mb, gate), n_bad)
+
+    def batch_statistics(self, yb, y_pred, losses, mb, gate):
+        """(loss sum, examples kept) of a physical batch, and its metrics:
+        non-private statistics of the kept examples (zeros when not kept)."""
+        if self.update_metrics is None:
+            return tf.constant(0.0), tf.constant(0.0)
+        kept = tf.cast(tf.logical_and(mb > 0, tf.math.is_finite(losses)), tf.float32)
+        if gate is not None:
+            kept = kept * gate
+        self.update_metrics(yb, y_pred, kept)
+        losses = tf.where(kept > 0, tf.cast(losses, tf.float32), 0.0)
+        return tf.reduce_sum(losses), tf.reduce_sum(kept)
+
+    def clip_and_accumulate(self, x, y, mask, gate=None):
+        """The lot's clipped sum over its physical batches of `batch_size`
+        examples: one batch when the lot fits (the usual case; always for
+        user-level lots, whose users must not be split), else a loop."""
+        n = tf.shape(mask)[0]
+        one_batch = self.segments is not None or (
+            mask.shape[0] is not None and mask.shape[0] <= self.batch_size)
+        if one_batch:
+            return self.clip_physical_batch(x, y, mask, gate)
+        return tf.cond(n <= self.batch_size, lambda: self.clip_physical_batch(x, y, mask, gate),
+                       lambda: self.sum_physical_batches(x, y, mask, gate))
+
+    def sum_physical_batches(self, x, y, mask, gate=None):
+        """The loop over physical batches (under XLA every slice padded to the
+        static size `batch_size`)."""
+        bsz = self.batch_size
+        n = tf.shape(mask)[0]
+        if self.pad_to_batch:
+            padded = (n + bsz - 1) // bsz * bsz
+
+            def pad(t):
+                return tf.pad(t, [[0, padded - n]] + [[0, 0]] * (t.shape.rank - 1))
+
+            x, y, mask = tf.nest.map_structure(pad, x), pad(y), pad(mask)
+
+        def body(i, acc, loss_sum, count, dropped):
+            start = i * bsz
+            size = bsz if self.pad_to_batch else tf.minimum(bsz, n - start)
+            sums, b_loss, b_count, n_bad = self.clip_physical_batch(
+                tf.nest.map_structure(lambda t: _rows(t, start, size), x),
+                _rows(y, start, size), _rows(mask, start, size), gate)
+            return (i + 1, [a + s for a, s in zip(acc, sums)], loss_sum + b_loss,
+                    count + b_count, dropped + n_bad)
+
+        acc0 = [tf.zeros(v.shape, v.dtype) for v in self.variables]
+        _, *out = tf.while_loop(
+            lambda i, *_: i < (n + bsz - 1) // bsz, body,
+            (tf.constant(0), acc0, tf.constant(0.0), tf.constant(0.0),
+             tf.constant(0, tf.int64)),
+            parallel_iterations=1)
+        return tuple(out)
+
+    def add_noise(self, clipped_sum, step):
+        """sum + N(0, sigma^2 C^2 I), once per lot.  Lot t's noise is stream
+        position `step` = t of the sanitizer's key: a seeded run continues its
+        stream across fits and resumes and never reuses a position.  Under a
+        distribution strategy each replica sums its share of the lot and the
+        optimizer all-reduces the sums, so exactly one replica contributes the
+        (single) noise draw."""
+        noised = self.sanitizer.add_noise(clipped_sum, self.groups, step=step)
+        replica = tf.distribute.get_replica_context()
+        if replica is not None and replica.num_replicas_in_sync > 1:
+            first = tf.equal(replica.replica_id_in_sync_group, 0)
+            noised = [tf.where(first, z, c) for c, z in zip(clipped_sum, noised)]
+        return noised
+
+    def scale_grad(self, noised):
+        """(sum + noise) / L: L the expected lot size (the accounting's)."""
+        return [g / self.expected_lot for g in noised]

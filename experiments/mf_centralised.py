@@ -1,0 +1,288 @@
+"""Centralised DP training with correlated noise vs DP-SGD, at equal epsilon.
+
+Methods (each with the participation it needs; `docs/concepts/correlated-noise.md`):
+  dpsgd       DP-SGD, Poisson lots (q = L / N), independent noise;
+  banded      banded MF (16 bands or the lots of an epoch, if fewer), shuffled
+              epochs: one Gaussian for the run, no amplification;
+  amplified   amplified banded MF: cyclic Poisson lots over b groups, b bands,
+              b chosen among 2, 4, 8, 16 by the predicted error sigma_b^2 E(c_b);
+  tree        DP-FTRL tree aggregation restarted every epoch, shuffled epochs.
+
+Sigma is calibrated for each (method, epsilon) at delta = 1e-5 with the RDP
+accountant; the same recipe otherwise (lot, clip, learning rate, epochs).
+
+  python experiments/mf_centralised.py --quick        # minutes: MNIST slice, eps 8
+  python experiments/mf_centralised.py --dataset mnist --seeds 3
+  python experiments/mf_centralised.py --dataset cifar10 --seeds 3
+  python experiments/mf_centralised.py --part cost    # a banded-MF lot vs a DP-SGD lot
+
+Writes results/mf_centralised[_quick][_TAG].json (every run with its settings)
+and the .png beside it; the cost part results/mf_cost[_quick].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+from _common import RESULTS, command_line, commit_of, peak_rss_mb
+
+DELTA = 1e-5
+METHODS = ("dpsgd", "banded", "amplified", "tree")
+#: recipe per dataset: Papernot et al. 2021's tanh CNN on MNIST; Tramer & Boneh
+#: 2021's ScatterNet + linear on CIFAR-10 (GroupNorm features, no mirror views)
+RECIPES = {
+    "mnist": dict(model="tanh_cnn", lot=256, clip=0.1, lr=4.0, momentum=0.0, epochs=15),
+    "cifar10": dict(model="scatter_linear", lot=8192, clip=0.1, lr=4.0, momentum=0.9,
+                    epochs=60),
+}
+
+
+def load(dataset: str, train_size: int | None):
+    import numpy as np
+
+    from dpfl_tf.data import load_dataset
+
+    ds = load_dataset(dataset)
+    x, y = ds.x_train, ds.y_train.astype("int64")
+    xt, yt = ds.x_test, ds.y_test.astype("int64")
+    if train_size:
+        x, y = x[:train_size], y[:train_size]
+    x = x.astype("float32") / 255.0
+    xt = xt.astype("float32") / 255.0
+    if dataset == "mnist":
+        return x.reshape(-1, 28, 28, 1), y, xt.reshape(-1, 28, 28, 1), yt
+    from dpfl_tf.scattering import Scattering2D
+
+    scat = Scattering2D(J=2, L=8, shape=x.shape[1:3])
+    return (np.asarray(scat.transform(x)), y, np.asarray(scat.transform(xt)), yt)
+
+
+def make_model(recipe, input_shape):
+    from dpfl_tf import models
+
+    if recipe["model"] == "tanh_cnn":
+        return models.tanh_cnn(input_shape)
+    return models.scatter_linear(input_shape)
+
+
+def calibrate(method: str, epsilon: float, n: int, lot: int, epochs: int, bands: int):
+    """(sigma, event description) for the method at epsilon."""
+    import dp_accounting
+
+    from dpfl_tf.privacy import (ReplaceOneGaussianDpEvent, calibrate_noise_multiplier,
+                                 describe_event, dp_sgd_event)
+
+    steps = epochs * (n // lot)
+    if method == "dpsgd":
+        def make(s):
+            return dp_sgd_event(s, steps, sampling_rate=lot / n)
+    elif method == "amplified":
+        q, cycles = bands * lot / n, math.ceil(steps / bands)
+
+        def make(s):
+            return dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+                q, dp_accounting.GaussianDpEvent(s)), cycles)
+    else:   # shuffled epochs: the data's order fixes the lots, replace-one (sigma / 2)
+        def make(s):
+            return ReplaceOneGaussianDpEvent(s / 2)
+    sigma, eps = calibrate_noise_multiplier(epsilon, DELTA, make, "rdp", tolerance=1e-3)
+    return sigma, eps, describe_event(make(sigma))
+
+
+def choose_amplified_bands(epsilon, n, lot, epochs, candidates=(2, 4, 8, 16)):
+    """b minimising sigma_b^2 E(c_b) (the predicted squared error of the prefix
+    sums; ||c_b|| = 1, one participation's sensitivity), after jax-privacy's
+    amplified BandMF helper (Choquette-Choo et al. 2023, section 5)."""
+    from dpfl_tf.privacy.matrix_factorization import optimize_banded_toeplitz
+
+    steps = epochs * (n // lot)
+    best = None
+    for b in candidates:
+        if b > n // lot:
+            continue
+        sigma = calibrate("amplified", epsilon, n, lot, epochs, b)[0]
+        error = float(optimize_banded_toeplitz(steps, b).prefix_errors(steps).mean())
+        score = sigma ** 2 * error
+        if best is None or score < best[0]:
+            best = (score, b)
+    return best[1]
+
+
+def run_one(dataset, method, epsilon, seed, data, recipe, epochs, verbose=0):
+    import keras
+
+    from dpfl_tf.keras import DPModel, DPSGD
+    from dpfl_tf.privacy.matrix_factorization import DEFAULT_MAX_BANDS, CorrelatedNoiseConfig
+
+    x, y, xt, yt = data
+    n, lot = len(x), recipe["lot"]
+    per = n // lot
+    bands = {"banded": min(DEFAULT_MAX_BANDS, per), "tree": None, "dpsgd": None}.get(method)
+    if method == "amplified":
+        bands = choose_amplified_bands(epsilon, n, lot, epochs)
+    sigma, eps, event = calibrate(method, epsilon, n, lot, epochs, bands or 1)
+    config = None
+    sampling = {"dpsgd": "poisson", "banded": "shuffle", "tree": "shuffle",
+                "amplified": "cyclic_poisson"}[method]
+    if method != "dpsgd":
+        config = CorrelatedNoiseConfig("tree" if method == "tree" else "banded", bands=bands)
+    keras.utils.set_random_seed(seed)
+    dp = DPModel(make_model(recipe, x.shape[1:]), accountant="rdp")
+    dp.compile(optimizer=DPSGD(recipe["lr"], recipe["momentum"], l2_norm_clip=recipe["clip"],
+                               noise_multiplier=sigma, correlated_noise=config),
+               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+               metrics=["accuracy"])
+    start = time.perf_counter()
+    history = dp.fit(x, y, lot_size=lot, epochs=epochs, sampling=sampling, verbose=verbose,
+                     validation_data=(xt, yt), target_epsilon=epsilon, target_delta=DELTA)
+    seconds = time.perf_counter() - start
+    run = dp.optimizer.correlated_run
+    return {"dataset": dataset, "method": method, "target_epsilon": epsilon, "seed": seed,
+            "epsilon": dp.epsilon(DELTA), "delta": DELTA, "noise_multiplier": sigma,
+            "event": event, "bands": bands, "sampling": sampling,
+            "mechanism": run.mechanism.describe() if run is not None else None,
+            "test_accuracy": float(history.history["val_accuracy"][-1]),
+            "accuracy_by_epoch": [float(a) for a in history.history["val_accuracy"]],
+            "lots": dp.lots_computed, "seconds": seconds,
+            "train_size": n, "recipe": {**recipe, "epochs": epochs}}
+
+
+def part_accuracy(args):
+    datasets = ["mnist"] if args.quick else args.dataset
+    epsilons = [8.0] if args.quick else args.epsilon
+    seeds = range(1 if args.quick else args.seeds)
+    methods = ("dpsgd", "banded", "amplified") if args.quick else args.methods
+    out = os.path.join(RESULTS, "mf_centralised" + ("_quick" if args.quick else "")
+                       + (f"_{args.tag}" if args.tag else ""))
+    runs = []
+    for dataset in datasets:
+        recipe = RECIPES[dataset]
+        epochs = 2 if args.quick else (args.epochs or recipe["epochs"])
+        data = load(dataset, 6000 if args.quick else args.train_size)
+        for epsilon in epsilons:
+            for method in methods:
+                for seed in seeds:
+                    result = run_one(dataset, method, epsilon, seed, data, recipe, epochs)
+                    runs.append(result)
+                    print(f"{dataset} eps={epsilon:g} {method:9s} seed={seed}: "
+                          f"acc={result['test_accuracy']:.4f} sigma="
+                          f"{result['noise_multiplier']:.3f} ({result['seconds']:.0f} s)",
+                          flush=True)
+                    _write(out, args, runs)
+    _figure(out, runs, args.quick)
+
+
+def _write(out, args, runs):
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump({"command": command_line(), "commit": commit_of(), "quick": args.quick,
+                   "shared_machine": True, "delta": DELTA, "runs": runs}, f, indent=1)
+
+
+def _figure(out, runs, quick):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    datasets = sorted({r["dataset"] for r in runs})
+    fig, axes = plt.subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets):
+        for method in METHODS:
+            mine = [r for r in runs if r["dataset"] == dataset and r["method"] == method]
+            if not mine:
+                continue
+            eps = sorted({r["target_epsilon"] for r in mine})
+            acc = [[r["test_accuracy"] for r in mine if r["target_epsilon"] == e] for e in eps]
+            mean = [np.mean(a) for a in acc]
+            err = [np.std(a) for a in acc]
+            ax.errorbar(eps, mean, yerr=err, marker="o", capsize=3, label=method)
+        ax.set_xscale("log")
+        ax.set_xlabel("epsilon (delta = 1e-5)")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(f"{dataset}: DP-SGD vs correlated noise"
+                     + (" (quick run: a slice, 2 epochs)" if quick else ""), fontsize=9)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=120)
+
+
+def part_cost(args):
+    """Time per lot and noise-state memory of banded MF against the band
+    width, and DP-SGD's, on one model (the MNIST tanh CNN or a 1000-unit MLP)."""
+    import keras
+    import numpy as np
+
+    from dpfl_tf import models
+    from dpfl_tf.keras import DPModel, DPSGD
+    from dpfl_tf.privacy.matrix_factorization import CorrelatedNoiseConfig
+
+    n, lot = (4096, 256) if args.quick else (16384, 256)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 784)).astype("float32")
+    y = rng.integers(0, 10, n).astype("int64")
+    rows = []
+    for bands in [None, 1, 2, 4, 8, 16, 32, 64][: 5 if args.quick else None]:
+        keras.utils.set_random_seed(0)
+        model = models.mlp(784, 1000)
+        params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
+        dp = DPModel(model)
+        config = None if bands is None else CorrelatedNoiseConfig("banded", bands=bands)
+        dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0,
+                                   correlated_noise=config),
+                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                   steps_per_execution=1)
+        epochs = []
+
+        class Timer(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                self.t = time.perf_counter()
+
+            def on_epoch_end(self, epoch, logs=None):
+                epochs.append((time.perf_counter() - self.t) / (n // lot))
+
+        dp.fit(x, y, lot_size=lot, epochs=3, verbose=0, callbacks=[Timer()],
+               sampling="in_order" if bands else "shuffle", log_train_metrics=False)
+        steady = epochs[1:]      # after the first epoch: traced and warm
+        run = dp.optimizer.correlated_run
+        buffers = run.mechanism.strategy.buffers(run.mechanism.steps) if run else 0
+        rows.append({"bands": bands, "method": "dpsgd" if bands is None else "banded",
+                     "seconds_per_lot": float(np.min(steady)),
+                     "noise_state_bytes": buffers * params * 4, "parameters": params,
+                     "peak_rss_mb_so_far": peak_rss_mb(), "lot": lot, "train_size": n})
+        print(rows[-1], flush=True)
+    out = os.path.join(RESULTS, "mf_cost" + ("_quick" if args.quick else ""))
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump({"command": command_line(), "commit": commit_of(), "quick": args.quick,
+                   "shared_machine": True, "model": "mlp(784, 1000), in-order lots",
+                   "note": "seconds per lot: an epoch's wall time / its lots, the faster of "
+                           "epochs 2 and 3 (traced and warm); noise state: "
+                           "(bands - 1) x parameters x 4 bytes (exact); peak RSS is the "
+                           "process's so far (grows monotonically across rows)",
+                   "rows": rows}, f, indent=1)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", choices=("accuracy", "cost"), default="accuracy")
+    parser.add_argument("--quick", action="store_true", help="minutes: a slice, eps 8, 1 seed")
+    parser.add_argument("--dataset", nargs="+", default=["mnist"], choices=sorted(RECIPES))
+    parser.add_argument("--epsilon", nargs="+", type=float, default=[1.0, 3.0, 8.0])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=None, help="default: the recipe's")
+    parser.add_argument("--train-size", type=int, default=None)
+    parser.add_argument("--tag", default="", help="suffix of the results' file names "
+                        "(a partial run beside the full one)")
+    args = parser.parse_args()
+    (part_cost if args.part == "cost" else part_accuracy)(args)
+
+
+if __name__ == "__main__":
+    main()
