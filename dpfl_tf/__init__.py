@@ -7,7 +7,7 @@ only imported by the modules that need it, so `dpfl_tf.privacy` and the
 `dpfl-tf privacy` command start fast.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from dpfl_tf.privacy import (AccountantKind, PrivacyBudget, PrivacyLedger,  # noqa: E402
                              SamplingMethod, calibrate_noise_multiplier, compute_delta,

@@ -274,9 +274,9 @@ class FederatedConfig:
         if self.secure_mode:
             if self.dp not in ACCOUNTED_MODES:
                 raise ValueError("secure_mode=True secures the Gaussian noise and the client "
-                                 "sampling of dp='global' and dp='client' (and the discrete "
-                                 "noise of dp='distributed', the correlated noise of 'ftrl', "
-                                 f"'banded_mf' and 'blt'); got dp={self.dp.value!r}")
+                                 "sampling of dp='global', 'client', 'ftrl', 'banded_mf' and "
+                                 "'blt', and the discrete noise of dp='distributed'; got "
+                                 f"dp={self.dp.value!r}")
             refuse_seed(True, self.noise_seed, "noise_seed")
         self._check_distributed()
         if self.train_subset is not None:

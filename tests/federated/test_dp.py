@@ -376,7 +376,7 @@ def test_secure_mode_refuses_seeds(small_setup):
     from dpfl_tf.federated.runner import FederatedConfig
     with pytest.raises(ValueError, match=r"refuses a seed \(got noise_seed=1\)"):
         FederatedConfig(dp="global", secure_mode=True, noise_seed=1)
-    with pytest.raises(ValueError, match="dp='global' and dp='client'; got dp='local'"):
+    with pytest.raises(ValueError, match="noise of dp='distributed'; got dp='local'"):
         FederatedConfig(dp="local", secure_mode=True)
 
 
