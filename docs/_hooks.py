@@ -38,8 +38,9 @@ CLI_HELP = re.compile(r"^<!-- cli-help: (\w+) -->$", re.M)
 def on_files(files, config):
     for folder, (site_folder, suffix) in ADDED.items():
         for path in sorted((ROOT / folder).glob(f"*{suffix}")):
-            files.append(File.generated(config, f"{site_folder}/{path.name}",
-                                        abs_src_path=str(path)))
+            files.append(
+                File.generated(config, f"{site_folder}/{path.name}", abs_src_path=str(path))
+            )
     return files
 
 
@@ -69,7 +70,7 @@ def _site_link(target: str, page_dir: pathlib.Path, docs_dir: pathlib.Path) -> s
 def _cli_help(command: str) -> str:
     import sys
 
-    if str(ROOT) not in sys.path:   # this checkout's parser, not an installed copy's
+    if str(ROOT) not in sys.path:  # this checkout's parser, not an installed copy's
         sys.path.insert(0, str(ROOT))
     from dpfl_tf.cli import build_parser
 

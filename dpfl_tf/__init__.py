@@ -9,13 +9,26 @@ only imported by the modules that need it, so `dpfl_tf.privacy` and the
 
 __version__ = "0.2.0"
 
-from dpfl_tf.privacy import (AccountantKind, PrivacyBudget, PrivacyLedger,  # noqa: E402
-                             SamplingMethod, calibrate_noise_multiplier, compute_delta,
-                             compute_epsilon, dp_sgd_event)
+from dpfl_tf.privacy import (  # noqa: E402
+    AccountantKind,
+    PrivacyBudget,
+    PrivacyLedger,
+    SamplingMethod,
+    calibrate_noise_multiplier,
+    compute_delta,
+    compute_epsilon,
+    dp_sgd_event,
+)
 
 __all__ = [
-    "AccountantKind", "PrivacyBudget", "PrivacyLedger", "SamplingMethod",
-    "calibrate_noise_multiplier", "compute_delta", "compute_epsilon", "dp_sgd_event",
+    "AccountantKind",
+    "PrivacyBudget",
+    "PrivacyLedger",
+    "SamplingMethod",
+    "calibrate_noise_multiplier",
+    "compute_delta",
+    "compute_epsilon",
+    "dp_sgd_event",
     "GaussianSanitizer",
 ]
 
@@ -23,5 +36,6 @@ __all__ = [
 def __getattr__(name):  # lazy: importing TensorFlow takes seconds
     if name == "GaussianSanitizer":
         from dpfl_tf.sanitizer import GaussianSanitizer
+
         return GaussianSanitizer
     raise AttributeError(f"module 'dpfl_tf' has no attribute {name!r}")

@@ -10,8 +10,9 @@ from typing import Any, Callable, Iterator
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, suffix: str = ".tmp", mode: int | None = None
-                ) -> Iterator[str]:
+def atomic_path(
+    path: str | os.PathLike, suffix: str = ".tmp", mode: int | None = None
+) -> Iterator[str]:
     """Yields a temporary path beside `path`; when the block succeeds the file
     is synced and renamed into place, when it fails it is removed.  The file
     gets `mode`, or the usual 0666 & ~umask; with a `mode`, it never has any
@@ -19,8 +20,9 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp", mode: int | None 
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
-                               suffix=suffix)
+    fd, tmp = tempfile.mkstemp(
+        dir=directory, prefix="." + os.path.basename(path) + ".", suffix=suffix
+    )
     os.close(fd)
     try:
         yield tmp
@@ -34,8 +36,9 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp", mode: int | None 
         raise
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], binary: bool = False
-                 ) -> None:
+def atomic_write(
+    path: str | os.PathLike, write: Callable[[Any], None], binary: bool = False
+) -> None:
     """Calls `write(file)` on a temporary file beside `path`, then renames it into place."""
     with atomic_path(path) as tmp:
         with open(tmp, "wb" if binary else "w") as f:
@@ -60,12 +63,15 @@ def read_checkpoint_json(path: str | os.PathLike) -> Any | None:
         with open(path) as f:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is damaged (not valid JSON: {e}); delete the checkpoint "
-                         "directory or use another one") from None
+        raise ValueError(
+            f"{path} is damaged (not valid JSON: {e}); delete the checkpoint "
+            "directory or use another one"
+        ) from None
 
 
-def merge_json_runs(path: str | os.PathLike, runs: list[dict],
-                    key: Callable[[dict], Any]) -> list[dict]:
+def merge_json_runs(
+    path: str | os.PathLike, runs: list[dict], key: Callable[[dict], Any]
+) -> list[dict]:
     """Writes `runs` into the JSON list at `path` (atomically), replacing the
     runs already there with the same `key` and keeping every other one.
     Returns the merged list.  An exclusive lock on ``path + ".lock"`` makes

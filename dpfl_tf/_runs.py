@@ -19,9 +19,22 @@ import tempfile
 import time
 from typing import Any, Callable
 
-__all__ = ["check_output_file", "check_output_dir", "resolve_output", "ResultsFile",
-           "Interrupts", "RunInterrupted", "quiet_tensorflow", "CommandRun", "run_command",
-           "RunFailed", "STATUSES", "FINISHED", "EXIT_CODES", "DEFAULT_RUNS_DIR"]
+__all__ = [
+    "check_output_file",
+    "check_output_dir",
+    "resolve_output",
+    "ResultsFile",
+    "Interrupts",
+    "RunInterrupted",
+    "quiet_tensorflow",
+    "CommandRun",
+    "run_command",
+    "RunFailed",
+    "STATUSES",
+    "FINISHED",
+    "EXIT_CODES",
+    "DEFAULT_RUNS_DIR",
+]
 
 #: the values of a results file's ``status``
 STATUSES = ("running", "completed", "budget_spent", "interrupted", "failed")
@@ -72,8 +85,10 @@ def check_output_file(flag: str, path: str | os.PathLike) -> str:
     that the file can be written; raises ValueError naming `flag` and the path."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        raise ValueError(f"{flag} {path}: is a directory; give a file name such as "
-                         f"{os.path.join(path, 'results.json')}")
+        raise ValueError(
+            f"{flag} {path}: is a directory; give a file name such as "
+            f"{os.path.join(path, 'results.json')}"
+        )
     parent = os.path.dirname(os.path.abspath(path))
     try:
         check_output_dir(flag, parent)
@@ -82,8 +97,14 @@ def check_output_file(flag: str, path: str | os.PathLike) -> str:
     return path
 
 
-def resolve_output(flag: str, path: str | None, default_name: str, *,
-                   overwrite: bool = False, resuming: bool = False) -> str:
+def resolve_output(
+    flag: str,
+    path: str | None,
+    default_name: str,
+    *,
+    overwrite: bool = False,
+    resuming: bool = False,
+) -> str:
     """The results file of a run, checked before any data is loaded.
 
     None: ``runs/<default_name>-<date>-<time>.json`` (a new file for every run,
@@ -110,9 +131,11 @@ def resolve_output(flag: str, path: str | None, default_name: str, *,
         except (OSError, ValueError, AttributeError):
             status = None
         if status in FINISHED:
-            raise ValueError(f"{flag} {path} holds the results of a finished run (status "
-                             f"{status}); pass --overwrite to replace them, or another "
-                             f"{flag}")
+            raise ValueError(
+                f"{flag} {path} holds the results of a finished run (status "
+                f"{status}); pass --overwrite to replace them, or another "
+                f"{flag}"
+            )
     return path
 
 
@@ -131,8 +154,11 @@ class ResultsFile:
 
         if status not in STATUSES:
             raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
-        data = {"status": status, **extra, **{k: v for k, v in result.items()
-                                              if k not in ("status",)}}
+        data = {
+            "status": status,
+            **extra,
+            **{k: v for k, v in result.items() if k not in ("status",)},
+        }
         data["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         atomic_write_json(self.path, data)
         self.written = True
@@ -183,8 +209,11 @@ class Interrupts:
         if first:
             self.signum = signum
         if first and self._depth > 0:
-            print(f"\n{self.name}: stopping after the current step (again to stop at once)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"\n{self.name}: stopping after the current step (again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         self._raise(frame)
 
@@ -262,7 +291,6 @@ def quiet_tensorflow(verbose: bool) -> None:
         os.close(saved)
 
 
-
 # ------------------------------------------------------------------ one run of a command
 
 
@@ -331,20 +359,30 @@ def run_command(run: CommandRun, refuse: Callable[[str], None]) -> int:
     with Interrupts() as interrupts:
         try:
             with interrupts.deferred():
-                result = run.run(checkpoint_dir=checkpoint,
-                                 checkpoint_every=run.checkpoint_dir is not None,
-                                 should_stop=lambda: interrupts.requested,
-                                 on_progress=lambda r: results.write("running", r),
-                                 on_resume=lambda info: print(run.resumed(info), flush=True))
+                result = run.run(
+                    checkpoint_dir=checkpoint,
+                    checkpoint_every=run.checkpoint_dir is not None,
+                    should_stop=lambda: interrupts.requested,
+                    on_progress=lambda r: results.write("running", r),
+                    on_resume=lambda info: print(run.resumed(info), flush=True),
+                )
         except RunInterrupted:
-            kept = (f"results of {results.last.get(unit)} {unit} in {out}" if results.written
-                    else "nothing measured yet")
+            kept = (
+                f"results of {results.last.get(unit)} {unit} in {out}"
+                if results.written
+                else "nothing measured yet"
+            )
             results.write("interrupted", results.last or {"command": run.resume_command()})
             resumable = os.path.isdir(checkpoint) and bool(os.listdir(checkpoint))
-            how = (f"; resume with: {run.resume_command()}" if resumable
-                   else "; no checkpoint was written yet: run the command again")
-            print(f"\ninterrupted ({interrupts.name}): kept {kept} (status interrupted){how}",
-                  file=sys.stderr)
+            how = (
+                f"; resume with: {run.resume_command()}"
+                if resumable
+                else "; no checkpoint was written yet: run the command again"
+            )
+            print(
+                f"\ninterrupted ({interrupts.name}): kept {kept} (status interrupted){how}",
+                file=sys.stderr,
+            )
             return interrupts.exit_code
         except Exception as e:
             from dpfl_tf.privacy.ledger import BudgetExceededError
@@ -355,20 +393,26 @@ def run_command(run: CommandRun, refuse: Callable[[str], None]) -> int:
                     results.write("failed", results.last, error=f"{type(e).__name__}: {e}")
                 raise
             if not results.written:
-                refuse(message)   # nothing ran: a refusal
+                refuse(message)  # nothing ran: a refusal
                 return 2
             results.write("failed", results.last, error=message)
-            print(f"dpfl-tf {run.command}: failed after {results.last.get(unit)} {unit}: "
-                  f"{message}; results so far in {out} (status failed)", file=sys.stderr)
+            print(
+                f"dpfl-tf {run.command}: failed after {results.last.get(unit)} {unit}: "
+                f"{message}; results so far in {out} (status failed)",
+                file=sys.stderr,
+            )
             return 1
     gc.collect()  # finalise tf.data's generator iterators now, not at interpreter exit
     status = run.status(result)
     results.write(status, result)
     drew = run.figure(result, figure) if run.figure is not None else False
     if status == "interrupted":
-        print(f"\ninterrupted ({interrupts.name}) {run.progress(result)}: results in {out} "
-              f"(status interrupted), checkpoint in {checkpoint}; resume with: "
-              f"{run.resume_command()}", file=sys.stderr)
+        print(
+            f"\ninterrupted ({interrupts.name}) {run.progress(result)}: results in {out} "
+            f"(status interrupted), checkpoint in {checkpoint}; resume with: "
+            f"{run.resume_command()}",
+            file=sys.stderr,
+        )
         return interrupts.exit_code
     for line in run.summary(result):
         print(line)

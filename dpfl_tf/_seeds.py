@@ -26,7 +26,7 @@ import numpy as np
 
 __all__ = ["derive_seed", "derive_rng"]
 
-_PERSON = b"dpfl_tf.seeds"   # BLAKE2b personalisation: these hashes are ours alone
+_PERSON = b"dpfl_tf.seeds"  # BLAKE2b personalisation: these hashes are ours alone
 
 
 def _int(name: str, value) -> int:
@@ -44,8 +44,7 @@ def derive_seed(seed: int, purpose: str, *indices: int) -> int:
         raise ValueError(f"purpose must be a non-empty string, got {purpose!r}")
     parts = [str(_int("seed", seed)), purpose]
     parts += [str(_int(f"indices[{i}]", v)) for i, v in enumerate(indices)]
-    digest = hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8,
-                             person=_PERSON).digest()
+    digest = hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8, person=_PERSON).digest()
     return int.from_bytes(digest, "big") >> 1
 
 

@@ -12,9 +12,16 @@ import math
 from typing import Any
 
 
-def check_number(name: str, value: Any, *, low: float = -math.inf, high: float = math.inf,
-                 low_open: bool = False, high_open: bool = False,
-                 allow_inf: bool = False) -> float:
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    low: float = -math.inf,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+    allow_inf: bool = False,
+) -> float:
     """float(value) if it lies in the interval, else ValueError naming `name`."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
@@ -25,8 +32,9 @@ def check_number(name: str, value: Any, *, low: float = -math.inf, high: float =
     lo_ok = x > low if low_open else x >= low
     hi_ok = x < high if high_open else x <= high
     if math.isnan(x) or (math.isinf(x) and not allow_inf) or not (lo_ok and hi_ok):
-        raise ValueError(f"{name} must be {_describe(low, high, low_open, high_open)}, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{name} must be {_describe(low, high, low_open, high_open)}, got {value!r}"
+        )
     return x
 
 
@@ -68,8 +76,9 @@ class ChoiceEnum(str, enum.Enum):
             return cls(key)
         except ValueError:
             allowed = ", ".join(m.value for m in cls)
-            raise ValueError(f"{cls._argument_name()} must be one of {allowed}, "
-                             f"got {value!r}") from None
+            raise ValueError(
+                f"{cls._argument_name()} must be one of {allowed}, got {value!r}"
+            ) from None
 
     @classmethod
     def _argument_name(cls) -> str:

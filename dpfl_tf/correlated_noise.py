@@ -39,8 +39,12 @@ import numpy as np
 import tensorflow as tf
 
 from dpfl_tf import secure_random
-from dpfl_tf.privacy.matrix_factorization import (BandedToeplitz, BufferedToeplitz,
-                                                  MatrixMechanism, TreeAggregation)
+from dpfl_tf.privacy.matrix_factorization import (
+    BandedToeplitz,
+    BufferedToeplitz,
+    MatrixMechanism,
+    TreeAggregation,
+)
 from dpfl_tf.sanitizer import GaussianSanitizer, noise_seed, stream_key
 
 __all__ = ["CorrelatedNoise", "CorrelatedSanitizer", "CorrelatedRun"]
@@ -60,11 +64,17 @@ class CorrelatedNoise:
     multiplies by the std s = sigma * clip * sens).
     """
 
-    def __init__(self, mechanism: MatrixMechanism, shapes: Sequence, *, seed: int | None = None,
-                 secure_mode: bool = False, dtype=tf.float32):
+    def __init__(
+        self,
+        mechanism: MatrixMechanism,
+        shapes: Sequence,
+        *,
+        seed: int | None = None,
+        secure_mode: bool = False,
+        dtype=tf.float32,
+    ):
         if not isinstance(mechanism, MatrixMechanism):
-            raise TypeError(f"mechanism must be a MatrixMechanism, got "
-                            f"{type(mechanism).__name__}")
+            raise TypeError(f"mechanism must be a MatrixMechanism, got {type(mechanism).__name__}")
         self.mechanism = mechanism
         self.secure_mode = bool(secure_mode)
         self.seed = seed
@@ -80,7 +90,7 @@ class CorrelatedNoise:
             c = strategy.coefficients(n)
             self._kind = "banded"
             self._c0 = float(c[0])
-            self._c = tf.constant(c[1:1 + self.num_buffers], self.dtype)
+            self._c = tf.constant(c[1 : 1 + self.num_buffers], self.dtype)
         elif isinstance(strategy, BufferedToeplitz):
             self._kind = "blt"
             self._theta = tf.constant(strategy.buf_decay, self.dtype)
@@ -88,15 +98,17 @@ class CorrelatedNoise:
         else:
             raise TypeError(f"no step-by-step generator for {strategy.describe()}")
         with tf.init_scope():
-            self.position = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                        name="mf_position")
-            self.last_index = tf.Variable(-1, dtype=tf.int64, trainable=False,
-                                          name="mf_last_index")
-            self.buffers = [tf.Variable(tf.zeros([max(self.num_buffers, 1)] + s.as_list(),
-                                                 self.dtype), trainable=False,
-                                        name=f"mf_buffer_{j}")
-                            for j, s in enumerate(self.shapes)]
-        self._high_water = 0   # positions released in this process (Python side)
+            self.position = tf.Variable(0, dtype=tf.int64, trainable=False, name="mf_position")
+            self.last_index = tf.Variable(-1, dtype=tf.int64, trainable=False, name="mf_last_index")
+            self.buffers = [
+                tf.Variable(
+                    tf.zeros([max(self.num_buffers, 1)] + s.as_list(), self.dtype),
+                    trainable=False,
+                    name=f"mf_buffer_{j}",
+                )
+                for j, s in enumerate(self.shapes)
+            ]
+        self._high_water = 0  # positions released in this process (Python side)
 
     # -- one step ---------------------------------------------------------------
     def _zeta(self, index, j: int, shape) -> tf.Tensor:
@@ -133,24 +145,31 @@ class CorrelatedNoise:
     def check_next(self, index: int) -> None:
         last = int(self.last_index.numpy())
         if index <= last:
-            raise ValueError(f"noise index {index} was already drawn (last index {last}): a "
-                             "replayed step never reuses noise")
+            raise ValueError(
+                f"noise index {index} was already drawn (last index {last}): a "
+                "replayed step never reuses noise"
+            )
         position = int(self.position.numpy())
         if position >= self.steps:
             raise ValueError(
                 f"the mechanism's horizon of {self.steps} steps is reached (position "
                 f"{position}): a further step would release a row the strategy does not have; "
-                "declare more steps in the participation")
+                "declare more steps in the participation"
+            )
 
     def _step(self, zeta, buf, pos):
         if self._kind == "tree":
             t = tf.math.floormod(pos, self._period) + 1
             levels = tf.range(self.num_buffers, dtype=tf.int64)
-            below = tf.equal(tf.math.floormod(t, tf.bitwise.left_shift(
-                tf.constant(2, tf.int64), levels)), 0)                        # l < v
-            at = tf.logical_and(tf.equal(tf.math.floormod(
-                t, tf.bitwise.left_shift(tf.constant(1, tf.int64), levels)), 0),
-                tf.logical_not(below))                                         # l == v
+            below = tf.equal(
+                tf.math.floormod(t, tf.bitwise.left_shift(tf.constant(2, tf.int64), levels)), 0
+            )  # l < v
+            at = tf.logical_and(
+                tf.equal(
+                    tf.math.floormod(t, tf.bitwise.left_shift(tf.constant(1, tf.int64), levels)), 0
+                ),
+                tf.logical_not(below),
+            )  # l == v
             w = zeta - tf.tensordot(tf.cast(below, self.dtype), buf, axes=1)
             shape = [-1] + [1] * zeta.shape.rank
             new = tf.where(tf.reshape(at, shape), zeta[None], buf)
@@ -167,9 +186,11 @@ class CorrelatedNoise:
     # -- state ------------------------------------------------------------------
     def get_state(self) -> dict:
         """Position, last index and buffers (SECRET: module docstring)."""
-        return {"position": int(self.position.numpy()),
-                "last_index": int(self.last_index.numpy()),
-                "buffers": [b.numpy() for b in self.buffers]}
+        return {
+            "position": int(self.position.numpy()),
+            "last_index": int(self.last_index.numpy()),
+            "buffers": [b.numpy() for b in self.buffers],
+        }
 
     def set_state(self, state: dict) -> None:
         """Continues from a saved state.  Refuses one behind the positions this
@@ -177,8 +198,10 @@ class CorrelatedNoise:
         position = int(state["position"])
         released = max(self._high_water, int(self.position.numpy()))
         if position < released:
-            raise ValueError(f"state position {position} is behind the {released} steps already "
-                             "released: restoring it would replay released steps")
+            raise ValueError(
+                f"state position {position} is behind the {released} steps already "
+                "released: restoring it would replay released steps"
+            )
         buffers = state["buffers"]
         if len(buffers) != len(self.buffers):
             raise ValueError(f"state has {len(buffers)} buffers, expected {len(self.buffers)}")
@@ -201,19 +224,34 @@ class CorrelatedSanitizer(GaussianSanitizer):
     w_t the unit noise of `CorrelatedNoise`.  `event` is the mechanism's event
     for the whole run with the effective multiplier (`GaussianSanitizer`)."""
 
-    def __init__(self, l2_norm_clip, mechanism: MatrixMechanism, *,
-                 noise_allocation: str = "global", seed: int | None = None,
-                 secure_mode: bool = False):
-        super().__init__(l2_norm_clip, mechanism.noise_multiplier,
-                         noise_allocation=noise_allocation, seed=seed, secure_mode=secure_mode)
+    def __init__(
+        self,
+        l2_norm_clip,
+        mechanism: MatrixMechanism,
+        *,
+        noise_allocation: str = "global",
+        seed: int | None = None,
+        secure_mode: bool = False,
+    ):
+        super().__init__(
+            l2_norm_clip,
+            mechanism.noise_multiplier,
+            noise_allocation=noise_allocation,
+            seed=seed,
+            secure_mode=secure_mode,
+        )
         self.mechanism = mechanism
         self.noise: CorrelatedNoise | None = None
 
     def build(self, template: Sequence) -> CorrelatedNoise:
         """Creates the noise state for tensors shaped like `template` (once)."""
         if self.noise is None:
-            self.noise = CorrelatedNoise(self.mechanism, [t.shape for t in template],
-                                         seed=self.seed, secure_mode=self.secure_mode)
+            self.noise = CorrelatedNoise(
+                self.mechanism,
+                [t.shape for t in template],
+                seed=self.seed,
+                secure_mode=self.secure_mode,
+            )
         return self.noise
 
     def noise_stddevs(self, num_components: int) -> tuple[float, ...]:
@@ -231,8 +269,10 @@ class CorrelatedSanitizer(GaussianSanitizer):
         noise = self.build(summed)
         if step is None:
             if not tf.executing_eagerly():
-                raise ValueError("CorrelatedSanitizer.add_noise needs step (a monotonic "
-                                 "release index) inside a tf.function, got None")
+                raise ValueError(
+                    "CorrelatedSanitizer.add_noise needs step (a monotonic "
+                    "release index) inside a tf.function, got None"
+                )
             step = int(noise.position.numpy())
         noise = noise.next(step)
         out = []
@@ -263,8 +303,10 @@ class CorrelatedSanitizer(GaussianSanitizer):
         return cls(config.pop("l2_norm_clip"), mechanism, **config)
 
     def __repr__(self) -> str:
-        return (f"CorrelatedSanitizer(l2_norm_clip={self.l2_norm_clip!r}, "
-                f"mechanism={self.mechanism.describe()!r})")
+        return (
+            f"CorrelatedSanitizer(l2_norm_clip={self.l2_norm_clip!r}, "
+            f"mechanism={self.mechanism.describe()!r})"
+        )
 
 
 class CorrelatedRun:
@@ -281,9 +323,17 @@ class CorrelatedRun:
       noise_allocation, seed, secure_mode: as for `GaussianSanitizer`.
     """
 
-    def __init__(self, mechanism: MatrixMechanism, *, first_lot: int, sampling,
-                 noise_allocation: str = "global", seed: int | None = None,
-                 secure_mode: bool = False, recorded: bool = False):
+    def __init__(
+        self,
+        mechanism: MatrixMechanism,
+        *,
+        first_lot: int,
+        sampling,
+        noise_allocation: str = "global",
+        seed: int | None = None,
+        secure_mode: bool = False,
+        recorded: bool = False,
+    ):
         from dpfl_tf.privacy.events import SamplingMethod
 
         self.mechanism = mechanism
@@ -301,12 +351,18 @@ class CorrelatedRun:
         """The run's sanitizer (one per run: its noise state carries over)."""
         if self._sanitizer is None:
             self._sanitizer = CorrelatedSanitizer(
-                bounds, self.mechanism, noise_allocation=self.noise_allocation, seed=self.seed,
-                secure_mode=self.secure_mode)
+                bounds,
+                self.mechanism,
+                noise_allocation=self.noise_allocation,
+                seed=self.seed,
+                secure_mode=self.secure_mode,
+            )
             self._bounds = bounds
         elif bounds != self._bounds:
-            raise ValueError(f"the clip bounds changed within a correlated-noise run "
-                             f"({self._bounds!r} -> {bounds!r}); start a new run")
+            raise ValueError(
+                f"the clip bounds changed within a correlated-noise run "
+                f"({self._bounds!r} -> {bounds!r}); start a new run"
+            )
         return self._sanitizer
 
     def build(self, variables) -> CorrelatedNoise:
@@ -338,30 +394,49 @@ class CorrelatedRun:
         from dpfl_tf.privacy.events import SamplingMethod
 
         position = self.position
-        if (sampler.sampling is not self.sampling or position == 0
-                or lots != self.mechanism.steps - position
-                or first_lot != self.first_lot + position):
+        if (
+            sampler.sampling is not self.sampling
+            or position == 0
+            or lots != self.mechanism.steps - position
+            or first_lot != self.first_lot + position
+        ):
             return False
         if sampler.participation(self.mechanism.steps) != self.mechanism.participation:
             return False
         if self.sampling is SamplingMethod.SHUFFLE:
             return position % sampler.lots_per_epoch == 0
-        if self.sampling is SamplingMethod.CYCLIC_POISSON:   # the same groups
+        if self.sampling is SamplingMethod.CYCLIC_POISSON:  # the same groups
             return sampler.seed is not None and self.seed is not None
         return True
 
     def get_state(self) -> dict:
         """The run for a checkpoint (SECRET: holds the noise buffers)."""
         noise = self._sanitizer.noise if self._sanitizer is not None else None
-        return {"mechanism": self.mechanism.to_config(), "first_lot": self.first_lot,
-                "sampling": self.sampling.value, "recorded": self.recorded,
-                "noise": noise.get_state() if noise is not None else self._pending_state}
+        return {
+            "mechanism": self.mechanism.to_config(),
+            "first_lot": self.first_lot,
+            "sampling": self.sampling.value,
+            "recorded": self.recorded,
+            "noise": noise.get_state() if noise is not None else self._pending_state,
+        }
 
     @classmethod
-    def from_state(cls, state: dict, *, noise_allocation: str = "global",
-                   seed: int | None = None, secure_mode: bool = False) -> "CorrelatedRun":
-        run = cls(MatrixMechanism.from_config(state["mechanism"]), first_lot=state["first_lot"],
-                  sampling=state["sampling"], noise_allocation=noise_allocation, seed=seed,
-                  secure_mode=secure_mode, recorded=state["recorded"])
+    def from_state(
+        cls,
+        state: dict,
+        *,
+        noise_allocation: str = "global",
+        seed: int | None = None,
+        secure_mode: bool = False,
+    ) -> "CorrelatedRun":
+        run = cls(
+            MatrixMechanism.from_config(state["mechanism"]),
+            first_lot=state["first_lot"],
+            sampling=state["sampling"],
+            noise_allocation=noise_allocation,
+            seed=seed,
+            secure_mode=secure_mode,
+            recorded=state["recorded"],
+        )
         run._pending_state = state["noise"]
         return run

@@ -47,13 +47,21 @@ import numpy as np
 
 from dpfl_tf._validation import check_count, check_number
 
-__all__ = ["RandomSource", "GeneratorSource", "SecureSource", "discrete_gaussian",
-           "discrete_laplace", "bernoulli_exp", "skellam", "dyadic_variance",
-           "discrete_gaussian_pmf"]
+__all__ = [
+    "RandomSource",
+    "GeneratorSource",
+    "SecureSource",
+    "discrete_gaussian",
+    "discrete_laplace",
+    "bernoulli_exp",
+    "skellam",
+    "dyadic_variance",
+    "discrete_gaussian_pmf",
+]
 
-_WORD = 2.0 ** -53        # one 53-bit word w stands for V in [w 2^-53, (w + 1) 2^-53)
-_MARGIN = 2.0 ** -44      # float64 decisions need exp(-g) known to within this (it is 2^-50)
-_DENOMINATOR_BITS = 30    # dyadic variances p / 2^k keep t 2^k <= 2^31 (int64 arithmetic)
+_WORD = 2.0**-53  # one 53-bit word w stands for V in [w 2^-53, (w + 1) 2^-53)
+_MARGIN = 2.0**-44  # float64 decisions need exp(-g) known to within this (it is 2^-50)
+_DENOMINATOR_BITS = 30  # dyadic variances p / 2^k keep t 2^k <= 2^31 (int64 arithmetic)
 
 
 class RandomSource:
@@ -84,7 +92,7 @@ class GeneratorSource(RandomSource):
         self.generator = generator
 
     def words(self, n):
-        return self.generator.integers(0, 2 ** 53, size=int(n), dtype=np.uint64)
+        return self.generator.integers(0, 2**53, size=int(n), dtype=np.uint64)
 
     def randbits(self, k):
         k = int(k)
@@ -101,6 +109,7 @@ class SecureSource(RandomSource):
 
     def words(self, n):
         from dpfl_tf.secure_random import secure_words
+
         return secure_words(n)
 
     def randbits(self, k):
@@ -109,6 +118,7 @@ class SecureSource(RandomSource):
 
     def numpy_generator(self):
         from dpfl_tf.secure_random import secure_numpy_generator
+
         return secure_numpy_generator()
 
 
@@ -136,7 +146,7 @@ def bernoulli_exp(gamma: np.ndarray, exact_gamma, source: RandomSource) -> np.nd
       source: the `RandomSource`.
     """
     gamma = np.asarray(gamma, dtype=np.float64)
-    p = np.exp(-gamma)              # within 2^-50 of exp(-g): g e^-g <= 1/e
+    p = np.exp(-gamma)  # within 2^-50 of exp(-g): g e^-g <= 1/e
     w = source.words(gamma.size)
     low = w.astype(np.float64) * _WORD
     out = (low + _WORD) <= (p - _MARGIN)
@@ -150,8 +160,8 @@ class _LazyUniform:
     bits are given; `below_exp` draws further bits only as far as it must."""
 
     def __init__(self, word: int, source: RandomSource):
-        self.low = Fraction(int(word), 2 ** 53)
-        self.width = Fraction(1, 2 ** 53)
+        self.low = Fraction(int(word), 2**53)
+        self.width = Fraction(1, 2**53)
         self.source = source
 
     def below_exp(self, gamma: Fraction) -> bool:
@@ -160,7 +170,7 @@ class _LazyUniform:
         while True:
             with decimal.localcontext() as ctx:
                 ctx.prec = digits + 10
-                ctx.Emin = -(10 ** 9)
+                ctx.Emin = -(10**9)
                 g = decimal.Decimal(gamma.numerator) / decimal.Decimal(gamma.denominator)
                 p = Fraction((-g).exp())
             # two roundings at prec digits + 10: |p - exp(-g)| <= (1 + g) 10^-(digits + 9)
@@ -169,7 +179,7 @@ class _LazyUniform:
                 return True
             if self.low >= p + err:
                 return False
-            self.width /= 2 ** 64
+            self.width /= 2**64
             self.low += self.source.randbits(64) * self.width
             digits += 20
 
@@ -186,9 +196,9 @@ def _geometric(t: int, n: int, source: RandomSource) -> np.ndarray:
     w = source.words(n)
     low = w.astype(np.float64) * _WORD
     x = np.floor(-t * np.log(low + _WORD / 2)).astype(np.int64)
-    upper = np.exp(-x / t)                                 # within 2^-52 of exp(-x/t)
-    below = (low + _WORD) <= upper - _MARGIN               # V < exp(-x/t)
-    above = low >= upper * math.exp(-1.0 / t) + _MARGIN    # V >= exp(-(x+1)/t)
+    upper = np.exp(-x / t)  # within 2^-52 of exp(-x/t)
+    below = (low + _WORD) <= upper - _MARGIN  # V < exp(-x/t)
+    above = low >= upper * math.exp(-1.0 / t) + _MARGIN  # V >= exp(-(x+1)/t)
     for i in np.flatnonzero(~(below & above)):
         v, k = _LazyUniform(int(w[i]), source), max(int(x[i]), 0)
         while k > 0 and not v.below_exp(Fraction(k, t)):
@@ -218,8 +228,7 @@ def discrete_laplace(t: int, size: int, source: RandomSource) -> np.ndarray:
     return out
 
 
-def discrete_gaussian(variance: Fraction | float, size: int, source: RandomSource
-                      ) -> np.ndarray:
+def discrete_gaussian(variance: Fraction | float, size: int, source: RandomSource) -> np.ndarray:
     """`size` independent exact samples of N_Z(0, s^2), s^2 = `variance` (int64).
 
     Canonne, Kamath, Steinke 2020, Algorithm 3: t = floor(s) + 1; Y ~ discrete
@@ -234,12 +243,14 @@ def discrete_gaussian(variance: Fraction | float, size: int, source: RandomSourc
         raise ValueError(f"variance must be > 0, got {variance}")
     size = check_count("size", size)
     p, q = variance.numerator, variance.denominator
-    t = math.isqrt(p // q) + 1          # floor(s) + 1 (s^2 = p/q, floor(s) = isqrt(floor(s^2)))
-    if t * q > 2 ** 40:
-        raise ValueError(f"variance {variance} needs t q = {t * q} <= 2^40 for int64 "
-                         "arithmetic; round it with dyadic_variance()")
-    denominator = 2.0 * p * q * t * t   # float64, relative error <= 3 x 2^-53
-    safe = 2 ** 62 // (t * q)           # |y| t q < 2^62: exact in int64
+    t = math.isqrt(p // q) + 1  # floor(s) + 1 (s^2 = p/q, floor(s) = isqrt(floor(s^2)))
+    if t * q > 2**40:
+        raise ValueError(
+            f"variance {variance} needs t q = {t * q} <= 2^40 for int64 "
+            "arithmetic; round it with dyadic_variance()"
+        )
+    denominator = 2.0 * p * q * t * t  # float64, relative error <= 3 x 2^-53
+    safe = 2**62 // (t * q)  # |y| t q < 2^62: exact in int64
     out = np.empty(size, dtype=np.int64)
     todo = np.arange(size)
     while todo.size:
@@ -247,9 +258,9 @@ def discrete_gaussian(variance: Fraction | float, size: int, source: RandomSourc
         sign, y = y < 0, np.abs(y)
         if y.max(initial=0) < safe:
             a = (y * (t * q) - p).astype(np.float64)
-        else:                           # never in practice; float64, no cancellation there
+        else:  # never in practice; float64, no cancellation there
             a = y.astype(np.float64) * float(t * q) - float(p)
-        gamma = a * a / denominator     # relative error <= 2^-50
+        gamma = a * a / denominator  # relative error <= 2^-50
 
         def exact(i, y=y):
             return Fraction((int(y[i]) * t * q - p) ** 2, 2 * p * q * t * t)
@@ -266,8 +277,8 @@ def discrete_gaussian_pmf(variance: float, support: np.ndarray) -> np.ndarray:
     v = float(variance)
     half = int(40 * math.sqrt(v)) + 10
     ys = np.arange(-half, half + 1, dtype=np.float64)
-    log_norm = np.log(np.sum(np.exp(-ys ** 2 / (2 * v))))
-    return np.exp(-np.asarray(support, dtype=np.float64) ** 2 / (2 * v) - log_norm)
+    log_norm = np.log(np.sum(np.exp(-(ys**2) / (2 * v))))
+    return np.exp(-(np.asarray(support, dtype=np.float64) ** 2) / (2 * v) - log_norm)
 
 
 def skellam(variance: float, size: int, source: RandomSource) -> np.ndarray:

@@ -6,17 +6,32 @@ import keras
 
 from dpfl_tf._validation import check_count
 
-__all__ = ["mlp", "tanh_cnn", "cifar_convnet", "conv_net", "pnpm_cnn", "scatter_linear",
-           "scatter_cnn", "view_averaged", "SelectView"]
+__all__ = [
+    "mlp",
+    "tanh_cnn",
+    "cifar_convnet",
+    "conv_net",
+    "pnpm_cnn",
+    "scatter_linear",
+    "scatter_cnn",
+    "view_averaged",
+    "SelectView",
+]
 
 
-def mlp(input_dim: int = 60, hidden: int = 1000, classes: int = 10,
-        activation: str = "relu") -> keras.Model:
+def mlp(
+    input_dim: int = 60, hidden: int = 1000, classes: int = 10, activation: str = "relu"
+) -> keras.Model:
     """Abadi et al. 2016, section 5.2: (PCA input) -> Dense(hidden, ReLU) -> softmax.
     Returns logits (use a from_logits loss)."""
-    return keras.Sequential([keras.Input((input_dim,)),
-                             keras.layers.Dense(hidden, activation=activation, name="hidden"),
-                             keras.layers.Dense(classes, name="logits")], name="mnist_mlp")
+    return keras.Sequential(
+        [
+            keras.Input((input_dim,)),
+            keras.layers.Dense(hidden, activation=activation, name="hidden"),
+            keras.layers.Dense(classes, name="logits"),
+        ],
+        name="mnist_mlp",
+    )
 
 
 def tanh_cnn(input_shape=(28, 28, 1), classes: int = 10) -> keras.Model:
@@ -25,36 +40,52 @@ def tanh_cnn(input_shape=(28, 28, 1), classes: int = 10) -> keras.Model:
     gradients that DP-SGD clips.  Conv 16x8x8/2, max-pool 2/1, conv 32x4x4/2,
     max-pool 2/1, dense 32, logits."""
     layers = keras.layers
-    return keras.Sequential([
-        keras.Input(input_shape),
-        layers.Conv2D(16, 8, strides=2, padding="same", activation="tanh"),
-        layers.MaxPooling2D(2, strides=1),
-        layers.Conv2D(32, 4, strides=2, padding="valid", activation="tanh"),
-        layers.MaxPooling2D(2, strides=1),
-        layers.Flatten(),
-        layers.Dense(32, activation="tanh"),
-        layers.Dense(classes)], name="tanh_cnn")
+    return keras.Sequential(
+        [
+            keras.Input(input_shape),
+            layers.Conv2D(16, 8, strides=2, padding="same", activation="tanh"),
+            layers.MaxPooling2D(2, strides=1),
+            layers.Conv2D(32, 4, strides=2, padding="valid", activation="tanh"),
+            layers.MaxPooling2D(2, strides=1),
+            layers.Flatten(),
+            layers.Dense(32, activation="tanh"),
+            layers.Dense(classes),
+        ],
+        name="tanh_cnn",
+    )
 
 
 def cifar_convnet(input_shape=(24, 24, 3), classes: int = 10) -> keras.Model:
     """Abadi et al. 2016, section 5.3: two 5x5x64 conv + 2x2 max-pool layers,
     Dense 384, Dense 384, logits."""
     layers = keras.layers
-    return keras.Sequential([
-        keras.Input(input_shape),
-        layers.Conv2D(64, 5, padding="same", activation="relu", name="conv1"),
-        layers.MaxPooling2D(2, name="pool1"),
-        layers.Conv2D(64, 5, padding="same", activation="relu", name="conv2"),
-        layers.MaxPooling2D(2, name="pool2"),
-        layers.Flatten(name="flatten"),
-        layers.Dense(384, activation="relu", name="fc1"),
-        layers.Dense(384, activation="relu", name="fc2"),
-        layers.Dense(classes, name="logits")], name="cifar_convnet")
+    return keras.Sequential(
+        [
+            keras.Input(input_shape),
+            layers.Conv2D(64, 5, padding="same", activation="relu", name="conv1"),
+            layers.MaxPooling2D(2, name="pool1"),
+            layers.Conv2D(64, 5, padding="same", activation="relu", name="conv2"),
+            layers.MaxPooling2D(2, name="pool2"),
+            layers.Flatten(name="flatten"),
+            layers.Dense(384, activation="relu", name="fc1"),
+            layers.Dense(384, activation="relu", name="fc2"),
+            layers.Dense(classes, name="logits"),
+        ],
+        name="cifar_convnet",
+    )
 
 
-def conv_net(input_shape=(28, 28, 1), classes: int = 10, *, filters=(16, 32, 64),
-             kernel_size: int = 3, padding: str = "same", dense=(32,),
-             activation: str = "relu", name: str = "conv_net") -> keras.Model:
+def conv_net(
+    input_shape=(28, 28, 1),
+    classes: int = 10,
+    *,
+    filters=(16, 32, 64),
+    kernel_size: int = 3,
+    padding: str = "same",
+    dense=(32,),
+    activation: str = "relu",
+    name: str = "conv_net",
+) -> keras.Model:
     """Conv(f, k x k) + 2x2 max-pool for each f in `filters`, then Dense layers
     of `dense` units, then logits.  A 2-D `input_shape` (H, W) gets a channel
     axis added in the model."""
@@ -63,8 +94,10 @@ def conv_net(input_shape=(28, 28, 1), classes: int = 10, *, filters=(16, 32, 64)
     if len(input_shape) == 2:
         stack.append(layers.Reshape((*input_shape, 1)))
     for f in filters:
-        stack += [layers.Conv2D(int(f), kernel_size, padding=padding, activation=activation),
-                  layers.MaxPooling2D(2)]
+        stack += [
+            layers.Conv2D(int(f), kernel_size, padding=padding, activation=activation),
+            layers.MaxPooling2D(2),
+        ]
     stack.append(layers.Flatten())
     stack += [layers.Dense(int(u), activation=activation) for u in dense]
     stack.append(layers.Dense(classes))
@@ -82,11 +115,25 @@ def pnpm_cnn(input_shape=(28, 28, 1), classes: int = 10, *, depth: int = 3) -> k
       28x28x1 and 56,560 on 32x32x3.
     """
     if depth == 2:
-        return conv_net(input_shape, classes, filters=(10, 20), kernel_size=5,
-                        padding="valid", dense=(50,), name="pnpm_cnn2")
+        return conv_net(
+            input_shape,
+            classes,
+            filters=(10, 20),
+            kernel_size=5,
+            padding="valid",
+            dense=(50,),
+            name="pnpm_cnn2",
+        )
     if depth == 3:
-        return conv_net(input_shape, classes, filters=(16, 32, 64), kernel_size=3,
-                        padding="same", dense=(32,), name="pnpm_cnn3")
+        return conv_net(
+            input_shape,
+            classes,
+            filters=(16, 32, 64),
+            kernel_size=3,
+            padding="same",
+            dense=(32,),
+            name="pnpm_cnn3",
+        )
     raise ValueError(f"depth must be 2 or 3, got {depth!r}")
 
 
@@ -130,13 +177,16 @@ def view_averaged(head: keras.Model, views: int, name: str | None = None) -> ker
     if views == 1:
         return head
     if not isinstance(head.input_shape, tuple) or not all(
-            isinstance(d, (int, type(None))) for d in head.input_shape):
-        raise ValueError(f"head must be a built model with one input, got input_shape "
-                         f"{head.input_shape!r}")
+        isinstance(d, (int, type(None))) for d in head.input_shape
+    ):
+        raise ValueError(
+            f"head must be a built model with one input, got input_shape {head.input_shape!r}"
+        )
     inputs = keras.Input((views, *head.input_shape[1:]), name="views")
     logits = [head(SelectView(v, name=f"view_{v}")(inputs)) for v in range(views)]
-    return keras.Model(inputs, keras.layers.Average(name="average")(logits),
-                       name=name or f"{head.name}_x{views}")
+    return keras.Model(
+        inputs, keras.layers.Average(name="average")(logits), name=name or f"{head.name}_x{views}"
+    )
 
 
 # -- Tramer & Boneh 2021's models on ScatterNet features ----------------------
@@ -150,8 +200,14 @@ def _input_normalisation(normalization, groups: int):
     return keras.layers.GroupNormalization(groups, center=False, scale=False, name="group_norm")
 
 
-def scatter_linear(input_shape=(7, 7, 81), classes: int = 10, *, groups: int = 27,
-                   normalization=None, views: int = 1) -> keras.Model:
+def scatter_linear(
+    input_shape=(7, 7, 81),
+    classes: int = 10,
+    *,
+    groups: int = 27,
+    normalization=None,
+    views: int = 1,
+) -> keras.Model:
     """Tramer & Boneh 2021's ScatterNet + linear model, on precomputed
     scattering features (`dpfl_tf.scattering`): an input normalisation,
     Flatten, Dense logits (the only trainable layer).
@@ -167,27 +223,42 @@ def scatter_linear(input_shape=(7, 7, 81), classes: int = 10, *, groups: int = 2
       over the views (`view_averaged`): with the features of an image and of
       its mirror image, a linear model on their mean."""
     layers = keras.layers
-    head = keras.Sequential([
-        keras.Input(tuple(input_shape)),
-        _input_normalisation(normalization, groups),
-        layers.Flatten(name="flatten"),
-        layers.Dense(classes, name="logits")], name="scatter_linear")
+    head = keras.Sequential(
+        [
+            keras.Input(tuple(input_shape)),
+            _input_normalisation(normalization, groups),
+            layers.Flatten(name="flatten"),
+            layers.Dense(classes, name="logits"),
+        ],
+        name="scatter_linear",
+    )
     return view_averaged(head, views)
 
 
-def scatter_cnn(input_shape=(8, 8, 243), classes: int = 10, *, groups: int = 27,
-                normalization=None, channels: int = 64, views: int = 1) -> keras.Model:
+def scatter_cnn(
+    input_shape=(8, 8, 243),
+    classes: int = 10,
+    *,
+    groups: int = 27,
+    normalization=None,
+    channels: int = 64,
+    views: int = 1,
+) -> keras.Model:
     """Tramer & Boneh 2021's ScatterNet + CNN for CIFAR-10 scattering features
     (8x8xK): the input normalisation (as `scatter_linear`), Conv 3x3 `channels`
     tanh, MaxPool 2, Conv 3x3 `channels` tanh, Flatten, Dense logits; `views`
     as `scatter_linear`."""
     layers = keras.layers
-    head = keras.Sequential([
-        keras.Input(tuple(input_shape)),
-        _input_normalisation(normalization, groups),
-        layers.Conv2D(channels, 3, padding="same", activation="tanh", name="conv1"),
-        layers.MaxPooling2D(2, name="pool1"),
-        layers.Conv2D(channels, 3, padding="same", activation="tanh", name="conv2"),
-        layers.Flatten(name="flatten"),
-        layers.Dense(classes, name="logits")], name="scatter_cnn")
+    head = keras.Sequential(
+        [
+            keras.Input(tuple(input_shape)),
+            _input_normalisation(normalization, groups),
+            layers.Conv2D(channels, 3, padding="same", activation="tanh", name="conv1"),
+            layers.MaxPooling2D(2, name="pool1"),
+            layers.Conv2D(channels, 3, padding="same", activation="tanh", name="conv2"),
+            layers.Flatten(name="flatten"),
+            layers.Dense(classes, name="logits"),
+        ],
+        name="scatter_cnn",
+    )
     return view_averaged(head, views)

@@ -71,14 +71,14 @@ def channel_moments(x, batch_size: int = 4096):
     examples and ~64 MB of float64, so x may be a file read by rows)."""
     n = len(x)
     k = int(np.shape(x)[-1])
-    batch_size = max(1, min(batch_size, 2 ** 23 // max(1, int(np.prod(np.shape(x)[1:])))))
+    batch_size = max(1, min(batch_size, 2**23 // max(1, int(np.prod(np.shape(x)[1:])))))
     first = np.empty((n, k))
     second = np.empty((n, k))
     for i in range(0, n, batch_size):
-        part = np.asarray(x[i:i + batch_size], dtype=np.float64)
+        part = np.asarray(x[i : i + batch_size], dtype=np.float64)
         part = part.reshape(len(part), -1, k)
-        first[i:i + batch_size] = part.mean(axis=1)
-        second[i:i + batch_size] = np.square(part).mean(axis=1)
+        first[i : i + batch_size] = part.mean(axis=1)
+        second[i : i + batch_size] = np.square(part).mean(axis=1)
     return first, second
 
 
@@ -96,8 +96,7 @@ class _Standardise:
         self._check_fitted()
         x = np.asarray(x, dtype=np.float32)
         if x.shape[-1] != len(self.mean):
-            raise ValueError(f"x has {x.shape[-1]} channels, the statistics have "
-                             f"{len(self.mean)}")
+            raise ValueError(f"x has {x.shape[-1]} channels, the statistics have {len(self.mean)}")
         scale = np.where(self.variance > 0, 1.0 / np.sqrt(self.variance + self.epsilon), 0.0)
         return ((x - self.mean.astype(np.float32)) * scale.astype(np.float32)).astype(np.float32)
 
@@ -113,8 +112,12 @@ class _Standardise:
 
         self._check_fitted()
         variance = np.where(self.variance > 0, self.variance + self.epsilon, 1e30)
-        return keras.layers.Normalization(axis=-1, mean=self.mean.astype(np.float32),
-                                          variance=variance.astype(np.float32), name=name)
+        return keras.layers.Normalization(
+            axis=-1,
+            mean=self.mean.astype(np.float32),
+            variance=variance.astype(np.float32),
+            name=name,
+        )
 
     def state(self) -> dict:
         self._check_fitted()
@@ -147,19 +150,27 @@ class DPFeatureNormalization(_Standardise):
     epsilon: float = EPSILON
 
     def __post_init__(self):
-        self.noise_multiplier = check_number("noise_multiplier", self.noise_multiplier,
-                                             low=0.0, low_open=True)
+        self.noise_multiplier = check_number(
+            "noise_multiplier", self.noise_multiplier, low=0.0, low_open=True
+        )
         self.epsilon = check_number("epsilon", self.epsilon, low=0.0, low_open=True)
         if self.channel_groups is not None:
             groups = np.asarray(self.channel_groups)
-            if groups.ndim != 1 or not np.issubdtype(groups.dtype, np.integer) or \
-                    groups.min() < 0 or set(np.unique(groups)) != set(range(groups.max() + 1)):
-                raise ValueError("channel_groups must give every channel a group id 0 .. G-1, "
-                                 f"each used, got {self.channel_groups!r}")
+            if (
+                groups.ndim != 1
+                or not np.issubdtype(groups.dtype, np.integer)
+                or groups.min() < 0
+                or set(np.unique(groups)) != set(range(groups.max() + 1))
+            ):
+                raise ValueError(
+                    "channel_groups must give every channel a group id 0 .. G-1, "
+                    f"each used, got {self.channel_groups!r}"
+                )
             self.channel_groups = tuple(int(g) for g in groups)
         self.mean_clip = self._bounds("mean_clip", self.mean_clip, self.groups)
-        self.second_moment_clip = self._bounds("second_moment_clip",
-                                               self.second_moment_clip, self.groups)
+        self.second_moment_clip = self._bounds(
+            "second_moment_clip", self.second_moment_clip, self.groups
+        )
         self.mean = self.variance = self.event = None
         self.clipped_fraction = None
 
@@ -167,18 +178,22 @@ class DPFeatureNormalization(_Standardise):
     def _bounds(name, value, count):
         values = value if isinstance(value, (list, tuple)) else (value,) * count
         if len(values) != count:
-            raise ValueError(f"{name} needs one bound per channel group ({count}), got "
-                             f"{len(values)}")
-        out = tuple(check_number(f"{name}[{i}]", v, low=0.0, low_open=True)
-                    for i, v in enumerate(values))
+            raise ValueError(
+                f"{name} needs one bound per channel group ({count}), got {len(values)}"
+            )
+        out = tuple(
+            check_number(f"{name}[{i}]", v, low=0.0, low_open=True) for i, v in enumerate(values)
+        )
         return out[0] if not isinstance(value, (list, tuple)) else out
 
     def _group_masks(self, k: int) -> list[np.ndarray]:
         if self.channel_groups is None:
             return [np.ones(k, bool)]
         if len(self.channel_groups) != k:
-            raise ValueError(f"channel_groups has {len(self.channel_groups)} entries but the "
-                             f"features have {k} channels")
+            raise ValueError(
+                f"channel_groups has {len(self.channel_groups)} entries but the "
+                f"features have {k} channels"
+            )
         groups = np.asarray(self.channel_groups)
         return [groups == g for g in range(groups.max() + 1)]
 
@@ -204,8 +219,9 @@ class DPFeatureNormalization(_Standardise):
         from dpfl_tf.sanitizer import GaussianSanitizer
 
         clips = self._clips("mean_clip", groups) + self._clips("second_moment_clip", groups)
-        return GaussianSanitizer(list(clips), self.noise_multiplier,
-                                 noise_allocation="proportional", seed=self.seed)
+        return GaussianSanitizer(
+            list(clips), self.noise_multiplier, noise_allocation="proportional", seed=self.seed
+        )
 
     def fit(self, x, ledger: PrivacyLedger | None = None) -> "DPFeatureNormalization":
         """Releases the statistics of private features `x` ([N, ..., K]) and
@@ -227,8 +243,9 @@ class DPFeatureNormalization(_Standardise):
         # how often the bounds bit, per sum (a non-private diagnostic, like
         # dropped_examples)
         bounds = sanitizer.clip_bounds(len(records))
-        self.clipped_fraction = tuple(float(np.mean(np.linalg.norm(r, axis=1) > c))
-                                      for r, c in zip(records, bounds))
+        self.clipped_fraction = tuple(
+            float(np.mean(np.linalg.norm(r, axis=1) > c)) for r, c in zip(records, bounds)
+        )
         self.event = self.planned_event()
         if ledger is not None:
             ledger.record(self.event, label="dp_feature_norm")

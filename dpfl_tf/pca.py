@@ -54,8 +54,9 @@ class _Projection:
             raise RuntimeError(f"{type(self).__name__} is not fitted; call fit() first")
         flat = np.asarray(x, dtype=np.float64).reshape(len(x), -1)
         if flat.shape[1] != self.components.shape[0]:
-            raise ValueError(f"x has {flat.shape[1]} features, the projection expects "
-                             f"{self.components.shape[0]}")
+            raise ValueError(
+                f"x has {flat.shape[1]} features, the projection expects {self.components.shape[0]}"
+            )
         return (flat @ self.components).astype(np.float32)
 
     def fit_transform(self, x, *args, **kwargs) -> np.ndarray:
@@ -87,8 +88,9 @@ class DPPCA(_Projection):
 
     def __post_init__(self):
         self.k = check_count("k", self.k, minimum=1)
-        self.noise_multiplier = check_number("noise_multiplier", self.noise_multiplier,
-                                             low=0.0, low_open=True)
+        self.noise_multiplier = check_number(
+            "noise_multiplier", self.noise_multiplier, low=0.0, low_open=True
+        )
         self.sample_size = check_count("sample_size", self.sample_size, minimum=1)
         self.components = None
         self.event = None
@@ -113,7 +115,8 @@ class DPPCA(_Projection):
         noisy, q = self.noisy_covariance(x)
         self.components = _top_eigenvectors(noisy, self.k)
         self.event = dp_accounting.PoissonSampledDpEvent(
-            q, dp_accounting.GaussianDpEvent(self.noise_multiplier))
+            q, dp_accounting.GaussianDpEvent(self.noise_multiplier)
+        )
         if ledger is not None:
             ledger.record(self.event, label="dp_pca")
         return self
@@ -142,7 +145,8 @@ class RandomProjection(_Projection):
 
     def fit(self, x, ledger: PrivacyLedger | None = None) -> "RandomProjection":
         d = int(np.prod(np.shape(x)[1:]))
-        gaussian = np.random.default_rng(self.seed).normal(size=(d, check_count("k", self.k,
-                                                                                  minimum=1)))
+        gaussian = np.random.default_rng(self.seed).normal(
+            size=(d, check_count("k", self.k, minimum=1))
+        )
         self.components, _ = np.linalg.qr(gaussian)
         return self

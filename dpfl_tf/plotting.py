@@ -9,9 +9,16 @@ on the `ax` it is given; without one it makes a new `matplotlib.figure.Figure`
 
 from __future__ import annotations
 
-__all__ = ["plot_epsilon_curves", "plot_accuracy_and_epsilon", "plot_best_accuracy_vs_epsilon",
-           "plot_runs_accuracy_and_epsilon", "plot_roc_curves", "plot_federated_rounds",
-           "new_axes", "save_figure"]
+__all__ = [
+    "plot_epsilon_curves",
+    "plot_accuracy_and_epsilon",
+    "plot_best_accuracy_vs_epsilon",
+    "plot_runs_accuracy_and_epsilon",
+    "plot_roc_curves",
+    "plot_federated_rounds",
+    "new_axes",
+    "save_figure",
+]
 
 
 def new_axes(figsize=(5, 3.5)):
@@ -21,10 +28,12 @@ def new_axes(figsize=(5, 3.5)):
     return Figure(figsize=figsize).add_subplot()
 
 
-_STYLE = {"moments": ("tab:blue", "-", "moments accountant (ours)"),
-          "strong": ("tab:red", "--", "strong composition"),
-          "rdp": ("tab:green", "-.", "RDP (dp-accounting)"),
-          "pld": ("tab:purple", ":", "PLD (dp-accounting)")}
+_STYLE = {
+    "moments": ("tab:blue", "-", "moments accountant (ours)"),
+    "strong": ("tab:red", "--", "strong composition"),
+    "rdp": ("tab:green", "-.", "RDP (dp-accounting)"),
+    "pld": ("tab:purple", ":", "PLD (dp-accounting)"),
+}
 
 
 def plot_epsilon_curves(curves: dict, ax=None):
@@ -36,8 +45,10 @@ def plot_epsilon_curves(curves: dict, ax=None):
             ax.plot(curves["epochs"], curves[name], style, color=color, label=label)
     ax.set_xlabel("epochs")
     ax.set_ylabel("epsilon")
-    ax.set_title(f"q = {curves['sampling_rate']:g}, sigma = {curves['noise_multiplier']:g}, "
-                 f"delta = {curves['delta']:g}")
+    ax.set_title(
+        f"q = {curves['sampling_rate']:g}, sigma = {curves['noise_multiplier']:g}, "
+        f"delta = {curves['delta']:g}"
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     return ax
@@ -53,13 +64,15 @@ def save_figure(fig, path) -> None:
     managed = getattr(fig.canvas, "manager", None) is not None
     try:
         if managed:  # a pyplot figure, maybe on another backend: print via Agg
+
             def write(f):
                 fig.savefig(f, format="png", dpi=120, bbox_inches="tight", backend="agg")
-        else:        # a bare Figure: give it the Agg canvas
+        else:  # a bare Figure: give it the Agg canvas
             canvas = FigureCanvasAgg(fig)
 
             def write(f):
                 canvas.print_figure(f, format="png", dpi=120, bbox_inches="tight")
+
         atomic_write(path, write, binary=True)
     finally:
         if managed:
@@ -86,25 +99,37 @@ def plot_federated_rounds(runs, ax_accuracy=None, ax_epsilon=None, title: str = 
             label = f"{label} (local DP, eps {run['epsilon_per_coordinate']:g} per coordinate)"
         rows = run["history"]
         acc = [r for r in rows if r.get("accuracy") is not None]
-        ax_accuracy.plot([r["round"] for r in acc], [r["accuracy"] for r in acc], color=color,
-                         marker="o" if len(acc) < 20 else None, label=label)
+        ax_accuracy.plot(
+            [r["round"] for r in acc],
+            [r["accuracy"] for r in acc],
+            color=color,
+            marker="o" if len(acc) < 20 else None,
+            label=label,
+        )
         eps = [r for r in rows if r.get("epsilon") is not None]
         if eps:
-            ax_epsilon.plot([r["round"] for r in eps], [r["epsilon"] for r in eps],
-                            color=color, marker="o" if len(eps) < 20 else None, label=label)
-        elif not label.startswith("ldp_"):   # local DP has no client-level epsilon
+            ax_epsilon.plot(
+                [r["round"] for r in eps],
+                [r["epsilon"] for r in eps],
+                color=color,
+                marker="o" if len(eps) < 20 else None,
+                label=label,
+            )
+        elif not label.startswith("ldp_"):  # local DP has no client-level epsilon
             no_dp.append(label)
     ax_accuracy.set_xlabel("round")
     ax_accuracy.set_ylabel("test accuracy")
-    ax_accuracy.set_ylim(0.0, 1.0)   # chance-level noise is not blown up into big swings
+    ax_accuracy.set_ylim(0.0, 1.0)  # chance-level noise is not blown up into big swings
     ax_accuracy.grid(alpha=0.3)
     ax_accuracy.legend(fontsize=8)
     ax_accuracy.set_title(title or "accuracy per round", fontsize=9)
     ax_epsilon.set_xlabel("round")
     ax_epsilon.set_ylabel("epsilon (client level)")
     ax_epsilon.grid(alpha=0.3)
-    ax_epsilon.set_title("epsilon per round" + (f" ({', '.join(no_dp)}: no DP, epsilon = inf)"
-                                                if no_dp else ""), fontsize=9)
+    ax_epsilon.set_title(
+        "epsilon per round" + (f" ({', '.join(no_dp)}: no DP, epsilon = inf)" if no_dp else ""),
+        fontsize=9,
+    )
     if ax_epsilon.lines:
         ax_epsilon.legend(fontsize=8)
     return ax_accuracy, ax_epsilon
@@ -116,20 +141,36 @@ def plot_accuracy_and_epsilon(rows, ax=None, title: str = ""):
     if ax is None:
         ax = new_axes((5, 3.5))
     acc_rows = [r for r in rows if "test_accuracy" in r]
-    mark = dict(marker="o", ms=3)   # a run of one evaluated epoch is a point, not nothing
-    ax.plot([r["epoch"] for r in acc_rows], [r["test_accuracy"] for r in acc_rows],
-            color="tab:blue", label="test accuracy", **mark)
+    mark = dict(marker="o", ms=3)  # a run of one evaluated epoch is a point, not nothing
+    ax.plot(
+        [r["epoch"] for r in acc_rows],
+        [r["test_accuracy"] for r in acc_rows],
+        color="tab:blue",
+        label="test accuracy",
+        **mark,
+    )
     if acc_rows and "train_accuracy" in acc_rows[0]:
-        ax.plot([r["epoch"] for r in acc_rows], [r["train_accuracy"] for r in acc_rows],
-                color="tab:orange", ls="--", label="train accuracy (non-private)", **mark)
+        ax.plot(
+            [r["epoch"] for r in acc_rows],
+            [r["train_accuracy"] for r in acc_rows],
+            color="tab:orange",
+            ls="--",
+            label="train accuracy (non-private)",
+            **mark,
+        )
     ax.set_xlabel("epoch")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0.5, 1.0)
     ax.grid(alpha=0.3)
     if rows and "epsilon" in rows[0]:
         ax2 = ax.twinx()
-        ax2.plot([r["epoch"] for r in rows], [r["epsilon"] for r in rows], color="tab:red",
-                 label="epsilon", **mark)
+        ax2.plot(
+            [r["epoch"] for r in rows],
+            [r["epsilon"] for r in rows],
+            color="tab:red",
+            label="epsilon",
+            **mark,
+        )
         ax2.set_ylabel("epsilon", color="tab:red")
     ax.set_title(title)
     ax.legend(loc="lower right", fontsize=8)
@@ -145,8 +186,12 @@ def plot_best_accuracy_vs_epsilon(runs, deltas, ax=None):
         ax = new_axes((5, 3.5))
     for delta in deltas:
         key = f"epsilon@{delta:g}"
-        points = [(r[key], r["test_accuracy"]) for run in runs for r in run["history"]
-                  if key in r and "test_accuracy" in r]
+        points = [
+            (r[key], r["test_accuracy"])
+            for run in runs
+            for r in run["history"]
+            if key in r and "test_accuracy" in r
+        ]
         if not points:
             continue
         points.sort()
@@ -161,8 +206,7 @@ def plot_best_accuracy_vs_epsilon(runs, deltas, ax=None):
     return ax
 
 
-def plot_runs_accuracy_and_epsilon(runs, ax=None, title: str = "",
-                                   label_key: str = "lot_size"):
+def plot_runs_accuracy_and_epsilon(runs, ax=None, title: str = "", label_key: str = "lot_size"):
     """Several runs on one panel (Abadi et al., Figure 6): test accuracy per
     epoch (solid, left axis) and epsilon per epoch (dashed, right axis), one
     colour per run, labelled by ``run[label_key]``."""
@@ -175,13 +219,22 @@ def plot_runs_accuracy_and_epsilon(runs, ax=None, title: str = "",
         acc = [r for r in rows if "test_accuracy" in r]
         label = f"{label_key} = {run.get(label_key)}"
         final = f" ({acc[-1]['test_accuracy']:.3f})" if acc else ""
-        ax.plot([r["epoch"] for r in acc], [r["test_accuracy"] for r in acc], color=color,
-                label=f"{label}: accuracy{final}")
+        ax.plot(
+            [r["epoch"] for r in acc],
+            [r["test_accuracy"] for r in acc],
+            color=color,
+            label=f"{label}: accuracy{final}",
+        )
         eps = [r for r in rows if r.get("epsilon") is not None]
         if eps:
             ax2 = ax2 or ax.twinx()
-            ax2.plot([r["epoch"] for r in eps], [r["epsilon"] for r in eps], color=color,
-                     ls="--", label=f"{label}: epsilon")
+            ax2.plot(
+                [r["epoch"] for r in eps],
+                [r["epsilon"] for r in eps],
+                color=color,
+                ls="--",
+                label=f"{label}: epsilon",
+            )
     ax.set_xlabel("epoch")
     ax.set_ylabel("test accuracy (solid)")
     ax.grid(alpha=0.3)

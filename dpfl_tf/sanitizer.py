@@ -67,8 +67,10 @@ def deployment_note(seed) -> str | None:
     """What a run with a fixed seed must say (None without a seed)."""
     if seed is None:
         return None
-    return (f"seed={seed}: sampling and noise are reproducible, so this run is NOT for "
-            "deployment (DP noise must come from OS entropy)")
+    return (
+        f"seed={seed}: sampling and noise are reproducible, so this run is NOT for "
+        "deployment (DP noise must come from OS entropy)"
+    )
 
 
 def make_generator(seed: int | None = None, *, secure_mode: bool = False) -> tf.random.Generator:
@@ -83,8 +85,7 @@ def make_generator(seed: int | None = None, *, secure_mode: bool = False) -> tf.
     # The seed is the Philox *key*: distinct seeds give independent streams.
     # (`from_seed` puts the seed in the counter, so seeds k and k+1 would give
     # shifted copies of one stream.)
-    return tf.random.Generator.from_key_counter(key=int(seed) % 2**63, counter=[0, 0],
-                                                alg="philox")
+    return tf.random.Generator.from_key_counter(key=int(seed) % 2**63, counter=[0, 0], alg="philox")
 
 
 def seeded_noise_key(seed: int) -> tuple[int, int]:
@@ -93,8 +94,10 @@ def seeded_noise_key(seed: int) -> tuple[int, int]:
     lot t of seed s drew seed [s XOR t, j], so seed 1's lot 0 was seed 2's lot 3,
     and runs told apart only by their seeds shared noise."""
     digest = hashlib.blake2b(f"dpfl_tf noise key {int(seed)}".encode(), digest_size=16).digest()
-    return (int.from_bytes(digest[:8], "little") % 2**63,
-            int.from_bytes(digest[8:], "little") % 2**63)
+    return (
+        int.from_bytes(digest[:8], "little") % 2**63,
+        int.from_bytes(digest[8:], "little") % 2**63,
+    )
 
 
 def stream_key(seed: int | None, secure_mode: bool) -> tuple[int, int]:
@@ -137,22 +140,32 @@ class GaussianSanitizer:
         a seed.
     """
 
-    def __init__(self, l2_norm_clip: float | Sequence[float], noise_multiplier: float, *,
-                 noise_allocation: str = "global", seed: int | None = None,
-                 generator: tf.random.Generator | None = None, secure_mode: bool = False):
+    def __init__(
+        self,
+        l2_norm_clip: float | Sequence[float],
+        noise_multiplier: float,
+        *,
+        noise_allocation: str = "global",
+        seed: int | None = None,
+        generator: tf.random.Generator | None = None,
+        secure_mode: bool = False,
+    ):
         if isinstance(l2_norm_clip, (list, tuple)):
             if len(l2_norm_clip) == 0:
                 raise ValueError("l2_norm_clip must be a float or a non-empty list, got []")
-            self._clips = tuple(check_number(f"l2_norm_clip[{i}]", c, low=0.0, low_open=True)
-                                for i, c in enumerate(l2_norm_clip))
+            self._clips = tuple(
+                check_number(f"l2_norm_clip[{i}]", c, low=0.0, low_open=True)
+                for i, c in enumerate(l2_norm_clip)
+            )
             self.per_layer = True
         else:
             self._clips = (check_number("l2_norm_clip", l2_norm_clip, low=0.0, low_open=True),)
             self.per_layer = False
         self.noise_multiplier = check_number("noise_multiplier", noise_multiplier, low=0.0)
         if noise_allocation not in NoiseAllocation:
-            raise ValueError(f"noise_allocation must be one of {NoiseAllocation}, "
-                             f"got {noise_allocation!r}")
+            raise ValueError(
+                f"noise_allocation must be one of {NoiseAllocation}, got {noise_allocation!r}"
+            )
         self.noise_allocation = noise_allocation
         self.secure_mode = bool(secure_mode)
         self.seed = seed
@@ -176,8 +189,10 @@ class GaussianSanitizer:
         if not self.per_layer:
             return self._clips * num_components
         if len(self._clips) != num_components:
-            raise ValueError(f"per-layer l2_norm_clip has {len(self._clips)} bounds but the "
-                             f"record has {num_components} components (trainable variables)")
+            raise ValueError(
+                f"per-layer l2_norm_clip has {len(self._clips)} bounds but the "
+                f"record has {num_components} components (trainable variables)"
+            )
         return self._clips
 
     def total_clip(self, num_components: int) -> float:
@@ -204,8 +219,12 @@ class GaussianSanitizer:
         stds = GaussianSanitizer.noise_stddevs(self, num_components)
         return 1.0 / math.sqrt(sum((c / s) ** 2 for c, s in zip(bounds, stds)))
 
-    def event(self, num_components: int, sampling: SamplingMethod | str = SamplingMethod.POISSON,
-              **sampling_args) -> dp_accounting.DpEvent:
+    def event(
+        self,
+        num_components: int,
+        sampling: SamplingMethod | str = SamplingMethod.POISSON,
+        **sampling_args,
+    ) -> dp_accounting.DpEvent:
         """The event of one noised sum released by this sanitizer."""
         sigma = self.effective_noise_multiplier(num_components)
         if sigma == 0:
@@ -213,10 +232,13 @@ class GaussianSanitizer:
         return gaussian_step_event(sigma, sampling, **sampling_args)
 
     def get_config(self) -> dict:
-        return {"l2_norm_clip": list(self._clips) if self.per_layer else self._clips[0],
-                "noise_multiplier": self.noise_multiplier,
-                "noise_allocation": self.noise_allocation, "seed": self.seed,
-                "secure_mode": self.secure_mode}
+        return {
+            "l2_norm_clip": list(self._clips) if self.per_layer else self._clips[0],
+            "noise_multiplier": self.noise_multiplier,
+            "noise_allocation": self.noise_allocation,
+            "seed": self.seed,
+            "secure_mode": self.secure_mode,
+        }
 
     @classmethod
     def from_config(cls, config: dict) -> "GaussianSanitizer":
@@ -266,8 +288,9 @@ class GaussianSanitizer:
     def clip_batch(self, records: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """Clips a batch of records given as per-component tensors of shape [B, ...]."""
         records = [tf.convert_to_tensor(r) for r in records]
-        sq = [tf.reduce_sum(tf.reshape(tf.square(r), [tf.shape(r)[0], -1]), axis=1)
-              for r in records]
+        sq = [
+            tf.reduce_sum(tf.reshape(tf.square(r), [tf.shape(r)[0], -1]), axis=1) for r in records
+        ]
         factors = self.clip_factors(sq)
         return [self.apply_factors(r, f) for r, f in zip(records, factors)]
 
@@ -288,8 +311,9 @@ class GaussianSanitizer:
     def accumulate(state: Sequence[tf.Tensor], clipped_sum: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         return [s + c for s, c in zip(state, clipped_sum)]
 
-    def add_noise(self, summed: Sequence[tf.Tensor],
-                  groups: Sequence[int] | None = None, *, step=None) -> list[tf.Tensor]:
+    def add_noise(
+        self, summed: Sequence[tf.Tensor], groups: Sequence[int] | None = None, *, step=None
+    ) -> list[tf.Tensor]:
         """sum + N(0, s_j^2) on each component.
 
         `groups` maps each tensor to its clipping component when one component
@@ -314,20 +338,31 @@ class GaussianSanitizer:
             elif gen is not None:
                 out.append(s + tf.cast(stds[g], s.dtype) * gen.normal(tf.shape(s), dtype=s.dtype))
             else:
-                out.append(s + tf.cast(stds[g], s.dtype) * tf.random.stateless_normal(
-                    tf.shape(s), seed=seed, dtype=s.dtype, alg="philox"))
+                out.append(
+                    s
+                    + tf.cast(stds[g], s.dtype)
+                    * tf.random.stateless_normal(
+                        tf.shape(s), seed=seed, dtype=s.dtype, alg="philox"
+                    )
+                )
         return out
 
-    def noised_sum(self, state: Sequence[tf.Tensor],
-                   sampling: SamplingMethod | str = SamplingMethod.POISSON,
-                   groups: Sequence[int] | None = None,
-                   **sampling_args) -> tuple[list[tf.Tensor], dp_accounting.DpEvent]:
+    def noised_sum(
+        self,
+        state: Sequence[tf.Tensor],
+        sampling: SamplingMethod | str = SamplingMethod.POISSON,
+        groups: Sequence[int] | None = None,
+        **sampling_args,
+    ) -> tuple[list[tf.Tensor], dp_accounting.DpEvent]:
         """(noised sum, the event of this release)."""
         num = len(state) if groups is None else max(groups) + 1
         return self.add_noise(state, groups), self.event(num, sampling, **sampling_args)
 
     def __repr__(self) -> str:
-        return (f"GaussianSanitizer(l2_norm_clip={self.l2_norm_clip!r}, "
-                f"noise_multiplier={self.noise_multiplier!r}"
-                + (f", noise_allocation={self.noise_allocation!r}" if self.per_layer else "")
-                + (", secure_mode=True" if self.secure_mode else "") + ")")
+        return (
+            f"GaussianSanitizer(l2_norm_clip={self.l2_norm_clip!r}, "
+            f"noise_multiplier={self.noise_multiplier!r}"
+            + (f", noise_allocation={self.noise_allocation!r}" if self.per_layer else "")
+            + (", secure_mode=True" if self.secure_mode else "")
+            + ")"
+        )

@@ -69,8 +69,9 @@ def scattering_orders(J: int, L: int, colours: int = 1) -> np.ndarray:
     return np.tile(one, check_count("colours", colours, minimum=1))
 
 
-def _periodised_gaussian_hat(shape, sigma: float, theta: float, slant: float,
-                             xi: float, aliases: int = 2) -> np.ndarray:
+def _periodised_gaussian_hat(
+    shape, sigma: float, theta: float, slant: float, xi: float, aliases: int = 2
+) -> np.ndarray:
     """sum_k exp(-(w + 2 pi k - xi e_t)^T Sigma (w + 2 pi k - xi e_t) / 2) on the DFT
     grid w = 2 pi (fftfreq(M), fftfreq(N)); float64, shape (M, N)."""
     m, n = shape
@@ -83,9 +84,9 @@ def _periodised_gaussian_hat(shape, sigma: float, theta: float, slant: float,
         for k2 in range(-aliases, aliases + 1):
             u = w1 + 2 * np.pi * k1
             v = w2 + 2 * np.pi * k2
-            along = c * u + s * v - xi          # component along e_t, shifted by xi
+            along = c * u + s * v - xi  # component along e_t, shifted by xi
             across = -s * u + c * v
-            out += np.exp(-0.5 * sigma ** 2 * (along ** 2 + across ** 2 / slant ** 2))
+            out += np.exp(-0.5 * sigma**2 * (along**2 + across**2 / slant**2))
     return out
 
 
@@ -98,7 +99,7 @@ def morlet_filter_bank(shape, J: int = 2, L: int = 8):
     slant = 4.0 / L
     psi = np.zeros((J, L) + tuple(shape))
     for j in range(J):
-        sigma, xi = 0.8 * 2 ** j, 0.75 * np.pi / 2 ** j
+        sigma, xi = 0.8 * 2**j, 0.75 * np.pi / 2**j
         for l_ in range(L):
             theta = (L // 2 - 1 - l_) * np.pi / L
             gabor = _periodised_gaussian_hat(shape, sigma, theta, slant, xi)
@@ -132,47 +133,52 @@ class Scattering2D:
             h, w = (int(s) for s in shape)
         except (TypeError, ValueError):
             raise ValueError(f"shape must be (H, W), got {shape!r}") from None
-        step = 2 ** self.J
+        step = 2**self.J
         for name, size in (("H", h), ("W", w)):
             if size < step or size % step:
-                raise ValueError(f"shape {name} must be a positive multiple of 2^J = {step}, "
-                                 f"got {size} (shape={tuple(shape)!r})")
+                raise ValueError(
+                    f"shape {name} must be a positive multiple of 2^J = {step}, "
+                    f"got {size} (shape={tuple(shape)!r})"
+                )
             if padding == "reflect" and size < 2 * step:
-                raise ValueError(f"padding='reflect' needs shape {name} >= 2^(J+1) = "
-                                 f"{2 * step}, got {size}; use padding='periodic'")
+                raise ValueError(
+                    f"padding='reflect' needs shape {name} >= 2^(J+1) = "
+                    f"{2 * step}, got {size}; use padding='periodic'"
+                )
         self.shape = (h, w)
         self.pad = step if padding == "reflect" else 0
         self.padded_shape = (h + 2 * self.pad, w + 2 * self.pad)
         self.output_shape = (h // step, w // step)
         self.channels = scattering_channels(self.J, self.L)
         psi, phi = morlet_filter_bank(self.padded_shape, self.J, self.L)
-        self.psi_hat = psi.astype(np.float32)   # [J, L, M, N] on the full grid
+        self.psi_hat = psi.astype(np.float32)  # [J, L, M, N] on the full grid
         self.phi_hat = phi.astype(np.float32)
         # _psi[r][j - r], _phi[r]: the filters of scale 2^j (2^J) on the grid of
         # every 2^r-th sample, i.e. of scale 2^(j-r) (2^(J-r)) there
         self._psi, self._phi = [], []
         for r in range(self.J):
-            grid = (self.padded_shape[0] // 2 ** r, self.padded_shape[1] // 2 ** r)
-            psi_r, phi_r = (psi, phi) if r == 0 else morlet_filter_bank(grid, self.J - r,
-                                                                         self.L)
+            grid = (self.padded_shape[0] // 2**r, self.padded_shape[1] // 2**r)
+            psi_r, phi_r = (psi, phi) if r == 0 else morlet_filter_bank(grid, self.J - r, self.L)
             self._psi.append([tf.constant(p, tf.complex64) for p in psi_r])
             self._phi.append(tf.constant(phi_r, tf.complex64))
         self._fn = tf.function(self._scatter, reduce_retracing=True)
 
     def __repr__(self):
-        return (f"Scattering2D(J={self.J}, L={self.L}, shape={self.shape}, "
-                f"padding={self.padding!r})")
+        return f"Scattering2D(J={self.J}, L={self.L}, shape={self.shape}, padding={self.padding!r})"
 
     # -- checks -------------------------------------------------------------
 
     def _check(self, images):
         shape = tuple(images.shape)
         if len(shape) not in (3, 4):
-            raise ValueError("images must have rank 3 (N, H, W) or 4 (N, H, W, C), got shape "
-                             f"{shape}")
+            raise ValueError(
+                f"images must have rank 3 (N, H, W) or 4 (N, H, W, C), got shape {shape}"
+            )
         if shape[1:3] != self.shape:
-            raise ValueError(f"images must be {self.shape[0]}x{self.shape[1]} (the shape this "
-                             f"Scattering2D was built for), got shape {shape}")
+            raise ValueError(
+                f"images must be {self.shape[0]}x{self.shape[1]} (the shape this "
+                f"Scattering2D was built for), got shape {shape}"
+            )
 
     # -- the transform ------------------------------------------------------
 
@@ -190,10 +196,9 @@ class Scattering2D:
     def _lowpass(self, spectrum, r: int):
         """Spectrum on the grid of resolution 2^r -> real (u * phi_J)[::2^J] with the
         pad cropped; [..., H/2^J, W/2^J]."""
-        out = tf.math.real(tf.signal.ifft2d(
-            self._fold(spectrum * self._phi[r], 2 ** (self.J - r))))
+        out = tf.math.real(tf.signal.ifft2d(self._fold(spectrum * self._phi[r], 2 ** (self.J - r))))
         if self.pad:
-            c = self.pad // 2 ** self.J  # = 1
+            c = self.pad // 2**self.J  # = 1
             out = out[..., c:-c, c:-c]
         return out
 
@@ -208,25 +213,30 @@ class Scattering2D:
             p = self.pad
             x = tf.pad(x, [[0, 0], [p, p], [p, p]], mode="REFLECT")
         b = tf.shape(x)[0]
-        x_hat = tf.signal.fft2d(tf.cast(x, tf.complex64))                 # [B, M, N]
+        x_hat = tf.signal.fft2d(tf.cast(x, tf.complex64))  # [B, M, N]
         out = [self._lowpass(x_hat, 0)[:, None]]
         second = []
         for j1 in range(self.J):
-            u1 = tf.abs(tf.signal.ifft2d(self._fold(x_hat[:, None] * self._psi[0][j1],
-                                                    2 ** j1)))           # [B, L, M1, N1]
+            u1 = tf.abs(
+                tf.signal.ifft2d(self._fold(x_hat[:, None] * self._psi[0][j1], 2**j1))
+            )  # [B, L, M1, N1]
             u1_hat = tf.signal.fft2d(tf.cast(u1, tf.complex64))
             out.append(self._lowpass(u1_hat, j1))
             for j2 in range(j1 + 1, self.J):
-                u2 = tf.abs(tf.signal.ifft2d(self._fold(
-                    u1_hat[:, :, None] * self._psi[j1][j2 - j1][None, None],
-                    2 ** (j2 - j1))))                                    # [B, L, L, M2, N2]
+                u2 = tf.abs(
+                    tf.signal.ifft2d(
+                        self._fold(
+                            u1_hat[:, :, None] * self._psi[j1][j2 - j1][None, None], 2 ** (j2 - j1)
+                        )
+                    )
+                )  # [B, L, L, M2, N2]
                 s2 = self._lowpass(tf.signal.fft2d(tf.cast(u2, tf.complex64)), j2)
                 second.append((j1, j2, s2))
         # order 2 in (j1, t1, j2, t2) order
         for j1 in range(self.J):
             blocks = [s for (a, _, s) in second if a == j1]
             if blocks:
-                s = tf.concat(blocks, axis=2)                            # [B, L, (J-j1-1)L, ..]
+                s = tf.concat(blocks, axis=2)  # [B, L, (J-j1-1)L, ..]
                 out.append(tf.reshape(s, [b, -1, *self.output_shape]))
         return tf.concat(out, axis=1)
 
@@ -240,7 +250,7 @@ class Scattering2D:
             x = x[..., None]
         n, c = tf.shape(x)[0], x.shape[-1]
         x = tf.reshape(tf.transpose(x, [0, 3, 1, 2]), [-1, *self.shape])  # [N C, H, W]
-        s = self._fn(x)                                                    # [N C, K, h, w]
+        s = self._fn(x)  # [N C, K, h, w]
         s = tf.reshape(s, [n, c * self.channels, *self.output_shape])
         return tf.transpose(s, [0, 2, 3, 1])
 
@@ -248,11 +258,17 @@ class Scattering2D:
         """The shape `transform` returns for images of `images_shape`
         ([N, H, W] or [N, H, W, C])."""
         c = 1 if len(images_shape) == 3 else images_shape[-1]
-        return (images_shape[0], *((2,) if mirror else ()), *self.output_shape,
-                c * self.channels)
+        return (images_shape[0], *((2,) if mirror else ()), *self.output_shape, c * self.channels)
 
-    def transform(self, images, batch_size: int = 256, verbose: bool = False, *,
-                  mirror: bool = False, out=None) -> np.ndarray:
+    def transform(
+        self,
+        images,
+        batch_size: int = 256,
+        verbose: bool = False,
+        *,
+        mirror: bool = False,
+        out=None,
+    ) -> np.ndarray:
         """`__call__` over a large array in batches of `batch_size`; numpy float32
         [N, H/2^J, W/2^J, C K].
 
@@ -272,15 +288,17 @@ class Scattering2D:
             raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
         start = time.perf_counter()
         for i in range(0, len(images), batch_size):
-            batch = images[i:i + batch_size]
+            batch = images[i : i + batch_size]
             if mirror:
-                out[i:i + len(batch), 0] = self(batch).numpy()
-                out[i:i + len(batch), 1] = self(batch[:, :, ::-1]).numpy()
+                out[i : i + len(batch), 0] = self(batch).numpy()
+                out[i : i + len(batch), 1] = self(batch[:, :, ::-1]).numpy()
             else:
-                out[i:i + len(batch)] = self(batch).numpy()
+                out[i : i + len(batch)] = self(batch).numpy()
         if verbose:
-            print(f"scattering {len(images)} images{' and their mirror images' if mirror else ''}"
-                  f": {time.perf_counter() - start:.1f} s")
+            print(
+                f"scattering {len(images)} images{' and their mirror images' if mirror else ''}"
+                f": {time.perf_counter() - start:.1f} s"
+            )
         return out
 
 
@@ -290,7 +308,10 @@ def __getattr__(name):  # the model builders moved to dpfl_tf.models
 
         from dpfl_tf import models
 
-        warnings.warn(f"dpfl_tf.scattering.{name} moved to dpfl_tf.models.{name}",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"dpfl_tf.scattering.{name} moved to dpfl_tf.models.{name}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return getattr(models, name)
     raise AttributeError(f"module 'dpfl_tf.scattering' has no attribute {name!r}")

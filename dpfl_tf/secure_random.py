@@ -52,9 +52,15 @@ import numpy as np
 # TensorFlow is imported inside the functions that draw with it: the seed check
 # and the host-side uniforms are used by modules the CLI loads before TensorFlow
 
-__all__ = ["secure_generator", "secure_key", "secure_add_noise", "secure_normal64",
-           "secure_uniform",
-           "refuse_seed", "SECURE_DRAWS"]
+__all__ = [
+    "secure_generator",
+    "secure_key",
+    "secure_add_noise",
+    "secure_normal64",
+    "secure_uniform",
+    "refuse_seed",
+    "SECURE_DRAWS",
+]
 
 SECURE_DRAWS = 4  # Z = sum of four N(0, 1) draws / 2
 
@@ -63,8 +69,10 @@ def refuse_seed(secure_mode: bool, seed, name: str = "seed") -> None:
     """In secure mode a seed (of noise or sampling) is an error: the randomness
     must come from the OS's secure source."""
     if secure_mode and seed is not None:
-        raise ValueError(f"secure_mode=True refuses a seed (got {name}={seed!r}): secure "
-                         "noise and sampling must come from the OS's secure source")
+        raise ValueError(
+            f"secure_mode=True refuses a seed (got {name}={seed!r}): secure "
+            "noise and sampling must come from the OS's secure source"
+        )
 
 
 def secure_key() -> int:
@@ -77,7 +85,8 @@ def secure_generator():
     import tensorflow as tf
 
     return tf.random.Generator.from_key_counter(
-        key=secure_key(), counter=[secure_key(), secure_key()], alg="philox")
+        key=secure_key(), counter=[secure_key(), secure_key()], alg="philox"
+    )
 
 
 def secure_add_noise(value, generator, stddev, *, seed=None):
@@ -105,8 +114,7 @@ def _secure_noise64(generator, shape, stddev, seed):
     if generator is not None:
         draws = generator.normal(shape, dtype=tf.float64)
     else:
-        draws = tf.random.stateless_normal(shape, seed=seed, dtype=tf.float64,
-                                           alg="philox")
+        draws = tf.random.stateless_normal(shape, seed=seed, dtype=tf.float64, alg="philox")
     return tf.cast(stddev, tf.float64) * tf.reduce_sum(draws, axis=0) / 2.0
 
 
@@ -116,7 +124,7 @@ def secure_uniform(n: int) -> np.ndarray:
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     words = np.frombuffer(os.urandom(8 * n), dtype=np.uint64) >> np.uint64(11)
-    return words.astype(np.float64) * (2.0 ** -53)
+    return words.astype(np.float64) * (2.0**-53)
 
 
 def secure_words(n: int) -> np.ndarray:

@@ -21,8 +21,18 @@ import sys
 import tempfile
 import time
 
-__all__ = ["DATA_DIR", "ROOT", "RESULTS", "command_line", "commit_of", "load_runs",
-           "peak_rss_mb", "run_child", "run_measured", "shown"]
+__all__ = [
+    "DATA_DIR",
+    "ROOT",
+    "RESULTS",
+    "command_line",
+    "commit_of",
+    "load_runs",
+    "peak_rss_mb",
+    "run_child",
+    "run_measured",
+    "shown",
+]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "results")
@@ -38,12 +48,26 @@ def commit_of(tree: str = ROOT, *, untracked: bool = False) -> str:
     tracked file is changed (or, with `untracked`, when any file git does not
     ignore is new); "unknown" when git cannot tell."""
     try:
-        head = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", tree, "status", "--porcelain",
-                                "--untracked-files=" + ("normal" if untracked else "no")],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", tree, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [
+                "git",
+                "-C",
+                tree,
+                "status",
+                "--porcelain",
+                "--untracked-files=" + ("normal" if untracked else "no"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + (" (with uncommitted changes)" if dirty else "")
@@ -77,8 +101,14 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_measured(command: list, *, cwd: str = ROOT, env: dict | None = None,
-                 log: str | None = None, timeout: float | None = None) -> dict:
+def run_measured(
+    command: list,
+    *,
+    cwd: str = ROOT,
+    env: dict | None = None,
+    log: str | None = None,
+    timeout: float | None = None,
+) -> dict:
     """Runs `command` as a child process; returns its exit code, wall seconds
     and peak RSS (the child's ``ru_maxrss`` from ``wait4``: resident memory,
     mapped file pages included, as ``/usr/bin/time -v`` reports it), with the
@@ -87,8 +117,7 @@ def run_measured(command: list, *, cwd: str = ROOT, env: dict | None = None,
     start = time.perf_counter()
     out = open(log, "w") if log else subprocess.DEVNULL
     try:
-        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -100,10 +129,13 @@ def run_measured(command: list, *, cwd: str = ROOT, env: dict | None = None,
     finally:
         if log:
             out.close()
-    return {"command": shlex.join(command), "exit_code": os.waitstatus_to_exitcode(status),
-            "wall_seconds": round(time.perf_counter() - start, 1),
-            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
-            "load_average_before": [round(v, 2) for v in load]}
+    return {
+        "command": shlex.join(command),
+        "exit_code": os.waitstatus_to_exitcode(status),
+        "wall_seconds": round(time.perf_counter() - start, 1),
+        "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+        "load_average_before": [round(v, 2) for v in load],
+    }
 
 
 def run_child(cmd: list, timeout: float, *, key: str = "seconds_per_epoch") -> dict:
@@ -120,8 +152,14 @@ def run_child(cmd: list, timeout: float, *, key: str = "seconds_per_epoch") -> d
         out_path = f.name
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
     try:
-        proc = subprocess.run(cmd + ["--output", out_path], capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=ROOT)
+        proc = subprocess.run(
+            cmd + ["--output", out_path],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=ROOT,
+        )
         result = {}
         if os.path.getsize(out_path) > 0:
             with open(out_path) as f:

@@ -12,13 +12,12 @@ import os
 import time
 
 import _common  # noqa: F401  (this checkout's package first on sys.path)
+import matplotlib.pyplot as plt  # noqa: E402  (after dpfl_tf.plotting set the backend)
 import numpy as np
 
 from dpfl_tf._io import atomic_write_json
 from dpfl_tf.plotting import plot_epsilon_curves, save_figure
 from dpfl_tf.privacy.curves import epsilon_curves
-
-import matplotlib.pyplot as plt  # noqa: E402  (after dpfl_tf.plotting set the backend)
 
 PAPER = {"moments": {100: 1.26, 400: 2.55}, "strong": {100: 9.34, 400: 24.22}}
 
@@ -33,9 +32,11 @@ def main(argv=None) -> dict:
     p.add_argument("--output-dir", default="results")
     args = p.parse_args(argv)
 
-    epochs = sorted(set(np.linspace(0, args.max_epochs, args.points).tolist()) | {100.0, 400.0}
-                    if args.max_epochs >= 400 else
-                    np.linspace(0, args.max_epochs, args.points).tolist())
+    epochs = sorted(
+        set(np.linspace(0, args.max_epochs, args.points).tolist()) | {100.0, 400.0}
+        if args.max_epochs >= 400
+        else np.linspace(0, args.max_epochs, args.points).tolist()
+    )
     start = time.perf_counter()
     curves = epsilon_curves(args.sampling_rate, args.noise_multiplier, args.delta, epochs)
     curves["seconds"] = time.perf_counter() - start
@@ -56,10 +57,10 @@ def main(argv=None) -> dict:
     plot_epsilon_curves(curves, ax)
     save_figure(fig, os.path.join(args.output_dir, "accountant_curves.png"))
     for row in table:
-        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                       for k, v in row.items()))
-    print(f"wrote {args.output_dir}/accountant_curves.json and .png "
-          f"({curves['seconds']:.1f} s)")
+        print(
+            " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+        )
+    print(f"wrote {args.output_dir}/accountant_curves.json and .png ({curves['seconds']:.1f} s)")
     return curves
 
 

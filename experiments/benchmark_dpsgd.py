@@ -48,17 +48,30 @@ import time
 from _common import ROOT, peak_rss_mb, run_child
 
 MODELS = ("mnist_mlp", "cifar_frozen_conv", "cifar_full_conv")
-OURS = ("keras_nonprivate", "keras_nonprivate_spe", "keras_nonprivate_xla", "dpfl_tf",
-        "dpfl_tf_spe1", "dpfl_tf_memmap", "dpfl_tf_xla", "dpfl_tf_secure")
+OURS = (
+    "keras_nonprivate",
+    "keras_nonprivate_spe",
+    "keras_nonprivate_xla",
+    "dpfl_tf",
+    "dpfl_tf_spe1",
+    "dpfl_tf_memmap",
+    "dpfl_tf_xla",
+    "dpfl_tf_secure",
+)
 FULL_SIZE = {"mnist_mlp": 60_000, "cifar_frozen_conv": 50_000, "cifar_full_conv": 50_000}
-TFP = ("nonprivate", "dp_keras_sgd_microbatch", "dp_keras_sgd_vectorized",
-       "dp_sequential_fast_clipping")
+TFP = (
+    "nonprivate",
+    "dp_keras_sgd_microbatch",
+    "dp_keras_sgd_vectorized",
+    "dp_sequential_fast_clipping",
+)
 OPACUS = ("nonprivate", "opacus", "opacus_ghost")
 CLIP, NOISE, LR = 4.0, 1.0, 0.05
 
 
 # ---------------------------------------------------------------------------
 # worker: one configuration of ours, in this process
+
 
 def _data(model_name: str, n: int):
     import numpy as np
@@ -79,15 +92,27 @@ def _model(model_name: str):
     import keras
 
     if model_name == "mnist_mlp":
-        return keras.Sequential([keras.Input((60,)), keras.layers.Dense(1000, activation="relu"),
-                                 keras.layers.Dense(10)])
+        return keras.Sequential(
+            [
+                keras.Input((60,)),
+                keras.layers.Dense(1000, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
     layers = keras.layers
-    model = keras.Sequential([
-        keras.Input((24, 24, 3)),
-        layers.Conv2D(64, 5, padding="same", activation="relu"), layers.MaxPooling2D(2),
-        layers.Conv2D(64, 5, padding="same", activation="relu"), layers.MaxPooling2D(2),
-        layers.Flatten(), layers.Dense(384, activation="relu"),
-        layers.Dense(384, activation="relu"), layers.Dense(10)])
+    model = keras.Sequential(
+        [
+            keras.Input((24, 24, 3)),
+            layers.Conv2D(64, 5, padding="same", activation="relu"),
+            layers.MaxPooling2D(2),
+            layers.Conv2D(64, 5, padding="same", activation="relu"),
+            layers.MaxPooling2D(2),
+            layers.Flatten(),
+            layers.Dense(384, activation="relu"),
+            layers.Dense(384, activation="relu"),
+            layers.Dense(10),
+        ]
+    )
     if model_name == "cifar_frozen_conv":
         for layer in model.layers[:4]:
             layer.trainable = False
@@ -97,7 +122,7 @@ def _model(model_name: str):
 def worker(args) -> dict:
     import keras
 
-    from dpfl_tf.keras import DPModel, DPSGD
+    from dpfl_tf.keras import DPSGD, DPModel
     from dpfl_tf.keras.model import auto_steps_per_execution
 
     x, y = _data(args.model, args.examples)
@@ -125,38 +150,72 @@ def worker(args) -> dict:
         if impl.startswith("keras_nonprivate"):
             if impl == "keras_nonprivate_spe":
                 steps = auto_steps_per_execution(max(1, len(y) // args.lot_size))
-            model.compile(optimizer=keras.optimizers.SGD(LR), loss=loss,
-                          steps_per_execution=steps, jit_compile=impl.endswith("_xla"))
-            model.fit(x, y, batch_size=args.lot_size, epochs=args.epochs, verbose=0,
-                      callbacks=[EpochTimer()])
+            model.compile(
+                optimizer=keras.optimizers.SGD(LR),
+                loss=loss,
+                steps_per_execution=steps,
+                jit_compile=impl.endswith("_xla"),
+            )
+            model.fit(
+                x,
+                y,
+                batch_size=args.lot_size,
+                epochs=args.epochs,
+                verbose=0,
+                callbacks=[EpochTimer()],
+            )
         else:
             dp = DPModel(model)
-            dp.compile(optimizer=DPSGD(LR, l2_norm_clip=CLIP, noise_multiplier=NOISE,
-                                       secure_mode=impl == "dpfl_tf_secure"),
-                       loss=loss, jit_compile=impl == "dpfl_tf_xla",
-                       steps_per_execution=1 if impl == "dpfl_tf_spe1" else "auto")
-            dp.fit(x, y, lot_size=args.lot_size, epochs=args.epochs, verbose=0,
-                   callbacks=[EpochTimer()])
+            dp.compile(
+                optimizer=DPSGD(
+                    LR,
+                    l2_norm_clip=CLIP,
+                    noise_multiplier=NOISE,
+                    secure_mode=impl == "dpfl_tf_secure",
+                ),
+                loss=loss,
+                jit_compile=impl == "dpfl_tf_xla",
+                steps_per_execution=1 if impl == "dpfl_tf_spe1" else "auto",
+            )
+            dp.fit(
+                x,
+                y,
+                lot_size=args.lot_size,
+                epochs=args.epochs,
+                verbose=0,
+                callbacks=[EpochTimer()],
+            )
             steps = dp.steps_per_execution
     if args.implementation == "dpfl_tf_memmap":
         import shutil
 
         del x
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"model": args.model, "implementation": args.implementation, "library": "dpfl_tf"
-            if args.implementation.startswith("dpfl_tf") else "keras", "library_version": keras.__version__,
-            "seconds_per_epoch": statistics.median(timed), "epoch_seconds": timed,
-            "warmup_seconds": warmup,
-            "peak_memory_mb": peak_rss_mb(),
-            "examples": args.examples, "lot_size": args.lot_size,
-            "settings": {"l2_norm_clip": CLIP, "noise_multiplier": NOISE, "learning_rate": LR,
-                         "sampling": "poisson" if args.implementation.startswith("dpfl_tf") else
-                         "keras batches", "physical_batch": "default (the whole lot)",
-                         "steps_per_execution": steps}}
+    return {
+        "model": args.model,
+        "implementation": args.implementation,
+        "library": "dpfl_tf" if args.implementation.startswith("dpfl_tf") else "keras",
+        "library_version": keras.__version__,
+        "seconds_per_epoch": statistics.median(timed),
+        "epoch_seconds": timed,
+        "warmup_seconds": warmup,
+        "peak_memory_mb": peak_rss_mb(),
+        "examples": args.examples,
+        "lot_size": args.lot_size,
+        "settings": {
+            "l2_norm_clip": CLIP,
+            "noise_multiplier": NOISE,
+            "learning_rate": LR,
+            "sampling": "poisson" if args.implementation.startswith("dpfl_tf") else "keras batches",
+            "physical_batch": "default (the whole lot)",
+            "steps_per_execution": steps,
+        },
+    }
 
 
 # ---------------------------------------------------------------------------
 # orchestrator
+
 
 def _merge(merged: dict | None, result: dict) -> dict:
     """One configuration's results over its processes: every timed epoch (the
@@ -168,8 +227,9 @@ def _merge(merged: dict | None, result: dict) -> dict:
     merged["warmup_seconds"] += result.get("warmup_seconds") or []
     peaks = [m for m in (merged.get("peak_memory_mb"), result.get("peak_memory_mb")) if m]
     merged["peak_memory_mb"] = max(peaks) if peaks else None
-    merged["seconds_per_epoch"] = (statistics.median(merged["epoch_seconds"])
-                                   if merged["epoch_seconds"] else None)
+    merged["seconds_per_epoch"] = (
+        statistics.median(merged["epoch_seconds"]) if merged["epoch_seconds"] else None
+    )
     if result.get("error") and not merged.get("error"):
         merged["error"] = result["error"]
     return merged
@@ -178,8 +238,12 @@ def _merge(merged: dict | None, result: dict) -> dict:
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    p.add_argument("--examples", type=int, default=None,
-                   help="examples per model (default: the full training set)")
+    p.add_argument(
+        "--examples",
+        type=int,
+        default=None,
+        help="examples per model (default: the full training set)",
+    )
     p.add_argument("--implementations", nargs="+", default=list(OURS), choices=OURS)
     p.add_argument("--lot-size", type=int, default=600)
     p.add_argument("--epochs", type=int, default=3, help="per repeat; the first is warm-up")
@@ -187,8 +251,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--tfp-python", default="/work/peer_envs/tfp/bin/python")
     p.add_argument("--opacus-python", default="/work/peer_envs/opacus/bin/python")
     p.add_argument("--skip-peers", action="store_true")
-    p.add_argument("--peer-epochs", type=int, default=2,
-                   help="epochs per repeat for the slow per-example peers")
+    p.add_argument(
+        "--peer-epochs",
+        type=int,
+        default=2,
+        help="epochs per repeat for the slow per-example peers",
+    )
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--output", default="results/benchmark_dpsgd.json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -206,66 +274,116 @@ def main(argv=None) -> list[dict]:
     for model in args.models:
         examples = args.examples or FULL_SIZE[model]
         common = ["--examples", str(examples), "--lot-size", str(args.lot_size)]
-        plan = [(sys.executable, os.path.abspath(__file__), impl, ["--worker"], args.epochs,
-                 args.repeats) for impl in args.implementations]
+        plan = [
+            (
+                sys.executable,
+                os.path.abspath(__file__),
+                impl,
+                ["--worker"],
+                args.epochs,
+                args.repeats,
+            )
+            for impl in args.implementations
+        ]
         if not args.skip_peers:
             for python, script, impls in [
-                    (args.tfp_python, "experiments/peers/tfp_benchmark.py", TFP),
-                    (args.opacus_python, "experiments/peers/opacus_benchmark.py", OPACUS)]:
+                (args.tfp_python, "experiments/peers/tfp_benchmark.py", TFP),
+                (args.opacus_python, "experiments/peers/opacus_benchmark.py", OPACUS),
+            ]:
                 if not os.path.exists(python):
                     print(f"skipping {script}: no interpreter at {python}")
                     continue
                 for impl in impls:
-                    slow = impl.startswith("dp_keras") or (impl == "opacus" and model != "mnist_mlp")
-                    plan.append((python, os.path.join(ROOT, script), impl, [],
-                                 args.peer_epochs if slow else args.epochs,
-                                 1 if slow else args.repeats))
+                    slow = impl.startswith("dp_keras") or (
+                        impl == "opacus" and model != "mnist_mlp"
+                    )
+                    plan.append(
+                        (
+                            python,
+                            os.path.join(ROOT, script),
+                            impl,
+                            [],
+                            args.peer_epochs if slow else args.epochs,
+                            1 if slow else args.repeats,
+                        )
+                    )
         # rounds: every configuration once per round, each in a fresh process
-        results = {}   # label -> merged result
+        results = {}  # label -> merged result
         walls = {}
         for round_ in range(max(1, max(r for *_, r in plan))):
             for python, script, impl, extra, epochs, repeats in plan:
                 if round_ >= repeats:
                     continue
-                cmd = [python, script, *extra, "--model", model, "--implementation", impl,
-                       "--epochs", str(epochs), "--repeats", "1", *common]
+                cmd = [
+                    python,
+                    script,
+                    *extra,
+                    "--model",
+                    model,
+                    "--implementation",
+                    impl,
+                    "--epochs",
+                    str(epochs),
+                    "--repeats",
+                    "1",
+                    *common,
+                ]
                 start = time.perf_counter()
                 result = run_child(cmd, args.timeout)
-                label = impl if script.endswith("benchmark_dpsgd.py") else \
-                    ("tfp_" if "tfp" in script else "opacus_") + impl
+                label = (
+                    impl
+                    if script.endswith("benchmark_dpsgd.py")
+                    else ("tfp_" if "tfp" in script else "opacus_") + impl
+                )
                 walls[label] = walls.get(label, 0.0) + time.perf_counter() - start
                 results[label] = _merge(results.get(label), result)
         baseline = None
         for label, result in results.items():
-            row = {"model": model, "implementation": label,
-                   "seconds_per_epoch": result.get("seconds_per_epoch"),
-                   "ratio_to_nonprivate": None,
-                   "peak_memory_mb": result.get("peak_memory_mb"),
-                   "library": result.get("library"),
-                   "library_version": result.get("library_version"),
-                   "epochs_timed": len(result.get("epoch_seconds") or []),
-                   "epoch_seconds": result.get("epoch_seconds"),
-                   "processes": result.get("processes"),
-                   "steps_per_execution": (result.get("settings") or {}).get(
-                       "steps_per_execution"),
-                   "examples": examples, "lot_size": args.lot_size,
-                   "command": " ".join(["python", "experiments/benchmark_dpsgd.py",
-                                        *(argv if argv is not None else sys.argv[1:])]),
-                   "wall_seconds": walls[label]}
+            row = {
+                "model": model,
+                "implementation": label,
+                "seconds_per_epoch": result.get("seconds_per_epoch"),
+                "ratio_to_nonprivate": None,
+                "peak_memory_mb": result.get("peak_memory_mb"),
+                "library": result.get("library"),
+                "library_version": result.get("library_version"),
+                "epochs_timed": len(result.get("epoch_seconds") or []),
+                "epoch_seconds": result.get("epoch_seconds"),
+                "processes": result.get("processes"),
+                "steps_per_execution": (result.get("settings") or {}).get("steps_per_execution"),
+                "examples": examples,
+                "lot_size": args.lot_size,
+                "command": " ".join(
+                    [
+                        "python",
+                        "experiments/benchmark_dpsgd.py",
+                        *(argv if argv is not None else sys.argv[1:]),
+                    ]
+                ),
+                "wall_seconds": walls[label],
+            }
             if result.get("error"):
                 row["error"] = result["error"].strip().splitlines()[-1][:300]
             if label == "keras_nonprivate":
                 baseline = row
             if baseline and row["seconds_per_epoch"] and baseline["seconds_per_epoch"]:
-                row["ratio_to_nonprivate"] = row["seconds_per_epoch"] / baseline[
-                    "seconds_per_epoch"]
-                row["memory_ratio_to_nonprivate"] = row["peak_memory_mb"] / baseline[
-                    "peak_memory_mb"]
+                row["ratio_to_nonprivate"] = (
+                    row["seconds_per_epoch"] / baseline["seconds_per_epoch"]
+                )
+                row["memory_ratio_to_nonprivate"] = (
+                    row["peak_memory_mb"] / baseline["peak_memory_mb"]
+                )
             rows.append(row)
-            print(f"{model:18s} {label:34s} "
-                  + (f"{row['seconds_per_epoch']:8.3f} s/epoch  x{row['ratio_to_nonprivate']:.2f}"
-                     f"  {row['peak_memory_mb']:7.0f} MB" if row["seconds_per_epoch"] else
-                     f"failed: {row.get('error', '')[:80]}"), flush=True)
+            print(
+                f"{model:18s} {label:34s} "
+                + (
+                    f"{row['seconds_per_epoch']:8.3f} s/epoch  x{row['ratio_to_nonprivate']:.2f}"
+                    f"  {row['peak_memory_mb']:7.0f} MB"
+                    if row["seconds_per_epoch"]
+                    else f"failed: {row.get('error', '')[:80]}"
+                ),
+                flush=True,
+            )
     from dpfl_tf._io import atomic_write_json
 
     atomic_write_json(args.output, rows)

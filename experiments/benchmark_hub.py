@@ -40,13 +40,14 @@ import sys
 import time
 
 from _common import RESULTS, command_line, commit_of, peak_rss_mb, run_child
+
 MODELS = ("bert", "gpt2", "gemma", "llama", "vit")
 IMPLEMENTATIONS = ("keras_nonprivate", "dpfl_tf")
 CLIP, NOISE, LR, RANK = 1.0, 1.0, 0.05, 4
-FULL = dict(examples=2048, lot_size=128, seq=128, hidden=128, layers=2, vocab=8000, image=32,
-            epochs=3)
-QUICK = dict(examples=256, lot_size=64, seq=32, hidden=32, layers=2, vocab=500, image=16,
-             epochs=2)
+FULL = dict(
+    examples=2048, lot_size=128, seq=128, hidden=128, layers=2, vocab=8000, image=32, epochs=3
+)
+QUICK = dict(examples=256, lot_size=64, seq=32, hidden=32, layers=2, vocab=500, image=16, epochs=2)
 TIME_TARGET, MEMORY_TARGET = 1.5, 2.0
 
 
@@ -56,27 +57,36 @@ def build(name: str, size: dict, lora: bool):
     import numpy as np
 
     m, h = keras_hub.models, size["hidden"]
-    text = dict(vocabulary_size=size["vocab"], num_layers=size["layers"], hidden_dim=h,
-                intermediate_dim=4 * h if name in ("bert", "gpt2") else 2 * h)
+    text = dict(
+        vocabulary_size=size["vocab"],
+        num_layers=size["layers"],
+        hidden_dim=h,
+        intermediate_dim=4 * h if name in ("bert", "gpt2") else 2 * h,
+    )
     if name == "bert":
-        backbone = m.BertBackbone(num_heads=4, max_sequence_length=size["seq"], dropout=0.0,
-                                  **text)
+        backbone = m.BertBackbone(num_heads=4, max_sequence_length=size["seq"], dropout=0.0, **text)
         model = m.BertTextClassifier(backbone, num_classes=2, preprocessor=None, dropout=0.0)
     elif name == "gpt2":
-        backbone = m.GPT2Backbone(num_heads=4, max_sequence_length=size["seq"], dropout=0.0,
-                                  **text)
+        backbone = m.GPT2Backbone(num_heads=4, max_sequence_length=size["seq"], dropout=0.0, **text)
         model = m.GPT2CausalLM(backbone, preprocessor=None)
     elif name == "gemma":
-        backbone = m.GemmaBackbone(num_query_heads=4, num_key_value_heads=1, head_dim=h // 4,
-                                   **text)
+        backbone = m.GemmaBackbone(
+            num_query_heads=4, num_key_value_heads=1, head_dim=h // 4, **text
+        )
         model = m.GemmaCausalLM(backbone, preprocessor=None)
     elif name == "llama":
         backbone = m.LlamaBackbone(num_query_heads=4, num_key_value_heads=2, **text)
         model = m.LlamaCausalLM(backbone, preprocessor=None)
     else:
         s = size["image"]
-        backbone = m.ViTBackbone(image_shape=(s, s, 3), patch_size=4, num_layers=size["layers"],
-                                 num_heads=4, hidden_dim=h, mlp_dim=2 * h)
+        backbone = m.ViTBackbone(
+            image_shape=(s, s, 3),
+            patch_size=4,
+            num_layers=size["layers"],
+            num_heads=4,
+            hidden_dim=h,
+            mlp_dim=2 * h,
+        )
         model = m.ViTImageClassifier(backbone, num_classes=10, preprocessor=None)
     if lora:
         backbone.enable_lora(RANK)
@@ -107,36 +117,45 @@ def worker(args) -> dict:
     import keras
     import tensorflow as tf
 
-    from dpfl_tf.keras import DPModel, DPSGD
+    from dpfl_tf.keras import DPSGD, DPModel
 
     size = QUICK if args.quick else FULL
     keras.utils.set_random_seed(0)
     model, x, y = build(args.model, size, args.lora)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    ends = []   # perf_counter at fit's start and at each epoch's end
+    ends = []  # perf_counter at fit's start and at each epoch's end
     stamps = keras.callbacks.LambdaCallback(
         on_train_begin=lambda logs: ends.append(time.perf_counter()),
-        on_epoch_end=lambda epoch, logs: ends.append(time.perf_counter()))
+        on_epoch_end=lambda epoch, logs: ends.append(time.perf_counter()),
+    )
     extra = {}
     if args.implementation == "keras_nonprivate":
         model.compile(optimizer=keras.optimizers.SGD(LR), loss=loss)
-        model.fit(x, y, batch_size=size["lot_size"], epochs=size["epochs"], verbose=0,
-                  callbacks=[stamps])
+        model.fit(
+            x, y, batch_size=size["lot_size"], epochs=size["epochs"], verbose=0, callbacks=[stamps]
+        )
     else:
         dp = DPModel(model)
         dp.compile(optimizer=DPSGD(LR, l2_norm_clip=CLIP, noise_multiplier=NOISE), loss=loss)
-        dp.fit(x, y, lot_size=size["lot_size"], epochs=size["epochs"], verbose=0,
-               callbacks=[stamps])
+        dp.fit(
+            x, y, lot_size=size["lot_size"], epochs=size["epochs"], verbose=0, callbacks=[stamps]
+        )
         extra = {"physical_batch": dp._batch_size, "rules": _rules(model)}
-    epochs = [b - a for a, b in zip(ends, ends[1:])]   # the first is warm-up
-    return {"model": args.model, "lora": args.lora, "implementation": args.implementation,
-            "seconds_per_epoch": statistics.median(epochs[1:]), "epoch_seconds": epochs[1:],
-            "warmup_seconds": epochs[:1],
-            "peak_memory_mb": peak_rss_mb(),
-            "trainable_parameters": int(sum(int(tf.size(v)) for v in model.trainable_variables)),
-            "parameters": int(sum(int(tf.size(v)) for v in model.weights)),
-            "tensorflow_version": tf.__version__, "keras_version": keras.__version__,
-            **extra}
+    epochs = [b - a for a, b in zip(ends, ends[1:])]  # the first is warm-up
+    return {
+        "model": args.model,
+        "lora": args.lora,
+        "implementation": args.implementation,
+        "seconds_per_epoch": statistics.median(epochs[1:]),
+        "epoch_seconds": epochs[1:],
+        "warmup_seconds": epochs[:1],
+        "peak_memory_mb": peak_rss_mb(),
+        "trainable_parameters": int(sum(int(tf.size(v)) for v in model.trainable_variables)),
+        "parameters": int(sum(int(tf.size(v)) for v in model.weights)),
+        "tensorflow_version": tf.__version__,
+        "keras_version": keras.__version__,
+        **extra,
+    }
 
 
 def breakdown(name: str, size: dict, lora: bool, repeats: int = 5) -> dict:
@@ -146,9 +165,14 @@ def breakdown(name: str, size: dict, lora: bool, repeats: int = 5) -> dict:
     import keras
     import tensorflow as tf
 
-    from dpfl_tf.keras.per_example import PerExampleGradients, _Recorder, _tapping, \
-        per_example_loss, plan_layers
     from dpfl_tf.keras.layer_rules import LayerCall
+    from dpfl_tf.keras.per_example import (
+        PerExampleGradients,
+        _Recorder,
+        _tapping,
+        per_example_loss,
+        plan_layers,
+    )
 
     keras.utils.set_random_seed(0)
     model, x, y = build(name, size, lora)
@@ -181,12 +205,13 @@ def breakdown(name: str, size: dict, lora: bool, repeats: int = 5) -> dict:
         return per_example.compute(x, y, ones, lambda sq: [tf.ones_like(s) for s in sq])[0]
 
     plan = plan_layers(model)
-    with tf.GradientTape() as tape:   # one tapped pass, eagerly: the rules' inputs
+    with tf.GradientTape() as tape:  # one tapped pass, eagerly: the rules' inputs
         recorder = _Recorder(tape, plan)
         with _tapping(recorder):
             total = tf.reduce_sum(per_example_loss(loss, y, model(x, training=True)))
-    watched = [(i, k, z) for i, (_, _, taps) in enumerate(recorder.calls)
-               for k, z in taps.watched.items()]
+    watched = [
+        (i, k, z) for i, (_, _, taps) in enumerate(recorder.calls) for k, z in taps.watched.items()
+    ]
     grads = tape.gradient(total, [z for _, _, z in watched])
     per_call = [{} for _ in recorder.calls]
     for (i, k, _), g in zip(watched, grads):
@@ -196,6 +221,7 @@ def breakdown(name: str, size: dict, lora: bool, repeats: int = 5) -> dict:
         by_layer.setdefault(id(layer), (layer, rule, []))[2].append((taps.saved, taps.watched, g))
     rows = []
     for layer, rule, calls in by_layer.values():
+
         def run(flat, layer=layer, rule=rule, calls=calls):
             packed = tf.nest.pack_sequence_as(calls, flat)
             results = rule.gradients(layer, [LayerCall(*c) for c in packed])
@@ -208,14 +234,24 @@ def breakdown(name: str, size: dict, lora: bool, repeats: int = 5) -> dict:
             it = iter(ts)
             return run([next(it) if isinstance(t, tf.Tensor) else t for t in flat])
 
-        rows.append({"layer": layer.path, "class": type(layer).__name__,
-                     "rule": type(rule).__name__,
-                     "seconds": median_time(tf.function(fn), *tensors)})
+        rows.append(
+            {
+                "layer": layer.path,
+                "class": type(layer).__name__,
+                "rule": type(rule).__name__,
+                "seconds": median_time(tf.function(fn), *tensors),
+            }
+        )
     rows.sort(key=lambda r: -r["seconds"])
-    return {"model": name, "lora": lora, "batch": b,
-            "plain_step_seconds": median_time(plain, x, y),
-            "dp_step_seconds": median_time(dp, x, y),
-            "rules_alone_total_seconds": sum(r["seconds"] for r in rows), "layers": rows}
+    return {
+        "model": name,
+        "lora": lora,
+        "batch": b,
+        "plain_step_seconds": median_time(plain, x, y),
+        "dp_step_seconds": median_time(dp, x, y),
+        "rules_alone_total_seconds": sum(r["seconds"] for r in rows),
+        "layers": rows,
+    }
 
 
 def main(argv=None) -> dict:
@@ -224,11 +260,16 @@ def main(argv=None) -> dict:
     p.add_argument("--lora", nargs="+", default=["off", "on"], choices=["off", "on"])
     p.add_argument("--quick", action="store_true", help="tiny sizes; timings mean nothing")
     p.add_argument("--no-breakdown", action="store_true")
-    p.add_argument("--shared-machine", action="store_true",
-                   help="record that other jobs shared the machine (timings are noisy)")
+    p.add_argument(
+        "--shared-machine",
+        action="store_true",
+        help="record that other jobs shared the machine (timings are noisy)",
+    )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per configuration")
-    p.add_argument("--output", help="default results/benchmark_hub.json "
-                                    "(results/benchmark_hub_quick.json with --quick)")
+    p.add_argument(
+        "--output",
+        help="default results/benchmark_hub.json (results/benchmark_hub_quick.json with --quick)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--breakdown-of", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -238,15 +279,20 @@ def main(argv=None) -> dict:
 
     if args.worker:
         args.lora = args.lora == ["on"]
-        result = (breakdown(args.model, QUICK if args.quick else FULL, args.lora)
-                  if args.breakdown_of else worker(args))
+        result = (
+            breakdown(args.model, QUICK if args.quick else FULL, args.lora)
+            if args.breakdown_of
+            else worker(args)
+        )
         atomic_write_json(args.output, result)
         return result
     output = args.output or os.path.join(
-        RESULTS, "benchmark_hub_quick.json" if args.quick else "benchmark_hub.json")
+        RESULTS, "benchmark_hub_quick.json" if args.quick else "benchmark_hub.json"
+    )
     size = QUICK if args.quick else FULL
     common = [sys.executable, os.path.abspath(__file__), "--worker"] + (
-        ["--quick"] if args.quick else [])
+        ["--quick"] if args.quick else []
+    )
     rows, started = [], time.perf_counter()
     for name in args.models:
         for lora in args.lora:
@@ -254,10 +300,15 @@ def main(argv=None) -> dict:
             for impl in IMPLEMENTATIONS:
                 cmd = common + ["--model", name, "--implementation", impl, "--lora", lora]
                 t0, load = time.perf_counter(), os.getloadavg()
-                row = dict(run_child(cmd, args.timeout), model=name, lora=lora == "on",
-                           implementation=impl, command=" ".join(cmd[1:]),
-                           wall_seconds=round(time.perf_counter() - t0, 1),
-                           load_average_before=[round(v, 2) for v in load])
+                row = dict(
+                    run_child(cmd, args.timeout),
+                    model=name,
+                    lora=lora == "on",
+                    implementation=impl,
+                    command=" ".join(cmd[1:]),
+                    wall_seconds=round(time.perf_counter() - t0, 1),
+                    load_average_before=[round(v, 2) for v in load],
+                )
                 if impl == "keras_nonprivate":
                     base = row
                 elif base and base.get("seconds_per_epoch") and row.get("seconds_per_epoch"):
@@ -266,30 +317,48 @@ def main(argv=None) -> dict:
                     row["meets_time_target"] = row["time_ratio"] <= TIME_TARGET
                     row["meets_memory_target"] = row["memory_ratio"] <= MEMORY_TARGET
                 rows.append(row)
-                print(f"{name:6s} lora={lora:3s} {impl:16s} "
-                      f"{row.get('seconds_per_epoch') or float('nan'):8.2f} s/epoch "
-                      f"{row.get('peak_memory_mb') or float('nan'):8.0f} MB "
-                      f"ratio {row.get('time_ratio', float('nan')):.2f}x time, "
-                      f"{row.get('memory_ratio', float('nan')):.2f}x memory"
-                      + (f"  ERROR {row['error'][-200:]}" if row.get("error") else ""),
-                      flush=True)
-    report = {"command": command_line(), "commit": commit_of(),
-              "quick": args.quick, "shared_machine": args.shared_machine,
-              "sizes": size, "settings": {"l2_norm_clip": CLIP, "noise_multiplier": NOISE,
-                                          "learning_rate": LR, "lora_rank": RANK,
-                                          "optimizer": "DPSGD (dpfl_tf) / SGD (Keras)",
-                                          "sampling": "poisson (dpfl_tf), physical batch "
-                                                      "chosen by the library"},
-              "targets": {"time_ratio": TIME_TARGET, "memory_ratio": MEMORY_TARGET},
-              "opacus": "not run: no Opacus environment on this machine",
-              "python": platform.python_version(), "rows": rows}
+                print(
+                    f"{name:6s} lora={lora:3s} {impl:16s} "
+                    f"{row.get('seconds_per_epoch') or float('nan'):8.2f} s/epoch "
+                    f"{row.get('peak_memory_mb') or float('nan'):8.0f} MB "
+                    f"ratio {row.get('time_ratio', float('nan')):.2f}x time, "
+                    f"{row.get('memory_ratio', float('nan')):.2f}x memory"
+                    + (f"  ERROR {row['error'][-200:]}" if row.get("error") else ""),
+                    flush=True,
+                )
+    report = {
+        "command": command_line(),
+        "commit": commit_of(),
+        "quick": args.quick,
+        "shared_machine": args.shared_machine,
+        "sizes": size,
+        "settings": {
+            "l2_norm_clip": CLIP,
+            "noise_multiplier": NOISE,
+            "learning_rate": LR,
+            "lora_rank": RANK,
+            "optimizer": "DPSGD (dpfl_tf) / SGD (Keras)",
+            "sampling": "poisson (dpfl_tf), physical batch chosen by the library",
+        },
+        "targets": {"time_ratio": TIME_TARGET, "memory_ratio": MEMORY_TARGET},
+        "opacus": "not run: no Opacus environment on this machine",
+        "python": platform.python_version(),
+        "rows": rows,
+    }
     ratios = [r for r in rows if r.get("time_ratio")]
     if ratios and not args.no_breakdown:
         slowest = max(ratios, key=lambda r: r["time_ratio"])
-        cmd = common + ["--breakdown-of", "1", "--model", slowest["model"], "--lora",
-                        "on" if slowest["lora"] else "off"]
-        report["breakdown"] = dict(run_child(cmd, args.timeout, key="dp_step_seconds"),
-                                   command=" ".join(cmd[1:]))
+        cmd = common + [
+            "--breakdown-of",
+            "1",
+            "--model",
+            slowest["model"],
+            "--lora",
+            "on" if slowest["lora"] else "off",
+        ]
+        report["breakdown"] = dict(
+            run_child(cmd, args.timeout, key="dp_step_seconds"), command=" ".join(cmd[1:])
+        )
         print("breakdown of", slowest["model"], "lora" if slowest["lora"] else "", flush=True)
     report["wall_seconds"] = round(time.perf_counter() - started, 1)
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)

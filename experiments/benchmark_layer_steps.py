@@ -26,10 +26,10 @@ from _common import RESULTS
 
 
 def time_model(name: str, batch: int, repeats: int) -> dict:
+    import benchmark_layers as bl
     import keras
     import tensorflow as tf
 
-    import benchmark_layers as bl
     from dpfl_tf.keras.per_example import PerExampleGradients
 
     keras.utils.set_random_seed(0)
@@ -63,8 +63,14 @@ def time_model(name: str, batch: int, repeats: int) -> dict:
         times["plain"].append(run(plain))
         times["dp"].append(run(dp))
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"model": name, "batch": batch, "plain_seconds": med["plain"],
-            "dp_seconds": med["dp"], "ratio": med["dp"] / med["plain"], "times": times}
+    return {
+        "model": name,
+        "batch": batch,
+        "plain_seconds": med["plain"],
+        "dp_seconds": med["dp"],
+        "ratio": med["dp"] / med["plain"],
+        "times": times,
+    }
 
 
 def main(argv=None):
@@ -82,8 +88,11 @@ def main(argv=None):
     for name in args.models:
         row = time_model(name, args.batch, args.repeats)
         rows.append(row)
-        print(f"{name:12s} batch {args.batch}: plain {row['plain_seconds']:.3f} s, "
-              f"dp {row['dp_seconds']:.3f} s, x{row['ratio']:.2f}", flush=True)
+        print(
+            f"{name:12s} batch {args.batch}: plain {row['plain_seconds']:.3f} s, "
+            f"dp {row['dp_seconds']:.3f} s, x{row['ratio']:.2f}",
+            flush=True,
+        )
     atomic_write_json(args.output, {"description": __doc__.split("\n\n")[0], "rows": rows})
     print(f"wrote {args.output}")
     return rows

@@ -32,8 +32,14 @@ from dpfl_tf.federated.aggregators import GlobalDPAggregator
 from dpfl_tf.keras import DPModel
 from dpfl_tf.sanitizer import GaussianSanitizer
 
-__all__ = ["BROKEN_VARIANTS", "HalfNoiseDPModel", "SkipClippingDPModel",
-           "PerBatchNoiseDPModel", "ReusedNoiseDPModel", "SkipClippingGlobalDP"]
+__all__ = [
+    "BROKEN_VARIANTS",
+    "HalfNoiseDPModel",
+    "SkipClippingDPModel",
+    "PerBatchNoiseDPModel",
+    "ReusedNoiseDPModel",
+    "SkipClippingGlobalDP",
+]
 
 
 class _HalfNoiseSanitizer(GaussianSanitizer):
@@ -92,8 +98,11 @@ class _PerBatchNoise:
 
     def clipped(self, x, y, weights, clip_factors_fn, training=True):
         batch = self.inner.clipped(x, y, weights, clip_factors_fn, training)
-        return batch._replace(sums=[s + self.stddev * tf.random.normal(tf.shape(s), dtype=s.dtype)
-                                    for s in batch.sums])
+        return batch._replace(
+            sums=[
+                s + self.stddev * tf.random.normal(tf.shape(s), dtype=s.dtype) for s in batch.sums
+            ]
+        )
 
 
 class PerBatchNoiseDPModel(DPModel):
@@ -107,9 +116,12 @@ class PerBatchNoiseDPModel(DPModel):
         self.batches_per_lot = k
 
 
-BROKEN_VARIANTS = {"half_noise": HalfNoiseDPModel, "skip_clipping": SkipClippingDPModel,
-                   "per_batch_noise": PerBatchNoiseDPModel,
-                   "reused_noise": ReusedNoiseDPModel}
+BROKEN_VARIANTS = {
+    "half_noise": HalfNoiseDPModel,
+    "skip_clipping": SkipClippingDPModel,
+    "per_batch_noise": PerBatchNoiseDPModel,
+    "reused_noise": ReusedNoiseDPModel,
+}
 
 
 class SkipClippingGlobalDP(GlobalDPAggregator):

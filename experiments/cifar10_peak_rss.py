@@ -36,8 +36,13 @@ TRAIN_ARGS = ["train", "cifar10", "--epochs", "1", "--seed", "0"]
 
 def run_once(tree: str, cache_dir: str, data_dir: str, output: str) -> dict:
     command = [sys.executable, "-m", "dpfl_tf", *TRAIN_ARGS, "--output", output]
-    env = {**os.environ, "PYTHONPATH": tree, "DPFL_CACHE_DIR": cache_dir,
-           "DPFL_DATA_DIR": data_dir, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": tree,
+        "DPFL_CACHE_DIR": cache_dir,
+        "DPFL_DATA_DIR": data_dir,
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+    }
     run = run_measured(command, cwd=tree, env=env, log=output + ".log")
     if run["exit_code"] != 0:
         raise RuntimeError(f"{run['command']} failed ({run['exit_code']}); see {output}.log")
@@ -45,8 +50,10 @@ def run_once(tree: str, cache_dir: str, data_dir: str, output: str) -> dict:
         result = json.load(f)
     result = result.get("result", result)
     return {
-        "command": (f"cd {tree} && PYTHONPATH={tree} DPFL_CACHE_DIR={cache_dir} "
-                    f"DPFL_DATA_DIR={data_dir} {shlex.join(['python', *command[1:]])}"),
+        "command": (
+            f"cd {tree} && PYTHONPATH={tree} DPFL_CACHE_DIR={cache_dir} "
+            f"DPFL_DATA_DIR={data_dir} {shlex.join(['python', *command[1:]])}"
+        ),
         "peak_rss_mb": run["peak_rss_mb"],
         "wall_seconds": run["wall_seconds"],
         "recipe_seconds": round(result["seconds"], 1),
@@ -61,18 +68,26 @@ def run_once(tree: str, cache_dir: str, data_dir: str, output: str) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tree", action="append", required=True, metavar="NAME=PATH",
-                   help="a checkout to measure (repeatable), e.g. before=/tmp/before")
+    p.add_argument(
+        "--tree",
+        action="append",
+        required=True,
+        metavar="NAME=PATH",
+        help="a checkout to measure (repeatable), e.g. before=/tmp/before",
+    )
     p.add_argument("--repeats", type=int, default=2, help="runs per tree (first: cold cache)")
     p.add_argument("--data-dir", default=DATA_DIR)
     p.add_argument("--output", default=os.path.join(RESULTS, "cifar10_peak_rss.json"))
     args = p.parse_args(argv)
 
-    out = {"what": "peak RSS of `dpfl-tf train cifar10 --epochs 1 --seed 0` (20 DP-SGD lots "
-                   "of 2,000 on the 40,000 private images of the offline JPEG copy, "
-                   "pretrained frozen convolutions from models/)",
-           "cpu_count": os.cpu_count(), "data_dir": os.path.abspath(args.data_dir),
-           "runs": {}}
+    out = {
+        "what": "peak RSS of `dpfl-tf train cifar10 --epochs 1 --seed 0` (20 DP-SGD lots "
+        "of 2,000 on the 40,000 private images of the offline JPEG copy, "
+        "pretrained frozen convolutions from models/)",
+        "cpu_count": os.cpu_count(),
+        "data_dir": os.path.abspath(args.data_dir),
+        "runs": {},
+    }
     scratch = tempfile.mkdtemp(prefix="dpfl-peak-rss-")
     for spec in args.tree:
         name, _, tree = spec.partition("=")
@@ -80,15 +95,25 @@ def main(argv=None) -> dict:
         cache = os.path.join(scratch, f"cache-{name}")
         runs = []
         for i in range(args.repeats):
-            row = run_once(tree, cache, os.path.abspath(args.data_dir),
-                           os.path.join(scratch, f"{name}-{i}.json"))
+            row = run_once(
+                tree,
+                cache,
+                os.path.abspath(args.data_dir),
+                os.path.join(scratch, f"{name}-{i}.json"),
+            )
             row["cache"] = "cold (empty cache directory)" if i == 0 else "warm"
-            print(f"{name} run {i} ({row['cache']}): peak RSS {row['peak_rss_mb']} MB, "
-                  f"test accuracy {row['test_accuracy']:.4f}, {row['wall_seconds']} s",
-                  flush=True)
+            print(
+                f"{name} run {i} ({row['cache']}): peak RSS {row['peak_rss_mb']} MB, "
+                f"test accuracy {row['test_accuracy']:.4f}, {row['wall_seconds']} s",
+                flush=True,
+            )
             runs.append(row)
-        out["runs"][name] = {"tree": tree, "commit": commit_of(tree), "runs": runs,
-                             "max_peak_rss_mb": max(r["peak_rss_mb"] for r in runs)}
+        out["runs"][name] = {
+            "tree": tree,
+            "commit": commit_of(tree),
+            "runs": runs,
+            "max_peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+        }
     atomic_write_json(args.output, out)
     print(f"wrote {args.output}")
     return out

@@ -43,16 +43,14 @@ import dataclasses
 import os
 import time
 
-from _common import RESULTS, command_line, commit_of
-
 import dp_accounting
+import matplotlib.pyplot as plt  # noqa: E402  (after dpfl_tf.plotting set the backend)
 import numpy as np
+from _common import RESULTS, command_line, commit_of
 from scipy import stats
 
 from dpfl_tf._io import atomic_write_json
 from dpfl_tf.plotting import save_figure
-
-import matplotlib.pyplot as plt  # noqa: E402  (after dpfl_tf.plotting set the backend)
 
 K = 1000
 DELTA = 1e-5
@@ -68,9 +66,20 @@ MECHANISMS = ("discrete_gaussian", "skellam")
 #: central noise at epsilon 2, against 1.01 x at epsilon 8).
 SETTINGS = {8.0: {"m": 100, "rounds": 100}, 2.0: {"m": 50, "rounds": 40}}
 QUICK = {"rounds": 5, "seeds": 1, "epsilons": (8.0,)}
-COMMON = dict(dataset="mnist", clients=K, partition="shards", sampling="fixed_size",
-              local_epochs=1, local_batch_size=10, learning_rate=0.2, hidden=HIDDEN,
-              clip=CLIP, delta_max=DELTA, accountant="rdp", eval_every=1)
+COMMON = dict(
+    dataset="mnist",
+    clients=K,
+    partition="shards",
+    sampling="fixed_size",
+    local_epochs=1,
+    local_batch_size=10,
+    learning_rate=0.2,
+    hidden=HIDDEN,
+    clip=CLIP,
+    delta_max=DELTA,
+    accountant="rdp",
+    eval_every=1,
+)
 
 
 def min_clients(m: int, dropout: float, abort: float = 1e-3) -> int:
@@ -92,7 +101,8 @@ def central_noise(eps: float, m: int, rounds: int) -> float:
 
     def event(z):
         return dp_accounting.SelfComposedDpEvent(
-            gaussian_step_event(z, "fixed_size", dataset_size=K, lot_size=m), rounds)
+            gaussian_step_event(z, "fixed_size", dataset_size=K, lot_size=m), rounds
+        )
 
     return calibrate_noise_multiplier(eps, DELTA, event, "rdp", tolerance=1e-3)[0]
 
@@ -100,8 +110,9 @@ def central_noise(eps: float, m: int, rounds: int) -> float:
 def distributed_noise(eps: float, m: int, rounds: int, mechanism: str, bits: int) -> dict:
     from dpfl_tf.federated.distributed_dp import DistributedDP
 
-    mech = DistributedDP(mechanism, bits, CLIP, 1.0, m, dimension(),
-                         min_clients=min_clients(m, DROPOUT))
+    mech = DistributedDP(
+        mechanism, bits, CLIP, 1.0, m, dimension(), min_clients=min_clients(m, DROPOUT)
+    )
     tuned = mech.calibrated(eps, DELTA, rounds, K)
     return tuned.report()
 
@@ -112,42 +123,77 @@ def configs(eps: float, rounds: int, seed: int, bits_list=BITS, mechanisms=MECHA
 
     m = SETTINGS[eps]["m"]
     z_c = central_noise(eps, m, rounds)
-    out = [("central", FederatedConfig(dp="global", clients_per_round=m, rounds=rounds,
-                                       noise_multiplier=z_c, seed=seed, **COMMON),
-            {"noise_multiplier": z_c})]
+    out = [
+        (
+            "central",
+            FederatedConfig(
+                dp="global",
+                clients_per_round=m,
+                rounds=rounds,
+                noise_multiplier=z_c,
+                seed=seed,
+                **COMMON,
+            ),
+            {"noise_multiplier": z_c},
+        )
+    ]
     for mech in mechanisms:
         for bits in bits_list:
             report = distributed_noise(eps, m, rounds, mech, bits)
-            out.append((f"{mech}_{bits}", FederatedConfig(
-                dp="distributed", ddp_mechanism=mech, bits=bits, clients_per_round=m,
-                min_clients=report["min_clients"], dropout_rate=DROPOUT, rounds=rounds,
-                noise_multiplier=report["noise_multiplier"], seed=seed, **COMMON), report))
+            out.append(
+                (
+                    f"{mech}_{bits}",
+                    FederatedConfig(
+                        dp="distributed",
+                        ddp_mechanism=mech,
+                        bits=bits,
+                        clients_per_round=m,
+                        min_clients=report["min_clients"],
+                        dropout_rate=DROPOUT,
+                        rounds=rounds,
+                        noise_multiplier=report["noise_multiplier"],
+                        seed=seed,
+                        **COMMON,
+                    ),
+                    report,
+                )
+            )
     return out
 
 
 def summarise(name: str, eps: float, result: dict, calibration: dict) -> dict:
     privacy = result["privacy"]
     uploads = [h["info"].get("uploads") for h in result["history"]]
-    out = {"run": name, "target_epsilon": eps, "seed": result["config"]["seed"],
-           "mechanism": result["mechanism"], "bits": result.get("bits"),
-           "clients_per_round": result["clients_per_round"], "rounds": result["rounds"],
-           "test_accuracy": result["test_accuracy"], "epsilon": result["epsilon"],
-           "delta": result["delta"], "noise_multiplier": result["noise_multiplier"],
-           "bits_per_parameter": result.get("bits_per_parameter", 32.0),
-           "seconds": result["seconds"],
-           "accuracy_per_round": [h["accuracy"] for h in result["history"]],
-           "calibration": calibration}
+    out = {
+        "run": name,
+        "target_epsilon": eps,
+        "seed": result["config"]["seed"],
+        "mechanism": result["mechanism"],
+        "bits": result.get("bits"),
+        "clients_per_round": result["clients_per_round"],
+        "rounds": result["rounds"],
+        "test_accuracy": result["test_accuracy"],
+        "epsilon": result["epsilon"],
+        "delta": result["delta"],
+        "noise_multiplier": result["noise_multiplier"],
+        "bits_per_parameter": result.get("bits_per_parameter", 32.0),
+        "seconds": result["seconds"],
+        "accuracy_per_round": [h["accuracy"] for h in result["history"]],
+        "calibration": calibration,
+    }
     if "against_server" in privacy:
         out["epsilon_against_server"] = privacy["against_server"]["epsilon"]
         out["flower_bits_per_parameter"] = (
-            (result["bits"] + 1) * privacy["distributed"]["padded_dimension"]
-            / privacy["distributed"]["dimension"])
+            (result["bits"] + 1)
+            * privacy["distributed"]["padded_dimension"]
+            / privacy["distributed"]["dimension"]
+        )
         out["mean_uploads"] = float(np.mean([u for u in uploads if u is not None]))
         out["aborted_rounds"] = sum("aborted" in h["info"] for h in result["history"])
         out["norm_inflation"] = privacy["distributed"]["norm_inflation"]
         out["wrap_probability"] = privacy["distributed"]["wrap_probability"]
     else:
-        out["epsilon_against_server"] = None          # infinite: the server sees every update
+        out["epsilon_against_server"] = None  # infinite: the server sees every update
     return out
 
 
@@ -170,12 +216,21 @@ def plot(runs: list[dict], path: str, quick: bool = False) -> None:
                     ys.append(np.mean(acc))
                     es.append(np.std(acc))
             if xs:
-                ax.errorbar(xs, ys, yerr=es, fmt=style, capsize=3,
-                            label=f"distributed {mech.replace('_', ' ')}")
+                ax.errorbar(
+                    xs,
+                    ys,
+                    yerr=es,
+                    fmt=style,
+                    capsize=3,
+                    label=f"distributed {mech.replace('_', ' ')}",
+                )
         seeds = len({r["seed"] for r in mine})
         m, rounds = SETTINGS[eps]["m"], mine[0]["rounds"]
-        ax.set_title(f"epsilon {eps:g} (delta 1e-5): m = {m} of K = {K}, {rounds} rounds,\n"
-                     f"{seeds} seed(s), 10% dropouts (distributed)", fontsize=9)
+        ax.set_title(
+            f"epsilon {eps:g} (delta 1e-5): m = {m} of K = {K}, {rounds} rounds,\n"
+            f"{seeds} seed(s), 10% dropouts (distributed)",
+            fontsize=9,
+        )
         ax.set_xlabel("bits per coordinate of the secure sum (b)")
         ax.set_ylabel("test accuracy")
         ax.set_xticks(BITS)
@@ -184,18 +239,27 @@ def plot(runs: list[dict], path: str, quick: bool = False) -> None:
     ax = axes[-1]
     eps = epsilons[0]
     for r in runs:
-        if r["target_epsilon"] == eps and r["seed"] == min(x["seed"] for x in runs) and \
-                (r["run"] == "central" or r["bits"] == 16):
-            ax.plot(range(1, len(r["accuracy_per_round"]) + 1), r["accuracy_per_round"],
-                    label=r["run"].replace("_", " "))
+        if (
+            r["target_epsilon"] == eps
+            and r["seed"] == min(x["seed"] for x in runs)
+            and (r["run"] == "central" or r["bits"] == 16)
+        ):
+            ax.plot(
+                range(1, len(r["accuracy_per_round"]) + 1),
+                r["accuracy_per_round"],
+                label=r["run"].replace("_", " "),
+            )
     ax.set_title(f"accuracy per round, epsilon {eps:g}, 16 bits", fontsize=9)
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.suptitle(("QUICK RUN (a smoke test, not the result): " if quick else "")
-                 + "client-level DP on non-IID MNIST: central Global DP vs distributed DP "
-                 "(discrete noise shares + secure aggregation)", fontsize=10)
+    fig.suptitle(
+        ("QUICK RUN (a smoke test, not the result): " if quick else "")
+        + "client-level DP on non-IID MNIST: central Global DP vs distributed DP "
+        "(discrete noise shares + secure aggregation)",
+        fontsize=10,
+    )
     fig.tight_layout()
     save_figure(fig, path)
 
@@ -211,37 +275,67 @@ def flower_run(seed: int) -> dict:
     rng = np.random.default_rng(0)
     tr = np.sort(rng.permutation(len(ds.y_train))[:3000])
     te = np.sort(rng.permutation(len(ds.y_test))[:2000])
-    small = dataclasses.replace(ds, x_train=ds.x_train[tr], y_train=ds.y_train[tr],
-                                x_test=ds.x_test[te], y_test=ds.y_test[te])
+    small = dataclasses.replace(
+        ds,
+        x_train=ds.x_train[tr],
+        y_train=ds.y_train[tr],
+        x_test=ds.x_test[te],
+        y_test=ds.y_test[te],
+    )
     m = 100
-    config = FederatedConfig(dp="distributed", clients=120, clients_per_round=m,
-                             min_clients=min_clients(m, DROPOUT), dropout_rate=DROPOUT,
-                             rounds=2, hidden=(4,), noise_multiplier=1.0, noise_seed=seed,
-                             seed=seed, partition="iid", bits=16, accountant="rdp")
+    config = FederatedConfig(
+        dp="distributed",
+        clients=120,
+        clients_per_round=m,
+        min_clients=min_clients(m, DROPOUT),
+        dropout_rate=DROPOUT,
+        rounds=2,
+        hidden=(4,),
+        noise_multiplier=1.0,
+        noise_seed=seed,
+        seed=seed,
+        partition="iid",
+        bits=16,
+        accountant="rdp",
+    )
     here = run_federated(config, small, progress=False)
     start = time.perf_counter()
     there = run_on_flower(config, small, backend="ray")
     same = [a["accuracy"] == b["accuracy"] for a, b in zip(here["history"], there["history"])]
-    return {"config": config.to_dict(), "examples": len(tr),
-            "uploads_per_round": [h["info"]["uploads"] for h in there["history"]],
-            "in_process_uploads_per_round": [h["info"]["uploads"] for h in here["history"]],
-            "accuracy_per_round": [h["accuracy"] for h in there["history"]],
-            "in_process_accuracy_per_round": [h["accuracy"] for h in here["history"]],
-            "same_accuracy_every_round": all(same),
-            "epsilon": there["epsilon"], "in_process_epsilon": here["epsilon"],
-            "epsilon_against_server": there["privacy"]["against_server"]["epsilon"],
-            "flower_seconds": time.perf_counter() - start, "in_process_seconds": here["seconds"],
-            "flower_backend": there["flower_backend"], "flwr_version": there["flwr_version"]}
+    return {
+        "config": config.to_dict(),
+        "examples": len(tr),
+        "uploads_per_round": [h["info"]["uploads"] for h in there["history"]],
+        "in_process_uploads_per_round": [h["info"]["uploads"] for h in here["history"]],
+        "accuracy_per_round": [h["accuracy"] for h in there["history"]],
+        "in_process_accuracy_per_round": [h["accuracy"] for h in here["history"]],
+        "same_accuracy_every_round": all(same),
+        "epsilon": there["epsilon"],
+        "in_process_epsilon": here["epsilon"],
+        "epsilon_against_server": there["privacy"]["against_server"]["epsilon"],
+        "flower_seconds": time.perf_counter() - start,
+        "in_process_seconds": here["seconds"],
+        "flower_backend": there["flower_backend"],
+        "flwr_version": there["flwr_version"],
+    }
 
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
     p.add_argument("--seeds", type=int, default=3, help="runs per setting (seeds 0, 1, ...)")
-    p.add_argument("--epsilons", type=float, nargs="+", choices=sorted(SETTINGS),
-                   default=sorted(SETTINGS, reverse=True))
-    p.add_argument("--flower", action="store_true",
-                   help="also run SecAgg+ on Flower's Simulation Engine (K = 120, m = 100)")
+    p.add_argument(
+        "--epsilons",
+        type=float,
+        nargs="+",
+        choices=sorted(SETTINGS),
+        default=sorted(SETTINGS, reverse=True),
+    )
+    p.add_argument(
+        "--flower",
+        action="store_true",
+        help="also run SecAgg+ on Flower's Simulation Engine (K = 120, m = 100)",
+    )
     p.add_argument("--flower-only", action="store_true", help="only the Flower run")
     p.add_argument("--output-dir", default=RESULTS)
     args = p.parse_args(argv)
@@ -251,12 +345,15 @@ def main(argv=None) -> list[dict]:
     if args.flower or args.flower_only:
         print("== Flower SecAgg+ (Ray): K = 120, m = 100, 10% dropouts, 2 rounds", flush=True)
         out = {**meta, **flower_run(0)}
-        atomic_write_json(os.path.join(args.output_dir,
-                                       f"federated_distributed_flower{suffix}.json"), out)
-        print(f"   uploads {out['uploads_per_round']} (in-process "
-              f"{out['in_process_uploads_per_round']}), same accuracy every round: "
-              f"{out['same_accuracy_every_round']}, {out['flower_seconds']:.0f} s on Flower",
-              flush=True)
+        atomic_write_json(
+            os.path.join(args.output_dir, f"federated_distributed_flower{suffix}.json"), out
+        )
+        print(
+            f"   uploads {out['uploads_per_round']} (in-process "
+            f"{out['in_process_uploads_per_round']}), same accuracy every round: "
+            f"{out['same_accuracy_every_round']}, {out['flower_seconds']:.0f} s on Flower",
+            flush=True,
+        )
         if args.flower_only:
             return [out]
 
@@ -272,32 +369,55 @@ def main(argv=None) -> list[dict]:
         rounds = QUICK["rounds"] if args.quick else SETTINGS[eps]["rounds"]
         for seed in seeds:
             for name, config, calibration in configs(eps, rounds, seed):
-                print(f"== eps={eps:g} seed={seed} {name}: z={config.noise_multiplier:.4f}, "
-                      f"m={config.clients_per_round}, T={rounds}", flush=True)
+                print(
+                    f"== eps={eps:g} seed={seed} {name}: z={config.noise_multiplier:.4f}, "
+                    f"m={config.clients_per_round}, T={rounds}",
+                    flush=True,
+                )
                 r = summarise(name, eps, run_federated(config, ds, progress=False), calibration)
                 runs.append(r)
                 srv = r["epsilon_against_server"]
-                print(f"   accuracy {r['test_accuracy']:.4f}, epsilon {r['epsilon']:.3f}, "
-                      f"against the server {'inf' if srv is None else f'{srv:.1f}'}, "
-                      f"{r['bits_per_parameter']:.2f} bits/parameter, {r['seconds']:.0f} s",
-                      flush=True)
-                atomic_write_json(path, {**meta, "settings": {
-                    "K": K, "delta": DELTA, "clip": CLIP, "hidden": list(HIDDEN),
-                    "dropout": DROPOUT, "per_epsilon": {str(e): SETTINGS[e] for e in epsilons},
-                    "rounds": rounds}, "runs": runs})
+                print(
+                    f"   accuracy {r['test_accuracy']:.4f}, epsilon {r['epsilon']:.3f}, "
+                    f"against the server {'inf' if srv is None else f'{srv:.1f}'}, "
+                    f"{r['bits_per_parameter']:.2f} bits/parameter, {r['seconds']:.0f} s",
+                    flush=True,
+                )
+                atomic_write_json(
+                    path,
+                    {
+                        **meta,
+                        "settings": {
+                            "K": K,
+                            "delta": DELTA,
+                            "clip": CLIP,
+                            "hidden": list(HIDDEN),
+                            "dropout": DROPOUT,
+                            "per_epsilon": {str(e): SETTINGS[e] for e in epsilons},
+                            "rounds": rounds,
+                        },
+                        "runs": runs,
+                    },
+                )
     figure = os.path.join(args.output_dir, f"federated_distributed{suffix}.png")
     plot(runs, figure, quick=args.quick)
     print(f"wrote {path} and {figure}")
     for eps in epsilons:
-        central = [r["test_accuracy"] for r in runs if r["target_epsilon"] == eps
-                   and r["run"] == "central"]
+        central = [
+            r["test_accuracy"] for r in runs if r["target_epsilon"] == eps and r["run"] == "central"
+        ]
         print(f"eps {eps:g}: central {np.mean(central):.4f}")
         for mech in MECHANISMS:
             for bits in BITS:
-                acc = [r["test_accuracy"] for r in runs if r["target_epsilon"] == eps
-                       and r["run"] == f"{mech}_{bits}"]
-                print(f"   {mech} {bits} bits: {np.mean(acc):.4f} "
-                      f"({np.mean(acc) - np.mean(central):+.4f})")
+                acc = [
+                    r["test_accuracy"]
+                    for r in runs
+                    if r["target_epsilon"] == eps and r["run"] == f"{mech}_{bits}"
+                ]
+                print(
+                    f"   {mech} {bits} bits: {np.mean(acc):.4f} "
+                    f"({np.mean(acc) - np.mean(central):+.4f})"
+                )
     return runs
 
 

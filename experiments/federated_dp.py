@@ -31,15 +31,13 @@ from __future__ import annotations
 import argparse
 import os
 
+import matplotlib.pyplot as plt  # noqa: E402  (after dpfl_tf.plotting set the backend)
 import numpy as np
-
 from _common import RESULTS
 
 from dpfl_tf._io import atomic_write_json, merge_json_runs
 from dpfl_tf.federated.runner import FederatedConfig, peak_rss_mb, run_federated
 from dpfl_tf.plotting import save_figure
-
-import matplotlib.pyplot as plt  # noqa: E402  (after dpfl_tf.plotting set the backend)
 
 # Per K: delta_max from the authors' PrivAgent (1e-3 / 1e-5 / 1e-6); m, sigma, the network,
 # local epochs, learning rate and round cap chosen here.  The stop rule ends DP runs at
@@ -52,12 +50,33 @@ import matplotlib.pyplot as plt  # noqa: E402  (after dpfl_tf.plotting set the b
 # K = 1000: (100, 1, 0.1) 90.1%, (200, 2, 0.1) 91.2%, (300, 3, 0.1) 91.6%, (300, 3, 0.2) 93.3%.
 # K = 10000 keeps the authors' m = 300, sigma = 1 (926 rounds).
 SETTINGS = {
-    100: {"m": 50, "delta_max": 1e-3, "sigma": 2.0, "lr": 0.2, "rounds": 100,
-          "hidden": (32,), "epochs": 1},
-    1000: {"m": 300, "delta_max": 1e-5, "sigma": 3.0, "lr": 0.2, "rounds": 300,
-           "hidden": (100,), "epochs": 4},
-    10000: {"m": 300, "delta_max": 1e-6, "sigma": 1.0, "lr": 0.1, "rounds": 1000,
-            "hidden": (600, 100), "epochs": 4},
+    100: {
+        "m": 50,
+        "delta_max": 1e-3,
+        "sigma": 2.0,
+        "lr": 0.2,
+        "rounds": 100,
+        "hidden": (32,),
+        "epochs": 1,
+    },
+    1000: {
+        "m": 300,
+        "delta_max": 1e-5,
+        "sigma": 3.0,
+        "lr": 0.2,
+        "rounds": 300,
+        "hidden": (100,),
+        "epochs": 4,
+    },
+    10000: {
+        "m": 300,
+        "delta_max": 1e-6,
+        "sigma": 1.0,
+        "lr": 0.1,
+        "rounds": 1000,
+        "hidden": (600, 100),
+        "epochs": 4,
+    },
 }
 PAPER_ACCURACY = {100: 0.78, 1000: 0.92, 10000: 0.96}  # as quoted in the issue (DP)
 QUICK = {"rounds": 4, "local_epochs": 1}
@@ -68,21 +87,39 @@ def _runs(k: int, args, seed: int | None = None) -> list[tuple[str, FederatedCon
     rounds = QUICK["rounds"] if args.quick else (args.rounds or s["rounds"])
     epochs = QUICK["local_epochs"] if args.quick else (args.local_epochs or s["epochs"])
     hidden = tuple(args.hidden) if args.hidden else s["hidden"]
-    common = dict(dataset="mnist", clients=k, clients_per_round=s["m"], sampling="poisson",
-                  rounds=rounds, local_epochs=epochs, local_batch_size=args.local_batch_size,
-                  learning_rate=args.lr or s.get("lr", 0.1), momentum=args.momentum,
-                  seed=args.seed if seed is None else seed, eval_every=args.eval_every,
-                  hidden=hidden)
+    common = dict(
+        dataset="mnist",
+        clients=k,
+        clients_per_round=s["m"],
+        sampling="poisson",
+        rounds=rounds,
+        local_epochs=epochs,
+        local_batch_size=args.local_batch_size,
+        learning_rate=args.lr or s.get("lr", 0.1),
+        momentum=args.momentum,
+        seed=args.seed if seed is None else seed,
+        eval_every=args.eval_every,
+        hidden=hidden,
+    )
     sigma = args.noise_multiplier or s["sigma"]
     out = [
-        ("global", FederatedConfig(partition="shards", dp="global", clip=args.clip,
-                                   per_layer=args.per_layer, noise_multiplier=sigma,
-                                   target_epsilon=args.epsilon, delta_max=s["delta_max"],
-                                   accountant=args.accountant, **common)),
+        (
+            "global",
+            FederatedConfig(
+                partition="shards",
+                dp="global",
+                clip=args.clip,
+                per_layer=args.per_layer,
+                noise_multiplier=sigma,
+                target_epsilon=args.epsilon,
+                delta_max=s["delta_max"],
+                accountant=args.accountant,
+                **common,
+            ),
+        ),
         ("fedavg_noniid", FederatedConfig(partition="shards", **common)),
         ("fedavg_iid", FederatedConfig(partition="iid", **common)),
-        ("fedmedian_noniid", FederatedConfig(partition="shards", aggregator="median",
-                                             **common)),
+        ("fedmedian_noniid", FederatedConfig(partition="shards", aggregator="median", **common)),
     ]
     return [(name, c) for name, c in out if not args.only or name in args.only]
 
@@ -94,8 +131,10 @@ def speed_compare(k: int, args, dataset) -> dict:
     from dpfl_tf.federated.runner import build_server
 
     configs = dict(_runs(k, argparse.Namespace(**{**vars(args), "only": None})))
-    servers = {name: build_server(configs[name], dataset, progress=False)[0]
-               for name in ("global", "fedavg_noniid")}
+    servers = {
+        name: build_server(configs[name], dataset, progress=False)[0]
+        for name in ("global", "fedavg_noniid")
+    }
     times = {name: [] for name in servers}
     cpu = {name: [] for name in servers}
     for r in range(args.speed_rounds):
@@ -107,20 +146,31 @@ def speed_compare(k: int, args, dataset) -> dict:
     dp, plain = np.median(times["global"]), np.median(times["fedavg_noniid"])
     dp_cpu, plain_cpu = np.median(cpu["global"]), np.median(cpu["fedavg_noniid"])
     paired = np.median(np.array(cpu["global"]) / np.array(cpu["fedavg_noniid"]))
-    out = {"clients": k, "clients_per_round": SETTINGS[k]["m"],
-           "local_epochs": configs["global"].local_epochs, "rounds": args.speed_rounds,
-           "median_dp_round_seconds": float(dp), "median_nonprivate_round_seconds": float(plain),
-           "dp_over_nonprivate": float(dp / plain), "dp_rounds_per_minute": float(60 / dp),
-           "nonprivate_rounds_per_minute": float(60 / plain), "peak_rss_mb": peak_rss_mb(),
-           "median_dp_round_cpu_seconds": float(dp_cpu),
-           "median_nonprivate_round_cpu_seconds": float(plain_cpu),
-           "dp_over_nonprivate_cpu": float(dp_cpu / plain_cpu),
-           "median_paired_cpu_ratio": float(paired),
-           "round_seconds": times, "round_cpu_seconds": cpu}
-    print(f"   speed K={k}: median DP round {dp:.3f}s wall / {dp_cpu:.3f}s CPU, non-private "
-          f"{plain:.3f}s wall / {plain_cpu:.3f}s CPU; ratio {dp / plain:.3f} wall, "
-          f"{dp_cpu / plain_cpu:.3f} CPU (paired median {paired:.3f}); "
-          f"{60 / dp:.1f} DP rounds/min; peak RSS {peak_rss_mb():.0f} MiB", flush=True)
+    out = {
+        "clients": k,
+        "clients_per_round": SETTINGS[k]["m"],
+        "local_epochs": configs["global"].local_epochs,
+        "rounds": args.speed_rounds,
+        "median_dp_round_seconds": float(dp),
+        "median_nonprivate_round_seconds": float(plain),
+        "dp_over_nonprivate": float(dp / plain),
+        "dp_rounds_per_minute": float(60 / dp),
+        "nonprivate_rounds_per_minute": float(60 / plain),
+        "peak_rss_mb": peak_rss_mb(),
+        "median_dp_round_cpu_seconds": float(dp_cpu),
+        "median_nonprivate_round_cpu_seconds": float(plain_cpu),
+        "dp_over_nonprivate_cpu": float(dp_cpu / plain_cpu),
+        "median_paired_cpu_ratio": float(paired),
+        "round_seconds": times,
+        "round_cpu_seconds": cpu,
+    }
+    print(
+        f"   speed K={k}: median DP round {dp:.3f}s wall / {dp_cpu:.3f}s CPU, non-private "
+        f"{plain:.3f}s wall / {plain_cpu:.3f}s CPU; ratio {dp / plain:.3f} wall, "
+        f"{dp_cpu / plain_cpu:.3f} CPU (paired median {paired:.3f}); "
+        f"{60 / dp:.1f} DP rounds/min; peak RSS {peak_rss_mb():.0f} MiB",
+        flush=True,
+    )
     return out
 
 
@@ -130,8 +180,12 @@ def _plot(runs: list[dict], path: str) -> None:
         h = r["history"]
         label = f"K={r['clients']} {r['mechanism']} ({r['partition']})"
         rounds = [x["round"] for x in h if x["accuracy"] is not None]
-        ax_acc.plot(rounds, [x["accuracy"] for x in h if x["accuracy"] is not None],
-                    "-" if r["mechanism"] == "global_dp" else "--", label=label)
+        ax_acc.plot(
+            rounds,
+            [x["accuracy"] for x in h if x["accuracy"] is not None],
+            "-" if r["mechanism"] == "global_dp" else "--",
+            label=label,
+        )
         if r["mechanism"] == "global_dp":
             ax_eps.plot([x["round"] for x in h], [x["epsilon"] for x in h], label=label)
     ax_acc.set_xlabel("round")
@@ -149,20 +203,27 @@ def _plot(runs: list[dict], path: str) -> None:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--clients", type=int, nargs="+", default=[100, 1000, 10000],
-                   choices=sorted(SETTINGS))
-    p.add_argument("--only", nargs="+",
-                   choices=["global", "fedavg_noniid", "fedavg_iid", "fedmedian_noniid"])
+    p.add_argument(
+        "--clients", type=int, nargs="+", default=[100, 1000, 10000], choices=sorted(SETTINGS)
+    )
+    p.add_argument(
+        "--only", nargs="+", choices=["global", "fedavg_noniid", "fedavg_iid", "fedmedian_noniid"]
+    )
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
     p.add_argument("--rounds", type=int, help="round cap (default per K)")
     p.add_argument("--local-epochs", type=int, help="E (default per K)")
     p.add_argument("--local-batch-size", type=int, default=10)
     p.add_argument("--lr", type=float, help="local learning rate (default per K)")
     p.add_argument("--momentum", type=float, default=0.0)
-    p.add_argument("--hidden", type=int, nargs="+",
-                   help="hidden layer widths (default per K; Geyer's code: 600 100)")
-    p.add_argument("--clip", default=1.0,
-                   help="S, or 'adaptive' (DP adaptive clipping, Andrew et al. 2021)")
+    p.add_argument(
+        "--hidden",
+        type=int,
+        nargs="+",
+        help="hidden layer widths (default per K; Geyer's code: 600 100)",
+    )
+    p.add_argument(
+        "--clip", default=1.0, help="S, or 'adaptive' (DP adaptive clipping, Andrew et al. 2021)"
+    )
     p.add_argument("--per-layer", action="store_true")
     p.add_argument("--noise-multiplier", type=float, help="sigma (default per K)")
     p.add_argument("--epsilon", type=float, default=8.0)
@@ -170,9 +231,13 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="runs with seeds seed, seed+1, ...")
     p.add_argument("--eval-every", type=int, default=1)
-    p.add_argument("--speed-rounds", type=int, default=0,
-                   help="also time N alternating DP / non-private rounds per K "
-                        "(writes results/federated_speed.json)")
+    p.add_argument(
+        "--speed-rounds",
+        type=int,
+        default=0,
+        help="also time N alternating DP / non-private rounds per K "
+        "(writes results/federated_speed.json)",
+    )
     p.add_argument("--speed-only", action="store_true", help="only the timing comparison")
     p.add_argument("--output-dir", default=RESULTS)
     p.add_argument("--no-progress", action="store_true")
@@ -180,6 +245,7 @@ def main(argv=None) -> list[dict]:
     args.clip = args.clip if args.clip == "adaptive" else float(args.clip)
 
     from dpfl_tf.data import load_dataset
+
     ds = load_dataset("mnist")
     results, speed = [], []
     for k in args.clients:
@@ -187,12 +253,14 @@ def main(argv=None) -> list[dict]:
             speed.append(speed_compare(k, args, ds))
         if args.speed_only:
             continue
-        runs = [(name, c) for i in range(args.repeats)
-                for name, c in _runs(k, args, args.seed + i)]
+        runs = [(name, c) for i in range(args.repeats) for name, c in _runs(k, args, args.seed + i)]
         for name, config in runs:
-            print(f"== K={k} {name}: {config.rounds} rounds max, m={SETTINGS[k]['m']}, "
-                  f"E={config.local_epochs}, B={config.local_batch_size}, "
-                  f"hidden={config.hidden}, seed={config.seed}", flush=True)
+            print(
+                f"== K={k} {name}: {config.rounds} rounds max, m={SETTINGS[k]['m']}, "
+                f"E={config.local_epochs}, B={config.local_batch_size}, "
+                f"hidden={config.hidden}, seed={config.seed}",
+                flush=True,
+            )
             r = run_federated(config, ds, progress=not args.no_progress)
             r["run"] = name
             r["seed"] = config.seed
@@ -201,21 +269,27 @@ def main(argv=None) -> list[dict]:
                 r["paper_dp_accuracy"] = PAPER_ACCURACY[k]
             results.append(r)
             eps = r["epsilon"]
-            print(f"   accuracy={r['test_accuracy']:.4f} rounds={r['rounds']} "
-                  f"eps={'inf' if eps is None else f'{eps:.3f}'} "
-                  f"median round={r['median_round_seconds']:.2f}s "
-                  f"({r['rounds_per_minute']:.1f} rounds/min) peak RSS={r['peak_rss_mb']:.0f} MiB"
-                  f" | {r['stop_reason']}", flush=True)
+            print(
+                f"   accuracy={r['test_accuracy']:.4f} rounds={r['rounds']} "
+                f"eps={'inf' if eps is None else f'{eps:.3f}'} "
+                f"median round={r['median_round_seconds']:.2f}s "
+                f"({r['rounds_per_minute']:.1f} rounds/min) peak RSS={r['peak_rss_mb']:.0f} MiB"
+                f" | {r['stop_reason']}",
+                flush=True,
+            )
     os.makedirs(args.output_dir, exist_ok=True)
     if speed:
         atomic_write_json(os.path.join(args.output_dir, "federated_speed.json"), speed)
     if args.speed_only:
         return speed
     path = os.path.join(args.output_dir, "federated_dp.json")
-    merged = merge_json_runs(path, results, lambda r: (r["clients"], r.get("run"),
-                                                       r.get("quick"), r.get("seed")))
-    _plot([r for r in merged if r.get("quick") == bool(args.quick)],
-          os.path.join(args.output_dir, "federated_dp.png"))
+    merged = merge_json_runs(
+        path, results, lambda r: (r["clients"], r.get("run"), r.get("quick"), r.get("seed"))
+    )
+    _plot(
+        [r for r in merged if r.get("quick") == bool(args.quick)],
+        os.path.join(args.output_dir, "federated_dp.png"),
+    )
     print(f"wrote {path} and federated_dp.png (peak RSS {peak_rss_mb():.0f} MiB)")
     return results
 

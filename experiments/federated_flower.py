@@ -31,25 +31,42 @@ import sys
 import time
 
 import numpy as np
-
 from _common import RESULTS
 
 from dpfl_tf._io import atomic_write_json
 from dpfl_tf.federated.runner import FederatedConfig, run_federated
 
-SUMMARY_KEYS = ("mechanism", "rounds", "test_accuracy", "epsilon", "delta", "accountant",
-                "seconds", "median_round_seconds", "stop_reason")
+SUMMARY_KEYS = (
+    "mechanism",
+    "rounds",
+    "test_accuracy",
+    "epsilon",
+    "delta",
+    "accountant",
+    "seconds",
+    "median_round_seconds",
+    "stop_reason",
+)
 
 
 def _configs(args, seed: int) -> dict[str, FederatedConfig]:
-    common = dict(dataset="mnist", clients=args.clients, clients_per_round=args.m,
-                  sampling="fixed_size", partition="iid", rounds=args.rounds, local_epochs=1,
-                  local_batch_size=10, learning_rate=0.1, hidden=tuple(args.hidden), seed=seed,
-                  accountant="rdp")
+    common = dict(
+        dataset="mnist",
+        clients=args.clients,
+        clients_per_round=args.m,
+        sampling="fixed_size",
+        partition="iid",
+        rounds=args.rounds,
+        local_epochs=1,
+        local_batch_size=10,
+        learning_rate=0.1,
+        hidden=tuple(args.hidden),
+        seed=seed,
+        accountant="rdp",
+    )
     return {
         "fedavg": FederatedConfig(dp="none", **common),
-        "global_dp": FederatedConfig(dp="global", clip=1.0, noise_multiplier=args.sigma,
-                                     **common),
+        "global_dp": FederatedConfig(dp="global", clip=1.0, noise_multiplier=args.sigma, **common),
     }
 
 
@@ -65,7 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(RESULTS, "federated_flower.json"))
     args = p.parse_args(argv)
 
-    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")   # before flwr is imported
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # before flwr is imported
     from dpfl_tf.federated.flower import FLOWER_VERSION, run_on_flower
 
     runs = []
@@ -76,23 +93,32 @@ def main(argv=None) -> int:
             t1 = time.perf_counter()
             flower = run_on_flower(config, backend=args.backend)
             t2 = time.perf_counter()
-            row = {"setting": name, "seed": seed, "config": config.to_dict(),
-                   "in_process": {k: inproc[k] for k in SUMMARY_KEYS},
-                   "flower": {k: flower[k] for k in SUMMARY_KEYS},
-                   "flower_backend": args.backend,
-                   "wall_seconds": {"in_process": t1 - t0, "flower": t2 - t1},
-                   "accuracy_per_round": {
-                       "in_process": [r["accuracy"] for r in inproc["history"]],
-                       "flower": [r["accuracy"] for r in flower["history"]]},
-                   "epsilon_per_round": {
-                       "in_process": [r["epsilon"] for r in inproc["history"]],
-                       "flower": [r["epsilon"] for r in flower["history"]]},
-                   "round_event": inproc["privacy"].get("round_event"),
-                   "epsilon_identical": inproc["epsilon"] == flower["epsilon"]}
+            row = {
+                "setting": name,
+                "seed": seed,
+                "config": config.to_dict(),
+                "in_process": {k: inproc[k] for k in SUMMARY_KEYS},
+                "flower": {k: flower[k] for k in SUMMARY_KEYS},
+                "flower_backend": args.backend,
+                "wall_seconds": {"in_process": t1 - t0, "flower": t2 - t1},
+                "accuracy_per_round": {
+                    "in_process": [r["accuracy"] for r in inproc["history"]],
+                    "flower": [r["accuracy"] for r in flower["history"]],
+                },
+                "epsilon_per_round": {
+                    "in_process": [r["epsilon"] for r in inproc["history"]],
+                    "flower": [r["epsilon"] for r in flower["history"]],
+                },
+                "round_event": inproc["privacy"].get("round_event"),
+                "epsilon_identical": inproc["epsilon"] == flower["epsilon"],
+            }
             runs.append(row)
-            print(f"{name:10s} seed {seed}: accuracy in-process {inproc['test_accuracy']:.4f} "
-                  f"flower {flower['test_accuracy']:.4f}; epsilon in-process "
-                  f"{inproc['epsilon']} flower {flower['epsilon']}", flush=True)
+            print(
+                f"{name:10s} seed {seed}: accuracy in-process {inproc['test_accuracy']:.4f} "
+                f"flower {flower['test_accuracy']:.4f}; epsilon in-process "
+                f"{inproc['epsilon']} flower {flower['epsilon']}",
+                flush=True,
+            )
 
     summary = {}
     for name in ("fedavg", "global_dp"):
@@ -101,23 +127,32 @@ def main(argv=None) -> int:
         b = np.array([r["flower"]["test_accuracy"] for r in rows])
         summary[name] = {
             "seeds": [r["seed"] for r in rows],
-            "accuracy_in_process_mean": float(a.mean()), "accuracy_in_process_std": float(a.std()),
-            "accuracy_flower_mean": float(b.mean()), "accuracy_flower_std": float(b.std()),
+            "accuracy_in_process_mean": float(a.mean()),
+            "accuracy_in_process_std": float(a.std()),
+            "accuracy_flower_mean": float(b.mean()),
+            "accuracy_flower_std": float(b.std()),
             "accuracy_difference_mean": float((b - a).mean()),
             "epsilon_in_process": [r["in_process"]["epsilon"] for r in rows],
             "epsilon_flower": [r["flower"]["epsilon"] for r in rows],
             "epsilon_identical": all(r["epsilon_identical"] for r in rows),
         }
-    out = {"experiment": "federated_flower", "command": "python " + " ".join(
-        [os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
-        "flwr_version": FLOWER_VERSION, "python": platform.python_version(),
-        "summary": summary, "runs": runs}
+    out = {
+        "experiment": "federated_flower",
+        "command": "python "
+        + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
+        "flwr_version": FLOWER_VERSION,
+        "python": platform.python_version(),
+        "summary": summary,
+        "runs": runs,
+    }
     atomic_write_json(args.out, out)
     print(f"wrote {args.out}")
     for name, s in summary.items():
-        print(f"{name}: accuracy in-process {s['accuracy_in_process_mean']:.4f} "
-              f"+- {s['accuracy_in_process_std']:.4f}, flower {s['accuracy_flower_mean']:.4f} "
-              f"+- {s['accuracy_flower_std']:.4f}; epsilon identical: {s['epsilon_identical']}")
+        print(
+            f"{name}: accuracy in-process {s['accuracy_in_process_mean']:.4f} "
+            f"+- {s['accuracy_in_process_std']:.4f}, flower {s['accuracy_flower_mean']:.4f} "
+            f"+- {s['accuracy_flower_std']:.4f}; epsilon identical: {s['epsilon_identical']}"
+        )
     return 0
 
 

@@ -46,8 +46,13 @@ def _free_port() -> int:
 
 
 def _toml(value) -> str:
-    return json.dumps(value) if isinstance(value, str) else repr(value).lower() \
-        if isinstance(value, bool) else repr(value)
+    return (
+        json.dumps(value)
+        if isinstance(value, str)
+        else repr(value).lower()
+        if isinstance(value, bool)
+        else repr(value)
+    )
 
 
 class Deployment:
@@ -59,14 +64,19 @@ class Deployment:
     def __init__(self, directory: str, run_config: dict, clients: int):
         self.dir, self.k = directory, clients
         self.port = _free_port()
-        self.env = {**os.environ, "FLWR_HOME": os.path.join(directory, "flwr-home"),
-                    "PYTHONPATH": os.pathsep.join(filter(None, [ROOT,
-                                                                os.environ.get("PYTHONPATH")])),
-                    "FLWR_TELEMETRY_ENABLED": "0", "TF_CPP_MIN_LOG_LEVEL": "3"}
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": os.path.join(directory, "flwr-home"),
+            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+        }
         os.makedirs(self.env["FLWR_HOME"], exist_ok=True)
         with open(os.path.join(self.env["FLWR_HOME"], "config.toml"), "w") as f:
-            f.write(f'[superlink]\ndefault = "deploy"\n\n[superlink.deploy]\n'
-                    f'address = "127.0.0.1:{self.port}"\ninsecure = true\n')
+            f.write(
+                f'[superlink]\ndefault = "deploy"\n\n[superlink.deploy]\n'
+                f'address = "127.0.0.1:{self.port}"\ninsecure = true\n'
+            )
         self.app = os.path.join(directory, "app")
         os.makedirs(self.app, exist_ok=True)
         config = "\n".join(f"{k} = {_toml(v)}" for k, v in run_config.items())
@@ -78,8 +88,14 @@ class Deployment:
 
     def _start(self, name: str, argv: list[str]) -> None:
         log = open(os.path.join(self.dir, f"{name}.log"), "a")
-        self.procs[name] = subprocess.Popen(argv, env=self.env, stdout=log, stderr=log,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            argv,
+            env=self.env,
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.groups.append(self.procs[name].pid)
 
     def left_running(self) -> list[int]:
@@ -94,10 +110,19 @@ class Deployment:
         return alive
 
     def start_node(self, k: int) -> None:
-        self._start(f"node{k}", ["flower-supernode", "--insecure", "--superlink",
-                                 f"127.0.0.1:{self.port}", "--port", str(_free_port()),
-                                 "--node-config",
-                                 f"partition-id={k} num-partitions={self.k}"])
+        self._start(
+            f"node{k}",
+            [
+                "flower-supernode",
+                "--insecure",
+                "--superlink",
+                f"127.0.0.1:{self.port}",
+                "--port",
+                str(_free_port()),
+                "--node-config",
+                f"partition-id={k} num-partitions={self.k}",
+            ],
+        )
 
     def kill_node(self, k: int) -> None:
         """SIGKILL to the SuperNode's process group (its ClientApp processes too)."""
@@ -106,8 +131,16 @@ class Deployment:
         proc.wait()
 
     def __enter__(self) -> "Deployment":
-        self._start("superlink", ["flower-superlink", "--insecure", "--port", str(self.port),
-                                  "--disable-runtime-dependency-installation"])
+        self._start(
+            "superlink",
+            [
+                "flower-superlink",
+                "--insecure",
+                "--port",
+                str(self.port),
+                "--disable-runtime-dependency-installation",
+            ],
+        )
         time.sleep(3)
         for k in range(self.k):
             self.start_node(k)
@@ -126,14 +159,19 @@ class Deployment:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         time.sleep(2)
-        for pid in self.left_running():     # a child that outlived its SuperNode
+        for pid in self.left_running():  # a child that outlived its SuperNode
             os.kill(pid, signal.SIGKILL)
 
     def flwr_run(self, **overrides) -> None:
         """``flwr run app deploy --run-config ...`` (returns once the run is submitted)."""
         pairs = " ".join(f"{k}={_toml(v)}" for k, v in overrides.items())
-        out = subprocess.run(["flwr", "run", self.app, "deploy", "--run-config", pairs],
-                             env=self.env, capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            ["flwr", "run", self.app, "deploy", "--run-config", pairs],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if "Successfully started run" not in out.stdout:
             raise RuntimeError(f"flwr run failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
 
@@ -179,16 +217,24 @@ def _wait(path: str, done, timeout: float) -> dict:
 
 
 def _summary(data: dict) -> dict:
-    return {"status": data["status"], "rounds": data["rounds"], "epsilon": data["epsilon"],
-            "error": data.get("error"), "test_accuracy": data["test_accuracy"],
-            "round_seconds": [h["seconds"] for h in data["history"]],
-            "missing_clients": [h["info"].get("missing_clients", 0) for h in data["history"]]}
+    return {
+        "status": data["status"],
+        "rounds": data["rounds"],
+        "epsilon": data["epsilon"],
+        "error": data.get("error"),
+        "test_accuracy": data["test_accuracy"],
+        "round_seconds": [h["seconds"] for h in data["history"]],
+        "missing_clients": [h["info"].get("missing_clients", 0) for h in data["history"]],
+    }
 
 
 def scenario(name: str, dep: Deployment, rounds: int, timeout: float) -> dict:
     out, ckpt = (os.path.join(dep.dir, f"{name}.json"), os.path.join(dep.dir, f"{name}.ckpt"))
-    keys = {"results-path": out, "checkpoint-dir": ckpt,
-            "min-nodes": dep.k if name == "kill" else 1}
+    keys = {
+        "results-path": out,
+        "checkpoint-dir": ckpt,
+        "min-nodes": dep.k if name == "kill" else 1,
+    }
     start = time.perf_counter()
     dep.flwr_run(**keys)
     _wait(out, lambda d: d["rounds"] >= 1 or d["status"] != "running", timeout)
@@ -200,9 +246,16 @@ def scenario(name: str, dep: Deployment, rounds: int, timeout: float) -> dict:
         dep.start_node(dep.k - 1)
         time.sleep(5)
         dep.flwr_run(**keys)
-        final = _wait(out, lambda d: d["status"] != "running" and d["rounds"] > failed["rounds"]
-                      or d["status"] == "failed" and d.get("error") != failed.get("error"),
-                      timeout)
+        final = _wait(
+            out,
+            lambda d: (
+                d["status"] != "running"
+                and d["rounds"] > failed["rounds"]
+                or d["status"] == "failed"
+                and d.get("error") != failed.get("error")
+            ),
+            timeout,
+        )
     else:
         final = _wait(out, lambda d: d["status"] != "running", timeout)
         dep.start_node(dep.k - 1)
@@ -224,15 +277,28 @@ def main(argv=None) -> int:
     from dpfl_tf.federated.flower import config_from_run_config
     from dpfl_tf.federated.runner import run_federated
 
-    run_config = {"clients": args.clients, "clients-per-round": args.clients,
-                  "sampling": "fixed_size", "rounds": args.rounds, "dp": "global",
-                  "partition": "iid", "train-subset": 600,
-                  "results-path": "", "checkpoint-dir": "", "min-nodes": args.clients,
-                  "node-timeout": 120.0}
+    run_config = {
+        "clients": args.clients,
+        "clients-per-round": args.clients,
+        "sampling": "fixed_size",
+        "rounds": args.rounds,
+        "dp": "global",
+        "partition": "iid",
+        "train-subset": 600,
+        "results-path": "",
+        "checkpoint-dir": "",
+        "min-nodes": args.clients,
+        "node-timeout": 120.0,
+    }
     config = config_from_run_config(run_config)
     inproc = run_federated(config, progress=False)
-    out = {"command": command_line(), "commit": commit_of(), "run_config": run_config,
-           "in_process_epsilon": inproc["epsilon"], "scenarios": []}
+    out = {
+        "command": command_line(),
+        "commit": commit_of(),
+        "run_config": run_config,
+        "in_process_epsilon": inproc["epsilon"],
+        "scenarios": [],
+    }
     with tempfile.TemporaryDirectory(prefix="dpfl-flower-") as tmp:
         with Deployment(tmp, run_config, args.clients) as dep:
             for name in args.only or ["kill", "dropout"]:
@@ -243,8 +309,14 @@ def main(argv=None) -> int:
         out["processes_left_running"] = dep.left_running()
         atomic_write_json(args.output, out)
     print(f"wrote {args.output}")
-    return 0 if all(r["final"]["status"] == "completed" and r["epsilon_equals_in_process"]
-                    for r in out["scenarios"]) else 1
+    return (
+        0
+        if all(
+            r["final"]["status"] == "completed" and r["epsilon_equals_in_process"]
+            for r in out["scenarios"]
+        )
+        else 1
+    )
 
 
 if __name__ == "__main__":

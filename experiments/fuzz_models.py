@@ -47,8 +47,8 @@ import time
 import traceback
 
 import numpy as np
-
 from _common import RESULTS, ROOT, command_line, commit_of
+
 TOLERANCE = {"float32": 1e-5, "mixed_float16": 2e-2, "mixed_bfloat16": 1e-1}
 # features whose wrong results the library's coming refusals address
 EXPECTED_FIX = {
@@ -61,6 +61,7 @@ EXPECTED_FIX = {
 @dataclasses.dataclass
 class Case:
     """One generated model and its data."""
+
     seed: int
     model: object
     x: object
@@ -76,6 +77,7 @@ class Case:
 # ---------------------------------------------------------------------------
 # custom layers
 
+
 @functools.lru_cache(maxsize=None)
 def _custom_layers():
     """(Gate, NamedDense, ScaledDense, BatchCentred): one class object each per
@@ -87,8 +89,9 @@ def _custom_layers():
         """No rule: y = tanh(x w) + v^2 elementwise (per-layer fallback)."""
 
         def build(self, shape):
-            self.w, self.v = (self.add_weight(shape=(shape[-1],), initializer="random_normal")
-                              for _ in range(2))
+            self.w, self.v = (
+                self.add_weight(shape=(shape[-1],), initializer="random_normal") for _ in range(2)
+            )
 
         def call(self, x):
             return tf.tanh(x * self.w) + tf.square(self.v)
@@ -117,6 +120,7 @@ def _custom_layers():
 # ---------------------------------------------------------------------------
 # the generator
 
+
 class _Builder:
     """Builds one random functional model block by block from a seed."""
 
@@ -127,10 +131,10 @@ class _Builder:
         self.rng = np.random.default_rng(seed)
         self.desc: list[str] = []
         self.features: set[str] = set()
-        (self.Gate, self.NamedDense, self.ScaledDense,
-         self.BatchCentred) = _custom_layers()
+        (self.Gate, self.NamedDense, self.ScaledDense, self.BatchCentred) = _custom_layers()
         try:
             import keras_hub
+
             self.hub = keras_hub
         except ImportError:
             self.hub = None
@@ -152,9 +156,27 @@ class _Builder:
     def vector_block(self, h):
         L = self.k.layers
         units = self.small(3, 8)
-        choice = self.pick(["dense", "dense", "einsum", "layernorm", "rms", "custom", "named",
-                            "scaled", "shared", "branch", "submodel", "lambda", "batch_mix",
-                            "frozen", "batchnorm", "lora", "float64"])
+        choice = self.pick(
+            [
+                "dense",
+                "dense",
+                "einsum",
+                "layernorm",
+                "rms",
+                "custom",
+                "named",
+                "scaled",
+                "shared",
+                "branch",
+                "submodel",
+                "lambda",
+                "batch_mix",
+                "frozen",
+                "batchnorm",
+                "lora",
+                "float64",
+            ]
+        )
         act = self.pick([None, "tanh", "relu", "gelu"])
         if choice == "dense":
             self.note(f"Dense({units}, {act})")
@@ -188,8 +210,9 @@ class _Builder:
             self.note(f"two Dense({units}) branches merged by {merge}", "branch")
             return {"add": L.Add, "concat": L.Concatenate, "multiply": L.Multiply}[merge]()([a, b])
         if choice == "submodel":
-            inner = self.k.Sequential([self.k.Input((h.shape[-1],)),
-                                       L.Dense(units, activation="tanh"), L.Dense(units)])
+            inner = self.k.Sequential(
+                [self.k.Input((h.shape[-1],)), L.Dense(units, activation="tanh"), L.Dense(units)]
+            )
             self.note(f"a Sequential sub-model (Dense({units}) x 2)", "submodel")
             return inner(h)
         if choice == "lambda":
@@ -199,8 +222,7 @@ class _Builder:
             if self.chance(0.5):
                 self.note("Lambda(x - mean over the batch)", "batch_mixing_layer")
                 return L.Lambda(lambda t: t - self.k.ops.mean(t, axis=0, keepdims=True))(h)
-            self.note("BatchCentred (custom layer: x - mean over the batch)",
-                      "batch_mixing_layer")
+            self.note("BatchCentred (custom layer: x - mean over the batch)", "batch_mixing_layer")
             return self.BatchCentred()(h)
         if choice == "frozen":
             layer = L.Dense(units, activation=act)
@@ -224,12 +246,19 @@ class _Builder:
         """A depthwise, separable or transposed convolution of `dims` ("1D", "2D")."""
         L = self.k.layers
         layer, text = {
-            "depthwise": (lambda: getattr(L, "DepthwiseConv" + dims)(3, padding="same"),
-                          f"DepthwiseConv{dims}(3, same)"),
-            "separable": (lambda: getattr(L, "SeparableConv" + dims)(units, 3, padding="same"),
-                          f"SeparableConv{dims}({units}, 3, same)"),
-            "transpose": (lambda: getattr(L, f"Conv{dims}Transpose")(units, 2, strides=2),
-                          f"Conv{dims}Transpose({units}, 2, strides 2)")}[choice]
+            "depthwise": (
+                lambda: getattr(L, "DepthwiseConv" + dims)(3, padding="same"),
+                f"DepthwiseConv{dims}(3, same)",
+            ),
+            "separable": (
+                lambda: getattr(L, "SeparableConv" + dims)(units, 3, padding="same"),
+                f"SeparableConv{dims}({units}, 3, same)",
+            ),
+            "transpose": (
+                lambda: getattr(L, f"Conv{dims}Transpose")(units, 2, strides=2),
+                f"Conv{dims}Transpose({units}, 2, strides 2)",
+            ),
+        }[choice]
         self.note(text)
         return layer()(h)
 
@@ -238,9 +267,22 @@ class _Builder:
         L = self.k.layers
         f = h.shape[-1]
         units = self.small(2, 6)
-        choices = ["dense", "einsum", "conv", "depthwise", "separable", "transpose", "rnn",
-                   "bidirectional", "attention", "layernorm", "groupnorm", "timedistributed",
-                   "shared", "lambda"]
+        choices = [
+            "dense",
+            "einsum",
+            "conv",
+            "depthwise",
+            "separable",
+            "transpose",
+            "rnn",
+            "bidirectional",
+            "attention",
+            "layernorm",
+            "groupnorm",
+            "timedistributed",
+            "shared",
+            "lambda",
+        ]
         if self.hub is not None:
             choices += ["position", "hub_norm"]
         choice = self.pick(choices)
@@ -254,8 +296,14 @@ class _Builder:
             self.note(f"EinsumDense({eq})")
             return out if eq == "abc,cd->abd" else L.Reshape((h.shape[1], 2 * units))(out)
         if choice == "conv":
-            kw = self.pick([dict(padding="causal", dilation_rate=2), dict(padding="same"),
-                            dict(padding="same", strides=2), dict(padding="same", groups=1)])
+            kw = self.pick(
+                [
+                    dict(padding="causal", dilation_rate=2),
+                    dict(padding="same"),
+                    dict(padding="same", strides=2),
+                    dict(padding="same", groups=1),
+                ]
+            )
             self.note(f"Conv1D({units}, 3, {kw})")
             return L.Conv1D(units, 3, activation="relu", **kw)(h)
         if choice in ("depthwise", "separable", "transpose"):
@@ -294,17 +342,28 @@ class _Builder:
         norm = self.pick(["gemma", "llama"])
         self.note(f"KerasHub {norm} RMS normalisation", "keras_hub")
         from dpfl_tf.keras.layer_rules import keras_hub as hub_rules
-        module, name = {"gemma": (hub_rules._MODELS + "gemma.rms_normalization",
-                                  "RMSNormalization"),
-                        "llama": (hub_rules._MODELS + "llama.llama_layernorm",
-                                  "LlamaLayerNorm")}[norm]
+
+        module, name = {
+            "gemma": (hub_rules._MODELS + "gemma.rms_normalization", "RMSNormalization"),
+            "llama": (hub_rules._MODELS + "llama.llama_layernorm", "LlamaLayerNorm"),
+        }[norm]
         return hub_rules._class(module, name)()(h)
 
     def image_block(self, h):
         L = self.k.layers
         units = self.small(2, 5)
-        choice = self.pick(["conv", "conv_stride", "depthwise", "separable", "transpose",
-                            "groupnorm", "layernorm", "pool"])
+        choice = self.pick(
+            [
+                "conv",
+                "conv_stride",
+                "depthwise",
+                "separable",
+                "transpose",
+                "groupnorm",
+                "layernorm",
+                "pool",
+            ]
+        )
         if choice == "conv":
             groups = self.pick([g for g in (1, 2) if h.shape[-1] % g == 0 and units % g == 0])
             self.note(f"Conv2D({units}, 3, same, groups {groups})")
@@ -348,25 +407,31 @@ class _Builder:
             return inp, inp, "image", x, {}
         if kind == "two":
             f1, f2 = self.small(2, 6), self.small(2, 6)
-            x = [rng.normal(size=(n, f1)).astype("float32"),
-                 rng.normal(size=(n, f2)).astype("float32")]
+            x = [
+                rng.normal(size=(n, f1)).astype("float32"),
+                rng.normal(size=(n, f2)).astype("float32"),
+            ]
             a, b = self.k.Input((f1,)), self.k.Input((f2,))
             shared = self.chance(0.5) and f1 == f2
             if shared:
                 layer = L.Dense(4, activation="tanh")
                 h = L.Add()([layer(a), layer(b)])
-                self.note(f"two inputs [{f1}] [{f2}] through one shared Dense(4), added",
-                          "reuse", "multi_input")
+                self.note(
+                    f"two inputs [{f1}] [{f2}] through one shared Dense(4), added",
+                    "reuse",
+                    "multi_input",
+                )
             else:
                 h = L.Concatenate()([L.Dense(4)(a), L.Dense(3)(b)])
-                self.note(f"two inputs [{f1}] [{f2}], a Dense each, concatenated",
-                          "multi_input")
+                self.note(f"two inputs [{f1}] [{f2}], a Dense each, concatenated", "multi_input")
             return [a, b], h, "vector", x, {}
         t, vocab, width = self.small(3, 8), self.small(6, 24), self.small(3, 6)
         x = rng.integers(0, vocab, size=(n, t)).astype("int32")
         inp = self.k.Input((t,), dtype="int32")
-        style = self.pick(["embedding", "masked", "reversible", "lora"] +
-                          (["token_and_position"] if self.hub is not None else []))
+        style = self.pick(
+            ["embedding", "masked", "reversible", "lora"]
+            + (["token_and_position"] if self.hub is not None else [])
+        )
         extras = {"vocab": vocab}
         if style == "embedding":
             h = L.Embedding(vocab, width)(inp)
@@ -378,19 +443,25 @@ class _Builder:
             table = L.ReversibleEmbedding(vocab, width, tie_weights=self.chance(0.8))
             h = table(inp)
             extras["table"] = table
-            self.note(f"tokens [{t}] (vocab {vocab}) -> ReversibleEmbedding({width}, "
-                      f"tie_weights={table.tie_weights})", "reversible")
+            self.note(
+                f"tokens [{t}] (vocab {vocab}) -> ReversibleEmbedding({width}, "
+                f"tie_weights={table.tie_weights})",
+                "reversible",
+            )
         elif style == "lora":
             layer = L.Embedding(vocab, width)
             h = layer(inp)
             layer.enable_lora(2)
             layer.lora_embeddings_b.assign(rng.normal(size=layer.lora_embeddings_b.shape))
-            self.note(f"tokens [{t}] (vocab {vocab}) -> Embedding({width}) with LoRA rank 2",
-                      "lora")
+            self.note(
+                f"tokens [{t}] (vocab {vocab}) -> Embedding({width}) with LoRA rank 2", "lora"
+            )
         else:
             h = self.hub.layers.TokenAndPositionEmbedding(vocab, t, width)(inp)
-            self.note(f"tokens [{t}] (vocab {vocab}) -> keras_hub TokenAndPositionEmbedding"
-                      f"({width})", "keras_hub")
+            self.note(
+                f"tokens [{t}] (vocab {vocab}) -> keras_hub TokenAndPositionEmbedding({width})",
+                "keras_hub",
+            )
         return inp, h, "sequence", x, extras
 
     def build(self, n: int):
@@ -398,8 +469,11 @@ class _Builder:
         L, rng = self.k.layers, self.rng
         inp, h, kind, x, extras = self.inputs(n)
         for _ in range(self.small(1, 3)):
-            h = {"vector": self.vector_block, "sequence": self.sequence_block,
-                 "image": self.image_block}[kind](h)
+            h = {
+                "vector": self.vector_block,
+                "sequence": self.sequence_block,
+                "image": self.image_block,
+            }[kind](h)
         classes = self.small(2, 5)
         per_token = kind == "sequence" and self.chance(0.35)
         if per_token:
@@ -412,16 +486,26 @@ class _Builder:
             else:
                 out = L.Dense(classes)(h)
                 self.note(f"per-token Dense({classes}) head")
-            y = rng.integers(0, classes, size=(n, out.shape[1]))   # strides change T
+            y = rng.integers(0, classes, size=(n, out.shape[1]))  # strides change T
             loss = self.k.losses.SparseCategoricalCrossentropy(from_logits=True)
             self.note("loss: per-token SparseCategoricalCrossentropy")
         else:
             if kind == "sequence":
                 pool = self.pick(["avg", "max", "flatten", "lstm"])
-                h = {"avg": L.GlobalAveragePooling1D(), "max": L.GlobalMaxPooling1D(),
-                     "flatten": L.Flatten(), "lstm": L.LSTM(4)}[pool](h)
-                self.note({"avg": "GlobalAveragePooling1D", "max": "GlobalMaxPooling1D",
-                           "flatten": "Flatten", "lstm": "LSTM(4)"}[pool])
+                h = {
+                    "avg": L.GlobalAveragePooling1D(),
+                    "max": L.GlobalMaxPooling1D(),
+                    "flatten": L.Flatten(),
+                    "lstm": L.LSTM(4),
+                }[pool](h)
+                self.note(
+                    {
+                        "avg": "GlobalAveragePooling1D",
+                        "max": "GlobalMaxPooling1D",
+                        "flatten": "Flatten",
+                        "lstm": "LSTM(4)",
+                    }[pool]
+                )
             elif kind == "image":
                 h = self.pick([L.GlobalAveragePooling2D, L.Flatten])()(h)
                 self.note("pooled")
@@ -435,32 +519,45 @@ class _Builder:
 
     def loss(self, n: int, classes: int):
         k, rng = self.k, self.rng
-        name = self.pick(["scce", "scce", "cce", "mse", "huber", "bce", "cosine", "function",
-                          "circle", "scalar"])
+        name = self.pick(
+            ["scce", "scce", "cce", "mse", "huber", "bce", "cosine", "function", "circle", "scalar"]
+        )
         labels = rng.integers(0, classes, size=n)
-        self.note(f"loss: {name}", *({"circle": ["batch_mixing_loss"],
-                                      "scalar": ["scalar_loss"]}.get(name, [])))
+        self.note(
+            f"loss: {name}",
+            *({"circle": ["batch_mixing_loss"], "scalar": ["scalar_loss"]}.get(name, [])),
+        )
         if name == "scce":
             return k.losses.SparseCategoricalCrossentropy(from_logits=True), labels
         if name == "cce":
-            return (k.losses.CategoricalCrossentropy(from_logits=True),
-                    np.eye(classes, dtype="float32")[labels])
+            return (
+                k.losses.CategoricalCrossentropy(from_logits=True),
+                np.eye(classes, dtype="float32")[labels],
+            )
         if name in ("mse", "huber", "cosine"):
-            cls = {"mse": k.losses.MeanSquaredError, "huber": k.losses.Huber,
-                   "cosine": k.losses.CosineSimilarity}[name]
+            cls = {
+                "mse": k.losses.MeanSquaredError,
+                "huber": k.losses.Huber,
+                "cosine": k.losses.CosineSimilarity,
+            }[name]
             return cls(), rng.normal(size=(n, classes)).astype("float32")
         if name == "bce":
-            return (k.losses.BinaryCrossentropy(from_logits=True),
-                    rng.integers(0, 2, size=(n, classes)).astype("float32"))
+            return (
+                k.losses.BinaryCrossentropy(from_logits=True),
+                rng.integers(0, 2, size=(n, classes)).astype("float32"),
+            )
         if name == "function":
+
             def squared_error(y_true, y_pred):
                 return k.ops.mean(k.ops.square(y_true - y_pred), axis=-1)
+
             return squared_error, rng.normal(size=(n, classes)).astype("float32")
-        if name == "circle":   # two classes, so examples have positive pairs
+        if name == "circle":  # two classes, so examples have positive pairs
             return k.losses.Circle(), rng.integers(0, 2, size=n)
 
-        def mean_loss(y_true, y_pred):   # reduced to a scalar: no per-example values
+        def mean_loss(y_true, y_pred):  # reduced to a scalar: no per-example values
             return k.ops.mean(k.ops.square(y_true - y_pred))
+
         return mean_loss, rng.normal(size=(n, classes)).astype("float32")
 
 
@@ -498,12 +595,12 @@ def generate(seed: int, policy: str | None = None) -> Case:
     if not fast:
         builder.note("DPModel(fast_gradients=False)", "generic_path")
     builder.note(f"{n} examples")
-    return Case(seed, model, x, y, loss, policy, builder.desc, builder.features,
-                batch_size, fast)
+    return Case(seed, model, x, y, loss, policy, builder.desc, builder.features, batch_size, fast)
 
 
 # ---------------------------------------------------------------------------
 # running one model
+
 
 def _raised_by_dpfl(error: BaseException) -> bool:
     """A refusal: raised (innermost frame, with Keras's and TensorFlow's
@@ -511,8 +608,11 @@ def _raised_by_dpfl(error: BaseException) -> bool:
     TypeError / NotImplementedError."""
     frames = traceback.extract_tb(error.__traceback__)
     package = os.sep + "dpfl_tf" + os.sep
-    return bool(frames) and package in frames[-1].filename and isinstance(
-        error, (ValueError, TypeError, NotImplementedError))
+    return (
+        bool(frames)
+        and package in frames[-1].filename
+        and isinstance(error, (ValueError, TypeError, NotImplementedError))
+    )
 
 
 def _message(error: BaseException) -> str:
@@ -531,17 +631,21 @@ def run_case(seed: int, policy: str | None = None) -> dict:
     from dpfl_tf.keras import exactness
     from dpfl_tf.keras.model import DPModel
 
-    keras.config.disable_traceback_filtering()   # the frame that raised is the real one
+    keras.config.disable_traceback_filtering()  # the frame that raised is the real one
     tf.debugging.disable_traceback_filtering()
     started = time.perf_counter()
     row = {"seed": seed}
     try:
         case = generate(seed, policy)
-    except Exception as error:   # a generator bug, not a library result
+    except Exception as error:  # a generator bug, not a library result
         keras.mixed_precision.set_global_policy("float32")
         return dict(row, outcome="invalid", message=_message(error))
-    row.update(description="; ".join(case.description), features=sorted(case.features),
-               policy=case.policy, examples=len(case.y))
+    row.update(
+        description="; ".join(case.description),
+        features=sorted(case.features),
+        policy=case.policy,
+        examples=len(case.y),
+    )
     tolerance = TOLERANCE[case.policy]
     try:
         try:
@@ -552,32 +656,45 @@ def run_case(seed: int, policy: str | None = None) -> dict:
         before = [np.asarray(v, np.float64) for v in case.model.trainable_variables]
         dp = DPModel(case.model, fast_gradients=case.fast_gradients)
         try:
-            exactness.fit_once(dp, case.x, case.y, case.loss, clip, lr,
-                               batch_size=case.batch_size)
+            exactness.fit_once(dp, case.x, case.y, case.loss, clip, lr, batch_size=case.batch_size)
             row["plan"] = [list(p) for p in exactness.plan(case.model, dp._per_example)]
         except Exception as error:
-            unchanged = all(np.array_equal(np.asarray(v, np.float64), b)
-                            for v, b in zip(case.model.trainable_variables, before))
+            unchanged = all(
+                np.array_equal(np.asarray(v, np.float64), b)
+                for v, b in zip(case.model.trainable_variables, before)
+            )
             untouched = unchanged and dp.lots_applied == 0 and dp.lots_computed == 0
-            row.update(message=_message(error), weights_unchanged=unchanged,
-                       ledger_empty=dp.lots_computed == 0)
+            row.update(
+                message=_message(error),
+                weights_unchanged=unchanged,
+                ledger_empty=dp.lots_computed == 0,
+            )
             row["outcome"] = "refused" if _raised_by_dpfl(error) and untouched else "CRASH"
-            if (row["outcome"] == "CRASH" and reference_error is not None
-                    and not _raised_by_dpfl(reference_error)):   # Keras rejects it too
+            if (
+                row["outcome"] == "CRASH"
+                and reference_error is not None
+                and not _raised_by_dpfl(reference_error)
+            ):  # Keras rejects it too
                 row.update(outcome="invalid", reference_message=_message(reference_error))
             if row["outcome"] == "CRASH":
                 row["traceback"] = traceback.format_exception(error)[-6:]
         else:
             if reference_error is not None:
-                row.update(outcome="CRASH", message="fit trained a model whose per-example "
-                           f"loop fails: {_message(reference_error)}")
+                row.update(
+                    outcome="CRASH",
+                    message="fit trained a model whose per-example "
+                    f"loop fails: {_message(reference_error)}",
+                )
             else:
                 error = exactness.relative_change(case.model, before, expected)
                 # a zero reference step cannot tell a wrong update from a right one
                 row["zero_step"] = not any(np.any(e) for e in expected)
-                row.update(error=error, tolerance=tolerance,
-                           outcome="exact" if error <= tolerance else "WRONG",
-                           lots_applied=int(dp.lots_applied))
+                row.update(
+                    error=error,
+                    tolerance=tolerance,
+                    outcome="exact" if error <= tolerance else "WRONG",
+                    lots_applied=int(dp.lots_applied),
+                )
     finally:
         keras.mixed_precision.set_global_policy("float32")
         keras.backend.clear_session()
@@ -597,14 +714,24 @@ def summarise(rows: list) -> dict:
     for r in rows:
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
     bad = [r for r in rows if r["outcome"] in ("WRONG", "CRASH")]
-    return {"counts": counts,
-            "exact_with_zero_step": sum(1 for r in rows
-                                        if r.get("zero_step") and r["outcome"] == "exact"),
-            "wrong_or_crash_expected_to_be_fixed": sum(1 for r in bad if r["expected_fix"]),
-            "wrong_or_crash_not_explained": [
-                {"seed": r["seed"], "outcome": r["outcome"], "description": r["description"],
-                 "message": r.get("message"), "error": r.get("error")}
-                for r in bad if not r["expected_fix"]]}
+    return {
+        "counts": counts,
+        "exact_with_zero_step": sum(
+            1 for r in rows if r.get("zero_step") and r["outcome"] == "exact"
+        ),
+        "wrong_or_crash_expected_to_be_fixed": sum(1 for r in bad if r["expected_fix"]),
+        "wrong_or_crash_not_explained": [
+            {
+                "seed": r["seed"],
+                "outcome": r["outcome"],
+                "description": r["description"],
+                "message": r.get("message"),
+                "error": r.get("error"),
+            }
+            for r in bad
+            if not r["expected_fix"]
+        ],
+    }
 
 
 def _worker(seeds: list, timeout: float) -> tuple[list, str]:
@@ -613,12 +740,20 @@ def _worker(seeds: list, timeout: float) -> tuple[list, str]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--output", out,
-           "--seeds", *map(str, seeds)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "--output",
+        out,
+        "--seeds",
+        *map(str, seeds),
+    ]
     why = ""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                              cwd=ROOT)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+        )
         why = (proc.stderr or proc.stdout)[-600:] if proc.returncode else ""
     except subprocess.TimeoutExpired:
         why = f"timed out after {timeout:.0f} s"
@@ -639,10 +774,17 @@ def run_seeds(seeds: list, timeout: float) -> list:
         rows += done
         if len(done) < len(seeds):
             dead = seeds[len(done)]
-            rows.append({"seed": dead, "outcome": "CRASH", "description": "?",
-                         "message": f"worker died: {why}", "features": [],
-                         "expected_fix": []})
-            seeds = seeds[len(done) + 1:]
+            rows.append(
+                {
+                    "seed": dead,
+                    "outcome": "CRASH",
+                    "description": "?",
+                    "message": f"worker died: {why}",
+                    "features": [],
+                    "expected_fix": [],
+                }
+            )
+            seeds = seeds[len(done) + 1 :]
         else:
             seeds = []
     return rows
@@ -655,9 +797,13 @@ def main(argv=None) -> dict:
     p.add_argument("--chunk", type=int, default=25, help="models per child process")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per chunk")
     p.add_argument("--output", default=os.path.join(RESULTS, "fuzz_models.json"))
-    p.add_argument("--rerun", nargs="+", metavar="OUTCOME",
-                   help="run again the models of --output with these outcomes (after a fix) "
-                        "and replace their rows; the file records which and at what commit")
+    p.add_argument(
+        "--rerun",
+        nargs="+",
+        metavar="OUTCOME",
+        help="run again the models of --output with these outcomes (after a fix) "
+        "and replace their rows; the file records which and at what commit",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--seeds", type=int, nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -684,23 +830,34 @@ def main(argv=None) -> dict:
         again = {r["seed"]: r for r in run_seeds(seeds, args.timeout)}
         report["models"] = [again.get(r["seed"], r) for r in report["models"]]
         report["summary"] = summarise(report["models"])
-        report.setdefault("reruns", []).append({"command": command, "commit": commit,
-                                                "outcomes": args.rerun, "seeds": seeds})
+        report.setdefault("reruns", []).append(
+            {"command": command, "commit": commit, "outcomes": args.rerun, "seeds": seeds}
+        )
         atomic_write_json(args.output, report)
         print(json.dumps(report["summary"], indent=1))
         return report
     for i in range(0, len(seeds), args.chunk):
-        rows += run_seeds(seeds[i:i + args.chunk], args.timeout)
-        report = {"command": command, "commit": commit, "complete": len(rows) == len(seeds),
-                  "property": "every model fit accepts trains exactly (relative error of the "
-                              "weight update <= tolerance) or is refused with a clear error",
-                  "tolerance": TOLERANCE, "expected_fix": EXPECTED_FIX,
-                  "tensorflow": tf.__version__, "keras": keras.__version__,
-                  "wall_seconds": round(time.perf_counter() - started, 1),
-                  "summary": summarise(rows), "models": rows}
-        atomic_write_json(args.output, report)   # after every chunk: a stopped run keeps its rows
-        print(f"{len(rows)}/{len(seeds)} models, {report['wall_seconds']:.0f} s: "
-              f"{report['summary']['counts']}", flush=True)
+        rows += run_seeds(seeds[i : i + args.chunk], args.timeout)
+        report = {
+            "command": command,
+            "commit": commit,
+            "complete": len(rows) == len(seeds),
+            "property": "every model fit accepts trains exactly (relative error of the "
+            "weight update <= tolerance) or is refused with a clear error",
+            "tolerance": TOLERANCE,
+            "expected_fix": EXPECTED_FIX,
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+            "wall_seconds": round(time.perf_counter() - started, 1),
+            "summary": summarise(rows),
+            "models": rows,
+        }
+        atomic_write_json(args.output, report)  # after every chunk: a stopped run keeps its rows
+        print(
+            f"{len(rows)}/{len(seeds)} models, {report['wall_seconds']:.0f} s: "
+            f"{report['summary']['counts']}",
+            flush=True,
+        )
     print(json.dumps(report["summary"], indent=1))
     return report
 

@@ -36,8 +36,7 @@ METHODS = ("dpsgd", "banded", "amplified", "tree")
 #: 2021's ScatterNet + linear on CIFAR-10 (GroupNorm features, no mirror views)
 RECIPES = {
     "mnist": dict(model="tanh_cnn", lot=256, clip=0.1, lr=4.0, momentum=0.0, epochs=15),
-    "cifar10": dict(model="scatter_linear", lot=8192, clip=0.1, lr=4.0, momentum=0.9,
-                    epochs=60),
+    "cifar10": dict(model="scatter_linear", lot=8192, clip=0.1, lr=4.0, momentum=0.9, epochs=60),
 }
 
 
@@ -73,22 +72,30 @@ def calibrate(method: str, epsilon: float, n: int, lot: int, epochs: int, bands:
     """(sigma, event description) for the method at epsilon."""
     import dp_accounting
 
-    from dpfl_tf.privacy import (ReplaceOneGaussianDpEvent, calibrate_noise_multiplier,
-                                 describe_event, dp_sgd_event)
+    from dpfl_tf.privacy import (
+        ReplaceOneGaussianDpEvent,
+        calibrate_noise_multiplier,
+        describe_event,
+        dp_sgd_event,
+    )
 
     steps = epochs * (n // lot)
     if method == "dpsgd":
+
         def make(s):
             return dp_sgd_event(s, steps, sampling_rate=lot / n)
     elif method == "amplified":
         q, cycles = bands * lot / n, math.ceil(steps / bands)
 
         def make(s):
-            return dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
-                q, dp_accounting.GaussianDpEvent(s)), cycles)
-    else:   # shuffled epochs: the data's order fixes the lots, replace-one (sigma / 2)
+            return dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(s)), cycles
+            )
+    else:  # shuffled epochs: the data's order fixes the lots, replace-one (sigma / 2)
+
         def make(s):
             return ReplaceOneGaussianDpEvent(s / 2)
+
     sigma, eps = calibrate_noise_multiplier(epsilon, DELTA, make, "rdp", tolerance=1e-3)
     return sigma, eps, describe_event(make(sigma))
 
@@ -106,7 +113,7 @@ def choose_amplified_bands(epsilon, n, lot, epochs, candidates=(2, 4, 8, 16)):
             continue
         sigma = calibrate("amplified", epsilon, n, lot, epochs, b)[0]
         error = float(optimize_banded_toeplitz(steps, b).prefix_errors(steps).mean())
-        score = sigma ** 2 * error
+        score = sigma**2 * error
         if best is None or score < best[0]:
             best = (score, b)
     return best[1]
@@ -115,7 +122,7 @@ def choose_amplified_bands(epsilon, n, lot, epochs, candidates=(2, 4, 8, 16)):
 def run_one(dataset, method, epsilon, seed, data, recipe, epochs, verbose=0):
     import keras
 
-    from dpfl_tf.keras import DPModel, DPSGD
+    from dpfl_tf.keras import DPSGD, DPModel
     from dpfl_tf.privacy.matrix_factorization import DEFAULT_MAX_BANDS, CorrelatedNoiseConfig
 
     x, y, xt, yt = data
@@ -126,29 +133,60 @@ def run_one(dataset, method, epsilon, seed, data, recipe, epochs, verbose=0):
         bands = choose_amplified_bands(epsilon, n, lot, epochs)
     sigma, eps, event = calibrate(method, epsilon, n, lot, epochs, bands or 1)
     config = None
-    sampling = {"dpsgd": "poisson", "banded": "shuffle", "tree": "shuffle",
-                "amplified": "cyclic_poisson"}[method]
+    sampling = {
+        "dpsgd": "poisson",
+        "banded": "shuffle",
+        "tree": "shuffle",
+        "amplified": "cyclic_poisson",
+    }[method]
     if method != "dpsgd":
         config = CorrelatedNoiseConfig("tree" if method == "tree" else "banded", bands=bands)
     keras.utils.set_random_seed(seed)
     dp = DPModel(make_model(recipe, x.shape[1:]), accountant="rdp")
-    dp.compile(optimizer=DPSGD(recipe["lr"], recipe["momentum"], l2_norm_clip=recipe["clip"],
-                               noise_multiplier=sigma, correlated_noise=config),
-               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-               metrics=["accuracy"])
+    dp.compile(
+        optimizer=DPSGD(
+            recipe["lr"],
+            recipe["momentum"],
+            l2_norm_clip=recipe["clip"],
+            noise_multiplier=sigma,
+            correlated_noise=config,
+        ),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     start = time.perf_counter()
-    history = dp.fit(x, y, lot_size=lot, epochs=epochs, sampling=sampling, verbose=verbose,
-                     validation_data=(xt, yt), target_epsilon=epsilon, target_delta=DELTA)
+    history = dp.fit(
+        x,
+        y,
+        lot_size=lot,
+        epochs=epochs,
+        sampling=sampling,
+        verbose=verbose,
+        validation_data=(xt, yt),
+        target_epsilon=epsilon,
+        target_delta=DELTA,
+    )
     seconds = time.perf_counter() - start
     run = dp.optimizer.correlated_run
-    return {"dataset": dataset, "method": method, "target_epsilon": epsilon, "seed": seed,
-            "epsilon": dp.epsilon(DELTA), "delta": DELTA, "noise_multiplier": sigma,
-            "event": event, "bands": bands, "sampling": sampling,
-            "mechanism": run.mechanism.describe() if run is not None else None,
-            "test_accuracy": float(history.history["val_accuracy"][-1]),
-            "accuracy_by_epoch": [float(a) for a in history.history["val_accuracy"]],
-            "lots": dp.lots_computed, "seconds": seconds,
-            "train_size": n, "recipe": {**recipe, "epochs": epochs}}
+    return {
+        "dataset": dataset,
+        "method": method,
+        "target_epsilon": epsilon,
+        "seed": seed,
+        "epsilon": dp.epsilon(DELTA),
+        "delta": DELTA,
+        "noise_multiplier": sigma,
+        "event": event,
+        "bands": bands,
+        "sampling": sampling,
+        "mechanism": run.mechanism.describe() if run is not None else None,
+        "test_accuracy": float(history.history["val_accuracy"][-1]),
+        "accuracy_by_epoch": [float(a) for a in history.history["val_accuracy"]],
+        "lots": dp.lots_computed,
+        "seconds": seconds,
+        "train_size": n,
+        "recipe": {**recipe, "epochs": epochs},
+    }
 
 
 def part_accuracy(args):
@@ -156,8 +194,10 @@ def part_accuracy(args):
     epsilons = [8.0] if args.quick else args.epsilon
     seeds = range(1 if args.quick else args.seeds)
     methods = ("dpsgd", "banded", "amplified") if args.quick else args.methods
-    out = os.path.join(RESULTS, "mf_centralised" + ("_quick" if args.quick else "")
-                       + (f"_{args.tag}" if args.tag else ""))
+    out = os.path.join(
+        RESULTS,
+        "mf_centralised" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else ""),
+    )
     runs = []
     for dataset in datasets:
         recipe = RECIPES[dataset]
@@ -168,10 +208,12 @@ def part_accuracy(args):
                 for seed in seeds:
                     result = run_one(dataset, method, epsilon, seed, data, recipe, epochs)
                     runs.append(result)
-                    print(f"{dataset} eps={epsilon:g} {method:9s} seed={seed}: "
-                          f"acc={result['test_accuracy']:.4f} sigma="
-                          f"{result['noise_multiplier']:.3f} ({result['seconds']:.0f} s)",
-                          flush=True)
+                    print(
+                        f"{dataset} eps={epsilon:g} {method:9s} seed={seed}: "
+                        f"acc={result['test_accuracy']:.4f} sigma="
+                        f"{result['noise_multiplier']:.3f} ({result['seconds']:.0f} s)",
+                        flush=True,
+                    )
                     _write(out, args, runs)
     _figure(out, runs, args.quick)
 
@@ -179,8 +221,18 @@ def part_accuracy(args):
 def _write(out, args, runs):
     os.makedirs(RESULTS, exist_ok=True)
     with open(out + ".json", "w") as f:
-        json.dump({"command": command_line(), "commit": commit_of(), "quick": args.quick,
-                   "shared_machine": True, "delta": DELTA, "runs": runs}, f, indent=1)
+        json.dump(
+            {
+                "command": command_line(),
+                "commit": commit_of(),
+                "quick": args.quick,
+                "shared_machine": True,
+                "delta": DELTA,
+                "runs": runs,
+            },
+            f,
+            indent=1,
+        )
 
 
 def _figure(out, runs, quick):
@@ -205,8 +257,11 @@ def _figure(out, runs, quick):
         ax.set_xscale("log")
         ax.set_xlabel("epsilon (delta = 1e-5)")
         ax.set_ylabel("test accuracy")
-        ax.set_title(f"{dataset}: DP-SGD vs correlated noise"
-                     + (" (quick run: a slice, 2 epochs)" if quick else ""), fontsize=9)
+        ax.set_title(
+            f"{dataset}: DP-SGD vs correlated noise"
+            + (" (quick run: a slice, 2 epochs)" if quick else ""),
+            fontsize=9,
+        )
         ax.legend()
     fig.tight_layout()
     fig.savefig(out + ".png", dpi=120)
@@ -219,7 +274,7 @@ def part_cost(args):
     import numpy as np
 
     from dpfl_tf import models
-    from dpfl_tf.keras import DPModel, DPSGD
+    from dpfl_tf.keras import DPSGD, DPModel
     from dpfl_tf.privacy.matrix_factorization import CorrelatedNoiseConfig
 
     n, lot = (4096, 256) if args.quick else (16384, 256)
@@ -233,10 +288,11 @@ def part_cost(args):
         params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
         dp = DPModel(model)
         config = None if bands is None else CorrelatedNoiseConfig("banded", bands=bands)
-        dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0,
-                                   correlated_noise=config),
-                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                   steps_per_execution=1)
+        dp.compile(
+            optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, correlated_noise=config),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=1,
+        )
         epochs = []
 
         class Timer(keras.callbacks.Callback):
@@ -246,26 +302,51 @@ def part_cost(args):
             def on_epoch_end(self, epoch, logs=None):
                 epochs.append((time.perf_counter() - self.t) / (n // lot))
 
-        dp.fit(x, y, lot_size=lot, epochs=3, verbose=0, callbacks=[Timer()],
-               sampling="in_order" if bands else "shuffle", log_train_metrics=False)
-        steady = epochs[1:]      # after the first epoch: traced and warm
+        dp.fit(
+            x,
+            y,
+            lot_size=lot,
+            epochs=3,
+            verbose=0,
+            callbacks=[Timer()],
+            sampling="in_order" if bands else "shuffle",
+            log_train_metrics=False,
+        )
+        steady = epochs[1:]  # after the first epoch: traced and warm
         run = dp.optimizer.correlated_run
         buffers = run.mechanism.strategy.buffers(run.mechanism.steps) if run else 0
-        rows.append({"bands": bands, "method": "dpsgd" if bands is None else "banded",
-                     "seconds_per_lot": float(np.min(steady)),
-                     "noise_state_bytes": buffers * params * 4, "parameters": params,
-                     "peak_rss_mb_so_far": peak_rss_mb(), "lot": lot, "train_size": n})
+        rows.append(
+            {
+                "bands": bands,
+                "method": "dpsgd" if bands is None else "banded",
+                "seconds_per_lot": float(np.min(steady)),
+                "noise_state_bytes": buffers * params * 4,
+                "parameters": params,
+                "peak_rss_mb_so_far": peak_rss_mb(),
+                "lot": lot,
+                "train_size": n,
+            }
+        )
         print(rows[-1], flush=True)
     out = os.path.join(RESULTS, "mf_cost" + ("_quick" if args.quick else ""))
     os.makedirs(RESULTS, exist_ok=True)
     with open(out + ".json", "w") as f:
-        json.dump({"command": command_line(), "commit": commit_of(), "quick": args.quick,
-                   "shared_machine": True, "model": "mlp(784, 1000), in-order lots",
-                   "note": "seconds per lot: an epoch's wall time / its lots, the faster of "
-                           "epochs 2 and 3 (traced and warm); noise state: "
-                           "(bands - 1) x parameters x 4 bytes (exact); peak RSS is the "
-                           "process's so far (grows monotonically across rows)",
-                   "rows": rows}, f, indent=1)
+        json.dump(
+            {
+                "command": command_line(),
+                "commit": commit_of(),
+                "quick": args.quick,
+                "shared_machine": True,
+                "model": "mlp(784, 1000), in-order lots",
+                "note": "seconds per lot: an epoch's wall time / its lots, the faster of "
+                "epochs 2 and 3 (traced and warm); noise state: "
+                "(bands - 1) x parameters x 4 bytes (exact); peak RSS is the "
+                "process's so far (grows monotonically across rows)",
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
 
 
 def main():
@@ -278,8 +359,11 @@ def main():
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=None, help="default: the recipe's")
     parser.add_argument("--train-size", type=int, default=None)
-    parser.add_argument("--tag", default="", help="suffix of the results' file names "
-                        "(a partial run beside the full one)")
+    parser.add_argument(
+        "--tag",
+        default="",
+        help="suffix of the results' file names (a partial run beside the full one)",
+    )
     args = parser.parse_args()
     (part_cost if args.part == "cost" else part_accuracy)(args)
 

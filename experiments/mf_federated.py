@@ -41,11 +41,14 @@ def calibrate(method, epsilon, delta, k, m, rounds):
     from dpfl_tf.privacy import calibrate_noise_multiplier, dp_sgd_event
 
     if method == "global":
+
         def make(s):
             return dp_sgd_event(s, rounds, sampling_rate=m / k)
     else:
+
         def make(s):
             return dp_accounting.GaussianDpEvent(s)
+
     return calibrate_noise_multiplier(epsilon, delta, make, "rdp")[0]
 
 
@@ -56,11 +59,23 @@ def run(method, k, epsilon, seed, args, dataset):
     rounds = 20 if args.quick else (args.rounds or s["rounds"])
     m = s["m"]
     sigma = calibrate(method, epsilon, s["delta"], k, m, rounds)
-    common = dict(dataset="mnist", clients=k, partition="shards", rounds=rounds,
-                  local_epochs=1 if args.quick else s["epochs"], local_batch_size=10,
-                  learning_rate=s["lr"], hidden=s["hidden"], seed=seed, clip=1.0,
-                  noise_multiplier=sigma, delta_max=s["delta"], accountant="rdp",
-                  eval_every=1 if args.quick else 5, dp=method)
+    common = dict(
+        dataset="mnist",
+        clients=k,
+        partition="shards",
+        rounds=rounds,
+        local_epochs=1 if args.quick else s["epochs"],
+        local_batch_size=10,
+        learning_rate=s["lr"],
+        hidden=s["hidden"],
+        seed=seed,
+        clip=1.0,
+        noise_multiplier=sigma,
+        delta_max=s["delta"],
+        accountant="rdp",
+        eval_every=1 if args.quick else 5,
+        dp=method,
+    )
     if method == "global":
         config = FederatedConfig(**common, clients_per_round=m, sampling="poisson")
     else:
@@ -81,15 +96,24 @@ def figure(path, runs, quick):
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.8), squeeze=False)
     for ax, (k, eps) in zip(axes[0], keys):
         for method in METHODS:
-            mine = [r for r in runs if r["config"]["clients"] == k
-                    and r["target_epsilon_calibrated"] == eps and r["config"]["dp"] == method]
+            mine = [
+                r
+                for r in runs
+                if r["config"]["clients"] == k
+                and r["target_epsilon_calibrated"] == eps
+                and r["config"]["dp"] == method
+            ]
             for i, r in enumerate(mine):
-                pts = [(h["round"], h["accuracy"]) for h in r["history"]
-                       if h["accuracy"] is not None]
-                ax.plot(*zip(*pts), color=f"C{METHODS.index(method)}", alpha=0.8,
-                        label=method if i == 0 else None)
-        ax.set_title(f"K = {k}, epsilon = {eps:g}" + (" (quick run)" if quick else ""),
-                     fontsize=9)
+                pts = [
+                    (h["round"], h["accuracy"]) for h in r["history"] if h["accuracy"] is not None
+                ]
+                ax.plot(
+                    *zip(*pts),
+                    color=f"C{METHODS.index(method)}",
+                    alpha=0.8,
+                    label=method if i == 0 else None,
+                )
+        ax.set_title(f"K = {k}, epsilon = {eps:g}" + (" (quick run)" if quick else ""), fontsize=9)
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy")
         ax.legend(fontsize=8)
@@ -100,8 +124,9 @@ def figure(path, runs, quick):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--clients", nargs="+", type=int, default=[1000, 10000],
-                        choices=sorted(SETTINGS))
+    parser.add_argument(
+        "--clients", nargs="+", type=int, default=[1000, 10000], choices=sorted(SETTINGS)
+    )
     parser.add_argument("--epsilon", nargs="+", type=float, default=[8.0, 2.0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--seeds", type=int, default=3)
@@ -121,15 +146,26 @@ def main():
                 for seed in seeds:
                     result = run(method, k, eps, seed, args, dataset)
                     runs.append(result)
-                    print(f"K={k} eps={eps:g} {method:9s} seed={seed}: acc="
-                          f"{result['history'][-1]['accuracy']:.4f} sigma="
-                          f"{result['calibrated_noise_multiplier']:.3f} eps="
-                          f"{result['epsilon']:.3f}", flush=True)
+                    print(
+                        f"K={k} eps={eps:g} {method:9s} seed={seed}: acc="
+                        f"{result['history'][-1]['accuracy']:.4f} sigma="
+                        f"{result['calibrated_noise_multiplier']:.3f} eps="
+                        f"{result['epsilon']:.3f}",
+                        flush=True,
+                    )
                     os.makedirs(RESULTS, exist_ok=True)
                     with open(out + ".json", "w") as f:
-                        json.dump({"command": command_line(), "commit": commit_of(),
-                                   "quick": args.quick, "shared_machine": True, "runs": runs},
-                                  f, indent=1)
+                        json.dump(
+                            {
+                                "command": command_line(),
+                                "commit": commit_of(),
+                                "quick": args.quick,
+                                "shared_machine": True,
+                                "runs": runs,
+                            },
+                            f,
+                            indent=1,
+                        )
     figure(out + ".png", runs, args.quick)
 
 

@@ -34,22 +34,38 @@ def main():
     rows = []
     for n, b in settings:
         p = mf.Participation.min_separation(n, b)
-        candidates = [("independent", mf.BandedToeplitz((1.0,))),
-                      ("tree", mf.TreeAggregation(restart_every=b))]
-        candidates += [(f"banded_{bands}", mf.optimize_banded_toeplitz(n, bands))
-                       for bands in (2, 4, 8, 16, 32, 64) if bands <= b]
+        candidates = [
+            ("independent", mf.BandedToeplitz((1.0,))),
+            ("tree", mf.TreeAggregation(restart_every=b)),
+        ]
+        candidates += [
+            (f"banded_{bands}", mf.optimize_banded_toeplitz(n, bands))
+            for bands in (2, 4, 8, 16, 32, 64)
+            if bands <= b
+        ]
         candidates += [(f"blt_{d}", mf.optimize_blt(p, buffers=d)) for d in (2, 3, 4)]
         base = None
         for name, strategy in candidates:
             loss = strategy.sensitivity_squared(p) * float(strategy.prefix_errors(n).mean())
             base = base or loss
-            rows.append({"steps": n, "min_separation": b, "participations": p.participations,
-                         "strategy": name, "description": strategy.describe(),
-                         "loss": loss, "rmse_vs_independent": (loss / base) ** 0.5,
-                         "stored_vectors": strategy.buffers(n)})
-            print(f"n={n} b={b} {name:12s} loss={loss:10.1f} "
-                  f"rmse/independent={(loss / base) ** 0.5:.3f} "
-                  f"stored={strategy.buffers(n)}", flush=True)
+            rows.append(
+                {
+                    "steps": n,
+                    "min_separation": b,
+                    "participations": p.participations,
+                    "strategy": name,
+                    "description": strategy.describe(),
+                    "loss": loss,
+                    "rmse_vs_independent": (loss / base) ** 0.5,
+                    "stored_vectors": strategy.buffers(n),
+                }
+            )
+            print(
+                f"n={n} b={b} {name:12s} loss={loss:10.1f} "
+                f"rmse/independent={(loss / base) ** 0.5:.3f} "
+                f"stored={strategy.buffers(n)}",
+                flush=True,
+            )
     os.makedirs(RESULTS, exist_ok=True)
     out = os.path.join(RESULTS, "mf_predicted_error" + ("_quick" if args.quick else "") + ".json")
     with open(out, "w") as f:

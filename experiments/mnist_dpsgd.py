@@ -23,22 +23,39 @@ from _common import RESULTS, load_runs
 from dpfl_tf._io import atomic_write_json
 from dpfl_tf.recipes.mnist import PAPER_SETTINGS, MnistConfig, train_mnist
 
-PAPER_BASE = dict(projection="dp_pca", pca_dim=60, hidden_units=1000, lot_size=600,
-                  batch_size=1024, l2_norm_clip=4.0, learning_rate=0.1,
-                  final_learning_rate=0.052, decay_epochs=10, delta=1e-5)
+PAPER_BASE = dict(
+    projection="dp_pca",
+    pca_dim=60,
+    hidden_units=1000,
+    lot_size=600,
+    batch_size=1024,
+    l2_norm_clip=4.0,
+    learning_rate=0.1,
+    final_learning_rate=0.052,
+    decay_epochs=10,
+    delta=1e-5,
+)
 
 
 def paper_runs(accountant: str = "moments") -> dict[str, MnistConfig]:
     runs = {}
     for name, s in PAPER_SETTINGS.items():
         runs[f"{name}/{accountant}"] = MnistConfig(
-            setting=name, accountant=accountant, noise_multiplier=s["noise_multiplier"],
-            pca_noise_multiplier=s["pca_noise_multiplier"], target_epsilon=s["target_epsilon"],
-            **PAPER_BASE)
-    runs["nonprivate"] = MnistConfig(setting="nonprivate", private=False, projection="pca",
-                                     epochs=100, target_epsilon=None,
-                                     **{k: v for k, v in PAPER_BASE.items()
-                                        if k not in ("projection",)})
+            setting=name,
+            accountant=accountant,
+            noise_multiplier=s["noise_multiplier"],
+            pca_noise_multiplier=s["pca_noise_multiplier"],
+            target_epsilon=s["target_epsilon"],
+            **PAPER_BASE,
+        )
+    runs["nonprivate"] = MnistConfig(
+        setting="nonprivate",
+        private=False,
+        projection="pca",
+        epochs=100,
+        target_epsilon=None,
+        **{k: v for k, v in PAPER_BASE.items() if k not in ("projection",)},
+    )
     return runs
 
 
@@ -47,36 +64,74 @@ def beyond_runs() -> dict[str, MnistConfig]:
     # Papernot et al. 2021: a small tanh CNN trained end to end with DP-SGD
     # (lot 256, clip 0.1, learning rate 4, 40 epochs); the noise multiplier is
     # calibrated so that 40 epochs spend exactly the target with the PLD accountant.
-    cnn = dict(model="tanh_cnn", projection="none", lot_size=256, batch_size=256,
-               l2_norm_clip=0.1, learning_rate=4.0, final_learning_rate=4.0, decay_epochs=0,
-               accountant="pld", delta=1e-5, eval_every=2, epochs=40, noise_multiplier=None)
+    cnn = dict(
+        model="tanh_cnn",
+        projection="none",
+        lot_size=256,
+        batch_size=256,
+        l2_norm_clip=0.1,
+        learning_rate=4.0,
+        final_learning_rate=4.0,
+        decay_epochs=0,
+        accountant="pld",
+        delta=1e-5,
+        eval_every=2,
+        epochs=40,
+        noise_multiplier=None,
+    )
     for eps in (8.0, 3.0, 2.0, 0.5):
-        runs[f"tanh_cnn/eps{eps:g}"] = MnistConfig(setting=f"tanh_cnn_eps{eps:g}",
-                                                   target_epsilon=eps, **cnn)
+        runs[f"tanh_cnn/eps{eps:g}"] = MnistConfig(
+            setting=f"tanh_cnn_eps{eps:g}", target_epsilon=eps, **cnn
+        )
     # Tramer & Boneh 2021: fixed ScatterNet features + a linear model (lot 4096,
     # clip 0.1, momentum 0.9, constant learning rate); noise calibrated so that
     # the epochs spend exactly the target with the PLD accountant.
-    scatter = dict(model="scatter_linear", projection="none", lot_size=4096, batch_size=4096,
-                   l2_norm_clip=0.1, learning_rate=8.0, final_learning_rate=8.0,
-                   decay_epochs=0, momentum=0.9, accountant="pld", delta=1e-5, eval_every=5,
-                   epochs=60, noise_multiplier=None)
+    scatter = dict(
+        model="scatter_linear",
+        projection="none",
+        lot_size=4096,
+        batch_size=4096,
+        l2_norm_clip=0.1,
+        learning_rate=8.0,
+        final_learning_rate=8.0,
+        decay_epochs=0,
+        momentum=0.9,
+        accountant="pld",
+        delta=1e-5,
+        eval_every=5,
+        epochs=60,
+        noise_multiplier=None,
+    )
     for eps in (8.0, 3.0, 2.0, 0.5):
         runs[f"scatter_linear/eps{eps:g}"] = MnistConfig(
-            setting=f"scatter_linear_eps{eps:g}", target_epsilon=eps, **scatter)
+            setting=f"scatter_linear_eps{eps:g}", target_epsilon=eps, **scatter
+        )
     # at lr 8 the linear model still underfits (train accuracy below test): a larger step
     runs["scatter_linear/eps3/lr16"] = MnistConfig(
-        setting="scatter_linear_eps3_lr16", target_epsilon=3.0,
-        **dict(scatter, learning_rate=16.0, final_learning_rate=16.0))
+        setting="scatter_linear_eps3_lr16",
+        target_epsilon=3.0,
+        **dict(scatter, learning_rate=16.0, final_learning_rate=16.0),
+    )
     return runs
 
 
 def sweep_runs() -> dict[str, MnistConfig]:
     """Figure 5: vary one knob at a time around the medium-noise setting, eps = 2."""
-    base = dict(PAPER_BASE, noise_multiplier=4.0, pca_noise_multiplier=7.0, target_epsilon=2.0,
-                eval_every=10)
-    points = {"pca_dim": [20, 100], "hidden_units": [200, 1000], "lot_size": [300, 1200],
-              "learning_rate": [0.05, 0.2], "l2_norm_clip": [2.0, 8.0],
-              "noise_multiplier": [2.0, 8.0]}
+    base = dict(
+        PAPER_BASE,
+        noise_multiplier=4.0,
+        pca_noise_multiplier=7.0,
+        target_epsilon=2.0,
+        eval_every=10,
+    )
+    points = {
+        "pca_dim": [20, 100],
+        "hidden_units": [200, 1000],
+        "lot_size": [300, 1200],
+        "learning_rate": [0.05, 0.2],
+        "l2_norm_clip": [2.0, 8.0],
+        "noise_multiplier": [2.0, 8.0],
+    }
     runs = {}
     for knob, values in points.items():
         for value in values:
@@ -85,8 +140,7 @@ def sweep_runs() -> dict[str, MnistConfig]:
                 cfg["final_learning_rate"] = value * 0.52
             if knob == "lot_size":
                 cfg["batch_size"] = max(1024, 2 * value)
-            runs[f"sweep/{knob}={value:g}"] = MnistConfig(setting=f"sweep:{knob}={value:g}",
-                                                          **cfg)
+            runs[f"sweep/{knob}={value:g}"] = MnistConfig(setting=f"sweep:{knob}={value:g}", **cfg)
     return runs
 
 
@@ -94,23 +148,33 @@ def draw_all(results: list[dict], out_dir: str, dataset: str) -> None:
     """Figures 3, 4 and 5 from whatever runs the results file holds."""
     import matplotlib.pyplot as plt
 
-    from dpfl_tf.plotting import (plot_accuracy_and_epsilon, plot_best_accuracy_vs_epsilon,
-                                  save_figure)
+    from dpfl_tf.plotting import (
+        plot_accuracy_and_epsilon,
+        plot_best_accuracy_vs_epsilon,
+        save_figure,
+    )
 
-    main_runs = [r for r in results if r.get("private", True) and r.get("history")
-                 and not r["setting"].startswith("sweep")]
+    main_runs = [
+        r
+        for r in results
+        if r.get("private", True) and r.get("history") and not r["setting"].startswith("sweep")
+    ]
     if main_runs:
-        fig, axes = plt.subplots(1, len(main_runs), figsize=(4.5 * len(main_runs), 3.5),
-                                 squeeze=False)
+        fig, axes = plt.subplots(
+            1, len(main_runs), figsize=(4.5 * len(main_runs), 3.5), squeeze=False
+        )
         for ax, run in zip(axes[0], main_runs):
-            plot_accuracy_and_epsilon(run["history"], ax,
-                                      f"{run['run']}: {run['test_accuracy']:.3f} at "
-                                      f"eps={run['epsilon']:.2f}")
+            plot_accuracy_and_epsilon(
+                run["history"],
+                ax,
+                f"{run['run']}: {run['test_accuracy']:.3f} at eps={run['epsilon']:.2f}",
+            )
         fig.tight_layout()
         save_figure(fig, os.path.join(out_dir, f"{dataset}_fig3_training.png"))
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        plot_best_accuracy_vs_epsilon([r for r in main_runs if r["model"] == "mlp"],
-                                      [1e-2, 1e-3, 1e-4, 1e-5], ax)
+        plot_best_accuracy_vs_epsilon(
+            [r for r in main_runs if r["model"] == "mlp"], [1e-2, 1e-3, 1e-4, 1e-5], ax
+        )
         ax.set_title(f"{dataset}: PCA + MLP, all runs")
         save_figure(fig, os.path.join(out_dir, f"{dataset}_fig4_accuracy_vs_epsilon.png"))
     sweep = [r for r in results if r["setting"].startswith("sweep:")]
@@ -119,8 +183,11 @@ def draw_all(results: list[dict], out_dir: str, dataset: str) -> None:
         fig, axes = plt.subplots(1, len(knobs), figsize=(3 * len(knobs), 3), squeeze=False)
         medium = next((r for r in results if r.get("run") == "medium_noise/moments"), None)
         for ax, knob in zip(axes[0], knobs):
-            pts = sorted((float(r["setting"].split("=")[1]), r["test_accuracy"])
-                         for r in sweep if r["setting"].split(":")[1].startswith(knob + "="))
+            pts = sorted(
+                (float(r["setting"].split("=")[1]), r["test_accuracy"])
+                for r in sweep
+                if r["setting"].split(":")[1].startswith(knob + "=")
+            )
             if medium is not None:
                 pts = sorted(pts + [(float(medium[knob]), medium["test_accuracy"])])
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-")
@@ -166,11 +233,17 @@ def main(argv=None) -> list[dict]:
         # re-read before writing: another invocation may have added runs meanwhile
         results = [r for r in load_runs(path) if r.get("run") != name] + [result]
         atomic_write_json(path, results)
-        print(f"   test accuracy {result['test_accuracy']:.4f}  train {result['train_accuracy']:.4f}"
-              " (non-private statistic)"
-              + (f"  epsilon {result['epsilon']:.3f} (delta {config.delta:g}, {config.accountant})"
-                 if result["epsilon"] is not None else "  non-private")
-              + f"  epochs {result['epochs']}  {result['seconds']:.0f} s", flush=True)
+        print(
+            f"   test accuracy {result['test_accuracy']:.4f}  train {result['train_accuracy']:.4f}"
+            " (non-private statistic)"
+            + (
+                f"  epsilon {result['epsilon']:.3f} (delta {config.delta:g}, {config.accountant})"
+                if result["epsilon"] is not None
+                else "  non-private"
+            )
+            + f"  epochs {result['epochs']}  {result['seconds']:.0f} s",
+            flush=True,
+        )
     draw_all(results, args.output_dir, args.dataset)
     print(f"wrote {path} and figures in {args.output_dir}")
     return results

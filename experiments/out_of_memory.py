@@ -30,6 +30,7 @@ import sys
 import time
 
 from _common import RESULTS, ROOT, peak_rss_mb
+
 CGROUP = "/sys/fs/cgroup/memory"
 
 
@@ -45,8 +46,8 @@ def write_data(path: str, n: int, d: int, chunk: int = 50_000) -> None:
     y = np.empty(n, np.int64)
     for lo in range(0, n, chunk):
         block = rng.normal(size=(min(chunk, n - lo), d)).astype("float32")
-        x[lo:lo + len(block)] = block
-        y[lo:lo + len(block)] = np.argmax(block @ teacher, axis=1)
+        x[lo : lo + len(block)] = block
+        y[lo : lo + len(block)] = np.argmax(block @ teacher, axis=1)
     x.flush()
     del x
     np.save(path.replace(".npy", "_labels.npy"), y)
@@ -58,30 +59,42 @@ def child(args) -> dict:
     import keras
     import numpy as np
 
-    from dpfl_tf.keras import DPModel, DPSGD
+    from dpfl_tf.keras import DPSGD, DPModel
 
     y = np.load(args.path.replace(".npy", "_labels.npy"))
     x = np.load(args.path, mmap_mode="r" if args.mode == "memmap" else None)
     d = x.shape[1]
-    model = keras.Sequential([keras.Input((d,)), keras.layers.Dense(256, activation="relu"),
-                              keras.layers.Dense(10)])
+    model = keras.Sequential(
+        [keras.Input((d,)), keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)]
+    )
     dp = DPModel(model)
-    dp.compile(optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.1),
-               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-               metrics=["accuracy"])
+    dp.compile(
+        optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     start = time.perf_counter()
     history = dp.fit(x, y, lot_size=args.lot_size, epochs=1, verbose=0)
     seconds = time.perf_counter() - start
     with open("/proc/self/status") as f:
-        status = {line.split(":")[0]: int(line.split()[1]) for line in f
-                  if line.startswith(("VmHWM", "RssAnon", "RssFile"))}
-    return {"mode": args.mode, "lots": dp.lots_computed, "ledger_lots": dp.privacy_ledger.count(),
-            "epsilon": dp.epsilon(1e-6), "delta": 1e-6, "seconds_per_epoch": seconds,
-            "train_accuracy": float(history.history["accuracy"][-1]),
-            "peak_rss_mb": status["VmHWM"] / 1024,  # includes mapped (reclaimable) file pages
-            "anonymous_rss_mb_at_end": status["RssAnon"] / 1024,
-            "file_rss_mb_at_end": status["RssFile"] / 1024,
-            "maxrss_mb": peak_rss_mb()}
+        status = {
+            line.split(":")[0]: int(line.split()[1])
+            for line in f
+            if line.startswith(("VmHWM", "RssAnon", "RssFile"))
+        }
+    return {
+        "mode": args.mode,
+        "lots": dp.lots_computed,
+        "ledger_lots": dp.privacy_ledger.count(),
+        "epsilon": dp.epsilon(1e-6),
+        "delta": 1e-6,
+        "seconds_per_epoch": seconds,
+        "train_accuracy": float(history.history["accuracy"][-1]),
+        "peak_rss_mb": status["VmHWM"] / 1024,  # includes mapped (reclaimable) file pages
+        "anonymous_rss_mb_at_end": status["RssAnon"] / 1024,
+        "file_rss_mb_at_end": status["RssFile"] / 1024,
+        "maxrss_mb": peak_rss_mb(),
+    }
 
 
 def _evict_from_page_cache(path: str) -> None:
@@ -97,8 +110,19 @@ def run_limited(args, mode: str, limit_bytes: int | None) -> dict:
     out = os.path.join(RESULTS, f".oom_{mode}.json")
     if os.path.exists(out):
         os.unlink(out)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode,
-           "--path", args.path, "--lot-size", str(args.lot_size), "--output", out]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        "--mode",
+        mode,
+        "--path",
+        args.path,
+        "--lot-size",
+        str(args.lot_size),
+        "--output",
+        out,
+    ]
     group = None
     if limit_bytes is not None:
         group = os.path.join(CGROUP, f"dpfl_oom_{os.getpid()}_{mode}")
@@ -119,22 +143,28 @@ def run_limited(args, mode: str, limit_bytes: int | None) -> dict:
     _evict_from_page_cache(args.path)  # so the child's reads are charged to its cgroup
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, preexec_fn=enter, capture_output=True, text=True)
-    row = {"mode": mode, "exit_status": proc.returncode,
-           "limit_mb": None if limit_bytes is None else limit_bytes / 2 ** 20,
-           "wall_seconds": time.perf_counter() - start}
+    row = {
+        "mode": mode,
+        "exit_status": proc.returncode,
+        "limit_mb": None if limit_bytes is None else limit_bytes / 2**20,
+        "wall_seconds": time.perf_counter() - start,
+    }
     if group is not None:
         for name in ("memory.max_usage_in_bytes", "memory.failcnt"):
             with open(os.path.join(group, name)) as f:
                 row[name.replace("memory.", "cgroup_")] = int(f.read())
-        row["cgroup_peak_mb"] = row.pop("cgroup_max_usage_in_bytes") / 2 ** 20
+        row["cgroup_peak_mb"] = row.pop("cgroup_max_usage_in_bytes") / 2**20
         os.rmdir(group)
     if proc.returncode == 0 and os.path.exists(out):
         with open(out) as f:
             row.update(json.load(f))
         os.unlink(out)
     else:
-        row["error"] = (f"killed by signal {-proc.returncode}" if proc.returncode < 0
-                        else (proc.stderr or "").strip().splitlines()[-1:] or "failed")
+        row["error"] = (
+            f"killed by signal {-proc.returncode}"
+            if proc.returncode < 0
+            else (proc.stderr or "").strip().splitlines()[-1:] or "failed"
+        )
     return row
 
 
@@ -156,7 +186,7 @@ def main(argv=None):
         return
     os.makedirs(os.path.dirname(args.path), exist_ok=True)
     write_data(args.path, args.examples, args.features)
-    limit = None if args.no_limit else int(args.limit_mb * 2 ** 20)
+    limit = None if args.no_limit else int(args.limit_mb * 2**20)
     if limit is not None and not os.access(CGROUP, os.W_OK):
         sys.exit(f"{CGROUP} is not writable: run as root, or pass --no-limit")
     rows = []
@@ -164,11 +194,15 @@ def main(argv=None):
         row = run_limited(args, mode, run_limit)  # the last: the reference, no limit
         print(json.dumps(row), flush=True)
         rows.append(row)
-    result = {"data_bytes": os.path.getsize(args.path), "examples": args.examples,
-              "features": args.features, "lot_size": args.lot_size,
-              "command": "python experiments/out_of_memory.py"
-                         + (" --no-limit" if args.no_limit else f" --limit-mb {args.limit_mb:g}"),
-              "runs": rows}
+    result = {
+        "data_bytes": os.path.getsize(args.path),
+        "examples": args.examples,
+        "features": args.features,
+        "lot_size": args.lot_size,
+        "command": "python experiments/out_of_memory.py"
+        + (" --no-limit" if args.no_limit else f" --limit-mb {args.limit_mb:g}"),
+        "runs": rows,
+    }
     from dpfl_tf._io import atomic_write_json
 
     atomic_write_json(args.output, result)

@@ -28,7 +28,6 @@ import statistics
 import time
 
 from _common import RESULTS, command_line
-
 from benchmark_dpsgd import CLIP, FULL_SIZE, LR, MODELS, NOISE, _data, _model
 
 
@@ -38,8 +37,7 @@ def main(argv=None) -> dict:
     p.add_argument("--lot-size", type=int, default=600)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=100, help="calls per round")
-    p.add_argument("--output", default=None,
-                   help="default results/profile_dpsgd_step_<model>.json")
+    p.add_argument("--output", default=None, help="default results/profile_dpsgd_step_<model>.json")
     args = p.parse_args(argv)
 
     import keras
@@ -47,7 +45,7 @@ def main(argv=None) -> dict:
     import tensorflow as tf
 
     from dpfl_tf._io import atomic_write_json
-    from dpfl_tf.keras import DPModel, DPSGD
+    from dpfl_tf.keras import DPSGD, DPModel
     from dpfl_tf.keras.sampling import LotSampler
 
     n = FULL_SIZE[args.model]
@@ -61,7 +59,7 @@ def main(argv=None) -> dict:
     plain.compile(optimizer=sgd, loss=loss)
     dp = DPModel(_model(args.model))
     dp.compile(optimizer=DPSGD(LR, l2_norm_clip=CLIP, noise_multiplier=NOISE), loss=loss)
-    dp.fit(x[:2 * lot], y[:2 * lot], lot_size=lot, epochs=1, verbose=0)  # builds, prepares
+    dp.fit(x[: 2 * lot], y[: 2 * lot], lot_size=lot, epochs=1, verbose=0)  # builds, prepares
     variables = plain.trainable_variables
 
     @tf.function
@@ -95,9 +93,14 @@ def main(argv=None) -> dict:
     def lot_sampling():
         return sampler._lot_in_graph(tf.constant(7, tf.int64))
 
-    pieces = {"nonprivate_step": nonprivate_step, "nonprivate_grads": nonprivate_grads,
-              "dp_clipped_sum": dp_clipped_sum, "dp_lot": dp_lot,
-              "dp_train_step": dp_train_step, "lot_sampling": lot_sampling}
+    pieces = {
+        "nonprivate_step": nonprivate_step,
+        "nonprivate_grads": nonprivate_grads,
+        "dp_clipped_sum": dp_clipped_sum,
+        "dp_lot": dp_lot,
+        "dp_train_step": dp_train_step,
+        "lot_sampling": lot_sampling,
+    }
 
     def run(fn):
         out = None
@@ -119,17 +122,30 @@ def main(argv=None) -> dict:
     base = ms["nonprivate_step"]
     for name, value in ms.items():
         print(f"{name:18s} {value:8.3f} ms   x{value / base:.2f} of the non-private step")
-    print(f"norms ~{ms['dp_clipped_sum'] - ms['nonprivate_grads']:.3f} ms, noise and "
-          f"bookkeeping ~{ms['dp_lot'] - ms['dp_clipped_sum']:.3f} ms, lot sampling "
-          f"{ms['lot_sampling']:.3f} ms (input pipeline)")
-    report = {"description": __doc__.split("\n\n")[0], "model": args.model,
-              "examples": n, "lot_size": lot, "rounds": args.rounds, "calls": args.calls,
-              "median_ms": ms, "ratio_to_nonprivate_step": {k: v / base for k, v in ms.items()},
-              "round_ms": times,
-              "command": command_line(),
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                          "load_average_at_end": os.getloadavg()},
-              "tensorflow_version": tf.__version__, "keras_version": keras.__version__}
+    print(
+        f"norms ~{ms['dp_clipped_sum'] - ms['nonprivate_grads']:.3f} ms, noise and "
+        f"bookkeeping ~{ms['dp_lot'] - ms['dp_clipped_sum']:.3f} ms, lot sampling "
+        f"{ms['lot_sampling']:.3f} ms (input pipeline)"
+    )
+    report = {
+        "description": __doc__.split("\n\n")[0],
+        "model": args.model,
+        "examples": n,
+        "lot_size": lot,
+        "rounds": args.rounds,
+        "calls": args.calls,
+        "median_ms": ms,
+        "ratio_to_nonprivate_step": {k: v / base for k, v in ms.items()},
+        "round_ms": times,
+        "command": command_line(),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_average_at_end": os.getloadavg(),
+        },
+        "tensorflow_version": tf.__version__,
+        "keras_version": keras.__version__,
+    }
     output = args.output or os.path.join(RESULTS, f"profile_dpsgd_step_{args.model}.json")
     atomic_write_json(output, report)
     print(f"wrote {output}")

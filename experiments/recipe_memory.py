@@ -30,10 +30,15 @@ from _common import DATA_DIR, RESULTS, ROOT, commit_of, run_measured
 
 RECIPES = {
     "mnist_mlp": ["train", "mnist", "--epsilon", "2"],
-    "fashion_mnist_scatter_linear": ["train", "fashion_mnist", "--model", "scatter_linear",
-                                     "--epsilon", "3"],
-    "cifar10_scatter_linear": ["train", "cifar10", "--model", "scatter_linear", "--epsilon",
-                               "3"],
+    "fashion_mnist_scatter_linear": [
+        "train",
+        "fashion_mnist",
+        "--model",
+        "scatter_linear",
+        "--epsilon",
+        "3",
+    ],
+    "cifar10_scatter_linear": ["train", "cifar10", "--model", "scatter_linear", "--epsilon", "3"],
     "cifar10_scatter_cnn": ["train", "cifar10", "--model", "scatter_cnn", "--epsilon", "3"],
     "cifar10_convnet": ["train", "cifar10", "--epsilon", "2"],
 }
@@ -41,13 +46,16 @@ RECIPES = {
 
 def measure(name: str, tree: str, args, scratch: str) -> dict:
     output = os.path.join(scratch, f"{name}.json")
-    command = [sys.executable, "-m", "dpfl_tf", *RECIPES[name], "--seed", "0",
-               "--output", output]
+    command = [sys.executable, "-m", "dpfl_tf", *RECIPES[name], "--seed", "0", "--output", output]
     if args.epochs is not None:
         command += ["--epochs", str(args.epochs)]
     cache = args.cache_dir or os.path.join(scratch, "cache")
-    env = {**os.environ, "PYTHONPATH": tree, "DPFL_CACHE_DIR": cache,
-           "DPFL_DATA_DIR": os.path.abspath(args.data_dir)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": tree,
+        "DPFL_CACHE_DIR": cache,
+        "DPFL_DATA_DIR": os.path.abspath(args.data_dir),
+    }
     row = run_measured(command, cwd=tree, env=env, log=output + ".log")
     row["command"] = row["command"].replace(sys.executable, "python")
     if row["exit_code"] != 0:
@@ -56,8 +64,12 @@ def measure(name: str, tree: str, args, scratch: str) -> dict:
         return row
     with open(output) as f:
         result = json.load(f)
-    row.update({k: result.get(k) for k in ("test_accuracy", "epsilon", "epochs", "lots",
-                                           "seconds", "noise_multiplier")})
+    row.update(
+        {
+            k: result.get(k)
+            for k in ("test_accuracy", "epsilon", "epochs", "lots", "seconds", "noise_multiplier")
+        }
+    )
     row["epochs_cap"] = args.epochs
     return row
 
@@ -65,13 +77,24 @@ def measure(name: str, tree: str, args, scratch: str) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", nargs="+", choices=sorted(RECIPES), default=sorted(RECIPES))
-    p.add_argument("--tree", action="append", metavar="NAME=PATH",
-                   help="a checkout to measure (repeatable); default this one as 'current'")
-    p.add_argument("--epochs", type=int, default=None,
-                   help="cap every run at this many epochs (shortened rows, labelled)")
-    p.add_argument("--cache-dir", default=None,
-                   help="a scattering-feature cache shared by the runs (default: a fresh "
-                        "one per tree and recipe: every run computes its features)")
+    p.add_argument(
+        "--tree",
+        action="append",
+        metavar="NAME=PATH",
+        help="a checkout to measure (repeatable); default this one as 'current'",
+    )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="cap every run at this many epochs (shortened rows, labelled)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="a scattering-feature cache shared by the runs (default: a fresh "
+        "one per tree and recipe: every run computes its features)",
+    )
     p.add_argument("--data-dir", default=DATA_DIR)
     p.add_argument("--output", default=os.path.join(RESULTS, "recipe_memory.json"))
     args = p.parse_args(argv)
@@ -80,9 +103,12 @@ def main(argv=None) -> dict:
         with open(args.output) as f:
             out = json.load(f)
     except FileNotFoundError:
-        out = {"what": "peak RSS (ru_maxrss, as /usr/bin/time -v) and wall time of each "
-                       "`dpfl-tf train` recipe with its defaults, one process each",
-               "cpu_count": os.cpu_count(), "rows": {}}
+        out = {
+            "what": "peak RSS (ru_maxrss, as /usr/bin/time -v) and wall time of each "
+            "`dpfl-tf train` recipe with its defaults, one process each",
+            "cpu_count": os.cpu_count(),
+            "rows": {},
+        }
     for spec in trees:
         tree_name, _, tree = spec.partition("=")
         tree = os.path.abspath(tree)
@@ -92,9 +118,11 @@ def main(argv=None) -> dict:
             row.update(tree=tree_name, commit=commit_of(tree))
             key = f"{tree_name}/{name}" + (f"/epochs{args.epochs}" if args.epochs else "")
             out["rows"][key] = row
-            print(f"{key}: peak RSS {row['peak_rss_mb']} MB, {row['wall_seconds']} s, "
-                  f"test accuracy {row.get('test_accuracy')}, exit {row['exit_code']}",
-                  flush=True)
+            print(
+                f"{key}: peak RSS {row['peak_rss_mb']} MB, {row['wall_seconds']} s, "
+                f"test accuracy {row.get('test_accuracy')}, exit {row['exit_code']}",
+                flush=True,
+            )
             from dpfl_tf._io import atomic_write_json
 
             atomic_write_json(args.output, out)

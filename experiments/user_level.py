@@ -27,9 +27,8 @@ import math
 import os
 import time
 
-from _common import RESULTS, commit_of
-
 import numpy as np  # noqa: E402
+from _common import RESULTS, commit_of
 
 
 def parse_args(argv=None):
@@ -43,12 +42,34 @@ def parse_args(argv=None):
 
 def settings(quick: bool) -> dict:
     if quick:
-        return dict(users=60, per_user=100, test=2000, user_epochs=4, users_per_lot=12,
-                    cap=None, skew_cap=32, example_epochs=4, example_lot=300, hidden=64,
-                    lr=1.0, clip=1.0)
-    return dict(users=600, per_user=100, test=10000, user_epochs=40, users_per_lot=60,
-                cap=None, skew_cap=64, example_epochs=20, example_lot=600, hidden=256,
-                lr=1.0, clip=1.0)
+        return dict(
+            users=60,
+            per_user=100,
+            test=2000,
+            user_epochs=4,
+            users_per_lot=12,
+            cap=None,
+            skew_cap=32,
+            example_epochs=4,
+            example_lot=300,
+            hidden=64,
+            lr=1.0,
+            clip=1.0,
+        )
+    return dict(
+        users=600,
+        per_user=100,
+        test=10000,
+        user_epochs=40,
+        users_per_lot=60,
+        cap=None,
+        skew_cap=64,
+        example_epochs=20,
+        example_lot=600,
+        hidden=256,
+        lr=1.0,
+        clip=1.0,
+    )
 
 
 def split_users(n: int, users: int, skewed: bool, rng) -> np.ndarray:
@@ -69,33 +90,40 @@ def main(argv=None):
     import keras
 
     from dpfl_tf.data import load_dataset
-    from dpfl_tf.keras import DPModel, DPSGD
+    from dpfl_tf.keras import DPSGD, DPModel
     from dpfl_tf.keras.users import example_level_epsilon
-    from dpfl_tf.privacy import calibrate_noise_multiplier, compute_epsilon, dp_sgd_event
+    from dpfl_tf.privacy import calibrate_noise_multiplier, dp_sgd_event
 
     s = settings(args.quick)
     ds = load_dataset("mnist")
     n = s["users"] * s["per_user"]
     x = ds.x_train[:n].reshape(n, -1).astype("float32") / 255.0
     y = ds.y_train[:n].astype("int64")
-    x_te = ds.x_test[:s["test"]].reshape(s["test"], -1).astype("float32") / 255.0
-    y_te = ds.y_test[:s["test"]].astype("int64")
+    x_te = ds.x_test[: s["test"]].reshape(s["test"], -1).astype("float32") / 255.0
+    y_te = ds.y_test[: s["test"]].astype("int64")
     rng = np.random.default_rng(args.seed)
-    splits = {"even": split_users(n, s["users"], False, rng),
-              "skewed": split_users(n, s["users"], True, rng)}
+    splits = {
+        "even": split_users(n, s["users"], False, rng),
+        "skewed": split_users(n, s["users"], True, rng),
+    }
     delta = args.delta
 
     def model():
         keras.utils.set_random_seed(int.from_bytes(os.urandom(4), "little"))
-        return keras.Sequential([keras.Input((784,)),
-                                 keras.layers.Dense(s["hidden"], activation="relu"),
-                                 keras.layers.Dense(10)])
+        return keras.Sequential(
+            [
+                keras.Input((784,)),
+                keras.layers.Dense(s["hidden"], activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
 
     def compiled(sigma):
         m = DPModel(model(), accountant="pld")
-        m.compile(optimizer=DPSGD(s["lr"], momentum=0.9, l2_norm_clip=s["clip"],
-                                  noise_multiplier=sigma),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        m.compile(
+            optimizer=DPSGD(s["lr"], momentum=0.9, l2_norm_clip=s["clip"], noise_multiplier=sigma),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
         return m
 
     def accuracy(m):
@@ -108,20 +136,39 @@ def main(argv=None):
             q = s["users_per_lot"] / s["users"]
             lots = s["user_epochs"] * (s["users"] // s["users_per_lot"])
             sigma, _ = calibrate_noise_multiplier(
-                eps, delta, lambda z: dp_sgd_event(z, lots, sampling_rate=q), "pld")
+                eps, delta, lambda z: dp_sgd_event(z, lots, sampling_rate=q), "pld"
+            )
             cap = s["skew_cap"] if split == "skewed" else s["cap"]
             start = time.time()
             m = compiled(sigma)
-            m.fit(x, y, lot_size=s["users_per_lot"], epochs=s["user_epochs"], user_ids=ids,
-                  max_examples_per_user=cap, verbose=0)
-            run = {"level": "user", "split": split, "target_epsilon": eps,
-                   "noise_multiplier": sigma, "users": s["users"], "users_per_lot": s[
-                       "users_per_lot"], "lots": m.lots_computed, "max_examples_per_user": cap,
-                   "user_sizes": {"min": int(sizes.min()), "median": float(np.median(sizes)),
-                                  "max": int(sizes.max())},
-                   "user_epsilon": m.epsilon(delta),
-                   "example_epsilon_implied": example_level_epsilon(sigma, q, lots, delta),
-                   "test_accuracy": accuracy(m), "seconds": round(time.time() - start, 1)}
+            m.fit(
+                x,
+                y,
+                lot_size=s["users_per_lot"],
+                epochs=s["user_epochs"],
+                user_ids=ids,
+                max_examples_per_user=cap,
+                verbose=0,
+            )
+            run = {
+                "level": "user",
+                "split": split,
+                "target_epsilon": eps,
+                "noise_multiplier": sigma,
+                "users": s["users"],
+                "users_per_lot": s["users_per_lot"],
+                "lots": m.lots_computed,
+                "max_examples_per_user": cap,
+                "user_sizes": {
+                    "min": int(sizes.min()),
+                    "median": float(np.median(sizes)),
+                    "max": int(sizes.max()),
+                },
+                "user_epsilon": m.epsilon(delta),
+                "example_epsilon_implied": example_level_epsilon(sigma, q, lots, delta),
+                "test_accuracy": accuracy(m),
+                "seconds": round(time.time() - start, 1),
+            }
             runs.append(run)
             print(json.dumps(run), flush=True)
             keras.backend.clear_session()
@@ -129,7 +176,8 @@ def main(argv=None):
         lot = s["example_lot"]
         lots = s["example_epochs"] * (n // lot)
         sigma, _ = calibrate_noise_multiplier(
-            eps, delta, lambda z: dp_sgd_event(z, lots, sampling_rate=lot / n), "pld")
+            eps, delta, lambda z: dp_sgd_event(z, lots, sampling_rate=lot / n), "pld"
+        )
         start = time.time()
         m = compiled(sigma)
         m.fit(x, y, lot_size=lot, epochs=s["example_epochs"], verbose=0)
@@ -137,19 +185,33 @@ def main(argv=None):
         k = s["per_user"]
         # group privacy (Dwork & Roth 2014): k examples, (k eps, k e^((k-1) eps) delta)
         group_delta = math.exp(min(0.0, math.log(k) + (k - 1) * e + math.log(delta)))
-        run = {"level": "example", "split": "any", "target_epsilon": eps,
-               "noise_multiplier": sigma, "lot_size": lot, "lots": m.lots_computed,
-               "example_epsilon": e,
-               "group_privacy_for_a_user_of_k_examples": {
-                   "k": k, "epsilon": k * e, "delta": group_delta},
-               "test_accuracy": accuracy(m), "seconds": round(time.time() - start, 1)}
+        run = {
+            "level": "example",
+            "split": "any",
+            "target_epsilon": eps,
+            "noise_multiplier": sigma,
+            "lot_size": lot,
+            "lots": m.lots_computed,
+            "example_epsilon": e,
+            "group_privacy_for_a_user_of_k_examples": {
+                "k": k,
+                "epsilon": k * e,
+                "delta": group_delta,
+            },
+            "test_accuracy": accuracy(m),
+            "seconds": round(time.time() - start, 1),
+        }
         runs.append(run)
         print(json.dumps(run), flush=True)
         keras.backend.clear_session()
 
-    out = {"experiment": "user_level", "quick": args.quick, "commit": commit_of(),
-           "settings": {**s, "delta": delta, "accountant": "pld", "seed": args.seed},
-           "runs": runs}
+    out = {
+        "experiment": "user_level",
+        "quick": args.quick,
+        "commit": commit_of(),
+        "settings": {**s, "delta": delta, "accountant": "pld", "seed": args.seed},
+        "runs": runs,
+    }
     name = "user_level_quick" if args.quick else "user_level"
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, name + ".json"), "w") as f:
@@ -159,6 +221,7 @@ def main(argv=None):
 
 def figure(out: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -168,13 +231,25 @@ def figure(out: dict, path: str) -> None:
     eps = sorted({r["target_epsilon"] for r in out["runs"]})
     width = 0.8 / len(groups)
     for j, (level, split) in enumerate(groups):
-        acc = [next((r["test_accuracy"] for r in out["runs"] if r["level"] == level
-                     and r["split"] == split and r["target_epsilon"] == e), np.nan) for e in eps]
+        acc = [
+            next(
+                (
+                    r["test_accuracy"]
+                    for r in out["runs"]
+                    if r["level"] == level and r["split"] == split and r["target_epsilon"] == e
+                ),
+                np.nan,
+            )
+            for e in eps
+        ]
         ax.bar(np.arange(len(eps)) + j * width, acc, width, label=labels[j])
     ax.set_xticks(np.arange(len(eps)) + width, [f"eps = {e:g}" for e in eps])
     ax.set_ylabel("test accuracy")
-    ax.set_title("MNIST MLP: epsilon for users vs. for examples (delta %g, PLD)%s"
-                 % (out["settings"]["delta"], " [quick]" if out["quick"] else ""), fontsize=9)
+    ax.set_title(
+        "MNIST MLP: epsilon for users vs. for examples (delta %g, PLD)%s"
+        % (out["settings"]["delta"], " [quick]" if out["quick"] else ""),
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

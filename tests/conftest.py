@@ -10,7 +10,7 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 if "DPFL_DATA_DIR" not in os.environ and SHARED_DATA.is_dir():
     os.environ["DPFL_DATA_DIR"] = str(SHARED_DATA)
 os.environ.setdefault("DPFL_NO_DOWNLOAD", "1")
-if "DPFL_CACHE_DIR" not in os.environ:   # tests never read or fill the user's cache
+if "DPFL_CACHE_DIR" not in os.environ:  # tests never read or fill the user's cache
     import atexit
     import shutil
     import tempfile
@@ -71,8 +71,10 @@ def read_only_dir(tmp_path):
         return
     made = _read_only_as_root(ro)
     if made is None:
-        pytest.skip("root ignores permission bits, and neither a read-only bind mount nor "
-                    "chattr +i is possible here")
+        pytest.skip(
+            "root ignores permission bits, and neither a read-only bind mount nor "
+            "chattr +i is possible here"
+        )
     message, undo = made
     try:
         yield ro, message

@@ -10,13 +10,26 @@ from dpfl_tf.cli import main
 
 
 def run(args):
-    return subprocess.run([sys.executable, "-m", "dpfl_tf", *args], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "dpfl_tf", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_privacy_json_reproduces_paper_value():
-    out = run(["privacy", "--sampling-rate", "0.01", "--noise-multiplier", "4", "--epochs",
-               "100", "--delta", "1e-5", "--json"])
+    out = run(
+        [
+            "privacy",
+            "--sampling-rate",
+            "0.01",
+            "--noise-multiplier",
+            "4",
+            "--epochs",
+            "100",
+            "--delta",
+            "1e-5",
+            "--json",
+        ]
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["epsilon"] == pytest.approx(1.259, abs=0.02)
@@ -26,8 +39,25 @@ def test_privacy_json_reproduces_paper_value():
 
 
 def test_privacy_text_and_calibration(capsys):
-    assert main(["privacy", "-q", "0.01", "--target-epsilon", "2", "--epochs", "100",
-                 "--delta", "1e-5", "--accountant", "rdp", "--json"]) == 0
+    assert (
+        main(
+            [
+                "privacy",
+                "-q",
+                "0.01",
+                "--target-epsilon",
+                "2",
+                "--epochs",
+                "100",
+                "--delta",
+                "1e-5",
+                "--accountant",
+                "rdp",
+                "--json",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["epsilon"] <= 2.0 and data["noise_multiplier"] > 0
     assert main(["privacy", "-q", "0.01", "-s", "4", "-T", "40000", "-d", "1e-5"]) == 0
@@ -47,14 +77,27 @@ def test_privacy_shuffle_counts_every_epoch_touched(capsys):
     ceil(2341 / 234) = 11 epochs, and --epochs 10 means 10 * 234 lots."""
     from dpfl_tf.privacy import compute_epsilon, dp_sgd_event
 
-    base = ["privacy", "--sampling", "shuffle", "--dataset-size", "60000", "--lot-size", "256",
-            "-s", "4", "-d", "1e-5", "--json"]
+    base = [
+        "privacy",
+        "--sampling",
+        "shuffle",
+        "--dataset-size",
+        "60000",
+        "--lot-size",
+        "256",
+        "-s",
+        "4",
+        "-d",
+        "1e-5",
+        "--json",
+    ]
     assert main(base + ["-T", "2341"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["event"] == "11 x Gaussian(sigma=2) (replace-one)"
     assert data["epochs_accounted"] == 11 and data["lots_per_epoch"] == 234
-    assert data["epsilon"] == compute_epsilon(dp_sgd_event(4.0, 2341, "shuffle", epochs=11),
-                                              1e-5, "moments")
+    assert data["epsilon"] == compute_epsilon(
+        dp_sgd_event(4.0, 2341, "shuffle", epochs=11), 1e-5, "moments"
+    )
     assert main(base + ["-T", "2340"]) == 0
     assert json.loads(capsys.readouterr().out)["epochs_accounted"] == 10
     assert main(base + ["--epochs", "10"]) == 0
@@ -66,27 +109,62 @@ def test_privacy_shuffle_counts_every_epoch_touched(capsys):
 
 
 def test_privacy_refuses_a_sampling_rate_that_contradicts_the_sizes():
-    out = run(["privacy", "-q", "0.01", "--dataset-size", "60000", "--lot-size", "256",
-               "-s", "4", "-E", "1", "-d", "1e-5"])
+    out = run(
+        [
+            "privacy",
+            "-q",
+            "0.01",
+            "--dataset-size",
+            "60000",
+            "--lot-size",
+            "256",
+            "-s",
+            "4",
+            "-E",
+            "1",
+            "-d",
+            "1e-5",
+        ]
+    )
     assert out.returncode != 0 and "--sampling-rate" in out.stderr and "0.01" in out.stderr
-    out = run(["privacy", "--sampling", "shuffle", "-q", "0.01", "--dataset-size", "60000",
-               "--lot-size", "256", "-s", "4", "-E", "1", "-d", "1e-5"])
+    out = run(
+        [
+            "privacy",
+            "--sampling",
+            "shuffle",
+            "-q",
+            "0.01",
+            "--dataset-size",
+            "60000",
+            "--lot-size",
+            "256",
+            "-s",
+            "4",
+            "-E",
+            "1",
+            "-d",
+            "1e-5",
+        ]
+    )
     assert out.returncode != 0 and "--sampling-rate" in out.stderr and "shuffle" in out.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["-q", "1.5", "-s", "1", "-E", "1", "-d", "1e-5"], "--sampling-rate must be in (0, 1]"),
-    (["-q", "0", "-s", "1", "-E", "1", "-d", "1e-5"], "--sampling-rate must be in (0, 1]"),
-    (["-q", "0.1", "-s", "-1", "-E", "1", "-d", "1e-5"], "--noise-multiplier must be >= 0"),
-    (["-q", "0.1", "-s", "nan", "-E", "1", "-d", "1e-5"], "--noise-multiplier must be >= 0"),
-    (["-q", "0.1", "-s", "1", "-T", "-5", "-d", "1e-5"], "--steps must be a whole number >= 0"),
-    (["-q", "0.1", "-s", "1", "-E", "-1", "-d", "1e-5"], "--epochs must be >= 0"),
-    (["-q", "0.1", "-s", "1", "-E", "1", "-d", "0"], "--delta must be in (0, 1)"),
-    (["-q", "0.1", "-s", "1", "-E", "1", "-d", "1.5"], "--delta must be in (0, 1)"),
-    (["-q", "0.1", "-s", "1", "-E", "1", "-d", "nan"], "--delta must be in (0, 1)"),
-    (["-q", "x", "-s", "1", "-E", "1", "-d", "1e-5"], "not a number"),
-    (["--sampling", "fixed_size", "-s", "1", "-E", "1", "-d", "1e-5"], "needs --dataset-size"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-q", "1.5", "-s", "1", "-E", "1", "-d", "1e-5"], "--sampling-rate must be in (0, 1]"),
+        (["-q", "0", "-s", "1", "-E", "1", "-d", "1e-5"], "--sampling-rate must be in (0, 1]"),
+        (["-q", "0.1", "-s", "-1", "-E", "1", "-d", "1e-5"], "--noise-multiplier must be >= 0"),
+        (["-q", "0.1", "-s", "nan", "-E", "1", "-d", "1e-5"], "--noise-multiplier must be >= 0"),
+        (["-q", "0.1", "-s", "1", "-T", "-5", "-d", "1e-5"], "--steps must be a whole number >= 0"),
+        (["-q", "0.1", "-s", "1", "-E", "-1", "-d", "1e-5"], "--epochs must be >= 0"),
+        (["-q", "0.1", "-s", "1", "-E", "1", "-d", "0"], "--delta must be in (0, 1)"),
+        (["-q", "0.1", "-s", "1", "-E", "1", "-d", "1.5"], "--delta must be in (0, 1)"),
+        (["-q", "0.1", "-s", "1", "-E", "1", "-d", "nan"], "--delta must be in (0, 1)"),
+        (["-q", "x", "-s", "1", "-E", "1", "-d", "1e-5"], "not a number"),
+        (["--sampling", "fixed_size", "-s", "1", "-E", "1", "-d", "1e-5"], "needs --dataset-size"),
+    ],
+)
 def test_bad_input_exits_nonzero_naming_the_argument(args, message):
     out = run(["privacy", *args])
     assert out.returncode != 0
@@ -95,36 +173,45 @@ def test_bad_input_exits_nonzero_naming_the_argument(args, message):
 
 def test_console_script_is_installed():
     import shutil
+
     exe = shutil.which("dpfl-tf")
     if exe is None:
         pytest.skip("package not installed with pip (console script absent)")
-    out = subprocess.run([exe, "privacy", "-q", "0.01", "-s", "4", "-E", "1", "-d", "1e-5"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [exe, "privacy", "-q", "0.01", "-s", "4", "-E", "1", "-d", "1e-5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and "epsilon =" in out.stdout
 
 
 def test_train_runs_end_to_end_and_writes_results(tmp_path):
     out = tmp_path / "train.json"
-    res = run(["train", "mnist", "--epsilon", "2", "--epochs", "1", "--seed", "0",
-               "--output", str(out)])
+    res = run(
+        ["train", "mnist", "--epsilon", "2", "--epochs", "1", "--seed", "0", "--output", str(out)]
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["epochs"] == 1 and data["test_accuracy"] > 0.5
-    assert data["accountant"] == "moments"   # the paper's; only scatter models default to pld
+    assert data["accountant"] == "moments"  # the paper's; only scatter models default to pld
     assert data["epsilon"] <= 2.0
     assert "test accuracy =" in res.stdout and "epsilon =" in res.stdout
-    assert "(non-private statistic)" in res.stdout   # train accuracy is on the private data
+    assert "(non-private statistic)" in res.stdout  # train accuracy is on the private data
     assert "train_accuracy" in data["non_private_statistics"]
     assert "NOT for deployment" in res.stdout
     assert (tmp_path / "train.png").exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--epsilon", "-1"], "--epsilon must be > 0"),
-    (["--delta", "2"], "--delta must be in (0, 1)"),
-    (["--lot-size", "0"], "--lot-size must be a whole number >= 1"),
-    (["--noise-multiplier", "-2"], "--noise-multiplier must be > 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--epsilon", "-1"], "--epsilon must be > 0"),
+        (["--delta", "2"], "--delta must be in (0, 1)"),
+        (["--lot-size", "0"], "--lot-size must be a whole number >= 1"),
+        (["--noise-multiplier", "-2"], "--noise-multiplier must be > 0"),
+    ],
+)
 def test_train_bad_input(args, message, tmp_path):
     out = tmp_path / "never.json"
     res = run(["train", "mnist", *args, "--output", str(out)])
@@ -136,11 +223,30 @@ def test_train_unknown_dataset_and_missing_data(tmp_path, monkeypatch):
     res = run(["train", "cifar1000"])
     assert res.returncode != 0 and "invalid choice" in res.stderr
     env_run = subprocess.run(
-        [sys.executable, "-m", "dpfl_tf", "train", "fashion_mnist", "--epochs", "1",
-         "--data-dir", str(tmp_path), "--output", str(tmp_path / "r.json")],
-        capture_output=True, text=True, timeout=300,
-        env={**__import__("os").environ, "DPFL_DATA_DIR": str(tmp_path), "HOME": str(tmp_path),
-             "DPFL_NO_DOWNLOAD": "1", "KERAS_HOME": str(tmp_path / "keras")})
+        [
+            sys.executable,
+            "-m",
+            "dpfl_tf",
+            "train",
+            "fashion_mnist",
+            "--epochs",
+            "1",
+            "--data-dir",
+            str(tmp_path),
+            "--output",
+            str(tmp_path / "r.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **__import__("os").environ,
+            "DPFL_DATA_DIR": str(tmp_path),
+            "HOME": str(tmp_path),
+            "DPFL_NO_DOWNLOAD": "1",
+            "KERAS_HOME": str(tmp_path / "keras"),
+        },
+    )
     if env_run.returncode == 0:
         pytest.skip("Fashion-MNIST found in a system location")
     assert str(tmp_path) in env_run.stderr and not (tmp_path / "r.json").exists()
@@ -168,32 +274,68 @@ def _config_trained_by(monkeypatch, argv):
     return seen.value.args[0]
 
 
-@pytest.mark.parametrize("dataset,model,extra,norm,mirror", [
-    ("cifar10", "scatter_linear", [], "dp_stats", True),
-    ("cifar10", "scatter_cnn", [], "dp_stats", True),
-    ("cifar10", "scatter_linear", ["--feature-norm", "group"], "group", True),
-    ("cifar10", "scatter_cnn", ["--no-mirror-views"], "dp_stats", False),
-    ("mnist", "scatter_linear", [], "group", False),
-    ("fashion_mnist", "scatter_linear", ["--mirror-views"], "group", True)])
-def test_train_scatter_models_use_their_defaults(monkeypatch, tmp_path, dataset, model, extra,
-                                                 norm, mirror):
+@pytest.mark.parametrize(
+    "dataset,model,extra,norm,mirror",
+    [
+        ("cifar10", "scatter_linear", [], "dp_stats", True),
+        ("cifar10", "scatter_cnn", [], "dp_stats", True),
+        ("cifar10", "scatter_linear", ["--feature-norm", "group"], "group", True),
+        ("cifar10", "scatter_cnn", ["--no-mirror-views"], "dp_stats", False),
+        ("mnist", "scatter_linear", [], "group", False),
+        ("fashion_mnist", "scatter_linear", ["--mirror-views"], "group", True),
+    ],
+)
+def test_train_scatter_models_use_their_defaults(
+    monkeypatch, tmp_path, dataset, model, extra, norm, mirror
+):
     """`train cifar10 --model scatter_linear|scatter_cnn` goes to the ScatterNet recipe
     (lot 8192, lr 4, clip 0.1, momentum 0.9, 60 epochs, noise calibrated by the PLD
     accountant, channel statistics released under DP, mirror views), not the frozen
     convnet; mnist keeps GroupNorm and no mirror (a mirrored digit is another sign)."""
-    config = _config_trained_by(monkeypatch, [
-        "train", dataset, "--model", model, "--epsilon", "3", *extra,
-        "--output", str(tmp_path / "r.json")])
+    config = _config_trained_by(
+        monkeypatch,
+        [
+            "train",
+            dataset,
+            "--model",
+            model,
+            "--epsilon",
+            "3",
+            *extra,
+            "--output",
+            str(tmp_path / "r.json"),
+        ],
+    )
     colour = dataset == "cifar10"
-    assert (config.dataset, config.model, config.lot_size, config.learning_rate,
-            config.l2_norm_clip, config.momentum, config.epochs, config.noise_multiplier,
-            config.target_epsilon, config.feature_norm, config.accountant,
-            config.mirror_views) == (
-        dataset, model, 8192 if colour else 4096, 4.0 if colour else 8.0, 0.1, 0.9, 60, None,
-        3.0, norm, "pld", mirror)
+    assert (
+        config.dataset,
+        config.model,
+        config.lot_size,
+        config.learning_rate,
+        config.l2_norm_clip,
+        config.momentum,
+        config.epochs,
+        config.noise_multiplier,
+        config.target_epsilon,
+        config.feature_norm,
+        config.accountant,
+        config.mirror_views,
+    ) == (
+        dataset,
+        model,
+        8192 if colour else 4096,
+        4.0 if colour else 8.0,
+        0.1,
+        0.9,
+        60,
+        None,
+        3.0,
+        norm,
+        "pld",
+        mirror,
+    )
     # the physical batch: smaller with two views, smallest for the CNN (memory only)
-    assert config.batch_size == (4096 if not mirror else
-                                 1024 if model == "scatter_cnn" else 2048)
+    assert config.batch_size == (4096 if not mirror else 1024 if model == "scatter_cnn" else 2048)
 
 
 def test_mirror_views_are_refused_for_models_without_scattering_features(capsys):
@@ -202,41 +344,89 @@ def test_mirror_views_are_refused_for_models_without_scattering_features(capsys)
     with pytest.raises(SystemExit) as stop:
         cli.main(["train", "mnist", "--mirror-views"])
     assert stop.value.code == 2
-    assert "--mirror-views is for --model scatter_linear and scatter_cnn" in \
-        capsys.readouterr().err
+    assert "--mirror-views is for --model scatter_linear and scatter_cnn" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("model,extra,accountant", [
-    ("scatter_linear", ["--accountant", "rdp"], "rdp"),   # an explicit choice wins
-    ("scatter_cnn", ["--accountant", "moments"], "moments"),
-    ("mlp", [], "moments"),                                # Abadi et al.'s own accountant
-    ("tanh_cnn", [], "pld")])                              # as its measured recipe
-def test_train_accountant_default_depends_on_the_model(monkeypatch, tmp_path, model, extra,
-                                                       accountant):
-    config = _config_trained_by(monkeypatch, [
-        "train", "mnist", "--model", model, *extra, "--output", str(tmp_path / "r.json")])
+@pytest.mark.parametrize(
+    "model,extra,accountant",
+    [
+        ("scatter_linear", ["--accountant", "rdp"], "rdp"),  # an explicit choice wins
+        ("scatter_cnn", ["--accountant", "moments"], "moments"),
+        ("mlp", [], "moments"),  # Abadi et al.'s own accountant
+        ("tanh_cnn", [], "pld"),
+    ],
+)  # as its measured recipe
+def test_train_accountant_default_depends_on_the_model(
+    monkeypatch, tmp_path, model, extra, accountant
+):
+    config = _config_trained_by(
+        monkeypatch,
+        ["train", "mnist", "--model", model, *extra, "--output", str(tmp_path / "r.json")],
+    )
     assert config.accountant == accountant
 
 
-@pytest.mark.parametrize("model,expected", [
-    # Papernot et al. 2021's recipe, not the MLP's (lot 600, clip 4, sigma 4)
-    ("tanh_cnn", dict(lot_size=256, batch_size=256, l2_norm_clip=0.1, learning_rate=4.0,
-                      final_learning_rate=4.0, epochs=40, noise_multiplier=None,
-                      projection="none")),
-    # Abadi et al. 2016: the medium-noise setting for epsilon 2, linear decay over 10 epochs
-    ("mlp", dict(lot_size=600, l2_norm_clip=4.0, learning_rate=0.1, final_learning_rate=0.052,
-                 decay_epochs=10, noise_multiplier=4.0, pca_noise_multiplier=7.0,
-                 projection="dp_pca", setting="medium_noise"))])
+@pytest.mark.parametrize(
+    "model,expected",
+    [
+        # Papernot et al. 2021's recipe, not the MLP's (lot 600, clip 4, sigma 4)
+        (
+            "tanh_cnn",
+            dict(
+                lot_size=256,
+                batch_size=256,
+                l2_norm_clip=0.1,
+                learning_rate=4.0,
+                final_learning_rate=4.0,
+                epochs=40,
+                noise_multiplier=None,
+                projection="none",
+            ),
+        ),
+        # Abadi et al. 2016: the medium-noise setting for epsilon 2, linear decay over 10 epochs
+        (
+            "mlp",
+            dict(
+                lot_size=600,
+                l2_norm_clip=4.0,
+                learning_rate=0.1,
+                final_learning_rate=0.052,
+                decay_epochs=10,
+                noise_multiplier=4.0,
+                pca_noise_multiplier=7.0,
+                projection="dp_pca",
+                setting="medium_noise",
+            ),
+        ),
+    ],
+)
 def test_train_models_run_their_papers_recipes(monkeypatch, tmp_path, model, expected):
-    config = _config_trained_by(monkeypatch, [
-        "train", "mnist", "--model", model, "--output", str(tmp_path / "r.json")])
+    config = _config_trained_by(
+        monkeypatch, ["train", "mnist", "--model", model, "--output", str(tmp_path / "r.json")]
+    )
     assert {k: getattr(config, k) for k in expected} == expected
 
 
-def test_a_given_setting_overrides_the_models_default_and_keeps_its_schedule(monkeypatch,
-                                                                             tmp_path):
-    config = _config_trained_by(monkeypatch, [
-        "train", "mnist", "--lr", "0.2", "--lot-size", "300", "--noise-multiplier", "3",
-        "--output", str(tmp_path / "r.json")])
-    assert (config.learning_rate, config.final_learning_rate, config.lot_size,
-            config.noise_multiplier, config.setting) == (0.2, 0.104, 300, 3.0, "custom")
+def test_a_given_setting_overrides_the_models_default_and_keeps_its_schedule(monkeypatch, tmp_path):
+    config = _config_trained_by(
+        monkeypatch,
+        [
+            "train",
+            "mnist",
+            "--lr",
+            "0.2",
+            "--lot-size",
+            "300",
+            "--noise-multiplier",
+            "3",
+            "--output",
+            str(tmp_path / "r.json"),
+        ],
+    )
+    assert (
+        config.learning_rate,
+        config.final_learning_rate,
+        config.lot_size,
+        config.noise_multiplier,
+        config.setting,
+    ) == (0.2, 0.104, 300, 3.0, "custom")

@@ -14,24 +14,35 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NOISE = ("oneDNN", "cuda", "absl::InitializeLog", "Error occurred when finalizing",
-         "Traceback")
+NOISE = ("oneDNN", "cuda", "absl::InitializeLog", "Error occurred when finalizing", "Traceback")
 
 
 def _env(**extra):
     env = {**os.environ, "PYTHONPATH": ROOT, **extra}
-    env.pop("TF_CPP_MIN_LOG_LEVEL", None)   # the CLI must be quiet by itself
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # the CLI must be quiet by itself
     return env
 
 
 def _run(args, timeout=300, **env):
-    return subprocess.run([sys.executable, "-m", "dpfl_tf", *args], capture_output=True,
-                          text=True, cwd=ROOT, env=_env(**env), timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "dpfl_tf", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(**env),
+        timeout=timeout,
+    )
 
 
 def _start(args, **env):
-    return subprocess.Popen([sys.executable, "-m", "dpfl_tf", *args], cwd=ROOT, env=_env(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dpfl_tf", *args],
+        cwd=ROOT,
+        env=_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _interrupt_while_running(args, out, sig, **env):
@@ -67,43 +78,62 @@ def _wait_for(condition, proc, timeout=240.0):
 # -- --help and start-up --------------------------------------------------------------------
 @pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["federated", "--help"]])
 def test_help_answers_without_importing_tensorflow(args):
-    code = ("import sys\nfrom dpfl_tf.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n"
-            "    pass\nprint('TF-LOADED' if 'tensorflow' in sys.modules else 'NO-TF')" % (args,))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=ROOT, env=_env(), timeout=120)
+    code = (
+        "import sys\nfrom dpfl_tf.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n"
+        "    pass\nprint('TF-LOADED' if 'tensorflow' in sys.modules else 'NO-TF')" % (args,)
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+        timeout=120,
+    )
     assert out.stdout.strip().endswith("NO-TF"), out.stdout[-500:] + out.stderr[-500:]
     assert "usage: dpfl-tf" in out.stdout
 
 
 def test_help_import_time_has_no_tensorflow():
-    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "dpfl_tf", "--help"],
-                         capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "dpfl_tf", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+        timeout=120,
+    )
     assert out.returncode == 0
     imported = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()]
     assert "dpfl_tf.cli" in imported and "tensorflow" not in imported and "keras" not in imported
 
 
 # -- output paths -----------------------------------------------------------------------------
-@pytest.mark.parametrize("command", [["train", "mnist", "--epochs", "1"],
-                                     ["federated", "--rounds", "1", "--no-progress"]])
+@pytest.mark.parametrize(
+    "command",
+    [["train", "mnist", "--epochs", "1"], ["federated", "--rounds", "1", "--no-progress"]],
+)
 def test_unwritable_output_is_refused_before_data_loads(command, tmp_path):
     (tmp_path / "afile").write_text("x")
     empty = tmp_path / "empty"
     empty.mkdir()
-    offline = dict(DPFL_DATA_DIR=str(empty), HOME=str(empty), KERAS_HOME=str(empty),
-                   DPFL_NO_DOWNLOAD="1")   # loading data would fail with another message
+    offline = dict(
+        DPFL_DATA_DIR=str(empty), HOME=str(empty), KERAS_HOME=str(empty), DPFL_NO_DOWNLOAD="1"
+    )  # loading data would fail with another message
     for flag, value, message in [
-            ("--output", str(tmp_path / "afile" / "r.json"), "is a file, not a directory"),
-            ("--output", "/proc/dpfl_out/r.json", "cannot write there"),
-            ("--checkpoint-dir", str(tmp_path / "afile"), "it is a file, not a directory")]:
+        ("--output", str(tmp_path / "afile" / "r.json"), "is a file, not a directory"),
+        ("--output", "/proc/dpfl_out/r.json", "cannot write there"),
+        ("--checkpoint-dir", str(tmp_path / "afile"), "it is a file, not a directory"),
+    ]:
         args = [*command, flag, value]
         if flag != "--output":
             args += ["--output", str(tmp_path / "ok" / "r.json")]
         res = _run(args, **offline)
         assert res.returncode == 2, res.stderr[-2000:]
         last = res.stderr.strip().splitlines()[-1]
-        assert last.startswith(f"dpfl-tf {command[0]}: error: {flag} {value}: ") and message \
-            in last, res.stderr[-2000:]
+        assert (
+            last.startswith(f"dpfl-tf {command[0]}: error: {flag} {value}: ") and message in last
+        ), res.stderr[-2000:]
         assert "download disabled" not in res.stderr and "Traceback" not in res.stderr
 
 
@@ -113,21 +143,28 @@ def test_train_refusals_are_one_line_and_missing_data_names_the_flags(tmp_path):
     line's words (--data-dir), not Python's (data_dir=)."""
     empty = tmp_path / "empty"
     empty.mkdir()
-    offline = dict(DPFL_DATA_DIR=str(empty), HOME=str(empty), KERAS_HOME=str(empty),
-                   DPFL_NO_DOWNLOAD="1")
+    offline = dict(
+        DPFL_DATA_DIR=str(empty), HOME=str(empty), KERAS_HOME=str(empty), DPFL_NO_DOWNLOAD="1"
+    )
     done = tmp_path / "done.json"
     done.write_text(json.dumps({"status": "completed", "test_accuracy": 0.9448}))
     for args, message in (
-            (["--mirror-views"], "--mirror-views is for --model scatter_linear"),
-            (["--output", str(done)], "holds the results of a finished run (status "
-                                      "completed); pass --overwrite")):
+        (["--mirror-views"], "--mirror-views is for --model scatter_linear"),
+        (
+            ["--output", str(done)],
+            "holds the results of a finished run (status completed); pass --overwrite",
+        ),
+    ):
         res = _run(["train", "mnist", *args], **offline)
         assert res.returncode == 2 and res.stderr.strip().splitlines() == [
-            f"dpfl-tf train: error: {res.stderr.strip().split('error: ', 1)[1]}"], res.stderr
+            f"dpfl-tf train: error: {res.stderr.strip().split('error: ', 1)[1]}"
+        ], res.stderr
         assert message in res.stderr and "usage:" not in res.stderr
-    assert json.loads(done.read_text())["test_accuracy"] == 0.9448   # untouched
-    res = _run(["train", "mnist", "--data-dir", str(empty), "--output", str(done),
-                "--overwrite"], **offline)
+    assert json.loads(done.read_text())["test_accuracy"] == 0.9448  # untouched
+    res = _run(
+        ["train", "mnist", "--data-dir", str(empty), "--output", str(done), "--overwrite"],
+        **offline,
+    )
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert "--data-dir /that/dir" in res.stderr and "data_dir=" not in res.stderr
     assert "download=True" not in res.stderr and "usage:" not in res.stderr
@@ -135,8 +172,24 @@ def test_train_refusals_are_one_line_and_missing_data_names_the_flags(tmp_path):
 
 def test_missing_parents_of_the_output_are_created(tmp_path):
     out = tmp_path / "new" / "deeper" / "run.json"
-    res = _run(["federated", "--clients", "10", "--train-subset", "300", "--clients-per-round",
-                "4", "--rounds", "2", "--hidden", "8", "--no-progress", "--output", str(out)])
+    res = _run(
+        [
+            "federated",
+            "--clients",
+            "10",
+            "--train-subset",
+            "300",
+            "--clients-per-round",
+            "4",
+            "--rounds",
+            "2",
+            "--hidden",
+            "8",
+            "--no-progress",
+            "--output",
+            str(out),
+        ]
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["status"] == "completed" and data["rounds"] == 2
@@ -160,7 +213,7 @@ def test_train_ctrl_c_keeps_results_and_checkpoint_and_resumes_exactly(tmp_path)
     data = _read(out)
     lots = data["lots"]
     assert data["status"] == "interrupted" and 0 < lots < 800
-    assert [e["count"] for e in data["ledger"]] == [1, lots]   # DP-PCA, then the lots
+    assert [e["count"] for e in data["ledger"]] == [1, lots]  # DP-PCA, then the lots
     state = _read(ckpt / "state.json")
     assert state["lots_applied"] == state["ledger_count"] - 1 == lots
 
@@ -169,7 +222,7 @@ def test_train_ctrl_c_keeps_results_and_checkpoint_and_resumes_exactly(tmp_path)
     assert f"resumed from {ckpt}: {lots} lots" in resumed.stdout
     assert "epsilon so far" in resumed.stdout
     final = _read(out)
-    assert final["status"] == "completed" and final["lots"] == 800   # as if never stopped
+    assert final["status"] == "completed" and final["lots"] == 800  # as if never stopped
     assert [e["count"] for e in final["ledger"]] == [1, 800]
     assert final["history"][-1]["lots"] == 800
     assert _read(ckpt / "state.json")["lots_applied"] == 800
@@ -192,8 +245,8 @@ def test_train_sigterm_marks_results_interrupted_and_writes_a_checkpoint(tmp_pat
 
 
 # -- train cifar10 (frozen convolutions): SIGTERM, resume, a failure mid-run -----------------
-CIFAR_TRAIN, CIFAR_TEST, CIFAR_PUBLIC = 40, 10, 100   # real images per class; public images
-CIFAR_LOTS_PER_EPOCH = (10 * CIFAR_TRAIN - CIFAR_PUBLIC) // 50   # 300 private, lots of 50
+CIFAR_TRAIN, CIFAR_TEST, CIFAR_PUBLIC = 40, 10, 100  # real images per class; public images
+CIFAR_LOTS_PER_EPOCH = (10 * CIFAR_TRAIN - CIFAR_PUBLIC) // 50  # 300 private, lots of 50
 
 
 @pytest.fixture(scope="module")
@@ -211,20 +264,40 @@ def cifar_slice(tmp_path_factory):
         isolate(mp, tmp_path_factory.mktemp("pre"))
         from dpfl_tf.recipes.cifar10 import PretrainConfig, pretrain_public, save_pretrained
 
-        net, info = pretrain_public(PretrainConfig(public_size=CIFAR_PUBLIC, epochs=1,
-                                                   batch_size=50, seed=0, data_dir=str(root)),
-                                    verbose=False)
+        net, info = pretrain_public(
+            PretrainConfig(
+                public_size=CIFAR_PUBLIC, epochs=1, batch_size=50, seed=0, data_dir=str(root)
+            ),
+            verbose=False,
+        )
         save_pretrained(net, info, weights)
     return root, weights
 
 
 def _cifar(data_dir, weights, out, *more, epochs=5):
     """`train cifar10` on the slice: 6 lots of 50 per epoch, sigma 1, `epochs` epochs."""
-    args = ["train", "cifar10", "--pretrained", str(weights), "--data-dir", str(data_dir),
-            "--lot-size", "50", "--epochs", str(epochs), "--noise-multiplier", "1",
-            "--epsilon", "100", "--output", str(out), *more]
-    env = dict(DPFL_DATA_DIR=str(data_dir), DPFL_NO_DOWNLOAD="1",
-               DPFL_CACHE_DIR=str(out.parent / "cache"))
+    args = [
+        "train",
+        "cifar10",
+        "--pretrained",
+        str(weights),
+        "--data-dir",
+        str(data_dir),
+        "--lot-size",
+        "50",
+        "--epochs",
+        str(epochs),
+        "--noise-multiplier",
+        "1",
+        "--epsilon",
+        "100",
+        "--output",
+        str(out),
+        *more,
+    ]
+    env = dict(
+        DPFL_DATA_DIR=str(data_dir), DPFL_NO_DOWNLOAD="1", DPFL_CACHE_DIR=str(out.parent / "cache")
+    )
     return args, env
 
 
@@ -255,8 +328,10 @@ def test_train_cifar10_sigterm_then_resume_continues_the_ledger(cifar_slice, tmp
 
     resumed = _run(args, **env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert (f"resumed from {ckpt}: {lots} lots ({lots / CIFAR_LOTS_PER_EPOCH:.2f} epochs), "
-            f"epsilon so far {data['epsilon']:.4f}") in resumed.stdout
+    assert (
+        f"resumed from {ckpt}: {lots} lots ({lots / CIFAR_LOTS_PER_EPOCH:.2f} epochs), "
+        f"epsilon so far {data['epsilon']:.4f}"
+    ) in resumed.stdout
     final = _read(out)
     # the ledger goes on from the checkpoint: the lots before the signal plus those trained
     # after the resume make the lots of an uninterrupted run, and epsilon is theirs
@@ -267,15 +342,15 @@ def test_train_cifar10_sigterm_then_resume_continues_the_ledger(cifar_slice, tmp
     history = final["history"]
     assert [r["epoch"] for r in history] == list(range(6))
     assert [r.get("lots") for r in history[1:]][-1] == total
-    done = lots // CIFAR_LOTS_PER_EPOCH     # whole epochs before the signal: kept as they were
-    assert history[:done + 1] == data["history"][:done + 1]
-    assert all(r["lots"] > lots for r in history[done + 1:])
+    done = lots // CIFAR_LOTS_PER_EPOCH  # whole epochs before the signal: kept as they were
+    assert history[: done + 1] == data["history"][: done + 1]
+    assert all(r["lots"] > lots for r in history[done + 1 :])
     assert final["frozen_layers_unchanged"] and final["frozen_layers"] == ["conv1", "conv2", "fc1"]
     assert final["trainable_layers"] == ["fc2", "logits"]
     assert final["pretrained_on_cifar10_test"] == data["pretrained_on_cifar10_test"]
     assert _read(ckpt / "state.json")["lots_applied"] == total
     assert not [n for n in NOISE if n in resumed.stderr], resumed.stderr[-2000:]
-    again = _run(args, **env)   # a finished run is not resumed again
+    again = _run(args, **env)  # a finished run is not resumed again
     assert again.returncode == 2 and "holds a finished run" in again.stderr
 
 
@@ -307,10 +382,27 @@ def test_train_cifar10_failing_mid_run_leaves_results_marked_failed(cifar_slice,
     assert [r["epoch"] for r in data["history"]] == list(range(data["epochs"] + 1))
 
 
-# -- federated: Ctrl-C and resume -------------------------------------------------------------------
-FED = ["federated", "--clients", "10", "--train-subset", "600", "--clients-per-round", "5",
-       "--rounds", "12", "--local-epochs", "4", "--hidden", "16", "--dp", "global",
-       "--delta-max", "1e-3", "--no-progress"]
+# -- federated: Ctrl-C and resume ------------------------------------------------------------
+FED = [
+    "federated",
+    "--clients",
+    "10",
+    "--train-subset",
+    "600",
+    "--clients-per-round",
+    "5",
+    "--rounds",
+    "12",
+    "--local-epochs",
+    "4",
+    "--hidden",
+    "16",
+    "--dp",
+    "global",
+    "--delta-max",
+    "1e-3",
+    "--no-progress",
+]
 
 
 def test_federated_ctrl_c_then_resume(tmp_path):

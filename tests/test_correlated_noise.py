@@ -13,8 +13,12 @@ from dpfl_tf.correlated_noise import CorrelatedNoise, CorrelatedSanitizer
 from dpfl_tf.privacy import matrix_factorization as mf
 from dpfl_tf.sanitizer import noise_seed
 
-STRATEGIES = [mf.TreeAggregation(), mf.TreeAggregation(restart_every=5),
-              mf.BandedToeplitz((1.0, 0.6, -0.2)), mf.BufferedToeplitz((0.9, 0.4), (0.3, 0.2))]
+STRATEGIES = [
+    mf.TreeAggregation(),
+    mf.TreeAggregation(restart_every=5),
+    mf.BandedToeplitz((1.0, 0.6, -0.2)),
+    mf.BufferedToeplitz((0.9, 0.4), (0.3, 0.2)),
+]
 
 
 def _mechanism(strategy, n=13):
@@ -31,8 +35,14 @@ def test_noise_is_exactly_m_zeta_from_key_and_step(strategy):
     noise = CorrelatedNoise(_mechanism(strategy, n), [(3, 2), (4,)], seed=7)
     assert len(noise.buffers) == 2 and noise.buffers[0].shape[0] == strategy.buffers(n)
     got = _run(noise, n)
-    zeta = np.stack([tf.random.stateless_normal((3, 2), seed=noise_seed(noise.noise_key, i, 0),
-                                                alg="philox").numpy() for i in range(n)])
+    zeta = np.stack(
+        [
+            tf.random.stateless_normal(
+                (3, 2), seed=noise_seed(noise.noise_key, i, 0), alg="philox"
+            ).numpy()
+            for i in range(n)
+        ]
+    )
     want = np.einsum("ts,sab->tab", strategy.noise_matrix(n), zeta)
     np.testing.assert_allclose(got, want, atol=2e-5)
 
@@ -54,11 +64,14 @@ def test_covariance_is_the_strategys_and_a_wrong_strategy_is_rejected(strategy):
     covariance of another strategy (or of independent noise) is rejected."""
     n, d = 10, 20_000
     noise = CorrelatedNoise(_mechanism(strategy, n), [(d,)], seed=11)
-    samples = _run(noise, n).T                     # d x n
+    samples = _run(noise, n).T  # d x n
     m = strategy.noise_matrix(n)
     assert _whitened_lrt(samples, m @ m.T) > 1e-3
-    others = [mf.BandedToeplitz((1.0, 0.5)), mf.BandedToeplitz((1.0,)),
-              mf.TreeAggregation(restart_every=4)]
+    others = [
+        mf.BandedToeplitz((1.0, 0.5)),
+        mf.BandedToeplitz((1.0,)),
+        mf.TreeAggregation(restart_every=4),
+    ]
     for other in others:
         if other == strategy:
             continue

@@ -22,8 +22,11 @@ def chi_square_p(samples, pmf):
     expected = n * probs
     keep = np.flatnonzero(expected >= 5)
     a, b = support[keep[0]], support[keep[-1]]
-    observed = [np.sum(samples <= a)] + [np.sum(samples == k) for k in range(a + 1, b)] \
+    observed = (
+        [np.sum(samples <= a)]
+        + [np.sum(samples == k) for k in range(a + 1, b)]
         + [np.sum(samples >= b)]
+    )
     left = pmf(np.arange(a - 10 * (hi - lo + 10), a + 1)).sum()
     inner = pmf(np.arange(a + 1, b))
     exp = np.concatenate([[left], inner, [1.0 - left - inner.sum()]]) * n
@@ -46,8 +49,9 @@ def test_the_exact_path_has_the_same_law(monkeypatch):
     monkeypatch.setattr(dn, "_MARGIN", 0.2)
     calls = []
     below_exp = dn._LazyUniform.below_exp
-    monkeypatch.setattr(dn._LazyUniform, "below_exp",
-                        lambda self, g: calls.append(1) or below_exp(self, g))
+    monkeypatch.setattr(
+        dn._LazyUniform, "below_exp", lambda self, g: calls.append(1) or below_exp(self, g)
+    )
     x = dn.discrete_gaussian(Fraction(9, 4), 6000, dn.GeneratorSource(3))
     assert len(calls) > 6000
     assert chi_square_p(x, lambda k: dn.discrete_gaussian_pmf(2.25, k)) > 1e-3
@@ -69,8 +73,7 @@ def test_discrete_laplace_has_the_geometric_two_sided_law():
         return (1 - r) / (1 + r) * r ** np.abs(k)
 
     assert chi_square_p(x, pmf) > 1e-3
-    assert chi_square_p(x, lambda k: (1 - r ** 1.1) / (1 + r ** 1.1) * r ** (1.1 * np.abs(k))) \
-        < 1e-6
+    assert chi_square_p(x, lambda k: (1 - r**1.1) / (1 + r**1.1) * r ** (1.1 * np.abs(k))) < 1e-6
 
 
 def test_dyadic_variance_rounds_up_with_a_bounded_denominator():
@@ -78,7 +81,7 @@ def test_dyadic_variance_rounds_up_with_a_bounded_denominator():
         f = dn.dyadic_variance(v)
         assert f >= Fraction(v)
         assert f - Fraction(v) <= Fraction(1, f.denominator)
-        assert f.denominator & (f.denominator - 1) == 0      # a power of two
+        assert f.denominator & (f.denominator - 1) == 0  # a power of two
     with pytest.raises(ValueError, match="variance must be > 0, got -1"):
         dn.dyadic_variance(-1)
 
@@ -97,11 +100,11 @@ def test_secure_source_reads_the_os_and_samples_the_same_law():
     src = dn.SecureSource()
     assert src.secure and not dn.GeneratorSource(0).secure
     w = src.words(1000)
-    assert w.dtype == np.uint64 and int(w.max()) < 2 ** 53
+    assert w.dtype == np.uint64 and int(w.max()) < 2**53
     assert not np.array_equal(w, src.words(1000))
     x = dn.discrete_gaussian(Fraction(25), 40000, src)
     assert chi_square_p(x, lambda k: dn.discrete_gaussian_pmf(25.0, k)) > 1e-4
-    y = dn.skellam(4.0, 1000, src)                 # Philox keyed from the OS, never seeded
+    y = dn.skellam(4.0, 1000, src)  # Philox keyed from the OS, never seeded
     assert not np.array_equal(y, dn.skellam(4.0, 1000, src))
 
 
@@ -109,4 +112,4 @@ def test_generator_source_is_reproducible():
     a = dn.discrete_gaussian(Fraction(10), 500, dn.GeneratorSource(5))
     b = dn.discrete_gaussian(Fraction(10), 500, dn.GeneratorSource(5))
     assert np.array_equal(a, b)
-    assert dn.GeneratorSource(9).randbits(70) < 2 ** 70
+    assert dn.GeneratorSource(9).randbits(70) < 2**70

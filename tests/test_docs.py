@@ -73,8 +73,10 @@ DATA = {"toml", "json"}
 SHOWN = {"text"}
 
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+)(?P<info>[^`\n]*)$")
-MARKER = re.compile(r"^\s*<!--\s*(?P<name>not-run|test-replace|test-expect)\s*:(?P<value>.*?)"
-                    r"-->\s*$")
+MARKER = re.compile(
+    r"^\s*<!--\s*(?P<name>not-run|test-replace|test-expect)\s*:(?P<value>.*?)"
+    r"-->\s*$"
+)
 OTHER_COMMENT = re.compile(r"^\s*<!--.*-->\s*$")
 INSTALLS = re.compile(r"(^|[;&|]\s*)(sudo|pip3?|apt-get|apt)\s")
 
@@ -82,7 +84,7 @@ INSTALLS = re.compile(r"(^|[;&|]\s*)(sudo|pip3?|apt-get|apt)\s")
 @dataclasses.dataclass
 class Block:
     page: pathlib.Path
-    line: int            # 1-based line of the opening fence
+    line: int  # 1-based line of the opening fence
     lang: str
     code: str
     not_run: str | None = None
@@ -130,8 +132,9 @@ def parse_blocks(page: pathlib.Path) -> list[Block]:
         j = i + 1
         while j < len(lines) and not re.match(rf"^ {{0,{indent + 3}}}{fence}\s*$", lines[j]):
             j += 1
-        body = "\n".join(line[indent:] if line[:indent].strip() == "" else line
-                         for line in lines[i + 1:j])
+        body = "\n".join(
+            line[indent:] if line[:indent].strip() == "" else line for line in lines[i + 1 : j]
+        )
         block = Block(page, i + 1, info.split()[0].lower() if info else "", body + "\n")
         for marker in _markers_before(lines, i):
             value = marker["value"].strip()
@@ -151,11 +154,14 @@ def parse_blocks(page: pathlib.Path) -> list[Block]:
                 block.expect.append(value)
         if block.not_run is None:
             if not block.lang:
-                block.problems.append("a block without a language must be marked not-run "
-                                      "(say what it is, or why it does not run)")
+                block.problems.append(
+                    "a block without a language must be marked not-run "
+                    "(say what it is, or why it does not run)"
+                )
             elif block.lang not in PYTHON | SHELL | CONSOLE | DATA | SHOWN:
-                block.problems.append(f"```{block.lang} blocks are not run: mark it not-run "
-                                      "with the reason")
+                block.problems.append(
+                    f"```{block.lang} blocks are not run: mark it not-run with the reason"
+                )
             elif block.lang in SHELL | CONSOLE and INSTALLS.search(block.code):
                 block.problems.append("installs packages: mark it not-run")
         if block.not_run is not None and (block.replace or block.expect):
@@ -203,7 +209,8 @@ class Sandbox:
             **os.environ,
             "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
             "PYTHONPATH": os.pathsep.join(
-                [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+                [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
             "DPFL_NO_DOWNLOAD": "1",
             "DPFL_CACHE_DIR": str(cache),
             "MPLBACKEND": "Agg",
@@ -216,7 +223,7 @@ class Sandbox:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-_RUNNER = '''
+_RUNNER = """
 import sys, traceback
 blocks = {blocks!r}
 namespace = {{"__name__": "__main__"}}
@@ -233,15 +240,21 @@ for where, code in blocks:
         traceback.print_exc()
         print(f"BLOCK FAILED: {{where}}", flush=True)
         sys.exit(1)
-'''
+"""
 
 
 def run_python_page(blocks: list[Block]) -> tuple[bool, str]:
     box = Sandbox()
     try:
         script = _RUNNER.format(blocks=[(b.where, b.code_to_run()) for b in blocks])
-        proc = subprocess.run([sys.executable, "-c", script], cwd=box.dir, env=box.env,
-                              capture_output=True, text=True, timeout=TIMEOUT)
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            cwd=box.dir,
+            env=box.env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
         out = proc.stdout + proc.stderr
         ok = proc.returncode == 0 and all(e in out for b in blocks for e in b.expect)
         return ok, out
@@ -301,9 +314,15 @@ def run_shell_block(block: Block) -> tuple[bool, str]:
             steps = [(c, None) for c in shell_commands(code)]
         ok = True
         for command, expected in steps:
-            proc = subprocess.run(["bash", "-c", command], cwd=box.dir, env=box.env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  timeout=TIMEOUT)
+            proc = subprocess.run(
+                ["bash", "-c", command],
+                cwd=box.dir,
+                env=box.env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=TIMEOUT,
+            )
             log.append(f"$ {command}\n{proc.stdout}[exit {proc.returncode}]")
             if expected is None:
                 ok = ok and proc.returncode == 0
@@ -323,8 +342,11 @@ def _units() -> dict[str, tuple]:
     """Everything that runs: one unit per page of Python blocks, one per shell block."""
     units = {}
     for page in PAGES:
-        python = [b for b in BLOCKS if b.page == page and b.runnable and b.lang in PYTHON
-                  and id(b) not in DUPLICATES]
+        python = [
+            b
+            for b in BLOCKS
+            if b.page == page and b.runnable and b.lang in PYTHON and id(b) not in DUPLICATES
+        ]
         if python:
             units[str(page.relative_to(ROOT))] = (run_python_page, python)
     for b in BLOCKS:
@@ -339,9 +361,11 @@ UNITS = _units()
 @pytest.fixture(scope="module")
 def results(request):
     """Runs the selected units, WORKERS at a time, as soon as the first one is asked for."""
-    selected = [item.callspec.params["name"] for item in request.session.items
-                if getattr(item, "originalname", "") == "test_block_runs"
-                and hasattr(item, "callspec")]
+    selected = [
+        item.callspec.params["name"]
+        for item in request.session.items
+        if getattr(item, "originalname", "") == "test_block_runs" and hasattr(item, "callspec")
+    ]
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, WORKERS))
     futures = {name: pool.submit(UNITS[name][0], UNITS[name][1]) for name in selected}
     yield futures
@@ -355,13 +379,13 @@ def test_the_docs_have_runnable_blocks():
 
 
 def test_every_block_runs_or_says_why():
-    problems = [f"{b.where} (```{b.lang}): " + "; ".join(b.problems) for b in BLOCKS
-                if b.problems]
+    problems = [f"{b.where} (```{b.lang}): " + "; ".join(b.problems) for b in BLOCKS if b.problems]
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("block", [b for b in BLOCKS if b.not_run is None and b.lang in DATA],
-                         ids=lambda b: b.where)
+@pytest.mark.parametrize(
+    "block", [b for b in BLOCKS if b.not_run is None and b.lang in DATA], ids=lambda b: b.where
+)
 def test_file_blocks_parse(block):
     if block.lang == "toml":
         if tomllib is None:
@@ -380,6 +404,7 @@ def test_block_runs(name, results):
 def test_the_readme_test_command_is_the_one_ci_runs():
     """.ci/run runs the command between the README's test-command markers."""
     text = (ROOT / "README.md").read_text()
-    marked = re.search(r"<!-- test-command -->\n```\n(.*?)\n```\n<!-- /test-command -->", text,
-                       re.S)
+    marked = re.search(
+        r"<!-- test-command -->\n```\n(.*?)\n```\n<!-- /test-command -->", text, re.S
+    )
     assert marked and marked.group(1) == 'pip install -e ".[test]" && python -m pytest -q'

@@ -26,8 +26,7 @@ def test_the_model_cannot_tell_the_order_of_the_views(build):
     keras.utils.set_random_seed(1)
     model = build((8, 8, 6), groups=3, views=2)
     x = _views(seed=1)
-    np.testing.assert_allclose(model(x).numpy(), model(x[:, ::-1]).numpy(), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(model(x).numpy(), model(x[:, ::-1]).numpy(), rtol=1e-5, atol=1e-6)
     # ... but it does see both: changing one view changes the logits
     y = x.copy()
     y[:, 1] += np.random.default_rng(3).normal(size=y[:, 1].shape).astype("float32")
@@ -51,8 +50,12 @@ def test_one_view_is_the_head_itself_and_bad_counts_are_refused():
 
 def test_a_model_over_views_saves_and_loads_with_its_frozen_normalisation(tmp_path):
     keras.utils.set_random_seed(2)
-    norm = keras.layers.Normalization(axis=-1, mean=np.arange(6, dtype="float32"),
-                                      variance=np.full(6, 4.0, "float32"), name="feature_norm")
+    norm = keras.layers.Normalization(
+        axis=-1,
+        mean=np.arange(6, dtype="float32"),
+        variance=np.full(6, 4.0, "float32"),
+        name="feature_norm",
+    )
     model = scatter_cnn((8, 8, 6), normalization=norm, channels=4, views=2)
     x = _views(seed=2)
     path = str(tmp_path / "m.keras")

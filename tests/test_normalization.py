@@ -9,8 +9,7 @@ import pytest
 from scipy import stats
 
 from dpfl_tf.data import load_dataset
-from dpfl_tf.normalization import (DPFeatureNormalization, FeatureNormalization,
-                                   channel_moments)
+from dpfl_tf.normalization import DPFeatureNormalization, FeatureNormalization, channel_moments
 from dpfl_tf.privacy import PrivacyLedger
 from dpfl_tf.scattering import Scattering2D, scattering_orders
 
@@ -31,14 +30,15 @@ def test_exact_statistics_are_the_pooled_channel_mean_and_variance(features):
     live = norm.variance > 1e-3
     np.testing.assert_allclose(out.mean(axis=0)[live], 0.0, atol=1e-4)
     np.testing.assert_allclose(out.std(axis=0)[live], 1.0, atol=1e-2)
-    first, second = channel_moments(features, batch_size=7)   # batches do not matter
+    first, second = channel_moments(features, batch_size=7)  # batches do not matter
     np.testing.assert_allclose(first.mean(axis=0), norm.mean, rtol=1e-12)
 
 
 def test_the_release_is_recorded_as_two_gaussians_of_multiplier_sigma(features):
     ledger = PrivacyLedger("rdp")
-    norm = DPFeatureNormalization(noise_multiplier=8.0, mean_clip=0.5,
-                                  second_moment_clip=0.2, seed=1).fit(features, ledger=ledger)
+    norm = DPFeatureNormalization(
+        noise_multiplier=8.0, mean_clip=0.5, second_moment_clip=0.2, seed=1
+    ).fit(features, ledger=ledger)
     assert len(ledger) == 1 and ledger.count("dp_feature_norm") == 1
     two = dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(8.0)] * 2)
     reference = dp_accounting.rdp.RdpAccountant()
@@ -69,10 +69,15 @@ def test_noise_has_the_stated_scale(features):
     """mean - exact mean ~ N(0, (sigma C_a / N)^2) per channel, pooled over
     seeds; the test fails for noise off by 20% either way."""
     x = features[:200]
-    n, sigma, clip = len(x), 2.0, 10.0       # a bound above every norm: no clipping
+    n, sigma, clip = len(x), 2.0, 10.0  # a bound above every norm: no clipping
     exact = FeatureNormalization().fit(x).mean
-    z = np.concatenate([(DPFeatureNormalization(sigma, clip, 10.0, seed=s).fit(x).mean - exact)
-                        / (sigma * clip / n) for s in range(40)])
+    z = np.concatenate(
+        [
+            (DPFeatureNormalization(sigma, clip, 10.0, seed=s).fit(x).mean - exact)
+            / (sigma * clip / n)
+            for s in range(40)
+        ]
+    )
     assert stats.kstest(z, "norm").pvalue > 1e-3
     assert 0.97 < z.std() < 1.03
     for wrong in (0.8, 1.2):
@@ -94,8 +99,7 @@ def test_epsilon_is_added_to_the_variance_in_transform_and_layer(features, epsil
     norm = FeatureNormalization(epsilon=epsilon).fit(features)
     flat = features.reshape(-1, features.shape[-1]).astype(np.float64)
     live = norm.variance > 0
-    expected = (flat[:, live] - flat.mean(axis=0)[live]) / np.sqrt(
-        flat.var(axis=0)[live] + epsilon)
+    expected = (flat[:, live] - flat.mean(axis=0)[live]) / np.sqrt(flat.var(axis=0)[live] + epsilon)
     out = norm.transform(features).reshape(-1, features.shape[-1])
     np.testing.assert_allclose(out[:, live], expected, rtol=1e-3, atol=1e-4)
     layer_out = np.asarray(norm.layer()(features)).reshape(-1, features.shape[-1])
@@ -133,7 +137,8 @@ def test_channel_groups_get_their_own_bounds_and_noise(features):
     clips = dict(mean_clip=(0.05, 0.01, 0.002), second_moment_clip=(0.01, 1e-4, 1e-6))
     ledger = PrivacyLedger("rdp")
     a = DPFeatureNormalization(13.0, channel_groups=orders, seed=5, **clips).fit(
-        features, ledger=ledger)
+        features, ledger=ledger
+    )
     assert isinstance(a.event, dp_accounting.GaussianDpEvent)
     assert a.event.noise_multiplier == pytest.approx(13.0 / np.sqrt(6), rel=1e-12)
     assert a.effective_noise_multiplier == pytest.approx(13.0 / np.sqrt(6))
@@ -141,20 +146,20 @@ def test_channel_groups_get_their_own_bounds_and_noise(features):
     six.compose(dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(13.0)] * 6))
     assert ledger.epsilon(1e-5) == pytest.approx(six.get_epsilon(1e-5), rel=1e-6)
     b = DPFeatureNormalization(13.0, channel_groups=orders, seed=5, **clips).fit(
-        np.concatenate([features, 50.0 * features[:1]]))
+        np.concatenate([features, 50.0 * features[:1]])
+    )
     n = len(features)
     d_mean = b.mean * (n + 1) - a.mean * n
     for g in range(3):
-        assert np.linalg.norm(d_mean[orders == g]) == pytest.approx(clips["mean_clip"][g],
-                                                                    rel=1e-4)
+        assert np.linalg.norm(d_mean[orders == g]) == pytest.approx(clips["mean_clip"][g], rel=1e-4)
     # the noise of each group is at its own scale: order 2's means are within
     # a few sigma C_a^2 / N of the exact ones, far below order 0's noise
-    loose = (2.0, 0.5, 0.1)   # above every example's norms: no clipping bias
+    loose = (2.0, 0.5, 0.1)  # above every example's norms: no clipping bias
     c = DPFeatureNormalization(13.0, loose, loose, channel_groups=orders, seed=6).fit(features)
     assert max(c.clipped_fraction) == 0.0
     z = (c.mean - FeatureNormalization().fit(features).mean) * n / 13.0
-    assert abs(z[0]) < 5 * loose[0]                       # one channel
-    for g in (1, 2):                                       # 16 and 64 channels
+    assert abs(z[0]) < 5 * loose[0]  # one channel
+    for g in (1, 2):  # 16 and 64 channels
         assert 0.6 < np.sqrt(np.mean(z[orders == g] ** 2)) / loose[g] < 1.5
     with pytest.raises(ValueError, match="one bound per channel group"):
         DPFeatureNormalization(mean_clip=(1.0, 1.0), channel_groups=orders)

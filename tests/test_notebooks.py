@@ -21,8 +21,12 @@ def _code_cells(nb):
 
 def _missing_figures(nb) -> list[str]:
     """The first line of every figure-drawing cell that has no PNG output."""
-    return [c.source.splitlines()[0] for c in _code_cells(nb) if DRAWS.search(c.source)
-            and not any("image/png" in o.get("data", {}) for o in c.get("outputs", []))]
+    return [
+        c.source.splitlines()[0]
+        for c in _code_cells(nb)
+        if DRAWS.search(c.source)
+        and not any("image/png" in o.get("data", {}) for o in c.get("outputs", []))
+    ]
 
 
 def test_there_are_notebooks():
@@ -32,19 +36,24 @@ def test_there_are_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_committed_notebook_is_executed_with_its_figures(path):
     nb = nbformat.read(path, as_version=4)
-    unexecuted = [c.source.splitlines()[0] for c in _code_cells(nb)
-                  if c.source.strip() and c.get("execution_count") is None]
+    unexecuted = [
+        c.source.splitlines()[0]
+        for c in _code_cells(nb)
+        if c.source.strip() and c.get("execution_count") is None
+    ]
     assert not unexecuted, f"cells without outputs (run notebooks/run_notebooks.py): {unexecuted}"
-    assert not [o for c in _code_cells(nb) for o in c.get("outputs", [])
-                if o.get("output_type") == "error"]
+    assert not [
+        o for c in _code_cells(nb) for o in c.get("outputs", []) if o.get("output_type") == "error"
+    ]
     assert not _missing_figures(nb)
 
 
 def test_missing_figure_is_detected():
     """The check above can fail: a drawing cell without an image output."""
     nb = nbformat.v4.new_notebook()
-    nb.cells.append(nbformat.v4.new_code_cell("fig, ax = plt.subplots()\nax.plot([1, 2])",
-                                              execution_count=1))
+    nb.cells.append(
+        nbformat.v4.new_code_cell("fig, ax = plt.subplots()\nax.plot([1, 2])", execution_count=1)
+    )
     assert _missing_figures(nb) == ["fig, ax = plt.subplots()"]
 
 
@@ -54,10 +63,12 @@ def test_notebook_executes_and_shows_its_figures(path, monkeypatch):
     nb = nbformat.read(path, as_version=4)
     for cell in _code_cells(nb):
         cell.outputs = []
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(path.parent)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    )
     client.execute()
-    errors = [o for c in _code_cells(nb) for o in c.get("outputs", [])
-              if o.get("output_type") == "error"]
+    errors = [
+        o for c in _code_cells(nb) for o in c.get("outputs", []) if o.get("output_type") == "error"
+    ]
     assert not errors
     assert not _missing_figures(nb), "a figure did not render (backend changed?)"

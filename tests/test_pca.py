@@ -19,7 +19,8 @@ def test_components_are_orthonormal_and_event_is_recorded():
     np.testing.assert_allclose(v.T @ v, np.eye(20), atol=1e-8)
     assert ledger.count("dp_pca") == 1
     assert pca.event == dp_accounting.PoissonSampledDpEvent(
-        1000 / 3000, dp_accounting.GaussianDpEvent(7.0))
+        1000 / 3000, dp_accounting.GaussianDpEvent(7.0)
+    )
     assert ledger.epsilon(1e-5) == compute_epsilon(pca.event, 1e-5)
     assert pca.transform(x[:5]).shape == (5, 20)
 
@@ -29,8 +30,9 @@ def test_noise_scale_is_right_and_the_test_can_fail():
     sigma = 4.0
     samples = []
     for seed in range(300):
-        noise, q = DPPCA(k=6, noise_multiplier=sigma, sample_size=50,
-                         seed=seed).noisy_covariance(np.zeros((50, 6)))
+        noise, q = DPPCA(k=6, noise_multiplier=sigma, sample_size=50, seed=seed).noisy_covariance(
+            np.zeros((50, 6))
+        )
         assert q == 1.0
         np.testing.assert_array_equal(noise, noise.T)  # symmetric
         samples.append(noise[np.triu_indices(6)])

@@ -7,23 +7,30 @@ import signal
 
 import pytest
 
-from dpfl_tf._runs import (Interrupts, ResultsFile, RunInterrupted, check_output_dir,
-                           check_output_file)
+from dpfl_tf._runs import (
+    Interrupts,
+    ResultsFile,
+    RunInterrupted,
+    check_output_dir,
+    check_output_file,
+)
 
 
 def test_missing_parents_are_created(tmp_path):
     path = tmp_path / "a" / "b" / "r.json"
     assert check_output_file("--output", str(path)) == str(path)
     assert (tmp_path / "a" / "b").is_dir() and not path.exists()
-    assert os.listdir(tmp_path / "a" / "b") == []   # the write test leaves nothing
+    assert os.listdir(tmp_path / "a" / "b") == []  # the write test leaves nothing
 
 
 def test_parent_that_is_a_file_is_refused_naming_the_flag(tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ValueError) as e:
         check_output_file("--output", str(tmp_path / "afile" / "sub" / "r.json"))
-    assert str(e.value) == (f"--output {tmp_path / 'afile' / 'sub' / 'r.json'}: cannot write "
-                            f"there: {tmp_path / 'afile'} is a file, not a directory")
+    assert str(e.value) == (
+        f"--output {tmp_path / 'afile' / 'sub' / 'r.json'}: cannot write "
+        f"there: {tmp_path / 'afile'} is a file, not a directory"
+    )
     with pytest.raises(ValueError, match="--checkpoint-dir .*: cannot write there: it is a file"):
         check_output_dir("--checkpoint-dir", str(tmp_path / "afile"))
 
@@ -58,8 +65,11 @@ def test_results_file_is_written_only_when_asked_and_carries_a_status(tmp_path):
     results.write("failed", results.last, error="boom")
     data = json.loads(path.read_text())
     assert (data["status"], data["epochs"], data["error"]) == ("failed", 1, "boom")
-    with pytest.raises(ValueError, match="status must be one of running, completed, "
-                                         "budget_spent, interrupted, failed, got 'done'"):
+    with pytest.raises(
+        ValueError,
+        match="status must be one of running, completed, "
+        "budget_spent, interrupted, failed, got 'done'",
+    ):
         results.write("done", {})
 
 
@@ -69,7 +79,7 @@ def test_a_signal_inside_a_deferred_section_only_asks_to_stop(sig, code, capsys)
         with interrupts.deferred():
             os.kill(os.getpid(), sig)
             assert interrupts.requested and interrupts.exit_code == code
-            with pytest.raises(RunInterrupted):   # a second signal stops at once
+            with pytest.raises(RunInterrupted):  # a second signal stops at once
                 os.kill(os.getpid(), sig)
     assert "stopping after the current step" in capsys.readouterr().err
     assert signal.getsignal(sig) in (signal.default_int_handler, signal.SIG_DFL)
@@ -86,9 +96,8 @@ def test_a_signal_outside_a_deferred_section_raises_at_once():
 def test_a_directory_output_takes_the_default_name_inside(tmp_path):
     from dpfl_tf._runs import resolve_output
 
-    new = str(tmp_path / "some" / "new" / "dir") + os.sep   # a trailing slash: a directory
-    assert resolve_output("--output", new, "train_mnist") == \
-        os.path.join(new, "train_mnist.json")
+    new = str(tmp_path / "some" / "new" / "dir") + os.sep  # a trailing slash: a directory
+    assert resolve_output("--output", new, "train_mnist") == os.path.join(new, "train_mnist.json")
     assert (tmp_path / "some" / "new" / "dir").is_dir()
     assert resolve_output("--output", str(tmp_path), "x") == str(tmp_path / "x.json")
 
@@ -104,17 +113,22 @@ def test_the_default_output_is_a_new_file_under_runs(tmp_path, monkeypatch):
     assert second != first and not os.path.exists(second)
 
 
-@pytest.mark.parametrize("status,refused", [("completed", True), ("budget_spent", True),
-                                            ("interrupted", False), ("failed", False)])
-def test_the_results_of_a_finished_run_are_not_overwritten_without_asking(tmp_path, status,
-                                                                          refused):
+@pytest.mark.parametrize(
+    "status,refused",
+    [("completed", True), ("budget_spent", True), ("interrupted", False), ("failed", False)],
+)
+def test_the_results_of_a_finished_run_are_not_overwritten_without_asking(
+    tmp_path, status, refused
+):
     from dpfl_tf._runs import resolve_output
 
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"status": status, "test_accuracy": 0.9448}))
     if refused:
-        with pytest.raises(ValueError, match=f"holds the results of a finished run \\(status "
-                                             f"{status}\\); pass --overwrite"):
+        with pytest.raises(
+            ValueError,
+            match=f"holds the results of a finished run \\(status {status}\\); pass --overwrite",
+        ):
             resolve_output("--output", str(path), "x")
         assert resolve_output("--output", str(path), "x", overwrite=True) == str(path)
         assert resolve_output("--output", str(path), "x", resuming=True) == str(path)
@@ -129,14 +143,14 @@ def test_a_second_signal_inside_a_finalizer_still_stops_the_run():
     import time
 
     class Finalized:
-        def __del__(self):   # the second Ctrl-C arrives while the GC runs this
+        def __del__(self):  # the second Ctrl-C arrives while the GC runs this
             interrupts._handler(signal.SIGINT, sys._getframe())
 
     with Interrupts() as interrupts:
         with interrupts.deferred():
-            interrupts._handler(signal.SIGINT, None)   # the first Ctrl-C: asks to stop
+            interrupts._handler(signal.SIGINT, None)  # the first Ctrl-C: asks to stop
             assert interrupts.requested
             with pytest.raises(RunInterrupted):
                 obj = Finalized()
                 del obj
-                time.sleep(1.0)   # the stop arrives here, not inside __del__
+                time.sleep(1.0)  # the stop arrives here, not inside __del__

@@ -15,8 +15,10 @@ from dpfl_tf.sanitizer import GaussianSanitizer
 def _records(batch=64, seed=0):
     rng = np.random.default_rng(seed)
     scales = rng.lognormal(0.0, 1.5, size=(batch, 1))
-    return [tf.constant(rng.normal(size=(batch, 5, 3)) * scales[:, :, None], tf.float32),
-            tf.constant(rng.normal(size=(batch, 7)) * scales, tf.float32)]
+    return [
+        tf.constant(rng.normal(size=(batch, 5, 3)) * scales[:, :, None], tf.float32),
+        tf.constant(rng.normal(size=(batch, 7)) * scales, tf.float32),
+    ]
 
 
 def _norms(clipped):
@@ -95,8 +97,9 @@ def test_clip_and_sum_equals_sum_of_single_clips():
     total = s.clip_and_sum(records)
     singles = [s.clip([r[i] for r in records]) for i in range(8)]
     for j in range(2):
-        np.testing.assert_allclose(total[j].numpy(), sum(x[j].numpy() for x in singles),
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            total[j].numpy(), sum(x[j].numpy() for x in singles), rtol=1e-5, atol=1e-6
+        )
 
 
 def _noise_ks_pvalue(sanitizer, claimed_std, n=20000):
@@ -123,13 +126,15 @@ def test_per_layer_noise_allocation_and_event():
     # each component contributes (C_j / s_j)^2 = 1/sigma^2: sigma_eff = sigma / sqrt(3)
     assert prop.effective_noise_multiplier(3) == pytest.approx(2.0 / math.sqrt(3))
     assert prop.event(3, sampling_rate=0.01) == gaussian_step_event(
-        2.0 / math.sqrt(3), sampling_rate=0.01)
+        2.0 / math.sqrt(3), sampling_rate=0.01
+    )
     # the emitted multiplier is the worst case: a record that puts its whole
     # allowance into every layer moves the whitened sum by exactly 1/sigma_eff
     worst = math.sqrt(sum((c / s) ** 2 for c, s in zip([3.0, 4.0, 5.0], prop.noise_stddevs(3))))
     assert 1.0 / worst == pytest.approx(prop.effective_noise_multiplier(3))
-    prop_noise = _noise_ks_pvalue(GaussianSanitizer([3.0], 2.0, noise_allocation="proportional",
-                                                    seed=3), 6.0)
+    prop_noise = _noise_ks_pvalue(
+        GaussianSanitizer([3.0], 2.0, noise_allocation="proportional", seed=3), 6.0
+    )
     assert prop_noise > 1e-3
 
 
@@ -184,8 +189,8 @@ def test_neighbouring_seeds_give_independent_streams():
     a = make_generator(100).normal([2000]).numpy()
     b = make_generator(101).normal([2000]).numpy()
     for shift in range(0, 8):
-        assert abs(np.corrcoef(a[shift:], b[:len(b) - shift])[0, 1]) < 0.1
-        assert abs(np.corrcoef(b[shift:], a[:len(a) - shift])[0, 1]) < 0.1
+        assert abs(np.corrcoef(a[shift:], b[: len(b) - shift])[0, 1]) < 0.1
+        assert abs(np.corrcoef(b[shift:], a[: len(a) - shift])[0, 1]) < 0.1
 
 
 def test_flat_clipping_event_does_not_depend_on_the_number_of_components():
@@ -200,6 +205,7 @@ def test_flat_clipping_event_does_not_depend_on_the_number_of_components():
 @pytest.mark.parametrize("stateless", [False, True])
 def test_secure_mode_noise_has_the_claimed_scale_and_refuses_a_seed(stateless):
     from scipy import stats
+
     s = GaussianSanitizer(1.5, 2.0, secure_mode=True)
     assert s.secure_mode and "secure_mode=True" in repr(s)
     step = tf.constant(7, tf.int64) if stateless else None
@@ -221,20 +227,23 @@ def test_secure_keys_differ_and_are_not_in_the_config():
 def test_stateless_noise_continues_the_seeded_stream_by_step():
     s = GaussianSanitizer(1.0, 1.0, seed=11)
     draw = lambda t: s.add_noise([tf.zeros((8,))], step=tf.constant(t, tf.int64))[0].numpy()
-    np.testing.assert_array_equal(draw(3), draw(3))           # position t is reproducible
-    assert not np.allclose(draw(3), draw(4))                  # and never reused for t + 1
+    np.testing.assert_array_equal(draw(3), draw(3))  # position t is reproducible
+    assert not np.allclose(draw(3), draw(4))  # and never reused for t + 1
     other = GaussianSanitizer(1.0, 1.0, seed=12)
-    assert not np.allclose(draw(3), other.add_noise([tf.zeros((8,))],
-                                                    step=tf.constant(3, tf.int64))[0].numpy())
+    assert not np.allclose(
+        draw(3), other.add_noise([tf.zeros((8,))], step=tf.constant(3, tf.int64))[0].numpy()
+    )
 
 
 def test_secure_uniform_is_uniform_and_fresh():
     from scipy import stats
+
     from dpfl_tf.secure_random import secure_uniform
+
     u = secure_uniform(20000)
     assert u.dtype == np.float64 and u.min() >= 0.0 and u.max() < 1.0
     assert stats.kstest(u, "uniform").pvalue > 1e-3
-    assert stats.kstest(u ** 1.1, "uniform").pvalue < 1e-3
+    assert stats.kstest(u**1.1, "uniform").pvalue < 1e-3
     assert not np.array_equal(secure_uniform(16), secure_uniform(16))
     with pytest.raises(ValueError, match="n must be >= 0"):
         secure_uniform(-1)
@@ -256,7 +265,7 @@ def test_every_noise_draw_is_seeded_by_the_whole_key(secure, monkeypatch):
     monkeypatch.setattr(tf.random, "stateless_normal", spy)
     s = GaussianSanitizer(1.0, 1.0, secure_mode=secure)
     k0, k1 = s.noise_key
-    assert k0 >= 2 ** 40 or k1 >= 2 ** 40  # 63 random bits each (fails with p ~ 2^-45)
+    assert k0 >= 2**40 or k1 >= 2**40  # 63 random bits each (fails with p ~ 2^-45)
     for step in (0, 5):
         s.add_noise([tf.zeros((3,)), tf.zeros((2, 2))], step=tf.constant(step, tf.int64))
     assert len(seeds) == 4
@@ -281,8 +290,12 @@ def test_seeded_noise_streams_of_different_seeds_do_not_overlap():
             assert got not in draws, (seed, step, draws.get(got))
             draws[got] = (seed, step)
     # the same seed is the same stream (reproducible runs stay reproducible)
-    a = GaussianSanitizer(1.0, 1.0, seed=7).add_noise([tf.zeros((4,))], step=tf.constant(3, tf.int64))
-    b = GaussianSanitizer(1.0, 1.0, seed=7).add_noise([tf.zeros((4,))], step=tf.constant(3, tf.int64))
+    a = GaussianSanitizer(1.0, 1.0, seed=7).add_noise(
+        [tf.zeros((4,))], step=tf.constant(3, tf.int64)
+    )
+    b = GaussianSanitizer(1.0, 1.0, seed=7).add_noise(
+        [tf.zeros((4,))], step=tf.constant(3, tf.int64)
+    )
     np.testing.assert_array_equal(a[0].numpy(), b[0].numpy())
     k0, k1 = seeded_noise_key(0)
-    assert k0 >= 2 ** 40 and k1 >= 2 ** 40   # both words carry hashed bits (p ~ 2^-22 to fail)
+    assert k0 >= 2**40 and k1 >= 2**40  # both words carry hashed bits (p ~ 2^-22 to fail)

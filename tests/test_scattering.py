@@ -21,7 +21,7 @@ def scat():
 def _lp_sum(psi, phi):
     """|phi_hat|^2 + 1/2 sum (|psi_hat(w)|^2 + |psi_hat(-w)|^2) on the DFT grid."""
     neg = np.roll(psi[..., ::-1, ::-1], 1, axis=(-2, -1))  # psi_hat(-w)
-    return phi ** 2 + 0.5 * (np.abs(psi) ** 2 + np.abs(neg) ** 2).sum(axis=(0, 1))
+    return phi**2 + 0.5 * (np.abs(psi) ** 2 + np.abs(neg) ** 2).sum(axis=(0, 1))
 
 
 def test_shape_channels_and_dtype(scat, digits):
@@ -37,8 +37,9 @@ def test_shape_channels_and_dtype(scat, digits):
     np.testing.assert_allclose(out3[..., 162:], out[2:4].numpy(), rtol=1e-4, atol=1e-6)
     j3 = Scattering2D(J=3, L=4, shape=(32, 16), padding="periodic")
     assert j3(np.zeros((1, 32, 16))).shape == (1, 4, 2, 61)
-    np.testing.assert_allclose(scat.transform(digits, batch_size=5), scat(digits).numpy(),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        scat.transform(digits, batch_size=5), scat(digits).numpy(), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_moduli_are_nonnegative_and_order_zero_is_the_lowpassed_image(scat, digits):
@@ -85,7 +86,7 @@ def test_small_translations_barely_change_the_features(scat, digits):
     one = np.roll(x, 1, axis=2)
     raw_change = rel(one, x)
     feature_change = rel(scat(one).numpy(), s)
-    assert raw_change > 0.5            # the pixels move a lot ...
+    assert raw_change > 0.5  # the pixels move a lot ...
     # ... the features much less (kymatio's low-pass, sigma 0.8 2^(J-1) = 1.6 pixels,
     # averages over about +-2 pixels: a one-pixel shift keeps ~60% of them)
     assert feature_change < 0.45 * raw_change
@@ -106,9 +107,10 @@ def test_littlewood_paley_energy_bounds(scat, digits):
     # Parseval: the energy of all (unsubsampled) filter outputs of a real image
     x = np.pad(digits[3], 4, mode="reflect")
     x_hat = np.fft.fft2(x)
-    energy = (np.sum(np.real(np.fft.ifft2(x_hat * phi)) ** 2)
-              + sum(np.sum(np.abs(np.fft.ifft2(x_hat * p)) ** 2) for p in psi.reshape(-1, 36, 36)))
-    ratio = energy / np.sum(x ** 2)
+    energy = np.sum(np.real(np.fft.ifft2(x_hat * phi)) ** 2) + sum(
+        np.sum(np.abs(np.fft.ifft2(x_hat * p)) ** 2) for p in psi.reshape(-1, 36, 36)
+    )
+    ratio = energy / np.sum(x**2)
     assert a_all <= ratio <= b
     # the bound is the symmetrised sum: one-sided |psi_hat|^2 leaves half the plane empty
     assert (np.abs(psi) ** 2).sum(axis=(0, 1)).min() < 0.01
@@ -147,31 +149,31 @@ def test_matches_kymatio_channel_for_channel(digits, shape):
     # three different colour planes: a digit, a shifted digit, smooth noise
     noise = rng.random((4, h // 4, w // 4)).repeat(4, axis=1).repeat(4, axis=2)
     rgb = np.stack([base, np.roll(base, 3, axis=2), noise.astype(np.float32)], axis=-1)
-    ours = Scattering2D(J=2, L=8, shape=shape)(rgb).numpy()                 # N, h, w, 3K
+    ours = Scattering2D(J=2, L=8, shape=shape)(rgb).numpy()  # N, h, w, 3K
     theirs = ScatteringNumPy2D(J=2, shape=shape, L=8)(np.transpose(rgb, (0, 3, 1, 2)))
     theirs = np.transpose(theirs.reshape(4, 3 * 81, h // 4, w // 4), (0, 2, 3, 1))
     assert ours.shape == theirs.shape
-    per_channel = (np.linalg.norm((ours - theirs).reshape(-1, 243), axis=0)
-                   / np.linalg.norm(theirs.reshape(-1, 243), axis=0))
+    per_channel = np.linalg.norm((ours - theirs).reshape(-1, 243), axis=0) / np.linalg.norm(
+        theirs.reshape(-1, 243), axis=0
+    )
     assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 1e-3
     assert per_channel.max() < 1e-2, np.argsort(per_channel)[-5:]
 
 
-def test_mirror_views_are_the_features_of_the_image_and_of_its_mirror_image(scat, digits,
-                                                                              tmp_path):
+def test_mirror_views_are_the_features_of_the_image_and_of_its_mirror_image(scat, digits, tmp_path):
     views = scat.transform(digits[:6], batch_size=4, mirror=True)
     assert views.shape == (6, 2, 7, 7, 81)
     np.testing.assert_allclose(views[:, 0], scat(digits[:6]).numpy(), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(views[:, 1], scat(digits[:6, :, ::-1]).numpy(), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(views[:, 1], scat(digits[:6, :, ::-1]).numpy(), rtol=1e-5, atol=1e-6)
     # computed, not mirrored: mirroring moves the 2^J subsampling grid by one pixel,
     # so even the isotropic order-0 channel is not the mirrored order-0 channel
     order0 = views[..., 0]
     gap = np.linalg.norm(order0[:, 1] - order0[:, 0, :, ::-1]) / np.linalg.norm(order0[:, 0])
     assert gap > 0.05
     # filled in place, e.g. into a memmap
-    out = np.lib.format.open_memmap(tmp_path / "f.npy", mode="w+", dtype=np.float32,
-                                    shape=(6, 2, 7, 7, 81))
+    out = np.lib.format.open_memmap(
+        tmp_path / "f.npy", mode="w+", dtype=np.float32, shape=(6, 2, 7, 7, 81)
+    )
     assert scat.transform(digits[:6], mirror=True, out=out) is out
     np.testing.assert_array_equal(np.load(tmp_path / "f.npy"), views)
     with pytest.raises(ValueError, match=r"out must have shape \(6, 2, 7, 7, 81\)"):

@@ -11,10 +11,15 @@ from dpfl_tf._seeds import derive_rng, derive_seed
 
 
 def test_streams_differ_by_seed_purpose_and_indices_and_fit_in_63_bits():
-    seeds = {derive_seed(0, "client-sampling", 0), derive_seed(1, "client-sampling", 0),
-             derive_seed(0, "local-shuffle", 0), derive_seed(0, "client-sampling", 1),
-             derive_seed(0, "client-sampling", 0, 0), derive_seed(0, "client-sampling", 10),
-             derive_seed(-1, "client-sampling", 0)}
+    seeds = {
+        derive_seed(0, "client-sampling", 0),
+        derive_seed(1, "client-sampling", 0),
+        derive_seed(0, "local-shuffle", 0),
+        derive_seed(0, "client-sampling", 1),
+        derive_seed(0, "client-sampling", 0, 0),
+        derive_seed(0, "client-sampling", 10),
+        derive_seed(-1, "client-sampling", 0),
+    }
     assert len(seeds) == 7
     assert all(0 <= s < 2**63 for s in seeds)
     # ("1", "0") and ("10",) must not collide through concatenation
@@ -24,13 +29,15 @@ def test_streams_differ_by_seed_purpose_and_indices_and_fit_in_63_bits():
 
 def test_the_same_seed_in_another_process_and_a_pinned_value():
     code = "from dpfl_tf._seeds import derive_seed; print(derive_seed(7, 'server-noise', 3))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert int(out) == derive_seed(7, "server-noise", 3)
     # pinned: a change of the derivation changes every seeded run, so it must be deliberate
     assert derive_seed(0, "client-sampling", 0) == 8163809310054442189
-    np.testing.assert_array_equal(derive_rng(5, "p", 1).random(3),
-                                  np.random.default_rng(derive_seed(5, "p", 1)).random(3))
+    np.testing.assert_array_equal(
+        derive_rng(5, "p", 1).random(3), np.random.default_rng(derive_seed(5, "p", 1)).random(3)
+    )
 
 
 def test_bad_arguments_are_named():

@@ -26,23 +26,58 @@ accountant's epsilon is a bug (see `dpfl_tf.audit.membership`).
 """
 
 from dpfl_tf.audit.canary import DiracCanaries, MislabelledCanaries, WhiteBoxObserver
-from dpfl_tf.audit.membership import (AttackFeatures, AttackKind, AttackResult,
-                                      attack_features, clopper_pearson, epsilon_lower_bound,
-                                      epsilon_lower_bound_from_counts, evaluate_scores,
-                                      features_from_outputs, run_attacks_on_features,
-                                      run_membership_attacks, split_attack_data)
+from dpfl_tf.audit.membership import (
+    AttackFeatures,
+    AttackKind,
+    AttackResult,
+    attack_features,
+    clopper_pearson,
+    epsilon_lower_bound,
+    epsilon_lower_bound_from_counts,
+    evaluate_scores,
+    features_from_outputs,
+    run_attacks_on_features,
+    run_membership_attacks,
+    split_attack_data,
+)
 from dpfl_tf.audit.multi_run import MultiRunResult, multi_run_epsilon_lower_bound
-from dpfl_tf.audit.one_run import (OneRunResult, epsilon_lower_bound_from_scores, gdp_epsilon,
-                                   gdp_mu, ideal_gaussian_lower_bound,
-                                   one_run_epsilon_lower_bound, one_run_gdp_mu_lower_bound,
-                                   one_run_p_value, refuse_gdp_on_sampling)
+from dpfl_tf.audit.one_run import (
+    OneRunResult,
+    epsilon_lower_bound_from_scores,
+    gdp_epsilon,
+    gdp_mu,
+    ideal_gaussian_lower_bound,
+    one_run_epsilon_lower_bound,
+    one_run_gdp_mu_lower_bound,
+    one_run_p_value,
+    refuse_gdp_on_sampling,
+)
 
-__all__ = ["DiracCanaries", "MislabelledCanaries", "OneRunResult", "WhiteBoxObserver",
-           "epsilon_lower_bound_from_scores", "ideal_gaussian_lower_bound",
-           "one_run_epsilon_lower_bound", "one_run_p_value", "gdp_epsilon", "gdp_mu",
-           "one_run_gdp_mu_lower_bound", "MultiRunResult", "multi_run_epsilon_lower_bound",
-           "refuse_gdp_on_sampling",
-           "AttackFeatures", "AttackKind", "AttackResult", "attack_features",
-           "clopper_pearson", "epsilon_lower_bound", "epsilon_lower_bound_from_counts",
-           "evaluate_scores", "features_from_outputs", "run_attacks_on_features",
-           "run_membership_attacks", "split_attack_data"]
+__all__ = [
+    "DiracCanaries",
+    "MislabelledCanaries",
+    "OneRunResult",
+    "WhiteBoxObserver",
+    "epsilon_lower_bound_from_scores",
+    "ideal_gaussian_lower_bound",
+    "one_run_epsilon_lower_bound",
+    "one_run_p_value",
+    "gdp_epsilon",
+    "gdp_mu",
+    "one_run_gdp_mu_lower_bound",
+    "MultiRunResult",
+    "multi_run_epsilon_lower_bound",
+    "refuse_gdp_on_sampling",
+    "AttackFeatures",
+    "AttackKind",
+    "AttackResult",
+    "attack_features",
+    "clopper_pearson",
+    "epsilon_lower_bound",
+    "epsilon_lower_bound_from_counts",
+    "evaluate_scores",
+    "features_from_outputs",
+    "run_attacks_on_features",
+    "run_membership_attacks",
+    "split_attack_data",
+]

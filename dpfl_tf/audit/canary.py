@@ -90,11 +90,19 @@ import numpy as np
 import tensorflow as tf
 
 from dpfl_tf._validation import check_count, check_number
-from dpfl_tf.audit.one_run import (OneRunResult, epsilon_lower_bound_from_scores,
-                                   refuse_gdp_on_sampling)
+from dpfl_tf.audit.one_run import (
+    OneRunResult,
+    epsilon_lower_bound_from_scores,
+    refuse_gdp_on_sampling,
+)
 
-__all__ = ["DiracCanaries", "MislabelledCanaries", "WhiteBoxObserver", "STATISTICS",
-           "observe_rounds"]
+__all__ = [
+    "DiracCanaries",
+    "MislabelledCanaries",
+    "WhiteBoxObserver",
+    "STATISTICS",
+    "observe_rounds",
+]
 
 STATISTICS = ("sum", "spread")
 
@@ -133,8 +141,15 @@ class DiracCanaries:
         result = canaries.audit(observer, delta=1e-5)     # OneRunResult
     """
 
-    def __init__(self, num_canaries: int, *, input_dim: int, num_classes: int,
-                 value: float = 10.0, seed: int | None = None):
+    def __init__(
+        self,
+        num_canaries: int,
+        *,
+        input_dim: int,
+        num_classes: int,
+        value: float = 10.0,
+        seed: int | None = None,
+    ):
         self.num_canaries = check_count("num_canaries", num_canaries, minimum=1)
         self.input_dim = check_count("input_dim", input_dim, minimum=1)
         self.num_classes = check_count("num_classes", num_classes, minimum=2)
@@ -162,8 +177,10 @@ class DiracCanaries:
         x = np.asarray(x, dtype=np.float32)
         x = x.reshape(len(x), -1)
         if x.shape[1] != self.input_dim:
-            raise ValueError(f"x must have input_dim = {self.input_dim} features per example "
-                             f"(after flattening), got {x.shape[1]}")
+            raise ValueError(
+                f"x must have input_dim = {self.input_dim} features per example "
+                f"(after flattening), got {x.shape[1]}"
+            )
         return np.concatenate([x, np.zeros((len(x), self.num_canaries), np.float32)], axis=1)
 
     def examples(self, index: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -178,8 +195,7 @@ class DiracCanaries:
         xc, yc = self.examples(np.flatnonzero(self._coins))
         y = np.asarray(y).astype(np.int64).reshape(-1)
         if len(y) != len(x):
-            raise ValueError(f"x and y disagree on the number of examples: {len(x)} and "
-                             f"{len(y)}")
+            raise ValueError(f"x and y disagree on the number of examples: {len(x)} and {len(y)}")
         return np.concatenate([self.pad(x), xc]), np.concatenate([y, yc])
 
     def federated_data(self, x, y, partition):
@@ -195,20 +211,31 @@ class DiracCanaries:
         n = len(np.asarray(y).reshape(-1))
         clients = [partition.client(k) for k in range(partition.num_clients)]
         clients += [[n + j] for j in range(len(y_all) - n)]
-        return x_all, y_all, ClientPartition.from_lists(clients, scheme=f"{partition.scheme}"
-                                                        "+canary_clients")
+        return (
+            x_all,
+            y_all,
+            ClientPartition.from_lists(clients, scheme=f"{partition.scheme}+canary_clients"),
+        )
 
-    def observer(self, dp_model, *, loss=None, kernel=None,
-                 chunk: int = 1024) -> "WhiteBoxObserver":
+    def observer(
+        self, dp_model, *, loss=None, kernel=None, chunk: int = 1024
+    ) -> "WhiteBoxObserver":
         """A `WhiteBoxObserver` of these canaries for `dp_model` (it sees the
         canary examples, never the coins)."""
         x, y = self.examples()
-        return WhiteBoxObserver(dp_model, x, y, self.rows, loss=loss, kernel=kernel,
-                                chunk=chunk)
+        return WhiteBoxObserver(dp_model, x, y, self.rows, loss=loss, kernel=kernel, chunk=chunk)
 
-    def audit(self, observer: "WhiteBoxObserver", *, delta: float, confidence: float = 0.95,
-              statistic: str = "sum", guess_fractions: Sequence[float] | None = None,
-              method: str = "eps_dp", mechanism=None) -> OneRunResult:
+    def audit(
+        self,
+        observer: "WhiteBoxObserver",
+        *,
+        delta: float,
+        confidence: float = 0.95,
+        statistic: str = "sum",
+        guess_fractions: Sequence[float] | None = None,
+        method: str = "eps_dp",
+        mechanism=None,
+    ) -> OneRunResult:
         """The one-run lower bound from the observer's scores and the coins.
         ``method="gdp"`` only for full-batch lots (or Global DP with every
         client every round): see `dpfl_tf.audit.one_run`; it is refused on a
@@ -216,11 +243,15 @@ class DiracCanaries:
         ran), read from `mechanism`, else from what the observer watched (the
         `DPModel`, or the server of `observe_rounds`), and refused when neither
         says what ran."""
-        refuse_gdp_on_sampling(method, mechanism if mechanism is not None
-                               else observer.mechanism)
-        return epsilon_lower_bound_from_scores(observer.scores(statistic), self._coins,
-                                               delta=delta, confidence=confidence,
-                                               guess_fractions=guess_fractions, method=method)
+        refuse_gdp_on_sampling(method, mechanism if mechanism is not None else observer.mechanism)
+        return epsilon_lower_bound_from_scores(
+            observer.scores(statistic),
+            self._coins,
+            delta=delta,
+            confidence=confidence,
+            guess_fractions=guess_fractions,
+            method=method,
+        )
 
 
 class WhiteBoxObserver(keras.callbacks.Callback):
@@ -244,17 +275,20 @@ class WhiteBoxObserver(keras.callbacks.Callback):
       chunk: canaries per gradient computation (memory).
     """
 
-    def __init__(self, dp_model, canary_x, canary_y, rows, *, loss=None, kernel=None,
-                 chunk: int = 1024):
+    def __init__(
+        self, dp_model, canary_x, canary_y, rows, *, loss=None, kernel=None, chunk: int = 1024
+    ):
         super().__init__()
         self.dp_model = dp_model
         self.canary_x = np.asarray(canary_x, np.float32)
         self.canary_y = np.asarray(canary_y)
         self.canary_rows = np.asarray(rows, np.int64)
         if not (len(self.canary_x) == len(self.canary_y) == len(self.canary_rows)):
-            raise ValueError(f"canary_x, canary_y and rows must have one entry per canary, "
-                             f"got {len(self.canary_x)}, {len(self.canary_y)} and "
-                             f"{len(self.canary_rows)}")
+            raise ValueError(
+                f"canary_x, canary_y and rows must have one entry per canary, "
+                f"got {len(self.canary_x)}, {len(self.canary_y)} and "
+                f"{len(self.canary_rows)}"
+            )
         self._loss = loss
         self._kernel = kernel
         self.chunk = check_count("chunk", chunk, minimum=1)
@@ -278,6 +312,7 @@ class WhiteBoxObserver(keras.callbacks.Callback):
 
     def _released_count(self) -> int | None:
         return getattr(self.dp_model, "lots_computed", None)
+
     # -- helpers ----------------------------------------------------------------
     def _find_kernel(self):
         if self._kernel is not None:
@@ -287,12 +322,13 @@ class WhiteBoxObserver(keras.callbacks.Callback):
             if len(v.shape) == 2 and int(v.shape[0]) == width:
                 self._kernel = v
                 return v
-        raise ValueError(f"no trainable kernel with {width} rows (the model's input width) "
-                         "was found: pass kernel= the variable of the first Dense layer")
+        raise ValueError(
+            f"no trainable kernel with {width} rows (the model's input width) "
+            "was found: pass kernel= the variable of the first Dense layer"
+        )
 
     def _loss_fn(self):
-        loss = self._loss if self._loss is not None else getattr(self.dp_model, "_dp_loss",
-                                                                  None)
+        loss = self._loss if self._loss is not None else getattr(self.dp_model, "_dp_loss", None)
         if loss is None:
             raise ValueError("no loss: compile the DPModel or pass loss=")
         return keras.losses.get(loss) if isinstance(loss, str) else loss
@@ -335,7 +371,7 @@ class WhiteBoxObserver(keras.callbacks.Callback):
         if lots is not None and now <= lots:  # nothing released (budget spent)
             return
         after = np.asarray(self._find_kernel().numpy())[self.canary_rows]
-        delta = (after.astype(np.float64) - rows.astype(np.float64))
+        delta = after.astype(np.float64) - rows.astype(np.float64)
         self.projections.append(np.sum(delta * dirs, axis=1))
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -354,14 +390,15 @@ class WhiteBoxObserver(keras.callbacks.Callback):
         if statistic not in STATISTICS:
             raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
         if not self.projections:
-            raise RuntimeError("no lot was observed: pass the observer to DPModel.fit's "
-                               "callbacks and train at least one lot")
+            raise RuntimeError(
+                "no lot was observed: pass the observer to DPModel.fit's "
+                "callbacks and train at least one lot"
+            )
         p = np.stack(self.projections, axis=1)  # (m, T)
         if statistic == "sum":
             return p.sum(axis=1)
         if p.shape[1] < 2:
-            raise ValueError("statistic 'spread' needs at least 2 observed lots, got "
-                             f"{p.shape[1]}")
+            raise ValueError(f"statistic 'spread' needs at least 2 observed lots, got {p.shape[1]}")
         return np.sum(np.diff(p, axis=1) ** 2, axis=1)
 
 
@@ -379,12 +416,13 @@ class MislabelledCanaries:
         self.x = np.asarray(x)
         y = np.asarray(y).astype(np.int64).reshape(-1)
         if len(y) != len(self.x) or len(y) == 0:
-            raise ValueError(f"x and y must hold the same number (>= 1) of canaries, got "
-                             f"{len(self.x)} and {len(y)}")
+            raise ValueError(
+                f"x and y must hold the same number (>= 1) of canaries, got "
+                f"{len(self.x)} and {len(y)}"
+            )
         self.num_classes = check_count("num_classes", num_classes, minimum=2)
         if y.min() < 0 or y.max() >= self.num_classes:
-            raise ValueError(f"y must lie in [0, {self.num_classes}), got "
-                             f"[{y.min()}, {y.max()}]")
+            raise ValueError(f"y must lie in [0, {self.num_classes}), got [{y.min()}, {y.max()}]")
         rng = _rng(seed)
         self.num_canaries = len(y)
         self.labels = (y + rng.integers(1, self.num_classes, len(y))) % self.num_classes
@@ -402,24 +440,37 @@ class MislabelledCanaries:
         """-loss of `model` on every canary (with its wrong label)."""
         from dpfl_tf.audit.membership import attack_features
 
-        return -attack_features(model, self.x, self.labels, from_logits=from_logits,
-                                batch_size=batch_size).loss
+        return -attack_features(
+            model, self.x, self.labels, from_logits=from_logits, batch_size=batch_size
+        ).loss
 
-    def audit(self, model, *, delta: float, confidence: float = 0.95,
-              guess_fractions: Sequence[float] | None = None,
-              from_logits: bool = True, method: str = "eps_dp",
-              mechanism=None) -> OneRunResult:
+    def audit(
+        self,
+        model,
+        *,
+        delta: float,
+        confidence: float = 0.95,
+        guess_fractions: Sequence[float] | None = None,
+        from_logits: bool = True,
+        method: str = "eps_dp",
+        mechanism=None,
+    ) -> OneRunResult:
         """The one-run lower bound from the final model's losses on the canaries.
         ``method="gdp"`` is refused on a sampled mechanism, read from
         `mechanism` (a DpEvent, PrivacyLedger or FederatedServer) or from
         `model` when it is the `DPModel`, and refused when neither says what
         ran (`dpfl_tf.audit.one_run.refuse_gdp_on_sampling`)."""
-        refuse_gdp_on_sampling(method, mechanism if mechanism is not None
-                               else _holding_a_ledger(model))
-        return epsilon_lower_bound_from_scores(self.scores(model, from_logits=from_logits),
-                                               self._coins, delta=delta,
-                                               confidence=confidence,
-                                               guess_fractions=guess_fractions, method=method)
+        refuse_gdp_on_sampling(
+            method, mechanism if mechanism is not None else _holding_a_ledger(model)
+        )
+        return epsilon_lower_bound_from_scores(
+            self.scores(model, from_logits=from_logits),
+            self._coins,
+            delta=delta,
+            confidence=confidence,
+            guess_fractions=guess_fractions,
+            method=method,
+        )
 
 
 def observe_rounds(server, rounds: int, observer: WhiteBoxObserver) -> None:

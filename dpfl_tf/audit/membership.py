@@ -74,10 +74,18 @@ import numpy as np
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
 
 __all__ = [
-    "AttackFeatures", "AttackKind", "AttackResult", "attack_features",
-    "clopper_pearson", "epsilon_lower_bound", "epsilon_lower_bound_from_counts",
-    "evaluate_scores", "features_from_outputs", "run_attacks_on_features",
-    "run_membership_attacks", "split_attack_data",
+    "AttackFeatures",
+    "AttackKind",
+    "AttackResult",
+    "attack_features",
+    "clopper_pearson",
+    "epsilon_lower_bound",
+    "epsilon_lower_bound_from_counts",
+    "evaluate_scores",
+    "features_from_outputs",
+    "run_attacks_on_features",
+    "run_membership_attacks",
+    "split_attack_data",
 ]
 
 DEFAULT_FPR_TARGETS = (1e-3, 1e-2)
@@ -109,9 +117,16 @@ class AttackFeatures:
 
     def matrix(self) -> np.ndarray:
         """(n, 5): loss, confidence, entropy, log loss, log entropy."""
-        return np.stack([self.loss, self.confidence, self.entropy,
-                         np.log(np.maximum(self.loss, _LOG_FLOOR)),
-                         np.log(np.maximum(self.entropy, _LOG_FLOOR))], axis=1)
+        return np.stack(
+            [
+                self.loss,
+                self.confidence,
+                self.entropy,
+                np.log(np.maximum(self.loss, _LOG_FLOOR)),
+                np.log(np.maximum(self.entropy, _LOG_FLOOR)),
+            ],
+            axis=1,
+        )
 
 
 def _labels(y, n_outputs: int | None = None) -> np.ndarray:
@@ -121,16 +136,17 @@ def _labels(y, n_outputs: int | None = None) -> np.ndarray:
     if y.ndim != 1:
         raise ValueError(f"y must be 1-D integer class indices, got shape {y.shape}")
     if y.dtype.kind not in "iub":
-        if y.dtype.kind == "f" and len(y) and np.all(np.isfinite(y)) and \
-                np.all(y == np.round(y)):
+        if y.dtype.kind == "f" and len(y) and np.all(np.isfinite(y)) and np.all(y == np.round(y)):
             y = y.astype(np.int64)
         else:
             raise ValueError(f"y must hold integer class indices, got dtype {y.dtype}")
     if len(y) == 0:
         raise ValueError("no examples: y is empty")
     if n_outputs is not None and (int(y.min()) < 0 or int(y.max()) >= n_outputs):
-        raise ValueError(f"labels must lie in [0, {n_outputs}) (the model has {n_outputs} "
-                         f"outputs), got [{int(y.min())}, {int(y.max())}]")
+        raise ValueError(
+            f"labels must lie in [0, {n_outputs}) (the model has {n_outputs} "
+            f"outputs), got [{int(y.min())}, {int(y.max())}]"
+        )
     return y.astype(np.int64)
 
 
@@ -148,29 +164,36 @@ def features_from_outputs(outputs, y, *, from_logits: bool = True) -> AttackFeat
         raise ValueError("model outputs contain NaN or inf")
     if from_logits:
         from scipy.special import log_softmax
+
         logp = log_softmax(out, axis=1)
     else:
         if out.min() < 0 or out.max() > 1 or not np.allclose(out.sum(1), 1.0, atol=1e-3):
-            raise ValueError("from_logits=False needs probabilities (rows in [0, 1] summing "
-                             "to 1); pass from_logits=True for logits")
+            raise ValueError(
+                "from_logits=False needs probabilities (rows in [0, 1] summing "
+                "to 1); pass from_logits=True for logits"
+            )
         logp = np.log(np.maximum(out, _LOG_FLOOR))
     p = np.exp(logp)
     loss = -logp[np.arange(len(y)), y]
-    return AttackFeatures(loss=loss, confidence=np.exp(-loss),
-                          entropy=np.maximum(-(p * logp).sum(axis=1), 0.0))
+    return AttackFeatures(
+        loss=loss, confidence=np.exp(-loss), entropy=np.maximum(-(p * logp).sum(axis=1), 0.0)
+    )
 
 
-def attack_features(model, x, y, *, from_logits: bool = True,
-                    batch_size: int = 1024) -> AttackFeatures:
+def attack_features(
+    model, x, y, *, from_logits: bool = True, batch_size: int = 1024
+) -> AttackFeatures:
     """Runs `model` (any Keras model, e.g. a `DPModel`) on (x, y) and returns
     the per-example features.  `x` must already be what the model takes
     (e.g. projected by the same DP-PCA)."""
     y = _labels(y)
     n = len(y)
-    for leaf in (x.values() if isinstance(x, Mapping) else [x]):
+    for leaf in x.values() if isinstance(x, Mapping) else [x]:
         if np.shape(leaf)[:1] != (n,):
-            raise ValueError(f"x and y disagree on the number of examples: x has shape "
-                             f"{np.shape(leaf)}, y has {n} labels")
+            raise ValueError(
+                f"x and y disagree on the number of examples: x has shape "
+                f"{np.shape(leaf)}, y has {n} labels"
+            )
     batch_size = check_count("batch_size", batch_size, minimum=1)
     outputs = model.predict(x, batch_size=batch_size, verbose=0)
     return features_from_outputs(outputs, y, from_logits=from_logits)
@@ -193,8 +216,9 @@ def epsilon_lower_bound(tpr, fpr, delta: float) -> float:
     tpr = np.atleast_1d(np.asarray(tpr, dtype=np.float64))
     fpr = np.atleast_1d(np.asarray(fpr, dtype=np.float64))
     tpr, fpr = np.broadcast_arrays(tpr, fpr)
-    if np.any((tpr < 0) | (tpr > 1) | (fpr < 0) | (fpr > 1)) or \
-            not (np.all(np.isfinite(tpr)) and np.all(np.isfinite(fpr))):
+    if np.any((tpr < 0) | (tpr > 1) | (fpr < 0) | (fpr > 1)) or not (
+        np.all(np.isfinite(tpr)) and np.all(np.isfinite(fpr))
+    ):
         raise ValueError("tpr and fpr must be rates in [0, 1]")
     best = 0.0
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -223,15 +247,17 @@ def clopper_pearson(successes, trials, alpha: float) -> tuple[np.ndarray, np.nda
     return lower, upper
 
 
-def epsilon_lower_bound_from_counts(tp, fn, fp, tn, delta: float,
-                                    confidence: float = 0.95) -> float:
+def epsilon_lower_bound_from_counts(
+    tp, fn, fp, tn, delta: float, confidence: float = 0.95
+) -> float:
     """The epsilon lower bound that holds with probability >= `confidence`:
     `epsilon_lower_bound` at (TPR_lo, FPR_hi), each one-sided Clopper-Pearson
     at level (1 - confidence) / 2 (union bound).  Counts broadcast (the
     maximum over them is returned, which is valid only for one pre-chosen
     threshold -- see the module docstring)."""
-    confidence = check_number("confidence", confidence, low=0.0, high=1.0, low_open=True,
-                              high_open=True)
+    confidence = check_number(
+        "confidence", confidence, low=0.0, high=1.0, low_open=True, high_open=True
+    )
     tp, fn, fp, tn = (np.asarray(c, dtype=np.float64) for c in (tp, fn, fp, tn))
     if np.any(tp + fn < 1) or np.any(fp + tn < 1):
         raise ValueError("need at least one member (tp + fn) and one non-member (fp + tn)")
@@ -274,14 +300,21 @@ class AttackResult:
     def to_dict(self, roc_points: int = 0) -> dict[str, Any]:
         """JSON-ready; with `roc_points` > 0 also the ROC curve, thinned to about
         that many points (evenly in log FPR, always keeping the end points)."""
-        out = {"attack": self.attack, "auc": self.auc, "advantage": self.advantage,
-               "tpr_at_fpr": {f"{k:g}": v for k, v in self.tpr_at_fpr.items()},
-               "epsilon_lower_bound": self.epsilon_lower_bound,
-               "epsilon_lower_bound_ci": self.epsilon_lower_bound_ci,
-               "confidence": self.confidence, "delta": self.delta,
-               "threshold": self.threshold, "counts": dict(self.counts),
-               "num_members": self.num_members, "num_nonmembers": self.num_nonmembers,
-               "fpr_resolution": self.fpr_resolution}
+        out = {
+            "attack": self.attack,
+            "auc": self.auc,
+            "advantage": self.advantage,
+            "tpr_at_fpr": {f"{k:g}": v for k, v in self.tpr_at_fpr.items()},
+            "epsilon_lower_bound": self.epsilon_lower_bound,
+            "epsilon_lower_bound_ci": self.epsilon_lower_bound_ci,
+            "confidence": self.confidence,
+            "delta": self.delta,
+            "threshold": self.threshold,
+            "counts": dict(self.counts),
+            "num_members": self.num_members,
+            "num_nonmembers": self.num_nonmembers,
+            "fpr_resolution": self.fpr_resolution,
+        }
         if roc_points > 0:
             keep = _thin(self.fpr, roc_points)
             out["roc"] = {"fpr": self.fpr[keep].tolist(), "tpr": self.tpr[keep].tolist()}
@@ -292,8 +325,9 @@ def _thin(fpr: np.ndarray, points: int) -> np.ndarray:
     if len(fpr) <= points:
         return np.arange(len(fpr))
     grid = np.geomspace(max(fpr[fpr > 0].min(), 1e-6), 1.0, points)
-    idx = np.unique(np.concatenate([[0, len(fpr) - 1],
-                                    np.searchsorted(fpr, grid, side="right") - 1]))
+    idx = np.unique(
+        np.concatenate([[0, len(fpr) - 1], np.searchsorted(fpr, grid, side="right") - 1])
+    )
     return idx[idx >= 0]
 
 
@@ -301,15 +335,21 @@ def _roc(member_scores, nonmember_scores):
     from sklearn.metrics import roc_curve
 
     labels = np.r_[np.ones(len(member_scores)), np.zeros(len(nonmember_scores))]
-    fpr, tpr, thresholds = roc_curve(labels, np.r_[member_scores, nonmember_scores],
-                                     drop_intermediate=False)
+    fpr, tpr, thresholds = roc_curve(
+        labels, np.r_[member_scores, nonmember_scores], drop_intermediate=False
+    )
     return fpr, tpr, thresholds
 
 
-def evaluate_scores(name: str, train_scores: tuple[np.ndarray, np.ndarray],
-                    eval_scores: tuple[np.ndarray, np.ndarray], *, delta: float,
-                    confidence: float = 0.95,
-                    fpr_targets: Sequence[float] = DEFAULT_FPR_TARGETS) -> AttackResult:
+def evaluate_scores(
+    name: str,
+    train_scores: tuple[np.ndarray, np.ndarray],
+    eval_scores: tuple[np.ndarray, np.ndarray],
+    *,
+    delta: float,
+    confidence: float = 0.95,
+    fpr_targets: Sequence[float] = DEFAULT_FPR_TARGETS,
+) -> AttackResult:
     """An `AttackResult` from membership scores (higher = "member").
 
     Args:
@@ -320,10 +360,15 @@ def evaluate_scores(name: str, train_scores: tuple[np.ndarray, np.ndarray],
     from sklearn.metrics import roc_auc_score
 
     delta = check_number("delta", delta, low=0.0, high=1.0, high_open=True)
-    (tm, tn_), (em, en) = ([np.asarray(s, dtype=np.float64) for s in pair]
-                           for pair in (train_scores, eval_scores))
-    for label, arr in (("training members", tm), ("training non-members", tn_),
-                       ("evaluation members", em), ("evaluation non-members", en)):
+    (tm, tn_), (em, en) = (
+        [np.asarray(s, dtype=np.float64) for s in pair] for pair in (train_scores, eval_scores)
+    )
+    for label, arr in (
+        ("training members", tm),
+        ("training non-members", tn_),
+        ("evaluation members", em),
+        ("evaluation non-members", en),
+    ):
         if len(arr) == 0:
             raise ValueError(f"no {label}: every part of the split needs examples")
         if not np.all(np.isfinite(arr)):
@@ -335,43 +380,61 @@ def evaluate_scores(name: str, train_scores: tuple[np.ndarray, np.ndarray],
     tpr_lo, _ = clopper_pearson(tp_t, len(tm), alpha)
     _, fpr_hi = clopper_pearson(fp_t, len(tn_), alpha)
     with np.errstate(divide="ignore", invalid="ignore"):
-        per_threshold = np.maximum(np.log(np.maximum(tpr_lo - delta, 0) / fpr_hi),
-                                   np.log(np.maximum(1 - fpr_hi - delta, 0) / (1 - tpr_lo)))
-    threshold = float(thr_t[int(np.nanargmax(np.where(np.isfinite(thr_t), per_threshold,
-                                                       -np.inf)))]) \
-        if np.any(np.isfinite(thr_t)) else math.inf
+        per_threshold = np.maximum(
+            np.log(np.maximum(tpr_lo - delta, 0) / fpr_hi),
+            np.log(np.maximum(1 - fpr_hi - delta, 0) / (1 - tpr_lo)),
+        )
+    threshold = (
+        float(thr_t[int(np.nanargmax(np.where(np.isfinite(thr_t), per_threshold, -np.inf)))])
+        if np.any(np.isfinite(thr_t))
+        else math.inf
+    )
     tp = int(np.sum(em >= threshold))
     fp = int(np.sum(en >= threshold))
     counts = {"tp": tp, "fn": len(em) - tp, "fp": fp, "tn": len(en) - fp}
-    eps_ci = epsilon_lower_bound_from_counts(counts["tp"], counts["fn"], counts["fp"],
-                                             counts["tn"], delta, confidence)
+    eps_ci = epsilon_lower_bound_from_counts(
+        counts["tp"], counts["fn"], counts["fp"], counts["tn"], delta, confidence
+    )
     fpr, tpr, _ = _roc(em, en)
     labels = np.r_[np.ones(len(em)), np.zeros(len(en))]
     tpr_at = {float(t): float(tpr[fpr <= t].max()) for t in fpr_targets}
     return AttackResult(
-        attack=name, auc=float(roc_auc_score(labels, np.r_[em, en])),
-        advantage=float(np.max(tpr - fpr)), tpr_at_fpr=tpr_at,
+        attack=name,
+        auc=float(roc_auc_score(labels, np.r_[em, en])),
+        advantage=float(np.max(tpr - fpr)),
+        tpr_at_fpr=tpr_at,
         epsilon_lower_bound=epsilon_lower_bound(tpr, fpr, delta),
-        epsilon_lower_bound_ci=eps_ci, confidence=float(confidence), delta=delta,
-        threshold=threshold, counts=counts, num_members=len(em), num_nonmembers=len(en),
-        fpr=fpr, tpr=tpr)
+        epsilon_lower_bound_ci=eps_ci,
+        confidence=float(confidence),
+        delta=delta,
+        threshold=threshold,
+        counts=counts,
+        num_members=len(em),
+        num_nonmembers=len(en),
+        fpr=fpr,
+        tpr=tpr,
+    )
 
 
 # -- split and attacks ------------------------------------------------------------------------
-def split_attack_data(num_members: int, num_nonmembers: int, *, train_fraction: float = 0.5,
-                      seed: int | None = 0) -> tuple[np.ndarray, np.ndarray]:
+def split_attack_data(
+    num_members: int, num_nonmembers: int, *, train_fraction: float = 0.5, seed: int | None = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """Boolean masks (members_in_training_part, nonmembers_in_training_part):
     each group is split at random, `train_fraction` of it for attack training."""
-    train_fraction = check_number("train_fraction", train_fraction, low=0.0, high=1.0,
-                                  low_open=True, high_open=True)
+    train_fraction = check_number(
+        "train_fraction", train_fraction, low=0.0, high=1.0, low_open=True, high_open=True
+    )
     rng = np.random.default_rng(seed)
     masks = []
     for label, n in (("members", num_members), ("non-members", num_nonmembers)):
         n = check_count(f"number of {label}", n)
         k = int(round(train_fraction * n))
         if k < 1 or n - k < 1:
-            raise ValueError(f"need at least one of the {label} in each part of the attack "
-                             f"split (train_fraction={train_fraction:g}), got {n} {label}")
+            raise ValueError(
+                f"need at least one of the {label} in each part of the attack "
+                f"split (train_fraction={train_fraction:g}), got {n} {label}"
+            )
         mask = np.zeros(n, bool)
         mask[rng.permutation(n)[:k]] = True
         masks.append(mask)
@@ -387,18 +450,23 @@ def _classifier(kind: AttackKind, seed):
     if kind is AttackKind.LOGISTIC_REGRESSION:
         clf = LogisticRegression(max_iter=2000)
     else:
-        clf = MLPClassifier(hidden_layer_sizes=(32, 16), alpha=1e-3, max_iter=500,
-                            random_state=seed)
+        clf = MLPClassifier(
+            hidden_layer_sizes=(32, 16), alpha=1e-3, max_iter=500, random_state=seed
+        )
     return make_pipeline(StandardScaler(), clf)
 
 
-def run_attacks_on_features(members: AttackFeatures, nonmembers: AttackFeatures, *,
-                            delta: float = 1e-5,
-                            attacks: Sequence[AttackKind | str] = tuple(AttackKind),
-                            train_fraction: float = 0.5, seed: int | None = 0,
-                            confidence: float = 0.95,
-                            fpr_targets: Sequence[float] = DEFAULT_FPR_TARGETS
-                            ) -> dict[str, AttackResult]:
+def run_attacks_on_features(
+    members: AttackFeatures,
+    nonmembers: AttackFeatures,
+    *,
+    delta: float = 1e-5,
+    attacks: Sequence[AttackKind | str] = tuple(AttackKind),
+    train_fraction: float = 0.5,
+    seed: int | None = 0,
+    confidence: float = 0.95,
+    fpr_targets: Sequence[float] = DEFAULT_FPR_TARGETS,
+) -> dict[str, AttackResult]:
     """Runs the attacks on precomputed features; {attack name: AttackResult}."""
     import warnings
 
@@ -409,10 +477,13 @@ def run_attacks_on_features(members: AttackFeatures, nonmembers: AttackFeatures,
     kinds = [AttackKind.parse(a) for a in attacks]
     if not kinds:
         raise ValueError("attacks must name at least one attack")
-    m_train, n_train = split_attack_data(len(members), len(nonmembers),
-                                         train_fraction=train_fraction, seed=seed)
-    parts = {"train": (members.subset(m_train), nonmembers.subset(n_train)),
-             "eval": (members.subset(~m_train), nonmembers.subset(~n_train))}
+    m_train, n_train = split_attack_data(
+        len(members), len(nonmembers), train_fraction=train_fraction, seed=seed
+    )
+    parts = {
+        "train": (members.subset(m_train), nonmembers.subset(n_train)),
+        "eval": (members.subset(~m_train), nonmembers.subset(~n_train)),
+    }
     rng = np.random.default_rng(seed)
     results = {}
     for kind in kinds:
@@ -427,21 +498,35 @@ def run_attacks_on_features(members: AttackFeatures, nonmembers: AttackFeatures,
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", ConvergenceWarning)
                 clf.fit(np.r_[xa, xb], np.r_[np.ones(k), np.zeros(k)])
-            scores = {p: tuple(clf.predict_proba(f.matrix())[:, 1] for f in pair)
-                      for p, pair in parts.items()}
-        results[kind.value] = evaluate_scores(kind.value, scores["train"], scores["eval"],
-                                              delta=delta, confidence=confidence,
-                                              fpr_targets=fpr_targets)
+            scores = {
+                p: tuple(clf.predict_proba(f.matrix())[:, 1] for f in pair)
+                for p, pair in parts.items()
+            }
+        results[kind.value] = evaluate_scores(
+            kind.value,
+            scores["train"],
+            scores["eval"],
+            delta=delta,
+            confidence=confidence,
+            fpr_targets=fpr_targets,
+        )
     return results
 
 
-def run_membership_attacks(model, members: tuple, nonmembers: tuple, *, delta: float = 1e-5,
-                           from_logits: bool = True,
-                           attacks: Sequence[AttackKind | str] = tuple(AttackKind),
-                           train_fraction: float = 0.5, seed: int | None = 0,
-                           confidence: float = 0.95,
-                           fpr_targets: Sequence[float] = DEFAULT_FPR_TARGETS,
-                           batch_size: int = 1024) -> dict[str, AttackResult]:
+def run_membership_attacks(
+    model,
+    members: tuple,
+    nonmembers: tuple,
+    *,
+    delta: float = 1e-5,
+    from_logits: bool = True,
+    attacks: Sequence[AttackKind | str] = tuple(AttackKind),
+    train_fraction: float = 0.5,
+    seed: int | None = 0,
+    confidence: float = 0.95,
+    fpr_targets: Sequence[float] = DEFAULT_FPR_TARGETS,
+    batch_size: int = 1024,
+) -> dict[str, AttackResult]:
     """Membership inference on a trained Keras model.
 
     Args:
@@ -459,8 +544,17 @@ def run_membership_attacks(model, members: tuple, nonmembers: tuple, *, delta: f
     for name, pair in (("members", members), ("nonmembers", nonmembers)):
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
             raise TypeError(f"{name} must be an (x, y) pair")
-    feats = [attack_features(model, x, y, from_logits=from_logits, batch_size=batch_size)
-             for x, y in (members, nonmembers)]
-    return run_attacks_on_features(feats[0], feats[1], delta=delta, attacks=attacks,
-                                   train_fraction=train_fraction, seed=seed,
-                                   confidence=confidence, fpr_targets=fpr_targets)
+    feats = [
+        attack_features(model, x, y, from_logits=from_logits, batch_size=batch_size)
+        for x, y in (members, nonmembers)
+    ]
+    return run_attacks_on_features(
+        feats[0],
+        feats[1],
+        delta=delta,
+        attacks=attacks,
+        train_fraction=train_fraction,
+        seed=seed,
+        confidence=confidence,
+        fpr_targets=fpr_targets,
+    )

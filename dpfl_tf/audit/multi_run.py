@@ -83,8 +83,11 @@ def _bound(fp, n_out, fn, n_in, alpha, delta, method):
     _, fnr = clopper_pearson(fn, n_in, alpha / 2)
     fpr, fnr = float(fpr), float(fnr)
     if method == "gdp":
-        mu = max(0.0, float(special.ndtri(1.0 - fpr) - special.ndtri(fnr))) \
-            if fpr < 1 and fnr < 1 else 0.0
+        mu = (
+            max(0.0, float(special.ndtri(1.0 - fpr) - special.ndtri(fnr)))
+            if fpr < 1 and fnr < 1
+            else 0.0
+        )
         return gdp_epsilon(mu, delta), fpr, fnr, mu
     return epsilon_lower_bound(1.0 - fnr, fpr, delta), fpr, fnr, None
 
@@ -93,11 +96,18 @@ def _counts(in_scores, out_scores, t):
     return int(np.sum(out_scores >= t)), int(np.sum(in_scores < t))
 
 
-def multi_run_epsilon_lower_bound(in_scores: Sequence[float], out_scores: Sequence[float], *,
-                                  delta: float, confidence: float = 0.95,
-                                  method: str = "eps_dp", threshold: float | None = None,
-                                  split: float = 0.5, seed: int | None = 0, mechanism=None
-                                  ) -> MultiRunResult:
+def multi_run_epsilon_lower_bound(
+    in_scores: Sequence[float],
+    out_scores: Sequence[float],
+    *,
+    delta: float,
+    confidence: float = 0.95,
+    method: str = "eps_dp",
+    threshold: float | None = None,
+    split: float = 0.5,
+    seed: int | None = 0,
+    mechanism=None,
+) -> MultiRunResult:
     """The epsilon lower bound from the scores of runs with the canary
     (`in_scores`) and without it (`out_scores`); higher score = "in".
 
@@ -116,16 +126,16 @@ def multi_run_epsilon_lower_bound(in_scores: Sequence[float], out_scores: Sequen
     ins = np.asarray(in_scores, np.float64).ravel()
     outs = np.asarray(out_scores, np.float64).ravel()
     if len(ins) < 1 or len(outs) < 1:
-        raise ValueError(f"need at least one run on each side, got {len(ins)} with the "
-                         f"canary and {len(outs)} without")
+        raise ValueError(
+            f"need at least one run on each side, got {len(ins)} with the "
+            f"canary and {len(outs)} without"
+        )
     if not (np.all(np.isfinite(ins)) and np.all(np.isfinite(outs))):
         raise ValueError("scores contain NaN or inf")
-    conf = check_number("confidence", confidence, low=0.0, high=1.0, low_open=True,
-                        high_open=True)
+    conf = check_number("confidence", confidence, low=0.0, high=1.0, low_open=True, high_open=True)
     delta = check_number("delta", delta, low=0.0, high=1.0, high_open=True)
     if method == "gdp" and delta == 0:
-        raise ValueError("method 'gdp' converts mu to epsilon at delta: delta must be > 0, "
-                         "got 0")
+        raise ValueError("method 'gdp' converts mu to epsilon at delta: delta must be > 0, got 0")
     alpha = 1.0 - conf
     if threshold is None:
         split = check_number("split", split, low=0.0, high=1.0, low_open=True, high_open=True)
@@ -133,8 +143,10 @@ def multi_run_epsilon_lower_bound(in_scores: Sequence[float], out_scores: Sequen
         pi, po = rng.permutation(len(ins)), rng.permutation(len(outs))
         ki, ko = int(round(split * len(ins))), int(round(split * len(outs)))
         if not (0 < ki < len(ins) and 0 < ko < len(outs)):
-            raise ValueError(f"split {split} leaves no runs to choose or to bound with "
-                             f"({len(ins)} in, {len(outs)} out): pass a fixed threshold")
+            raise ValueError(
+                f"split {split} leaves no runs to choose or to bound with "
+                f"({len(ins)} in, {len(outs)} out): pass a fixed threshold"
+            )
         sel_in, sel_out = ins[pi[:ki]], outs[po[:ko]]
         ins, outs = ins[pi[ki:]], outs[po[ko:]]
         best = None
@@ -148,7 +160,17 @@ def multi_run_epsilon_lower_bound(in_scores: Sequence[float], out_scores: Sequen
         threshold = check_number("threshold", threshold)
     fp, fn = _counts(ins, outs, threshold)
     eps, fpr, fnr, mu = _bound(fp, len(outs), fn, len(ins), alpha, delta, method)
-    return MultiRunResult(epsilon_lower_bound=float(eps), confidence=conf, delta=float(delta),
-                          method=method, threshold=float(threshold), runs_in=len(ins),
-                          runs_out=len(outs), false_positives=fp, false_negatives=fn,
-                          fpr_upper=fpr, fnr_upper=fnr, mu_lower_bound=mu)
+    return MultiRunResult(
+        epsilon_lower_bound=float(eps),
+        confidence=conf,
+        delta=float(delta),
+        method=method,
+        threshold=float(threshold),
+        runs_in=len(ins),
+        runs_out=len(outs),
+        false_positives=fp,
+        false_negatives=fn,
+        fpr_upper=fpr,
+        fnr_upper=fnr,
+        mu_lower_bound=mu,
+    )

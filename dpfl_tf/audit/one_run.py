@@ -99,10 +99,22 @@ from scipy import optimize, special, stats
 from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.privacy.events import describe_event, iter_events
 
-__all__ = ["OneRunResult", "DEFAULT_GUESS_FRACTIONS", "GDP_GUESS_FRACTIONS", "METHODS",
-           "one_run_p_value", "one_run_epsilon_lower_bound", "epsilon_lower_bound_from_scores",
-           "guesses_from_scores", "ideal_gaussian_lower_bound", "gdp_epsilon", "gdp_mu",
-           "gdp_one_run_rejects", "one_run_gdp_mu_lower_bound", "refuse_gdp_on_sampling"]
+__all__ = [
+    "OneRunResult",
+    "DEFAULT_GUESS_FRACTIONS",
+    "GDP_GUESS_FRACTIONS",
+    "METHODS",
+    "one_run_p_value",
+    "one_run_epsilon_lower_bound",
+    "epsilon_lower_bound_from_scores",
+    "guesses_from_scores",
+    "ideal_gaussian_lower_bound",
+    "gdp_epsilon",
+    "gdp_mu",
+    "gdp_one_run_rejects",
+    "one_run_gdp_mu_lower_bound",
+    "refuse_gdp_on_sampling",
+]
 
 #: guess counts tried by default, as fractions of the number of canaries
 DEFAULT_GUESS_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -133,18 +145,26 @@ def _event_of(mechanism):
         return mechanism.event
     if mechanism is None or isinstance(mechanism, dp_accounting.DpEvent):
         return mechanism
-    raise TypeError("mechanism must be a DpEvent, a PrivacyLedger, or a DPModel / "
-                    f"FederatedServer holding one, got {type(mechanism).__name__}")
+    raise TypeError(
+        "mechanism must be a DpEvent, a PrivacyLedger, or a DPModel / "
+        f"FederatedServer holding one, got {type(mechanism).__name__}"
+    )
 
 
 def _is_sampled(event) -> bool:
     """True if the event composes a sampled release (Poisson with q < 1, or
     sampling with or without replacement: sampled lots or sampled clients)."""
-    return any(isinstance(e, (dp_accounting.SampledWithoutReplacementDpEvent,
-                              dp_accounting.SampledWithReplacementDpEvent))
-               or (isinstance(e, dp_accounting.PoissonSampledDpEvent)
-                   and e.sampling_probability < 1)
-               for e in iter_events(event))
+    return any(
+        isinstance(
+            e,
+            (
+                dp_accounting.SampledWithoutReplacementDpEvent,
+                dp_accounting.SampledWithReplacementDpEvent,
+            ),
+        )
+        or (isinstance(e, dp_accounting.PoissonSampledDpEvent) and e.sampling_probability < 1)
+        for e in iter_events(event)
+    )
 
 
 def refuse_gdp_on_sampling(method: str, mechanism, *, required: bool = True) -> None:
@@ -162,13 +182,15 @@ def refuse_gdp_on_sampling(method: str, mechanism, *, required: bool = True) -> 
             raise ValueError(
                 "method='gdp' needs mechanism= (the DpEvent or PrivacyLedger of what ran, or "
                 "the DPModel / FederatedServer) to refuse sampled mechanisms; or use "
-                "method='eps_dp', valid for every mechanism")
+                "method='eps_dp', valid for every mechanism"
+            )
         return
     if _is_sampled(event):
         raise ValueError(
             f"method='gdp' is refused on a sampled mechanism ({describe_event(event)}): "
             "its privacy curve is not Gaussian, so the GDP test's null is not what ran; use "
-            "method='eps_dp'")
+            "method='eps_dp'"
+        )
 
 
 def _check_counts(canaries, guesses, correct) -> tuple[int, int, int]:
@@ -185,17 +207,18 @@ def _check_counts(canaries, guesses, correct) -> tuple[int, int, int]:
 def _p_value(eps: float, delta: float, m: int, r: int, v: int) -> float:
     if v == 0:
         return 1.0
-    q = 1.0 / (1.0 + math.exp(-eps))            # e^eps / (1 + e^eps)
+    q = 1.0 / (1.0 + math.exp(-eps))  # e^eps / (1 + e^eps)
     pmf = stats.binom.pmf(np.arange(r + 1), r, q)
-    tail = float(stats.binom.sf(v - 1, r, q))   # f(v) = P[Bin >= v], accurate in the tail
+    tail = float(stats.binom.sf(v - 1, r, q))  # f(v) = P[Bin >= v], accurate in the tail
     # f(v - i) - f(v) = P[v - i <= Bin < v] for i = 1..v
     below = np.cumsum(pmf[:v][::-1])
     worst = float(np.max(below / np.arange(1, v + 1)))
     return min(1.0, tail + 2.0 * m * delta * worst)
 
 
-def one_run_p_value(epsilon: float, delta: float, *, canaries: int, guesses: int,
-                    correct: int) -> float:
+def one_run_p_value(
+    epsilon: float, delta: float, *, canaries: int, guesses: int, correct: int
+) -> float:
     """Upper bound on P[W >= correct] for an (epsilon, delta)-DP mechanism
     (module docstring; Steinke et al. 2023, Theorem 3.1).
 
@@ -211,8 +234,15 @@ def one_run_p_value(epsilon: float, delta: float, *, canaries: int, guesses: int
     return _p_value(eps, delta, m, r, v)
 
 
-def one_run_epsilon_lower_bound(correct: int, guesses: int, canaries: int, *, delta: float,
-                                confidence: float = 0.95, resolution: float = 0.01) -> float:
+def one_run_epsilon_lower_bound(
+    correct: int,
+    guesses: int,
+    canaries: int,
+    *,
+    delta: float,
+    confidence: float = 0.95,
+    resolution: float = 0.01,
+) -> float:
     """eps_lb at `confidence` from counts (module docstring): the largest grid
     point eps such that `one_run_p_value` < 1 - confidence at every grid point
     in [0, eps]; 0 if already eps = 0 is not rejected.
@@ -223,8 +253,9 @@ def one_run_epsilon_lower_bound(correct: int, guesses: int, canaries: int, *, de
     """
     m, r, v = _check_counts(canaries, guesses, correct)
     delta = check_number("delta", delta, low=0.0, high=1.0)
-    alpha = 1.0 - check_number("confidence", confidence, low=0.0, high=1.0, low_open=True,
-                               high_open=True)
+    alpha = 1.0 - check_number(
+        "confidence", confidence, low=0.0, high=1.0, low_open=True, high_open=True
+    )
     res = check_number("resolution", resolution, low=0.0, high=1.0, low_open=True)
 
     def rejected(eps):
@@ -262,8 +293,7 @@ def gdp_epsilon(mu: float, delta: float) -> float:
     def log_gap(eps):  # log(delta(eps)) - log(delta), in logs for large eps
         a = special.log_ndtr(-eps / mu + mu / 2)
         b = eps + special.log_ndtr(-eps / mu - mu / 2)
-        return a + math.log1p(-math.exp(min(b - a, 0.0))) - math.log(delta) if b < a \
-            else -math.inf
+        return a + math.log1p(-math.exp(min(b - a, 0.0))) - math.log(delta) if b < a else -math.inf
 
     if log_gap(0.0) <= 0:
         return 0.0
@@ -288,8 +318,9 @@ def gdp_mu(epsilon: float, delta: float) -> float:
     return float(optimize.brentq(gap, 1e-12, hi, xtol=1e-12))
 
 
-def gdp_one_run_rejects(mu, *, canaries: int, guesses: int, correct: int,
-                        alpha: float) -> np.ndarray:
+def gdp_one_run_rejects(
+    mu, *, canaries: int, guesses: int, correct: int, alpha: float
+) -> np.ndarray:
     """True where "M is mu-GDP" is rejected at level `alpha` by `correct` of
     `guesses` one-sided guesses among `canaries` (the recursion in the module
     docstring; Mahloujifar et al. 2024).  `mu` may be an array (one answer each)."""
@@ -309,14 +340,21 @@ def gdp_one_run_rejects(mu, *, canaries: int, guesses: int, correct: int,
     return r + h > k / m
 
 
-def one_run_gdp_mu_lower_bound(correct: int, guesses: int, canaries: int, *,
-                               confidence: float = 0.95, resolution: float = 0.005) -> float:
+def one_run_gdp_mu_lower_bound(
+    correct: int,
+    guesses: int,
+    canaries: int,
+    *,
+    confidence: float = 0.95,
+    resolution: float = 0.005,
+) -> float:
     """mu_lb at `confidence`: the largest point of the grid 0, resolution,
     2 resolution, ... such that every grid point up to it is rejected by
     `gdp_one_run_rejects`; 0 if mu = 0 is not rejected."""
     m, k, v = _check_counts(canaries, guesses, correct)
-    alpha = 1.0 - check_number("confidence", confidence, low=0.0, high=1.0, low_open=True,
-                               high_open=True)
+    alpha = 1.0 - check_number(
+        "confidence", confidence, low=0.0, high=1.0, low_open=True, high_open=True
+    )
     res = check_number("resolution", resolution, low=0.0, high=1.0, low_open=True)
     grid = np.arange(0.0, _MU_MAX + res / 2, res)
     rejected = gdp_one_run_rejects(grid, canaries=m, guesses=k, correct=v, alpha=alpha)
@@ -333,13 +371,14 @@ def guesses_from_scores(scores: np.ndarray, k_in: int, k_out: int) -> np.ndarray
     scores = np.asarray(scores, dtype=np.float64)
     m = len(scores)
     if k_in + k_out > m:
-        raise ValueError(f"k_in + k_out must be <= the number of scores ({m}), got "
-                         f"{k_in} + {k_out}")
+        raise ValueError(
+            f"k_in + k_out must be <= the number of scores ({m}), got {k_in} + {k_out}"
+        )
     order = np.argsort(-scores, kind="stable")
     guess = np.zeros(m, np.int8)
     guess[order[:k_in]] = 1
     if k_out:
-        guess[order[m - k_out:]] = -1
+        guess[order[m - k_out :]] = -1
     return guess
 
 
@@ -372,11 +411,18 @@ class OneRunResult:
         return d
 
 
-def epsilon_lower_bound_from_scores(scores: Sequence[float], coins: Sequence[bool], *,
-                                    delta: float, confidence: float = 0.95,
-                                    guess_fractions: Sequence[float] | None = None,
-                                    sides: str | None = None, resolution: float | None = None,
-                                    method: str = "eps_dp", mechanism=None) -> OneRunResult:
+def epsilon_lower_bound_from_scores(
+    scores: Sequence[float],
+    coins: Sequence[bool],
+    *,
+    delta: float,
+    confidence: float = 0.95,
+    guess_fractions: Sequence[float] | None = None,
+    sides: str | None = None,
+    resolution: float | None = None,
+    method: str = "eps_dp",
+    mechanism=None,
+) -> OneRunResult:
     """The one-run lower bound from per-canary scores (higher = "more likely
     in") and the secret coins (True = included).
 
@@ -407,8 +453,9 @@ def epsilon_lower_bound_from_scores(scores: Sequence[float], coins: Sequence[boo
     scores = np.asarray(scores, dtype=np.float64).ravel()
     coins = np.asarray(coins).ravel()
     if len(scores) != len(coins):
-        raise ValueError(f"scores and coins must have the same length, got {len(scores)} "
-                         f"and {len(coins)}")
+        raise ValueError(
+            f"scores and coins must have the same length, got {len(scores)} and {len(coins)}"
+        )
     if len(scores) == 0:
         raise ValueError("scores is empty: at least one canary is needed")
     if not np.all(np.isfinite(scores)):
@@ -420,18 +467,17 @@ def epsilon_lower_bound_from_scores(scores: Sequence[float], coins: Sequence[boo
     if sides not in ("both", "in"):
         raise ValueError(f"sides must be 'both' or 'in', got {sides!r}")
     if gdp and sides != "in":
-        raise ValueError(f"method 'gdp' makes one-sided guesses: sides must be 'in', got "
-                         f"{sides!r}")
-    fractions = [check_number(f"guess_fractions[{i}]", f, low=0.0, high=1.0, low_open=True)
-                 for i, f in enumerate(guess_fractions)]
+        raise ValueError(f"method 'gdp' makes one-sided guesses: sides must be 'in', got {sides!r}")
+    fractions = [
+        check_number(f"guess_fractions[{i}]", f, low=0.0, high=1.0, low_open=True)
+        for i, f in enumerate(guess_fractions)
+    ]
     if not fractions:
         raise ValueError("guess_fractions must not be empty")
-    conf = check_number("confidence", confidence, low=0.0, high=1.0, low_open=True,
-                        high_open=True)
+    conf = check_number("confidence", confidence, low=0.0, high=1.0, low_open=True, high_open=True)
     delta = check_number("delta", delta, low=0.0, high=1.0)
     if gdp and delta == 0:
-        raise ValueError("method 'gdp' converts mu to epsilon at delta: delta must be > 0, "
-                         "got 0")
+        raise ValueError("method 'gdp' converts mu to epsilon at delta: delta must be > 0, got 0")
     tests = len(fractions)
     per_test_conf = 1.0 - (1.0 - conf) / tests
     m = len(scores)
@@ -445,27 +491,44 @@ def epsilon_lower_bound_from_scores(scores: Sequence[float], coins: Sequence[boo
         r = int(np.count_nonzero(guess))
         v = int(np.sum(guess == truth))
         if gdp:
-            bound = one_run_gdp_mu_lower_bound(v, r, m, confidence=per_test_conf,
-                                               resolution=resolution)
+            bound = one_run_gdp_mu_lower_bound(
+                v, r, m, confidence=per_test_conf, resolution=resolution
+            )
         else:
-            bound = one_run_epsilon_lower_bound(v, r, m, delta=delta,
-                                                confidence=per_test_conf,
-                                                resolution=resolution)
+            bound = one_run_epsilon_lower_bound(
+                v, r, m, delta=delta, confidence=per_test_conf, resolution=resolution
+            )
         per_test.append((r, v, bound))
         if best is None or bound > best[2]:
             best = (r, v, bound)
     if gdp:
-        return OneRunResult(epsilon_lower_bound=gdp_epsilon(best[2], delta), confidence=conf,
-                            delta=float(delta), canaries=m, guesses=best[0],
-                            correct=best[1], tests=tests, per_test=tuple(per_test),
-                            method="gdp", mu_lower_bound=best[2])
-    return OneRunResult(epsilon_lower_bound=best[2], confidence=conf, delta=float(delta),
-                        canaries=m, guesses=best[0], correct=best[1], tests=tests,
-                        per_test=tuple(per_test))
+        return OneRunResult(
+            epsilon_lower_bound=gdp_epsilon(best[2], delta),
+            confidence=conf,
+            delta=float(delta),
+            canaries=m,
+            guesses=best[0],
+            correct=best[1],
+            tests=tests,
+            per_test=tuple(per_test),
+            method="gdp",
+            mu_lower_bound=best[2],
+        )
+    return OneRunResult(
+        epsilon_lower_bound=best[2],
+        confidence=conf,
+        delta=float(delta),
+        canaries=m,
+        guesses=best[0],
+        correct=best[1],
+        tests=tests,
+        per_test=tuple(per_test),
+    )
 
 
-def ideal_gaussian_lower_bound(mu: float, canaries: int, *, delta: float,
-                               confidence: float = 0.95, seed: int = 0, **kwargs) -> float:
+def ideal_gaussian_lower_bound(
+    mu: float, canaries: int, *, delta: float, confidence: float = 0.95, seed: int = 0, **kwargs
+) -> float:
     """The bound this audit gives for an idealized canary whose score is
     N(mu, 1) if included and N(0, 1) if not (a mu-GDP mechanism, which DP-SGD
     with full-batch lots and Dirac canaries is, with mu = sqrt(T) / sigma):
@@ -476,5 +539,6 @@ def ideal_gaussian_lower_bound(mu: float, canaries: int, *, delta: float,
     rng = np.random.default_rng(seed)
     coins = rng.random(m) < 0.5
     scores = rng.normal(mu * coins, 1.0)
-    return epsilon_lower_bound_from_scores(scores, coins, delta=delta, confidence=confidence,
-                                           **kwargs).epsilon_lower_bound
+    return epsilon_lower_bound_from_scores(
+        scores, coins, delta=delta, confidence=confidence, **kwargs
+    ).epsilon_lower_bound

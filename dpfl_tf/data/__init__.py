@@ -38,8 +38,16 @@ from dpfl_tf._validation import check_count
 from dpfl_tf.data.locate import DatasetFormatError, DatasetNotFoundError
 
 __all__ = [
-    "ArraySource", "DataSource", "Dataset", "DatasetFormatError", "DatasetNotFoundError",
-    "ImageFolderSource", "NpyRows", "SourceDataset", "available_datasets", "load_dataset",
+    "ArraySource",
+    "DataSource",
+    "Dataset",
+    "DatasetFormatError",
+    "DatasetNotFoundError",
+    "ImageFolderSource",
+    "NpyRows",
+    "SourceDataset",
+    "available_datasets",
+    "load_dataset",
     "register_dataset",
 ]
 
@@ -72,15 +80,17 @@ def check_classes(num_classes: int, class_names) -> None:
     """num_classes >= 1 and one class name per class."""
     check_count("num_classes", num_classes, minimum=1)
     if len(class_names) != num_classes:
-        raise ValueError(f"class_names must have num_classes={num_classes} entries, "
-                         f"got {len(class_names)}")
+        raise ValueError(
+            f"class_names must have num_classes={num_classes} entries, got {len(class_names)}"
+        )
 
 
 def check_labels(name: str, y: np.ndarray, num_classes: int) -> None:
     """Labels are class indices in [0, num_classes)."""
     if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
-        raise ValueError(f"{name} must lie in [0, {num_classes}), got "
-                         f"[{int(y.min())}, {int(y.max())}]")
+        raise ValueError(
+            f"{name} must lie in [0, {num_classes}), got [{int(y.min())}, {int(y.max())}]"
+        )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -116,9 +126,11 @@ class Dataset:
         return tuple(self.x_train.shape[1:])
 
     def __repr__(self) -> str:
-        return (f"Dataset(name={self.name!r}, train={self.x_train.shape} {self.x_train.dtype}, "
-                f"test={self.x_test.shape}, num_classes={self.num_classes}, "
-                f"source={str(self.source)!r})")
+        return (
+            f"Dataset(name={self.name!r}, train={self.x_train.shape} {self.x_train.dtype}, "
+            f"test={self.x_test.shape}, num_classes={self.num_classes}, "
+            f"source={str(self.source)!r})"
+        )
 
 
 Loader = Callable[..., Dataset]
@@ -146,8 +158,7 @@ def register_dataset(name: str, loader: Union[Loader, str], *, overwrite: bool =
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     if not (callable(loader) or (isinstance(loader, str) and ":" in loader)):
-        raise ValueError(f"loader must be a callable or a 'module:function' string, "
-                         f"got {loader!r}")
+        raise ValueError(f"loader must be a callable or a 'module:function' string, got {loader!r}")
     key = _normalise(name)
     if key in _REGISTRY and not overwrite:
         raise ValueError(f"dataset {key!r} is already registered (pass overwrite=True)")
@@ -175,8 +186,9 @@ def load_dataset(name: str, data_dir: str | os.PathLike | None = None, **kwargs)
     """
     key = _normalise(name) if isinstance(name, str) else None
     if key not in _REGISTRY:
-        raise ValueError(f"unknown dataset {name!r}; known datasets: "
-                         f"{', '.join(available_datasets())}")
+        raise ValueError(
+            f"unknown dataset {name!r}; known datasets: {', '.join(available_datasets())}"
+        )
     loader = _REGISTRY[key]
     if isinstance(loader, str):
         module, _, attr = loader.partition(":")
@@ -185,6 +197,6 @@ def load_dataset(name: str, data_dir: str | os.PathLike | None = None, **kwargs)
 
 
 # random-access sources (records read on demand); imported last: they use the classes above
-from dpfl_tf.data.sources import ArraySource, SourceDataset  # noqa: E402
 from dpfl_tf.data.image_folder import ImageFolderSource  # noqa: E402
 from dpfl_tf.data.npy_rows import NpyRows  # noqa: E402
+from dpfl_tf.data.sources import ArraySource, SourceDataset  # noqa: E402

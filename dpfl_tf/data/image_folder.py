@@ -51,14 +51,19 @@ from typing import Sequence
 import numpy as np
 
 from dpfl_tf._io import atomic_write
-
 from dpfl_tf._validation import check_count
-from dpfl_tf.data import DataSource, Dataset
+from dpfl_tf.data import Dataset, DataSource
 from dpfl_tf.data.locate import DatasetFormatError
 from dpfl_tf.data.sources import IndexedSource
 
-__all__ = ["IMAGE_EXTENSIONS", "ImageFolder", "ImageFolderSource", "default_cache_dir",
-           "image_folder", "read_image_folder"]
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "ImageFolder",
+    "ImageFolderSource",
+    "default_cache_dir",
+    "image_folder",
+    "read_image_folder",
+]
 
 logger = logging.getLogger("dpfl_tf.data")
 
@@ -122,8 +127,9 @@ def _extract_archive(archive: str, cache_dir: str) -> str:
                     members = [m for m in tar.getmembers() if _safe_member(m)]
                     tar.extractall(tmp, members=members)
         except (tarfile.TarError, EOFError, OSError) as e:
-            raise DatasetFormatError(f"{archive}: cannot extract the archive "
-                                     f"({type(e).__name__}: {e})") from e
+            raise DatasetFormatError(
+                f"{archive}: cannot extract the archive ({type(e).__name__}: {e})"
+            ) from e
         try:
             os.rename(tmp, final)  # atomic: `final` exists only when complete
         except OSError:
@@ -137,16 +143,18 @@ def _extract_archive(archive: str, cache_dir: str) -> str:
 
 def _safe_member(member: tarfile.TarInfo) -> bool:
     name = member.name
-    return ((member.isfile() or member.isdir()) and not os.path.isabs(name)
-            and ".." not in name.replace("\\", "/").split("/"))
+    return (
+        (member.isfile() or member.isdir())
+        and not os.path.isabs(name)
+        and ".." not in name.replace("\\", "/").split("/")
+    )
 
 
 def _tree_root(directory: str, splits: Sequence[str]) -> str:
     """`directory`, or its single subdirectory if the splits live one level down."""
     if all(os.path.isdir(os.path.join(directory, s)) for s in splits):
         return directory
-    subdirs = [e.path for e in os.scandir(directory)
-               if e.is_dir() and not e.name.startswith(".")]
+    subdirs = [e.path for e in os.scandir(directory) if e.is_dir() and not e.name.startswith(".")]
     if len(subdirs) == 1 and all(os.path.isdir(os.path.join(subdirs[0], s)) for s in splits):
         return subdirs[0]
     return directory
@@ -160,14 +168,20 @@ def _list_split(root: str, split: str) -> dict[str, list[os.DirEntry]]:
     split_dir = os.path.join(root, split)
     if not os.path.isdir(split_dir):
         found = sorted(e.name for e in os.scandir(root) if e.is_dir())
-        raise DatasetFormatError(f"{root}: no split folder {split!r} (found folders {found}); "
-                                 f"expected <root>/<split>/<class>/*.jpg|png")
+        raise DatasetFormatError(
+            f"{root}: no split folder {split!r} (found folders {found}); "
+            f"expected <root>/<split>/<class>/*.jpg|png"
+        )
     classes = {}
     for entry in os.scandir(split_dir):
         if entry.is_dir() and not entry.name.startswith("."):
-            files = [f for f in os.scandir(entry.path)
-                     if f.is_file() and f.name.lower().endswith(IMAGE_EXTENSIONS)
-                     and not f.name.startswith(".")]
+            files = [
+                f
+                for f in os.scandir(entry.path)
+                if f.is_file()
+                and f.name.lower().endswith(IMAGE_EXTENSIONS)
+                and not f.name.startswith(".")
+            ]
             classes[entry.name] = sorted(files, key=lambda f: f.name)
     return classes
 
@@ -194,23 +208,37 @@ def _read_archive(archive: str, splits: Sequence[str]) -> dict[str, dict[str, li
                 elif parts[0] in found:
                     tops.add("")
                 split, cls, name = parts
-                if (split not in found or cls.startswith(".") or name.startswith(".")
-                        or not name.lower().endswith(IMAGE_EXTENSIONS)):
+                if (
+                    split not in found
+                    or cls.startswith(".")
+                    or name.startswith(".")
+                    or not name.lower().endswith(IMAGE_EXTENSIONS)
+                ):
                     continue
                 found[split].setdefault(cls, {})[name] = tar.extractfile(member).read()
     except (tarfile.TarError, EOFError, OSError) as e:
-        raise DatasetFormatError(f"{archive}: cannot read the archive "
-                                 f"({type(e).__name__}: {e})") from e
+        raise DatasetFormatError(
+            f"{archive}: cannot read the archive ({type(e).__name__}: {e})"
+        ) from e
     if len(tops) > 1:
-        raise DatasetFormatError(f"{archive}: split folders found at several levels "
-                                 f"{sorted(t or '.' for t in tops)}; expected "
-                                 f"[<top>/]<split>/<class>/<image> once")
+        raise DatasetFormatError(
+            f"{archive}: split folders found at several levels "
+            f"{sorted(t or '.' for t in tops)}; expected "
+            f"[<top>/]<split>/<class>/<image> once"
+        )
     for split, classes in found.items():
         if not classes:
-            raise DatasetFormatError(f"{archive}: no split folder {split!r} with images; "
-                                     f"expected <split>/<class>/*.jpg|png")
-    return {s: {c: [(f"{archive}:{s}/{c}/{n}", files[n]) for n in sorted(files)]
-                for c, files in classes.items()} for s, classes in found.items()}
+            raise DatasetFormatError(
+                f"{archive}: no split folder {split!r} with images; "
+                f"expected <split>/<class>/*.jpg|png"
+            )
+    return {
+        s: {
+            c: [(f"{archive}:{s}/{c}/{n}", files[n]) for n in sorted(files)]
+            for c, files in classes.items()
+        }
+        for s, classes in found.items()
+    }
 
 
 def _decode_image(source, image_size: tuple[int, int] | None, color_mode: str) -> np.ndarray:
@@ -219,8 +247,9 @@ def _decode_image(source, image_size: tuple[int, int] | None, color_mode: str) -
     `source` is a file path or a ``(name, encoded bytes)`` pair (archive member)."""
     from PIL import Image, UnidentifiedImageError
 
-    path, fileobj = (source[0], io.BytesIO(source[1])) if isinstance(source, tuple) \
-        else (source, source)
+    path, fileobj = (
+        (source[0], io.BytesIO(source[1])) if isinstance(source, tuple) else (source, source)
+    )
     try:
         with Image.open(fileobj) as im:
             mode = "RGB" if color_mode == "rgb" else "L"
@@ -234,8 +263,7 @@ def _decode_image(source, image_size: tuple[int, int] | None, color_mode: str) -
     return arr[..., None] if arr.ndim == 2 else arr
 
 
-def _decode_all(paths: Sequence[str], image_size, color_mode: str,
-                num_workers: int) -> np.ndarray:
+def _decode_all(paths: Sequence[str], image_size, color_mode: str, num_workers: int) -> np.ndarray:
     first = _decode_image(paths[0], image_size, color_mode)
     first_name = paths[0][0] if isinstance(paths[0], tuple) else paths[0]
     out = np.empty((len(paths),) + first.shape, dtype=np.uint8)
@@ -249,7 +277,8 @@ def _decode_all(paths: Sequence[str], image_size, color_mode: str,
                 raise DatasetFormatError(
                     f"{name}: image is {img.shape[0]}x{img.shape[1]}x{img.shape[2]} but "
                     f"{first_name} is {first.shape[0]}x{first.shape[1]}x{first.shape[2]}; "
-                    f"pass image_size=(height, width) to resize")
+                    f"pass image_size=(height, width) to resize"
+                )
             out[i] = img
 
     bounds = [(lo, min(lo + _CHUNK, len(paths))) for lo in range(1, len(paths), _CHUNK)]
@@ -257,8 +286,9 @@ def _decode_all(paths: Sequence[str], image_size, color_mode: str,
         for lo, hi in bounds:
             work(lo, hi)
     else:
-        with concurrent.futures.ThreadPoolExecutor(num_workers,
-                                                   thread_name_prefix="dpfl-decode") as pool:
+        with concurrent.futures.ThreadPoolExecutor(
+            num_workers, thread_name_prefix="dpfl-decode"
+        ) as pool:
             futures = [pool.submit(work, lo, hi) for lo, hi in bounds]
             for future in futures:
                 future.result()  # re-raises the first decoding error
@@ -282,8 +312,11 @@ def _load_cache(path: str, key: str, splits: Sequence[str]):
             out = {s: (f[f"x_{s}"], f[f"y_{s}"]) for s in splits}
         return names, out
     except Exception as e:  # noqa: BLE001 -- damaged cache: rebuild it
-        warnings.warn(f"ignoring unreadable image cache {path} ({type(e).__name__}: {e})",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"ignoring unreadable image cache {path} ({type(e).__name__}: {e})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return None
 
 
@@ -300,17 +333,23 @@ def _check_options(splits, class_names, image_size, color_mode, num_workers):
         if isinstance(class_names, str):
             raise ValueError(f"class_names must be a sequence of names, got {class_names!r}")
         class_names = tuple(class_names)
-        if (not class_names or len(set(class_names)) != len(class_names)
-                or not all(isinstance(c, str) and c for c in class_names)):
+        if (
+            not class_names
+            or len(set(class_names)) != len(class_names)
+            or not all(isinstance(c, str) and c for c in class_names)
+        ):
             raise ValueError(f"class_names must be distinct non-empty names, got {class_names!r}")
     if image_size is not None:
         if isinstance(image_size, (int, np.integer)) and not isinstance(image_size, bool):
             image_size = (image_size, image_size)
         if not isinstance(image_size, (tuple, list)) or len(image_size) != 2:
-            raise ValueError(f"image_size must be None, an int or (height, width), "
-                             f"got {image_size!r}")
-        image_size = (check_count("image_size[0]", image_size[0], minimum=1),
-                      check_count("image_size[1]", image_size[1], minimum=1))
+            raise ValueError(
+                f"image_size must be None, an int or (height, width), got {image_size!r}"
+            )
+        image_size = (
+            check_count("image_size[0]", image_size[0], minimum=1),
+            check_count("image_size[1]", image_size[1], minimum=1),
+        )
     if color_mode not in COLOR_MODES:
         raise ValueError(f"color_mode must be one of {COLOR_MODES}, got {color_mode!r}")
     if num_workers is None:
@@ -326,10 +365,14 @@ def _resolve_root(root, cache_dir) -> tuple[str, bool, str]:
         raise FileNotFoundError(f"image folder root {root} does not exist")
     archive = _is_archive(root)
     if not archive and not os.path.isdir(root):
-        raise ValueError(f"root must be a directory or a tar archive "
-                         f"({', '.join(ARCHIVE_SUFFIXES)}), got {root}")
-    cache_dir = os.path.abspath(os.path.expanduser(os.fspath(cache_dir))) \
-        if cache_dir is not None else default_cache_dir()
+        raise ValueError(
+            f"root must be a directory or a tar archive ({', '.join(ARCHIVE_SUFFIXES)}), got {root}"
+        )
+    cache_dir = (
+        os.path.abspath(os.path.expanduser(os.fspath(cache_dir)))
+        if cache_dir is not None
+        else default_cache_dir()
+    )
     return root, archive, cache_dir
 
 
@@ -340,22 +383,28 @@ def _resolve_classes(root: str, listing: dict, class_names) -> tuple[str, ...]:
         return tuple(folders)
     extra = [c for c in folders if c not in class_names]
     if extra:
-        raise DatasetFormatError(f"{root}: class folders {extra} are not in "
-                                 f"class_names={list(class_names)}")
+        raise DatasetFormatError(
+            f"{root}: class folders {extra} are not in class_names={list(class_names)}"
+        )
     return tuple(class_names)
 
 
 def _no_images(root: str, split: str) -> DatasetFormatError:
-    return DatasetFormatError(f"{root}: no {'/'.join(IMAGE_EXTENSIONS)} images in "
-                              f"split {split!r}")
+    return DatasetFormatError(f"{root}: no {'/'.join(IMAGE_EXTENSIONS)} images in split {split!r}")
 
 
-def read_image_folder(root: str | os.PathLike, *, splits: Sequence[str] = ("train", "test"),
-                      class_names: Sequence[str] | None = None,
-                      image_size: int | tuple[int, int] | None = None,
-                      color_mode: str = "rgb", cache_dir: str | os.PathLike | None = None,
-                      use_cache: bool = True, num_workers: int | None = None,
-                      extract: bool = True) -> ImageFolder:
+def read_image_folder(
+    root: str | os.PathLike,
+    *,
+    splits: Sequence[str] = ("train", "test"),
+    class_names: Sequence[str] | None = None,
+    image_size: int | tuple[int, int] | None = None,
+    color_mode: str = "rgb",
+    cache_dir: str | os.PathLike | None = None,
+    use_cache: bool = True,
+    num_workers: int | None = None,
+    extract: bool = True,
+) -> ImageFolder:
     """Decodes ``root/<split>/<class>/*`` for each split (see module docstring).
 
     Args:
@@ -372,7 +421,8 @@ def read_image_folder(root: str | os.PathLike, *, splits: Sequence[str] = ("trai
         or, if False, decode straight from the archive stream.
     """
     splits, class_names, image_size, num_workers = _check_options(
-        splits, class_names, image_size, color_mode, num_workers)
+        splits, class_names, image_size, color_mode, num_workers
+    )
     if not isinstance(extract, bool):
         raise ValueError(f"extract must be True or False, got {extract!r}")
     root, archive, cache_dir = _resolve_root(root, cache_dir)
@@ -384,13 +434,25 @@ def read_image_folder(root: str | os.PathLike, *, splits: Sequence[str] = ("trai
     else:
         tree = _tree_root(root, splits)
         listing = {s: _list_split(tree, s) for s in splits}
-        fingerprint = sorted([s, c, f.name, f.stat().st_size, f.stat().st_mtime_ns]
-                             for s, classes in listing.items()
-                             for c, files in classes.items() for f in files)
-    key = hashlib.sha256(json.dumps({
-        "version": _CACHE_VERSION, "root": root, "fingerprint": fingerprint,
-        "splits": splits, "class_names": class_names, "image_size": image_size,
-        "color_mode": color_mode}).encode()).hexdigest()[:24]
+        fingerprint = sorted(
+            [s, c, f.name, f.stat().st_size, f.stat().st_mtime_ns]
+            for s, classes in listing.items()
+            for c, files in classes.items()
+            for f in files
+        )
+    key = hashlib.sha256(
+        json.dumps(
+            {
+                "version": _CACHE_VERSION,
+                "root": root,
+                "fingerprint": fingerprint,
+                "splits": splits,
+                "class_names": class_names,
+                "image_size": image_size,
+                "color_mode": color_mode,
+            }
+        ).encode()
+    ).hexdigest()[:24]
     cache_path = os.path.join(cache_dir, "image_folder", f"{_stem(root)}-{key}.npz")
 
     if use_cache and os.path.isfile(cache_path):
@@ -417,13 +479,14 @@ def read_image_folder(root: str | os.PathLike, *, splits: Sequence[str] = ("trai
         counts.append(len(paths) - n0)
         if counts[-1] == 0:
             raise _no_images(root, s)
-    logger.info("image folder %s: decoding %d images with %d threads", root, len(paths),
-                num_workers)
+    logger.info(
+        "image folder %s: decoding %d images with %d threads", root, len(paths), num_workers
+    )
     x_all = _decode_all(paths, image_size, color_mode, num_workers)
     y_all = np.asarray(labels, dtype=np.int64)
     out, start = {}, 0
     for s, n in zip(splits, counts):
-        out[s] = (x_all[start:start + n], y_all[start:start + n])
+        out[s] = (x_all[start : start + n], y_all[start : start + n])
         start += n
 
     if use_cache:
@@ -433,21 +496,33 @@ def read_image_folder(root: str | os.PathLike, *, splits: Sequence[str] = ("trai
         try:
             _save_npz_atomic(cache_path, arrays)
         except OSError as e:
-            warnings.warn(f"could not write the image cache {cache_path} ({e}); set "
-                          f"DPFL_CACHE_DIR or cache_dir= to a writable directory",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"could not write the image cache {cache_path} ({e}); set "
+                f"DPFL_CACHE_DIR or cache_dir= to a writable directory",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             cache_path = None
     else:
         cache_path = None
     return ImageFolder(root, tuple(class_names), out, cache_path, False)
 
 
-def image_folder(data_dir: str | os.PathLike | None = None, *, train_split: str = "train",
-                 test_split: str = "test", class_names: Sequence[str] | None = None,
-                 image_size: int | tuple[int, int] | None = None, color_mode: str = "rgb",
-                 cache_dir: str | os.PathLike | None = None, use_cache: bool = True,
-                 num_workers: int | None = None, extract: bool = True,
-                 label: str | None = None, name: str = "image_folder") -> Dataset:
+def image_folder(
+    data_dir: str | os.PathLike | None = None,
+    *,
+    train_split: str = "train",
+    test_split: str = "test",
+    class_names: Sequence[str] | None = None,
+    image_size: int | tuple[int, int] | None = None,
+    color_mode: str = "rgb",
+    cache_dir: str | os.PathLike | None = None,
+    use_cache: bool = True,
+    num_workers: int | None = None,
+    extract: bool = True,
+    label: str | None = None,
+    name: str = "image_folder",
+) -> Dataset:
     """A `Dataset` from ``<data_dir>/<train_split>/<class>/*`` and ``.../<test_split>/...``.
 
     ``data_dir`` is the root folder or archive (required).  ``label`` is the
@@ -455,19 +530,33 @@ def image_folder(data_dir: str | os.PathLike | None = None, *, train_split: str 
     Other arguments as in `read_image_folder`.
     """
     if data_dir is None:
-        raise ValueError("data_dir must be the image folder root (a directory or a tar "
-                         "archive), got None")
-    folder = read_image_folder(data_dir, splits=(train_split, test_split),
-                               class_names=class_names, image_size=image_size,
-                               color_mode=color_mode, cache_dir=cache_dir,
-                               use_cache=use_cache, num_workers=num_workers,
-                               extract=extract)
-    (x_train, y_train), (x_test, y_test) = (folder.splits[train_split],
-                                            folder.splits[test_split])
-    return Dataset(x_train, y_train, x_test, y_test, num_classes=len(folder.class_names),
-                   class_names=folder.class_names, name=name,
-                   source=DataSource(label or f"image folder {_stem(folder.root)}", folder.root,
-                                     "image_folder"))
+        raise ValueError(
+            "data_dir must be the image folder root (a directory or a tar archive), got None"
+        )
+    folder = read_image_folder(
+        data_dir,
+        splits=(train_split, test_split),
+        class_names=class_names,
+        image_size=image_size,
+        color_mode=color_mode,
+        cache_dir=cache_dir,
+        use_cache=use_cache,
+        num_workers=num_workers,
+        extract=extract,
+    )
+    (x_train, y_train), (x_test, y_test) = (folder.splits[train_split], folder.splits[test_split])
+    return Dataset(
+        x_train,
+        y_train,
+        x_test,
+        y_test,
+        num_classes=len(folder.class_names),
+        class_names=folder.class_names,
+        name=name,
+        source=DataSource(
+            label or f"image folder {_stem(folder.root)}", folder.root, "image_folder"
+        ),
+    )
 
 
 # ------------------------------------------------------------------ random access
@@ -486,7 +575,8 @@ class _Decoders:
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
-                    self.num_workers, thread_name_prefix="dpfl-decode")
+                    self.num_workers, thread_name_prefix="dpfl-decode"
+                )
             return self._pool
 
     def close(self) -> None:
@@ -536,14 +626,22 @@ class ImageFolderSource(IndexedSource):
       num_workers: decoding threads (default: number of CPUs, at most 8).
     """
 
-    def __init__(self, root: str | os.PathLike, split: str = "train", *,
-                 class_names: Sequence[str] | None = None,
-                 image_size: int | tuple[int, int] | None = None, color_mode: str = "rgb",
-                 cache_dir: str | os.PathLike | None = None, num_workers: int | None = None):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        split: str = "train",
+        *,
+        class_names: Sequence[str] | None = None,
+        image_size: int | tuple[int, int] | None = None,
+        color_mode: str = "rgb",
+        cache_dir: str | os.PathLike | None = None,
+        num_workers: int | None = None,
+    ):
         if not isinstance(split, str) or not split:
             raise ValueError(f"split must be a split folder name, got {split!r}")
         _, class_names, image_size, num_workers = _check_options(
-            [split], class_names, image_size, color_mode, num_workers)
+            [split], class_names, image_size, color_mode, num_workers
+        )
         root, archive, cache_dir = _resolve_root(root, cache_dir)
         tree = _tree_root(_extract_archive(root, cache_dir) if archive else root, [split])
         listing = {split: _list_split(tree, split)}
@@ -602,9 +700,11 @@ class ImageFolderSource(IndexedSource):
         self.close()
 
     def __repr__(self) -> str:
-        return (f"ImageFolderSource(split={self.split!r}, records={len(self)}, "
-                f"image_shape={self.image_shape}, classes={self.num_classes}, "
-                f"directory={self.directory!r})")
+        return (
+            f"ImageFolderSource(split={self.split!r}, records={len(self)}, "
+            f"image_shape={self.image_shape}, classes={self.num_classes}, "
+            f"directory={self.directory!r})"
+        )
 
     # -- decoding ----------------------------------------------------------------
     def _decode(self, pos: int, row: int) -> np.ndarray:
@@ -619,7 +719,8 @@ class ImageFolderSource(IndexedSource):
             raise DatasetFormatError(
                 f"{where}: {path}: image is {got} but record 0 "
                 f"({os.path.join(self.directory, self._names[self._row(0)])}) is {want}; "
-                "pass image_size=(height, width) to resize")
+                "pass image_size=(height, width) to resize"
+            )
         return image
 
     def _read_record(self, pos, row):

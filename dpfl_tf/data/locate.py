@@ -37,9 +37,18 @@ import urllib.request
 from typing import Sequence
 
 __all__ = [
-    "DatasetFiles", "DatasetFormatError", "DatasetNotFoundError", "FileSet", "Located",
-    "SearchPlace", "KNOWN_FILES", "SYSTEM_DATA_DIRS", "download_enabled", "keras_cache_dir",
-    "locate", "search_places",
+    "DatasetFiles",
+    "DatasetFormatError",
+    "DatasetNotFoundError",
+    "FileSet",
+    "Located",
+    "SearchPlace",
+    "KNOWN_FILES",
+    "SYSTEM_DATA_DIRS",
+    "download_enabled",
+    "keras_cache_dir",
+    "locate",
+    "search_places",
 ]
 
 logger = logging.getLogger("dpfl_tf.data")
@@ -65,9 +74,15 @@ class DatasetNotFoundError(FileNotFoundError):
     happen or failed, or None).
     """
 
-    def __init__(self, message: str, *, dataset: str = "",
-                 places: Sequence["SearchPlace"] = (), download_error: str | None = None,
-                 cli_message: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        dataset: str = "",
+        places: Sequence["SearchPlace"] = (),
+        download_error: str | None = None,
+        cli_message: str | None = None,
+    ):
         super().__init__(message)
         self.dataset = dataset
         self.places = tuple(places)
@@ -110,11 +125,13 @@ class FileSet:
         if not self.files or any(not alts for alts in self.files):
             raise ValueError(f"FileSet {self.name!r}: every file needs at least one name")
         if self.urls and len(self.urls) != len(self.files):
-            raise ValueError(f"FileSet {self.name!r}: {len(self.urls)} urls for "
-                             f"{len(self.files)} files")
+            raise ValueError(
+                f"FileSet {self.name!r}: {len(self.urls)} urls for {len(self.files)} files"
+            )
         if self.hashes and len(self.hashes) != len(self.urls):
-            raise ValueError(f"FileSet {self.name!r}: {len(self.hashes)} hashes for "
-                             f"{len(self.urls)} urls")
+            raise ValueError(
+                f"FileSet {self.name!r}: {len(self.hashes)} hashes for {len(self.urls)} urls"
+            )
 
     def match(self, directory: str) -> tuple[str, ...] | None:
         """The full paths of the files if all are present in `directory`, else None."""
@@ -193,8 +210,9 @@ def download_enabled(download: bool | None = None) -> bool:
     return os.environ.get("DPFL_NO_DOWNLOAD", "").strip().lower() not in _TRUE
 
 
-def search_places(dataset: DatasetFiles | str,
-                  data_dir: str | os.PathLike | None = None) -> list[SearchPlace]:
+def search_places(
+    dataset: DatasetFiles | str, data_dir: str | os.PathLike | None = None
+) -> list[SearchPlace]:
     """The directories searched for `dataset`, in order, duplicates removed."""
     spec = _spec(dataset)
     bases: list[tuple[str, str, bool]] = []
@@ -218,19 +236,26 @@ def search_places(dataset: DatasetFiles | str,
             places.append(SearchPlace(path, origin, specific))
 
     subdirs = list(spec.subdirs)  # downloads land in a subfolder: search it too
-    subdirs += [fs.download_subdir for fs in spec.file_sets
-                if fs.download_subdir and fs.download_subdir not in subdirs]
+    subdirs += [
+        fs.download_subdir
+        for fs in spec.file_sets
+        if fs.download_subdir and fs.download_subdir not in subdirs
+    ]
     for base, origin, specific in bases:
         add(base, origin, specific)
         for sub in subdirs:
-            add(os.path.join(os.path.expanduser(base), sub), origin + ", per-dataset folder",
-                True)
+            add(os.path.join(os.path.expanduser(base), sub), origin + ", per-dataset folder", True)
     return places
 
 
-def locate(dataset: DatasetFiles | str, data_dir: str | os.PathLike | None = None, *,
-           download: bool | None = None, file_sets: Sequence[str] | None = None,
-           probe_timeout: float | None = None) -> Located:
+def locate(
+    dataset: DatasetFiles | str,
+    data_dir: str | os.PathLike | None = None,
+    *,
+    download: bool | None = None,
+    file_sets: Sequence[str] | None = None,
+    probe_timeout: float | None = None,
+) -> Located:
     """Finds (or downloads) the files of `dataset`; see the module docstring for the order.
 
     Args:
@@ -252,8 +277,9 @@ def locate(dataset: DatasetFiles | str, data_dir: str | os.PathLike | None = Non
         wanted = tuple(file_sets)
         unknown = [n for n in wanted if n not in {fs.name for fs in spec.file_sets}]
         if unknown:
-            raise ValueError(f"file_sets must be names from "
-                             f"{[fs.name for fs in spec.file_sets]}, got {unknown}")
+            raise ValueError(
+                f"file_sets must be names from {[fs.name for fs in spec.file_sets]}, got {unknown}"
+            )
         sets = tuple(fs for fs in spec.file_sets if fs.name in wanted)
     places = search_places(spec, data_dir)
     for place in places:
@@ -269,8 +295,7 @@ def locate(dataset: DatasetFiles | str, data_dir: str | os.PathLike | None = Non
 
     download_error: str | None
     if not download_enabled(download):
-        download_error = ("download disabled (download=False argument or "
-                          "DPFL_NO_DOWNLOAD=1)")
+        download_error = "download disabled (download=False argument or DPFL_NO_DOWNLOAD=1)"
     else:
         downloadable = [fs for fs in sets if fs.urls]
         if not downloadable:
@@ -281,11 +306,13 @@ def locate(dataset: DatasetFiles | str, data_dir: str | os.PathLike | None = Non
             located, download_error = _try_download(spec, fs, timeout)
             if located is not None:
                 return located
-    raise DatasetNotFoundError(_not_found_message(spec, sets, places, download_error),
-                               dataset=spec.display_name, places=places,
-                               download_error=download_error,
-                               cli_message=_not_found_message(spec, sets, places,
-                                                              download_error, cli=True))
+    raise DatasetNotFoundError(
+        _not_found_message(spec, sets, places, download_error),
+        dataset=spec.display_name,
+        places=places,
+        download_error=download_error,
+        cli_message=_not_found_message(spec, sets, places, download_error, cli=True),
+    )
 
 
 # ------------------------------------------------------------------------- download
@@ -318,8 +345,9 @@ def _probe(url: str, timeout: float) -> str | None:
     return result[0]
 
 
-def _try_download(spec: DatasetFiles, fs: FileSet,
-                  timeout: float) -> tuple[Located | None, str | None]:
+def _try_download(
+    spec: DatasetFiles, fs: FileSet, timeout: float
+) -> tuple[Located | None, str | None]:
     target_dir = os.path.join(keras_cache_dir(), fs.download_subdir)
     reason = _probe(fs.urls[0], timeout)
     if reason is not None:
@@ -340,11 +368,17 @@ def _try_download(spec: DatasetFiles, fs: FileSet,
             fname = fs.files[i][0]
             file_hash = fs.hashes[i] if fs.hashes else None
             try:
-                paths.append(get_file(fname=os.path.basename(fname), origin=url,
-                                      file_hash=file_hash, cache_dir=os.path.dirname(
-                                          keras_cache_dir()),
-                                      cache_subdir=os.path.join("datasets", fs.download_subdir)
-                                      if fs.download_subdir else "datasets"))
+                paths.append(
+                    get_file(
+                        fname=os.path.basename(fname),
+                        origin=url,
+                        file_hash=file_hash,
+                        cache_dir=os.path.dirname(keras_cache_dir()),
+                        cache_subdir=os.path.join("datasets", fs.download_subdir)
+                        if fs.download_subdir
+                        else "datasets",
+                    )
+                )
             except Exception as e:  # noqa: BLE001 -- offline: URLError wrapped by Keras
                 return None, f"download failed: {url}: {e}"
     finally:
@@ -357,13 +391,19 @@ def _try_download(spec: DatasetFiles, fs: FileSet,
 # -------------------------------------------------------------------------- message
 
 
-def _not_found_message(spec: DatasetFiles, sets: Sequence[FileSet],
-                       places: Sequence[SearchPlace], download_error: str | None,
-                       cli: bool = False) -> str:
+def _not_found_message(
+    spec: DatasetFiles,
+    sets: Sequence[FileSet],
+    places: Sequence[SearchPlace],
+    download_error: str | None,
+    cli: bool = False,
+) -> str:
     """Where we looked and how to provide the files; `cli`: in the words of the
     `dpfl-tf` command line (``--data-dir``) instead of Python's (``data_dir=``)."""
-    lines = [f"Could not find the {spec.display_name} dataset ({spec.name!r}).",
-             "Looked for any one of these file sets:"]
+    lines = [
+        f"Could not find the {spec.display_name} dataset ({spec.name!r}).",
+        "Looked for any one of these file sets:",
+    ]
     for fs in sets:
         where = " (only in data_dir and per-dataset folders)" if fs.generic_names else ""
         lines.append(f"  - [{fs.name}] {fs.describe()}{where}")
@@ -375,16 +415,19 @@ def _not_found_message(spec: DatasetFiles, sets: Sequence[FileSet],
     if download_error:
         lines.append(f"Download: {download_error}.")
     lines.append("To provide the files:")
-    lines.append("  - put them in a directory and set the environment variable "
-                 "DPFL_DATA_DIR=/that/dir, or pass "
-                 + ("--data-dir /that/dir;" if cli else "data_dir='/that/dir';"))
+    lines.append(
+        "  - put them in a directory and set the environment variable "
+        "DPFL_DATA_DIR=/that/dir, or pass "
+        + ("--data-dir /that/dir;" if cli else "data_dir='/that/dir';")
+    )
     urls = [u for fs in sets for u in fs.urls]
     if urls:
-        allow = ("DPFL_NO_DOWNLOAD unset" if cli
-                 else "download=True, DPFL_NO_DOWNLOAD unset")
-        lines.append(f"  - or, online, allow the download ({allow}) from {urls[0]}"
-                     + (f" (+{len(urls) - 1} more files)" if len(urls) > 1 else "")
-                     + f" into {keras_cache_dir()};")
+        allow = "DPFL_NO_DOWNLOAD unset" if cli else "download=True, DPFL_NO_DOWNLOAD unset"
+        lines.append(
+            f"  - or, online, allow the download ({allow}) from {urls[0]}"
+            + (f" (+{len(urls) - 1} more files)" if len(urls) > 1 else "")
+            + f" into {keras_cache_dir()};"
+        )
     lines.extend(f"  - {line}" for line in spec.how_to_get)
     return "\n".join(lines)
 
@@ -392,77 +435,114 @@ def _not_found_message(spec: DatasetFiles, sets: Sequence[FileSet],
 # -------------------------------------------------------------------------- catalog
 
 _KERAS_BASE = "https://storage.googleapis.com/tensorflow/tf-keras-datasets/"
-_IDX_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-              "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+_IDX_NAMES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
 
 
 def _idx_file_set(urls: Sequence[str] = (), download_subdir: str = "") -> FileSet:
-    return FileSet("idx", tuple((n + ".gz", n) for n in _IDX_NAMES), generic_names=True,
-                   urls=tuple(urls), download_subdir=download_subdir)
+    return FileSet(
+        "idx",
+        tuple((n + ".gz", n) for n in _IDX_NAMES),
+        generic_names=True,
+        urls=tuple(urls),
+        download_subdir=download_subdir,
+    )
 
 
 MNIST_FILES = DatasetFiles(
-    name="mnist", display_name="MNIST",
+    name="mnist",
+    display_name="MNIST",
     file_sets=(
-        FileSet("npz", (("mnist.npz",),), urls=(_KERAS_BASE + "mnist.npz",),
-                hashes=("731c5ac602752760c8e48fbffcf8c3b850d9dc2a2aedcf2cc48468fc17b673d1",)),
+        FileSet(
+            "npz",
+            (("mnist.npz",),),
+            urls=(_KERAS_BASE + "mnist.npz",),
+            hashes=("731c5ac602752760c8e48fbffcf8c3b850d9dc2a2aedcf2cc48468fc17b673d1",),
+        ),
         _idx_file_set(),
     ),
     subdirs=("mnist",),
 )
 
 FASHION_MNIST_FILES = DatasetFiles(
-    name="fashion_mnist", display_name="Fashion-MNIST",
+    name="fashion_mnist",
+    display_name="Fashion-MNIST",
     file_sets=(
-        _idx_file_set([_KERAS_BASE + n + ".gz" for n in _IDX_NAMES],
-                      download_subdir="fashion-mnist"),
+        _idx_file_set(
+            [_KERAS_BASE + n + ".gz" for n in _IDX_NAMES], download_subdir="fashion-mnist"
+        ),
         FileSet("npz", (("fashion-mnist.npz", "fashion_mnist.npz"),)),
     ),
     subdirs=("fashion-mnist", "fashion_mnist"),
-    how_to_get=("on Debian/Ubuntu: apt-get update && apt-get install -y dataset-fashion-mnist "
-                "(installs the four IDX files in /usr/share/datasets/fashion-mnist/).",),
+    how_to_get=(
+        "on Debian/Ubuntu: apt-get update && apt-get install -y dataset-fashion-mnist "
+        "(installs the four IDX files in /usr/share/datasets/fashion-mnist/).",
+    ),
 )
 
 _CIFAR10_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6)) + ("test_batch",)
 
 CIFAR10_FILES = DatasetFiles(
-    name="cifar10", display_name="CIFAR-10",
+    name="cifar10",
+    display_name="CIFAR-10",
     file_sets=(
         FileSet("extracted", tuple((f"cifar-10-batches-py/{b}",) for b in _CIFAR10_BATCHES)),
-        FileSet("tarball", (("cifar-10-python.tar.gz", "cifar-10-batches-py.tar.gz"),),
-                urls=("https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",),
-                hashes=("6d958be074577803d12ecdefd02955f39262c83c16fe9348329d7fe0b5c001ce",)),
+        FileSet(
+            "tarball",
+            (("cifar-10-python.tar.gz", "cifar-10-batches-py.tar.gz"),),
+            urls=("https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",),
+            hashes=("6d958be074577803d12ecdefd02955f39262c83c16fe9348329d7fe0b5c001ce",),
+        ),
     ),
     # Keras 3 extracts its download to cifar-10-batches-py-target/cifar-10-batches-py/.
     subdirs=("cifar10", "cifar-10", "cifar-10-batches-py-target"),
 )
 
 CIFAR10_JPEG_FILES = DatasetFiles(
-    name="cifar10_jpg", display_name="CIFAR-10 (JPEG copy)",
+    name="cifar10_jpg",
+    display_name="CIFAR-10 (JPEG copy)",
     file_sets=(FileSet("image_folder", (("cifar10_jpg.tar.xz", "cifar10_jpg"),)),),
     subdirs=("cifar10", "cifar-10"),
-    how_to_get=("offline substitute: the image-folder copy cifar10_jpg.tar.xz "
-                "(train/<class>/NNNN.jpg, test/<class>/NNNN.jpg) in DPFL_DATA_DIR; results "
-                "on it are reported as 'CIFAR-10 (JPEG copy)'.",),
+    how_to_get=(
+        "offline substitute: the image-folder copy cifar10_jpg.tar.xz "
+        "(train/<class>/NNNN.jpg, test/<class>/NNNN.jpg) in DPFL_DATA_DIR; results "
+        "on it are reported as 'CIFAR-10 (JPEG copy)'.",
+    ),
 )
 
 CIFAR100_FILES = DatasetFiles(
-    name="cifar100", display_name="CIFAR-100",
+    name="cifar100",
+    display_name="CIFAR-100",
     file_sets=(
         FileSet("extracted", (("cifar-100-python/train",), ("cifar-100-python/test",))),
-        FileSet("tarball", (("cifar-100-python.tar.gz",),),
-                urls=("https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",),
-                hashes=("85cd44d02ba6437773c5bbd22e183051d648de2e7d6b014e1ef29b855ba677a7",)),
+        FileSet(
+            "tarball",
+            (("cifar-100-python.tar.gz",),),
+            urls=("https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",),
+            hashes=("85cd44d02ba6437773c5bbd22e183051d648de2e7d6b014e1ef29b855ba677a7",),
+        ),
     ),
     subdirs=("cifar100", "cifar-100", "cifar-100-python-target"),
-    how_to_get=("CIFAR-100 has no offline copy on these machines; download it where "
-                "you have internet and copy cifar-100-python.tar.gz into DPFL_DATA_DIR.",),
+    how_to_get=(
+        "CIFAR-100 has no offline copy on these machines; download it where "
+        "you have internet and copy cifar-100-python.tar.gz into DPFL_DATA_DIR.",
+    ),
 )
 
 #: Known datasets by name.  Add a `DatasetFiles` here to make `locate(name)` find it.
 KNOWN_FILES: dict[str, DatasetFiles] = {
-    spec.name: spec for spec in (MNIST_FILES, FASHION_MNIST_FILES, CIFAR10_FILES,
-                                 CIFAR10_JPEG_FILES, CIFAR100_FILES)
+    spec.name: spec
+    for spec in (
+        MNIST_FILES,
+        FASHION_MNIST_FILES,
+        CIFAR10_FILES,
+        CIFAR10_JPEG_FILES,
+        CIFAR100_FILES,
+    )
 }
 
 
@@ -472,5 +552,6 @@ def _spec(dataset: DatasetFiles | str) -> DatasetFiles:
     try:
         return KNOWN_FILES[dataset]
     except (KeyError, TypeError):
-        raise ValueError(f"dataset must be a DatasetFiles or one of {sorted(KNOWN_FILES)}, "
-                         f"got {dataset!r}") from None
+        raise ValueError(
+            f"dataset must be a DatasetFiles or one of {sorted(KNOWN_FILES)}, got {dataset!r}"
+        ) from None

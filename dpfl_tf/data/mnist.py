@@ -27,20 +27,45 @@ import zlib
 
 import numpy as np
 
-from dpfl_tf.data import DataSource, Dataset
-from dpfl_tf.data.locate import (FASHION_MNIST_FILES, MNIST_FILES, DatasetFiles,
-                                 DatasetFormatError, locate)
+from dpfl_tf.data import Dataset, DataSource
+from dpfl_tf.data.locate import (
+    FASHION_MNIST_FILES,
+    MNIST_FILES,
+    DatasetFiles,
+    DatasetFormatError,
+    locate,
+)
 
-__all__ = ["MNIST_CLASSES", "FASHION_MNIST_CLASSES", "fashion_mnist", "mnist",
-           "read_idx", "read_mnist_npz"]
+__all__ = [
+    "MNIST_CLASSES",
+    "FASHION_MNIST_CLASSES",
+    "fashion_mnist",
+    "mnist",
+    "read_idx",
+    "read_mnist_npz",
+]
 
 MNIST_CLASSES = tuple(str(d) for d in range(10))
-FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal",
-                         "Shirt", "Sneaker", "Bag", "Ankle boot")
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 
 _IDX_DTYPES = {
-    0x08: np.dtype("u1"), 0x09: np.dtype("i1"), 0x0B: np.dtype(">i2"),
-    0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8"),
+    0x08: np.dtype("u1"),
+    0x09: np.dtype("i1"),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
 }
 _GZIP_MAGIC = b"\x1f\x8b"
 
@@ -63,46 +88,58 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
         except (EOFError, OSError, zlib.error) as e:
             raise DatasetFormatError(f"{path}: truncated or corrupt gzip stream ({e})") from e
     if len(raw) < 4:
-        raise DatasetFormatError(f"{path}: not an IDX file: only {len(raw)} bytes, "
-                                 f"the magic number alone needs 4")
+        raise DatasetFormatError(
+            f"{path}: not an IDX file: only {len(raw)} bytes, the magic number alone needs 4"
+        )
     zero0, zero1, type_code, ndim = raw[0], raw[1], raw[2], raw[3]
     if zero0 != 0 or zero1 != 0:
-        raise DatasetFormatError(f"{path}: not an IDX file: magic number "
-                                 f"0x{raw[:4].hex()} must start with 0x0000")
+        raise DatasetFormatError(
+            f"{path}: not an IDX file: magic number 0x{raw[:4].hex()} must start with 0x0000"
+        )
     if type_code not in _IDX_DTYPES:
-        raise DatasetFormatError(f"{path}: unknown IDX type code 0x{type_code:02x}; allowed: "
-                                 + ", ".join(f"0x{c:02x}" for c in _IDX_DTYPES))
+        raise DatasetFormatError(
+            f"{path}: unknown IDX type code 0x{type_code:02x}; allowed: "
+            + ", ".join(f"0x{c:02x}" for c in _IDX_DTYPES)
+        )
     if ndim == 0:
         raise DatasetFormatError(f"{path}: IDX header declares 0 dimensions")
     header = 4 + 4 * ndim
     if len(raw) < header:
-        raise DatasetFormatError(f"{path}: truncated IDX header: {ndim} dimensions need "
-                                 f"{header} bytes, file has {len(raw)}")
+        raise DatasetFormatError(
+            f"{path}: truncated IDX header: {ndim} dimensions need "
+            f"{header} bytes, file has {len(raw)}"
+        )
     dims = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
     dtype = _IDX_DTYPES[type_code]
     expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
     actual = len(raw) - header
     if actual < expected:
-        raise DatasetFormatError(f"{path}: truncated IDX file: shape {dims} of {dtype.name} "
-                                 f"needs {expected} data bytes, found {actual}")
+        raise DatasetFormatError(
+            f"{path}: truncated IDX file: shape {dims} of {dtype.name} "
+            f"needs {expected} data bytes, found {actual}"
+        )
     if actual > expected:
-        raise DatasetFormatError(f"{path}: corrupt IDX file: {actual - expected} bytes "
-                                 f"beyond the declared shape {dims}")
+        raise DatasetFormatError(
+            f"{path}: corrupt IDX file: {actual - expected} bytes beyond the declared shape {dims}"
+        )
     data = np.frombuffer(raw, dtype=dtype, offset=header).reshape(dims)
     return data.astype(dtype.newbyteorder("="), copy=True)
 
 
-def read_mnist_npz(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, np.ndarray,
-                                                     np.ndarray]:
+def read_mnist_npz(
+    path: str | os.PathLike,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(x_train, y_train, x_test, y_test)`` from a Keras ``mnist.npz``-layout file."""
     path = os.fspath(path)
     try:
         with np.load(path, allow_pickle=False) as f:
             missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in f]
             if missing:
-                raise DatasetFormatError(f"{path}: missing arrays {missing}; the mnist.npz "
-                                         f"layout has x_train, y_train, x_test, y_test "
-                                         f"(found {sorted(f.files)})")
+                raise DatasetFormatError(
+                    f"{path}: missing arrays {missing}; the mnist.npz "
+                    f"layout has x_train, y_train, x_test, y_test "
+                    f"(found {sorted(f.files)})"
+                )
             return f["x_train"], f["y_train"], f["x_test"], f["y_test"]
     except DatasetFormatError:
         raise
@@ -113,16 +150,19 @@ def read_mnist_npz(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, np.
 def _check(path: str, x_train, y_train, x_test, y_test) -> None:
     for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
         if x.dtype != np.uint8 or x.ndim != 3 or x.shape[1:] != (28, 28):
-            raise DatasetFormatError(f"{path}: {split} images must be uint8 (N, 28, 28), "
-                                     f"got {x.dtype} {x.shape}")
+            raise DatasetFormatError(
+                f"{path}: {split} images must be uint8 (N, 28, 28), got {x.dtype} {x.shape}"
+            )
         if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-            raise DatasetFormatError(f"{path}: {split} labels must be 1-D integers, "
-                                     f"got {y.dtype} {y.shape}")
+            raise DatasetFormatError(
+                f"{path}: {split} labels must be 1-D integers, got {y.dtype} {y.shape}"
+            )
         if len(x) != len(y):
             raise DatasetFormatError(f"{path}: {len(x)} {split} images but {len(y)} labels")
         if len(y) and (int(y.min()) < 0 or int(y.max()) > 9):
-            raise DatasetFormatError(f"{path}: {split} labels must be in 0..9, got "
-                                     f"{int(y.min())}..{int(y.max())}")
+            raise DatasetFormatError(
+                f"{path}: {split} labels must be in 0..9, got {int(y.min())}..{int(y.max())}"
+            )
 
 
 def _load(spec: DatasetFiles, class_names: tuple[str, ...], data_dir, download) -> Dataset:
@@ -135,10 +175,18 @@ def _load(spec: DatasetFiles, class_names: tuple[str, ...], data_dir, download) 
         arrays = tuple(read_idx(p) for p in found.paths)
     _check(path, *arrays)
     x_train, y_train, x_test, y_test = arrays
-    return Dataset(x_train, y_train, x_test, y_test, num_classes=10,
-                   class_names=class_names, name=spec.name,
-                   source=DataSource(spec.display_name, path, found.file_set.name,
-                                     downloaded=found.downloaded))
+    return Dataset(
+        x_train,
+        y_train,
+        x_test,
+        y_test,
+        num_classes=10,
+        class_names=class_names,
+        name=spec.name,
+        source=DataSource(
+            spec.display_name, path, found.file_set.name, downloaded=found.downloaded
+        ),
+    )
 
 
 def mnist(data_dir: str | os.PathLike | None = None, *, download: bool | None = None) -> Dataset:
@@ -151,8 +199,9 @@ def mnist(data_dir: str | os.PathLike | None = None, *, download: bool | None = 
     return _load(MNIST_FILES, MNIST_CLASSES, data_dir, download)
 
 
-def fashion_mnist(data_dir: str | os.PathLike | None = None, *,
-                  download: bool | None = None) -> Dataset:
+def fashion_mnist(
+    data_dir: str | os.PathLike | None = None, *, download: bool | None = None
+) -> Dataset:
     """Fashion-MNIST (Xiao et al. 2017): uint8 (N, 28, 28) images, uint8 labels 0..9.
 
     Reads the four IDX files (``data_dir`` itself, or a ``fashion-mnist/``

@@ -35,8 +35,11 @@ class NpyRows:
         self.path = os.fspath(path)
         with open(self.path, "rb") as f:
             version = np.lib.format.read_magic(f)
-            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                           else np.lib.format.read_array_header_2_0)
+            read_header = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
             shape, fortran, dtype = read_header(f)
             self.offset = f.tell()
         if fortran:
@@ -50,8 +53,10 @@ class NpyRows:
         self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
         expected = self.offset + self.shape[0] * self.row_bytes
         if os.path.getsize(self.path) < expected:
-            raise ValueError(f"{self.path}: the file is shorter ({os.path.getsize(self.path)} "
-                             f"bytes) than its header says ({expected})")
+            raise ValueError(
+                f"{self.path}: the file is shorter ({os.path.getsize(self.path)} "
+                f"bytes) than its header says ({expected})"
+            )
         self._fd = None
         self._lock = threading.Lock()
 
@@ -60,8 +65,11 @@ class NpyRows:
         """A new file of `shape` (zeros until written), its room reserved now: a
         full disk is an `OSError` here, not later."""
         path = os.fspath(path)
-        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
-                  "fortran_order": False, "shape": tuple(int(d) for d in shape)}
+        header = {
+            "descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+            "fortran_order": False,
+            "shape": tuple(int(d) for d in shape),
+        }
         with open(path, "wb") as f:
             np.lib.format.write_array_header_2_0(f, header)
             offset = f.tell()
@@ -87,8 +95,9 @@ class NpyRows:
         if self._fd is None:
             with self._lock:
                 if self._fd is None:
-                    self._fd = os.open(self.path, os.O_RDWR if os.access(self.path, os.W_OK)
-                                       else os.O_RDONLY)
+                    self._fd = os.open(
+                        self.path, os.O_RDWR if os.access(self.path, os.W_OK) else os.O_RDONLY
+                    )
         return self._fd
 
     def _read_run(self, start: int, count: int, out: np.ndarray) -> None:
@@ -96,8 +105,9 @@ class NpyRows:
         view = memoryview(out.reshape(-1).view(np.uint8))
         done = 0
         while done < want:
-            got = os.preadv(self._file(), [view[done:want]],
-                            self.offset + start * self.row_bytes + done)
+            got = os.preadv(
+                self._file(), [view[done:want]], self.offset + start * self.row_bytes + done
+            )
             if got <= 0:
                 raise OSError(f"{self.path}: short read at row {start}")
             done += got
@@ -154,8 +164,9 @@ class NpyRows:
         data = memoryview(rows.reshape(-1).view(np.uint8))
         done = 0
         while done < len(data):
-            done += os.pwrite(self._file(), data[done:], self.offset
-                              + start * self.row_bytes + done)
+            done += os.pwrite(
+                self._file(), data[done:], self.offset + start * self.row_bytes + done
+            )
 
     def flush(self) -> None:
         if self._fd is not None:

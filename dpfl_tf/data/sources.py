@@ -53,8 +53,10 @@ class IndexedSource:
     def __init__(self, labels):
         labels = np.asarray(labels)
         if labels.ndim != 1 or labels.dtype.kind not in "iu":
-            raise ValueError(f"labels must be 1-D integer class indices, got dtype "
-                             f"{labels.dtype} shape {labels.shape}")
+            raise ValueError(
+                f"labels must be 1-D integer class indices, got dtype "
+                f"{labels.dtype} shape {labels.shape}"
+            )
         self._labels = labels.astype(np.int64)
         self._labels.flags.writeable = False
         self._rows = None  # positions -> storage rows (None: the identity)
@@ -107,7 +109,7 @@ class IndexedSource:
         n = len(self)
         x = np.empty((n, *self.element_shape), self.dtype)
         for lo in range(0, n, batch_size):
-            x[lo:lo + batch_size] = self.__getitems__(np.arange(lo, min(n, lo + batch_size)))[0]
+            x[lo : lo + batch_size] = self.__getitems__(np.arange(lo, min(n, lo + batch_size)))[0]
         return x, self._labels.copy()
 
     # -- helpers ----------------------------------------------------------------
@@ -118,9 +120,11 @@ class IndexedSource:
         try:
             i = operator.index(index)
         except TypeError:
-            raise TypeError(f"a source is indexed by one integer, got "
-                            f"{type(index).__name__}; use __getitems__(indices) or "
-                            "subset(indices) for several records") from None
+            raise TypeError(
+                f"a source is indexed by one integer, got "
+                f"{type(index).__name__}; use __getitems__(indices) or "
+                "subset(indices) for several records"
+            ) from None
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"index {i} is out of range for a source of {n} records")
@@ -129,14 +133,15 @@ class IndexedSource:
     def _positions(self, indices) -> np.ndarray:
         idx = np.asarray(indices)
         if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
-            raise TypeError(f"indices must be a 1-D sequence of integers, got dtype "
-                            f"{idx.dtype} shape {idx.shape}")
+            raise TypeError(
+                f"indices must be a 1-D sequence of integers, got dtype "
+                f"{idx.dtype} shape {idx.shape}"
+            )
         idx = idx.astype(np.int64)
         n = len(self)
         bad = idx[(idx < -n) | (idx >= n)]
         if bad.size:
-            raise IndexError(f"index {int(bad[0])} is out of range for a source of "
-                             f"{n} records")
+            raise IndexError(f"index {int(bad[0])} is out of range for a source of {n} records")
         return np.where(idx < 0, idx + n, idx)
 
     def _read_record(self, pos: int, row: int) -> np.ndarray:
@@ -178,8 +183,7 @@ class ArraySource(IndexedSource):
         return np.asarray(self._x[rows])
 
     def __repr__(self) -> str:
-        return (f"ArraySource({len(self)} records of shape {self.element_shape} "
-                f"{self.dtype})")
+        return f"ArraySource({len(self)} records of shape {self.element_shape} {self.dtype})"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -215,5 +219,7 @@ class SourceDataset:
         return tuple(self.train.element_shape)
 
     def __repr__(self) -> str:
-        return (f"SourceDataset(name={self.name!r}, train={self.train!r}, test={self.test!r}, "
-                f"num_classes={self.num_classes}, source={str(self.source)!r})")
+        return (
+            f"SourceDataset(name={self.name!r}, train={self.train!r}, test={self.test!r}, "
+            f"num_classes={self.num_classes}, source={str(self.source)!r})"
+        )

@@ -74,14 +74,26 @@ import tensorflow as tf
 
 from dpfl_tf._seeds import derive_rng, derive_seed
 from dpfl_tf._validation import check_number
-from dpfl_tf.privacy.events import (SamplingMethod, clipped_upload_event,
-                                    complementary_noise_multiplier, gaussian_step_event,
-                                    joint_gaussian_step_event)
+from dpfl_tf.privacy.events import (
+    SamplingMethod,
+    clipped_upload_event,
+    complementary_noise_multiplier,
+    gaussian_step_event,
+    joint_gaussian_step_event,
+)
 from dpfl_tf.sanitizer import GaussianSanitizer
 from dpfl_tf.secure_random import refuse_seed
 
-__all__ = ["AggregateResult", "Aggregator", "ClientNoiseDPAggregator", "DistributedDPAggregator",
-           "GlobalDPAggregator", "MeanAggregator", "MedianAggregator", "update_norms"]
+__all__ = [
+    "AggregateResult",
+    "Aggregator",
+    "ClientNoiseDPAggregator",
+    "DistributedDPAggregator",
+    "GlobalDPAggregator",
+    "MeanAggregator",
+    "MedianAggregator",
+    "update_norms",
+]
 
 Update = Sequence[tf.Tensor]
 
@@ -126,12 +138,14 @@ class Aggregator:
         simulation of unreliable clients; False here)."""
         return False
 
-    def aggregate(self, uploads: Iterable[tuple[Update, float]], template: Update, *,
-                  expected_clients: float) -> AggregateResult:
+    def aggregate(
+        self, uploads: Iterable[tuple[Update, float]], template: Update, *, expected_clients: float
+    ) -> AggregateResult:
         raise NotImplementedError
 
-    def round_event(self, num_components: int, sampling: SamplingMethod | str,
-                    **sampling_args) -> dp_accounting.DpEvent | None:
+    def round_event(
+        self, num_components: int, sampling: SamplingMethod | str, **sampling_args
+    ) -> dp_accounting.DpEvent | None:
         """The DpEvent of one round's release (None: not private)."""
         return None
 
@@ -189,16 +203,19 @@ class MedianAggregator(Aggregator):
             count += 1
         if count == 0:
             return AggregateResult([tf.zeros_like(t) for t in template], 0)
-        out = [tf.constant(np.median(np.stack(s), axis=0), dtype=t.dtype)
-               for s, t in zip(stacks, template)]
+        out = [
+            tf.constant(np.median(np.stack(s), axis=0), dtype=t.dtype)
+            for s, t in zip(stacks, template)
+        ]
         return AggregateResult(out, count)
 
     def get_config(self) -> dict:
         return {"name": "median"}
 
 
-def _clip_update_tensors(sanitizer: GaussianSanitizer, update: Update,
-                         groups: Sequence[int] | None) -> tuple[list[tf.Tensor], tf.Tensor]:
+def _clip_update_tensors(
+    sanitizer: GaussianSanitizer, update: Update, groups: Sequence[int] | None
+) -> tuple[list[tf.Tensor], tf.Tensor]:
     """One update clipped by the sanitizer (flat, or per component given by `groups`):
     the clipped tensors and the per-component squared norms before clipping.
     An update with a NaN or inf entry is zeroed (the sanitizer's factor 0 applied
@@ -211,13 +228,13 @@ def _clip_update_tensors(sanitizer: GaussianSanitizer, update: Update,
     for t, g in zip(update, groups):
         sq[g] = sq[g] + tf.reshape(tf.reduce_sum(tf.square(t)), [1])
     factors = sanitizer.clip_factors(sq)
-    clipped = [sanitizer.apply_factors(t[None], factors[g])[0]
-               for t, g in zip(update, groups)]
+    clipped = [sanitizer.apply_factors(t[None], factors[g])[0] for t, g in zip(update, groups)]
     return clipped, tf.concat(sq, axis=0)
 
 
-def _clip_update(sanitizer: GaussianSanitizer, update: Update,
-                 groups: Sequence[int] | None) -> tuple[list[tf.Tensor], np.ndarray]:
+def _clip_update(
+    sanitizer: GaussianSanitizer, update: Update, groups: Sequence[int] | None
+) -> tuple[list[tf.Tensor], np.ndarray]:
     """Eager version: the clipped tensors and the per-component norms (numpy)."""
     clipped, sq = _clip_update_tensors(sanitizer, update, groups)
     return clipped, np.sqrt(sq.numpy())
@@ -226,14 +243,21 @@ def _clip_update(sanitizer: GaussianSanitizer, update: Update,
 class _SanitizedAggregator(Aggregator):
     private = True
 
-    def __init__(self, sanitizer: GaussianSanitizer, groups: Sequence[int] | None = None,
-                 secure_mode: bool = False):
+    def __init__(
+        self,
+        sanitizer: GaussianSanitizer,
+        groups: Sequence[int] | None = None,
+        secure_mode: bool = False,
+    ):
         if not isinstance(sanitizer, GaussianSanitizer):
-            raise TypeError(f"sanitizer must be a GaussianSanitizer, got "
-                            f"{type(sanitizer).__name__}")
+            raise TypeError(
+                f"sanitizer must be a GaussianSanitizer, got {type(sanitizer).__name__}"
+            )
         if secure_mode and not sanitizer.secure_mode:
-            raise ValueError("secure_mode=True needs the sanitizer built with secure_mode=True "
-                             f"(noise resistant to floating-point attacks), got {sanitizer!r}")
+            raise ValueError(
+                "secure_mode=True needs the sanitizer built with secure_mode=True "
+                f"(noise resistant to floating-point attacks), got {sanitizer!r}"
+            )
         #: secure mode (`dpfl_tf.secure_random`): every noise draw of this aggregator is
         #: secure and no seed is accepted (`reseed` refuses).
         self.secure_mode = bool(secure_mode) or sanitizer.secure_mode
@@ -242,8 +266,9 @@ class _SanitizedAggregator(Aggregator):
         # one graph call per client for clip (+ noise / + accumulate): no per-op overhead
         self._clip_accumulate = tf.function(self._clip_accumulate_step, reduce_retracing=True)
         self._clip_noise = tf.function(self._clip_noise_step, reduce_retracing=True)
-        if self.groups is not None and \
-                sorted(set(self.groups)) != list(range(max(self.groups) + 1)):
+        if self.groups is not None and sorted(set(self.groups)) != list(
+            range(max(self.groups) + 1)
+        ):
             raise ValueError(f"groups must number components 0..k-1 without gaps, got {groups}")
 
     def _clip_accumulate_step(self, state, update):
@@ -267,8 +292,10 @@ class _SanitizedAggregator(Aggregator):
 
     def _check_template(self, template: Update) -> None:
         if self.groups is not None and len(self.groups) != len(template):
-            raise ValueError(f"groups has {len(self.groups)} entries but the model has "
-                             f"{len(template)} trainable variables")
+            raise ValueError(
+                f"groups has {len(self.groups)} entries but the model has "
+                f"{len(template)} trainable variables"
+            )
         self.sanitizer.clip_bounds(self.num_components(template))  # validates per-layer count
 
 
@@ -327,31 +354,44 @@ class GlobalDPAggregator(_SanitizedAggregator):
         sanitizer are built secure too, and `reseed` refuses.
     """
 
-    def __init__(self, sanitizer: GaussianSanitizer, *, clip: str = "fixed",
-                 groups: Sequence[int] | None = None, target_quantile: float = 0.5,
-                 clip_learning_rate: float = 0.2, count_stddev: float | None = None,
-                 secure_mode: bool = False):
+    def __init__(
+        self,
+        sanitizer: GaussianSanitizer,
+        *,
+        clip: str = "fixed",
+        groups: Sequence[int] | None = None,
+        target_quantile: float = 0.5,
+        clip_learning_rate: float = 0.2,
+        count_stddev: float | None = None,
+        secure_mode: bool = False,
+    ):
         super().__init__(sanitizer, groups, secure_mode)
         if clip == "median":
-            raise ValueError("clip='median' (the median of the round's raw update norms, read "
-                             "without noise: not differentially private) is no longer offered; "
-                             "use clip='adaptive' (DP adaptive clipping, Andrew et al. 2021)")
+            raise ValueError(
+                "clip='median' (the median of the round's raw update norms, read "
+                "without noise: not differentially private) is no longer offered; "
+                "use clip='adaptive' (DP adaptive clipping, Andrew et al. 2021)"
+            )
         if clip not in ("fixed", "adaptive"):
             raise ValueError(f"clip must be 'fixed' or 'adaptive', got {clip!r}")
         self.clip = clip
-        self.target_quantile = check_number("target_quantile", target_quantile, low=0.0,
-                                            high=1.0)
-        self.clip_learning_rate = check_number("clip_learning_rate", clip_learning_rate,
-                                               low=0.0, low_open=True)
+        self.target_quantile = check_number("target_quantile", target_quantile, low=0.0, high=1.0)
+        self.clip_learning_rate = check_number(
+            "clip_learning_rate", clip_learning_rate, low=0.0, low_open=True
+        )
         self.count_stddev = None
         if clip == "adaptive":
             if sanitizer.per_layer:
-                raise ValueError("clip='adaptive' adapts one flat bound; got a per-layer "
-                                 f"sanitizer (l2_norm_clip={sanitizer.l2_norm_clip!r})")
+                raise ValueError(
+                    "clip='adaptive' adapts one flat bound; got a per-layer "
+                    f"sanitizer (l2_norm_clip={sanitizer.l2_norm_clip!r})"
+                )
             if count_stddev is None:
-                raise ValueError("clip='adaptive' needs count_stddev (sigma_b, the noise std "
-                                 "of the count of unclipped clients; Andrew et al. use 0.05 x "
-                                 "the expected clients per round)")
+                raise ValueError(
+                    "clip='adaptive' needs count_stddev (sigma_b, the noise std "
+                    "of the count of unclipped clients; Andrew et al. use 0.05 x "
+                    "the expected clients per round)"
+                )
             self.count_stddev = check_number("count_stddev", count_stddev, low=0.0)
             z = sanitizer.noise_multiplier
             if z > 0 and self.count_stddev > 0 and 2 * self.count_stddev <= z:
@@ -359,12 +399,14 @@ class GlobalDPAggregator(_SanitizedAggregator):
                     f"count_stddev must be > noise_multiplier / 2 = {z / 2:g} (the count "
                     f"release alone, multiplier 2 x count_stddev = {2 * self.count_stddev:g}, "
                     f"would cost more than the round's noise_multiplier {z:g} allows), got "
-                    f"{self.count_stddev:g}")
+                    f"{self.count_stddev:g}"
+                )
             self._count = GaussianSanitizer(
-                0.5, 2.0 * self.count_stddev,
-                seed=None if sanitizer.seed is None else derive_seed(sanitizer.seed,
-                                                                       "count-noise"),
-                secure_mode=self.secure_mode)
+                0.5,
+                2.0 * self.count_stddev,
+                seed=None if sanitizer.seed is None else derive_seed(sanitizer.seed, "count-noise"),
+                secure_mode=self.secure_mode,
+            )
         self.clip_bound = float(sanitizer.l2_norm_clip) if not sanitizer.per_layer else None
 
     # -- the noise multipliers of the two releases --------------------------------
@@ -383,9 +425,12 @@ class GlobalDPAggregator(_SanitizedAggregator):
         """This round's update sanitizer: bound C_t, multiplier z_Delta, the same generator."""
         if self.clip == "fixed":
             return self.sanitizer
-        return GaussianSanitizer(self.clip_bound, self.update_noise_multiplier(),
-                                 generator=self.sanitizer.generator,
-                                 secure_mode=self.secure_mode)
+        return GaussianSanitizer(
+            self.clip_bound,
+            self.update_noise_multiplier(),
+            generator=self.sanitizer.generator,
+            secure_mode=self.secure_mode,
+        )
 
     def aggregate(self, uploads, template, *, expected_clients: float) -> AggregateResult:
         if not expected_clients or expected_clients <= 0:
@@ -397,12 +442,12 @@ class GlobalDPAggregator(_SanitizedAggregator):
         bits = self._count.initial_state([tf.zeros([1])]) if adaptive else None
         count = 0
         for update, _ in uploads:
-            if not adaptive:                   # fixed S: one compiled call per client
+            if not adaptive:  # fixed S: one compiled call per client
                 state, _ = self._clip_accumulate(state, list(update))
-            else:                              # this round's C_t; b_k - 1/2 into the count
+            else:  # this round's C_t; b_k - 1/2 into the count
                 clipped, sq = _clip_update_tensors(sanitizer, list(update), self.groups)
                 state = sanitizer.accumulate(state, clipped)
-                norm = tf.sqrt(tf.reduce_sum(sq))     # NaN (non-finite update): b_k = 0
+                norm = tf.sqrt(tf.reduce_sum(sq))  # NaN (non-finite update): b_k = 0
                 below = tf.cast(norm <= tf.cast(self.clip_bound, norm.dtype), tf.float32)
                 bits = self._count.accumulate(bits, [tf.reshape(below - 0.5, [1])])
             count += 1
@@ -411,13 +456,17 @@ class GlobalDPAggregator(_SanitizedAggregator):
         # history, the results file and Flower's metrics): the bound used and, with
         # adaptive clipping, the noised fraction and the next bound.  No statistic of
         # the raw norms (such as the fraction clipped) leaves the aggregator.
-        info: dict[str, Any] = {"clip": sanitizer.l2_norm_clip if not sanitizer.per_layer
-                                else list(sanitizer.l2_norm_clip)}
+        info: dict[str, Any] = {
+            "clip": sanitizer.l2_norm_clip
+            if not sanitizer.per_layer
+            else list(sanitizer.l2_norm_clip)
+        }
         if adaptive:
-            released = float(self._count.add_noise(bits)[0][0])     # R_t, the noised count
+            released = float(self._count.add_noise(bits)[0][0])  # R_t, the noised count
             below = min(1.0, max(0.0, released / expected_clients + 0.5))
             self.clip_bound = self.clip_bound * math.exp(
-                -self.clip_learning_rate * (below - self.target_quantile))
+                -self.clip_learning_rate * (below - self.target_quantile)
+            )
             info.update(unclipped_fraction_noised=below, clip_next=self.clip_bound)
         return AggregateResult([t / expected_clients for t in noised], count, info)
 
@@ -425,12 +474,12 @@ class GlobalDPAggregator(_SanitizedAggregator):
         if self.clip == "fixed":
             return self.sanitizer.event(num_components, sampling, **sampling_args)
         z_delta, z_count = self.update_noise_multiplier(), self.count_noise_multiplier()
-        if z_delta == 0 or z_count == 0:   # an exact update sum or an exact count
+        if z_delta == 0 or z_count == 0:  # an exact update sum or an exact count
             return dp_accounting.NonPrivateDpEvent()
         return joint_gaussian_step_event([z_delta, z_count], sampling, **sampling_args)
 
     def reseed(self, seed: int) -> None:
-        super().reseed(seed)      # refuses in secure mode
+        super().reseed(seed)  # refuses in secure mode
         if self.clip == "adaptive":
             self._count.generator.reset_from_seed(derive_seed(seed, "count-noise"))
 
@@ -439,29 +488,40 @@ class GlobalDPAggregator(_SanitizedAggregator):
 
     def set_state(self, state: dict) -> None:
         if self.clip == "adaptive":
-            self.clip_bound = check_number("clip_bound", state["clip_bound"], low=0.0,
-                                           low_open=True)
+            self.clip_bound = check_number(
+                "clip_bound", state["clip_bound"], low=0.0, low_open=True
+            )
 
     def clipping_report(self) -> dict:
         """How updates were clipped, for the privacy report."""
         if self.clip == "fixed":
             return {"mode": "fixed", "clip": self.sanitizer.l2_norm_clip}
-        return {"mode": "adaptive (Andrew et al. 2021)",
-                "initial_clip": self.sanitizer.l2_norm_clip, "current_clip": self.clip_bound,
-                "target_quantile": self.target_quantile,
-                "clip_learning_rate": self.clip_learning_rate,
-                "count_stddev": self.count_stddev,
-                "update_noise_multiplier": self.update_noise_multiplier(),
-                "count_noise_multiplier": self.count_noise_multiplier(),
-                "joint_noise_multiplier": self.sanitizer.noise_multiplier}
+        return {
+            "mode": "adaptive (Andrew et al. 2021)",
+            "initial_clip": self.sanitizer.l2_norm_clip,
+            "current_clip": self.clip_bound,
+            "target_quantile": self.target_quantile,
+            "clip_learning_rate": self.clip_learning_rate,
+            "count_stddev": self.count_stddev,
+            "update_noise_multiplier": self.update_noise_multiplier(),
+            "count_noise_multiplier": self.count_noise_multiplier(),
+            "joint_noise_multiplier": self.sanitizer.noise_multiplier,
+        }
 
     def get_config(self) -> dict:
-        config = {"name": "global_dp", "clip": self.clip, "groups": self.groups,
-                  "sanitizer": self.sanitizer.get_config(), "secure_mode": self.secure_mode}
+        config = {
+            "name": "global_dp",
+            "clip": self.clip,
+            "groups": self.groups,
+            "sanitizer": self.sanitizer.get_config(),
+            "secure_mode": self.secure_mode,
+        }
         if self.clip == "adaptive":
-            config.update(target_quantile=self.target_quantile,
-                          clip_learning_rate=self.clip_learning_rate,
-                          count_stddev=self.count_stddev)
+            config.update(
+                target_quantile=self.target_quantile,
+                clip_learning_rate=self.clip_learning_rate,
+                count_stddev=self.count_stddev,
+            )
         return config
 
 
@@ -481,8 +541,13 @@ class ClientNoiseDPAggregator(_SanitizedAggregator):
 
     client_noise = True
 
-    def __init__(self, sanitizer: GaussianSanitizer, *, groups: Sequence[int] | None = None,
-                 secure_mode: bool = False):
+    def __init__(
+        self,
+        sanitizer: GaussianSanitizer,
+        *,
+        groups: Sequence[int] | None = None,
+        secure_mode: bool = False,
+    ):
         super().__init__(sanitizer, groups, secure_mode)
 
     def client_transform(self, update: Update) -> list[tf.Tensor]:
@@ -498,8 +563,9 @@ class ClientNoiseDPAggregator(_SanitizedAggregator):
         for update, _ in uploads:
             total = [s + u for s, u in zip(total, update)]
             count += 1
-        return AggregateResult([t / expected_clients for t in total], count,
-                               {"clip": self.sanitizer.l2_norm_clip})
+        return AggregateResult(
+            [t / expected_clients for t in total], count, {"clip": self.sanitizer.l2_norm_clip}
+        )
 
     def upload_noise_multiplier(self, num_components: int) -> float:
         """z: noise std / sensitivity of one upload (the sanitizer's effective multiplier)."""
@@ -520,7 +586,8 @@ class ClientNoiseDPAggregator(_SanitizedAggregator):
             raise ValueError(
                 "DP-FedAvg with client-side noise is accounted for fixed-size client sampling "
                 "only (sampling='fixed_size'): the released sum's noise is N(0, m z^2 S^2) and "
-                f"m must not depend on whether a client took part; got sampling={method.value!r}")
+                f"m must not depend on whether a client took part; got sampling={method.value!r}"
+            )
         m = sampling_args.get("lot_size")
         if m is None:
             raise ValueError("fixed-size sampling needs lot_size (clients per round)")
@@ -530,8 +597,12 @@ class ClientNoiseDPAggregator(_SanitizedAggregator):
         return gaussian_step_event(z_agg, method, **sampling_args)
 
     def get_config(self) -> dict:
-        return {"name": "client_dp", "groups": self.groups,
-                "sanitizer": self.sanitizer.get_config(), "secure_mode": self.secure_mode}
+        return {
+            "name": "client_dp",
+            "groups": self.groups,
+            "sanitizer": self.sanitizer.get_config(),
+            "secure_mode": self.secure_mode,
+        }
 
 
 class DistributedDPAggregator(Aggregator):
@@ -571,16 +642,24 @@ class DistributedDPAggregator(Aggregator):
     private = True
     client_noise = True
 
-    def __init__(self, mechanism, *, dropout_rate: float = 0.0, dropout_seed: int = 0,
-                 rotation_key: int | None = None, secure_mode: bool = False):
+    def __init__(
+        self,
+        mechanism,
+        *,
+        dropout_rate: float = 0.0,
+        dropout_seed: int = 0,
+        rotation_key: int | None = None,
+        secure_mode: bool = False,
+    ):
         from dpfl_tf.discrete_noise import GeneratorSource, SecureSource
         from dpfl_tf.federated.distributed_dp import DistributedDP
 
         if not isinstance(mechanism, DistributedDP):
             raise TypeError(f"mechanism must be a DistributedDP, got {type(mechanism).__name__}")
         self.mechanism = mechanism
-        self.dropout_rate = check_number("dropout_rate", dropout_rate, low=0.0, high=1.0,
-                                         high_open=True)
+        self.dropout_rate = check_number(
+            "dropout_rate", dropout_rate, low=0.0, high=1.0, high_open=True
+        )
         self.dropout_seed = int(dropout_seed)
         self.secure_mode = bool(secure_mode)
         refuse_seed(self.secure_mode, rotation_key, "rotation_key")
@@ -627,16 +706,16 @@ class DistributedDPAggregator(Aggregator):
         from dpfl_tf.federated.distributed_dp import unflatten
 
         mech = self.mechanism
-        info: dict[str, Any] = {"clip": mech.l2_norm_clip, "bits": mech.bits,
-                                "uploads": int(count)}
+        info: dict[str, Any] = {"clip": mech.l2_norm_clip, "bits": mech.bits, "uploads": int(count)}
         if count < mech.min_clients:
-            info["aborted"] = (f"{count} uploads < min_clients={mech.min_clients}: the secure "
-                               "aggregation releases nothing")
+            info["aborted"] = (
+                f"{count} uploads < min_clients={mech.min_clients}: the secure "
+                "aggregation releases nothing"
+            )
             return AggregateResult([tf.zeros_like(t) for t in template], int(count), info)
         flat = mech.decode(total, self.rotation_seed()) / count
         shapes = [tuple(t.shape) for t in template]
-        update = [tf.constant(a, dtype=t.dtype) for a, t in zip(unflatten(flat, shapes),
-                                                                 template)]
+        update = [tf.constant(a, dtype=t.dtype) for a, t in zip(unflatten(flat, shapes), template)]
         return AggregateResult(update, int(count), info)
 
     def round_event(self, num_components, sampling, **sampling_args):
@@ -651,15 +730,23 @@ class DistributedDPAggregator(Aggregator):
 
         n_max = int(participations.max()) if len(participations) else 0
         event = self.mechanism.event()
-        eps = (compute_epsilon(dp_accounting.SelfComposedDpEvent(event, n_max), delta, "rdp")
-               if n_max else 0.0)
-        return {"participation_event": describe_event(event), "max_participations": n_max,
-                "mean_participations": float(np.mean(participations)) if len(participations)
-                else 0.0, "epsilon": None if math.isinf(eps) else eps, "delta": delta,
-                "epsilon_is_infinite": math.isinf(eps), "accountant": "rdp",
-                "relation": "replace-one (the server knows who took part)",
-                "note": "per client, over the rounds it took part in; the server sees only "
-                        "the secure sum of >= min_clients noised vectors"}
+        eps = (
+            compute_epsilon(dp_accounting.SelfComposedDpEvent(event, n_max), delta, "rdp")
+            if n_max
+            else 0.0
+        )
+        return {
+            "participation_event": describe_event(event),
+            "max_participations": n_max,
+            "mean_participations": float(np.mean(participations)) if len(participations) else 0.0,
+            "epsilon": None if math.isinf(eps) else eps,
+            "delta": delta,
+            "epsilon_is_infinite": math.isinf(eps),
+            "accountant": "rdp",
+            "relation": "replace-one (the server knows who took part)",
+            "note": "per client, over the rounds it took part in; the server sees only "
+            "the secure sum of >= min_clients noised vectors",
+        }
 
     def get_state(self) -> dict:
         return {"rotation_key": self.rotation_key}
@@ -670,13 +757,21 @@ class DistributedDPAggregator(Aggregator):
 
     def get_config(self) -> dict:
         mech = self.mechanism
-        return {"name": "distributed_dp", "mechanism": mech.mechanism.value, "bits": mech.bits,
-                "clip": mech.l2_norm_clip, "noise_multiplier": mech.noise_multiplier,
-                "clients_per_round": mech.clients_per_round, "min_clients": mech.min_clients,
-                "dimension": mech.dimension, "beta": mech.beta,
-                "overflow_probability": mech.overflow_probability,
-                "block_size": mech.block_size, "dropout_rate": self.dropout_rate,
-                "secure_mode": self.secure_mode}
+        return {
+            "name": "distributed_dp",
+            "mechanism": mech.mechanism.value,
+            "bits": mech.bits,
+            "clip": mech.l2_norm_clip,
+            "noise_multiplier": mech.noise_multiplier,
+            "clients_per_round": mech.clients_per_round,
+            "min_clients": mech.min_clients,
+            "dimension": mech.dimension,
+            "beta": mech.beta,
+            "overflow_probability": mech.overflow_probability,
+            "block_size": mech.block_size,
+            "dropout_rate": self.dropout_rate,
+            "secure_mode": self.secure_mode,
+        }
 
 
 def dropped_out(rate: float, seed: int, t: int, client_id: int) -> bool:

@@ -30,7 +30,7 @@ def _int(text: str) -> int:
 
 
 def _clip(text: str):
-    if text in ("adaptive", "median"):   # "median" reaches the config, which names its successor
+    if text in ("adaptive", "median"):  # "median" reaches the config, which names its successor
         return text
     return float_arg(text)
 
@@ -40,8 +40,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     the config resolves from other settings (None here) is described in words."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False \
-                or "default" in (action.help or ""):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -55,7 +54,8 @@ DEFAULTS_REACH = (
     "2017) ~90% at epsilon 8.9 (delta 1e-5) in ~0.5 min; --dp client (z = 0.2 per upload, "
     "so z sqrt(m) = 2 on the released mean) ~87% at epsilon 14 for the released model (and "
     "~1,300 per client against the server) in ~0.6 min; --dp local (PNPM, epsilon 2 per "
-    "coordinate, signs only) ~90% in ~3 min. See docs/howto/federated.md.")
+    "coordinate, signs only) ~90% in ~3 min. See docs/howto/federated.md."
+)
 
 
 def add_federated_parser(subparsers) -> argparse.ArgumentParser:
@@ -65,8 +65,14 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
 
     from dpfl_tf.federated.distributed_dp import DistributedMechanism
     from dpfl_tf.federated.partition import PartitionScheme
-    from dpfl_tf.federated.runner import (CLIENT_SAMPLING, DEFAULT_NOISE_MULTIPLIER, MODELS,
-                                          AggregatorKind, DPMode, FederatedConfig)
+    from dpfl_tf.federated.runner import (
+        CLIENT_SAMPLING,
+        DEFAULT_NOISE_MULTIPLIER,
+        MODELS,
+        AggregatorKind,
+        DPMode,
+        FederatedConfig,
+    )
     from dpfl_tf.federated.settings import MechanismKind
     from dpfl_tf.privacy.accountants import AccountantKind
 
@@ -76,125 +82,258 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
         return [m.value for m in enum]
 
     p = subparsers.add_parser(
-        "federated", help="federated averaging with client-level DP (Geyer et al. 2017)",
+        "federated",
+        help="federated averaging with client-level DP (Geyer et al. 2017)",
         formatter_class=_HelpFormatter,
         description="FedAvg / FedMedian over simulated clients, optionally with client-level "
-                    "Global DP (server-side noise), DP-FedAvg with client-side noise, or "
-                    "local DP on every upload. " + DEFAULTS_REACH)
+        "Global DP (server-side noise), DP-FedAvg with client-side noise, or "
+        "local DP on every upload. " + DEFAULTS_REACH,
+    )
     d = p.add_argument_group("data and clients")
     d.add_argument("--dataset", default=default["dataset"], help="registered dataset name")
-    d.add_argument("--clients", "-K", type=_int, default=default["clients"],
-                   help="number of clients K")
-    d.add_argument("--partition", default=default["partition"].value,
-                   choices=values(PartitionScheme), help="how the training set is split")
-    d.add_argument("--dirichlet-alpha", type=float_arg, default=default["dirichlet_alpha"],
-                   help="--partition dirichlet: concentration alpha")
-    d.add_argument("--train-subset", type=_int,
-                   help="use only this many training examples (default: all)")
+    d.add_argument(
+        "--clients", "-K", type=_int, default=default["clients"], help="number of clients K"
+    )
+    d.add_argument(
+        "--partition",
+        default=default["partition"].value,
+        choices=values(PartitionScheme),
+        help="how the training set is split",
+    )
+    d.add_argument(
+        "--dirichlet-alpha",
+        type=float_arg,
+        default=default["dirichlet_alpha"],
+        help="--partition dirichlet: concentration alpha",
+    )
+    d.add_argument(
+        "--train-subset", type=_int, help="use only this many training examples (default: all)"
+    )
     s = p.add_argument_group("rounds")
     who = s.add_mutually_exclusive_group()
-    who.add_argument("--clients-per-round", "-m", type=_int,
-                     help="m clients per round (default: --fraction 0.1, i.e. m = K/10)")
-    who.add_argument("--fraction", "-C", type=float_arg,
-                     help="fraction C of clients per round (default 0.1)")
-    s.add_argument("--sampling", choices=[m.value for m in CLIENT_SAMPLING],
-                   help="Poisson (rate m/K) or m without replacement (default: poisson; "
-                        "fixed_size with --dp client)")
-    s.add_argument("--cohorts", type=_int,
-                   help="--dp ftrl/banded_mf/blt: b cohorts of clients (client k in cohort "
-                        "k mod b) take turns, so a client's rounds are b apart; --fraction is "
-                        "then the share of the cohort each round, default 1 (default: none; "
-                        "required with those modes)")
-    s.add_argument("--rounds", "-T", type=_int, default=default["rounds"],
-                   help="maximum number of rounds")
-    s.add_argument("--local-epochs", "-E", type=_int, default=default["local_epochs"],
-                   help="local epochs per round")
-    s.add_argument("--local-batch-size", "-B", type=_int, default=default["local_batch_size"],
-                   help="local batch size")
-    s.add_argument("--lr", type=float_arg, default=default["learning_rate"],
-                   help="local learning rate")
-    s.add_argument("--momentum", type=float_arg, default=default["momentum"],
-                   help="local heavy-ball momentum")
-    s.add_argument("--aggregator", default=default["aggregator"].value,
-                   choices=values(AggregatorKind), help="FedAvg mean or FedMedian")
-    s.add_argument("--hidden", default=",".join(str(h) for h in default["hidden"]),
-                   help="--model mlp: hidden layer widths, comma separated")
-    s.add_argument("--model", default=default["model"], choices=list(MODELS),
-                   help="mlp (--hidden), or the PNPM experiments' CNN with 2 or 3 conv layers")
+    who.add_argument(
+        "--clients-per-round",
+        "-m",
+        type=_int,
+        help="m clients per round (default: --fraction 0.1, i.e. m = K/10)",
+    )
+    who.add_argument(
+        "--fraction", "-C", type=float_arg, help="fraction C of clients per round (default 0.1)"
+    )
+    s.add_argument(
+        "--sampling",
+        choices=[m.value for m in CLIENT_SAMPLING],
+        help="Poisson (rate m/K) or m without replacement (default: poisson; "
+        "fixed_size with --dp client)",
+    )
+    s.add_argument(
+        "--cohorts",
+        type=_int,
+        help="--dp ftrl/banded_mf/blt: b cohorts of clients (client k in cohort "
+        "k mod b) take turns, so a client's rounds are b apart; --fraction is "
+        "then the share of the cohort each round, default 1 (default: none; "
+        "required with those modes)",
+    )
+    s.add_argument(
+        "--rounds", "-T", type=_int, default=default["rounds"], help="maximum number of rounds"
+    )
+    s.add_argument(
+        "--local-epochs",
+        "-E",
+        type=_int,
+        default=default["local_epochs"],
+        help="local epochs per round",
+    )
+    s.add_argument(
+        "--local-batch-size",
+        "-B",
+        type=_int,
+        default=default["local_batch_size"],
+        help="local batch size",
+    )
+    s.add_argument(
+        "--lr", type=float_arg, default=default["learning_rate"], help="local learning rate"
+    )
+    s.add_argument(
+        "--momentum", type=float_arg, default=default["momentum"], help="local heavy-ball momentum"
+    )
+    s.add_argument(
+        "--aggregator",
+        default=default["aggregator"].value,
+        choices=values(AggregatorKind),
+        help="FedAvg mean or FedMedian",
+    )
+    s.add_argument(
+        "--hidden",
+        default=",".join(str(h) for h in default["hidden"]),
+        help="--model mlp: hidden layer widths, comma separated",
+    )
+    s.add_argument(
+        "--model",
+        default=default["model"],
+        choices=list(MODELS),
+        help="mlp (--hidden), or the PNPM experiments' CNN with 2 or 3 conv layers",
+    )
     q = p.add_argument_group("privacy")
-    q.add_argument("--dp", default=default["dp"].value, choices=values(DPMode),
-                   help="none, global (server noise), client (client-side noise), local, "
-                        "distributed (discrete noise shares + secure aggregation); ftrl, "
-                        "banded_mf, blt: server noise correlated across rounds, with "
-                        "--cohorts (docs/concepts/correlated-noise.md)")
-    q.add_argument("--clip", "-S", type=_clip, default=default["clip"],
-                   help="clip bound S > 0, or 'adaptive' (DP adaptive clipping, Andrew et al. "
-                        "2021; --dp global, flat)")
-    q.add_argument("--clip-initial", type=float_arg, default=default["clip_initial"],
-                   help="--clip adaptive: the first round's bound C_0")
-    q.add_argument("--clip-quantile", type=float_arg, default=default["clip_quantile"],
-                   help="--clip adaptive: target quantile gamma of the update norms")
-    q.add_argument("--clip-lr", type=float_arg, default=default["clip_lr"],
-                   help="--clip adaptive: learning rate eta_C of the geometric update")
-    q.add_argument("--clip-count-stddev", type=float_arg,
-                   help="--clip adaptive: noise std sigma_b of the count of unclipped clients "
-                        "(default 0.05 x the expected clients per round)")
+    q.add_argument(
+        "--dp",
+        default=default["dp"].value,
+        choices=values(DPMode),
+        help="none, global (server noise), client (client-side noise), local, "
+        "distributed (discrete noise shares + secure aggregation); ftrl, "
+        "banded_mf, blt: server noise correlated across rounds, with "
+        "--cohorts (docs/concepts/correlated-noise.md)",
+    )
+    q.add_argument(
+        "--clip",
+        "-S",
+        type=_clip,
+        default=default["clip"],
+        help="clip bound S > 0, or 'adaptive' (DP adaptive clipping, Andrew et al. "
+        "2021; --dp global, flat)",
+    )
+    q.add_argument(
+        "--clip-initial",
+        type=float_arg,
+        default=default["clip_initial"],
+        help="--clip adaptive: the first round's bound C_0",
+    )
+    q.add_argument(
+        "--clip-quantile",
+        type=float_arg,
+        default=default["clip_quantile"],
+        help="--clip adaptive: target quantile gamma of the update norms",
+    )
+    q.add_argument(
+        "--clip-lr",
+        type=float_arg,
+        default=default["clip_lr"],
+        help="--clip adaptive: learning rate eta_C of the geometric update",
+    )
+    q.add_argument(
+        "--clip-count-stddev",
+        type=float_arg,
+        help="--clip adaptive: noise std sigma_b of the count of unclipped clients "
+        "(default 0.05 x the expected clients per round)",
+    )
     q.add_argument("--per-layer", action="store_true", help="one bound S per layer")
-    noise = ", ".join(f"{v:g} with --dp {k}" for k, v in DEFAULT_NOISE_MULTIPLIER.items()
-                      if v)
-    q.add_argument("--noise-multiplier", "-z", type=float_arg,
-                   help=f"sigma (global) or z per upload (client) (default: {noise})")
-    q.add_argument("--epsilon", type=float_arg,
-                   help="target epsilon: stop before exceeding it (default: no target)")
-    q.add_argument("--delta-max", type=float_arg,
-                   help="delta bound (< 1/K; default min(1e-5, 0.1/K))")
-    q.add_argument("--accountant", choices=values(AccountantKind),
-                   help="default: moments; rdp with fixed_size sampling (the only one that "
-                        "reads it)")
-    q.add_argument("--ddp-mechanism", default=default["ddp_mechanism"],
-                   choices=values(DistributedMechanism),
-                   help="--dp distributed: each client's noise share (the distributed discrete "
-                        "Gaussian, Kairouz et al. 2021, or Skellam, Agarwal et al. 2021)")
-    q.add_argument("--bits", "-b", type=_int, default=default["bits"],
-                   help="--dp distributed: bits per coordinate of the secure sum (modulus 2^b)")
-    q.add_argument("--min-clients", type=_int,
-                   help="--dp distributed: the fewest uploads the secure aggregation finishes "
-                        "a round with; the accounting assumes only their noise (default m)")
-    q.add_argument("--dropout-rate", type=float_arg, default=default["dropout_rate"],
-                   help="--dp distributed: simulated probability that a sampled client drops "
-                        "out before uploading (needs --min-clients)")
-    q.add_argument("--secure-mode", action="store_true",
-                   help="--dp global/client/distributed: noise resistant to floating-point "
-                        "attacks (distributed: exact discrete noise from the OS's secure "
-                        "source) and client sampling from os.urandom (dpfl_tf.secure_random); "
-                        "no seed reaches the DP randomness")
-    q.add_argument("--ldp-mechanism", default=default["ldp_mechanism"],
-                   choices=values(MechanismKind), help="--dp local: the per-coordinate randomiser")
-    q.add_argument("--ldp-epsilon", type=float_arg, default=default["ldp_epsilon"],
-                   help="--dp local: epsilon per coordinate (NOT per model)")
-    q.add_argument("--ldp-bound", default=default["ldp_bound"],
-                   help="--dp local: public clip range [-r, r] of every weight, or 'init' "
-                        "(margin x the initial model's largest |w| per tensor)")
-    q.add_argument("--ldp-bound-margin", type=float_arg, default=default["ldp_bound_margin"],
-                   help="--dp local, --ldp-bound init: the margin")
+    noise = ", ".join(f"{v:g} with --dp {k}" for k, v in DEFAULT_NOISE_MULTIPLIER.items() if v)
+    q.add_argument(
+        "--noise-multiplier",
+        "-z",
+        type=float_arg,
+        help=f"sigma (global) or z per upload (client) (default: {noise})",
+    )
+    q.add_argument(
+        "--epsilon",
+        type=float_arg,
+        help="target epsilon: stop before exceeding it (default: no target)",
+    )
+    q.add_argument(
+        "--delta-max", type=float_arg, help="delta bound (< 1/K; default min(1e-5, 0.1/K))"
+    )
+    q.add_argument(
+        "--accountant",
+        choices=values(AccountantKind),
+        help="default: moments; rdp with fixed_size sampling (the only one that reads it)",
+    )
+    q.add_argument(
+        "--ddp-mechanism",
+        default=default["ddp_mechanism"],
+        choices=values(DistributedMechanism),
+        help="--dp distributed: each client's noise share (the distributed discrete "
+        "Gaussian, Kairouz et al. 2021, or Skellam, Agarwal et al. 2021)",
+    )
+    q.add_argument(
+        "--bits",
+        "-b",
+        type=_int,
+        default=default["bits"],
+        help="--dp distributed: bits per coordinate of the secure sum (modulus 2^b)",
+    )
+    q.add_argument(
+        "--min-clients",
+        type=_int,
+        help="--dp distributed: the fewest uploads the secure aggregation finishes "
+        "a round with; the accounting assumes only their noise (default m)",
+    )
+    q.add_argument(
+        "--dropout-rate",
+        type=float_arg,
+        default=default["dropout_rate"],
+        help="--dp distributed: simulated probability that a sampled client drops "
+        "out before uploading (needs --min-clients)",
+    )
+    q.add_argument(
+        "--secure-mode",
+        action="store_true",
+        help="--dp global/client/distributed: noise resistant to floating-point "
+        "attacks (distributed: exact discrete noise from the OS's secure "
+        "source) and client sampling from os.urandom (dpfl_tf.secure_random); "
+        "no seed reaches the DP randomness",
+    )
+    q.add_argument(
+        "--ldp-mechanism",
+        default=default["ldp_mechanism"],
+        choices=values(MechanismKind),
+        help="--dp local: the per-coordinate randomiser",
+    )
+    q.add_argument(
+        "--ldp-epsilon",
+        type=float_arg,
+        default=default["ldp_epsilon"],
+        help="--dp local: epsilon per coordinate (NOT per model)",
+    )
+    q.add_argument(
+        "--ldp-bound",
+        default=default["ldp_bound"],
+        help="--dp local: public clip range [-r, r] of every weight, or 'init' "
+        "(margin x the initial model's largest |w| per tensor)",
+    )
+    q.add_argument(
+        "--ldp-bound-margin",
+        type=float_arg,
+        default=default["ldp_bound_margin"],
+        help="--dp local, --ldp-bound init: the margin",
+    )
     o = p.add_argument_group("run")
-    o.add_argument("--seed", type=_int, default=default["seed"],
-                   help="partition, initial model, sampling and batch order")
-    o.add_argument("--eval-every", type=_int, default=default["eval_every"],
-                   help="evaluate on the test set every n rounds (and after the last)")
-    o.add_argument("--checkpoint-dir", help="write (and resume from) checkpoints here "
-                                            "(default: none; <output>.checkpoint on Ctrl-C)")
-    o.add_argument("--output", "-o",
-                   help="results JSON file, rewritten after every round with a status "
-                        "(running, completed, budget_spent, interrupted, failed); the figure "
-                        "(accuracy and epsilon per round) goes beside it (.png).  A "
-                        "directory takes federated.json inside (default: "
-                        "runs/federated-<date>-<time>.json)")
-    o.add_argument("--overwrite", action="store_true",
-                   help="replace the results of a finished run in --output")
+    o.add_argument(
+        "--seed",
+        type=_int,
+        default=default["seed"],
+        help="partition, initial model, sampling and batch order",
+    )
+    o.add_argument(
+        "--eval-every",
+        type=_int,
+        default=default["eval_every"],
+        help="evaluate on the test set every n rounds (and after the last)",
+    )
+    o.add_argument(
+        "--checkpoint-dir",
+        help="write (and resume from) checkpoints here "
+        "(default: none; <output>.checkpoint on Ctrl-C)",
+    )
+    o.add_argument(
+        "--output",
+        "-o",
+        help="results JSON file, rewritten after every round with a status "
+        "(running, completed, budget_spent, interrupted, failed); the figure "
+        "(accuracy and epsilon per round) goes beside it (.png).  A "
+        "directory takes federated.json inside (default: "
+        "runs/federated-<date>-<time>.json)",
+    )
+    o.add_argument(
+        "--overwrite", action="store_true", help="replace the results of a finished run in --output"
+    )
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
-    o.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                   help="show TensorFlow's start-up and log messages")
+    o.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show TensorFlow's start-up and log messages",
+    )
     p.set_defaults(func=_run_federated)
     return p
 
@@ -211,28 +350,53 @@ def config_from_args(args, error=None):
             error(msg)
         raise ValueError(msg)
     kwargs = dict(
-        dataset=args.dataset, clients=args.clients, partition=args.partition,
-        dirichlet_alpha=args.dirichlet_alpha, clients_per_round=args.clients_per_round,
-        fraction=args.fraction, sampling=args.sampling, cohorts=args.cohorts,
+        dataset=args.dataset,
+        clients=args.clients,
+        partition=args.partition,
+        dirichlet_alpha=args.dirichlet_alpha,
+        clients_per_round=args.clients_per_round,
+        fraction=args.fraction,
+        sampling=args.sampling,
+        cohorts=args.cohorts,
         rounds=args.rounds,
-        local_epochs=args.local_epochs, local_batch_size=args.local_batch_size,
-        learning_rate=args.lr, momentum=args.momentum, aggregator=args.aggregator, dp=args.dp,
-        clip=args.clip, clip_initial=args.clip_initial, clip_quantile=args.clip_quantile,
-        clip_lr=args.clip_lr, clip_count_stddev=args.clip_count_stddev,
-        per_layer=args.per_layer, noise_multiplier=args.noise_multiplier,
-        target_epsilon=args.epsilon, delta_max=args.delta_max, accountant=args.accountant,
-        hidden=hidden, model=args.model, ldp_mechanism=args.ldp_mechanism,
-        ldp_epsilon=args.ldp_epsilon, ldp_bound=args.ldp_bound,
-        ldp_bound_margin=args.ldp_bound_margin, seed=args.seed, eval_every=args.eval_every,
-        secure_mode=args.secure_mode, ddp_mechanism=args.ddp_mechanism, bits=args.bits,
-        min_clients=args.min_clients, dropout_rate=args.dropout_rate,
-        train_subset=args.train_subset)
+        local_epochs=args.local_epochs,
+        local_batch_size=args.local_batch_size,
+        learning_rate=args.lr,
+        momentum=args.momentum,
+        aggregator=args.aggregator,
+        dp=args.dp,
+        clip=args.clip,
+        clip_initial=args.clip_initial,
+        clip_quantile=args.clip_quantile,
+        clip_lr=args.clip_lr,
+        clip_count_stddev=args.clip_count_stddev,
+        per_layer=args.per_layer,
+        noise_multiplier=args.noise_multiplier,
+        target_epsilon=args.epsilon,
+        delta_max=args.delta_max,
+        accountant=args.accountant,
+        hidden=hidden,
+        model=args.model,
+        ldp_mechanism=args.ldp_mechanism,
+        ldp_epsilon=args.ldp_epsilon,
+        ldp_bound=args.ldp_bound,
+        ldp_bound_margin=args.ldp_bound_margin,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        secure_mode=args.secure_mode,
+        ddp_mechanism=args.ddp_mechanism,
+        bits=args.bits,
+        min_clients=args.min_clients,
+        dropout_rate=args.dropout_rate,
+        train_subset=args.train_subset,
+    )
     try:
         config = FederatedConfig(**kwargs)
     except ValueError as e:
         first, _, rest = str(e).partition(" ")
         flag = {"learning_rate": "--lr", "target_epsilon": "--epsilon"}.get(
-            first, "--" + first.replace("_", "-"))
+            first, "--" + first.replace("_", "-")
+        )
         msg = f"{flag} {rest}" if first in kwargs else str(e)
         if error:
             error(msg)
@@ -249,8 +413,10 @@ def _summary(config, result: dict) -> list[str]:
     """The lines printed at the end of a run: accuracy, what the run cost, notices."""
     from dpfl_tf.federated.server import rounds_text
 
-    lines = [f"test accuracy = {result['test_accuracy']:.4f} after "
-             f"{rounds_text(result['rounds'])} ({result['mechanism']}, K={result['clients']})"]
+    lines = [
+        f"test accuracy = {result['test_accuracy']:.4f} after "
+        f"{rounds_text(result['rounds'])} ({result['mechanism']}, K={result['clients']})"
+    ]
     privacy = result["privacy"]
     if config.dp.value == "local":
         from dpfl_tf.federated.local_dp import LocalPrivacyReport
@@ -259,30 +425,38 @@ def _summary(config, result: dict) -> list[str]:
     elif config.dp.value == "none":
         lines.append("epsilon = inf: no noise, no differential privacy guarantee")
     else:
-        lines.append(f"epsilon = {_eps(result['epsilon'])} at delta = {result['delta']:g} "
-                     f"({result['accountant']} accountant; "
-                     f"{privacy.get('run_event') or privacy['round_event']}; "
-                     f"{privacy['relation']})")
+        lines.append(
+            f"epsilon = {_eps(result['epsilon'])} at delta = {result['delta']:g} "
+            f"({result['accountant']} accountant; "
+            f"{privacy.get('run_event') or privacy['round_event']}; "
+            f"{privacy['relation']})"
+        )
         clipping = privacy.get("clipping", {})
         if clipping.get("mode", "").startswith("adaptive"):
-            lines.append(f"adaptive clip: {clipping['initial_clip']:g} -> "
-                         f"{clipping['current_clip']:.4g} (target quantile "
-                         f"{clipping['target_quantile']:g}; count noise std "
-                         f"{clipping['count_stddev']:g}; update noise multiplier "
-                         f"{clipping['update_noise_multiplier']:.4g})")
+            lines.append(
+                f"adaptive clip: {clipping['initial_clip']:g} -> "
+                f"{clipping['current_clip']:.4g} (target quantile "
+                f"{clipping['target_quantile']:g}; count noise std "
+                f"{clipping['count_stddev']:g}; update noise multiplier "
+                f"{clipping['update_noise_multiplier']:.4g})"
+            )
         if "distributed" in privacy:
             ddp = privacy["distributed"]
-            lines.append(f"distributed DP: {ddp['mechanism']} shares, {ddp['bits']} bits "
-                         f"({ddp['bits_per_parameter']:.2f} bits per parameter per upload), "
-                         f">= {ddp['min_clients']} shares per sum, norm inflation by rounding "
-                         f"{ddp['norm_inflation']:.4f}, wrap probability <= "
-                         f"{ddp['wrap_probability']:.2g} per coordinate")
+            lines.append(
+                f"distributed DP: {ddp['mechanism']} shares, {ddp['bits']} bits "
+                f"({ddp['bits_per_parameter']:.2f} bits per parameter per upload), "
+                f">= {ddp['min_clients']} shares per sum, norm inflation by rounding "
+                f"{ddp['norm_inflation']:.4f}, wrap probability <= "
+                f"{ddp['wrap_probability']:.2g} per coordinate"
+            )
         if "against_server" in privacy:
             srv = privacy["against_server"]
             what = srv.get("upload_event") or srv["participation_event"]
-            lines.append(f"against the server: epsilon = {_eps(srv['epsilon'])} per client "
-                         f"(up to {srv['max_participations']} rounds of {what}; "
-                         f"{srv['relation']})")
+            lines.append(
+                f"against the server: epsilon = {_eps(srv['epsilon'])} per client "
+                f"(up to {srv['max_participations']} rounds of {what}; "
+                f"{srv['relation']})"
+            )
     lines += [f"NOTE: {note}" for note in result["notices"]]
     lines.append(result["stop_reason"])
     return lines
@@ -293,14 +467,23 @@ def _run_federated(args, error) -> int:
     round, Ctrl-C, failures, the resume command); `error` refuses in one line."""
     import os
 
-    from dpfl_tf._runs import (CommandRun, check_output_dir, quiet_tensorflow, resolve_output,
-                               run_command)
+    from dpfl_tf._runs import (
+        CommandRun,
+        check_output_dir,
+        quiet_tensorflow,
+        resolve_output,
+        run_command,
+    )
 
     try:  # before any data is loaded
-        resuming = args.checkpoint_dir is not None and os.path.isdir(args.checkpoint_dir) \
+        resuming = (
+            args.checkpoint_dir is not None
+            and os.path.isdir(args.checkpoint_dir)
             and bool(os.listdir(args.checkpoint_dir))
-        args.output = resolve_output("--output", args.output, "federated",
-                                     overwrite=args.overwrite, resuming=resuming)
+        )
+        args.output = resolve_output(
+            "--output", args.output, "federated", overwrite=args.overwrite, resuming=resuming
+        )
         if args.checkpoint_dir is not None:
             check_output_dir("--checkpoint-dir", args.checkpoint_dir)
     except ValueError as e:
@@ -311,29 +494,42 @@ def _run_federated(args, error) -> int:
     from dpfl_tf.federated.server import rounds_text
 
     def run(*, checkpoint_dir, checkpoint_every, should_stop, on_progress, on_resume):
-        result = run_federated(config, progress=not args.no_progress,
-                               checkpoint_dir=checkpoint_dir,
-                               checkpoint_every_round=checkpoint_every,
-                               should_stop=should_stop, on_round=on_progress,
-                               on_resume=on_resume)
+        result = run_federated(
+            config,
+            progress=not args.no_progress,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every_round=checkpoint_every,
+            should_stop=should_stop,
+            on_round=on_progress,
+            on_resume=on_resume,
+        )
         if result["rounds"] == 0 and config.rounds > 0 and result["stop_reason"] != "interrupted":
             raise ValueError(f"no round was run: {result['stop_reason']}")  # budget allows none
         return result
 
     def resumed(info: dict) -> str:
         eps = info["epsilon"]
-        return (f"resumed from {info['directory']}: {info['rounds']} rounds, epsilon so far "
-                f"{'n/a (no client-level DP)' if eps is None else f'{eps:.4f}'}")
+        return (
+            f"resumed from {info['directory']}: {info['rounds']} rounds, epsilon so far "
+            f"{'n/a (no client-level DP)' if eps is None else f'{eps:.4f}'}"
+        )
 
-    return run_command(CommandRun(
-        command="federated", argv=list(getattr(args, "argv", None) or sys.argv[1:]),
-        output=args.output, checkpoint_dir=args.checkpoint_dir, unit="rounds", run=run,
-        status=lambda r: result_status(r["stop_reason"]), resumed=resumed,
-        progress=lambda r: (f"after {rounds_text(r['rounds'])} (epsilon = "
-                            f"{_eps(r['epsilon'])})"),
-        summary=lambda r: _summary(config, r),
-        figure=lambda r, path: bool(r["history"]) and save_round_figure([r], path) is not None),
-        error)
+    return run_command(
+        CommandRun(
+            command="federated",
+            argv=list(getattr(args, "argv", None) or sys.argv[1:]),
+            output=args.output,
+            checkpoint_dir=args.checkpoint_dir,
+            unit="rounds",
+            run=run,
+            status=lambda r: result_status(r["stop_reason"]),
+            resumed=resumed,
+            progress=lambda r: f"after {rounds_text(r['rounds'])} (epsilon = {_eps(r['epsilon'])})",
+            summary=lambda r: _summary(config, r),
+            figure=lambda r, path: bool(r["history"]) and save_round_figure([r], path) is not None,
+        ),
+        error,
+    )
 
 
 def figure_title(result: dict) -> str:
@@ -342,21 +538,31 @@ def figure_title(result: dict) -> str:
     from dpfl_tf.federated.server import rounds_text
 
     c = result["config"]
-    setup = (f"{result['dataset']}, K = {c['clients']}, m = {result['clients_per_round']:g} "
-             f"({c['sampling']}), {rounds_text(result['rounds'])}")
+    setup = (
+        f"{result['dataset']}, K = {c['clients']}, m = {result['clients_per_round']:g} "
+        f"({c['sampling']}), {rounds_text(result['rounds'])}"
+    )
     if c["dp"] == "none":
         return f"{result['mechanism']}, no DP (epsilon = inf); {setup}"
     if c["dp"] == "local":
-        return (f"local DP: {c['ldp_mechanism']}, epsilon {c['ldp_epsilon']:g} per coordinate "
-                f"(no central epsilon); {setup}")
-    what = {"global": "Global DP (server noise)", "client": "DP-FedAvg, client-side noise",
-            "distributed": f"distributed DP ({c.get('ddp_mechanism')}, {c.get('bits')} bits)",
-            "ftrl": "DP-FTRL (tree), cyclic cohorts", "banded_mf": "banded MF, cyclic cohorts",
-            "blt": "BLT, cyclic cohorts"}
+        return (
+            f"local DP: {c['ldp_mechanism']}, epsilon {c['ldp_epsilon']:g} per coordinate "
+            f"(no central epsilon); {setup}"
+        )
+    what = {
+        "global": "Global DP (server noise)",
+        "client": "DP-FedAvg, client-side noise",
+        "distributed": f"distributed DP ({c.get('ddp_mechanism')}, {c.get('bits')} bits)",
+        "ftrl": "DP-FTRL (tree), cyclic cohorts",
+        "banded_mf": "banded MF, cyclic cohorts",
+        "blt": "BLT, cyclic cohorts",
+    }
     target = "none" if c["target_epsilon"] is None else f"{c['target_epsilon']:g}"
     eps = "inf" if result["epsilon"] is None else f"{result['epsilon']:.3g}"
-    return (f"{what[c['dp']]}: sigma = {c['noise_multiplier']:g}, S = {c['clip']}; "
-            f"epsilon {eps} at delta = {result['delta']:g} (target {target}); {setup}")
+    return (
+        f"{what[c['dp']]}: sigma = {c['noise_multiplier']:g}, S = {c['clip']}; "
+        f"epsilon {eps} at delta = {result['delta']:g} (target {target}); {setup}"
+    )
 
 
 def save_round_figure(results: list, path: str):
@@ -369,7 +575,7 @@ def save_round_figure(results: list, path: str):
     with_eps = any(r.get("epsilon") is not None for run in results for r in run["history"])
     fig = Figure(figsize=(10, 4.2) if with_eps else (5.5, 4.2), layout="constrained")
     axes = fig.subplots(1, 2) if with_eps else [fig.subplots(), None]
-    if axes[1] is None:    # no epsilon panel to leave empty: a hidden one for the plotter
+    if axes[1] is None:  # no epsilon panel to leave empty: a hidden one for the plotter
         axes[1] = Figure().subplots()
     plot_federated_rounds(results, *axes)
     if len(results) == 1:

@@ -61,7 +61,8 @@ def refuse_unprotected_state(model, why: str) -> None:
                 "updates its moving mean and variance from each client's raw data, which are "
                 f"never clipped or noised and are used by the released model, so {why} does "
                 "not cover them. Use LayerNormalization or GroupNormalization, or freeze it "
-                "(trainable=False).")
+                "(trainable=False)."
+            )
 
 
 def layer_groups(model) -> list[int]:
@@ -93,9 +94,18 @@ class LocalTrainer:
         default sparse categorical cross-entropy on logits.
     """
 
-    def __init__(self, model, x: np.ndarray, y: np.ndarray, *, local_epochs: int = 1,
-                 batch_size: int = 10, learning_rate: float = 0.1, momentum: float = 0.0,
-                 loss: Callable | None = None):
+    def __init__(
+        self,
+        model,
+        x: np.ndarray,
+        y: np.ndarray,
+        *,
+        local_epochs: int = 1,
+        batch_size: int = 10,
+        learning_rate: float = 0.1,
+        momentum: float = 0.0,
+        loss: Callable | None = None,
+    ):
         import keras
 
         self.model = model
@@ -136,13 +146,15 @@ class LocalTrainer:
         into ceil(n_k / B) consecutive batches, the last one short when B does
         not divide n_k; no batch straddles two epochs."""
         n, b = int(num_examples), self.batch_size
-        starts = np.concatenate([np.arange(e * n, (e + 1) * n, b)
-                                 for e in range(self.local_epochs)])
+        starts = np.concatenate(
+            [np.arange(e * n, (e + 1) * n, b) for e in range(self.local_epochs)]
+        )
         ends = np.minimum(starts + b, (starts // n + 1) * n)
         return starts.astype(np.int32), ends.astype(np.int32)
 
-    def train(self, global_weights: Sequence[tf.Tensor], indices: np.ndarray,
-              rng: np.random.Generator) -> list[tf.Tensor]:
+    def train(
+        self, global_weights: Sequence[tf.Tensor], indices: np.ndarray, rng: np.random.Generator
+    ) -> list[tf.Tensor]:
         """Delta_k = w_k - w_t after E local epochs on the client's `indices`.
 
         `rng` shuffles the client's examples (one permutation per epoch)."""
@@ -150,12 +162,20 @@ class LocalTrainer:
         if len(indices) == 0:
             raise ValueError("a client with no examples cannot train")
         if indices.min() < 0 or indices.max() >= self.num_examples:
-            raise ValueError(f"client indices must lie in [0, {self.num_examples}), got "
-                             f"[{int(indices.min())}, {int(indices.max())}]")
+            raise ValueError(
+                f"client indices must lie in [0, {self.num_examples}), got "
+                f"[{int(indices.min())}, {int(indices.max())}]"
+            )
         order = np.concatenate([rng.permutation(indices) for _ in range(self.local_epochs)])
         starts, ends = self.batch_bounds(len(indices))
-        return self._train_fn(list(global_weights), tf.constant(order), tf.constant(starts),
-                              tf.constant(ends), self._lr, self._mu)
+        return self._train_fn(
+            list(global_weights),
+            tf.constant(order),
+            tf.constant(starts),
+            tf.constant(ends),
+            self._lr,
+            self._mu,
+        )
 
     def _local_sgd(self, global_weights, order, starts, ends, lr, mu):
         for v, w in zip(self._vars, global_weights):
@@ -163,7 +183,7 @@ class LocalTrainer:
         for vel in self._velocity:
             vel.assign(tf.zeros_like(vel))
         for i in tf.range(tf.shape(starts)[0]):
-            idx = order[starts[i]:ends[i]]
+            idx = order[starts[i] : ends[i]]
             xb = tf.gather(self.x, idx)
             yb = tf.gather(self.y, idx)
             with tf.GradientTape() as tape:

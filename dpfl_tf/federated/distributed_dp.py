@@ -81,14 +81,29 @@ import dp_accounting
 import numpy as np
 
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
-from dpfl_tf.discrete_noise import (GeneratorSource, RandomSource, discrete_gaussian,
-                                    dyadic_variance, skellam)
+from dpfl_tf.discrete_noise import (
+    GeneratorSource,
+    RandomSource,
+    discrete_gaussian,
+    dyadic_variance,
+    skellam,
+)
 from dpfl_tf.privacy.distributed import integer_l1_bound, rounded_l2_norm_bound
-from dpfl_tf.privacy.events import (DistributedDiscreteGaussianDpEvent,
-                                    DistributedSkellamDpEvent, SamplingMethod)
+from dpfl_tf.privacy.events import (
+    DistributedDiscreteGaussianDpEvent,
+    DistributedSkellamDpEvent,
+    SamplingMethod,
+)
 
-__all__ = ["DistributedMechanism", "DistributedDP", "block_size_for", "hadamard_blocks",
-           "rotate", "unrotate", "DEFAULT_BETA"]
+__all__ = [
+    "DistributedMechanism",
+    "DistributedDP",
+    "block_size_for",
+    "hadamard_blocks",
+    "rotate",
+    "unrotate",
+    "DEFAULT_BETA",
+]
 
 #: Conditional rounding's beta (Kairouz et al. 2021 use exp(-1/2)).
 DEFAULT_BETA = math.exp(-0.5)
@@ -99,9 +114,12 @@ class DistributedMechanism(ChoiceEnum):
     """The noise each client adds to its integer vector."""
 
     __argument__ = "mechanism"
-    __aliases__ = {"ddg": "discrete_gaussian", "dgauss": "discrete_gaussian",
-                   "distributed_discrete_gaussian": "discrete_gaussian",
-                   "distributed_skellam": "skellam"}
+    __aliases__ = {
+        "ddg": "discrete_gaussian",
+        "dgauss": "discrete_gaussian",
+        "distributed_discrete_gaussian": "discrete_gaussian",
+        "distributed_skellam": "skellam",
+    }
     DISCRETE_GAUSSIAN = "discrete_gaussian"
     SKELLAM = "skellam"
 
@@ -142,7 +160,7 @@ def _signs(seed: int, size: int) -> np.ndarray:
 def rotate(x: np.ndarray, seed: int, padded: int, block: int) -> np.ndarray:
     """H D x with x zero-padded to `padded` coordinates (blocks of `block`)."""
     z = np.zeros(padded)
-    z[:x.size] = x
+    z[: x.size] = x
     return hadamard_blocks((z * _signs(seed, padded)).reshape(-1, block)).reshape(-1)
 
 
@@ -193,40 +211,65 @@ class DistributedDP:
         s(self, "mechanism", DistributedMechanism.parse(self.mechanism))
         bits = check_count("bits", self.bits, minimum=2)
         if bits > 30:
-            raise ValueError(f"bits must be in [2, 30] (integer sums in int64 and Flower's "
-                             f"int32 quantizer), got {self.bits!r}")
+            raise ValueError(
+                f"bits must be in [2, 30] (integer sums in int64 and Flower's "
+                f"int32 quantizer), got {self.bits!r}"
+            )
         s(self, "bits", bits)
-        s(self, "l2_norm_clip", check_number("l2_norm_clip", self.l2_norm_clip, low=0.0,
-                                             low_open=True))
-        s(self, "noise_multiplier", check_number(
-            "noise_multiplier", self.noise_multiplier, low=0.0, low_open=True))
+        s(
+            self,
+            "l2_norm_clip",
+            check_number("l2_norm_clip", self.l2_norm_clip, low=0.0, low_open=True),
+        )
+        s(
+            self,
+            "noise_multiplier",
+            check_number("noise_multiplier", self.noise_multiplier, low=0.0, low_open=True),
+        )
         m = check_count("clients_per_round", self.clients_per_round, minimum=1)
         s(self, "clients_per_round", m)
-        n_min = m if self.min_clients is None else check_count("min_clients", self.min_clients,
-                                                               minimum=1)
+        n_min = (
+            m
+            if self.min_clients is None
+            else check_count("min_clients", self.min_clients, minimum=1)
+        )
         if n_min > m:
             raise ValueError(f"min_clients must be <= clients_per_round ({m}), got {n_min}")
         s(self, "min_clients", n_min)
         s(self, "dimension", check_count("dimension", self.dimension, minimum=1))
         s(self, "beta", check_number("beta", self.beta, low=0.0, high=1.0, high_open=True))
-        s(self, "overflow_probability", check_number(
-            "overflow_probability", self.overflow_probability, low=0.0, high=1.0,
-            low_open=True, high_open=True))
-        block = (block_size_for(self.dimension) if self.block_size is None
-                 else check_count("block_size", self.block_size, minimum=1))
+        s(
+            self,
+            "overflow_probability",
+            check_number(
+                "overflow_probability",
+                self.overflow_probability,
+                low=0.0,
+                high=1.0,
+                low_open=True,
+                high_open=True,
+            ),
+        )
+        block = (
+            block_size_for(self.dimension)
+            if self.block_size is None
+            else check_count("block_size", self.block_size, minimum=1)
+        )
         if block & (block - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size!r}")
         s(self, "block_size", block)
-        k_sq = 2.0 * math.log(2.0 / self.overflow_probability)   # 2 exp(-k^2/2) = p
-        if self.modulus ** 2 / 4.0 <= k_sq * m / 4.0:
+        k_sq = 2.0 * math.log(2.0 / self.overflow_probability)  # 2 exp(-k^2/2) = p
+        if self.modulus**2 / 4.0 <= k_sq * m / 4.0:
             raise ValueError(
                 f"bits={bits} is too few for {m} clients per round at overflow_probability="
                 f"{self.overflow_probability:g}: the rounding alone would wrap; need 2^(2b) > "
-                f"{k_sq * m:.0f} (bits >= {math.ceil(math.log2(k_sq * m) / 2 + 1e-9)})")
+                f"{k_sq * m:.0f} (bits >= {math.ceil(math.log2(k_sq * m) / 2 + 1e-9)})"
+            )
         # the largest s with k^2 V(s) = (2^(b-1))^2 (module docstring)
-        a = m * m / block + m * self.noise_multiplier ** 2 / n_min
-        scale = math.sqrt(self.modulus ** 2 / 4.0 / k_sq - m / 4.0) / (
-            self.l2_norm_clip * math.sqrt(a))
+        a = m * m / block + m * self.noise_multiplier**2 / n_min
+        scale = math.sqrt(self.modulus**2 / 4.0 / k_sq - m / 4.0) / (
+            self.l2_norm_clip * math.sqrt(a)
+        )
         s(self, "_scale", scale)
         central = (self.noise_multiplier * self.l2_norm_clip * scale) ** 2
         if self.mechanism is DistributedMechanism.DISCRETE_GAUSSIAN:
@@ -235,7 +278,8 @@ class DistributedDP:
                 raise ValueError(
                     f"the discrete Gaussian shares would have stddev {math.sqrt(share):.3g} < "
                     "1/2, below what the distributed discrete Gaussian bound covers; raise "
-                    f"noise_multiplier ({self.noise_multiplier:g}) or bits ({bits})")
+                    f"noise_multiplier ({self.noise_multiplier:g}) or bits ({bits})"
+                )
         else:
             share = central / n_min
         s(self, "_share_variance", share)
@@ -265,8 +309,9 @@ class DistributedDP:
     @property
     def l2_bound(self) -> float:
         """D: the L2 norm bound of a client's rounded vector (conditional rounding)."""
-        return rounded_l2_norm_bound(self.l2_norm_clip * self.scale, self.beta,
-                                     self.padded_dimension)
+        return rounded_l2_norm_bound(
+            self.l2_norm_clip * self.scale, self.beta, self.padded_dimension
+        )
 
     @property
     def bits_per_parameter(self) -> float:
@@ -279,13 +324,19 @@ class DistributedDP:
         l2 = 2.0 * self.l2_bound
         l1 = integer_l1_bound(l2, self.padded_dimension)
         if self.mechanism is DistributedMechanism.DISCRETE_GAUSSIAN:
-            return DistributedDiscreteGaussianDpEvent(self.share_variance, self.min_clients,
-                                                      l2, l1, self.padded_dimension)
+            return DistributedDiscreteGaussianDpEvent(
+                self.share_variance, self.min_clients, l2, l1, self.padded_dimension
+            )
         return DistributedSkellamDpEvent(self.share_variance, self.min_clients, l2, l1)
 
-    def round_event(self, sampling: SamplingMethod | str = SamplingMethod.FIXED_SIZE, *,
-                    dataset_size: int | None = None, lot_size: int | None = None,
-                    **unused) -> dp_accounting.DpEvent:
+    def round_event(
+        self,
+        sampling: SamplingMethod | str = SamplingMethod.FIXED_SIZE,
+        *,
+        dataset_size: int | None = None,
+        lot_size: int | None = None,
+        **unused,
+    ) -> dp_accounting.DpEvent:
         """One round's release of the model: m of K clients drawn without replacement
         (``dataset_size`` = K, ``lot_size`` = m), ``SampledWithoutReplacementDpEvent``.
         Poisson sampling is refused (module docstring)."""
@@ -295,18 +346,27 @@ class DistributedDP:
                 "distributed DP is accounted for fixed-size client sampling only "
                 f"(sampling='fixed_size'), got sampling={method.value!r}: with Poisson "
                 "sampling the number of noise shares in the sum would depend on whether a "
-                "client took part")
+                "client took part"
+            )
         k = check_count("dataset_size", dataset_size, minimum=1)
         m = check_count("lot_size", lot_size, minimum=1)
         if m != self.clients_per_round:
-            raise ValueError(f"lot_size ({m}) must equal clients_per_round "
-                             f"({self.clients_per_round})")
+            raise ValueError(
+                f"lot_size ({m}) must equal clients_per_round ({self.clients_per_round})"
+            )
         if m > k:
             raise ValueError(f"lot_size must be <= dataset_size ({k}), got {m}")
         return dp_accounting.SampledWithoutReplacementDpEvent(k, m, self.event())
 
-    def calibrated(self, target_epsilon: float, delta: float, rounds: int,
-                   num_clients: int, *, tolerance: float = 1e-3) -> "DistributedDP":
+    def calibrated(
+        self,
+        target_epsilon: float,
+        delta: float,
+        rounds: int,
+        num_clients: int,
+        *,
+        tolerance: float = 1e-3,
+    ) -> "DistributedDP":
         """A copy with the smallest noise_multiplier for which `rounds` rounds of
         `round_event` (m of ``num_clients``) cost at most `target_epsilon` at `delta`
         ('rdp' accountant)."""
@@ -317,14 +377,16 @@ class DistributedDP:
         def event(z):
             try:
                 config = dataclasses.replace(self, noise_multiplier=max(z, 1e-6))
-            except ValueError:      # shares below what the bound covers: no guarantee
+            except ValueError:  # shares below what the bound covers: no guarantee
                 return dp_accounting.NonPrivateDpEvent()
-            return dp_accounting.SelfComposedDpEvent(config.round_event(
-                "fixed_size", dataset_size=num_clients, lot_size=self.clients_per_round),
-                rounds)
+            return dp_accounting.SelfComposedDpEvent(
+                config.round_event(
+                    "fixed_size", dataset_size=num_clients, lot_size=self.clients_per_round
+                ),
+                rounds,
+            )
 
-        z, _ = calibrate_noise_multiplier(target_epsilon, delta, event, "rdp",
-                                          tolerance=tolerance)
+        z, _ = calibrate_noise_multiplier(target_epsilon, delta, event, "rdp", tolerance=tolerance)
         return dataclasses.replace(self, noise_multiplier=z)
 
     def wrap_probability(self, num_vectors: int | None = None) -> float:
@@ -333,14 +395,17 @@ class DistributedDP:
         decoded wrongly (module docstring: sub-Gaussian signal and rounding; the
         discrete Gaussian's sub-Gaussian tail, Skellam's moment generating function
         exp(mu (cosh t - 1)) in a Chernoff bound)."""
-        n = self.clients_per_round if num_vectors is None else check_count(
-            "num_vectors", num_vectors, minimum=1)
+        n = (
+            self.clients_per_round
+            if num_vectors is None
+            else check_count("num_vectors", num_vectors, minimum=1)
+        )
         cs = self.l2_norm_clip * self.scale
         v_signal = (n * cs) ** 2 / self.block_size + n / 4.0
         half = self.modulus / 2.0
         mu = n * self.share_variance
         if self.mechanism is DistributedMechanism.DISCRETE_GAUSSIAN:
-            return min(1.0, 2.0 * math.exp(-half ** 2 / (2.0 * (v_signal + mu))))
+            return min(1.0, 2.0 * math.exp(-(half**2) / (2.0 * (v_signal + mu))))
         from scipy import optimize
 
         def log_bound(t):
@@ -352,15 +417,24 @@ class DistributedDP:
 
     def report(self) -> dict:
         """The mechanism's numbers (for results files and the privacy report)."""
-        return {"mechanism": self.mechanism.value, "bits": self.bits,
-                "l2_norm_clip": self.l2_norm_clip, "noise_multiplier": self.noise_multiplier,
-                "clients_per_round": self.clients_per_round, "min_clients": self.min_clients,
-                "dimension": self.dimension, "padded_dimension": self.padded_dimension,
-                "block_size": self.block_size, "scale": self.scale, "beta": self.beta,
-                "share_variance": self.share_variance, "l2_bound": self.l2_bound,
-                "norm_inflation": self.l2_bound / (self.l2_norm_clip * self.scale),
-                "wrap_probability": self.wrap_probability(),
-                "bits_per_parameter": self.bits_per_parameter}
+        return {
+            "mechanism": self.mechanism.value,
+            "bits": self.bits,
+            "l2_norm_clip": self.l2_norm_clip,
+            "noise_multiplier": self.noise_multiplier,
+            "clients_per_round": self.clients_per_round,
+            "min_clients": self.min_clients,
+            "dimension": self.dimension,
+            "padded_dimension": self.padded_dimension,
+            "block_size": self.block_size,
+            "scale": self.scale,
+            "beta": self.beta,
+            "share_variance": self.share_variance,
+            "l2_bound": self.l2_bound,
+            "norm_inflation": self.l2_bound / (self.l2_norm_clip * self.scale),
+            "wrap_probability": self.wrap_probability(),
+            "bits_per_parameter": self.bits_per_parameter,
+        }
 
     # -- client: clip, rotate, scale, round, noise, wrap ----------------------------------
     def clip(self, flat: np.ndarray) -> np.ndarray:
@@ -368,8 +442,10 @@ class DistributedDP:
         then contributes only its noise share)."""
         x = np.asarray(flat, dtype=np.float64).reshape(-1)
         if x.size != self.dimension:
-            raise ValueError(f"the update has {x.size} parameters, the mechanism was built "
-                             f"for dimension={self.dimension}")
+            raise ValueError(
+                f"the update has {x.size} parameters, the mechanism was built "
+                f"for dimension={self.dimension}"
+            )
         if not np.all(np.isfinite(x)):
             return np.zeros_like(x)
         norm = _norm(x)
@@ -382,13 +458,15 @@ class DistributedDP:
         frac = x - floor
         bound = self.l2_bound
         for _ in range(_MAX_ROUNDING_TRIES):
-            u = source.words(x.size).astype(np.float64) * 2.0 ** -53
+            u = source.words(x.size).astype(np.float64) * 2.0**-53
             rounded = floor + (u < frac)
             if _norm(rounded) <= bound:
                 return rounded.astype(np.int64)
-        raise RuntimeError(f"conditional rounding found no vector of norm <= {bound:g} in "
-                           f"{_MAX_ROUNDING_TRIES} tries (expected about "
-                           f"{1 / (1 - self.beta):.1f})")
+        raise RuntimeError(
+            f"conditional rounding found no vector of norm <= {bound:g} in "
+            f"{_MAX_ROUNDING_TRIES} tries (expected about "
+            f"{1 / (1 - self.beta):.1f})"
+        )
 
     def noise_share(self, source: RandomSource) -> np.ndarray:
         """Y_i: d' independent discrete Gaussian (exact) or Skellam integers."""
@@ -400,8 +478,7 @@ class DistributedDP:
         """v mod 2^b, in [0, 2^b)."""
         return np.mod(v, self.modulus)
 
-    def encode(self, flat: np.ndarray, rotation_seed: int, source: RandomSource
-               ) -> np.ndarray:
+    def encode(self, flat: np.ndarray, rotation_seed: int, source: RandomSource) -> np.ndarray:
         """A client's upload: clip, rotate, scale, round, add its noise share, wrap
         (module docstring); int64 in [0, 2^b), d' coordinates."""
         x = rotate(self.clip(flat), rotation_seed, self.padded_dimension, self.block_size)
@@ -417,8 +494,10 @@ class DistributedDP:
         for v in uploads:
             v = np.asarray(v, dtype=np.int64)
             if v.shape != total.shape or v.min(initial=0) < 0 or v.max(initial=0) >= self.modulus:
-                raise ValueError(f"an upload must be {self.padded_dimension} integers in "
-                                 f"[0, 2^{self.bits}), got shape {v.shape}")
+                raise ValueError(
+                    f"an upload must be {self.padded_dimension} integers in "
+                    f"[0, 2^{self.bits}), got shape {v.shape}"
+                )
             total = np.mod(total + v, self.modulus)
             count += 1
         return total, count
@@ -447,7 +526,7 @@ def unflatten(flat: np.ndarray, shapes: Sequence[Sequence[int]]) -> list[np.ndar
     out, start = [], 0
     for shape in shapes:
         size = int(np.prod(shape))
-        out.append(flat[start:start + size].reshape(shape))
+        out.append(flat[start : start + size].reshape(shape))
         start += size
     return out
 

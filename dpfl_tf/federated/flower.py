@@ -83,8 +83,15 @@ from __future__ import annotations
 
 try:
     import flwr
-    from flwr.app import (ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord,
-                          RecordDict)
+    from flwr.app import (
+        ArrayRecord,
+        ConfigRecord,
+        Context,
+        Error,
+        Message,
+        MetricRecord,
+        RecordDict,
+    )
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
     from flwr.serverapp.strategy import FedAvg, FedMedian, Strategy
@@ -93,7 +100,8 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
         "dpfl_tf.federated.flower needs Flower (flwr >= 1.41, the Message API with "
         "flwr.app / flwr.clientapp / flwr.serverapp); install the extra with: "
-        "pip install 'dpfl-tf[flower]'") from _exc
+        "pip install 'dpfl-tf[flower]'"
+    ) from _exc
 
 import copy
 import dataclasses
@@ -115,10 +123,23 @@ from dpfl_tf.federated.runner import DPMode, FederatedConfig, build_server, fede
 from dpfl_tf.federated.server import FederatedServer, RoundRecord
 
 __all__ = [
-    "DPStrategy", "LocalDPUpload", "LocalGrid", "client_app", "client_update",
-    "config_from_run_config", "config_to_run_config", "default_inner_strategy",
-    "make_client_app", "make_server_app", "run_apps", "run_on_flower", "server_app",
-    "FLOWER_VERSION", "PARTITION_ID_KEY", "NUM_PARTITIONS_KEY", "ROUND_KEY",
+    "DPStrategy",
+    "LocalDPUpload",
+    "LocalGrid",
+    "client_app",
+    "client_update",
+    "config_from_run_config",
+    "config_to_run_config",
+    "default_inner_strategy",
+    "make_client_app",
+    "make_server_app",
+    "run_apps",
+    "run_on_flower",
+    "server_app",
+    "FLOWER_VERSION",
+    "PARTITION_ID_KEY",
+    "NUM_PARTITIONS_KEY",
+    "ROUND_KEY",
 ]
 
 FLOWER_VERSION = getattr(flwr, "__version__", "unknown")
@@ -130,8 +151,12 @@ ROUND_KEY = "dpfl-round"
 _STATE_KEY = "dpfl"
 _BACKENDS = ("ray", "local")
 #: the composed epsilons clients report in their metrics (the largest is kept)
-_CLIENT_EPSILONS = ("client-dp-epsilon-total", "ldp-epsilon-total",
-                    "ldp-accountant-epsilon-total", "ldp-epsilon-total-sign-only")
+_CLIENT_EPSILONS = (
+    "client-dp-epsilon-total",
+    "ldp-epsilon-total",
+    "ldp-accountant-epsilon-total",
+    "ldp-epsilon-total-sign-only",
+)
 _log = logging.getLogger("dpfl_tf.federated.flower")
 
 
@@ -160,8 +185,9 @@ def config_from_run_config(run_config: dict) -> FederatedConfig:
         name = str(key).replace("-", "_")
         if name not in _FIELDS:
             allowed = ", ".join(sorted(n.replace("_", "-") for n in _FIELDS))
-            raise ValueError(f"unknown run-config key {key!r}; allowed: {allowed}, "
-                             + ", ".join(_EXTRA_RUN_KEYS))
+            raise ValueError(
+                f"unknown run-config key {key!r}; allowed: {allowed}, " + ", ".join(_EXTRA_RUN_KEYS)
+            )
         if name == "hidden":
             if isinstance(value, str):
                 value = tuple(int(v) for v in value.replace(" ", "").split(",") if v)
@@ -186,14 +212,19 @@ def config_to_run_config(config: FederatedConfig) -> dict:
 # ---------------------------------------------------------------------------
 # Client side
 
-def client_update(server: FederatedServer, client_id: int, global_weights: Sequence[tf.Tensor],
-                  round_index: int, *, local_dp: LocalDPUpload | None = None
-                  ) -> tuple[list[tf.Tensor], int]:
+
+def client_update(
+    server: FederatedServer,
+    client_id: int,
+    global_weights: Sequence[tf.Tensor],
+    round_index: int,
+    *,
+    local_dp: LocalDPUpload | None = None,
+) -> tuple[list[tf.Tensor], int]:
     """What client k uploads in round t, and its n_k: `FederatedServer.client_upload`,
     the in-process client step itself (`server` is built from the run's config;
     the client uses its trainer, partition and aggregator, never its ledger)."""
-    upload, n_k = server.client_upload(client_id, global_weights, round_index,
-                                       local_dp=local_dp)
+    upload, n_k = server.client_upload(client_id, global_weights, round_index, local_dp=local_dp)
     return [tf.convert_to_tensor(u) for u in upload], n_k
 
 
@@ -225,7 +256,7 @@ def _dataset_fingerprint(dataset) -> str:
 def _runtime(spec: _ClientSpec, config: FederatedConfig) -> FederatedServer:
     key = spec.key + json.dumps(config.to_dict(), sort_keys=True)
     if key not in _RUNTIMES:
-        _RUNTIMES.clear()   # one run per process at a time: free the previous model
+        _RUNTIMES.clear()  # one run per process at a time: free the previous model
         server, _ = build_server(config, spec.dataset, progress=False)
         _RUNTIMES[key] = server
     return _RUNTIMES[key]
@@ -233,30 +264,36 @@ def _runtime(spec: _ClientSpec, config: FederatedConfig) -> FederatedServer:
 
 def _only(records: dict, what: str):
     if len(records) != 1:
-        raise ValueError(f"expected exactly one {what} in the message, got {len(records)} "
-                         f"({', '.join(records) or 'none'})")
+        raise ValueError(
+            f"expected exactly one {what} in the message, got {len(records)} "
+            f"({', '.join(records) or 'none'})"
+        )
     return next(iter(records.values()))
 
 
 def _partition_id(spec: _ClientSpec, context: Context) -> tuple[FederatedConfig, int]:
     """(the run's config, this node's partition id k), checked: 0 <= k < K and the node's
     num-partitions equal to K."""
-    config = spec.config if spec.config is not None else config_from_run_config(
-        dict(context.run_config))
+    config = (
+        spec.config if spec.config is not None else config_from_run_config(dict(context.run_config))
+    )
     node_config = context.node_config
     if PARTITION_ID_KEY not in node_config:
-        raise ValueError(f"the node config has no {PARTITION_ID_KEY!r}: start the SuperNode "
-                         f"with --node-config \"{PARTITION_ID_KEY}=<k> "
-                         f"{NUM_PARTITIONS_KEY}={config.clients}\" (the simulation engine "
-                         "sets both)")
+        raise ValueError(
+            f"the node config has no {PARTITION_ID_KEY!r}: start the SuperNode "
+            f'with --node-config "{PARTITION_ID_KEY}=<k> '
+            f'{NUM_PARTITIONS_KEY}={config.clients}" (the simulation engine '
+            "sets both)"
+        )
     k = int(node_config[PARTITION_ID_KEY])
     if NUM_PARTITIONS_KEY in node_config and int(node_config[NUM_PARTITIONS_KEY]) != config.clients:
-        raise ValueError(f"{NUM_PARTITIONS_KEY}={node_config[NUM_PARTITIONS_KEY]} but the "
-                         f"config has clients={config.clients}: every client must build the "
-                         "same partition")
+        raise ValueError(
+            f"{NUM_PARTITIONS_KEY}={node_config[NUM_PARTITIONS_KEY]} but the "
+            f"config has clients={config.clients}: every client must build the "
+            "same partition"
+        )
     if not 0 <= k < config.clients:
-        raise ValueError(f"client id (partition-id) must lie in [0, {config.clients}), "
-                         f"got {k}")
+        raise ValueError(f"client id (partition-id) must lie in [0, {config.clients}), got {k}")
     return config, k
 
 
@@ -272,19 +309,25 @@ def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
     arrays = _only(msg.content.array_records, "ArrayRecord").to_numpy_ndarrays()
     train_config = _only(msg.content.config_records, "ConfigRecord")
     if ROUND_KEY not in train_config:
-        raise ValueError(f"the train config has no {ROUND_KEY!r}: this ClientApp answers "
-                         "messages configured by dpfl_tf's DPStrategy")
+        raise ValueError(
+            f"the train config has no {ROUND_KEY!r}: this ClientApp answers "
+            "messages configured by dpfl_tf's DPStrategy"
+        )
     t = int(train_config[ROUND_KEY])
     shapes = [tuple(v.shape) for v in server.trainer.variables]
     if [tuple(a.shape) for a in arrays] != shapes:
-        raise ValueError(f"the server sent arrays of shapes {[a.shape for a in arrays]}, the "
-                         f"client's model has {shapes}")
+        raise ValueError(
+            f"the server sent arrays of shapes {[a.shape for a in arrays]}, the "
+            f"client's model has {shapes}"
+        )
     global_weights = [tf.constant(a) for a in arrays]
     local_dp = spec.local_dp
-    if server.local_dp is not None:      # the config says dp="local"
+    if server.local_dp is not None:  # the config says dp="local"
         if local_dp is not None:
-            raise ValueError("the config has dp='local' and make_client_app got a local_dp "
-                             "too: give the local-DP mechanism in one place")
+            raise ValueError(
+                "the config has dp='local' and make_client_app got a local_dp "
+                "too: give the local-DP mechanism in one place"
+            )
         local_dp = server.local_dp
     upload, n_k = client_update(server, k, global_weights, t, local_dp=local_dp)
 
@@ -297,19 +340,26 @@ def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
     # unweighted mean, as in-process (`build_server`); a trusted Global DP server
     # ignores the weights anyway.
     untrusted = config.dp in (DPMode.CLIENT, DPMode.LOCAL) or local_dp is not None
-    metrics: dict[str, float | int] = {"num-examples": 1 if untrusted else int(n_k),
-                                       "partition-id": k, "uploads": uploads}
+    metrics: dict[str, float | int] = {
+        "num-examples": 1 if untrusted else int(n_k),
+        "partition-id": k,
+        "uploads": uploads,
+    }
     d = int(sum(int(np.prod(s)) for s in shapes))
-    if config.dp is DPMode.CLIENT:   # replace-one against the server: the one report
+    if config.dp is DPMode.CLIENT:  # replace-one against the server: the one report
         rep = gaussian_upload_report(
-            server.aggregator.upload_noise_multiplier(server.num_components), uploads,
-            delta=config.delta_max, accountant=config.accountant)
+            server.aggregator.upload_noise_multiplier(server.num_components),
+            uploads,
+            delta=config.delta_max,
+            accountant=config.accountant,
+        )
         metrics["client-dp-epsilon-upload"] = _finite(rep.accountant_epsilon_per_upload)
         metrics["client-dp-epsilon-total"] = _finite(rep.accountant_epsilon_total)
     if local_dp is not None:
         metrics.update(local_dp.metrics(d, uploads))
-    content = RecordDict({"arrays": ArrayRecord([np.asarray(u) for u in upload]),
-                          "metrics": MetricRecord(metrics)})
+    content = RecordDict(
+        {"arrays": ArrayRecord([np.asarray(u) for u in upload]), "metrics": MetricRecord(metrics)}
+    )
     return Message(content, reply_to=msg)
 
 
@@ -317,8 +367,9 @@ def _finite(x: float) -> float:
     return float(x) if math.isfinite(x) else float("inf")
 
 
-def make_client_app(config: FederatedConfig | None = None, dataset=None, *,
-                    local_dp: LocalDPUpload | None = None) -> ClientApp:
+def make_client_app(
+    config: FederatedConfig | None = None, dataset=None, *, local_dp: LocalDPUpload | None = None
+) -> ClientApp:
     """A Flower ``ClientApp`` that trains with our `LocalTrainer`.
 
     Args:
@@ -340,12 +391,12 @@ def make_client_app(config: FederatedConfig | None = None, dataset=None, *,
     over all its uploads so far.
     """
     if config is not None and not isinstance(config, FederatedConfig):
-        raise TypeError(f"config must be a FederatedConfig or None, got "
-                        f"{type(config).__name__}")
+        raise TypeError(f"config must be a FederatedConfig or None, got {type(config).__name__}")
     if local_dp is not None and not isinstance(local_dp, LocalDPUpload):
         raise TypeError(f"local_dp must be a LocalDPUpload, got {type(local_dp).__name__}")
-    spec = _ClientSpec(config, dataset, local_dp,
-                       key=f"{_dataset_fingerprint(dataset)}:{uuid.uuid4().hex}")
+    spec = _ClientSpec(
+        config, dataset, local_dp, key=f"{_dataset_fingerprint(dataset)}:{uuid.uuid4().hex}"
+    )
     app = ClientApp()
 
     @app.train()
@@ -361,6 +412,7 @@ def make_client_app(config: FederatedConfig | None = None, dataset=None, *,
 
 # ---------------------------------------------------------------------------
 # Server side
+
 
 class _NodeSubset(Grid):
     """The round's sampled nodes as a Grid view: the inner strategy sees only them."""
@@ -400,8 +452,13 @@ def default_inner_strategy(config: FederatedConfig) -> Strategy:
     """FedAvg (or FedMedian for ``aggregator="median"``) that addresses every node it
     is offered and asks no client-side evaluation (the server evaluates centrally)."""
     cls = FedMedian if config.aggregator == "median" else FedAvg
-    return cls(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=0,
-               min_evaluate_nodes=0, min_available_nodes=0)
+    return cls(
+        fraction_train=1.0,
+        fraction_evaluate=0.0,
+        min_train_nodes=0,
+        min_evaluate_nodes=0,
+        min_available_nodes=0,
+    )
 
 
 @dataclasses.dataclass
@@ -456,10 +513,16 @@ class DPStrategy(Strategy):
     later rounds are empty and ``server.stop_reason`` says why.
     """
 
-    def __init__(self, strategy: Strategy, server: FederatedServer, *,
-                 node_timeout: float = 120.0, min_nodes: int | None = None,
-                 checkpoint_dir: str | None = None,
-                 on_round: Callable[["DPStrategy"], None] | None = None):
+    def __init__(
+        self,
+        strategy: Strategy,
+        server: FederatedServer,
+        *,
+        node_timeout: float = 120.0,
+        min_nodes: int | None = None,
+        checkpoint_dir: str | None = None,
+        on_round: Callable[["DPStrategy"], None] | None = None,
+    ):
         super().__init__()
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a flwr Strategy, got {type(strategy).__name__}")
@@ -471,11 +534,11 @@ class DPStrategy(Strategy):
         self.server = server
         self.node_timeout = float(node_timeout)
         k = server.num_clients
-        self.min_nodes = k if min_nodes is None else check_count("min_nodes", min_nodes,
-                                                                  minimum=1)
+        self.min_nodes = k if min_nodes is None else check_count("min_nodes", min_nodes, minimum=1)
         if self.min_nodes > k:
-            raise ValueError(f"min_nodes must be <= the number of clients (K={k}), got "
-                             f"{self.min_nodes}")
+            raise ValueError(
+                f"min_nodes must be <= the number of clients (K={k}), got {self.min_nodes}"
+            )
         self.checkpoint_dir = checkpoint_dir
         self.on_round = on_round
         #: seconds to wait for replies (`run`'s timeout, as for the rounds' replies)
@@ -491,11 +554,13 @@ class DPStrategy(Strategy):
         self.dataset = None
 
     @classmethod
-    def from_config(cls, config: FederatedConfig, dataset=None, *,
-                    strategy: Strategy | None = None, **kwargs) -> "DPStrategy":
+    def from_config(
+        cls, config: FederatedConfig, dataset=None, *, strategy: Strategy | None = None, **kwargs
+    ) -> "DPStrategy":
         server, ds = build_server(config, dataset, progress=False)
-        out = cls(strategy if strategy is not None else default_inner_strategy(config),
-                  server, **kwargs)
+        out = cls(
+            strategy if strategy is not None else default_inner_strategy(config), server, **kwargs
+        )
         out.dataset = ds
         return out
 
@@ -506,8 +571,10 @@ class DPStrategy(Strategy):
 
     def _ask_partitions(self, grid: Grid, node_ids: list[int]) -> None:
         """Asks `node_ids` which client they hold; refuses duplicates and bad ids."""
-        messages = [grid.create_message(RecordDict({"config": ConfigRecord({})}), "query",
-                                        n, "dpfl-enrol") for n in node_ids]
+        messages = [
+            grid.create_message(RecordDict({"config": ConfigRecord({})}), "query", n, "dpfl-enrol")
+            for n in node_ids
+        ]
         # answered by a ClientApp each (on a SuperNode: a process that starts up first)
         for reply in grid.send_and_receive(messages, timeout=self.reply_timeout):
             node = int(reply.metadata.src_node_id)
@@ -516,9 +583,11 @@ class DPStrategy(Strategy):
             k = int(_only(reply.content.metric_records, "MetricRecord")[PARTITION_ID_KEY])
             other = self.partition_nodes.get(k)
             if other is not None and other != node:
-                raise ValueError(f"nodes {other} and {node} both hold {PARTITION_ID_KEY}={k}: "
-                                 "every client must run on one node (give each SuperNode "
-                                 "its own partition-id)")
+                raise ValueError(
+                    f"nodes {other} and {node} both hold {PARTITION_ID_KEY}={k}: "
+                    "every client must run on one node (give each SuperNode "
+                    "its own partition-id)"
+                )
             self.partition_nodes[k] = node
 
     def _enrol(self, grid: Grid, wait: bool) -> dict[int, int]:
@@ -542,7 +611,8 @@ class DPStrategy(Strategy):
                 f"{len(self.partition_nodes)} enrolled clients are alive, fewer than "
                 f"min_nodes={self.min_nodes} (K enters the privacy event as the enrolled "
                 "population: start the missing SuperNodes, or set min-nodes to run with "
-                "dropouts)")
+                "dropouts)"
+            )
         return dict(self.partition_nodes)
 
     def _stop(self, reason: str) -> None:
@@ -552,50 +622,65 @@ class DPStrategy(Strategy):
 
     def summary(self) -> None:
         srv = self.server
-        _log.info("DPStrategy: %s, K=%d, %s sampling, expected m=%g, event %s",
-                  type(srv.aggregator).__name__, srv.num_clients, srv.sampling.method.value,
-                  srv.expected_clients, srv.round_event)
+        _log.info(
+            "DPStrategy: %s, K=%d, %s sampling, expected m=%g, event %s",
+            type(srv.aggregator).__name__,
+            srv.num_clients,
+            srv.sampling.method.value,
+            srv.expected_clients,
+            srv.round_event,
+        )
         self.strategy.summary()
 
     # -- train ---------------------------------------------------------------------
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         srv = self.server
         if self.stopped:
             return []
-        reason = srv.budget_stop_reason()   # FederatedServer's stop rule, same method
+        reason = srv.budget_stop_reason()  # FederatedServer's stop rule, same method
         if reason is not None:
             self._stop(reason)
             return []
         nodes = self._enrol(grid, wait=not self._started)
         self._started = True
         start, cpu_start = time.perf_counter(), time.process_time()
-        t, selected = srv.open_round()       # as FederatedServer.run_round
+        t, selected = srv.open_round()  # as FederatedServer.run_round
         chosen = [nodes[int(k)] for k in selected if int(k) in nodes]
         if len(chosen) < len(selected):
-            _log.warning("round %d: %d of the %d sampled clients have no live node (dropouts)",
-                         t + 1, len(selected) - len(chosen), len(selected))
+            _log.warning(
+                "round %d: %d of the %d sampled clients have no live node (dropouts)",
+                t + 1,
+                len(selected) - len(chosen),
+                len(selected),
+            )
         weights = [tf.constant(a) for a in arrays.to_numpy_ndarrays()]
         config[ROUND_KEY] = int(t)
         messages: list[Message] = []
         if chosen:
-            messages = list(self.strategy.configure_train(server_round, arrays, config,
-                                                          _NodeSubset(grid, chosen)))
+            messages = list(
+                self.strategy.configure_train(
+                    server_round, arrays, config, _NodeSubset(grid, chosen)
+                )
+            )
             addressed = sorted(int(m.metadata.dst_node_id) for m in messages)
             if addressed != sorted(chosen):
                 raise ValueError(
                     f"the inner strategy addressed {len(addressed)} of the {len(chosen)} nodes "
                     "DPStrategy sampled; it must address every node it is offered (e.g. "
                     "FedAvg(fraction_train=1.0, min_train_nodes=0, min_available_nodes=0)), "
-                    "otherwise the sampling differs from the accounted event")
+                    "otherwise the sampling differs from the accounted event"
+                )
         self._pending[server_round] = _Pending(t, selected, chosen, weights, start, cpu_start)
         return messages
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]
-                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         srv = self.server
         pending = self._pending.pop(server_round, None)
-        if pending is None:          # stopped: nothing was sent
+        if pending is None:  # stopped: nothing was sent
             return None, None
         replies = list(replies)
         failed = [r for r in replies if r.has_error()]
@@ -605,37 +690,52 @@ class DPStrategy(Strategy):
                 continue
             node = int(r.metadata.src_node_id)
             if node not in pending.nodes or node in by_node:
-                raise ValueError(f"reply from node {node}, which was not sampled this round "
-                                 "or replied twice")
+                raise ValueError(
+                    f"reply from node {node}, which was not sampled this round or replied twice"
+                )
             by_node[node] = r
-        missing = len(pending.selected) - len(by_node)    # dropouts and failed replies
+        missing = len(pending.selected) - len(by_node)  # dropouts and failed replies
         if missing:
             reasons = "; ".join(str(r.error.reason) for r in failed) or "no live node"
             if isinstance(srv.aggregator, ClientNoiseDPAggregator):
                 raise RuntimeError(
                     f"{missing} of {len(pending.selected)} clients did not upload ({reasons}); "
                     "with client-side noise the released sum would carry less noise than the "
-                    "accounted event, so the round is refused")
-            _log.warning("round %d: %d of %d clients did not upload (%s)", pending.round_index + 1,
-                         missing, len(pending.selected), reasons)
-        ordered = [by_node[n] for n in pending.nodes if n in by_node]   # selection order
+                    "accounted event, so the round is refused"
+                )
+            _log.warning(
+                "round %d: %d of %d clients did not upload (%s)",
+                pending.round_index + 1,
+                missing,
+                len(pending.selected),
+                reasons,
+            )
+        ordered = [by_node[n] for n in pending.nodes if n in by_node]  # selection order
         for r in ordered:
             metrics = dict(_only(r.content.metric_records, "MetricRecord"))
             self.client_metrics[int(metrics.get("partition-id", -1))] = metrics
 
         if srv.aggregator.private:
-            uploads = (([tf.constant(a) for a in _only(r.content.array_records,
-                                                       "ArrayRecord").to_numpy_ndarrays()],
-                        float(_only(r.content.metric_records, "MetricRecord")["num-examples"]))
-                       for r in ordered)
-            result = srv.aggregator.aggregate(uploads, pending.weights,
-                                              expected_clients=srv.expected_clients)
+            uploads = (
+                (
+                    [
+                        tf.constant(a)
+                        for a in _only(r.content.array_records, "ArrayRecord").to_numpy_ndarrays()
+                    ],
+                    float(_only(r.content.metric_records, "MetricRecord")["num-examples"]),
+                )
+                for r in ordered
+            )
+            result = srv.aggregator.aggregate(
+                uploads, pending.weights, expected_clients=srv.expected_clients
+            )
             update, info = result.update, dict(result.info)
         elif ordered:
             agg, _ = self.strategy.aggregate_train(server_round, ordered)
             if agg is None:
-                raise RuntimeError("the inner strategy returned no aggregate for "
-                                   f"{len(ordered)} uploads")
+                raise RuntimeError(
+                    f"the inner strategy returned no aggregate for {len(ordered)} uploads"
+                )
             update = [tf.constant(a) for a in agg.to_numpy_ndarrays()]
             info = {}
         else:
@@ -644,22 +744,31 @@ class DPStrategy(Strategy):
             info["missing_clients"] = missing
 
         # the in-process round's closing: weights, participations, ledger, test, history
-        record = srv.close_round(pending.round_index, pending.selected, pending.weights,
-                                 AggregateResult(update, len(ordered), info),
-                                 start=pending.start, cpu_start=pending.cpu_start)
+        record = srv.close_round(
+            pending.round_index,
+            pending.selected,
+            pending.weights,
+            AggregateResult(update, len(ordered), info),
+            start=pending.start,
+            cpu_start=pending.cpu_start,
+        )
         if self.checkpoint_dir is not None:
             srv.save_checkpoint(self.checkpoint_dir)
         if self.on_round is not None:
             self.on_round(self)
-        return ArrayRecord([np.asarray(w) for w in srv.trainer.get_weights()]), \
-            self._metrics(record)
+        return ArrayRecord([np.asarray(w) for w in srv.trainer.get_weights()]), self._metrics(
+            record
+        )
 
     def _metrics(self, record: RoundRecord) -> MetricRecord:
         missing = int(record.info.get("missing_clients", 0))
-        out: dict[str, float | int] = {"round": record.round, "clients": record.clients,
-                                       "uploads": record.clients - missing,
-                                       "missing-clients": missing,
-                                       "seconds": float(record.seconds)}
+        out: dict[str, float | int] = {
+            "round": record.round,
+            "clients": record.clients,
+            "uploads": record.clients - missing,
+            "missing-clients": missing,
+            "seconds": float(record.seconds),
+        }
         if record.epsilon is not None:
             out["epsilon"] = _finite(record.epsilon)
             out["delta-max"] = float(self.server.delta_max)
@@ -668,7 +777,7 @@ class DPStrategy(Strategy):
         if record.accuracy is not None:
             out["accuracy"] = float(record.accuracy)
             out["loss"] = float(record.loss)
-        if "unclipped_fraction_noised" in record.info:     # adaptive clipping's release
+        if "unclipped_fraction_noised" in record.info:  # adaptive clipping's release
             out["unclipped-fraction-noised"] = float(record.info["unclipped_fraction_noised"])
             out["clip"] = float(record.info["clip"])
         for key in _CLIENT_EPSILONS:
@@ -690,8 +799,12 @@ class DPStrategy(Strategy):
         """For ``Strategy.start(evaluate_fn=...)``: the round's central accuracy/loss
         (computed in ``aggregate_train`` on the server's test set)."""
         hist = self.server.history
-        if server_round == 0 or not hist or hist[-1].accuracy is None \
-                or self._reported_round == hist[-1].round:
+        if (
+            server_round == 0
+            or not hist
+            or hist[-1].accuracy is None
+            or self._reported_round == hist[-1].round
+        ):
             return None
         last = hist[-1]
         self._reported_round = last.round
@@ -704,21 +817,35 @@ class DPStrategy(Strategy):
         srv = self.server
         srv.stop_reason = None
         self.reply_timeout = float(timeout)
-        if self.checkpoint_dir is not None and srv.load_checkpoint(self.checkpoint_dir,
-                                                                   missing_ok=True):
-            _log.warning("resumed from %s: %d rounds, epsilon so far %s", self.checkpoint_dir,
-                         srv.rounds_done, srv.epsilon())
+        if self.checkpoint_dir is not None and srv.load_checkpoint(
+            self.checkpoint_dir, missing_ok=True
+        ):
+            _log.warning(
+                "resumed from %s: %d rounds, epsilon so far %s",
+                self.checkpoint_dir,
+                srv.rounds_done,
+                srv.epsilon(),
+            )
         todo = max(0, int(num_rounds) - srv.rounds_done)
-        result = self.start(grid, self.initial_arrays(), num_rounds=todo, timeout=timeout,
-                            train_config=ConfigRecord(), evaluate_fn=self.evaluate_fn)
+        result = self.start(
+            grid,
+            self.initial_arrays(),
+            num_rounds=todo,
+            timeout=timeout,
+            train_config=ConfigRecord(),
+            evaluate_fn=self.evaluate_fn,
+        )
         srv.finish(num_rounds)
         return result
 
 
-def make_server_app(config: FederatedConfig | None = None, dataset=None, *,
-                    strategy: Strategy | None = None,
-                    on_finish: Callable[[DPStrategy, Any, float], None] | None = None
-                    ) -> ServerApp:
+def make_server_app(
+    config: FederatedConfig | None = None,
+    dataset=None,
+    *,
+    strategy: Strategy | None = None,
+    on_finish: Callable[[DPStrategy, Any, float], None] | None = None,
+) -> ServerApp:
     """A Flower ``ServerApp`` running `DPStrategy` for `config.rounds` rounds.
 
     `config` None reads it from the run config (``flwr run``).  Run-config keys
@@ -731,8 +858,7 @@ def make_server_app(config: FederatedConfig | None = None, dataset=None, *,
     `on_finish(strategy, flower_result, seconds)` receives the finished
     strategy (`run_on_flower` uses it to build its result)."""
     if config is not None and not isinstance(config, FederatedConfig):
-        raise TypeError(f"config must be a FederatedConfig or None, got "
-                        f"{type(config).__name__}")
+        raise TypeError(f"config must be a FederatedConfig or None, got {type(config).__name__}")
     app = ServerApp()
 
     @app.main()
@@ -748,15 +874,21 @@ def make_server_app(config: FederatedConfig | None = None, dataset=None, *,
 
         def write(status: str, dp: DPStrategy, **extra) -> None:
             if results is not None:
-                results.write(status, _result(cfg, dp, time.perf_counter() - start,
-                                              backend="flwr run"), **extra)
+                results.write(
+                    status,
+                    _result(cfg, dp, time.perf_counter() - start, backend="flwr run"),
+                    **extra,
+                )
 
         dp = DPStrategy.from_config(
-            cfg, dataset, strategy=strategy,
+            cfg,
+            dataset,
+            strategy=strategy,
             node_timeout=float(run_config.get("node-timeout", 120.0)),
             min_nodes=run_config.get("min-nodes"),
             checkpoint_dir=run_config.get("checkpoint-dir") or None,
-            on_round=lambda d: write("running", d))
+            on_round=lambda d: write("running", d),
+        )
         try:
             result = dp.run(grid, cfg.rounds)
         except Exception as e:
@@ -767,9 +899,13 @@ def make_server_app(config: FederatedConfig | None = None, dataset=None, *,
             on_finish(dp, result, seconds)
         report = dp.server.privacy_report()
         last = dp.server.history[-1] if dp.server.history else None
-        _log.warning("dpfl_tf on Flower: %s; accuracy %s; epsilon %s at delta %s",
-                     dp.server.stop_reason, None if last is None else last.accuracy,
-                     report.get("epsilon"), report.get("delta"))
+        _log.warning(
+            "dpfl_tf on Flower: %s; accuracy %s; epsilon %s at delta %s",
+            dp.server.stop_reason,
+            None if last is None else last.accuracy,
+            report.get("epsilon"),
+            report.get("delta"),
+        )
         write(result_status(dp.server.stop_reason), dp)
 
     return app
@@ -778,11 +914,13 @@ def make_server_app(config: FederatedConfig | None = None, dataset=None, *,
 # ---------------------------------------------------------------------------
 # A Grid without Ray: Flower's apps, strategies and records, delivered in-process
 
+
 def _ensure_task_identity(run_id: int) -> None:
     """Messages take their run id and source node from the process's task identity,
     which Flower's runtimes set (`run_simulation` does the same for its process)."""
     from flwr.common.constant import SUPERLINK_NODE_ID
     from flwr.supercore.task_identity import TaskIdentity
+
     if TaskIdentity._run_id is None:
         TaskIdentity.run_id = int(run_id)
         TaskIdentity.task_id = 1
@@ -795,21 +933,32 @@ class LocalGrid(Grid):
     ids are in partition order.  For tests and small runs; the Simulation Engine
     (`run_on_flower(..., backend="ray")`) is the scalable path."""
 
-    def __init__(self, client_app: ClientApp, num_nodes: int, *, run_config: dict | None = None,
-                 num_partitions: int | None = None, raise_client_errors: bool = True):
+    def __init__(
+        self,
+        client_app: ClientApp,
+        num_nodes: int,
+        *,
+        run_config: dict | None = None,
+        num_partitions: int | None = None,
+        raise_client_errors: bool = True,
+    ):
         if not isinstance(client_app, ClientApp):
-            raise TypeError(f"client_app must be a flwr ClientApp, got "
-                            f"{type(client_app).__name__}")
+            raise TypeError(f"client_app must be a flwr ClientApp, got {type(client_app).__name__}")
         if int(num_nodes) < 1:
             raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
         self._app = client_app
         parts = int(num_partitions if num_partitions is not None else num_nodes)
         self._run = Run.create_empty(run_id=1)
         self.contexts = {
-            k + 1: Context(run_id=1, node_id=k + 1,
-                           node_config={PARTITION_ID_KEY: k, NUM_PARTITIONS_KEY: parts},
-                           state=RecordDict(), run_config=dict(run_config or {}))
-            for k in range(int(num_nodes))}
+            k + 1: Context(
+                run_id=1,
+                node_id=k + 1,
+                node_config={PARTITION_ID_KEY: k, NUM_PARTITIONS_KEY: parts},
+                state=RecordDict(),
+                run_config=dict(run_config or {}),
+            )
+            for k in range(int(num_nodes))
+        }
         self._replies: dict[str, Message] = {}
         self.raise_client_errors = bool(raise_client_errors)
         #: nodes taken down by `stop_node`
@@ -842,17 +991,15 @@ class LocalGrid(Grid):
                 raise ValueError(f"no node {node} in this LocalGrid")
             msg_id = uuid.uuid4().hex
             try:
-                if node in self.down:   # as Flower's SuperLink: an error reply, not a raise
-                    reply = Message(Error(code=0, reason=f"node {node} is offline"),
-                                    reply_to=msg)
-                else:   # a copy, as a transport delivers: a ClientApp may change its message
+                if node in self.down:  # as Flower's SuperLink: an error reply, not a raise
+                    reply = Message(Error(code=0, reason=f"node {node} is offline"), reply_to=msg)
+                else:  # a copy, as a transport delivers: a ClientApp may change its message
                     reply = self._app(copy.deepcopy(msg), self.contexts[node])
             except Exception as exc:
                 if self.raise_client_errors:
                     raise
                 # as on Flower: a failing ClientApp becomes an error reply
-                reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"),
-                                reply_to=msg)
+                reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
             self._replies[msg_id] = reply
             ids.append(msg_id)
         return ids
@@ -867,26 +1014,38 @@ class LocalGrid(Grid):
 # ---------------------------------------------------------------------------
 # One config, on Flower
 
+
 def _result(config: FederatedConfig, dp: DPStrategy, seconds: float, *, backend: str) -> dict:
     """`runner.federated_result` (the in-process result, one function) plus what only a
     Flower run has: the runtime's labels and what the clients reported of themselves."""
     client_side = {}
     for key in _CLIENT_EPSILONS:
         values = [m[key] for m in dp.client_metrics.values() if key in m]
-        if values:   # JSON-ready: an infinite epsilon is None with a flag
+        if values:  # JSON-ready: an infinite epsilon is None with a flag
             top = float(max(values))
             name = f"max_{key.replace('-', '_')}"
             client_side[name] = top if math.isfinite(top) else None
             if not math.isfinite(top):
                 client_side[f"{name}_is_infinite"] = True
-    return {**federated_result(config, dp.server, dp.dataset, seconds=seconds),
-            "runtime": "flower", "flower_backend": backend, "flwr_version": FLOWER_VERSION,
-            "client_reported": client_side}
+    return {
+        **federated_result(config, dp.server, dp.dataset, seconds=seconds),
+        "runtime": "flower",
+        "flower_backend": backend,
+        "flwr_version": FLOWER_VERSION,
+        "client_reported": client_side,
+    }
 
 
-def run_on_flower(config: FederatedConfig, dataset=None, *, backend: str = "ray",
-                  backend_config: dict | None = None, local_dp: LocalDPUpload | None = None,
-                  strategy: Strategy | None = None, verbose: bool = False) -> dict[str, Any]:
+def run_on_flower(
+    config: FederatedConfig,
+    dataset=None,
+    *,
+    backend: str = "ray",
+    backend_config: dict | None = None,
+    local_dp: LocalDPUpload | None = None,
+    strategy: Strategy | None = None,
+    verbose: bool = False,
+) -> dict[str, Any]:
     """Runs `config` on Flower and returns the `run_federated` result dict
     (plus ``runtime``, ``flower_backend``, ``flwr_version``, ``client_reported``).
 
@@ -909,14 +1068,17 @@ def run_on_flower(config: FederatedConfig, dataset=None, *, backend: str = "ray"
     """
     if not isinstance(config, FederatedConfig):
         raise TypeError(f"config must be a FederatedConfig, got {type(config).__name__}")
-    if config.dp is DPMode.DISTRIBUTED:     # Flower's secure aggregation (SecAgg+)
+    if config.dp is DPMode.DISTRIBUTED:  # Flower's secure aggregation (SecAgg+)
         if local_dp is not None or strategy is not None:
-            raise ValueError("dp='distributed' runs in Flower's SecAggPlusWorkflow with "
-                             "DistributedDPStrategy: local_dp and strategy must be None")
+            raise ValueError(
+                "dp='distributed' runs in Flower's SecAggPlusWorkflow with "
+                "DistributedDPStrategy: local_dp and strategy must be None"
+            )
         from dpfl_tf.federated.flower_secagg import run_on_secagg
 
-        return run_on_secagg(config, dataset, backend=backend, backend_config=backend_config,
-                             verbose=verbose)
+        return run_on_secagg(
+            config, dataset, backend=backend, backend_config=backend_config, verbose=verbose
+        )
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend_config is not None and backend != "ray":
@@ -928,17 +1090,32 @@ def run_on_flower(config: FederatedConfig, dataset=None, *, backend: str = "ray"
 
     client = make_client_app(config, dataset, local_dp=local_dp)
     server = make_server_app(config, dataset, strategy=strategy, on_finish=on_finish)
-    run_apps(server, client, config.clients, backend=backend, backend_config=backend_config,
-             verbose=verbose)
+    run_apps(
+        server,
+        client,
+        config.clients,
+        backend=backend,
+        backend_config=backend_config,
+        verbose=verbose,
+    )
     if "strategy" not in finished:
-        raise RuntimeError(f"the Flower run ({backend}) ended without finishing the ServerApp; "
-                           "see Flower's log above")
+        raise RuntimeError(
+            f"the Flower run ({backend}) ended without finishing the ServerApp; "
+            "see Flower's log above"
+        )
     return _result(config, finished["strategy"], finished["seconds"], backend=backend)
 
 
-def run_apps(server: ServerApp, client: ClientApp, num_nodes: int, *, backend: str = "ray",
-             backend_config: dict | None = None, verbose: bool = False,
-             raise_client_errors: bool = True) -> None:
+def run_apps(
+    server: ServerApp,
+    client: ClientApp,
+    num_nodes: int,
+    *,
+    backend: str = "ray",
+    backend_config: dict | None = None,
+    verbose: bool = False,
+    raise_client_errors: bool = True,
+) -> None:
     """Runs a ServerApp with `num_nodes` nodes of a ClientApp: on Flower's Simulation
     Engine (``"ray"``; one CPU per ClientApp unless `backend_config` says otherwise) or
     on `LocalGrid` (``"local"``; a failing ClientApp raises unless
@@ -953,14 +1130,21 @@ def run_apps(server: ServerApp, client: ClientApp, num_nodes: int, *, backend: s
     try:
         if backend == "ray":
             from flwr.simulation import run_simulation
-            run_simulation(server_app=server, client_app=client, num_supernodes=int(num_nodes),
-                           backend_config=backend_config or {
-                               "client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
-                           verbose_logging=verbose)
+
+            run_simulation(
+                server_app=server,
+                client_app=client,
+                num_supernodes=int(num_nodes),
+                backend_config=backend_config
+                or {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+                verbose_logging=verbose,
+            )
         else:
             grid = LocalGrid(client, int(num_nodes), raise_client_errors=raise_client_errors)
-            server(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
-                                 run_config={}))
+            server(
+                grid,
+                Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+            )
     finally:
         flwr_logger.setLevel(level)
 

@@ -59,17 +59,17 @@ try:
     from flwr.app import ConfigRecord, Context, Message
     from flwr.client import ClientApp, NumPyClient
     from flwr.client.mod import secaggplus_mod
-    from flwr.common import (FitIns, GetPropertiesIns, ndarrays_to_parameters,
-                             parameters_to_ndarrays)
+    from flwr.common import FitIns, GetPropertiesIns, ndarrays_to_parameters, parameters_to_ndarrays
     from flwr.common.constant import MessageTypeLegacy
-    from flwr.common.secure_aggregation.secaggplus_constants import (RECORD_KEY_CONFIGS, Key,
-                                                                    Stage)
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
     from flwr.server import LegacyContext, ServerApp, ServerConfig
     from flwr.server.strategy import Strategy as LegacyStrategy
     from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 except ImportError as _exc:  # pragma: no cover
-    raise ImportError("dpfl_tf.federated.flower_secagg needs Flower (flwr >= 1.41); install the "
-                      "extra with: pip install 'dpfl-tf[flower]'") from _exc
+    raise ImportError(
+        "dpfl_tf.federated.flower_secagg needs Flower (flwr >= 1.41); install the "
+        "extra with: pip install 'dpfl-tf[flower]'"
+    ) from _exc
 
 import dataclasses
 import functools
@@ -86,21 +86,49 @@ from dpfl_tf._seeds import derive_seed
 from dpfl_tf.discrete_noise import GeneratorSource, SecureSource
 from dpfl_tf.federated.aggregators import DistributedDPAggregator, dropped_out
 from dpfl_tf.federated.distributed_dp import DistributedDP, flatten
-from dpfl_tf.federated.flower import (PARTITION_ID_KEY, ROUND_KEY, _ClientSpec,
-                                      _dataset_fingerprint, _partition_id, _result, _runtime,
-                                      config_from_run_config, run_apps)
+from dpfl_tf.federated.flower import (
+    PARTITION_ID_KEY,
+    ROUND_KEY,
+    _ClientSpec,
+    _dataset_fingerprint,
+    _partition_id,
+    _result,
+    _runtime,
+    config_from_run_config,
+    run_apps,
+)
 from dpfl_tf.federated.runner import DPMode, FederatedConfig, build_server
 from dpfl_tf.federated.server import FederatedServer
 
-__all__ = ["DistributedDPStrategy", "client_app", "distributed_dp_mod", "make_dropout_mod",
-           "make_secagg_client_app", "make_secagg_server_app", "recover_sum",
-           "run_on_secagg", "secagg_min_survivors", "secagg_ranges", "server_app"]
+__all__ = [
+    "DistributedDPStrategy",
+    "client_app",
+    "distributed_dp_mod",
+    "make_dropout_mod",
+    "make_secagg_client_app",
+    "make_secagg_server_app",
+    "recover_sum",
+    "run_on_secagg",
+    "secagg_min_survivors",
+    "secagg_ranges",
+    "server_app",
+]
 
 _log = logging.getLogger("dpfl_tf.federated.flower_secagg")
 #: the fit-config keys of the mechanism (`mechanism_config`, `mechanism_from_config`)
 _PREFIX = "dpfl-ddp-"
-_FIELDS = ("mechanism", "bits", "l2_norm_clip", "noise_multiplier", "clients_per_round",
-           "dimension", "min_clients", "beta", "overflow_probability", "block_size")
+_FIELDS = (
+    "mechanism",
+    "bits",
+    "l2_norm_clip",
+    "noise_multiplier",
+    "clients_per_round",
+    "dimension",
+    "min_clients",
+    "beta",
+    "overflow_probability",
+    "block_size",
+)
 ROTATION_KEY = "dpfl-rotation-seed"
 NOISE_SEED_KEY = "dpfl-noise-seed"
 
@@ -108,12 +136,17 @@ NOISE_SEED_KEY = "dpfl-noise-seed"
 # ---------------------------------------------------------------------------
 # The b-bit transport through SecAgg+
 
+
 def secagg_ranges(bits: int) -> dict:
     """SecAggPlusWorkflow's quantization settings that carry centred b-bit integers
     unchanged (module docstring): T = 2^b + 2, C = T/2, modulus 2^(b+1), weight 1."""
     m = 1 << int(bits)
-    return {"clipping_range": float(m // 2 + 1), "quantization_range": m + 2,
-            "modulus_range": 2 * m, "max_weight": 1.0}
+    return {
+        "clipping_range": float(m // 2 + 1),
+        "quantization_range": m + 2,
+        "modulus_range": 2 * m,
+        "max_weight": 1.0,
+    }
 
 
 def recover_sum(aggregated: np.ndarray, uploads: int, bits: int) -> np.ndarray:
@@ -125,10 +158,13 @@ def recover_sum(aggregated: np.ndarray, uploads: int, bits: int) -> np.ndarray:
     t, mod = r["quantization_range"], r["modulus_range"]
     q = (int(uploads) * t) % mod
     if q == 0:
-        raise ValueError(f"{uploads} uploads at bits={bits}: SecAgg+'s weight factor wraps to "
-                         "0 (needs fewer uploads than 2^b)")
-    return np.mod(np.rint(np.asarray(aggregated, np.float64) * (q / t)).astype(np.int64),
-                  1 << int(bits))
+        raise ValueError(
+            f"{uploads} uploads at bits={bits}: SecAgg+'s weight factor wraps to "
+            "0 (needs fewer uploads than 2^b)"
+        )
+    return np.mod(
+        np.rint(np.asarray(aggregated, np.float64) * (q / t)).astype(np.int64), 1 << int(bits)
+    )
 
 
 def secagg_min_survivors(num_clients: int, num_shares: int, threshold: int) -> int:
@@ -150,6 +186,7 @@ def centred(v: np.ndarray, bits: int) -> np.ndarray:
 # ---------------------------------------------------------------------------
 # The mechanism's parameters in a fit config
 
+
 def mechanism_config(mechanism: DistributedDP) -> dict:
     """The `DistributedDP`'s parameters as fit-config entries."""
     out = {}
@@ -168,8 +205,10 @@ def mechanism_from_config(config) -> DistributedDP:
     """The `DistributedDP` a fit config describes (`mechanism_config`), built once."""
     missing = [_PREFIX + n for n in _FIELDS if _PREFIX + n not in config]
     if missing:
-        raise ValueError(f"the fit config lacks {', '.join(missing)}: distributed_dp_mod "
-                         "answers rounds configured by DistributedDPStrategy")
+        raise ValueError(
+            f"the fit config lacks {', '.join(missing)}: distributed_dp_mod "
+            "answers rounds configured by DistributedDPStrategy"
+        )
     return _mechanism(tuple((n, config[_PREFIX + n]) for n in _FIELDS))
 
 
@@ -177,12 +216,15 @@ def _fit_config(msg: Message) -> ConfigRecord:
     for name, record in msg.content.config_records.items():
         if name != RECORD_KEY_CONFIGS and ROUND_KEY in record:
             return record
-    raise ValueError(f"the message has no fit config with {ROUND_KEY!r}: this client answers "
-                     "rounds configured by DistributedDPStrategy")
+    raise ValueError(
+        f"the message has no fit config with {ROUND_KEY!r}: this client answers "
+        "rounds configured by DistributedDPStrategy"
+    )
 
 
 # ---------------------------------------------------------------------------
 # Client side
+
 
 def distributed_dp_mod(msg: Message, context: Context, call_next) -> Message:
     """Client mod: the distributed DP client step on the ClientApp's fit result.
@@ -200,9 +242,11 @@ def distributed_dp_mod(msg: Message, context: Context, call_next) -> Message:
     if msg.metadata.message_type != "train":
         return call_next(msg, context)
     if RECORD_KEY_CONFIGS not in msg.content.config_records:
-        raise ValueError("distributed_dp_mod runs inside Flower's secure aggregation: use "
-                         "mods=[secaggplus_mod, distributed_dp_mod] with SecAggPlusWorkflow "
-                         "(one client's noised vector must never leave it in the clear)")
+        raise ValueError(
+            "distributed_dp_mod runs inside Flower's secure aggregation: use "
+            "mods=[secaggplus_mod, distributed_dp_mod] with SecAggPlusWorkflow "
+            "(one client's noised vector must never leave it in the clear)"
+        )
     config = _fit_config(msg)
     mech = mechanism_from_config(config)
     out = call_next(msg, context)
@@ -212,8 +256,11 @@ def distributed_dp_mod(msg: Message, context: Context, call_next) -> Message:
     update = parameters_to_ndarrays(fitres.parameters)
     t = int(config[ROUND_KEY])
     k = int(context.node_config[PARTITION_ID_KEY])
-    source = (GeneratorSource(derive_seed(int(config[NOISE_SEED_KEY]), "client-noise", t, k))
-              if NOISE_SEED_KEY in config else SecureSource())
+    source = (
+        GeneratorSource(derive_seed(int(config[NOISE_SEED_KEY]), "client-noise", t, k))
+        if NOISE_SEED_KEY in config
+        else SecureSource()
+    )
     v = mech.encode(flatten(update), int(config[ROTATION_KEY]), source)
     fitres.parameters = ndarrays_to_parameters([centred(v, mech.bits)])
     fitres.num_examples = 1
@@ -230,8 +277,11 @@ def make_dropout_mod(rate: float, seed: int):
 
     def dropout_mod(msg: Message, context: Context, call_next) -> Message:
         secagg = msg.content.config_records.get(RECORD_KEY_CONFIGS)
-        if rate > 0 and secagg is not None \
-                and secagg.get(Key.STAGE) == Stage.COLLECT_MASKED_VECTORS:
+        if (
+            rate > 0
+            and secagg is not None
+            and secagg.get(Key.STAGE) == Stage.COLLECT_MASKED_VECTORS
+        ):
             t = int(_fit_config(msg)[ROUND_KEY])
             k = int(context.node_config[PARTITION_ID_KEY])
             if dropped_out(rate, seed, t, k):
@@ -257,8 +307,7 @@ class _UpdateClient(NumPyClient):
     def fit(self, parameters, config):
         server = _runtime(self.spec, self.config)
         weights = [tf.constant(p) for p in parameters]
-        upload, _ = server.client_upload(self.k, weights, int(config[ROUND_KEY]),
-                                         client_step=False)
+        upload, _ = server.client_upload(self.k, weights, int(config[ROUND_KEY]), client_step=False)
         return [np.asarray(u, dtype=np.float64) for u in upload], 1, {PARTITION_ID_KEY: self.k}
 
 
@@ -267,21 +316,22 @@ def make_secagg_client_app(config: FederatedConfig | None = None, dataset=None) 
     then `distributed_dp_mod` inside ``secaggplus_mod``, and the config's simulated
     dropouts (`make_dropout_mod`) outside both.  `config` None reads it from the run
     config (``flwr run``)."""
-    spec = _ClientSpec(config, dataset, None,
-                       key=f"{_dataset_fingerprint(dataset)}:{uuid.uuid4().hex}")
+    spec = _ClientSpec(
+        config, dataset, None, key=f"{_dataset_fingerprint(dataset)}:{uuid.uuid4().hex}"
+    )
 
     def client_fn(context: Context):
         return _UpdateClient(spec, context).to_client()
 
     mods = [secaggplus_mod, distributed_dp_mod]
     if config is not None and config.dropout_rate > 0:
-        mods.insert(0, make_dropout_mod(config.dropout_rate, derive_seed(config.seed,
-                                                                          "dropout")))
+        mods.insert(0, make_dropout_mod(config.dropout_rate, derive_seed(config.seed, "dropout")))
     return ClientApp(client_fn=client_fn, mods=mods)
 
 
 # ---------------------------------------------------------------------------
 # Server side
+
 
 @dataclasses.dataclass
 class _Pending:
@@ -309,16 +359,20 @@ class DistributedDPStrategy(LegacyStrategy):
         if not isinstance(server, FederatedServer):
             raise TypeError(f"server must be a FederatedServer, got {type(server).__name__}")
         if not isinstance(server.aggregator, DistributedDPAggregator):
-            raise TypeError("DistributedDPStrategy runs dp='distributed' (a "
-                            "DistributedDPAggregator), got "
-                            f"{type(server.aggregator).__name__}")
+            raise TypeError(
+                "DistributedDPStrategy runs dp='distributed' (a "
+                "DistributedDPAggregator), got "
+                f"{type(server.aggregator).__name__}"
+            )
         self.server = server
         self.aggregator = server.aggregator
         self.mechanism = server.aggregator.mechanism
         if self.mechanism.clients_per_round >= self.mechanism.modulus // 2:
-            raise ValueError(f"bits={self.mechanism.bits} is too few for SecAgg+ with "
-                             f"{self.mechanism.clients_per_round} clients per round (its weight "
-                             "factor needs m < 2^(b-1))")
+            raise ValueError(
+                f"bits={self.mechanism.bits} is too few for SecAgg+ with "
+                f"{self.mechanism.clients_per_round} clients per round (its weight "
+                "factor needs m < 2^(b-1))"
+            )
         self.timeout = timeout
         self.partition_nodes: dict[int, int] = {}
         self.client_metrics: dict[int, dict] = {}
@@ -336,8 +390,12 @@ class DistributedDPStrategy(LegacyStrategy):
         """Flower's SecAgg+ with every client a neighbour of every other and the
         threshold n_min / m: a round finishes only with >= min_clients uploads."""
         m, n_min = self.mechanism.clients_per_round, self.mechanism.min_clients
-        flow = SecAggPlusWorkflow(num_shares=1.0, reconstruction_threshold=n_min / m,
-                                  timeout=self.timeout, **secagg_ranges(self.mechanism.bits))
+        flow = SecAggPlusWorkflow(
+            num_shares=1.0,
+            reconstruction_threshold=n_min / m,
+            timeout=self.timeout,
+            **secagg_ranges(self.mechanism.bits),
+        )
         threshold = max(round(n_min / m * m), 2)
         if secagg_min_survivors(m, m, threshold) < n_min:
             raise ValueError(f"SecAgg+ would finish rounds with fewer than min_clients={n_min}")
@@ -347,14 +405,17 @@ class DistributedDPStrategy(LegacyStrategy):
         """Asks every node which client it holds (one batch of get_properties messages);
         two nodes claiming one client are refused, naming them."""
         content = compat.getpropertiesins_to_recorddict(GetPropertiesIns({}))
-        messages = [grid.create_message(content, MessageTypeLegacy.GET_PROPERTIES, n,
-                                        "dpfl-enrol") for n in grid.get_node_ids()]
+        messages = [
+            grid.create_message(content, MessageTypeLegacy.GET_PROPERTIES, n, "dpfl-enrol")
+            for n in grid.get_node_ids()
+        ]
         for reply in grid.send_and_receive(messages, timeout=self.timeout):
             node = int(reply.metadata.src_node_id)
             if reply.has_error():
                 raise ValueError(f"node {node} could not enrol: {reply.error.reason}")
-            k = int(compat.recorddict_to_getpropertiesres(reply.content)
-                    .properties[PARTITION_ID_KEY])
+            k = int(
+                compat.recorddict_to_getpropertiesres(reply.content).properties[PARTITION_ID_KEY]
+            )
             other = self.partition_nodes.get(k)
             if other is not None and other != node:
                 raise ValueError(f"nodes {other} and {node} both hold {PARTITION_ID_KEY}={k}")
@@ -368,21 +429,30 @@ class DistributedDPStrategy(LegacyStrategy):
     def configure_fit(self, server_round, parameters, client_manager):
         srv = self.server
         self._close_aborted()
-        reason = srv.budget_stop_reason()     # FederatedServer's stop rule
+        reason = srv.budget_stop_reason()  # FederatedServer's stop rule
         if reason is not None:
             srv.stop_reason = reason
             return []
         start, cpu_start = time.perf_counter(), time.process_time()
         t, selected = srv.open_round()
         proxies = client_manager.all()
-        chosen = [proxies[str(self.partition_nodes[int(k)])] for k in selected
-                  if int(k) in self.partition_nodes
-                  and str(self.partition_nodes[int(k)]) in proxies]
+        chosen = [
+            proxies[str(self.partition_nodes[int(k)])]
+            for k in selected
+            if int(k) in self.partition_nodes and str(self.partition_nodes[int(k)]) in proxies
+        ]
         if len(chosen) < len(selected):
-            _log.warning("round %d: %d of the %d sampled clients have no live node", t + 1,
-                         len(selected) - len(chosen), len(selected))
-        config: dict[str, Any] = {ROUND_KEY: int(t), ROTATION_KEY: self.aggregator.rotation_seed(t),
-                                  **mechanism_config(self.mechanism)}
+            _log.warning(
+                "round %d: %d of the %d sampled clients have no live node",
+                t + 1,
+                len(selected) - len(chosen),
+                len(selected),
+            )
+        config: dict[str, Any] = {
+            ROUND_KEY: int(t),
+            ROTATION_KEY: self.aggregator.rotation_seed(t),
+            **mechanism_config(self.mechanism),
+        }
         if srv.noise_seed is not None:
             config[NOISE_SEED_KEY] = int(srv.noise_seed)
         weights = [tf.constant(a) for a in parameters_to_ndarrays(parameters)]
@@ -403,11 +473,19 @@ class DistributedDPStrategy(LegacyStrategy):
         result = self.aggregator.release(total, count, pending.weights)
         if count < len(pending.selected):
             result.info["missing_clients"] = len(pending.selected) - count
-        record = self.server.close_round(pending.round_index, pending.selected,
-                                         pending.weights, result, start=pending.start,
-                                         cpu_start=pending.cpu_start)
-        metrics = {"round": record.round, "uploads": count,
-                   "epsilon": float(record.epsilon) if record.epsilon is not None else -1.0}
+        record = self.server.close_round(
+            pending.round_index,
+            pending.selected,
+            pending.weights,
+            result,
+            start=pending.start,
+            cpu_start=pending.cpu_start,
+        )
+        metrics = {
+            "round": record.round,
+            "uploads": count,
+            "epsilon": float(record.epsilon) if record.epsilon is not None else -1.0,
+        }
         if record.accuracy is not None:
             metrics["accuracy"] = float(record.accuracy)
         new = [np.asarray(w) for w in self.server.trainer.get_weights()]
@@ -418,12 +496,22 @@ class DistributedDPStrategy(LegacyStrategy):
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        _log.warning("round %d: SecAgg+ halted (fewer than %d uploads): nothing released",
-                     pending.round_index + 1, self.mechanism.min_clients)
-        result = self.aggregator.release(np.zeros(self.mechanism.padded_dimension, np.int64),
-                                         0, pending.weights)
-        self.server.close_round(pending.round_index, pending.selected, pending.weights, result,
-                                start=pending.start, cpu_start=pending.cpu_start)
+        _log.warning(
+            "round %d: SecAgg+ halted (fewer than %d uploads): nothing released",
+            pending.round_index + 1,
+            self.mechanism.min_clients,
+        )
+        result = self.aggregator.release(
+            np.zeros(self.mechanism.padded_dimension, np.int64), 0, pending.weights
+        )
+        self.server.close_round(
+            pending.round_index,
+            pending.selected,
+            pending.weights,
+            result,
+            start=pending.start,
+            cpu_start=pending.cpu_start,
+        )
 
     def configure_evaluate(self, server_round, parameters, client_manager):
         return []
@@ -432,16 +520,20 @@ class DistributedDPStrategy(LegacyStrategy):
         return None, {}
 
     def evaluate(self, server_round, parameters):
-        return None     # the server evaluates when it closes a round
+        return None  # the server evaluates when it closes a round
 
     def finish(self, rounds: int) -> None:
         self._close_aborted()
         self.server.finish(rounds)
 
 
-def make_secagg_server_app(config: FederatedConfig | None = None, dataset=None, *,
-                           timeout: float | None = None,
-                           on_finish: Callable | None = None) -> ServerApp:
+def make_secagg_server_app(
+    config: FederatedConfig | None = None,
+    dataset=None,
+    *,
+    timeout: float | None = None,
+    on_finish: Callable | None = None,
+) -> ServerApp:
     """A Flower ServerApp running `DistributedDPStrategy` in SecAggPlusWorkflow for
     ``config.rounds`` rounds (`config` None: from the run config).
     ``on_finish(strategy, seconds)`` receives the finished strategy."""
@@ -453,8 +545,9 @@ def make_secagg_server_app(config: FederatedConfig | None = None, dataset=None, 
         cfg = config if config is not None else config_from_run_config(dict(context.run_config))
         strategy = DistributedDPStrategy.from_config(cfg, dataset, timeout=timeout)
         strategy.enrol(grid)
-        legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=cfg.rounds),
-                               strategy=strategy)
+        legacy = LegacyContext(
+            context=context, config=ServerConfig(num_rounds=cfg.rounds), strategy=strategy
+        )
         DefaultWorkflow(fit_workflow=strategy.workflow())(grid, legacy)
         strategy.finish(cfg.rounds)
         if on_finish is not None:
@@ -463,9 +556,15 @@ def make_secagg_server_app(config: FederatedConfig | None = None, dataset=None, 
     return app
 
 
-def run_on_secagg(config: FederatedConfig, dataset=None, *, backend: str = "ray",
-                  backend_config: dict | None = None, timeout: float | None = None,
-                  verbose: bool = False) -> dict[str, Any]:
+def run_on_secagg(
+    config: FederatedConfig,
+    dataset=None,
+    *,
+    backend: str = "ray",
+    backend_config: dict | None = None,
+    timeout: float | None = None,
+    verbose: bool = False,
+) -> dict[str, Any]:
     """Runs a ``dp="distributed"`` `FederatedConfig` on Flower's SecAgg+ and returns the
     `run_federated` result dict (plus the runtime labels of
     `dpfl_tf.federated.flower.run_on_flower`, which calls this for such configs).
@@ -474,16 +573,28 @@ def run_on_secagg(config: FederatedConfig, dataset=None, *, backend: str = "ray"
         raise ValueError("run_on_secagg runs a FederatedConfig with dp='distributed'")
     finished: dict[str, Any] = {}
     client = make_secagg_client_app(config, dataset)
-    server = make_secagg_server_app(config, dataset, timeout=timeout, on_finish=lambda s, sec:
-                                    finished.update(strategy=s, seconds=sec))
+    server = make_secagg_server_app(
+        config,
+        dataset,
+        timeout=timeout,
+        on_finish=lambda s, sec: finished.update(strategy=s, seconds=sec),
+    )
     # a client that drops out fails its ClientApp: an error reply, as on Flower
-    run_apps(server, client, config.clients, backend=backend, backend_config=backend_config,
-             verbose=verbose, raise_client_errors=False)
+    run_apps(
+        server,
+        client,
+        config.clients,
+        backend=backend,
+        backend_config=backend_config,
+        verbose=verbose,
+        raise_client_errors=False,
+    )
     if "strategy" not in finished:
-        raise RuntimeError(f"the Flower run ({backend}) ended without finishing the ServerApp; "
-                           "see Flower's log above")
-    return _result(config, finished["strategy"], finished["seconds"],
-                   backend=f"{backend}, SecAgg+")
+        raise RuntimeError(
+            f"the Flower run ({backend}) ended without finishing the ServerApp; "
+            "see Flower's log above"
+        )
+    return _result(config, finished["strategy"], finished["seconds"], backend=f"{backend}, SecAgg+")
 
 
 #: For ``flwr run`` of a ``dp="distributed"`` app: in ``[tool.flwr.app.components]``,

@@ -101,14 +101,24 @@ from dpfl_tf.privacy.events import REPLACE_ONE_UPDATE, clipped_upload_event
 from dpfl_tf.sanitizer import make_generator
 
 __all__ = [
-    "LocalDPMechanism", "DuchiMechanism", "PiecewiseMechanism", "PNPMMechanism",
-    "LDPFLMechanism", "LaplaceMechanism", "GaussianMechanism",
-    "MechanismKind", "make_mechanism",
-    "DomainMode", "DomainPolicy", "out_of_domain_counts",
-    "LocalPrivacyReport", "privacy_report", "gaussian_upload_report",
-    "pnpm_magnitude_distinguishability", "LocalDPUpload",
+    "LocalDPMechanism",
+    "DuchiMechanism",
+    "PiecewiseMechanism",
+    "PNPMMechanism",
+    "LDPFLMechanism",
+    "LaplaceMechanism",
+    "GaussianMechanism",
+    "MechanismKind",
+    "make_mechanism",
+    "DomainMode",
+    "DomainPolicy",
+    "out_of_domain_counts",
+    "LocalPrivacyReport",
+    "privacy_report",
+    "gaussian_upload_report",
+    "pnpm_magnitude_distinguishability",
+    "LocalDPUpload",
 ]
-
 
 
 def _check_epsilon(epsilon: Any) -> float:
@@ -118,8 +128,10 @@ def _check_epsilon(epsilon: Any) -> float:
 # ---------------------------------------------------------------------------
 # Domain policy
 
+
 class DomainMode(ChoiceEnum):
     """What to do with a weight outside the public range [c - r, c + r]."""
+
     __argument__ = "domain mode"
 
     CLIP = "clip"
@@ -161,11 +173,15 @@ class DomainPolicy:
         object.__setattr__(self, "mode", mode)
         if mode is DomainMode.ERROR:
             if self.bound is not None:
-                raise ValueError("DomainPolicy 'error' uses the mechanism's own domain and takes "
-                                 f"no bound, got bound={self.bound!r}; use clip or scale")
+                raise ValueError(
+                    "DomainPolicy 'error' uses the mechanism's own domain and takes "
+                    f"no bound, got bound={self.bound!r}; use clip or scale"
+                )
             if self.center != 0.0:
-                raise ValueError("DomainPolicy 'error' takes no center, got "
-                                 f"center={self.center!r}; use clip or scale")
+                raise ValueError(
+                    "DomainPolicy 'error' takes no center, got "
+                    f"center={self.center!r}; use clip or scale"
+                )
             return
         if self.bound is None:
             raise ValueError(f"DomainPolicy {mode.value!r} needs a public bound > 0, got None")
@@ -173,13 +189,15 @@ class DomainPolicy:
         object.__setattr__(self, "center", _per_layer("center", self.center, positive=False))
 
     @classmethod
-    def clip(cls, bound: float | Sequence[float], center: float | Sequence[float] = 0.0
-             ) -> "DomainPolicy":
+    def clip(
+        cls, bound: float | Sequence[float], center: float | Sequence[float] = 0.0
+    ) -> "DomainPolicy":
         return cls(DomainMode.CLIP, bound, center)
 
     @classmethod
-    def scale(cls, bound: float | Sequence[float], center: float | Sequence[float] = 0.0
-              ) -> "DomainPolicy":
+    def scale(
+        cls, bound: float | Sequence[float], center: float | Sequence[float] = 0.0
+    ) -> "DomainPolicy":
         return cls(DomainMode.SCALE, bound, center)
 
     @classmethod
@@ -194,21 +212,26 @@ class DomainPolicy:
         for name, value in (("center", self.center), ("bound", self.bound)):
             if isinstance(value, tuple):
                 if len(value) != num_layers:
-                    raise ValueError(f"DomainPolicy has {len(value)} per-layer {name} values but "
-                                     f"the upload has {num_layers} weight tensors")
+                    raise ValueError(
+                        f"DomainPolicy has {len(value)} per-layer {name} values but "
+                        f"the upload has {num_layers} weight tensors"
+                    )
                 out.append(value[index])
             else:
                 out.append(value)
         return out[0], out[1]
 
     def to_dict(self) -> dict:
-        return {"mode": self.mode.value,
-                "bound": list(self.bound) if isinstance(self.bound, tuple) else self.bound,
-                "center": list(self.center) if isinstance(self.center, tuple) else self.center}
+        return {
+            "mode": self.mode.value,
+            "bound": list(self.bound) if isinstance(self.bound, tuple) else self.bound,
+            "center": list(self.center) if isinstance(self.center, tuple) else self.center,
+        }
 
 
 # ---------------------------------------------------------------------------
 # Tensor helpers
+
 
 def _as_float(tensor: Any) -> tf.Tensor:
     x = tf.convert_to_tensor(tensor)
@@ -221,14 +244,17 @@ def _require_finite(x: tf.Tensor, mechanism: "LocalDPMechanism", where: str) -> 
     if tf.executing_eagerly():
         bad = int(tf.size(x)) - int(tf.reduce_sum(tf.cast(tf.math.is_finite(x), tf.int64)))
         if bad:
-            raise ValueError(f"{mechanism!r}: {bad} of {int(tf.size(x))} entries of {where} are "
-                             "NaN or inf; they cannot be perturbed (check the local training)")
+            raise ValueError(
+                f"{mechanism!r}: {bad} of {int(tf.size(x))} entries of {where} are "
+                "NaN or inf; they cannot be perturbed (check the local training)"
+            )
     else:
         tf.debugging.assert_all_finite(x, f"{mechanism!r}: {where} has NaN or inf entries")
 
 
-def _require_in_range(x: tf.Tensor, low: float, high: float, mechanism: "LocalDPMechanism",
-                      where: str, hint: str) -> None:
+def _require_in_range(
+    x: tf.Tensor, low: float, high: float, mechanism: "LocalDPMechanism", where: str, hint: str
+) -> None:
     lo = _const(low, x.dtype)
     hi = _const(high, x.dtype)
     if tf.executing_eagerly():
@@ -236,14 +262,17 @@ def _require_in_range(x: tf.Tensor, low: float, high: float, mechanism: "LocalDP
         if outside:
             raise ValueError(
                 f"{mechanism!r}: {outside} of {int(tf.size(x))} entries of {where} lie outside "
-                f"the input range [{low:g}, {high:g}]; {hint}")
+                f"the input range [{low:g}, {high:g}]; {hint}"
+            )
     else:
         tf.debugging.assert_greater_equal(x, lo, f"{mechanism!r}: {where} below {low:g}; {hint}")
         tf.debugging.assert_less_equal(x, hi, f"{mechanism!r}: {where} above {high:g}; {hint}")
 
 
-_HINT = ("handle such entries explicitly: DomainPolicy.clip(bound) to clip to a public range, "
-         "or a larger public bound with DomainPolicy.scale(bound)")
+_HINT = (
+    "handle such entries explicitly: DomainPolicy.clip(bound) to clip to a public range, "
+    "or a larger public bound with DomainPolicy.scale(bound)"
+)
 
 
 def _const(value: float, dtype: tf.DType) -> tf.Tensor:
@@ -257,6 +286,7 @@ def _compute_dtype(dtype: tf.DType) -> tf.DType:
 
 # ---------------------------------------------------------------------------
 # Mechanisms
+
 
 class LocalDPMechanism(abc.ABC):
     """A per-coordinate local randomiser, vectorised over whole tensors.
@@ -276,11 +306,17 @@ class LocalDPMechanism(abc.ABC):
     discrete: ClassVar[bool] = False
     pure: ClassVar[bool] = True
     #: what the per-coordinate eps protects, in words (for reports).
-    protected_input: ClassVar[str] = ("each perturbed coordinate (any two values of the public "
-                                      "domain are eps-indistinguishable)")
+    protected_input: ClassVar[str] = (
+        "each perturbed coordinate (any two values of the public domain are eps-indistinguishable)"
+    )
 
-    def __init__(self, epsilon: float, *, seed: int | None = None,
-                 generator: tf.random.Generator | None = None):
+    def __init__(
+        self,
+        epsilon: float,
+        *,
+        seed: int | None = None,
+        generator: tf.random.Generator | None = None,
+    ):
         self.epsilon = _check_epsilon(epsilon)
         if seed is not None:
             seed = check_count("seed", seed)
@@ -315,8 +351,9 @@ class LocalDPMechanism(abc.ABC):
         return f"{type(self).__name__}({args})"
 
     # -- TensorFlow ------------------------------------------------------------
-    def perturb(self, tensor: Any, generator: tf.random.Generator | None = None,
-                *, where: str = "the input") -> tf.Tensor:
+    def perturb(
+        self, tensor: Any, generator: tf.random.Generator | None = None, *, where: str = "the input"
+    ) -> tf.Tensor:
         """M applied independently to every entry of `tensor` (any shape).
 
         Inputs must lie in `input_domain()` (ValueError otherwise: use
@@ -337,8 +374,9 @@ class LocalDPMechanism(abc.ABC):
     def _perturb(self, t: tf.Tensor, gen: tf.random.Generator) -> tf.Tensor:
         """The randomiser on a float32/float64 tensor already in the domain."""
 
-    def _perturb_affine(self, w: tf.Tensor, center: float, bound: float,
-                        gen: tf.random.Generator) -> tf.Tensor:
+    def _perturb_affine(
+        self, w: tf.Tensor, center: float, bound: float, gen: tf.random.Generator
+    ) -> tf.Tensor:
         """c + r M((w - c)/r) for w in [c - r, c + r]: unbiased for w."""
         c = _const(center, w.dtype)
         r = _const(bound, w.dtype)
@@ -346,8 +384,13 @@ class LocalDPMechanism(abc.ABC):
         t = tf.clip_by_value((w - c) / r, _const(-1.0, w.dtype), _const(1.0, w.dtype))
         return c + r * self._perturb(t, gen)
 
-    def perturb_weights(self, weights: Sequence[Any], policy: DomainPolicy | None = None,
-                        *, generator: tf.random.Generator | None = None) -> list[tf.Tensor]:
+    def perturb_weights(
+        self,
+        weights: Sequence[Any],
+        policy: DomainPolicy | None = None,
+        *,
+        generator: tf.random.Generator | None = None,
+    ) -> list[tf.Tensor]:
         """Perturbs every weight tensor of an upload (a list of tensors / variables).
 
         `policy` (default `DomainPolicy.error()`) says how weights are mapped
@@ -373,10 +416,16 @@ class LocalDPMechanism(abc.ABC):
             if policy.mode is DomainMode.CLIP:
                 xc = tf.clip_by_value(xc, _const(lo, dtype), _const(hi, dtype))
             else:
-                _require_in_range(xc, lo, hi, self, where,
-                                  f"DomainPolicy.scale(bound={r:g}, center={c:g}) maps "
-                                  f"[{lo:g}, {hi:g}] onto the domain and does not clip; use "
-                                  "DomainPolicy.clip or a larger public bound")
+                _require_in_range(
+                    xc,
+                    lo,
+                    hi,
+                    self,
+                    where,
+                    f"DomainPolicy.scale(bound={r:g}, center={c:g}) maps "
+                    f"[{lo:g}, {hi:g}] onto the domain and does not clip; use "
+                    "DomainPolicy.clip or a larger public bound",
+                )
             out.append(tf.cast(self._perturb_affine(xc, c, r, gen), x.dtype))
         return out
 
@@ -408,8 +457,10 @@ class LocalDPMechanism(abc.ABC):
         domain = self.input_domain()
         if domain is not None and (np.any(arr < domain[0]) or np.any(arr > domain[1])):
             n = int(np.sum((arr < domain[0]) | (arr > domain[1])))
-            raise ValueError(f"{self!r}: {n} of {arr.size} inputs lie outside the input range "
-                             f"[{domain[0]:g}, {domain[1]:g}]; {_HINT}")
+            raise ValueError(
+                f"{self!r}: {n} of {arr.size} inputs lie outside the input range "
+                f"[{domain[0]:g}, {domain[1]:g}]; {_HINT}"
+            )
         return arr
 
     # -- privacy ----------------------------------------------------------------
@@ -460,7 +511,7 @@ class DuchiMechanism(LocalDPMechanism):
 
     def variance(self, t):
         t = self._check_scalar_domain(t)
-        return self.B ** 2 - t ** 2
+        return self.B**2 - t**2
 
     def output_range(self, t):
         t = self._check_scalar_domain(t)
@@ -471,8 +522,11 @@ class DuchiMechanism(LocalDPMechanism):
         y = np.asarray(y, dtype=np.float64)
         p = self._p_plus(t)
         big_b = self.B
-        return np.where(np.isclose(y, big_b, rtol=1e-12, atol=0.0), p,
-                        np.where(np.isclose(y, -big_b, rtol=1e-12, atol=0.0), 1.0 - p, 0.0))
+        return np.where(
+            np.isclose(y, big_b, rtol=1e-12, atol=0.0),
+            p,
+            np.where(np.isclose(y, -big_b, rtol=1e-12, atol=0.0), 1.0 - p, 0.0),
+        )
 
 
 class PiecewiseMechanism(LocalDPMechanism):
@@ -507,10 +561,13 @@ class PiecewiseMechanism(LocalDPMechanism):
         shape = tf.shape(t)
         u_piece = gen.uniform(shape, dtype=dt)
         u_pos = gen.uniform(shape, dtype=dt)
-        inside = left + _const(big_c - 1.0, dt) * u_pos           # uniform on [l, r]
-        v = _const(big_c + 1.0, dt) * u_pos                         # uniform on [0, C + 1)
-        outside = tf.where(v < left + big_c, -big_c + v,             # [-C, l)
-                           right + (v - (left + big_c)))            # (r, C]
+        inside = left + _const(big_c - 1.0, dt) * u_pos  # uniform on [l, r]
+        v = _const(big_c + 1.0, dt) * u_pos  # uniform on [0, C + 1)
+        outside = tf.where(
+            v < left + big_c,
+            -big_c + v,  # [-C, l)
+            right + (v - (left + big_c)),
+        )  # (r, C]
         return tf.where(u_piece < _const(self.b / (self.b + 1.0), dt), inside, outside)
 
     def perturb_scalar(self, t, rng):
@@ -535,7 +592,7 @@ class PiecewiseMechanism(LocalDPMechanism):
     def variance(self, t):
         t = self._check_scalar_domain(t)
         bm1 = math.expm1(self.epsilon / 2.0)
-        return t ** 2 / bm1 + (bm1 + 4.0) / (3.0 * bm1 ** 2)
+        return t**2 / bm1 + (bm1 + 4.0) / (3.0 * bm1**2)
 
     def output_range(self, t):
         t = self._check_scalar_domain(t)
@@ -548,8 +605,9 @@ class PiecewiseMechanism(LocalDPMechanism):
         p = (a - b) / (2.0 * b + 2.0)
         left, right = self._lr(t)
         big_c = self.C
-        return np.where((y >= left) & (y <= right), p,
-                        np.where((y >= -big_c) & (y <= big_c), p / a, 0.0))
+        return np.where(
+            (y >= left) & (y <= right), p, np.where((y >= -big_c) & (y <= big_c), p / a, 0.0)
+        )
 
 
 class PNPMMechanism(LocalDPMechanism):
@@ -574,8 +632,10 @@ class PNPMMechanism(LocalDPMechanism):
     """
 
     name = "pnpm"
-    protected_input = ("the SIGN of each weight only (relative to the public centre); the "
-                       "magnitude |w| is uploaded times a factor U ~ Uniform[1, C]")
+    protected_input = (
+        "the SIGN of each weight only (relative to the public centre); the "
+        "magnitude |w| is uploaded times a factor U ~ Uniform[1, C]"
+    )
 
     @property
     def C(self) -> float:
@@ -618,7 +678,7 @@ class PNPMMechanism(LocalDPMechanism):
     def variance(self, t):
         w = self._check_scalar_domain(t)
         em1 = math.expm1(self.epsilon)
-        return w ** 2 * 4.0 * (em1 + 1.0 + 1.0 / 3.0) / em1 ** 2
+        return w**2 * 4.0 * (em1 + 1.0 + 1.0 / 3.0) / em1**2
 
     def output_range(self, t):
         """Hull [-C|w|, C|w|]; outputs also satisfy |y| >= |w| (`magnitude_range`)."""
@@ -640,15 +700,19 @@ class PNPMMechanism(LocalDPMechanism):
         left, right = self._lr(s)
         high = a / ((a + 1.0) * (big_c - 1.0))
         low = 1.0 / ((a + 1.0) * (big_c - 1.0))
-        return np.where((t_star >= left) & (t_star <= right), high,
-                        np.where((t_star >= -right) & (t_star <= -left), low, 0.0))
+        return np.where(
+            (t_star >= left) & (t_star <= right),
+            high,
+            np.where((t_star >= -right) & (t_star <= -left), low, 0.0),
+        )
 
     def density(self, y, t):
         """pdf of the upload y = |w| t* given w (w != 0; at w = 0 the upload is the point 0)."""
         w = self._check_scalar_domain(t)
         if np.any(w == 0):
-            raise ValueError(f"{self!r}: the upload of w = 0 is exactly 0 (a point mass, "
-                             "no density)")
+            raise ValueError(
+                f"{self!r}: the upload of w = 0 is exactly 0 (a point mass, no density)"
+            )
         y = np.asarray(y, dtype=np.float64)
         return self.sign_density(y / np.abs(w), np.sign(w)) / np.abs(w)
 
@@ -669,15 +733,26 @@ class LDPFLMechanism(LocalDPMechanism):
     name = "ldp_fl"
     discrete = True
 
-    def __init__(self, epsilon: float, *, center: float = 0.0, radius: float = 1.0,
-                 seed: int | None = None, generator: tf.random.Generator | None = None):
+    def __init__(
+        self,
+        epsilon: float,
+        *,
+        center: float = 0.0,
+        radius: float = 1.0,
+        seed: int | None = None,
+        generator: tf.random.Generator | None = None,
+    ):
         super().__init__(epsilon, seed=seed, generator=generator)
         self.center = check_number("center", center)
         self.radius = check_number("radius", radius, low=0.0, low_open=True)
 
     def get_config(self):
-        return {"epsilon": self.epsilon, "center": self.center, "radius": self.radius,
-                "seed": self.seed}
+        return {
+            "epsilon": self.epsilon,
+            "center": self.center,
+            "radius": self.radius,
+            "seed": self.seed,
+        }
 
     def input_domain(self):
         return (self.center - self.radius, self.center + self.radius)
@@ -689,7 +764,8 @@ class LDPFLMechanism(LocalDPMechanism):
         c = _const(c, dt)
         r = _const(r, dt)
         p_plus = ((w - c) * _const(em1, dt) + r * _const(a + 1.0, dt)) / (
-            2.0 * r * _const(a + 1.0, dt))
+            2.0 * r * _const(a + 1.0, dt)
+        )
         half_width = r * _const((a + 1.0) / em1, dt)
         u = gen.uniform(tf.shape(w), dtype=dt)
         return tf.where(u < p_plus, c + half_width, c - half_width)
@@ -729,8 +805,11 @@ class LDPFLMechanism(LocalDPMechanism):
         p_plus = ((w - c) * (a - 1.0) + r * (a + 1.0)) / (2.0 * r * (a + 1.0))
         h = self._half_width()
         tol = 1e-12 * max(abs(c) + h, 1.0)
-        return np.where(np.abs(y - (c + h)) <= tol, p_plus,
-                        np.where(np.abs(y - (c - h)) <= tol, 1.0 - p_plus, 0.0))
+        return np.where(
+            np.abs(y - (c + h)) <= tol,
+            p_plus,
+            np.where(np.abs(y - (c - h)) <= tol, 1.0 - p_plus, 0.0),
+        )
 
 
 class _AdditiveNoiseMechanism(LocalDPMechanism):
@@ -779,7 +858,7 @@ class LaplaceMechanism(_AdditiveNoiseMechanism):
 
     @property
     def noise_variance(self) -> float:
-        return 2.0 * self.scale ** 2
+        return 2.0 * self.scale**2
 
     def density(self, y, t):
         t = self._check_scalar_domain(t)
@@ -790,8 +869,9 @@ class LaplaceMechanism(_AdditiveNoiseMechanism):
     def dp_event(self, num_coordinates: int = 1) -> dp_accounting.DpEvent:
         """d Laplace releases of sensitivity 2 and scale 2/eps: LaplaceDpEvent(1/eps) each."""
         d = check_count("num_coordinates", num_coordinates, minimum=1)
-        return dp_accounting.SelfComposedDpEvent(dp_accounting.LaplaceDpEvent(1.0 / self.epsilon),
-                                                 d)
+        return dp_accounting.SelfComposedDpEvent(
+            dp_accounting.LaplaceDpEvent(1.0 / self.epsilon), d
+        )
 
 
 class GaussianMechanism(_AdditiveNoiseMechanism):
@@ -814,39 +894,64 @@ class GaussianMechanism(_AdditiveNoiseMechanism):
 
     name = "gaussian"
     pure = False
-    protected_input = ("each perturbed coordinate ((eps, delta)-indistinguishable for any two "
-                       "values of the public domain)")
+    protected_input = (
+        "each perturbed coordinate ((eps, delta)-indistinguishable for any two "
+        "values of the public domain)"
+    )
 
-    def __init__(self, noise_multiplier: float, *, delta: float = 1e-5,
-                 accountant: AccountantKind | str = AccountantKind.RDP,
-                 seed: int | None = None, generator: tf.random.Generator | None = None):
-        self.noise_multiplier = check_number("noise_multiplier", noise_multiplier, low=0.0,
-                                             low_open=True)
-        self.delta = check_number("delta", delta, low=0.0, high=1.0, low_open=True,
-                                  high_open=True)
+    def __init__(
+        self,
+        noise_multiplier: float,
+        *,
+        delta: float = 1e-5,
+        accountant: AccountantKind | str = AccountantKind.RDP,
+        seed: int | None = None,
+        generator: tf.random.Generator | None = None,
+    ):
+        self.noise_multiplier = check_number(
+            "noise_multiplier", noise_multiplier, low=0.0, low_open=True
+        )
+        self.delta = check_number("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
         self.accountant = AccountantKind.parse(accountant)
-        eps = compute_epsilon(dp_accounting.GaussianDpEvent(self.noise_multiplier), self.delta,
-                              self.accountant)
+        eps = compute_epsilon(
+            dp_accounting.GaussianDpEvent(self.noise_multiplier), self.delta, self.accountant
+        )
         if not math.isfinite(eps) or eps > MAX_EPSILON:
-            raise ValueError(f"noise_multiplier {self.noise_multiplier:g} gives epsilon {eps:g} "
-                             f"per coordinate at delta {self.delta:g} (> {MAX_EPSILON:g}); use "
-                             "more noise")
+            raise ValueError(
+                f"noise_multiplier {self.noise_multiplier:g} gives epsilon {eps:g} "
+                f"per coordinate at delta {self.delta:g} (> {MAX_EPSILON:g}); use "
+                "more noise"
+            )
         super().__init__(eps, seed=seed, generator=generator)
 
     @classmethod
-    def from_epsilon(cls, epsilon: float, *, delta: float = 1e-5,
-                     accountant: AccountantKind | str = AccountantKind.RDP,
-                     **kwargs) -> "GaussianMechanism":
+    def from_epsilon(
+        cls,
+        epsilon: float,
+        *,
+        delta: float = 1e-5,
+        accountant: AccountantKind | str = AccountantKind.RDP,
+        **kwargs,
+    ) -> "GaussianMechanism":
         """The least noise whose per-coordinate eps at `delta` is <= `epsilon`."""
         from dpfl_tf.privacy.calibration import calibrate_noise_multiplier
-        sigma, _ = calibrate_noise_multiplier(_check_epsilon(epsilon), delta,
-                                              dp_accounting.GaussianDpEvent, accountant,
-                                              tolerance=1e-4)
+
+        sigma, _ = calibrate_noise_multiplier(
+            _check_epsilon(epsilon),
+            delta,
+            dp_accounting.GaussianDpEvent,
+            accountant,
+            tolerance=1e-4,
+        )
         return cls(sigma, delta=delta, accountant=accountant, **kwargs)
 
     def get_config(self):
-        return {"noise_multiplier": self.noise_multiplier, "delta": self.delta,
-                "accountant": self.accountant.value, "seed": self.seed}
+        return {
+            "noise_multiplier": self.noise_multiplier,
+            "delta": self.delta,
+            "accountant": self.accountant.value,
+            "seed": self.seed,
+        }
 
     @property
     def stddev(self) -> float:
@@ -861,7 +966,7 @@ class GaussianMechanism(_AdditiveNoiseMechanism):
 
     @property
     def noise_variance(self) -> float:
-        return self.stddev ** 2
+        return self.stddev**2
 
     def density(self, y, t):
         t = self._check_scalar_domain(t)
@@ -879,9 +984,12 @@ class GaussianMechanism(_AdditiveNoiseMechanism):
 # Registry
 
 _CLASSES = {
-    MechanismKind.DUCHI: DuchiMechanism, MechanismKind.PIECEWISE: PiecewiseMechanism,
-    MechanismKind.PNPM: PNPMMechanism, MechanismKind.LDP_FL: LDPFLMechanism,
-    MechanismKind.LAPLACE: LaplaceMechanism, MechanismKind.GAUSSIAN: GaussianMechanism,
+    MechanismKind.DUCHI: DuchiMechanism,
+    MechanismKind.PIECEWISE: PiecewiseMechanism,
+    MechanismKind.PNPM: PNPMMechanism,
+    MechanismKind.LDP_FL: LDPFLMechanism,
+    MechanismKind.LAPLACE: LaplaceMechanism,
+    MechanismKind.GAUSSIAN: GaussianMechanism,
 }
 
 
@@ -894,8 +1002,9 @@ def make_mechanism(kind: MechanismKind | str, epsilon: float, **kwargs) -> Local
     return _CLASSES[kind](epsilon, **kwargs)
 
 
-def out_of_domain_counts(weights: Sequence[Any], policy: DomainPolicy,
-                         mechanism: LocalDPMechanism | None = None) -> list[int]:
+def out_of_domain_counts(
+    weights: Sequence[Any], policy: DomainPolicy, mechanism: LocalDPMechanism | None = None
+) -> list[int]:
     """How many entries of each tensor lie outside the policy's range (for the client's
     own diagnostics: these counts depend on private weights -- do not upload them)."""
     weights = [np.asarray(tf.convert_to_tensor(w)) for w in weights]
@@ -916,6 +1025,7 @@ def out_of_domain_counts(weights: Sequence[Any], policy: DomainPolicy,
 
 # ---------------------------------------------------------------------------
 # The client's local-DP step (shared by FederatedServer and the Flower ClientApp)
+
 
 @dataclasses.dataclass(frozen=True)
 class LocalDPUpload:
@@ -942,8 +1052,9 @@ class LocalDPUpload:
 
     def __post_init__(self):
         if not isinstance(self.mechanism, LocalDPMechanism):
-            raise TypeError(f"mechanism must be a LocalDPMechanism, got "
-                            f"{type(self.mechanism).__name__}")
+            raise TypeError(
+                f"mechanism must be a LocalDPMechanism, got {type(self.mechanism).__name__}"
+            )
         if self.policy is not None and not isinstance(self.policy, DomainPolicy):
             raise TypeError(f"policy must be a DomainPolicy, got {type(self.policy).__name__}")
         if self.perturb not in ("weights", "update"):
@@ -953,11 +1064,16 @@ class LocalDPUpload:
         """OS entropy, or the stream (mechanism.seed, "local-dp", t, k) when the
         mechanism is seeded (tests; `dpfl_tf._seeds.derive_seed`)."""
         seed = self.mechanism.seed
-        return make_generator(None if seed is None else derive_seed(seed, "local-dp",
-                                                                     round_index, client_id))
+        return make_generator(
+            None if seed is None else derive_seed(seed, "local-dp", round_index, client_id)
+        )
 
-    def apply(self, global_weights: Sequence[tf.Tensor], update: Sequence[tf.Tensor],
-              generator: tf.random.Generator) -> list[tf.Tensor]:
+    def apply(
+        self,
+        global_weights: Sequence[tf.Tensor],
+        update: Sequence[tf.Tensor],
+        generator: tf.random.Generator,
+    ) -> list[tf.Tensor]:
         if self.perturb == "update":
             return self.mechanism.perturb_weights(update, self.policy, generator=generator)
         local = [w + u for w, u in zip(global_weights, update)]
@@ -969,17 +1085,22 @@ class LocalDPUpload:
         return privacy_report(self.mechanism, num_coordinates, uploads)
 
     def get_config(self) -> dict:
-        return {"mechanism": type(self.mechanism).__name__, **self.mechanism.get_config(),
-                "policy": None if self.policy is None else self.policy.to_dict(),
-                "perturb": self.perturb}
+        return {
+            "mechanism": type(self.mechanism).__name__,
+            **self.mechanism.get_config(),
+            "policy": None if self.policy is None else self.policy.to_dict(),
+            "perturb": self.perturb,
+        }
 
     def metrics(self, num_coordinates: int, uploads: int) -> dict[str, float]:
         """The client's own report after `uploads` uploads (what it has spent)."""
         rep = self.report(num_coordinates, uploads)
-        out = {"ldp-epsilon-coordinate": float(rep.epsilon_per_coordinate),
-               "ldp-epsilon-upload": float(rep.epsilon_per_upload),
-               "ldp-epsilon-total": float(rep.epsilon_total)}
-        if rep.epsilon_per_upload_sign_only is not None:   # PNPM: the upload's eps is inf
+        out = {
+            "ldp-epsilon-coordinate": float(rep.epsilon_per_coordinate),
+            "ldp-epsilon-upload": float(rep.epsilon_per_upload),
+            "ldp-epsilon-total": float(rep.epsilon_total),
+        }
+        if rep.epsilon_per_upload_sign_only is not None:  # PNPM: the upload's eps is inf
             out["ldp-epsilon-upload-sign-only"] = float(rep.epsilon_per_upload_sign_only)
             out["ldp-epsilon-total-sign-only"] = float(rep.epsilon_total_sign_only)
         if isinstance(self.mechanism, GaussianMechanism):
@@ -1056,25 +1177,38 @@ class LocalPrivacyReport:
     def __str__(self) -> str:
         lines = [f"local DP report: {self.mechanism}"]
         if self.epsilon_per_coordinate is not None:
-            lines.append(f"  per coordinate : eps = {self.epsilon_per_coordinate:.6g}"
-                         + (f", delta = {self.delta_per_coordinate:.3g}"
-                            if self.delta_per_coordinate else ""))
+            lines.append(
+                f"  per coordinate : eps = {self.epsilon_per_coordinate:.6g}"
+                + (
+                    f", delta = {self.delta_per_coordinate:.3g}"
+                    if self.delta_per_coordinate
+                    else ""
+                )
+            )
         dd = f" (d = {self.num_coordinates})" if self.num_coordinates else ""
-        lines.append(f"  per upload{dd}: eps = {self.epsilon_per_upload:.6g}"
-                     + (f", delta = {self.delta_per_upload:.3g}" if self.delta_per_upload else "")
-                     + f"  [{self.composition}]")
-        lines.append(f"  over {self.rounds} round(s): eps = {self.epsilon_total:.6g}"
-                     + (f", delta = {self.delta_total:.3g}" if self.delta_total else ""))
+        lines.append(
+            f"  per upload{dd}: eps = {self.epsilon_per_upload:.6g}"
+            + (f", delta = {self.delta_per_upload:.3g}" if self.delta_per_upload else "")
+            + f"  [{self.composition}]"
+        )
+        lines.append(
+            f"  over {self.rounds} round(s): eps = {self.epsilon_total:.6g}"
+            + (f", delta = {self.delta_total:.3g}" if self.delta_total else "")
+        )
         if self.epsilon_infinite_reason:
             lines.append(f"  not finite because: {self.epsilon_infinite_reason}")
         if self.epsilon_per_upload_sign_only is not None:
-            lines.append(f"  signs only: eps = {self.epsilon_per_upload_sign_only:.6g} per "
-                         f"upload, {self.epsilon_total_sign_only:.6g} over {self.rounds} "
-                         "round(s) [basic; NOT a guarantee for the upload]")
+            lines.append(
+                f"  signs only: eps = {self.epsilon_per_upload_sign_only:.6g} per "
+                f"upload, {self.epsilon_total_sign_only:.6g} over {self.rounds} "
+                "round(s) [basic; NOT a guarantee for the upload]"
+            )
         if self.accountant_epsilon_per_upload is not None:
-            lines.append(f"  {self.accountant} accountant at delta = {self.accountant_delta:.3g}: "
-                         f"eps per upload = {self.accountant_epsilon_per_upload:.6g}, "
-                         f"total = {self.accountant_epsilon_total:.6g}")
+            lines.append(
+                f"  {self.accountant} accountant at delta = {self.accountant_delta:.3g}: "
+                f"eps per upload = {self.accountant_epsilon_per_upload:.6g}, "
+                f"total = {self.accountant_epsilon_total:.6g}"
+            )
         lines.append(f"  neighbouring relation: {self.relation}")
         lines.append(f"  protects: {self.protected_input}")
         lines.append(f"  note: {self.note}")
@@ -1082,15 +1216,18 @@ class LocalPrivacyReport:
 
 
 def _model_level_warning(eps_upload: float, eps_total: float) -> str:
-    return (f"Basic composition over the upload gives eps = {eps_upload:.4g} per upload and "
-            f"{eps_total:.4g} over all rounds; an eps this size "
-            + ("still bounds little" if eps_total <= 10 else "bounds nothing in practice")
-            + ". The per-coordinate eps is NOT a guarantee for the model or the client's data "
-            "as a whole.")
+    return (
+        f"Basic composition over the upload gives eps = {eps_upload:.4g} per upload and "
+        f"{eps_total:.4g} over all rounds; an eps this size "
+        + ("still bounds little" if eps_total <= 10 else "bounds nothing in practice")
+        + ". The per-coordinate eps is NOT a guarantee for the model or the client's data "
+        "as a whole."
+    )
 
 
-def privacy_report(mechanism: LocalDPMechanism, num_coordinates: int, rounds: int = 1
-                   ) -> LocalPrivacyReport:
+def privacy_report(
+    mechanism: LocalDPMechanism, num_coordinates: int, rounds: int = 1
+) -> LocalPrivacyReport:
     """Per-coordinate, per-upload (d coordinates) and total (rounds uploads) budget.
 
     Args:
@@ -1104,65 +1241,98 @@ def privacy_report(mechanism: LocalDPMechanism, num_coordinates: int, rounds: in
     rounds = check_count("rounds", rounds, minimum=1)
     eps = mechanism.epsilon
     eps_upload, eps_total = d * eps, rounds * d * eps
-    common = dict(mechanism=repr(mechanism), num_coordinates=d, rounds=rounds,
-                  epsilon_per_coordinate=eps, epsilon_per_upload=eps_upload,
-                  epsilon_total=eps_total, protected_input=mechanism.protected_input)
-    domain_note = (" The guarantee is for inputs in the public domain (after clip/scale with a "
-                   "bound and centre fixed without looking at private data).")
+    common = dict(
+        mechanism=repr(mechanism),
+        num_coordinates=d,
+        rounds=rounds,
+        epsilon_per_coordinate=eps,
+        epsilon_per_upload=eps_upload,
+        epsilon_total=eps_total,
+        protected_input=mechanism.protected_input,
+    )
+    domain_note = (
+        " The guarantee is for inputs in the public domain (after clip/scale with a "
+        "bound and centre fixed without looking at private data)."
+    )
     if isinstance(mechanism, GaussianMechanism):
         delta = mechanism.delta
         upload_event = mechanism.dp_event(d)
         acc_upload = compute_epsilon(upload_event, delta, mechanism.accountant)
-        acc_total = compute_epsilon(dp_accounting.SelfComposedDpEvent(upload_event, rounds),
-                                    delta, mechanism.accountant)
+        acc_total = compute_epsilon(
+            dp_accounting.SelfComposedDpEvent(upload_event, rounds), delta, mechanism.accountant
+        )
         basic_delta_upload = min(1.0, d * delta)
         basic_delta_total = min(1.0, rounds * d * delta)
-        note = (f"Each coordinate is ({eps:.4g}, {delta:.3g})-DP (Gaussian, noise multiplier "
-                f"{mechanism.noise_multiplier:g} on sensitivity 2). Basic composition: "
-                f"({eps_upload:.4g}, {basic_delta_upload:.3g}) per upload and ({eps_total:.4g}, "
-                f"{basic_delta_total:.3g}) in total. Exact Gaussian composition (the upload is "
-                f"one Gaussian mechanism, L2 sensitivity 2 sqrt(d)): eps = {acc_upload:.4g} per "
-                f"upload and {acc_total:.4g} over {rounds} round(s) at delta = {delta:.3g} "
-                f"({mechanism.accountant.value} accountant); report these. They bound what the "
-                "uploads reveal about the client's (clipped or scaled) weights, nothing more."
-                + domain_note)
+        note = (
+            f"Each coordinate is ({eps:.4g}, {delta:.3g})-DP (Gaussian, noise multiplier "
+            f"{mechanism.noise_multiplier:g} on sensitivity 2). Basic composition: "
+            f"({eps_upload:.4g}, {basic_delta_upload:.3g}) per upload and ({eps_total:.4g}, "
+            f"{basic_delta_total:.3g}) in total. Exact Gaussian composition (the upload is "
+            f"one Gaussian mechanism, L2 sensitivity 2 sqrt(d)): eps = {acc_upload:.4g} per "
+            f"upload and {acc_total:.4g} over {rounds} round(s) at delta = {delta:.3g} "
+            f"({mechanism.accountant.value} accountant); report these. They bound what the "
+            "uploads reveal about the client's (clipped or scaled) weights, nothing more."
+            + domain_note
+        )
         return LocalPrivacyReport(
-            **common, delta_per_coordinate=delta, delta_per_upload=basic_delta_upload,
-            delta_total=basic_delta_total, composition="basic",
-            accountant=mechanism.accountant.value, accountant_delta=delta,
-            accountant_epsilon_per_upload=acc_upload, accountant_epsilon_total=acc_total,
-            note=note)
+            **common,
+            delta_per_coordinate=delta,
+            delta_per_upload=basic_delta_upload,
+            delta_total=basic_delta_total,
+            composition="basic",
+            accountant=mechanism.accountant.value,
+            accountant_delta=delta,
+            accountant_epsilon_per_upload=acc_upload,
+            accountant_epsilon_total=acc_total,
+            note=note,
+        )
     if isinstance(mechanism, PNPMMechanism):
         big_c = mechanism.C
-        reason = (f"PNPM uploads each weight's magnitude as |w| U, U ~ Uniform[1, {big_c:.4g}], "
-                  "whatever its sign: two different magnitudes have different supports, so no "
-                  "finite eps covers the upload (or the client)")
-        note = (f"PNPM randomises only the sign of each weight: each sign is {eps:.4g}-LDP. "
-                f"The magnitude enters the upload as |w| U with U ~ Uniform[1, C], C = "
-                f"(e^eps+3)/(e^eps-1) = {big_c:.4g}, independent of the sign: one upload reveals "
-                f"|w| to within a factor {big_c:.4g} (|w| in [|y|/C, |y|]), reveals w = 0 "
-                "exactly, and repeated uploads of a slowly changing weight narrow |w| further. "
-                "No eps guarantee covers |w| (two different magnitudes are not "
-                "eps-indistinguishable for any finite eps), so the upload's eps is inf. "
-                f"Basic composition over the signs alone gives {eps_upload:.4g} per upload and "
-                f"{eps_total:.4g} over {rounds} round(s): a figure for the signs, not for the "
-                "model or the client's data.")
-        return LocalPrivacyReport(**{**common, "epsilon_per_upload": math.inf,
-                                     "epsilon_total": math.inf},
-                                  epsilon_per_upload_sign_only=eps_upload,
-                                  epsilon_total_sign_only=eps_total,
-                                  epsilon_infinite_reason=reason, note=note)
-    note = (f"Each coordinate is {eps:.4g}-LDP." + domain_note + " "
-            + _model_level_warning(eps_upload, eps_total))
+        reason = (
+            f"PNPM uploads each weight's magnitude as |w| U, U ~ Uniform[1, {big_c:.4g}], "
+            "whatever its sign: two different magnitudes have different supports, so no "
+            "finite eps covers the upload (or the client)"
+        )
+        note = (
+            f"PNPM randomises only the sign of each weight: each sign is {eps:.4g}-LDP. "
+            f"The magnitude enters the upload as |w| U with U ~ Uniform[1, C], C = "
+            f"(e^eps+3)/(e^eps-1) = {big_c:.4g}, independent of the sign: one upload reveals "
+            f"|w| to within a factor {big_c:.4g} (|w| in [|y|/C, |y|]), reveals w = 0 "
+            "exactly, and repeated uploads of a slowly changing weight narrow |w| further. "
+            "No eps guarantee covers |w| (two different magnitudes are not "
+            "eps-indistinguishable for any finite eps), so the upload's eps is inf. "
+            f"Basic composition over the signs alone gives {eps_upload:.4g} per upload and "
+            f"{eps_total:.4g} over {rounds} round(s): a figure for the signs, not for the "
+            "model or the client's data."
+        )
+        return LocalPrivacyReport(
+            **{**common, "epsilon_per_upload": math.inf, "epsilon_total": math.inf},
+            epsilon_per_upload_sign_only=eps_upload,
+            epsilon_total_sign_only=eps_total,
+            epsilon_infinite_reason=reason,
+            note=note,
+        )
+    note = (
+        f"Each coordinate is {eps:.4g}-LDP."
+        + domain_note
+        + " "
+        + _model_level_warning(eps_upload, eps_total)
+    )
     if isinstance(mechanism, LDPFLMechanism):
-        note += (" LDP-FL's splitting and shuffling of uploads is not implemented; no "
-                 "amplification from it is claimed.")
+        note += (
+            " LDP-FL's splitting and shuffling of uploads is not implemented; no "
+            "amplification from it is claimed."
+        )
     return LocalPrivacyReport(**common, note=note)
 
 
-def gaussian_upload_report(noise_multiplier: float, rounds: int = 1, *, delta: float = 1e-5,
-                           accountant: AccountantKind | str = AccountantKind.RDP
-                           ) -> LocalPrivacyReport:
+def gaussian_upload_report(
+    noise_multiplier: float,
+    rounds: int = 1,
+    *,
+    delta: float = 1e-5,
+    accountant: AccountantKind | str = AccountantKind.RDP,
+) -> LocalPrivacyReport:
     """Local Gaussian noise on an L2-clipped upload: clip the whole update to norm S,
     add N(0, z^2 S^2) to every coordinate (the client side of DP-FedAvg).
 
@@ -1187,23 +1357,37 @@ def gaussian_upload_report(noise_multiplier: float, rounds: int = 1, *, delta: f
     eps_upload = compute_epsilon(event, delta, kind)
     eps_total = compute_epsilon(dp_accounting.SelfComposedDpEvent(event, rounds), delta, kind)
     if sigma == 0:
-        note = ("No noise: each upload is the client's clipped update itself; no finite eps "
-                "holds against its receiver.")
+        note = (
+            "No noise: each upload is the client's clipped update itself; no finite eps "
+            "holds against its receiver."
+        )
     else:
-        note = (f"One L2-clipped upload with noise multiplier {sigma:g} is ({eps_upload:.4g}, "
-                f"{delta:.3g})-DP against its receiver for the whole upload (replace-one: any "
-                f"two clipped uploads differ by up to 2S, GaussianDpEvent({sigma / 2:g})); "
-                f"{rounds} upload(s) compose to ({eps_total:.4g}, {delta:.3g}) ({kind.value} "
-                "accountant). This is a guarantee for the client's whole update, not per "
-                "coordinate.")
+        note = (
+            f"One L2-clipped upload with noise multiplier {sigma:g} is ({eps_upload:.4g}, "
+            f"{delta:.3g})-DP against its receiver for the whole upload (replace-one: any "
+            f"two clipped uploads differ by up to 2S, GaussianDpEvent({sigma / 2:g})); "
+            f"{rounds} upload(s) compose to ({eps_total:.4g}, {delta:.3g}) ({kind.value} "
+            "accountant). This is a guarantee for the client's whole update, not per "
+            "coordinate."
+        )
     return LocalPrivacyReport(
         mechanism=f"gaussian on L2-clipped upload (noise_multiplier={sigma:g})",
-        num_coordinates=None, rounds=rounds, epsilon_per_coordinate=None,
-        epsilon_per_upload=eps_upload, epsilon_total=eps_total, delta_per_upload=delta,
-        delta_total=delta, composition=f"{kind.value} accountant", accountant=kind.value,
-        accountant_delta=delta, accountant_epsilon_per_upload=eps_upload,
-        accountant_epsilon_total=eps_total, relation=REPLACE_ONE_UPDATE,
-        protected_input="the whole clipped upload (any two uploads of norm <= S)", note=note)
+        num_coordinates=None,
+        rounds=rounds,
+        epsilon_per_coordinate=None,
+        epsilon_per_upload=eps_upload,
+        epsilon_total=eps_total,
+        delta_per_upload=delta,
+        delta_total=delta,
+        composition=f"{kind.value} accountant",
+        accountant=kind.value,
+        accountant_delta=delta,
+        accountant_epsilon_per_upload=eps_upload,
+        accountant_epsilon_total=eps_total,
+        relation=REPLACE_ONE_UPDATE,
+        protected_input="the whole clipped upload (any two uploads of norm <= S)",
+        note=note,
+    )
 
 
 def pnpm_magnitude_distinguishability(epsilon: float, ratio: float) -> float:

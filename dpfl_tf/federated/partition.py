@@ -31,8 +31,15 @@ import numpy as np
 
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
 
-__all__ = ["ClientPartition", "PartitionScheme", "dirichlet_partition", "iid_partition",
-           "make_partition", "shard_partition", "unequal_partition"]
+__all__ = [
+    "ClientPartition",
+    "PartitionScheme",
+    "dirichlet_partition",
+    "iid_partition",
+    "make_partition",
+    "shard_partition",
+    "unequal_partition",
+]
 
 
 class PartitionScheme(ChoiceEnum):
@@ -64,28 +71,36 @@ class ClientPartition:
         idx = np.ascontiguousarray(self.indices, dtype=np.int64)
         off = np.ascontiguousarray(self.offsets, dtype=np.int64)
         if off.ndim != 1 or len(off) < 2:
-            raise ValueError("a partition needs at least one client (offsets of length >= 2), "
-                             f"got offsets of shape {off.shape}")
+            raise ValueError(
+                "a partition needs at least one client (offsets of length >= 2), "
+                f"got offsets of shape {off.shape}"
+            )
         if off[0] != 0 or off[-1] != len(idx) or np.any(np.diff(off) < 0):
             raise ValueError("offsets must start at 0, end at len(indices) and never decrease")
         if idx.ndim != 1 or (len(idx) and idx.min() < 0):
             raise ValueError("indices must be a 1-D array of non-negative example indices")
         empty = np.flatnonzero(np.diff(off) == 0)
         if len(empty):
-            raise ValueError(f"{len(empty)} client(s) hold no examples (first: client "
-                             f"{int(empty[0])}); every client needs at least one example")
+            raise ValueError(
+                f"{len(empty)} client(s) hold no examples (first: client "
+                f"{int(empty[0])}); every client needs at least one example"
+            )
         object.__setattr__(self, "indices", idx)
         object.__setattr__(self, "offsets", off)
 
     @classmethod
-    def from_lists(cls, clients: Sequence[Sequence[int]], scheme: str = "custom",
-                   seed: int | None = None) -> "ClientPartition":
+    def from_lists(
+        cls, clients: Sequence[Sequence[int]], scheme: str = "custom", seed: int | None = None
+    ) -> "ClientPartition":
         """From one index list per client."""
         if len(clients) == 0:
             raise ValueError("clients must hold at least one client, got an empty list")
         sizes = np.array([len(c) for c in clients], dtype=np.int64)
-        flat = (np.concatenate([np.asarray(c, dtype=np.int64).ravel() for c in clients])
-                if sizes.sum() else np.zeros(0, np.int64))
+        flat = (
+            np.concatenate([np.asarray(c, dtype=np.int64).ravel() for c in clients])
+            if sizes.sum()
+            else np.zeros(0, np.int64)
+        )
         return cls(flat, np.concatenate([[0], np.cumsum(sizes)]), scheme, seed)
 
     @property
@@ -99,7 +114,7 @@ class ClientPartition:
         """Client k's example indices (a read-only view)."""
         if not 0 <= int(k) < self.num_clients:
             raise IndexError(f"client must be in [0, {self.num_clients}), got {k}")
-        view = self.indices[self.offsets[k]:self.offsets[k + 1]]
+        view = self.indices[self.offsets[k] : self.offsets[k + 1]]
         view.flags.writeable = False
         return view
 
@@ -119,9 +134,11 @@ class ClientPartition:
 
     def __repr__(self) -> str:
         s = self.sizes
-        return (f"ClientPartition(scheme={self.scheme!r}, clients={self.num_clients}, "
-                f"examples={len(self.indices)}, size min/median/max="
-                f"{int(s.min())}/{int(np.median(s))}/{int(s.max())})")
+        return (
+            f"ClientPartition(scheme={self.scheme!r}, clients={self.num_clients}, "
+            f"examples={len(self.indices)}, size min/median/max="
+            f"{int(s.min())}/{int(np.median(s))}/{int(s.max())})"
+        )
 
 
 def _rng(seed):
@@ -131,8 +148,10 @@ def _rng(seed):
 def _check_clients(num_clients, num_examples) -> int:
     k = check_count("num_clients", num_clients, minimum=1)
     if k > num_examples:
-        raise ValueError(f"num_clients must be <= the number of examples ({num_examples}) so "
-                         f"that no client is empty, got {k}")
+        raise ValueError(
+            f"num_clients must be <= the number of examples ({num_examples}) so "
+            f"that no client is empty, got {k}"
+        )
     return k
 
 
@@ -143,18 +162,19 @@ def _split_counts(n: int, k: int) -> np.ndarray:
     return base
 
 
-def iid_partition(num_examples: int, num_clients: int, *, seed: int | None = None
-                  ) -> ClientPartition:
+def iid_partition(
+    num_examples: int, num_clients: int, *, seed: int | None = None
+) -> ClientPartition:
     """A random permutation of range(num_examples) cut into K nearly equal shares."""
     n = check_count("num_examples", num_examples, minimum=1)
     k = _check_clients(num_clients, n)
     perm = _rng(seed).permutation(n)
-    return ClientPartition(perm, np.concatenate([[0], np.cumsum(_split_counts(n, k))]),
-                           "iid", seed)
+    return ClientPartition(perm, np.concatenate([[0], np.cumsum(_split_counts(n, k))]), "iid", seed)
 
 
-def shard_partition(labels: np.ndarray, num_clients: int, *, shards_per_client: int = 2,
-                    seed: int | None = None) -> ClientPartition:
+def shard_partition(
+    labels: np.ndarray, num_clients: int, *, shards_per_client: int = 2, seed: int | None = None
+) -> ClientPartition:
     """Sort by label, cut into shards_per_client * K shards, deal them at random.
 
     Ties in the label sort are broken at random (a stable sort of a random
@@ -168,8 +188,10 @@ def shard_partition(labels: np.ndarray, num_clients: int, *, shards_per_client: 
     k = _check_clients(num_clients, n)
     num_shards = per * k
     if num_shards > n:
-        raise ValueError(f"shards_per_client * num_clients = {num_shards} shards exceed the "
-                         f"{n} examples; lower num_clients or shards_per_client")
+        raise ValueError(
+            f"shards_per_client * num_clients = {num_shards} shards exceed the "
+            f"{n} examples; lower num_clients or shards_per_client"
+        )
     rng = _rng(seed)
     perm = rng.permutation(n)
     order = perm[np.argsort(labels[perm], kind="stable")]
@@ -178,17 +200,25 @@ def shard_partition(labels: np.ndarray, num_clients: int, *, shards_per_client: 
     assignment = rng.permutation(num_shards).reshape(k, per)
     pieces, sizes = [], np.zeros(k, dtype=np.int64)
     for c in range(k):
-        client = np.concatenate([order[shard_starts[s]:shard_starts[s + 1]]
-                                 for s in assignment[c]])
+        client = np.concatenate(
+            [order[shard_starts[s] : shard_starts[s + 1]] for s in assignment[c]]
+        )
         pieces.append(rng.permutation(client))
         sizes[c] = len(client)
-    return ClientPartition(np.concatenate(pieces), np.concatenate([[0], np.cumsum(sizes)]),
-                           "shards", seed)
+    return ClientPartition(
+        np.concatenate(pieces), np.concatenate([[0], np.cumsum(sizes)]), "shards", seed
+    )
 
 
-def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, *,
-                        min_size: int = 1, seed: int | None = None,
-                        max_tries: int = 1000) -> ClientPartition:
+def dirichlet_partition(
+    labels: np.ndarray,
+    num_clients: int,
+    alpha: float,
+    *,
+    min_size: int = 1,
+    seed: int | None = None,
+    max_tries: int = 1000,
+) -> ClientPartition:
     """Label skew: class c is dealt to clients in proportions p_c ~ Dir(alpha)."""
     labels = np.asarray(labels).ravel()
     n = len(labels)
@@ -207,22 +237,23 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, *,
         for idx in by_class:
             p = rng.dirichlet(np.full(k, a))
             cuts = (np.cumsum(p)[:-1] * len(idx)).astype(np.int64)
-            owners[idx] = np.repeat(np.arange(k), np.diff(np.concatenate([[0], cuts,
-                                                                          [len(idx)]])))
+            owners[idx] = np.repeat(np.arange(k), np.diff(np.concatenate([[0], cuts, [len(idx)]])))
         sizes = np.bincount(owners, minlength=k)
         if sizes.min() >= min_size:
             order = np.argsort(owners, kind="stable")
             # shuffle within each client so a client's classes are interleaved
             pieces = np.split(order, np.cumsum(sizes)[:-1])
             flat = np.concatenate([rng.permutation(p) for p in pieces])
-            return ClientPartition(flat, np.concatenate([[0], np.cumsum(sizes)]),
-                                   "dirichlet", seed)
-    raise ValueError(f"no Dirichlet(alpha={a:g}) draw in {max_tries} tries gave every one of "
-                     f"{k} clients >= {min_size} examples; raise alpha or lower num_clients")
+            return ClientPartition(flat, np.concatenate([[0], np.cumsum(sizes)]), "dirichlet", seed)
+    raise ValueError(
+        f"no Dirichlet(alpha={a:g}) draw in {max_tries} tries gave every one of "
+        f"{k} clients >= {min_size} examples; raise alpha or lower num_clients"
+    )
 
 
-def unequal_partition(num_examples: int, num_clients: int, *, size_sigma: float = 1.0,
-                      seed: int | None = None) -> ClientPartition:
+def unequal_partition(
+    num_examples: int, num_clients: int, *, size_sigma: float = 1.0, seed: int | None = None
+) -> ClientPartition:
     """IID examples, log-normal client sizes (each client >= 1 example)."""
     n = check_count("num_examples", num_examples, minimum=1)
     k = _check_clients(num_clients, n)
@@ -238,9 +269,14 @@ def unequal_partition(num_examples: int, num_clients: int, *, size_sigma: float 
     return ClientPartition(perm, np.concatenate([[0], np.cumsum(sizes)]), "unequal", seed)
 
 
-def make_partition(labels: np.ndarray, num_clients: int,
-                   scheme: PartitionScheme | str = PartitionScheme.IID, *,
-                   seed: int | None = None, **kwargs) -> ClientPartition:
+def make_partition(
+    labels: np.ndarray,
+    num_clients: int,
+    scheme: PartitionScheme | str = PartitionScheme.IID,
+    *,
+    seed: int | None = None,
+    **kwargs,
+) -> ClientPartition:
     """One front end: ``make_partition(y_train, 1000, "shards", seed=0)``.
 
     kwargs go to the scheme's function (``shards_per_client``, ``alpha``,

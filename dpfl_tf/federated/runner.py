@@ -17,43 +17,56 @@ import numpy as np
 
 from dpfl_tf._seeds import derive_rng, derive_seed
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
-from dpfl_tf.federated.settings import (MAX_EPSILON, MechanismKind, check_clients_per_round,
-                                        check_delta_max)
 from dpfl_tf.federated.partition import PartitionScheme, make_partition
+from dpfl_tf.federated.settings import (
+    MAX_EPSILON,
+    MechanismKind,
+    check_clients_per_round,
+    check_delta_max,
+)
 from dpfl_tf.privacy.accountants import AccountantKind
 from dpfl_tf.privacy.events import SamplingMethod
 from dpfl_tf.secure_random import refuse_seed
 
-__all__ = ["AggregatorKind", "DPMode", "FederatedConfig", "MODELS", "build_model", "build_server",
-           "fully_connected_model", "local_dp_upload",
-           "peak_rss_mb", "result_status", "run_federated"]
+__all__ = [
+    "AggregatorKind",
+    "DPMode",
+    "FederatedConfig",
+    "MODELS",
+    "build_model",
+    "build_server",
+    "fully_connected_model",
+    "local_dp_upload",
+    "peak_rss_mb",
+    "result_status",
+    "run_federated",
+]
 
 
 class DPMode(ChoiceEnum):
     __argument__ = "dp"
-    NONE = "none"        # plain FedAvg / FedMedian
-    GLOBAL = "global"    # Geyer et al.: server clips and noises the sum
-    CLIENT = "client"    # DP-FedAvg with client-side noise
-    LOCAL = "local"      # local DP: every client perturbs its model before upload
+    NONE = "none"  # plain FedAvg / FedMedian
+    GLOBAL = "global"  # Geyer et al.: server clips and noises the sum
+    CLIENT = "client"  # DP-FedAvg with client-side noise
+    LOCAL = "local"  # local DP: every client perturbs its model before upload
     DISTRIBUTED = "distributed"  # distributed DP: discrete noise shares + secure sum
     # the server clips and adds noise correlated across rounds; cyclic cohorts of clients
     # (dpfl_tf.privacy.matrix_factorization, docs/concepts/correlated-noise.md)
-    FTRL = "ftrl"            # DP-FTRL, tree aggregation (Kairouz et al. 2021)
+    FTRL = "ftrl"  # DP-FTRL, tree aggregation (Kairouz et al. 2021)
     BANDED_MF = "banded_mf"  # banded matrix factorization (Choquette-Choo et al. 2023)
-    BLT = "blt"              # buffered linear Toeplitz (McMahan et al. 2024)
+    BLT = "blt"  # buffered linear Toeplitz (McMahan et al. 2024)
 
 
 class AggregatorKind(ChoiceEnum):
     __argument__ = "aggregator"
-    MEAN = "mean"        # FedAvg
-    MEDIAN = "median"    # FedMedian (no DP mode)
+    MEAN = "mean"  # FedAvg
+    MEDIAN = "median"  # FedMedian (no DP mode)
 
 
 #: The models a config can name (`build_model`).
 MODELS = ("mlp", "cnn2", "cnn3")
 #: How a round's clients can be chosen (`dpfl_tf.federated.server.ClientSampling`).
-CLIENT_SAMPLING = (SamplingMethod.POISSON, SamplingMethod.FIXED_SIZE,
-                   SamplingMethod.CYCLIC_POISSON)
+CLIENT_SAMPLING = (SamplingMethod.POISSON, SamplingMethod.FIXED_SIZE, SamplingMethod.CYCLIC_POISSON)
 #: the correlated-noise modes, and the mechanism each builds
 CORRELATED_DP = {DPMode.FTRL: "tree", DPMode.BANDED_MF: "banded", DPMode.BLT: "blt"}
 #: the modes whose server adds central Gaussian noise (global, client, correlated)
@@ -66,16 +79,29 @@ CORRELATED_DP = {DPMode.FTRL: "tree", DPMode.BANDED_MF: "banded", DPMode.BLT: "b
 #: none / local: 0 (no Gaussian noise).
 #: Distributed DP: z = 2 on the sum (fixed-size sampling, replace-one sensitivity 2S:
 #: multiplier 1, as for the client-side noise default).
-DEFAULT_NOISE_MULTIPLIER = {"none": 0.0, "global": 1.0, "client": 0.2, "local": 0.0,
-                            "distributed": 2.0, "ftrl": 1.0, "banded_mf": 1.0, "blt": 1.0}
+DEFAULT_NOISE_MULTIPLIER = {
+    "none": 0.0,
+    "global": 1.0,
+    "client": 0.2,
+    "local": 0.0,
+    "distributed": 2.0,
+    "ftrl": 1.0,
+    "banded_mf": 1.0,
+    "blt": 1.0,
+}
 #: The modes whose noise is Gaussian or discrete and accounted centrally (target_epsilon,
 #: delta_max, secure_mode apply).
 ACCOUNTED_MODES = (DPMode.GLOBAL, DPMode.CLIENT, DPMode.DISTRIBUTED, *CORRELATED_DP)
 
 
-def fully_connected_model(input_shape: Sequence[int] = (28, 28),
-                          hidden: Sequence[int] = (600, 100), num_classes: int = 10, *,
-                          use_bias: bool = False, seed: int | None = None):
+def fully_connected_model(
+    input_shape: Sequence[int] = (28, 28),
+    hidden: Sequence[int] = (600, 100),
+    num_classes: int = 10,
+    *,
+    use_bias: bool = False,
+    seed: int | None = None,
+):
     """The small fully connected net of Geyer et al.'s code (784-600-100-10, ReLU,
     no biases by default), returning logits."""
     import keras
@@ -175,108 +201,185 @@ class FederatedConfig:
         s(self, "partition", PartitionScheme.parse(self.partition))
         s(self, "dp", DPMode.parse(self.dp))
         correlated = self.dp in CORRELATED_DP
-        if self.sampling is None:      # client-side noise is accounted for fixed size only
-            s(self, "sampling", SamplingMethod.FIXED_SIZE if self.dp in (
-                DPMode.CLIENT, DPMode.DISTRIBUTED) else SamplingMethod.CYCLIC_POISSON
-              if correlated else SamplingMethod.POISSON)
+        if self.sampling is None:  # client-side noise is accounted for fixed size only
+            s(
+                self,
+                "sampling",
+                SamplingMethod.FIXED_SIZE
+                if self.dp in (DPMode.CLIENT, DPMode.DISTRIBUTED)
+                else SamplingMethod.CYCLIC_POISSON
+                if correlated
+                else SamplingMethod.POISSON,
+            )
         s(self, "sampling", SamplingMethod.parse(self.sampling))
         if correlated != (self.sampling is SamplingMethod.CYCLIC_POISSON):
-            raise ValueError(f"dp={self.dp.value!r} goes with sampling "
-                             f"{'cyclic_poisson' if correlated else 'poisson or fixed_size'}, "
-                             f"got sampling={self.sampling.value!r}")
-        if correlated:   # b cohorts take turns; fraction = q within the cohort (default all)
+            raise ValueError(
+                f"dp={self.dp.value!r} goes with sampling "
+                f"{'cyclic_poisson' if correlated else 'poisson or fixed_size'}, "
+                f"got sampling={self.sampling.value!r}"
+            )
+        if correlated:  # b cohorts take turns; fraction = q within the cohort (default all)
             if self.cohorts is None or self.clients_per_round is not None:
-                raise ValueError(f"dp={self.dp.value!r} takes cohorts (b, the rounds between "
-                                 "two turns of a client) and optionally fraction (within the "
-                                 f"cohort), got cohorts={self.cohorts!r}, clients_per_round="
-                                 f"{self.clients_per_round!r}")
+                raise ValueError(
+                    f"dp={self.dp.value!r} takes cohorts (b, the rounds between "
+                    "two turns of a client) and optionally fraction (within the "
+                    f"cohort), got cohorts={self.cohorts!r}, clients_per_round="
+                    f"{self.clients_per_round!r}"
+                )
             s(self, "cohorts", check_count("cohorts", self.cohorts, minimum=1))
             if self.fraction is None:
                 s(self, "fraction", 1.0)
         elif self.cohorts is not None:
-            raise ValueError(f"cohorts is for dp='ftrl', 'banded_mf' or 'blt', got "
-                             f"cohorts={self.cohorts!r} with dp={self.dp.value!r}")
+            raise ValueError(
+                f"cohorts is for dp='ftrl', 'banded_mf' or 'blt', got "
+                f"cohorts={self.cohorts!r} with dp={self.dp.value!r}"
+            )
         if self.sampling not in CLIENT_SAMPLING:
-            raise ValueError("sampling must be one of "
-                             f"{', '.join(m.value for m in CLIENT_SAMPLING)}, got "
-                             f"{self.sampling.value!r}")
-        if self.accountant is None:    # fixed-size sampling: only "rdp" reads the event
-            s(self, "accountant", AccountantKind.RDP if self.sampling is
-              SamplingMethod.FIXED_SIZE else AccountantKind.MOMENTS)
+            raise ValueError(
+                "sampling must be one of "
+                f"{', '.join(m.value for m in CLIENT_SAMPLING)}, got "
+                f"{self.sampling.value!r}"
+            )
+        if self.accountant is None:  # fixed-size sampling: only "rdp" reads the event
+            s(
+                self,
+                "accountant",
+                AccountantKind.RDP
+                if self.sampling is SamplingMethod.FIXED_SIZE
+                else AccountantKind.MOMENTS,
+            )
         s(self, "accountant", AccountantKind.parse(self.accountant))
         s(self, "rounds", check_count("rounds", self.rounds))
         s(self, "local_epochs", check_count("local_epochs", self.local_epochs, minimum=1))
-        s(self, "local_batch_size", check_count("local_batch_size", self.local_batch_size,
-                                                minimum=1))
-        s(self, "learning_rate", check_number("learning_rate", self.learning_rate, low=0.0,
-                                              low_open=True))
-        s(self, "momentum", check_number("momentum", self.momentum, low=0.0, high=1.0,
-                                         high_open=True))
+        s(
+            self,
+            "local_batch_size",
+            check_count("local_batch_size", self.local_batch_size, minimum=1),
+        )
+        s(
+            self,
+            "learning_rate",
+            check_number("learning_rate", self.learning_rate, low=0.0, low_open=True),
+        )
+        s(
+            self,
+            "momentum",
+            check_number("momentum", self.momentum, low=0.0, high=1.0, high_open=True),
+        )
         s(self, "aggregator", AggregatorKind.parse(self.aggregator))
         if self.dp is not DPMode.NONE and self.aggregator is not AggregatorKind.MEAN:
-            raise ValueError("the DP modes average clipped updates; aggregator must be 'mean' "
-                             f"with dp={self.dp.value!r}, got {self.aggregator.value!r}")
+            raise ValueError(
+                "the DP modes average clipped updates; aggregator must be 'mean' "
+                f"with dp={self.dp.value!r}, got {self.aggregator.value!r}"
+            )
         if self.clients_per_round is None and self.fraction is None:
             s(self, "fraction", 0.1)
         if self.fraction is not None:
-            s(self, "fraction", check_number("fraction", self.fraction, low=0.0, high=1.0,
-                                             low_open=True))
+            s(
+                self,
+                "fraction",
+                check_number("fraction", self.fraction, low=0.0, high=1.0, low_open=True),
+            )
         if self.clients_per_round is not None:
-            s(self, "clients_per_round", check_clients_per_round(check_count(
-                "clients_per_round", self.clients_per_round, minimum=1), self.clients))
+            s(
+                self,
+                "clients_per_round",
+                check_clients_per_round(
+                    check_count("clients_per_round", self.clients_per_round, minimum=1),
+                    self.clients,
+                ),
+            )
         if self.clip == "median":
-            raise ValueError("clip='median' (the median of the round's raw update norms, read "
-                             "without noise: not differentially private) is no longer offered; "
-                             "use clip='adaptive' (DP adaptive clipping, Andrew et al. 2021)")
+            raise ValueError(
+                "clip='median' (the median of the round's raw update norms, read "
+                "without noise: not differentially private) is no longer offered; "
+                "use clip='adaptive' (DP adaptive clipping, Andrew et al. 2021)"
+            )
         if isinstance(self.clip, str) and self.clip != "adaptive":
             try:
                 s(self, "clip", float(self.clip))
             except ValueError:
-                raise ValueError(f"clip must be a number > 0 or 'adaptive', got "
-                                 f"{self.clip!r}") from None
+                raise ValueError(
+                    f"clip must be a number > 0 or 'adaptive', got {self.clip!r}"
+                ) from None
         if not isinstance(self.clip, str):
             s(self, "clip", check_number("clip", self.clip, low=0.0, low_open=True))
         elif self.dp is not DPMode.GLOBAL:
-            raise ValueError("clip='adaptive' (DP adaptive clipping) is offered for "
-                             f"dp='global' only, got dp={self.dp.value!r}")
+            raise ValueError(
+                "clip='adaptive' (DP adaptive clipping) is offered for "
+                f"dp='global' only, got dp={self.dp.value!r}"
+            )
         elif self.per_layer:
             raise ValueError("clip='adaptive' adapts one flat bound; per_layer must be False")
-        s(self, "clip_initial", check_number("clip_initial", self.clip_initial, low=0.0,
-                                             low_open=True))
-        s(self, "clip_quantile", check_number("clip_quantile", self.clip_quantile, low=0.0,
-                                              high=1.0))
+        s(
+            self,
+            "clip_initial",
+            check_number("clip_initial", self.clip_initial, low=0.0, low_open=True),
+        )
+        s(
+            self,
+            "clip_quantile",
+            check_number("clip_quantile", self.clip_quantile, low=0.0, high=1.0),
+        )
         s(self, "clip_lr", check_number("clip_lr", self.clip_lr, low=0.0, low_open=True))
         if self.clip_count_stddev is not None:
-            s(self, "clip_count_stddev", check_number("clip_count_stddev",
-                                                      self.clip_count_stddev, low=0.0))
+            s(
+                self,
+                "clip_count_stddev",
+                check_number("clip_count_stddev", self.clip_count_stddev, low=0.0),
+            )
         if self.noise_multiplier is None:
             s(self, "noise_multiplier", DEFAULT_NOISE_MULTIPLIER[self.dp.value])
-        s(self, "noise_multiplier", check_number("noise_multiplier", self.noise_multiplier,
-                                                 low=0.0))
+        s(
+            self,
+            "noise_multiplier",
+            check_number("noise_multiplier", self.noise_multiplier, low=0.0),
+        )
         if self.dp in ACCOUNTED_MODES and self.delta_max is None:
             s(self, "delta_max", min(1e-5, 0.1 / self.clients))
         if self.delta_max is not None:
-            s(self, "delta_max", check_delta_max(check_number(
-                "delta_max", self.delta_max, low=0.0, high=1.0, low_open=True,
-                high_open=True), self.clients))
+            s(
+                self,
+                "delta_max",
+                check_delta_max(
+                    check_number(
+                        "delta_max",
+                        self.delta_max,
+                        low=0.0,
+                        high=1.0,
+                        low_open=True,
+                        high_open=True,
+                    ),
+                    self.clients,
+                ),
+            )
         if self.target_epsilon is not None:
-            s(self, "target_epsilon", check_number("target_epsilon", self.target_epsilon,
-                                                   low=0.0, low_open=True))
+            s(
+                self,
+                "target_epsilon",
+                check_number("target_epsilon", self.target_epsilon, low=0.0, low_open=True),
+            )
             if self.dp in (DPMode.NONE, DPMode.LOCAL):
-                raise ValueError("target_epsilon needs dp='global' or dp='client' (or "
-                                 "'distributed'; local DP has a per-coordinate ldp_epsilon "
-                                 "instead)")
+                raise ValueError(
+                    "target_epsilon needs dp='global' or dp='client' (or "
+                    "'distributed'; local DP has a per-coordinate ldp_epsilon "
+                    "instead)"
+                )
         if self.dp is DPMode.CLIENT and self.sampling is not SamplingMethod.FIXED_SIZE:
-            raise ValueError("dp='client' (client-side noise) needs sampling='fixed_size': "
-                             "the released sum's noise depends on the number of uploads")
+            raise ValueError(
+                "dp='client' (client-side noise) needs sampling='fixed_size': "
+                "the released sum's noise depends on the number of uploads"
+            )
         if not isinstance(self.secure_mode, bool):
             raise ValueError(f"secure_mode must be True or False, got {self.secure_mode!r}")
         if self.secure_mode:
             if self.dp not in ACCOUNTED_MODES:
-                raise ValueError("secure_mode=True secures the Gaussian noise and the client "
-                                 "sampling of dp='global', 'client', 'ftrl', 'banded_mf' and "
-                                 "'blt', and the discrete noise of dp='distributed'; got "
-                                 f"dp={self.dp.value!r}")
+                raise ValueError(
+                    "secure_mode=True secures the Gaussian noise and the client "
+                    "sampling of dp='global', 'client', 'ftrl', 'banded_mf' and "
+                    "'blt', and the discrete noise of dp='distributed'; got "
+                    f"dp={self.dp.value!r}"
+                )
             refuse_seed(True, self.noise_seed, "noise_seed")
         self._check_distributed()
         if self.train_subset is not None:
@@ -286,17 +389,26 @@ class FederatedConfig:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if self.dp is DPMode.LOCAL:
             s(self, "ldp_mechanism", MechanismKind.parse(self.ldp_mechanism).value)
-            s(self, "ldp_epsilon", check_number("ldp_epsilon", self.ldp_epsilon, low=0.0,
-                                                high=MAX_EPSILON, low_open=True))
+            s(
+                self,
+                "ldp_epsilon",
+                check_number(
+                    "ldp_epsilon", self.ldp_epsilon, low=0.0, high=MAX_EPSILON, low_open=True
+                ),
+            )
             if self.ldp_bound != "init":
                 try:
                     bound = float(self.ldp_bound)
                 except (TypeError, ValueError):
-                    raise ValueError(f"ldp_bound must be a number > 0 or 'init', got "
-                                     f"{self.ldp_bound!r}") from None
+                    raise ValueError(
+                        f"ldp_bound must be a number > 0 or 'init', got {self.ldp_bound!r}"
+                    ) from None
                 s(self, "ldp_bound", check_number("ldp_bound", bound, low=0.0, low_open=True))
-            s(self, "ldp_bound_margin", check_number("ldp_bound_margin", self.ldp_bound_margin,
-                                                     low=0.0, low_open=True))
+            s(
+                self,
+                "ldp_bound_margin",
+                check_number("ldp_bound_margin", self.ldp_bound_margin, low=0.0, low_open=True),
+            )
 
     def _check_distributed(self) -> None:
         """The rules of dp='distributed' (and that its settings go with it alone)."""
@@ -306,44 +418,59 @@ class FederatedConfig:
         try:
             s(self, "ddp_mechanism", DistributedMechanism.parse(self.ddp_mechanism).value)
         except ValueError:
-            raise ValueError("ddp_mechanism must be one of "
-                             f"{', '.join(m.value for m in DistributedMechanism)}, got "
-                             f"{self.ddp_mechanism!r}") from None
+            raise ValueError(
+                "ddp_mechanism must be one of "
+                f"{', '.join(m.value for m in DistributedMechanism)}, got "
+                f"{self.ddp_mechanism!r}"
+            ) from None
         bits = check_count("bits", self.bits, minimum=2)
         if bits > 30:
             raise ValueError(f"bits must be in [2, 30], got {self.bits!r}")
         s(self, "bits", bits)
-        s(self, "dropout_rate", check_number("dropout_rate", self.dropout_rate, low=0.0,
-                                             high=1.0, high_open=True))
+        s(
+            self,
+            "dropout_rate",
+            check_number("dropout_rate", self.dropout_rate, low=0.0, high=1.0, high_open=True),
+        )
         if self.dp is not DPMode.DISTRIBUTED:
             for name, unset in (("min_clients", None), ("dropout_rate", 0.0)):
                 if getattr(self, name) != unset:
-                    raise ValueError(f"{name} is a setting of dp='distributed' (its secure "
-                                     f"aggregation), got {name}={getattr(self, name)!r} with "
-                                     f"dp={self.dp.value!r}")
+                    raise ValueError(
+                        f"{name} is a setting of dp='distributed' (its secure "
+                        f"aggregation), got {name}={getattr(self, name)!r} with "
+                        f"dp={self.dp.value!r}"
+                    )
             return
         if self.sampling is not SamplingMethod.FIXED_SIZE:
-            raise ValueError("dp='distributed' needs sampling='fixed_size': with Poisson "
-                             "sampling the number of noise shares would depend on whether a "
-                             "client took part")
+            raise ValueError(
+                "dp='distributed' needs sampling='fixed_size': with Poisson "
+                "sampling the number of noise shares would depend on whether a "
+                "client took part"
+            )
         if self.per_layer:
-            raise ValueError("dp='distributed' clips the whole update to one bound; per_layer "
-                             "must be False")
+            raise ValueError(
+                "dp='distributed' clips the whole update to one bound; per_layer must be False"
+            )
         if self.noise_multiplier <= 0:
-            raise ValueError(f"noise_multiplier must be > 0 with dp='distributed', got "
-                             f"{self.noise_multiplier!r}")
-        m = (self.clients_per_round if self.clients_per_round is not None
-             else max(1, int(round(self.fraction * self.clients))))
+            raise ValueError(
+                f"noise_multiplier must be > 0 with dp='distributed', got {self.noise_multiplier!r}"
+            )
+        m = (
+            self.clients_per_round
+            if self.clients_per_round is not None
+            else max(1, int(round(self.fraction * self.clients)))
+        )
         if self.min_clients is None:
             if self.dropout_rate > 0:
-                raise ValueError(f"dropout_rate={self.dropout_rate:g} needs min_clients: the "
-                                 "fewest uploads the secure aggregation finishes a round with "
-                                 "(the privacy accounting assumes only their noise shares)")
+                raise ValueError(
+                    f"dropout_rate={self.dropout_rate:g} needs min_clients: the "
+                    "fewest uploads the secure aggregation finishes a round with "
+                    "(the privacy accounting assumes only their noise shares)"
+                )
             s(self, "min_clients", m)
         n_min = check_count("min_clients", self.min_clients, minimum=1)
         if n_min > m:
-            raise ValueError(f"min_clients must be <= the clients per round (m={m}), got "
-                             f"{n_min}")
+            raise ValueError(f"min_clients must be <= the clients per round (m={m}), got {n_min}")
         s(self, "min_clients", n_min)
 
     def to_dict(self) -> dict:
@@ -364,8 +491,12 @@ def peak_rss_mb() -> float:
 def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True):
     """(server, dataset) for a config; `dataset` defaults to ``load_dataset(config.dataset)``."""
     from dpfl_tf.data import load_dataset
-    from dpfl_tf.federated.aggregators import (ClientNoiseDPAggregator, GlobalDPAggregator,
-                                               MeanAggregator, MedianAggregator)
+    from dpfl_tf.federated.aggregators import (
+        ClientNoiseDPAggregator,
+        GlobalDPAggregator,
+        MeanAggregator,
+        MedianAggregator,
+    )
     from dpfl_tf.federated.client import LocalTrainer, layer_groups
     from dpfl_tf.federated.server import ClientSampling, FederatedServer
     from dpfl_tf.sanitizer import GaussianSanitizer
@@ -374,26 +505,39 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
     ds = dataset if dataset is not None else load_dataset(c.dataset)
     x, y = ds.x_train, ds.y_train
     if c.train_subset is not None:
-        keep = derive_rng(c.seed, "train-subset").permutation(len(y))[:c.train_subset]
+        keep = derive_rng(c.seed, "train-subset").permutation(len(y))[: c.train_subset]
         x, y = x[np.sort(keep)], y[np.sort(keep)]
     kwargs = {"alpha": c.dirichlet_alpha} if c.partition is PartitionScheme.DIRICHLET else {}
-    partition = make_partition(y, c.clients, c.partition, seed=derive_seed(c.seed, "partition"),
-                               **kwargs)
+    partition = make_partition(
+        y, c.clients, c.partition, seed=derive_seed(c.seed, "partition"), **kwargs
+    )
     model = build_model(c, ds.input_shape, ds.num_classes)
-    trainer = LocalTrainer(model, x, y, local_epochs=c.local_epochs,
-                           batch_size=c.local_batch_size, learning_rate=c.learning_rate,
-                           momentum=c.momentum)
+    trainer = LocalTrainer(
+        model,
+        x,
+        y,
+        local_epochs=c.local_epochs,
+        batch_size=c.local_batch_size,
+        learning_rate=c.learning_rate,
+        momentum=c.momentum,
+    )
     local_dp = None
-    sampling = ClientSampling(c.sampling, clients_per_round=c.clients_per_round,
-                              fraction=c.fraction if c.clients_per_round is None else None,
-                              cohorts=c.cohorts)
+    sampling = ClientSampling(
+        c.sampling,
+        clients_per_round=c.clients_per_round,
+        fraction=c.fraction if c.clients_per_round is None else None,
+        cohorts=c.cohorts,
+    )
     if c.dp is DPMode.DISTRIBUTED:
         aggregator = _distributed_aggregator(c, trainer, sampling)
     elif c.dp in (DPMode.NONE, DPMode.LOCAL):
         # local DP: the server is not trusted with n_k (client data no mechanism
         # protects), so the mean is unweighted
-        aggregator = (MeanAggregator(weighted=c.dp is DPMode.NONE) if c.aggregator == "mean"
-                      else MedianAggregator())
+        aggregator = (
+            MeanAggregator(weighted=c.dp is DPMode.NONE)
+            if c.aggregator == "mean"
+            else MedianAggregator()
+        )
         if c.dp is DPMode.LOCAL:
             local_dp = local_dp_upload(c, trainer.get_weights())
     else:
@@ -408,39 +552,65 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
             from dpfl_tf.privacy.matrix_factorization import CorrelatedNoiseConfig
 
             mechanism = CorrelatedNoiseConfig(CORRELATED_DP[c.dp]).build(
-                sampling.participation(c.rounds), c.noise_multiplier)
+                sampling.participation(c.rounds), c.noise_multiplier
+            )
             seed = None if c.noise_seed is None else derive_seed(c.noise_seed, "mf-noise")
-            sanitizer = CorrelatedSanitizer(clip_arg, mechanism, noise_allocation=allocation,
-                                            seed=seed, secure_mode=c.secure_mode)
+            sanitizer = CorrelatedSanitizer(
+                clip_arg,
+                mechanism,
+                noise_allocation=allocation,
+                seed=seed,
+                secure_mode=c.secure_mode,
+            )
         else:
-            sanitizer = GaussianSanitizer(clip_arg, c.noise_multiplier,
-                                          noise_allocation=allocation,
-                                          secure_mode=c.secure_mode)
+            sanitizer = GaussianSanitizer(
+                clip_arg, c.noise_multiplier, noise_allocation=allocation, secure_mode=c.secure_mode
+            )
         if c.dp is DPMode.GLOBAL and adaptive:
-            count_stddev = (c.clip_count_stddev if c.clip_count_stddev is not None
-                            else 0.05 * sampling.expected_clients(c.clients))
+            count_stddev = (
+                c.clip_count_stddev
+                if c.clip_count_stddev is not None
+                else 0.05 * sampling.expected_clients(c.clients)
+            )
             try:
                 aggregator = GlobalDPAggregator(
-                    sanitizer, clip="adaptive", groups=groups, target_quantile=c.clip_quantile,
-                    clip_learning_rate=c.clip_lr, count_stddev=count_stddev,
-                    secure_mode=c.secure_mode)
+                    sanitizer,
+                    clip="adaptive",
+                    groups=groups,
+                    target_quantile=c.clip_quantile,
+                    clip_learning_rate=c.clip_lr,
+                    count_stddev=count_stddev,
+                    secure_mode=c.secure_mode,
+                )
             except ValueError as e:
                 if c.clip_count_stddev is None and "count_stddev" in str(e):
-                    raise ValueError(f"{e} (the default clip_count_stddev is 0.05 x the "
-                                     "expected clients per round; set clip_count_stddev)") \
-                        from None
+                    raise ValueError(
+                        f"{e} (the default clip_count_stddev is 0.05 x the "
+                        "expected clients per round; set clip_count_stddev)"
+                    ) from None
                 raise
         elif c.dp is DPMode.GLOBAL or c.dp in CORRELATED_DP:
             aggregator = GlobalDPAggregator(sanitizer, groups=groups, secure_mode=c.secure_mode)
         else:
-            aggregator = ClientNoiseDPAggregator(sanitizer, groups=groups,
-                                                 secure_mode=c.secure_mode)
-    server = FederatedServer(trainer, partition, aggregator, sampling=sampling,
-                             test_data=(ds.x_test, ds.y_test),
-                             target_epsilon=c.target_epsilon, delta_max=c.delta_max,
-                             accountant=c.accountant, seed=c.seed, noise_seed=c.noise_seed,
-                             eval_every=c.eval_every, progress=progress, local_dp=local_dp,
-                             secure_mode=c.secure_mode)
+            aggregator = ClientNoiseDPAggregator(
+                sanitizer, groups=groups, secure_mode=c.secure_mode
+            )
+    server = FederatedServer(
+        trainer,
+        partition,
+        aggregator,
+        sampling=sampling,
+        test_data=(ds.x_test, ds.y_test),
+        target_epsilon=c.target_epsilon,
+        delta_max=c.delta_max,
+        accountant=c.accountant,
+        seed=c.seed,
+        noise_seed=c.noise_seed,
+        eval_every=c.eval_every,
+        progress=progress,
+        local_dp=local_dp,
+        secure_mode=c.secure_mode,
+    )
     if c.noise_seed is not None and c.dp is not DPMode.NONE:
         from dpfl_tf.sanitizer import deployment_note
 
@@ -455,14 +625,22 @@ def _distributed_aggregator(c: FederatedConfig, trainer, sampling):
     from dpfl_tf.federated.distributed_dp import DistributedDP
 
     dimension = int(sum(int(np.prod(v.shape)) for v in trainer.variables))
-    mechanism = DistributedDP(c.ddp_mechanism, c.bits, c.clip, c.noise_multiplier,
-                              sampling.clients_for(c.clients), dimension,
-                              min_clients=c.min_clients)
+    mechanism = DistributedDP(
+        c.ddp_mechanism,
+        c.bits,
+        c.clip,
+        c.noise_multiplier,
+        sampling.clients_for(c.clients),
+        dimension,
+        min_clients=c.min_clients,
+    )
     return DistributedDPAggregator(
-        mechanism, dropout_rate=c.dropout_rate, dropout_seed=derive_seed(c.seed, "dropout"),
-        rotation_key=(None if c.noise_seed is None
-                      else derive_seed(c.noise_seed, "rotation")),
-        secure_mode=c.secure_mode)
+        mechanism,
+        dropout_rate=c.dropout_rate,
+        dropout_seed=derive_seed(c.seed, "dropout"),
+        rotation_key=(None if c.noise_seed is None else derive_seed(c.noise_seed, "rotation")),
+        secure_mode=c.secure_mode,
+    )
 
 
 def build_model(config: FederatedConfig, input_shape: Sequence[int], num_classes: int):
@@ -481,14 +659,19 @@ def build_model(config: FederatedConfig, input_shape: Sequence[int], num_classes
 
 def local_dp_upload(config: FederatedConfig, initial_weights: Sequence[Any]):
     """The clients' `LocalDPUpload` for ``dp="local"`` (see `FederatedConfig`)."""
-    from dpfl_tf.federated.local_dp import (DomainPolicy, LocalDPUpload, MechanismKind,
-                                            make_mechanism)
+    from dpfl_tf.federated.local_dp import (
+        DomainPolicy,
+        LocalDPUpload,
+        MechanismKind,
+        make_mechanism,
+    )
 
     c = config
     kind = MechanismKind.parse(c.ldp_mechanism)
-    mechanism = make_mechanism(kind, c.ldp_epsilon,
-                               **({"seed": c.noise_seed} if c.noise_seed is not None else {}))
-    if mechanism.input_domain() is None:          # PNPM: any finite weight
+    mechanism = make_mechanism(
+        kind, c.ldp_epsilon, **({"seed": c.noise_seed} if c.noise_seed is not None else {})
+    )
+    if mechanism.input_domain() is None:  # PNPM: any finite weight
         return LocalDPUpload(mechanism)
     if c.ldp_bound == "init":
         bounds, previous = [], 1.0
@@ -508,11 +691,13 @@ def _local_summary(local: dict) -> dict:
     From the report's JSON-ready dict: an infinite figure is None with
     ``epsilon_per_upload_is_infinite`` and the reason (PNPM: magnitudes are
     not randomised); the sign-only figures are then given under their own names."""
-    out = {"epsilon_per_coordinate": local["epsilon_per_coordinate"],
-           "epsilon_per_upload": local["epsilon_per_upload"],
-           "epsilon_total_per_client": local["epsilon_total"],
-           "epsilon_per_upload_is_infinite": "epsilon_per_upload" in local["infinite_fields"],
-           "num_coordinates": local["num_coordinates"]}
+    out = {
+        "epsilon_per_coordinate": local["epsilon_per_coordinate"],
+        "epsilon_per_upload": local["epsilon_per_upload"],
+        "epsilon_total_per_client": local["epsilon_total"],
+        "epsilon_per_upload_is_infinite": "epsilon_per_upload" in local["infinite_fields"],
+        "num_coordinates": local["num_coordinates"],
+    }
     if local.get("epsilon_infinite_reason"):
         out["epsilon_infinite_reason"] = local["epsilon_infinite_reason"]
     if local.get("epsilon_per_upload_sign_only") is not None:
@@ -540,9 +725,17 @@ def result_status(stop_reason: str | None) -> str:
     return "budget_spent" if (stop_reason or "").startswith("privacy budget") else "completed"
 
 
-def run_federated(config: FederatedConfig, dataset=None, *, progress: bool = True,
-                  checkpoint_dir: str | None = None, checkpoint_every_round: bool = True,
-                  should_stop=None, on_round=None, on_resume=None) -> dict[str, Any]:
+def run_federated(
+    config: FederatedConfig,
+    dataset=None,
+    *,
+    progress: bool = True,
+    checkpoint_dir: str | None = None,
+    checkpoint_every_round: bool = True,
+    should_stop=None,
+    on_round=None,
+    on_resume=None,
+) -> dict[str, Any]:
     """Runs one configuration and returns a JSON-ready result (with history).
 
     checkpoint_dir: with `checkpoint_every_round`, the run resumes from it and
@@ -557,11 +750,20 @@ def run_federated(config: FederatedConfig, dataset=None, *, progress: bool = Tru
     server, ds = build_server(config, dataset, progress=progress)
     every = checkpoint_dir if checkpoint_every_round else None
     if every is not None and server.load_checkpoint(every, missing_ok=True) and on_resume:
-        on_resume({"directory": every, "rounds": server.rounds_done,
-                   "epsilon": server.epsilon()})
-    server.run(config.rounds, checkpoint_dir=every, resume=False, should_stop=should_stop,
-               on_round=None if on_round is None else (lambda srv: on_round(
-                   federated_result(config, srv, ds, seconds=time.perf_counter() - start))))
+        on_resume({"directory": every, "rounds": server.rounds_done, "epsilon": server.epsilon()})
+    server.run(
+        config.rounds,
+        checkpoint_dir=every,
+        resume=False,
+        should_stop=should_stop,
+        on_round=None
+        if on_round is None
+        else (
+            lambda srv: on_round(
+                federated_result(config, srv, ds, seconds=time.perf_counter() - start)
+            )
+        ),
+    )
     if server.stop_reason == "interrupted" and checkpoint_dir is not None and every is None:
         server.save_checkpoint(checkpoint_dir)
     return federated_result(config, server, ds, seconds=time.perf_counter() - start)
@@ -577,12 +779,16 @@ def federated_result(config: FederatedConfig, server, ds, *, seconds: float) -> 
     round_secs = [r.seconds for r in server.history]
     return {
         "dataset": getattr(getattr(ds, "source", None), "label", c.dataset),
-        "partition": c.partition.value, "clients": c.clients,
+        "partition": c.partition.value,
+        "clients": c.clients,
         "clients_per_round": server.expected_clients,
-        "sampling": c.sampling.value, "rounds": server.rounds_done,
-        "rounds_requested": c.rounds, "mechanism": _mechanism(c),
+        "sampling": c.sampling.value,
+        "rounds": server.rounds_done,
+        "rounds_requested": c.rounds,
+        "mechanism": _mechanism(c),
         "noise_multiplier": c.noise_multiplier if c.dp is not DPMode.NONE else 0.0,
-        "clip": c.clip if c.dp is not DPMode.NONE else None, "per_layer": c.per_layer,
+        "clip": c.clip if c.dp is not DPMode.NONE else None,
+        "per_layer": c.per_layer,
         "epsilon": report.get("epsilon"),
         "delta": report.get("delta"),
         "accountant": c.accountant.value if c.dp is not DPMode.NONE else None,
@@ -593,15 +799,23 @@ def federated_result(config: FederatedConfig, server, ds, *, seconds: float) -> 
         "peak_rss_mb": peak_rss_mb(),
         "stop_reason": server.stop_reason,
         "notices": server.notices,
-        **({"note": server.notices[-1]} if c.noise_seed is not None and c.dp is not DPMode.NONE
-           else {}),
+        **(
+            {"note": server.notices[-1]}
+            if c.noise_seed is not None and c.dp is not DPMode.NONE
+            else {}
+        ),
         "privacy": report,
         **({"model": c.model} if c.model != "mlp" else {}),
         **(_local_summary(report["local_dp"]) if "local_dp" in report else {}),
-        **({"bits": c.bits, "bits_per_parameter": report["distributed"]["bits_per_parameter"]}
-           if "distributed" in report else {}),
-        "local_epochs": c.local_epochs, "local_batch_size": c.local_batch_size,
-        "learning_rate": c.learning_rate, "momentum": c.momentum,
+        **(
+            {"bits": c.bits, "bits_per_parameter": report["distributed"]["bits_per_parameter"]}
+            if "distributed" in report
+            else {}
+        ),
+        "local_epochs": c.local_epochs,
+        "local_batch_size": c.local_batch_size,
+        "learning_rate": c.learning_rate,
+        "momentum": c.momentum,
         "config": c.to_dict(),
         "history": [r.to_dict() for r in server.history],
     }

@@ -45,16 +45,20 @@ import tensorflow as tf
 from dpfl_tf._io import atomic_write, atomic_write_json, read_checkpoint_json
 from dpfl_tf._seeds import derive_rng, derive_seed
 from dpfl_tf._validation import check_count, check_number
-from dpfl_tf.secure_random import refuse_seed, secure_uniform
-from dpfl_tf.federated.settings import check_clients_per_round, check_delta_max
-from dpfl_tf.federated.aggregators import (AggregateResult, Aggregator, ClientNoiseDPAggregator,
-                                           GlobalDPAggregator)
+from dpfl_tf.federated.aggregators import (
+    AggregateResult,
+    Aggregator,
+    ClientNoiseDPAggregator,
+    GlobalDPAggregator,
+)
 from dpfl_tf.federated.client import LocalTrainer, preprocess_images, refuse_unprotected_state
 from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report
 from dpfl_tf.federated.partition import ClientPartition
+from dpfl_tf.federated.settings import check_clients_per_round, check_delta_max
 from dpfl_tf.privacy.accountants import AccountantKind, compute_delta, compute_epsilon
 from dpfl_tf.privacy.events import SamplingMethod, describe_event
 from dpfl_tf.privacy.ledger import PrivacyBudget, PrivacyLedger
+from dpfl_tf.secure_random import refuse_seed, secure_uniform
 
 __all__ = ["ClientSampling", "FederatedServer", "RoundRecord"]
 
@@ -63,10 +67,12 @@ CHECKPOINT_FORMAT = 1
 #: The neighbouring relation of the released model, by client sampling scheme
 #: (`dpfl_tf.privacy.events`): Poisson -> add/remove one client, m of K without
 #: replacement -> replace one client.
-RELATIONS = {SamplingMethod.POISSON: "add/remove-one client (Poisson client sampling)",
-             SamplingMethod.FIXED_SIZE: "replace-one client (fixed-size client sampling)",
-             SamplingMethod.CYCLIC_POISSON: "add/remove-one client (cyclic cohorts by client "
-                                            "id; correlated noise)"}
+RELATIONS = {
+    SamplingMethod.POISSON: "add/remove-one client (Poisson client sampling)",
+    SamplingMethod.FIXED_SIZE: "replace-one client (fixed-size client sampling)",
+    SamplingMethod.CYCLIC_POISSON: "add/remove-one client (cyclic cohorts by client "
+    "id; correlated noise)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,34 +97,45 @@ class ClientSampling:
 
     def __post_init__(self):
         method = SamplingMethod.parse(self.method)
-        allowed = (SamplingMethod.POISSON, SamplingMethod.FIXED_SIZE,
-                   SamplingMethod.CYCLIC_POISSON)
+        allowed = (SamplingMethod.POISSON, SamplingMethod.FIXED_SIZE, SamplingMethod.CYCLIC_POISSON)
         if method not in allowed:
-            raise ValueError(f"client sampling must be 'poisson', 'fixed_size' or "
-                             f"'cyclic_poisson', got {method.value!r}")
+            raise ValueError(
+                f"client sampling must be 'poisson', 'fixed_size' or "
+                f"'cyclic_poisson', got {method.value!r}"
+            )
         object.__setattr__(self, "method", method)
         if method is SamplingMethod.CYCLIC_POISSON:
             if self.cohorts is None or self.clients_per_round is not None:
-                raise ValueError("client sampling 'cyclic_poisson' takes cohorts (b) and "
-                                 "fraction (q within the cohort), got "
-                                 f"cohorts={self.cohorts!r}, "
-                                 f"clients_per_round={self.clients_per_round!r}")
-            object.__setattr__(self, "cohorts", check_count("cohorts", self.cohorts,
-                                                            minimum=1))
+                raise ValueError(
+                    "client sampling 'cyclic_poisson' takes cohorts (b) and "
+                    "fraction (q within the cohort), got "
+                    f"cohorts={self.cohorts!r}, "
+                    f"clients_per_round={self.clients_per_round!r}"
+                )
+            object.__setattr__(self, "cohorts", check_count("cohorts", self.cohorts, minimum=1))
         elif self.cohorts is not None:
-            raise ValueError(f"cohorts is for client sampling 'cyclic_poisson' only, got "
-                             f"cohorts={self.cohorts!r} with {method.value!r}")
+            raise ValueError(
+                f"cohorts is for client sampling 'cyclic_poisson' only, got "
+                f"cohorts={self.cohorts!r} with {method.value!r}"
+            )
         if (self.clients_per_round is None) == (self.fraction is None):
-            raise ValueError("give exactly one of clients_per_round and fraction, got "
-                             f"clients_per_round={self.clients_per_round!r}, "
-                             f"fraction={self.fraction!r}")
+            raise ValueError(
+                "give exactly one of clients_per_round and fraction, got "
+                f"clients_per_round={self.clients_per_round!r}, "
+                f"fraction={self.fraction!r}"
+            )
         if self.clients_per_round is not None:
-            object.__setattr__(self, "clients_per_round",
-                               check_count("clients_per_round", self.clients_per_round,
-                                           minimum=1))
+            object.__setattr__(
+                self,
+                "clients_per_round",
+                check_count("clients_per_round", self.clients_per_round, minimum=1),
+            )
         else:
-            object.__setattr__(self, "fraction", check_number(
-                "fraction", self.fraction, low=0.0, high=1.0, low_open=True))
+            object.__setattr__(
+                self,
+                "fraction",
+                check_number("fraction", self.fraction, low=0.0, high=1.0, low_open=True),
+            )
 
     def cohort_of(self, client_id) -> int:
         """The cohort of a client (cyclic sampling): its id mod b."""
@@ -130,9 +147,11 @@ class ClientSampling:
         from dpfl_tf.privacy.matrix_factorization import Participation
 
         if self.method is not SamplingMethod.CYCLIC_POISSON:
-            raise ValueError(f"correlated noise needs client sampling 'cyclic_poisson' "
-                             f"(cohorts), got {self.method.value!r}: independent client "
-                             "sampling can pick a client in consecutive rounds")
+            raise ValueError(
+                f"correlated noise needs client sampling 'cyclic_poisson' "
+                f"(cohorts), got {self.method.value!r}: independent client "
+                "sampling can pick a client in consecutive rounds"
+            )
         if self.fraction == 1.0:
             return Participation.min_separation(rounds, self.cohorts)
         return Participation.cyclic_poisson(rounds, self.cohorts, self.fraction)
@@ -144,8 +163,11 @@ class ClientSampling:
             if self.cohorts > k:
                 raise ValueError(f"cohorts must be <= the {k} clients, got {self.cohorts}")
             return max(1, int(round(self.fraction * k / self.cohorts)))
-        m = (self.clients_per_round if self.clients_per_round is not None
-             else max(1, int(round(self.fraction * k))))
+        m = (
+            self.clients_per_round
+            if self.clients_per_round is not None
+            else max(1, int(round(self.fraction * k)))
+        )
         return check_clients_per_round(m, k)
 
     def rate(self, num_clients: int) -> float:
@@ -155,7 +177,7 @@ class ClientSampling:
         return self.clients_for(num_clients) / num_clients
 
     def expected_clients(self, num_clients: int) -> float:
-        if self.method is SamplingMethod.CYCLIC_POISSON:   # q K / b: fixed, data-independent
+        if self.method is SamplingMethod.CYCLIC_POISSON:  # q K / b: fixed, data-independent
             self.clients_for(num_clients)
             return self.fraction * num_clients / self.cohorts
         if self.method is SamplingMethod.POISSON:
@@ -166,14 +188,15 @@ class ClientSampling:
     def event_args(self, num_clients: int) -> dict:
         """Keyword arguments for `gaussian_step_event` / `GaussianSanitizer.event`."""
         if self.method is SamplingMethod.CYCLIC_POISSON:
-            return {}   # the run's event is the mechanism's (`MatrixMechanism.event`)
+            return {}  # the run's event is the mechanism's (`MatrixMechanism.event`)
         if self.method is SamplingMethod.POISSON:
             self.clients_for(num_clients)
             return {"sampling_rate": self.rate(num_clients)}
         return {"dataset_size": num_clients, "lot_size": self.clients_for(num_clients)}
 
-    def sample(self, rng: np.random.Generator | None, num_clients: int,
-               round_index: int | None = None) -> np.ndarray:
+    def sample(
+        self, rng: np.random.Generator | None, num_clients: int, round_index: int | None = None
+    ) -> np.ndarray:
         """The sorted ids of this round's clients, from `rng`, or -- `rng` None, secure
         mode -- from ``os.urandom`` (`dpfl_tf.secure_random.secure_uniform`, 53 bits per
         client): Poisson keeps client k when u_k < q; fixed size keeps the m clients
@@ -199,9 +222,12 @@ class ClientSampling:
         return np.sort(rng.choice(num_clients, size=m, replace=False))
 
     def to_dict(self) -> dict:
-        out = {"method": self.method.value, "clients_per_round": self.clients_per_round,
-               "fraction": self.fraction}
-        if self.cohorts is not None:   # (older checkpoints' fingerprints have no cohorts)
+        out = {
+            "method": self.method.value,
+            "clients_per_round": self.clients_per_round,
+            "fraction": self.fraction,
+        }
+        if self.cohorts is not None:  # (older checkpoints' fingerprints have no cohorts)
             out["cohorts"] = self.cohorts
         return out
 
@@ -252,11 +278,11 @@ class RoundRecord:
 
     round: int
     clients: int
-    seconds: float          # wall time of sampling + local training + aggregation
+    seconds: float  # wall time of sampling + local training + aggregation
     accuracy: float | None
     loss: float | None
-    epsilon: float | None   # at delta_max (None if not private)
-    delta: float | None     # at the target epsilon (None without a target)
+    epsilon: float | None  # at delta_max (None if not private)
+    delta: float | None  # at the target epsilon (None without a target)
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     cpu_seconds: float | None = None  # process CPU time of the same (less load-sensitive)
 
@@ -313,13 +339,25 @@ class FederatedServer:
     same check runs where `DPStrategy` and every ClientApp build this object.
     """
 
-    def __init__(self, trainer: LocalTrainer, partition: ClientPartition, aggregator: Aggregator,
-                 *, sampling: ClientSampling, test_data: tuple[np.ndarray, np.ndarray] | None,
-                 target_epsilon: float | None = None, delta_max: float | None = None,
-                 accountant: AccountantKind | str = AccountantKind.MOMENTS, seed: int = 0,
-                 noise_seed: int | None = None, eval_every: int = 1,
-                 eval_batch_size: int = 2000, progress: bool = True,
-                 local_dp: LocalDPUpload | None = None, secure_mode: bool = False):
+    def __init__(
+        self,
+        trainer: LocalTrainer,
+        partition: ClientPartition,
+        aggregator: Aggregator,
+        *,
+        sampling: ClientSampling,
+        test_data: tuple[np.ndarray, np.ndarray] | None,
+        target_epsilon: float | None = None,
+        delta_max: float | None = None,
+        accountant: AccountantKind | str = AccountantKind.MOMENTS,
+        seed: int = 0,
+        noise_seed: int | None = None,
+        eval_every: int = 1,
+        eval_batch_size: int = 2000,
+        progress: bool = True,
+        local_dp: LocalDPUpload | None = None,
+        secure_mode: bool = False,
+    ):
         if not isinstance(partition, ClientPartition):
             raise TypeError(f"partition must be a ClientPartition, got {type(partition).__name__}")
         if not isinstance(aggregator, Aggregator):
@@ -327,23 +365,30 @@ class FederatedServer:
         if not isinstance(sampling, ClientSampling):
             raise TypeError(f"sampling must be a ClientSampling, got {type(sampling).__name__}")
         if int(partition.indices.max()) >= trainer.num_examples:
-            raise ValueError(f"the partition refers to example {int(partition.indices.max())} "
-                             f"but the training set has {trainer.num_examples} examples")
+            raise ValueError(
+                f"the partition refers to example {int(partition.indices.max())} "
+                f"but the training set has {trainer.num_examples} examples"
+            )
         if local_dp is not None and not isinstance(local_dp, LocalDPUpload):
             raise TypeError(f"local_dp must be a LocalDPUpload, got {type(local_dp).__name__}")
         self.secure_mode = bool(secure_mode)
         if self.secure_mode:
             refuse_seed(True, noise_seed, "noise_seed")
             if local_dp is not None:
-                raise ValueError("secure_mode=True covers the Gaussian mechanisms (Global DP, "
-                                 "DP-FedAvg); the local-DP randomisers have no secure sampler, "
-                                 "so local_dp must be None")
+                raise ValueError(
+                    "secure_mode=True covers the Gaussian mechanisms (Global DP, "
+                    "DP-FedAvg); the local-DP randomisers have no secure sampler, "
+                    "so local_dp must be None"
+                )
             if aggregator.private and not getattr(aggregator, "secure_mode", False):
-                raise ValueError("secure_mode=True needs the aggregator in secure mode "
-                                 f"(secure_mode=True and a secure sanitizer), got {aggregator!r}")
+                raise ValueError(
+                    "secure_mode=True needs the aggregator in secure mode "
+                    f"(secure_mode=True and a secure sanitizer), got {aggregator!r}"
+                )
         if aggregator.private or local_dp is not None:
-            refuse_unprotected_state(trainer.model, "client-level DP" if aggregator.private
-                                     else "local DP")
+            refuse_unprotected_state(
+                trainer.model, "client-level DP" if aggregator.private else "local DP"
+            )
         self.local_dp = local_dp
         self.trainer = trainer
         self.partition = partition
@@ -357,42 +402,55 @@ class FederatedServer:
         # sampling to hold: the sampling stream is keyed by OS entropy (kept in
         # checkpoints only), unless the run was made reproducible on purpose with
         # `noise_seed` (tests; such runs are flagged "NOT for deployment").
-        self._sampling_key = (int(noise_seed) if noise_seed is not None
-                              else secrets.randbits(63))
+        self._sampling_key = int(noise_seed) if noise_seed is not None else secrets.randbits(63)
         self.eval_every = check_count("eval_every", eval_every, minimum=1)
         self.eval_batch_size = check_count("eval_batch_size", eval_batch_size, minimum=1)
         self.progress = progress
         self.accountant = AccountantKind.parse(accountant)
-        self.target_epsilon = (None if target_epsilon is None else
-                               check_number("target_epsilon", target_epsilon, low=0.0,
-                                            low_open=True))
+        self.target_epsilon = (
+            None
+            if target_epsilon is None
+            else check_number("target_epsilon", target_epsilon, low=0.0, low_open=True)
+        )
         self.delta_max = None
         if delta_max is not None:
-            self.delta_max = check_delta_max(check_number(
-                "delta_max", delta_max, low=0.0, high=1.0, low_open=True, high_open=True),
-                self.num_clients)
-        self.num_components = (aggregator.num_components(trainer.variables)
-                               if hasattr(aggregator, "num_components")
-                               else len(trainer.variables))
+            self.delta_max = check_delta_max(
+                check_number(
+                    "delta_max", delta_max, low=0.0, high=1.0, low_open=True, high_open=True
+                ),
+                self.num_clients,
+            )
+        self.num_components = (
+            aggregator.num_components(trainer.variables)
+            if hasattr(aggregator, "num_components")
+            else len(trainer.variables)
+        )
         self.round_event: dp_accounting.DpEvent | None = None
         self.correlated = _correlated_run(aggregator, sampling)
         budget = None
         if aggregator.private:
             if self.delta_max is None:
-                raise ValueError("a private aggregator needs delta_max (the delta at which "
-                                 "epsilon is reported and the stop rule's bound)")
-            if self.correlated is not None:   # one event for the run, recorded before round 1
+                raise ValueError(
+                    "a private aggregator needs delta_max (the delta at which "
+                    "epsilon is reported and the stop rule's bound)"
+                )
+            if self.correlated is not None:  # one event for the run, recorded before round 1
                 self.round_event = dp_accounting.NoOpDpEvent()
-                self.correlated.check_budget(self.num_components, self.target_epsilon,
-                                             self.delta_max, self.accountant)
+                self.correlated.check_budget(
+                    self.num_components, self.target_epsilon, self.delta_max, self.accountant
+                )
             else:
                 self.round_event = aggregator.round_event(
-                    self.num_components, sampling.method,
-                    **sampling.event_args(self.num_clients))
+                    self.num_components, sampling.method, **sampling.event_args(self.num_clients)
+                )
             # fail now, not after the first round, if the accountant cannot read the event
-            compute_epsilon(self.correlated.event(self.num_components)
-                            if self.correlated is not None else self.round_event,
-                            self.delta_max, self.accountant)
+            compute_epsilon(
+                self.correlated.event(self.num_components)
+                if self.correlated is not None
+                else self.round_event,
+                self.delta_max,
+                self.accountant,
+            )
             if self.target_epsilon is not None:
                 budget = PrivacyBudget(self.target_epsilon, self.delta_max, self.accountant)
         elif self.target_epsilon is not None:
@@ -429,7 +487,7 @@ class FederatedServer:
         n = int(x.shape[0])
         loss, correct = 0.0, 0
         for s in range(0, n, self.eval_batch_size):
-            l, c = self._eval_fn(x[s:s + self.eval_batch_size], y[s:s + self.eval_batch_size])
+            l, c = self._eval_fn(x[s : s + self.eval_batch_size], y[s : s + self.eval_batch_size])
             loss += float(l)
             correct += int(c)
         return loss / n, correct / n
@@ -447,14 +505,15 @@ class FederatedServer:
             events.append(dp_accounting.SelfComposedDpEvent(self.round_event, extra_rounds))
         if not events:
             return 0.0
-        return compute_delta(dp_accounting.ComposedDpEvent(events), self.target_epsilon,
-                             self.accountant)
+        return compute_delta(
+            dp_accounting.ComposedDpEvent(events), self.target_epsilon, self.accountant
+        )
 
     def would_exceed_budget(self) -> bool:
         """The stop rule: True if running one more round makes delta(target eps) > delta_max."""
         if not self.aggregator.private or self.target_epsilon is None:
             return False
-        if self.correlated is not None:   # paid for the whole run, checked at the start
+        if self.correlated is not None:  # paid for the whole run, checked at the start
             return False
         return self.delta_after(1) > self.delta_max
 
@@ -479,14 +538,18 @@ class FederatedServer:
         """Why the next round must not run (the stop rule, `would_exceed_budget`, or
         the correlated-noise mechanism's horizon), or None."""
         if self.correlated is not None and self.rounds_done >= self.correlated.steps:
-            return (f"the correlated-noise mechanism's horizon of "
-                    f"{rounds_text(self.correlated.steps)} is reached")
+            return (
+                f"the correlated-noise mechanism's horizon of "
+                f"{rounds_text(self.correlated.steps)} is reached"
+            )
         if not self.would_exceed_budget():
             return None
-        return (f"privacy budget: round {self.rounds_done + 1} would make delta at "
-                f"epsilon={self.target_epsilon:g} exceed delta_max={self.delta_max:g} "
-                f"({self.accountant.value} accountant); stopped after "
-                f"{rounds_text(self.rounds_done)}")
+        return (
+            f"privacy budget: round {self.rounds_done + 1} would make delta at "
+            f"epsilon={self.target_epsilon:g} exceed delta_max={self.delta_max:g} "
+            f"({self.accountant.value} accountant); stopped after "
+            f"{rounds_text(self.rounds_done)}"
+        )
 
     def open_round(self) -> tuple[int, np.ndarray]:
         """(t, the sampled client ids) of the next round; with `noise_seed`, the
@@ -496,13 +559,19 @@ class FederatedServer:
             self.aggregator.reseed(derive_seed(self.noise_seed, "server-noise", t))
         self.aggregator.begin_round(t)
         selected = self.sample_clients(self.round_rng(t), t)
-        if self.correlated is not None:   # refused before any client trains
+        if self.correlated is not None:  # refused before any client trains
             self.correlated.open(t, selected, self.ledger, self.num_components)
         return t, selected
 
-    def client_upload(self, client_id: int, global_weights: Sequence[tf.Tensor], t: int, *,
-                      local_dp: LocalDPUpload | None = None, client_step: bool = True
-                      ) -> tuple[list[tf.Tensor], int]:
+    def client_upload(
+        self,
+        client_id: int,
+        global_weights: Sequence[tf.Tensor],
+        t: int,
+        *,
+        local_dp: LocalDPUpload | None = None,
+        client_step: bool = True,
+    ) -> tuple[list[tf.Tensor], int]:
         """What client k uploads in round t, and its n_k: Delta_k from `LocalTrainer.train`
         on its partition with `shuffle_rng(t, k)`, then the aggregator's client step
         (`client_transform`: identity, clip + noise for DP-FedAvg, or distributed DP's
@@ -512,8 +581,9 @@ class FederatedServer:
         generator."""
         k = int(client_id)
         if not 0 <= k < self.num_clients:
-            raise ValueError(f"client id (partition-id) must lie in [0, {self.num_clients}), "
-                             f"got {client_id!r}")
+            raise ValueError(
+                f"client id (partition-id) must lie in [0, {self.num_clients}), got {client_id!r}"
+            )
         indices = self.partition.client(k)
         delta = self.trainer.train(list(global_weights), indices, self.shuffle_rng(t, k))
         upload = delta
@@ -526,8 +596,16 @@ class FederatedServer:
             upload = local_dp.apply(global_weights, upload, local_dp.generator(t, k))
         return upload, len(indices)
 
-    def close_round(self, t: int, selected: np.ndarray, global_weights: Sequence[tf.Tensor],
-                    result: AggregateResult, *, start: float, cpu_start: float) -> RoundRecord:
+    def close_round(
+        self,
+        t: int,
+        selected: np.ndarray,
+        global_weights: Sequence[tf.Tensor],
+        result: AggregateResult,
+        *,
+        start: float,
+        cpu_start: float,
+    ) -> RoundRecord:
         """Releases round t: w_{t+1} = w_t + the aggregate, the participations, the
         round's event in the ledger, the evaluation (every `eval_every` rounds),
         epsilon and delta, and the history row, which it returns."""
@@ -545,10 +623,10 @@ class FederatedServer:
         if self._test is not None and (self.rounds_done % self.eval_every == 0):
             loss, acc = self.evaluate()
         eps = self.epsilon()
-        delta = (self.delta_after(0) if self.aggregator.private and self.target_epsilon
-                 else None)
-        record = RoundRecord(t + 1, len(selected), seconds, acc, loss, eps, delta,
-                             dict(result.info), cpu_seconds)
+        delta = self.delta_after(0) if self.aggregator.private and self.target_epsilon else None
+        record = RoundRecord(
+            t + 1, len(selected), seconds, acc, loss, eps, delta, dict(result.info), cpu_seconds
+        )
         self.history.append(record)
         return record
 
@@ -573,22 +651,31 @@ class FederatedServer:
             for k in selected:
                 if should_stop is not None and should_stop():
                     raise RoundAbandoned(t + 1)
-                if self.aggregator.dropped_out(t, int(k)):   # uploads nothing
+                if self.aggregator.dropped_out(t, int(k)):  # uploads nothing
                     continue
                 upload, n_k = self.client_upload(int(k), global_weights, t)
                 yield upload, float(n_k)
 
         try:
-            result = self.aggregator.aggregate(uploads(), global_weights,
-                                               expected_clients=self.expected_clients)
+            result = self.aggregator.aggregate(
+                uploads(), global_weights, expected_clients=self.expected_clients
+            )
         except RoundAbandoned:  # nothing released: the global model stays as it was
             self.trainer.set_weights(global_weights)
             raise
-        return self.close_round(t, selected, global_weights, result, start=start,
-                                cpu_start=cpu_start)
+        return self.close_round(
+            t, selected, global_weights, result, start=start, cpu_start=cpu_start
+        )
 
-    def run(self, rounds: int, *, checkpoint_dir: str | os.PathLike | None = None,
-            resume: bool = True, should_stop=None, on_round=None) -> list[RoundRecord]:
+    def run(
+        self,
+        rounds: int,
+        *,
+        checkpoint_dir: str | os.PathLike | None = None,
+        resume: bool = True,
+        should_stop=None,
+        on_round=None,
+    ) -> list[RoundRecord]:
         """Runs up to `rounds` rounds in total (counting rounds already done).
 
         With `checkpoint_dir`, the state is written atomically after every
@@ -632,72 +719,96 @@ class FederatedServer:
         if self.local_dp is not None:
             n_max = max(1, int(self.participations.max()) if len(self.participations) else 0)
             d = int(sum(int(np.prod(v.shape)) for v in self.trainer.variables))
-            local = {**self.local_dp.report(d, n_max).to_dict(),
-                     "max_participations": int(self.participations.max()),
-                     "mean_participations": float(self.participations.mean())}
+            local = {
+                **self.local_dp.report(d, n_max).to_dict(),
+                "max_participations": int(self.participations.max()),
+                "mean_participations": float(self.participations.mean()),
+            }
         if not self.aggregator.private:
             if local is not None:
-                return {"mechanism": "local_dp", "epsilon": None, "epsilon_is_infinite": True,
-                        "note": "no central DP accounting: the released model inherits only "
-                                "the local guarantee of every upload (see local_dp)",
-                        "local_dp": local}
-            return {"mechanism": "none", "epsilon": None, "epsilon_is_infinite": True,
-                    "note": "no noise: no differential privacy guarantee"}
+                return {
+                    "mechanism": "local_dp",
+                    "epsilon": None,
+                    "epsilon_is_infinite": True,
+                    "note": "no central DP accounting: the released model inherits only "
+                    "the local guarantee of every upload (see local_dp)",
+                    "local_dp": local,
+                }
+            return {
+                "mechanism": "none",
+                "epsilon": None,
+                "epsilon_is_infinite": True,
+                "note": "no noise: no differential privacy guarantee",
+            }
         eps = self.epsilon()
         report = {
-            "epsilon": _json_float(eps), "delta": self.delta_max,
+            "epsilon": _json_float(eps),
+            "delta": self.delta_max,
             "epsilon_is_infinite": eps is not None and math.isinf(eps),
-            "accountant": self.accountant.value, "rounds": len(self.ledger),
+            "accountant": self.accountant.value,
+            "rounds": len(self.ledger),
             "secure_mode": self.secure_mode,
             "round_event": describe_event(self.round_event),
-            "run_event": (describe_event(self.correlated.event(self.num_components))
-                          if self.correlated is not None else None),
-            "mechanism": (self.correlated.mechanism.describe()
-                          if self.correlated is not None else None),
+            "run_event": (
+                describe_event(self.correlated.event(self.num_components))
+                if self.correlated is not None
+                else None
+            ),
+            "mechanism": (
+                self.correlated.mechanism.describe() if self.correlated is not None else None
+            ),
             "relation": RELATIONS[self.sampling.method],
             "target_epsilon": self.target_epsilon,
-            "delta_at_target_epsilon": (_json_float(self.delta_after(0))
-                                        if self.target_epsilon else None),
+            "delta_at_target_epsilon": (
+                _json_float(self.delta_after(0)) if self.target_epsilon else None
+            ),
         }
         if hasattr(self.aggregator, "clipping_report"):
             report["clipping"] = self.aggregator.clipping_report()
-        if hasattr(self.aggregator, "server_report"):     # distributed DP
+        if hasattr(self.aggregator, "server_report"):  # distributed DP
             report["distributed"] = self.aggregator.mechanism.report()
-            report["against_server"] = self.aggregator.server_report(self.participations,
-                                                                     self.delta_max)
+            report["against_server"] = self.aggregator.server_report(
+                self.participations, self.delta_max
+            )
         if isinstance(self.aggregator, ClientNoiseDPAggregator):
             n_max = int(self.participations.max()) if len(self.participations) else 0
             z = self.aggregator.upload_noise_multiplier(self.num_components)
-            upload = gaussian_upload_report(z, max(n_max, 1), delta=self.delta_max,
-                                            accountant=self.accountant)
+            upload = gaussian_upload_report(
+                z, max(n_max, 1), delta=self.delta_max, accountant=self.accountant
+            )
             server_eps = upload.accountant_epsilon_total if n_max else 0.0
             report["against_server"] = {
-                "upload_event": describe_event(self.aggregator.upload_event(
-                    self.num_components)),
+                "upload_event": describe_event(self.aggregator.upload_event(self.num_components)),
                 "relation": upload.relation,
                 "max_participations": n_max,
                 "mean_participations": float(self.participations.mean()),
                 "epsilon_per_upload": _json_float(upload.accountant_epsilon_per_upload),
-                "epsilon": _json_float(server_eps), "delta": self.delta_max,
+                "epsilon": _json_float(server_eps),
+                "delta": self.delta_max,
                 "epsilon_is_infinite": math.isinf(server_eps),
                 "note": "per client, over the rounds it uploaded in; no amplification by "
-                        "sampling (the server knows who uploaded); local_dp."
-                        "gaussian_upload_report",
+                "sampling (the server knows who uploaded); local_dp."
+                "gaussian_upload_report",
             }
             report["released_model_noise_multiplier"] = self.aggregator.aggregate_noise_multiplier(
-                self.num_components, self.sampling.clients_for(self.num_clients))
+                self.num_components, self.sampling.clients_for(self.num_clients)
+            )
         if local is not None:
             report["local_dp"] = local
         return report
 
     # -- checkpoints ---------------------------------------------------------------
     def _fingerprint(self) -> dict:
-        return {"num_clients": self.num_clients, "sampling": self.sampling.to_dict(),
-                "secure_mode": self.secure_mode,
-                "aggregator": self.aggregator.get_config(), "seed": self.seed,
-                "local_dp": None if self.local_dp is None else self.local_dp.get_config(),
-                "accountant": self.accountant.value,
-                "variables": [list(v.shape) for v in self.trainer.variables]}
+        return {
+            "num_clients": self.num_clients,
+            "sampling": self.sampling.to_dict(),
+            "secure_mode": self.secure_mode,
+            "aggregator": self.aggregator.get_config(),
+            "seed": self.seed,
+            "local_dp": None if self.local_dp is None else self.local_dp.get_config(),
+            "accountant": self.accountant.value,
+            "variables": [list(v.shape) for v in self.trainer.variables],
+        }
 
     def save_checkpoint(self, directory: str | os.PathLike) -> None:
         """Global weights + ledger + history + round index, written atomically:
@@ -708,16 +819,22 @@ class FederatedServer:
         arrays = {f"w{i}": v.numpy() for i, v in enumerate(self.trainer.variables)}
         arrays["participations"] = self.participations
         correlated = None
-        if self.correlated is not None:   # secret noise buffers: private, like the weights
+        if self.correlated is not None:  # secret noise buffers: private, like the weights
             correlated, buffers = self.correlated.get_state()
             arrays.update({f"mf_buffer{i}": b for i, b in enumerate(buffers)})
         atomic_write(os.path.join(directory, name), lambda f: np.savez(f, **arrays), binary=True)
-        state = {"format": CHECKPOINT_FORMAT, "round": self.rounds_done, "weights": name,
-                 "fingerprint": self._fingerprint(), "ledger": self.ledger.to_dict(),
-                 "history": [r.to_dict() for r in self.history], "notices": self.notices,
-                 "aggregator_state": self.aggregator.get_state(),
-                 "sampling_key": self._sampling_key,  # private state, like the weights
-                 "correlated": correlated}
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "round": self.rounds_done,
+            "weights": name,
+            "fingerprint": self._fingerprint(),
+            "ledger": self.ledger.to_dict(),
+            "history": [r.to_dict() for r in self.history],
+            "notices": self.notices,
+            "aggregator_state": self.aggregator.get_state(),
+            "sampling_key": self._sampling_key,  # private state, like the weights
+            "correlated": correlated,
+        }
         atomic_write_json(os.path.join(directory, "state.json"), state)
         for old in glob.glob(os.path.join(directory, "weights-*.npz")):
             if os.path.basename(old) != name:
@@ -731,13 +848,16 @@ class FederatedServer:
                 return False
             raise FileNotFoundError(f"no checkpoint at {path}")
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{path}: not a dpfl_tf federated checkpoint "
-                             f"(format {CHECKPOINT_FORMAT})")
+            raise ValueError(
+                f"{path}: not a dpfl_tf federated checkpoint (format {CHECKPOINT_FORMAT})"
+            )
         mine = json.loads(json.dumps(self._fingerprint()))
         if state["fingerprint"] != mine:
             diff = sorted(k for k in mine if state["fingerprint"].get(k) != mine[k])
-            raise ValueError(f"{path} belongs to a different run (differs in: "
-                             f"{', '.join(diff)}); use another checkpoint directory")
+            raise ValueError(
+                f"{path} belongs to a different run (differs in: "
+                f"{', '.join(diff)}); use another checkpoint directory"
+            )
         with np.load(os.path.join(os.fspath(directory), state["weights"])) as data:
             self.trainer.set_weights([data[f"w{i}"] for i in range(len(self.trainer.variables))])
             self.participations = data["participations"].astype(np.int32)
@@ -763,17 +883,23 @@ def _correlated_run(aggregator: Aggregator, sampling: ClientSampling):
     cyclic = sampling.method is SamplingMethod.CYCLIC_POISSON
     if not isinstance(sanitizer, CorrelatedSanitizer):
         if cyclic:
-            raise ValueError("client sampling 'cyclic_poisson' (cohorts) is for correlated "
-                             "noise: give the aggregator a CorrelatedSanitizer")
+            raise ValueError(
+                "client sampling 'cyclic_poisson' (cohorts) is for correlated "
+                "noise: give the aggregator a CorrelatedSanitizer"
+            )
         return None
     if not isinstance(aggregator, GlobalDPAggregator) or aggregator.clip != "fixed":
-        raise ValueError(f"correlated noise is supported by GlobalDPAggregator with "
-                         f"clip='fixed', got {aggregator!r}")
+        raise ValueError(
+            f"correlated noise is supported by GlobalDPAggregator with "
+            f"clip='fixed', got {aggregator!r}"
+        )
     mechanism = sanitizer.mechanism
     declared = sampling.participation(mechanism.steps)
     if declared != mechanism.participation:
-        raise ValueError(f"the mechanism was built for {mechanism.participation.describe()}, "
-                         f"but the client sampling gives {declared.describe()}")
+        raise ValueError(
+            f"the mechanism was built for {mechanism.participation.describe()}, "
+            f"but the client sampling gives {declared.describe()}"
+        )
     return _FederatedCorrelatedRun(sanitizer, sampling)
 
 
@@ -787,8 +913,7 @@ class _FederatedCorrelatedRun:
         self.sanitizer = sanitizer
         self.mechanism = sanitizer.mechanism
         self.steps = self.mechanism.steps
-        self.guard = ParticipationGuard(self.mechanism.participation,
-                                        group_of=sampling.cohort_of)
+        self.guard = ParticipationGuard(self.mechanism.participation, group_of=sampling.cohort_of)
         self.recorded = False
 
     def event(self, num_components: int) -> dp_accounting.DpEvent:
@@ -799,9 +924,11 @@ class _FederatedCorrelatedRun:
             return
         eps = compute_epsilon(self.event(num_components), delta, accountant)
         if eps > target_epsilon:
-            raise ValueError(f"the correlated-noise run ({self.mechanism.describe()}) costs "
-                             f"epsilon {eps:.4g} > target_epsilon={target_epsilon:g} at delta="
-                             f"{delta:g}: raise the noise multiplier or declare fewer rounds")
+            raise ValueError(
+                f"the correlated-noise run ({self.mechanism.describe()}) costs "
+                f"epsilon {eps:.4g} > target_epsilon={target_epsilon:g} at delta="
+                f"{delta:g}: raise the noise multiplier or declare fewer rounds"
+            )
 
     def open(self, t: int, selected, ledger: PrivacyLedger, num_components: int) -> None:
         """Refuses round t's clients if they break the pattern; records the run's
@@ -823,16 +950,26 @@ class _FederatedCorrelatedRun:
     def set_state(self, state: dict, buffers: list, variables) -> None:
         self.recorded = bool(state["recorded"])
         guard = state["guard"]
-        self.guard.set_state({"last": {int(k): v for k, v in guard["last"].items()},
-                              "count": {int(k): v for k, v in guard["count"].items()},
-                              "steps_released": guard["steps_released"]})
+        self.guard.set_state(
+            {
+                "last": {int(k): v for k, v in guard["last"].items()},
+                "count": {int(k): v for k, v in guard["count"].items()},
+                "steps_released": guard["steps_released"],
+            }
+        )
         if "position" in state:
             self.sanitizer.build(variables).set_state(
-                {"position": state["position"], "last_index": state["last_index"],
-                 "buffers": buffers})
+                {
+                    "position": state["position"],
+                    "last_index": state["last_index"],
+                    "buffers": buffers,
+                }
+            )
 
 
 def _json_guard(state: dict) -> dict:
-    return {"last": {str(k): int(v) for k, v in state["last"].items()},
-            "count": {str(k): int(v) for k, v in state["count"].items()},
-            "steps_released": int(state["steps_released"])}
+    return {
+        "last": {str(k): int(v) for k, v in state["last"].items()},
+        "count": {str(k): int(v) for k, v in state["count"].items()},
+        "steps_released": int(state["steps_released"]),
+    }

@@ -22,7 +22,7 @@ class MechanismKind(ChoiceEnum):
     """The local-DP randomisers of `dpfl_tf.federated.local_dp`."""
 
     __argument__ = "mechanism"
-    __aliases__ = {'pm': 'piecewise', 'ldpfl': 'ldp_fl'}
+    __aliases__ = {"pm": "piecewise", "ldpfl": "ldp_fl"}
     DUCHI = "duchi"
     PIECEWISE = "piecewise"
     PNPM = "pnpm"
@@ -34,8 +34,9 @@ class MechanismKind(ChoiceEnum):
 def check_clients_per_round(m: int, num_clients: int) -> int:
     """m clients per round out of K: m <= K."""
     if m > num_clients:
-        raise ValueError(f"clients_per_round (m={m}) must be <= the number of clients "
-                         f"(K={num_clients})")
+        raise ValueError(
+            f"clients_per_round (m={m}) must be <= the number of clients (K={num_clients})"
+        )
     return m
 
 
@@ -44,6 +45,7 @@ def check_delta_max(delta_max: float, num_clients: int) -> float:
     mechanism that releases one client's data outright is (0, 1/K)-DP, so delta
     must stay well below 1/K; delta << 1/K is the usual rule)."""
     if delta_max >= 1.0 / num_clients:
-        raise ValueError(f"delta_max must be < 1/K = {1.0 / num_clients:g} (delta << 1/K), "
-                         f"got {delta_max:g}")
+        raise ValueError(
+            f"delta_max must be < 1/K = {1.0 / num_clients:g} (delta << 1/K), got {delta_max:g}"
+        )
     return delta_max

@@ -34,8 +34,13 @@ class PrivacyCallback(keras.callbacks.Callback):
         accountant call per lot costs about a millisecond.
     """
 
-    def __init__(self, target_epsilon: float | None = None, delta: float = 1e-5,
-                 accountant: str | None = None, log_every_batch: bool | None = None):
+    def __init__(
+        self,
+        target_epsilon: float | None = None,
+        delta: float = 1e-5,
+        accountant: str | None = None,
+        log_every_batch: bool | None = None,
+    ):
         super().__init__()
         self.accountant = AccountantKind.parse(accountant) if accountant else None
         self.budget = None
@@ -109,7 +114,9 @@ class PrivacyCallback(keras.callbacks.Callback):
         if self._budget_spent():
             self.model.stop_reason = "budget_spent"
             if (self.params or {}).get("verbose", 1):
-                print(f"privacy budget spent: epsilon = {self._epsilon():.4g} of "
-                      f"{self.budget.epsilon:g} at delta = {self.delta:g} "
-                      f"({self._kind().value}) after {self.model.lots_computed} lots; "
-                      "training stopped")
+                print(
+                    f"privacy budget spent: epsilon = {self._epsilon():.4g} of "
+                    f"{self.budget.epsilon:g} at delta = {self.delta:g} "
+                    f"({self._kind().value}) after {self.model.lots_computed} lots; "
+                    "training stopped"
+                )

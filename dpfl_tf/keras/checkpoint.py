@@ -61,8 +61,10 @@ class DPCheckpoint(keras.callbacks.Callback):
         from dpfl_tf.keras.model import DPModel
 
         if not isinstance(self.model, DPModel):
-            raise TypeError(f"DPCheckpoint checkpoints a DPModel (its lot counter and ledger), "
-                            f"got {type(self.model).__name__}")
+            raise TypeError(
+                f"DPCheckpoint checkpoints a DPModel (its lot counter and ledger), "
+                f"got {type(self.model).__name__}"
+            )
         if self._chief():
             os.makedirs(self.directory, exist_ok=True)
 
@@ -105,9 +107,14 @@ class DPCheckpoint(keras.callbacks.Callback):
 
     def _state(self, epoch: int, name: str) -> dict:
         ledger = self.model.privacy_ledger
-        return {"format": CHECKPOINT_FORMAT, "epoch": int(epoch),
-                "model": name, "lots_applied": self.model.lots_applied,
-                "ledger_count": ledger.count(), "ledger": ledger.entries}
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "epoch": int(epoch),
+            "model": name,
+            "lots_applied": self.model.lots_applied,
+            "ledger_count": ledger.count(),
+            "ledger": ledger.entries,
+        }
 
     # -- reading back ------------------------------------------------------------
     @staticmethod
@@ -134,19 +141,24 @@ class DPCheckpoint(keras.callbacks.Callback):
 
         state = DPCheckpoint.latest(directory)
         if state is None:
-            raise FileNotFoundError(f"no DPCheckpoint in {os.fspath(directory)!r} "
-                                    f"({STATE_FILE} is missing)")
+            raise FileNotFoundError(
+                f"no DPCheckpoint in {os.fspath(directory)!r} ({STATE_FILE} is missing)"
+            )
         path = os.path.join(os.fspath(directory), state["model"])
         try:
             model = keras.saving.load_model(path)
         except Exception as e:  # a truncated or overwritten .keras file
-            raise ValueError(f"{path} cannot be loaded ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''}); delete the "
-                             "checkpoint directory or use another one") from None
+            raise ValueError(
+                f"{path} cannot be loaded ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); delete the "
+                "checkpoint directory or use another one"
+            ) from None
         if not isinstance(model, DPModel):
             raise ValueError(f"{state['model']} does not hold a DPModel")
         if model.lots_applied != state["lots_applied"]:
-            raise ValueError(f"{state['model']} has {model.lots_applied} lots applied but "
-                             f"{STATE_FILE} records {state['lots_applied']}: the checkpoint "
-                             "is inconsistent")
+            raise ValueError(
+                f"{state['model']} has {model.lots_applied} lots applied but "
+                f"{STATE_FILE} records {state['lots_applied']}: the checkpoint "
+                "is inconsistent"
+            )
         return model, int(state["epoch"])

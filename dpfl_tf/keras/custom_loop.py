@@ -30,8 +30,12 @@ import keras
 import tensorflow as tf
 
 from dpfl_tf.keras.lot import LotStep
-from dpfl_tf.keras.mixing import (PROBE_HALF, probe_batch_mixing, refuse_batch_mixing_layers,
-                                  refuse_batch_mixing_loss)
+from dpfl_tf.keras.mixing import (
+    PROBE_HALF,
+    probe_batch_mixing,
+    refuse_batch_mixing_layers,
+    refuse_batch_mixing_loss,
+)
 from dpfl_tf.keras.model import _refuse_regularizers, _release_event, default_batch_size
 from dpfl_tf.keras.optimizers import DPOptimizer
 from dpfl_tf.keras.per_example import PerExampleGradients, _leaf_layers, default_loss_scale
@@ -47,6 +51,7 @@ LABEL = "dpsgd"  # the ledger label of DP-SGD lots (as `DPModel` records them)
 @dataclasses.dataclass
 class _Prepared:
     """What one (model, loss, optimizer settings, sampler) needs per lot."""
+
     model: object
     compiled: Callable
     event: dp_accounting.DpEvent
@@ -58,12 +63,21 @@ _PREPARED: "collections.OrderedDict[tuple, _Prepared]" = collections.OrderedDict
 _KEEP = 8
 
 
-def _prepared(model, loss, optimizer: DPOptimizer, sampler: LotSampler, batch_size,
-              fast_gradients: bool) -> _Prepared:
+def _prepared(
+    model, loss, optimizer: DPOptimizer, sampler: LotSampler, batch_size, fast_gradients: bool
+) -> _Prepared:
     """The lot step of these settings, made (and checked) once and reused."""
     variables = model.trainable_variables
-    key = (id(model), id(loss), id(optimizer), repr(optimizer._dp_config()), id(sampler),
-           batch_size, bool(fast_gradients), tuple(id(v) for v in variables))
+    key = (
+        id(model),
+        id(loss),
+        id(optimizer),
+        repr(optimizer._dp_config()),
+        id(sampler),
+        batch_size,
+        bool(fast_gradients),
+        tuple(id(v) for v in variables),
+    )
     if key in _PREPARED and _PREPARED[key].model is model:
         _PREPARED.move_to_end(key)
         return _PREPARED[key]
@@ -72,18 +86,25 @@ def _prepared(model, loss, optimizer: DPOptimizer, sampler: LotSampler, batch_si
     _refuse_regularizers(model)
     if not variables:
         raise ValueError("the model has no trainable variables")
-    layer_of = {id(v): layer.name for layer in _leaf_layers(model)
-                for v in layer.trainable_variables}
+    layer_of = {
+        id(v): layer.name for layer in _leaf_layers(model) for v in layer.trainable_variables
+    }
     groups, bounds = optimizer.clip_groups(variables, layer_of)
     sanitizer = optimizer.make_sanitizer(bounds)
-    per_example = PerExampleGradients(model, loss, fast=fast_gradients,
-                                      loss_scale=default_loss_scale(model))
+    per_example = PerExampleGradients(
+        model, loss, fast=fast_gradients, loss_scale=default_loss_scale(model)
+    )
     if batch_size is None:
         batch_size = default_batch_size(sampler, per_example.materialised_parameters())
-    lot = LotStep(variables, per_example, sanitizer, groups, batch_size=batch_size,
-                  expected_lot=sampler.lot_size)
-    compiled = tf.function(lambda x, y, mask, step: lot(x, y, mask, step)[0],
-                           reduce_retracing=True)
+    lot = LotStep(
+        variables,
+        per_example,
+        sanitizer,
+        groups,
+        batch_size=batch_size,
+        expected_lot=sampler.lot_size,
+    )
+    compiled = tf.function(lambda x, y, mask, step: lot(x, y, mask, step)[0], reduce_retracing=True)
     event = _release_event(sampler, sanitizer.effective_noise_multiplier(max(groups) + 1))
     _PREPARED[key] = _Prepared(model, compiled, event)
     while len(_PREPARED) > _KEEP:
@@ -91,9 +112,19 @@ def _prepared(model, loss, optimizer: DPOptimizer, sampler: LotSampler, batch_si
     return _PREPARED[key]
 
 
-def dp_gradients(model: keras.Model, loss, x, y, *, optimizer: DPOptimizer,
-                 sampler: LotSampler, ledger: PrivacyLedger, mask=None,
-                 batch_size: int | None = None, fast_gradients: bool = True) -> list:
+def dp_gradients(
+    model: keras.Model,
+    loss,
+    x,
+    y,
+    *,
+    optimizer: DPOptimizer,
+    sampler: LotSampler,
+    ledger: PrivacyLedger,
+    mask=None,
+    batch_size: int | None = None,
+    fast_gradients: bool = True,
+) -> list:
     """The DP-SGD gradient of one lot, (sum_i clip(grad_i) + noise) / L, aligned
     with ``model.trainable_variables``; the lot is recorded in `ledger`.
 
@@ -122,19 +153,23 @@ def dp_gradients(model: keras.Model, loss, x, y, *, optimizer: DPOptimizer,
         raise RuntimeError(
             "dp_gradients must be called eagerly (not inside tf.function): it records each "
             "lot in the Python ledger; call it from a Python loop, or compile the model "
-            "with run_eagerly=True (it compiles its own computation)")
+            "with run_eagerly=True (it compiles its own computation)"
+        )
     if not isinstance(optimizer, DPOptimizer):
-        raise TypeError(f"optimizer must be a DPOptimizer (e.g. DPSGD), got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a DPOptimizer (e.g. DPSGD), got {type(optimizer).__name__}"
+        )
     if not isinstance(sampler, LotSampler):
-        raise TypeError(f"sampler must be the LotSampler that drew the lot, got "
-                        f"{type(sampler).__name__}")
+        raise TypeError(
+            f"sampler must be the LotSampler that drew the lot, got {type(sampler).__name__}"
+        )
     if not isinstance(ledger, PrivacyLedger):
         raise TypeError(f"ledger must be a PrivacyLedger, got {type(ledger).__name__}")
     if sampler.sampling is SamplingMethod.SHUFFLE:
         raise ValueError(
             "sampler.sampling='shuffle' is accounted per epoch, not per lot: use "
-            "'poisson', 'fixed_size' or 'full_batch' with dp_gradients, or DPModel.fit")
+            "'poisson', 'fixed_size' or 'full_batch' with dp_gradients, or DPModel.fit"
+        )
     prepared = _prepared(model, loss, optimizer, sampler, batch_size, fast_gradients)
     event = ledger.admit(prepared.event)
     if ledger.budget is not None and ledger.would_exceed(event):
@@ -142,14 +177,16 @@ def dp_gradients(model: keras.Model, loss, x, y, *, optimizer: DPOptimizer,
         raise BudgetExceededError(
             f"the ledger's budget (epsilon={b.epsilon:g}, delta={b.delta:g}, "
             f"{b.accountant.value}) allows no further lot; spent so far "
-            f"epsilon={ledger.epsilon(b.delta, b.accountant):.4g} (nothing was computed)")
+            f"epsilon={ledger.epsilon(b.delta, b.accountant):.4g} (nothing was computed)"
+        )
     x = tf.nest.map_structure(tf.convert_to_tensor, x)
     y = tf.convert_to_tensor(y)
     mask = tf.ones(tf.shape(y)[:1]) if mask is None else tf.cast(mask, tf.float32)
     if not prepared.probed:
-        real = tf.where(mask > 0)[:, 0][:2 * PROBE_HALF]
-        probe_batch_mixing(model, loss, tf.nest.map_structure(lambda t: tf.gather(t, real), x),
-                           tf.gather(y, real))
+        real = tf.where(mask > 0)[:, 0][: 2 * PROBE_HALF]
+        probe_batch_mixing(
+            model, loss, tf.nest.map_structure(lambda t: tf.gather(t, real), x), tf.gather(y, real)
+        )
         prepared.probed = int(tf.size(real)) >= 2  # else at the next lot
     step = tf.constant(ledger.count(LABEL), tf.int64)
     grads = prepared.compiled(x, y, mask, step)

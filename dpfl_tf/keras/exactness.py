@@ -23,12 +23,20 @@ import tensorflow as tf
 
 from dpfl_tf.keras.per_example import PerExampleGradients, per_example_loss, plan_layers
 
-__all__ = ["Report", "compare", "fit_error", "fit_once", "noiseless_step", "plan",
-           "reference_gradients", "relative_change"]
+__all__ = [
+    "Report",
+    "compare",
+    "fit_error",
+    "fit_once",
+    "noiseless_step",
+    "plan",
+    "reference_gradients",
+    "relative_change",
+]
 
 
 def _row(x, i):
-    return tf.nest.map_structure(lambda t: tf.convert_to_tensor(t)[i:i + 1], x)
+    return tf.nest.map_structure(lambda t: tf.convert_to_tensor(t)[i : i + 1], x)
 
 
 def _call(model, x):
@@ -38,16 +46,19 @@ def _call(model, x):
 def reference_gradients(model, x, y, loss_fn) -> list:
     """Per-example gradients, a list per example of one array per variable
     (float64), from one GradientTape per example."""
-    _call(model, _row(x, 0))   # builds a subclassed model's variables
+    _call(model, _row(x, 0))  # builds a subclassed model's variables
     variables = model.trainable_variables
     out = []
     for i in range(len(y)):
         with tf.GradientTape() as tape:
-            li = tf.reduce_sum(per_example_loss(loss_fn, y[i:i + 1], _call(model, _row(x, i))))
+            li = tf.reduce_sum(per_example_loss(loss_fn, y[i : i + 1], _call(model, _row(x, i))))
         grads = tape.gradient(li, variables)
-        out.append([np.zeros(v.shape) if g is None
-                    else np.asarray(tf.convert_to_tensor(g), np.float64)
-                    for g, v in zip(grads, variables)])
+        out.append(
+            [
+                np.zeros(v.shape) if g is None else np.asarray(tf.convert_to_tensor(g), np.float64)
+                for g, v in zip(grads, variables)
+            ]
+        )
     return out
 
 
@@ -56,13 +67,21 @@ def plan(model, per_example: PerExampleGradients | None = None) -> list:
     layers moved to the whole-model Jacobian (weight used elsewhere) and the
     variables no layer rule covers."""
     excluded = per_example.excluded_layers if per_example is not None else ()
-    rows = [(layer.path, type(layer).__name__, type(rule).__name__)
-            for layer, rule in plan_layers(model, frozenset(id(e) for e in excluded)).values()]
+    rows = [
+        (layer.path, type(layer).__name__, type(rule).__name__)
+        for layer, rule in plan_layers(model, frozenset(id(e) for e in excluded)).values()
+    ]
     rows += [(layer.path, type(layer).__name__, "whole-model Jacobian") for layer in excluded]
-    planned = {id(v) for layer, _ in plan_layers(
-        model, frozenset(id(e) for e in excluded)).values() for v in layer.trainable_variables}
-    rows += [(v.path, "variable", "whole-model Jacobian") for v in model.trainable_variables
-             if id(v) not in planned]
+    planned = {
+        id(v)
+        for layer, _ in plan_layers(model, frozenset(id(e) for e in excluded)).values()
+        for v in layer.trainable_variables
+    }
+    rows += [
+        (v.path, "variable", "whole-model Jacobian")
+        for v in model.trainable_variables
+        if id(v) not in planned
+    ]
     return rows
 
 
@@ -72,6 +91,7 @@ class Report:
     `norm_error` max_i | ||g_i|| - ||r_i|| | / ||r_i||; `sum_error` and
     `clipped_error` ||S - R|| / ||R|| of the summed and clipped-sum gradients
     (all variables together); `error` the largest of the three."""
+
     norm_error: float
     sum_error: float
     clipped_error: float
@@ -84,7 +104,7 @@ class Report:
 
 
 def _fast(per_example, x, y, clip):
-    norms = []   # the squared norms per variable, as the clipping rule sees them
+    norms = []  # the squared norms per variable, as the clipping rule sees them
 
     def factors(sq):
         norms.extend(np.asarray(s, np.float64) for s in sq)
@@ -99,7 +119,7 @@ def _fast(per_example, x, y, clip):
 
 def _relative(a: list, b: list) -> float:
     diff = np.sqrt(sum(np.sum((p - q) ** 2) for p, q in zip(a, b)))
-    ref = np.sqrt(sum(np.sum(q ** 2) for q in b))
+    ref = np.sqrt(sum(np.sum(q**2) for q in b))
     return float(diff / ref) if ref > 0 else float(diff)
 
 
@@ -109,7 +129,7 @@ def compare(model, x, y, loss_fn, clip: float | None = None, **kwargs) -> Report
     reference norm (about half the examples clipped)."""
     y = np.asarray(y)
     ref = reference_gradients(model, x, y, loss_fn)
-    ref_norms = np.array([np.sqrt(sum(np.sum(g ** 2) for g in r)) for r in ref])
+    ref_norms = np.array([np.sqrt(sum(np.sum(g**2) for g in r)) for r in ref])
     if clip is None:
         clip = float(np.median(ref_norms)) or 1.0
     per_example = PerExampleGradients(model, loss_fn, **kwargs)
@@ -120,8 +140,9 @@ def compare(model, x, y, loss_fn, clip: float | None = None, **kwargs) -> Report
     clipped, _ = _fast(per_example, x, y, clip)
     factors = np.minimum(1.0, clip / np.maximum(ref_norms, 1e-30))
     expected = [sum(f * r[j] for f, r in zip(factors, ref)) for j in range(len(sums))]
-    return Report(norm_error, sum_error, _relative(clipped, expected), clip,
-                  plan(model, per_example))
+    return Report(
+        norm_error, sum_error, _relative(clipped, expected), clip, plan(model, per_example)
+    )
 
 
 def noiseless_step(model, x, y, loss_fn, clip: float | None = None) -> tuple:
@@ -133,28 +154,39 @@ def noiseless_step(model, x, y, loss_fn, clip: float | None = None) -> tuple:
     y = np.asarray(y)
     n = len(y)
     ref = reference_gradients(model, x, y, loss_fn)
-    norms = np.array([np.sqrt(sum(np.sum(g ** 2) for g in r)) for r in ref])
+    norms = np.array([np.sqrt(sum(np.sum(g**2) for g in r)) for r in ref])
     if clip is None:
         clip = float(np.median(norms)) or 1.0
     factors = np.minimum(1.0, clip / np.maximum(norms, 1e-30))
     step = [sum(f * r[j] for f, r in zip(factors, ref)) / n for j in range(len(ref[0]))]
-    weights = np.sqrt(sum(np.sum(np.asarray(w, np.float64) ** 2)
-                          for w in model.trainable_variables))
-    size = np.sqrt(sum(np.sum(s ** 2) for s in step))
+    weights = np.sqrt(
+        sum(np.sum(np.asarray(w, np.float64) ** 2) for w in model.trainable_variables)
+    )
+    size = np.sqrt(sum(np.sum(s**2) for s in step))
     learning_rate = float(weights / size) if size and weights else 1.0
     return [-learning_rate * s for s in step], clip, learning_rate
 
 
-def fit_once(dp, x, y, loss_fn, clip: float, learning_rate: float,
-             batch_size: int | None = None, **compile_kwargs):
+def fit_once(
+    dp,
+    x,
+    y,
+    loss_fn,
+    clip: float,
+    learning_rate: float,
+    batch_size: int | None = None,
+    **compile_kwargs,
+):
     """Compiles the `DPModel` dp with a noiseless `DPSGD` and fits one lot over
     all of (x, y) (``sampling="full_batch"``); returns dp."""
     from dpfl_tf.keras.optimizers import DPSGD
 
-    dp.compile(optimizer=DPSGD(learning_rate, l2_norm_clip=clip, noise_multiplier=0.0),
-               loss=loss_fn, **compile_kwargs)
-    dp.fit(x, y, lot_size=len(y), batch_size=batch_size, epochs=1, sampling="full_batch",
-           verbose=0)
+    dp.compile(
+        optimizer=DPSGD(learning_rate, l2_norm_clip=clip, noise_multiplier=0.0),
+        loss=loss_fn,
+        **compile_kwargs,
+    )
+    dp.fit(x, y, lot_size=len(y), batch_size=batch_size, epochs=1, sampling="full_batch", verbose=0)
     return dp
 
 

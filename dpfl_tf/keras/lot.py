@@ -48,10 +48,18 @@ class LotStep:
         with the kept examples' weights; None computes no statistics.
     """
 
-    def __init__(self, variables, per_example: PerExampleGradients,
-                 sanitizer: GaussianSanitizer, groups, *, batch_size: int,
-                 expected_lot: float, pad_to_batch: bool = False,
-                 update_metrics: Callable | None = None):
+    def __init__(
+        self,
+        variables,
+        per_example: PerExampleGradients,
+        sanitizer: GaussianSanitizer,
+        groups,
+        *,
+        batch_size: int,
+        expected_lot: float,
+        pad_to_batch: bool = False,
+        update_metrics: Callable | None = None,
+    ):
         self.variables = list(variables)
         self.per_example = per_example
         self.sanitizer = sanitizer
@@ -95,16 +103,21 @@ class LotStep:
         """The batch's clipped sum recomputed one example at a time (no
         example's values can reach another's gradient), and the examples
         dropped."""
+
         def one(i):
             sums, _, _, dropped = self.clip_batch(
-                tf.nest.map_structure(lambda t: _rows(t, i, 1), xb), _rows(yb, i, 1),
-                _rows(mb, i, 1))
+                tf.nest.map_structure(lambda t: _rows(t, i, 1), xb),
+                _rows(yb, i, 1),
+                _rows(mb, i, 1),
+            )
             return sums + [tf.cast(dropped[0], tf.int64)]
 
         spec = [tf.TensorSpec(v.shape, v.dtype) for v in self.variables] + [
-            tf.TensorSpec([], tf.int64)]
-        out = tf.map_fn(one, tf.range(tf.shape(mb)[0]), fn_output_signature=spec,
-                        parallel_iterations=1)
+            tf.TensorSpec([], tf.int64)
+        ]
+        out = tf.map_fn(
+            one, tf.range(tf.shape(mb)[0]), fn_output_signature=spec, parallel_iterations=1
+        )
         return [tf.reduce_sum(t, axis=0) for t in out[:-1]], tf.reduce_sum(out[-1])
 
     @property
@@ -159,11 +172,15 @@ class LotStep:
         user-level lots, whose users must not be split), else a loop."""
         n = tf.shape(mask)[0]
         one_batch = self.segments is not None or (
-            mask.shape[0] is not None and mask.shape[0] <= self.batch_size)
+            mask.shape[0] is not None and mask.shape[0] <= self.batch_size
+        )
         if one_batch:
             return self.clip_physical_batch(x, y, mask, gate)
-        return tf.cond(n <= self.batch_size, lambda: self.clip_physical_batch(x, y, mask, gate),
-                       lambda: self.sum_physical_batches(x, y, mask, gate))
+        return tf.cond(
+            n <= self.batch_size,
+            lambda: self.clip_physical_batch(x, y, mask, gate),
+            lambda: self.sum_physical_batches(x, y, mask, gate),
+        )
 
     def sum_physical_batches(self, x, y, mask, gate=None):
         """The loop over physical batches (under XLA every slice padded to the
@@ -183,16 +200,25 @@ class LotStep:
             size = bsz if self.pad_to_batch else tf.minimum(bsz, n - start)
             sums, b_loss, b_count, n_bad = self.clip_physical_batch(
                 tf.nest.map_structure(lambda t: _rows(t, start, size), x),
-                _rows(y, start, size), _rows(mask, start, size), gate)
-            return (i + 1, [a + s for a, s in zip(acc, sums)], loss_sum + b_loss,
-                    count + b_count, dropped + n_bad)
+                _rows(y, start, size),
+                _rows(mask, start, size),
+                gate,
+            )
+            return (
+                i + 1,
+                [a + s for a, s in zip(acc, sums)],
+                loss_sum + b_loss,
+                count + b_count,
+                dropped + n_bad,
+            )
 
         acc0 = [tf.zeros(v.shape, v.dtype) for v in self.variables]
         _, *out = tf.while_loop(
-            lambda i, *_: i < (n + bsz - 1) // bsz, body,
-            (tf.constant(0), acc0, tf.constant(0.0), tf.constant(0.0),
-             tf.constant(0, tf.int64)),
-            parallel_iterations=1)
+            lambda i, *_: i < (n + bsz - 1) // bsz,
+            body,
+            (tf.constant(0), acc0, tf.constant(0.0), tf.constant(0.0), tf.constant(0, tf.int64)),
+            parallel_iterations=1,
+        )
         return tuple(out)
 
     def add_noise(self, clipped_sum, step):

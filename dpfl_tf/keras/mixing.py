@@ -40,11 +40,17 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["BatchMixingLayerError", "BatchMixingLossError", "refuse_batch_mixing_layers",
-           "refuse_batch_mixing_loss", "probe_batch_mixing", "PROBE_HALF"]
+__all__ = [
+    "BatchMixingLayerError",
+    "BatchMixingLossError",
+    "refuse_batch_mixing_layers",
+    "refuse_batch_mixing_loss",
+    "probe_batch_mixing",
+    "PROBE_HALF",
+]
 
-PROBE_HALF = 8          # h: the probe runs 2h examples
-PROBE_RTOL = 1e-4       # relative change of a loss (or a layer's output) that counts
+PROBE_HALF = 8  # h: the probe runs 2h examples
+PROBE_RTOL = 1e-4  # relative change of a loss (or a layer's output) that counts
 
 
 class BatchMixingLayerError(ValueError):
@@ -70,12 +76,16 @@ def _axes(axis) -> tuple:
     return tuple(axis) if isinstance(axis, (list, tuple)) else (axis,)
 
 
-_AXIS_LAYERS = (keras.layers.Softmax, keras.layers.LayerNormalization,
-                keras.layers.UnitNormalization, keras.layers.GroupNormalization,
-                *([keras.layers.RMSNormalization] if hasattr(keras.layers, "RMSNormalization")
-                  else []))
-_MIXING_AUGMENTATIONS = tuple(getattr(keras.layers, n) for n in ("MixUp", "CutMix")
-                              if hasattr(keras.layers, n))
+_AXIS_LAYERS = (
+    keras.layers.Softmax,
+    keras.layers.LayerNormalization,
+    keras.layers.UnitNormalization,
+    keras.layers.GroupNormalization,
+    *([keras.layers.RMSNormalization] if hasattr(keras.layers, "RMSNormalization") else []),
+)
+_MIXING_AUGMENTATIONS = tuple(
+    getattr(keras.layers, n) for n in ("MixUp", "CutMix") if hasattr(keras.layers, n)
+)
 
 
 def refuse_batch_mixing_layers(model: keras.Model) -> None:
@@ -90,16 +100,19 @@ def refuse_batch_mixing_layers(model: keras.Model) -> None:
                 f"layer {layer.name!r} is BatchNormalization in training mode: it normalises "
                 "with statistics of the whole batch, so one example's output depends on the "
                 "others and per-example clipping does not bound its influence. Use "
-                "LayerNormalization or GroupNormalization, or freeze it (trainable=False).")
+                "LayerNormalization or GroupNormalization, or freeze it (trainable=False)."
+            )
         if isinstance(layer, _MIXING_AUGMENTATIONS):
             raise BatchMixingLayerError(
                 f"{name} blends each example with another of the batch, {_WHY}; remove it "
                 "(augment each example on its own, e.g. fit(preprocess=...) with random "
-                "flips and crops)")
+                "flips and crops)"
+            )
         if isinstance(layer, _AXIS_LAYERS) and 0 in _axes(layer.axis):
             raise BatchMixingLayerError(
                 f"{name} has axis={layer.axis!r}, which includes the batch axis 0, {_WHY}; "
-                "use the example's own axes (e.g. axis=-1)")
+                "use the example's own axes (e.g. axis=-1)"
+            )
 
 
 def refuse_batch_mixing_loss(loss_fn) -> None:
@@ -114,7 +127,8 @@ def refuse_batch_mixing_loss(loss_fn) -> None:
         raise BatchMixingLossError(
             f"loss {name!r} (Circle) compares each example's embedding with every other "
             f"example of the batch, {_WHY}; use a per-example loss (e.g. a classification "
-            "loss on the embeddings)")
+            "loss on the embeddings)"
+        )
     reduces_all = fn in (keras.losses.dice, keras.losses.tversky)
     if "axis" in kwargs or reduces_all:
         axis = kwargs.get("axis")
@@ -122,11 +136,13 @@ def refuse_batch_mixing_loss(loss_fn) -> None:
             raise BatchMixingLossError(
                 f"loss {name!r} has axis={axis!r}, which reduces over the batch axis 0, "
                 f"{_WHY}; pass axis= the example's own axes (e.g. axis=(1, 2, 3) for "
-                "images)")
+                "images)"
+            )
 
 
 # ---------------------------------------------------------------------------
 # The probe
+
 
 @contextlib.contextmanager
 def _same_randomness(model):
@@ -187,9 +203,13 @@ def _recording(model, calls: list):
 def _first_rows_close(a, b, h: int) -> bool:
     """Whether rows [:h] of two tensors (batch 2h) agree to `PROBE_RTOL`; other
     values (not a tensor of this batch) count as agreeing."""
-    if not (isinstance(a, tf.Tensor) and isinstance(b, tf.Tensor)) or a.shape != b.shape \
-            or a.shape.rank == 0 or a.shape[0] != 2 * h or not (a.dtype.is_floating
-                                                                or a.dtype.is_integer):
+    if (
+        not (isinstance(a, tf.Tensor) and isinstance(b, tf.Tensor))
+        or a.shape != b.shape
+        or a.shape.rank == 0
+        or a.shape[0] != 2 * h
+        or not (a.dtype.is_floating or a.dtype.is_integer)
+    ):
         return True
     a, b = a[:h].numpy().astype(np.float64), b[:h].numpy().astype(np.float64)
     scale = max(1.0, float(np.nanmax(np.abs(a), initial=0.0)))
@@ -200,7 +220,8 @@ def _culprit(calls_a, calls_b, h: int):
     """The first layer call whose inputs agree on rows [:h] and whose outputs do not."""
     for (layer, ins_a, outs_a), (_, ins_b, outs_b) in zip(calls_a, calls_b):
         if all(_first_rows_close(p, q, h) for p, q in zip(ins_a, ins_b)) and not all(
-                _first_rows_close(p, q, h) for p, q in zip(outs_a, outs_b)):
+            _first_rows_close(p, q, h) for p, q in zip(outs_a, outs_b)
+        ):
             return layer
     return None
 
@@ -218,9 +239,9 @@ def probe_batch_mixing(model, loss_fn, x, y, loss_name: str = "the loss") -> Non
     h = n // 2
     if h < 1:
         return
-    take = (lambda t: tf.convert_to_tensor(t)[:2 * h])
+    take = lambda t: tf.convert_to_tensor(t)[: 2 * h]
     x, y = tf.nest.map_structure(take, x), take(y)
-    twice = (lambda t: tf.concat([t[:h], t[:h]], axis=0))
+    twice = lambda t: tf.concat([t[:h], t[:h]], axis=0)
     x_b, y_b = tf.nest.map_structure(twice, x), twice(y)
 
     def run(xs, ys):
@@ -239,25 +260,32 @@ def probe_batch_mixing(model, loss_fn, x, y, loss_name: str = "the loss") -> Non
         rerun()
         _, _, losses_again = run(x, y)
     if not _first_rows_close(losses_a, losses_again, h) or not np.array_equal(
-            np.isfinite(losses_a.numpy()), np.isfinite(losses_again.numpy())):
+        np.isfinite(losses_a.numpy()), np.isfinite(losses_again.numpy())
+    ):
         warnings.warn(
             "the cross-example dependence probe could not check this model: two identical "
             "training forwards gave different losses (randomness outside Keras seed "
             "generators?); make sure each example's loss depends on that example alone",
-            RuntimeWarning, stacklevel=3)
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return
     layer = _culprit(calls_a, calls_b, h)
     if layer is not None:
         raise BatchMixingLayerError(
             f"layer {layer.name!r} ({type(layer).__name__}) makes one example's output depend "
             f"on the other examples of the batch, {_WHY}: nothing was trained; compute each "
-            "example's output from that example alone (no reduction over axis 0)")
-    if all(_first_rows_close(p, q, h) for p, q in zip(tf.nest.flatten(pred_a),
-                                                       tf.nest.flatten(pred_b))):
+            "example's output from that example alone (no reduction over axis 0)"
+        )
+    if all(
+        _first_rows_close(p, q, h) for p, q in zip(tf.nest.flatten(pred_a), tf.nest.flatten(pred_b))
+    ):
         raise BatchMixingLossError(
             f"{loss_name} makes one example's loss depend on the other examples of the batch, "
-            f"{_WHY}: nothing was trained; use a loss computed from each example alone")
+            f"{_WHY}: nothing was trained; use a loss computed from each example alone"
+        )
     raise BatchMixingLayerError(
         f"model {model.name!r} makes one example's output depend on the other examples of "
         f"the batch (in its own call, between layers), {_WHY}: nothing was trained; compute "
-        "each example's output from that example alone (no reduction over axis 0)")
+        "each example's output from that example alone (no reduction over axis 0)"
+    )

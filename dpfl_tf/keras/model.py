@@ -44,19 +44,31 @@ import numpy as np
 import tensorflow as tf
 
 from dpfl_tf._validation import check_count, check_number
+from dpfl_tf.keras.lot import LotStep
+from dpfl_tf.keras.mixing import (
+    PROBE_HALF,
+    probe_batch_mixing,
+    refuse_batch_mixing_layers,
+    refuse_batch_mixing_loss,
+)
 from dpfl_tf.keras.multiworker import is_multi_worker, lot_shares
 from dpfl_tf.keras.optimizers import DPOptimizer
-from dpfl_tf.keras.lot import LotStep
-from dpfl_tf.keras.mixing import (PROBE_HALF, probe_batch_mixing, refuse_batch_mixing_layers,
-                                  refuse_batch_mixing_loss)
 from dpfl_tf.keras.per_example import PerExampleGradients, _leaf_layers, default_loss_scale
 from dpfl_tf.keras.sampling import LotSampler
 from dpfl_tf.keras.sources import SourceError, make_reader
-from dpfl_tf.keras.users import (USER_LEVEL_LABEL, PerUserGradients, refuse_mixed_units,
-                                 rerun_user_by_user, user_level_sampler)
+from dpfl_tf.keras.users import (
+    USER_LEVEL_LABEL,
+    PerUserGradients,
+    refuse_mixed_units,
+    user_level_sampler,
+)
 from dpfl_tf.privacy.accountants import compute_epsilon
-from dpfl_tf.privacy.events import (SamplingMethod, describe_event, gaussian_step_event,
-                                    shuffle_epoch_event)
+from dpfl_tf.privacy.events import (
+    SamplingMethod,
+    describe_event,
+    gaussian_step_event,
+    shuffle_epoch_event,
+)
 from dpfl_tf.privacy.ledger import BudgetExceededError, PrivacyBudget, PrivacyLedger
 from dpfl_tf.sanitizer import GaussianSanitizer
 
@@ -66,7 +78,7 @@ _NO_LIMIT = np.iinfo(np.int64).max
 PROBE_LOTS = 4  # lots read at most for the cross-example probe's 2h examples
 XLA_PAD = 64  # under XLA, lots are padded to a multiple of 64 examples (few shapes to compile)
 MAX_DEFAULT_BATCH = 1024
-MATERIALISED_BYTES = 2 ** 30  # default physical batch: at most 1 GiB of per-example gradients
+MATERIALISED_BYTES = 2**30  # default physical batch: at most 1 GiB of per-example gradients
 
 
 AUTO_CALLS_PER_EPOCH = 10  # "auto" steps_per_execution: at least this many calls an epoch
@@ -86,8 +98,7 @@ def auto_steps_per_execution(lots_per_epoch: int, *, distributed: bool = False) 
     return max(d for d in range(1, cap + 1) if lots_per_epoch % d == 0)
 
 
-def default_batch_size(sampler: LotSampler, materialised_parameters: int,
-                       multiple: int = 8) -> int:
+def default_batch_size(sampler: LotSampler, materialised_parameters: int, multiple: int = 8) -> int:
     """The default physical batch: the whole lot in one pass when memory allows.
 
     A Poisson lot has L +- sqrt(L (1 - q)) examples; L + 5 standard deviations
@@ -117,9 +128,16 @@ class DPModel(keras.Model):
       ledger: a `PrivacyLedger` (or its dict) to continue from.
     """
 
-    def __init__(self, model: keras.Model, *, accountant: str = "moments",
-                 fast_gradients: bool = True, ledger: PrivacyLedger | dict | None = None,
-                 recorded_lots: int = 0, **kwargs):
+    def __init__(
+        self,
+        model: keras.Model,
+        *,
+        accountant: str = "moments",
+        fast_gradients: bool = True,
+        ledger: PrivacyLedger | dict | None = None,
+        recorded_lots: int = 0,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         if not isinstance(model, keras.layers.Layer):
             raise TypeError(f"model must be a Keras model, got {type(model).__name__}")
@@ -128,20 +146,21 @@ class DPModel(keras.Model):
         if isinstance(ledger, dict):
             ledger = PrivacyLedger.from_dict(ledger)
         self.ledger = ledger if ledger is not None else PrivacyLedger(accountant)
-        self._lots_applied = self.add_weight(shape=(), dtype="int64", initializer="zeros",
-                                             trainable=False, name="dp_lots_applied")
+        self._lots_applied = self.add_weight(
+            shape=(), dtype="int64", initializer="zeros", trainable=False, name="dp_lots_applied"
+        )
         self._recorded_lots = int(recorded_lots)
         # monotonic counters outside the weights (see module docstring)
         self._counters = _Counters(self._recorded_lots)
         self._lot_limits: dict[str, int | None] = {}
-        self._step_event = None       # event of one lot with the current fit settings
-        self._epoch_event = None      # shuffle sampling: one Gaussian per epoch
+        self._step_event = None  # event of one lot with the current fit settings
+        self._epoch_event = None  # shuffle sampling: one Gaussian per epoch
         self._lots_per_epoch = None
         self._fit_start_lots = 0
         self._recorded_epochs = 0
         self._dp_loss = None
         self._sanitizer = None
-        self._correlated = None       # a correlated-noise run (DPOptimizer(correlated_noise=))
+        self._correlated = None  # a correlated-noise run (DPOptimizer(correlated_noise=))
         self._groups = None
         self._batch_size = None
         self._expected_lot = None
@@ -149,7 +168,7 @@ class DPModel(keras.Model):
         self._log_metrics = True
         self._ledger_label = "dpsgd"  # user-level lots: users.USER_LEVEL_LABEL
         self.stop_reason = None
-        self.calibration = None       # the last fit's noise calibration (dict), if any
+        self.calibration = None  # the last fit's noise calibration (dict), if any
 
     # -- Keras plumbing -------------------------------------------------------
     def call(self, inputs, training=None):
@@ -174,12 +193,14 @@ class DPModel(keras.Model):
             raise TypeError(
                 "pass the DP optimizer itself, not a LossScaleOptimizer: under a mixed "
                 "precision policy DPModel scales the per-example losses itself and clips, "
-                "noises and applies float32 gradients")
+                "noises and applies float32 gradients"
+            )
         if not isinstance(optimizer, DPOptimizer):
             raise TypeError(
                 "DPModel must be compiled with a DP optimizer (dpfl_tf.keras.DPSGD, DPAdam or "
                 f"DPOptimizer(inner, ...)); got {type(optimizer).__name__}: a plain optimizer "
-                "would train without privacy")
+                "would train without privacy"
+            )
         if loss is None:
             raise ValueError("DPModel.compile needs a loss (one value per example)")
         refuse_batch_mixing_layers(self.model)
@@ -194,10 +215,10 @@ class DPModel(keras.Model):
         # `default_loss_scale`), so norms, clipping and noise see true gradients
         kwargs["auto_scale_loss"] = False
         if steps_per_execution != "auto":
-            steps_per_execution = check_count("steps_per_execution", steps_per_execution,
-                                              minimum=1)
-        super().compile(optimizer=optimizer, loss=loss, steps_per_execution=steps_per_execution,
-                        **kwargs)
+            steps_per_execution = check_count("steps_per_execution", steps_per_execution, minimum=1)
+        super().compile(
+            optimizer=optimizer, loss=loss, steps_per_execution=steps_per_execution, **kwargs
+        )
         # "auto" stays in the compile config (a loaded model compiles with it again);
         # the value in force is set by each fit (`_prepare`), 1 until then
         self._auto_steps = steps_per_execution == "auto"
@@ -253,11 +274,13 @@ class DPModel(keras.Model):
             raise RuntimeError(
                 f"{pending} lots were applied (restored from weights) but the privacy "
                 "settings that produced them are unknown here; call fit() with the same "
-                "settings to resume, or load the full model (.keras) which keeps its ledger")
+                "settings to resume, or load the full model (.keras) which keeps its ledger"
+            )
         if self._epoch_event is not None:  # shuffle: one Gaussian per epoch touched
             epochs = math.ceil((computed - self._fit_start_lots) / self._lots_per_epoch)
-            self.ledger.record(self._epoch_event, epochs - self._recorded_epochs,
-                               label=self._ledger_label)
+            self.ledger.record(
+                self._epoch_event, epochs - self._recorded_epochs, label=self._ledger_label
+            )
             self._recorded_epochs = epochs
         else:
             self.ledger.record(self._step_event, pending, label=self._ledger_label)
@@ -274,13 +297,29 @@ class DPModel(keras.Model):
         self._counters.set_limit(min(limits) if limits else _NO_LIMIT)
 
     # -- training -----------------------------------------------------------
-    def fit(self, x=None, y=None, *, lot_size: int, batch_size: int | None = None,
-            epochs: int = 1, sampling: SamplingMethod | str = SamplingMethod.POISSON,
-            target_epsilon: float | None = None, target_delta: float = 1e-5,
-            accountant: str | None = None, verbose="auto", callbacks=None,
-            validation_data=None, initial_epoch: int = 0, preprocess=None,
-            sampling_seed: int | None = None, log_train_metrics: bool = True,
-            user_ids=None, max_examples_per_user: int | None = None, **kwargs):
+    def fit(
+        self,
+        x=None,
+        y=None,
+        *,
+        lot_size: int,
+        batch_size: int | None = None,
+        epochs: int = 1,
+        sampling: SamplingMethod | str = SamplingMethod.POISSON,
+        target_epsilon: float | None = None,
+        target_delta: float = 1e-5,
+        accountant: str | None = None,
+        verbose="auto",
+        callbacks=None,
+        validation_data=None,
+        initial_epoch: int = 0,
+        preprocess=None,
+        sampling_seed: int | None = None,
+        log_train_metrics: bool = True,
+        user_ids=None,
+        max_examples_per_user: int | None = None,
+        **kwargs,
+    ):
         """DP-SGD training on arrays or a random-access source.
 
         Args:
@@ -321,11 +360,18 @@ class DPModel(keras.Model):
         Examples whose gradient is NaN or inf are dropped (zeroed; the lot is
         applied and counted) and counted in `dropped_examples`, with a warning.
         """
-        for name in ("validation_split", "sample_weight", "class_weight", "shuffle",
-                     "steps_per_epoch", "validation_steps"):
+        for name in (
+            "validation_split",
+            "sample_weight",
+            "class_weight",
+            "shuffle",
+            "steps_per_epoch",
+            "validation_steps",
+        ):
             if kwargs.pop(name, None) is not None:
-                raise ValueError(f"DPModel.fit does not support {name}: lots are sampled by "
-                                 "the DP sampler")
+                raise ValueError(
+                    f"DPModel.fit does not support {name}: lots are sampled by the DP sampler"
+                )
         if kwargs:
             raise TypeError(f"DPModel.fit got unexpected arguments {sorted(kwargs)}")
         if self.optimizer is None or self._dp_loss is None:
@@ -336,42 +382,61 @@ class DPModel(keras.Model):
         first_lot = max(self.lots_computed, self.lots_applied)
         if user_ids is None and max_examples_per_user is None:
             refuse_mixed_units(self.ledger, user_level=False)
-            sampler = LotSampler(reader.size, lot_size, sampling, seed=sampling_seed,
-                                 secure_mode=optimizer.secure_mode, first_lot=first_lot,
-                                 cycle_length=_cycle_length(optimizer, sampling))
+            sampler = LotSampler(
+                reader.size,
+                lot_size,
+                sampling,
+                seed=sampling_seed,
+                secure_mode=optimizer.secure_mode,
+                first_lot=first_lot,
+                cycle_length=_cycle_length(optimizer, sampling),
+            )
         else:  # user-level DP-SGD
             if getattr(optimizer, "correlated_noise", None) is not None:
                 raise ValueError(
                     "user_ids: user-level DP-SGD with correlated_noise="
                     f"{optimizer.correlated_noise!r} is not supported (the correlated "
                     "mechanism's participation is declared per example); use a DP optimizer "
-                    "without correlated_noise")
+                    "without correlated_noise"
+                )
             sampler = user_level_sampler(
-                self, reader.size, lot_size, sampling=sampling, batch_size=batch_size,
-                user_ids=user_ids, max_examples_per_user=max_examples_per_user,
-                seed=sampling_seed, first_lot=first_lot)
+                self,
+                reader.size,
+                lot_size,
+                sampling=sampling,
+                batch_size=batch_size,
+                user_ids=user_ids,
+                max_examples_per_user=max_examples_per_user,
+                seed=sampling_seed,
+                first_lot=first_lot,
+            )
             batch_size = sampler.batch_size
         if batch_size is not None:
             batch_size = check_count("batch_size", batch_size, minimum=1)
         check_count("epochs", epochs, minimum=1)
-        target_delta = check_number("target_delta", target_delta, low=0.0, high=1.0,
-                                    low_open=True, high_open=True)
+        target_delta = check_number(
+            "target_delta", target_delta, low=0.0, high=1.0, low_open=True, high_open=True
+        )
 
         from dpfl_tf.keras.callbacks import PrivacyCallback
 
         callbacks = list(callbacks or [])
         privacy_cb = next((c for c in callbacks if isinstance(c, PrivacyCallback)), None)
         if privacy_cb is None:
-            privacy_cb = PrivacyCallback(target_epsilon=target_epsilon, delta=target_delta,
-                                         accountant=accountant)
+            privacy_cb = PrivacyCallback(
+                target_epsilon=target_epsilon, delta=target_delta, accountant=accountant
+            )
         elif target_epsilon is not None:
             raise ValueError("pass target_epsilon either to fit() or to the PrivacyCallback")
         self._log_metrics = bool(log_train_metrics)
         self._correlated = optimizer.plan_correlated_run(
-            sampler, lots=(epochs - initial_epoch) * sampler.lots_per_epoch,
-            first_lot=sampler.first_lot)
-        self._prepare(sampler, batch_size, calibrate_for=(privacy_cb, epochs - initial_epoch,
-                                                           verbose))
+            sampler,
+            lots=(epochs - initial_epoch) * sampler.lots_per_epoch,
+            first_lot=sampler.first_lot,
+        )
+        self._prepare(
+            sampler, batch_size, calibrate_for=(privacy_cb, epochs - initial_epoch, verbose)
+        )
         self._check_accountants(privacy_cb, target_delta)
         self._begin_correlated_run(privacy_cb, target_delta)
         replicas = self.distribute_strategy.num_replicas_in_sync
@@ -379,35 +444,49 @@ class DPModel(keras.Model):
             raise ValueError(
                 f"correlated_noise is not supported under a distribution strategy with "
                 f"{replicas} replicas (each replica would advance the noise state); train "
-                "on one replica")
+                "on one replica"
+            )
         if replicas > 1 and optimizer.secure_mode:
             raise ValueError(
                 f"secure_mode=True is not supported under a distribution strategy with "
                 f"{replicas} replicas: the replicas' all-reduce adds float32 partial sums "
                 "after the noise, a second rounding that secure mode's one-rounding "
-                "defence does not cover (this mode is refused)")
+                "defence does not cover (this mode is refused)"
+            )
         if replicas > 1 and self.jit_compile:
             raise ValueError(
                 f"jit_compile must be False under a distribution strategy with {replicas} "
                 "replicas: XLA cannot read the replicas' privacy counters across devices "
-                "(this mode is not supported, so it is refused)")
+                "(this mode is not supported, so it is refused)"
+            )
         if is_multi_worker(self.distribute_strategy):
             # every worker the chief's lots, each replica its own share (multiworker.py)
-            data = lot_shares(self.distribute_strategy, sampler, reader,
-                              preprocess=preprocess)  # endless
+            data = lot_shares(
+                self.distribute_strategy, sampler, reader, preprocess=preprocess
+            )  # endless
         else:
             pad_to = (XLA_PAD if self.jit_compile else 1) * replicas
-            data = sampler.dataset(reader, pad_to=pad_to, preprocess=preprocess,  # endless
-                                   prefetch=2 * int(self.steps_per_execution))
+            data = sampler.dataset(
+                reader,
+                pad_to=pad_to,
+                preprocess=preprocess,  # endless
+                prefetch=2 * int(self.steps_per_execution),
+            )
         callbacks = [privacy_cb] + [c for c in callbacks if c is not privacy_cb]
         self.stop_reason = None
         dropped_before = self.dropped_examples
         try:
             self._probe_batch_mixing(data)  # reads the first lot: a bad record is said here
-            history = super().fit(data, epochs=epochs, initial_epoch=initial_epoch,
-                                  steps_per_epoch=sampler.lots_per_epoch, verbose=verbose,
-                                  callbacks=callbacks, validation_data=validation_data,
-                                  shuffle=False)
+            history = super().fit(
+                data,
+                epochs=epochs,
+                initial_epoch=initial_epoch,
+                steps_per_epoch=sampler.lots_per_epoch,
+                verbose=verbose,
+                callbacks=callbacks,
+                validation_data=validation_data,
+                shuffle=False,
+            )
         except (tf.errors.OpError, SourceError):
             reader.raise_pending()  # a record that could not be read: say which
             raise
@@ -421,7 +500,10 @@ class DPModel(keras.Model):
             warnings.warn(
                 f"{dropped} training examples had a NaN or inf gradient and were dropped "
                 "(their contribution zeroed; the lots were applied and counted): check the "
-                "data and the loss", RuntimeWarning, stacklevel=2)
+                "data and the loss",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return history
 
     def _probe_batch_mixing(self, data) -> None:
@@ -445,9 +527,13 @@ class DPModel(keras.Model):
             return  # lots too small to compare; probed at the next fit
         loss = self._dp_loss
         name = getattr(loss, "name", None) or getattr(loss, "__name__", type(loss).__name__)
-        probe_batch_mixing(self.model, loss,
-                           tf.nest.map_structure(lambda *t: tf.concat(t, 0), *xs),
-                           tf.concat(ys, 0), loss_name=f"loss {name!r} ({type(loss).__name__})")
+        probe_batch_mixing(
+            self.model,
+            loss,
+            tf.nest.map_structure(lambda *t: tf.concat(t, 0), *xs),
+            tf.concat(ys, 0),
+            loss_name=f"loss {name!r} ({type(loss).__name__})",
+        )
         self._mixing_probed = True
 
     def _check_accountants(self, privacy_cb, delta: float) -> None:
@@ -461,7 +547,8 @@ class DPModel(keras.Model):
             raise ValueError(
                 f"accountant {kind.value!r} cannot account for lots of "
                 f"{describe_event(self._step_event)}; pass accountant= one of {allowed}, or "
-                "use another sampling (nothing was trained)")
+                "use another sampling (nothing was trained)"
+            )
 
     def _prepare(self, sampler: LotSampler, batch_size: int, calibrate_for=None) -> None:
         """Fixes the settings of this fit: sanitizer, groups, the lot's event (and
@@ -475,8 +562,11 @@ class DPModel(keras.Model):
         variables = self.model.trainable_variables
         if not variables:
             raise ValueError("the model has no trainable variables")
-        layer_of = {id(v): layer.name for layer in _leaf_layers(self.model)
-                    for v in layer.trainable_variables}
+        layer_of = {
+            id(v): layer.name
+            for layer in _leaf_layers(self.model)
+            for v in layer.trainable_variables
+        }
         self._groups, bounds = optimizer.clip_groups(variables, layer_of)
         self.calibration = None
         if optimizer.noise_multiplier is None and calibrate_for is not None:
@@ -489,21 +579,28 @@ class DPModel(keras.Model):
         per_example = PerExampleGradients
         if self._ledger_label == USER_LEVEL_LABEL:  # clipped by the user's norm
             per_example = PerUserGradients
-        self._per_example = per_example(self.model, self._dp_loss, fast=self.fast_gradients,
-                                        loss_scale=default_loss_scale(self.model))
+        self._per_example = per_example(
+            self.model,
+            self._dp_loss,
+            fast=self.fast_gradients,
+            loss_scale=default_loss_scale(self.model),
+        )
         self._set_steps_per_execution(sampler.lots_per_epoch)
         self._batch_size = batch_size or default_batch_size(
-            sampler, self._per_example.materialised_parameters(),
-            multiple=XLA_PAD if self.jit_compile else 8)
+            sampler,
+            self._per_example.materialised_parameters(),
+            multiple=XLA_PAD if self.jit_compile else 8,
+        )
         num_groups = max(self._groups) + 1
         if self._correlated is not None:
-            if restored:   # their lots would be recorded as this run's no-op lots
+            if restored:  # their lots would be recorded as this run's no-op lots
                 raise ValueError(
                     f"the weights carry {self.lots_applied - self.lots_computed} lots this "
                     "model did not compute, and a correlated-noise fit cannot tell what "
                     "they cost: load the full .keras model (its ledger), or pass the ledger "
                     "and recorded_lots to DPModel, and restore the run's state with "
-                    "DPOptimizer.restore_correlated_run (nothing was trained)")
+                    "DPOptimizer.restore_correlated_run (nothing was trained)"
+                )
             # the run's event is recorded once, before its first lot
             # (`_begin_correlated_run`); its lots are covered by it
             self._correlated.build(variables)
@@ -511,7 +608,8 @@ class DPModel(keras.Model):
             self._step_event = dp_accounting.NoOpDpEvent()
         elif sampler.sampling is SamplingMethod.SHUFFLE:
             self._epoch_event = _release_event(
-                sampler, self._sanitizer.effective_noise_multiplier(num_groups))
+                sampler, self._sanitizer.effective_noise_multiplier(num_groups)
+            )
             self._step_event = self._epoch_event
             self._lots_per_epoch = sampler.lots_per_epoch
             self._fit_start_lots = self.lots_computed
@@ -519,7 +617,8 @@ class DPModel(keras.Model):
         else:
             self._epoch_event = None
             self._step_event = _release_event(
-                sampler, self._sanitizer.effective_noise_multiplier(num_groups))
+                sampler, self._sanitizer.effective_noise_multiplier(num_groups)
+            )
         self.sampler = sampler
         self._keep_or_reset_train_function(variables)
         if restored:
@@ -531,21 +630,37 @@ class DPModel(keras.Model):
         and per-example objects it holds), so fits in one process do not each
         leave a traced function behind.  A correlated-noise run always retraces
         (its noise state is built per run)."""
-        key = (tuple(id(v) for v in variables), id(self._dp_loss), type(self._per_example),
-               self.fast_gradients, repr(sorted(self._sanitizer.get_config().items())),
-               tuple(self._groups), self._batch_size, self._expected_lot, self._pad_to_batch,
-               self._log_metrics, self.steps_per_execution, self._ledger_label,
-               id(self.distribute_strategy), self.jit_compile, bool(self.run_eagerly))
-        if (self._correlated is None and self.train_function is not None
-                and key == getattr(self, "_traced_key", None)):
+        key = (
+            tuple(id(v) for v in variables),
+            id(self._dp_loss),
+            type(self._per_example),
+            self.fast_gradients,
+            repr(sorted(self._sanitizer.get_config().items())),
+            tuple(self._groups),
+            self._batch_size,
+            self._expected_lot,
+            self._pad_to_batch,
+            self._log_metrics,
+            self.steps_per_execution,
+            self._ledger_label,
+            id(self.distribute_strategy),
+            self.jit_compile,
+            bool(self.run_eagerly),
+        )
+        if (
+            self._correlated is None
+            and self.train_function is not None
+            and key == getattr(self, "_traced_key", None)
+        ):
             self._sanitizer, self._per_example = self._traced_objects
             return
         self.train_function = None  # retrace with the new settings
         self._traced_key = None if self._correlated is not None else key
         self._traced_objects = (self._sanitizer, self._per_example)
 
-    def _calibrate_noise(self, sampler: LotSampler, bounds, privacy_cb, epochs: int,
-                         verbose) -> None:
+    def _calibrate_noise(
+        self, sampler: LotSampler, bounds, privacy_cb, epochs: int, verbose
+    ) -> None:
         """Sets the optimizer's unset noise multiplier to the smallest sigma whose
         planned releases (`epochs` x the lots of an epoch; shuffle: `epochs`
         epochs), composed with what the ledger already holds (e.g. a DP-PCA
@@ -561,42 +676,58 @@ class DPModel(keras.Model):
             raise ValueError(
                 "noise_multiplier is unset (None) and fit got no target_epsilon: pass "
                 "target_epsilon= (and epochs=) to calibrate it, or set noise_multiplier on "
-                "the optimizer (nothing was trained)")
+                "the optimizer (nothing was trained)"
+            )
         if self.lots_applied > self.lots_computed:
             raise ValueError(
                 f"noise_multiplier is unset (None) but the weights carry "
                 f"{self.lots_applied - self.lots_computed} lots whose settings are unknown: "
-                "set the noise_multiplier that produced them (nothing was trained)")
+                "set the noise_multiplier that produced them (nothing was trained)"
+            )
         kind = privacy_cb.accountant or self.ledger.accountant
         # sigma_eff is linear in sigma (per-layer bounds and noise allocation fixed)
-        per_unit = GaussianSanitizer(bounds, 1.0, noise_allocation=optimizer.noise_allocation
-                                     ).effective_noise_multiplier(max(self._groups) + 1)
-        count = epochs if sampler.sampling is SamplingMethod.SHUFFLE else \
-            epochs * sampler.lots_per_epoch
+        per_unit = GaussianSanitizer(
+            bounds, 1.0, noise_allocation=optimizer.noise_allocation
+        ).effective_noise_multiplier(max(self._groups) + 1)
+        count = (
+            epochs
+            if sampler.sampling is SamplingMethod.SHUFFLE
+            else epochs * sampler.lots_per_epoch
+        )
         prior = [self.ledger.event] if len(self.ledger) else []
         spent = compute_epsilon(prior[0], delta, kind) if prior else 0.0
         if spent >= target:
             raise ValueError(
                 f"target_epsilon={target:g} is already spent: the ledger holds epsilon "
                 f"{spent:.4g} at delta {delta:g} ({kind.value}); no noise multiplier leaves "
-                "room for a lot (nothing was trained)")
+                "room for a lot (nothing was trained)"
+            )
 
         def planned(sigma: float):
             step = self.ledger.admit(_release_event(sampler, per_unit * sigma))
             return dp_accounting.ComposedDpEvent(
-                prior + [dp_accounting.SelfComposedDpEvent(step, count)])
+                prior + [dp_accounting.SelfComposedDpEvent(step, count)]
+            )
 
         sigma, eps = calibrate_noise_multiplier(target, delta, planned, kind)
         optimizer.noise_multiplier = sigma
         unit = "epochs" if sampler.sampling is SamplingMethod.SHUFFLE else "lots"
-        self.calibration = {"noise_multiplier": sigma, "epsilon": eps, "delta": delta,
-                            "target_epsilon": target, "accountant": kind.value, unit: count,
-                            "epsilon_before": spent}
+        self.calibration = {
+            "noise_multiplier": sigma,
+            "epsilon": eps,
+            "delta": delta,
+            "target_epsilon": target,
+            "accountant": kind.value,
+            unit: count,
+            "epsilon_before": spent,
+        }
         if verbose != 0:
-            print(f"calibrated noise_multiplier = {sigma:.4g}: {count} {unit} of "
-                  f"{describe_event(_release_event(sampler, per_unit * sigma))}"
-                  f"{f' after epsilon {spent:.4g} already spent' if prior else ''} reach "
-                  f"epsilon {eps:.4g} <= {target:g} at delta {delta:g} ({kind.value})")
+            print(
+                f"calibrated noise_multiplier = {sigma:.4g}: {count} {unit} of "
+                f"{describe_event(_release_event(sampler, per_unit * sigma))}"
+                f"{f' after epsilon {spent:.4g} already spent' if prior else ''} reach "
+                f"epsilon {eps:.4g} <= {target:g} at delta {delta:g} ({kind.value})"
+            )
 
     def _begin_correlated_run(self, privacy_cb, delta: float) -> None:
         """Correlated noise: records the run's event before its first lot
@@ -619,7 +750,8 @@ class DPModel(keras.Model):
                         f"the correlated-noise run ({run.mechanism.describe()}) would bring "
                         f"epsilon to {spent:.4g} > target_epsilon={target:g} at delta="
                         f"{delta:g}; nothing was trained (raise noise_multiplier or train "
-                        "fewer epochs)")
+                        "fewer epochs)"
+                    )
             self.ledger.record(event, label="mf")
             run.recorded = True
         self.set_lot_limit(self.lots_computed + run.remaining, reason="mechanism")
@@ -634,11 +766,13 @@ class DPModel(keras.Model):
         predict function made for 1 step keeps one batch of every call), so
         a new value drops them too."""
         # a model made under a strategy's scope (any strategy, one replica too)
-        distributed = getattr(self, "_distribute_strategy", None) is not None or \
-            tf.distribute.has_strategy()
+        distributed = (
+            getattr(self, "_distribute_strategy", None) is not None or tf.distribute.has_strategy()
+        )
         if getattr(self, "_auto_steps", False):
             steps = auto_steps_per_execution(
-                lots_per_epoch, distributed=distributed or bool(self.run_eagerly))
+                lots_per_epoch, distributed=distributed or bool(self.run_eagerly)
+            )
         else:
             steps = int(self.steps_per_execution or 1)
             if distributed and steps > 1:
@@ -648,13 +782,15 @@ class DPModel(keras.Model):
                     f"({replicas} replica{'s' if replicas > 1 else ''}), got {steps}: "
                     "TensorFlow cannot run the lot's loop over physical batches inside the "
                     "multi-step loop of replicated training (this mode is not supported, so "
-                    "it is refused)")
+                    "it is refused)"
+                )
             if lots_per_epoch % steps:
                 raise ValueError(
                     f"steps_per_execution={steps} does not divide the {lots_per_epoch} lots "
                     f"of an epoch: Keras would run {-(-lots_per_epoch // steps) * steps} lots "
                     f"an epoch. Compile with a divisor of {lots_per_epoch}, or 'auto' (the "
-                    "default)")
+                    "default)"
+                )
         if steps != self.steps_per_execution:
             self.test_function = self.predict_function = None
             self._eval_epoch_iterator = None
@@ -671,13 +807,19 @@ class DPModel(keras.Model):
             f"{pending} lots restored with the weights are recorded in the privacy ledger "
             f"as {describe_event(self._step_event)} (the settings of this fit): resume "
             "with the settings that produced them, or load the full .keras model, whose "
-            "ledger keeps its own history", RuntimeWarning, stacklevel=stacklevel)
+            "ledger keeps its own history",
+            RuntimeWarning,
+            stacklevel=stacklevel,
+        )
         if self._epoch_event is not None:
             # shuffle: the restored lots came from permutations of their own; they
             # are ceil(pending / lots per epoch) epochs, and this fit's lots start a
             # new epoch (one accounting epoch never straddles two permutations)
-            self.ledger.record(self._epoch_event, math.ceil(pending / self._lots_per_epoch),
-                               label=self._ledger_label)
+            self.ledger.record(
+                self._epoch_event,
+                math.ceil(pending / self._lots_per_epoch),
+                label=self._ledger_label,
+            )
             self._counters.set_computed(self.lots_applied)
             self._recorded_lots = self.lots_computed
             self._fit_start_lots = self.lots_computed
@@ -702,34 +844,49 @@ class DPModel(keras.Model):
             if _accounts(event, budget.delta, kind):
                 costs[kind] = compute_epsilon(event, budget.delta, kind)
         listed = ", ".join(f"{eps:.4g} ({kind.value})" for kind, eps in costs.items())
-        cost = (f"one more brings epsilon to {listed} (spent so far: "
-                f"{self.ledger.epsilon(budget.delta, budget.accountant):.4g})") if prior \
+        cost = (
+            (
+                f"one more brings epsilon to {listed} (spent so far: "
+                f"{self.ledger.epsilon(budget.delta, budget.accountant):.4g})"
+            )
+            if prior
             else f"one costs epsilon {listed}"
+        )
         fits = sorted((eps, k.value) for k, eps in costs.items() if eps <= budget.epsilon)
-        advice = [f"fit(accountant={fits[0][1]!r}) (a tighter analysis of the same lots)"] \
-            if fits else []
+        advice = (
+            [f"fit(accountant={fits[0][1]!r}) (a tighter analysis of the same lots)"]
+            if fits
+            else []
+        )
         sigma = self.optimizer.noise_multiplier
         num_groups = max(self._groups) + 1
-        per_unit = self._sanitizer.effective_noise_multiplier(num_groups) / sigma \
-            if sigma else None
-        if per_unit and not (prior and self.ledger.epsilon(budget.delta, budget.accountant)
-                             >= budget.epsilon):
+        per_unit = self._sanitizer.effective_noise_multiplier(num_groups) / sigma if sigma else None
+        if per_unit and not (
+            prior and self.ledger.epsilon(budget.delta, budget.accountant) >= budget.epsilon
+        ):
             try:
                 needed, _ = calibrate_noise_multiplier(
-                    budget.epsilon, budget.delta, lambda s: dp_accounting.ComposedDpEvent(
-                        prior + [self.ledger.admit(_release_event(self.sampler,
-                                                                  per_unit * s))]),
-                    budget.accountant)
-                advice.append(f"noise_multiplier >= {needed:.3g} (now {sigma:g}) for one "
-                              f"{unit}")
+                    budget.epsilon,
+                    budget.delta,
+                    lambda s: dp_accounting.ComposedDpEvent(
+                        prior + [self.ledger.admit(_release_event(self.sampler, per_unit * s))]
+                    ),
+                    budget.accountant,
+                )
+                advice.append(f"noise_multiplier >= {needed:.3g} (now {sigma:g}) for one {unit}")
             except ValueError:
                 pass
-        advice.append("noise_multiplier=None on the optimizer to calibrate it to "
-                      "target_epsilon over the planned epochs")
-        return (f"the privacy budget (epsilon={budget.epsilon:g}, delta={budget.delta:g}, "
-                f"{budget.accountant.value}) allows no {unit} of {describe_event(step)}: "
-                f"{cost}; nothing was trained. Use "
-                + "; or ".join(advice) + "; or a larger target_epsilon")
+        advice.append(
+            "noise_multiplier=None on the optimizer to calibrate it to "
+            "target_epsilon over the planned epochs"
+        )
+        return (
+            f"the privacy budget (epsilon={budget.epsilon:g}, delta={budget.delta:g}, "
+            f"{budget.accountant.value}) allows no {unit} of {describe_event(step)}: "
+            f"{cost}; nothing was trained. Use "
+            + "; or ".join(advice)
+            + "; or a larger target_epsilon"
+        )
 
     @property
     def lot_event(self):
@@ -739,8 +896,7 @@ class DPModel(keras.Model):
     def steps_within_budget(self, budget: PrivacyBudget) -> int:
         """Lots the budget still allows with the current settings."""
         self._sync_ledger()
-        ledger = PrivacyLedger.from_dict({**self.ledger.to_dict(),
-                                          "budget": budget.to_dict()})
+        ledger = PrivacyLedger.from_dict({**self.ledger.to_dict(), "budget": budget.to_dict()})
         if self._correlated is not None:
             # the run's event is recorded already: the budget allows all its lots
             # (or none), and its horizon is a limit of its own ("mechanism")
@@ -751,12 +907,13 @@ class DPModel(keras.Model):
             done = self.lots_computed - self._fit_start_lots
             partial = done % self._lots_per_epoch
             # the current partial epoch is already recorded as a whole epoch
-            return epochs * self._lots_per_epoch + ((self._lots_per_epoch - partial)
-                                                    if partial else 0)
+            return epochs * self._lots_per_epoch + (
+                (self._lots_per_epoch - partial) if partial else 0
+            )
         return ledger.steps_within_budget(self._step_event)
 
     def train_step(self, data):
-        x, y, mask, *segments = data   # user-level lots: the user slot of every example
+        x, y, mask, *segments = data  # user-level lots: the user slot of every example
         if segments:
             self._per_example.segments = segments[0]
         counters = self._counters
@@ -779,9 +936,15 @@ class DPModel(keras.Model):
             self.optimizer.apply_noised_gradients(grads, variables)
         else:
             grads, loss_sum, count, dropped = tf.cond(
-                allowed, lambda: self._dp_lot(x, y, mask),
-                lambda: ([tf.zeros(v.shape, v.dtype) for v in variables], tf.constant(0.0),
-                         tf.constant(0.0), tf.constant(0, tf.int64)))
+                allowed,
+                lambda: self._dp_lot(x, y, mask),
+                lambda: (
+                    [tf.zeros(v.shape, v.dtype) for v in variables],
+                    tf.constant(0.0),
+                    tf.constant(0.0),
+                    tf.constant(0, tf.int64),
+                ),
+            )
             tf.cond(allowed, lambda: self._apply(grads, variables), lambda: tf.constant(False))
         step = tf.cast(allowed, tf.int64)
         with tf.control_dependencies(grads):
@@ -805,8 +968,7 @@ class DPModel(keras.Model):
         all-reduced, so equal on every replica)."""
         if not is_multi_worker(self.distribute_strategy):
             return logs
-        return tf.nest.map_structure(lambda t: tf.reshape(t, [1]) if t.shape.rank == 0
-                                     else t, logs)
+        return tf.nest.map_structure(lambda t: tf.reshape(t, [1]) if t.shape.rank == 0 else t, logs)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         """Keras 3 builds metrics from one input batch, which under a
@@ -818,7 +980,8 @@ class DPModel(keras.Model):
         if iterator is not None and data_batch is None and is_multi_worker(strategy):
             for _, _, it in iterator:
                 data_batch = tf.nest.map_structure(
-                    lambda v: strategy.experimental_local_results(v)[0], next(it))
+                    lambda v: strategy.experimental_local_results(v)[0], next(it)
+                )
                 break
             iterator = None
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
@@ -826,7 +989,8 @@ class DPModel(keras.Model):
     def train_on_batch(self, *args, **kwargs):
         raise NotImplementedError(
             "DPModel.train_on_batch is not supported: a lot must be sampled by the DP "
-            "sampler; use fit(x, y, lot_size=...) (the privacy analysis assumes its lots)")
+            "sampler; use fit(x, y, lot_size=...) (the privacy analysis assumes its lots)"
+        )
 
     def get_metrics_result(self):
         if not self._log_metrics:  # fit(log_train_metrics=False): nothing computed
@@ -841,10 +1005,16 @@ class DPModel(keras.Model):
         """One lot (`LotStep`: clip and accumulate, add noise, scale) with this
         fit's settings; returns (noised gradient / L, loss sum, examples kept,
         examples dropped).  Lot t draws noise at stream position t."""
-        lot = LotStep(self.model.trainable_variables, self._per_example, self._sanitizer,
-                      self._groups, batch_size=self._batch_size,
-                      expected_lot=self._expected_lot, pad_to_batch=self._pad_to_batch,
-                      update_metrics=self._update_metrics if self._log_metrics else None)
+        lot = LotStep(
+            self.model.trainable_variables,
+            self._per_example,
+            self._sanitizer,
+            self._groups,
+            batch_size=self._batch_size,
+            expected_lot=self._expected_lot,
+            pad_to_batch=self._pad_to_batch,
+            update_metrics=self._update_metrics if self._log_metrics else None,
+        )
         return lot(x, y, mask, step=self._counters.computed, gate=gate)
 
     def _update_metrics(self, y, y_pred, sample_weight) -> None:
@@ -857,27 +1027,34 @@ class DPModel(keras.Model):
             self._sync_ledger()
         except RuntimeError:
             pass  # settings unknown: keep the ledger as recorded
-        return {"name": self.name,
-                "model": keras.saving.serialize_keras_object(self.model),
-                "fast_gradients": self.fast_gradients,
-                "ledger": self.ledger.to_dict(),
-                "recorded_lots": self._recorded_lots}
+        return {
+            "name": self.name,
+            "model": keras.saving.serialize_keras_object(self.model),
+            "fast_gradients": self.fast_gradients,
+            "ledger": self.ledger.to_dict(),
+            "recorded_lots": self._recorded_lots,
+        }
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        model = keras.saving.deserialize_keras_object(config.pop("model"),
-                                                      custom_objects=custom_objects)
+        model = keras.saving.deserialize_keras_object(
+            config.pop("model"), custom_objects=custom_objects
+        )
         return cls(model, **config)
 
     def summary_privacy(self, delta: float = 1e-5) -> str:
         ledger = self.privacy_ledger
-        lines = [f"lots computed (released): {self.lots_computed}; behind the current "
-                 f"weights: {self.lots_applied}; examples dropped as non-finite: "
-                 f"{self.dropped_examples}"]
+        lines = [
+            f"lots computed (released): {self.lots_computed}; behind the current "
+            f"weights: {self.lots_applied}; examples dropped as non-finite: "
+            f"{self.dropped_examples}"
+        ]
         lines += [f"  {e['count']} x {e['event']}" for e in ledger.entries]
-        lines.append(f"epsilon = {ledger.epsilon(delta):.4f} at delta = {delta:g} "
-                     f"({ledger.accountant.value})")
+        lines.append(
+            f"epsilon = {ledger.epsilon(delta):.4f} at delta = {delta:g} "
+            f"({ledger.accountant.value})"
+        )
         return "\n".join(lines)
 
 
@@ -901,14 +1078,24 @@ class _Counters:
         dropped = self.dropped_value() if self.dropped is not None else 0
         first = tf.VariableAggregation.ONLY_FIRST_REPLICA
         with strategy.scope():
-            self.computed = tf.Variable(initial, dtype=tf.int64, trainable=False,
-                                        aggregation=first, name="dp_lots_computed")
-            self.limit = tf.Variable(self._limit_value, dtype=tf.int64, trainable=False,
-                                     aggregation=first, name="dp_lot_limit")
-            self.dropped = tf.Variable(dropped, dtype=tf.int64, trainable=False,
-                                       synchronization=tf.VariableSynchronization.ON_READ,
-                                       aggregation=tf.VariableAggregation.SUM,
-                                       name="dp_dropped_examples")
+            self.computed = tf.Variable(
+                initial, dtype=tf.int64, trainable=False, aggregation=first, name="dp_lots_computed"
+            )
+            self.limit = tf.Variable(
+                self._limit_value,
+                dtype=tf.int64,
+                trainable=False,
+                aggregation=first,
+                name="dp_lot_limit",
+            )
+            self.dropped = tf.Variable(
+                dropped,
+                dtype=tf.int64,
+                trainable=False,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.SUM,
+                name="dp_dropped_examples",
+            )
         self._strategy = strategy
 
     def computed_value(self) -> int:
@@ -939,7 +1126,7 @@ def _release_event(sampler: LotSampler, sigma_eff: float):
     return gaussian_step_event(sigma_eff, sampler.sampling, **sampler.sampling_args())
 
 
-_UNLIMITED_BY_BUDGET = 10 ** 8   # as `max_steps`' limit
+_UNLIMITED_BY_BUDGET = 10**8  # as `max_steps`' limit
 
 
 def _cycle_length(optimizer, sampling) -> int | None:
@@ -948,9 +1135,11 @@ def _cycle_length(optimizer, sampling) -> int | None:
         return None
     config = getattr(optimizer, "correlated_noise", None)
     if config is None or config.bands is None:
-        raise ValueError("sampling='cyclic_poisson' needs a DP optimizer with "
-                         "correlated_noise=CorrelatedNoiseConfig('banded', bands=b) (b is the "
-                         f"cycle length), got correlated_noise={config!r}")
+        raise ValueError(
+            "sampling='cyclic_poisson' needs a DP optimizer with "
+            "correlated_noise=CorrelatedNoiseConfig('banded', bands=b) (b is the "
+            f"cycle length), got correlated_noise={config!r}"
+        )
     return config.bands
 
 
@@ -959,17 +1148,25 @@ def _refuse_regularizers(model) -> None:
     and noised (an activity regulariser even depends on the data): refuse them
     rather than drop them silently."""
     for layer in _leaf_layers(model):
-        for attr_name in ("kernel_regularizer", "bias_regularizer", "embeddings_regularizer",
-                          "activity_regularizer", "depthwise_regularizer",
-                          "pointwise_regularizer", "recurrent_regularizer",
-                          "beta_regularizer", "gamma_regularizer"):
+        for attr_name in (
+            "kernel_regularizer",
+            "bias_regularizer",
+            "embeddings_regularizer",
+            "activity_regularizer",
+            "depthwise_regularizer",
+            "pointwise_regularizer",
+            "recurrent_regularizer",
+            "beta_regularizer",
+            "gamma_regularizer",
+        ):
             if getattr(layer, attr_name, None) is not None:
                 raise ValueError(
                     f"layer {layer.name!r} has {attr_name}={getattr(layer, attr_name)!r}: "
                     "DPModel clips and noises the per-example loss only, so a regularisation "
                     "loss would be silently ignored. For weight decay use the inner "
                     "optimizer's weight_decay= (it acts on the weights, not the data); "
-                    "remove activity regularisers")
+                    "remove activity regularisers"
+                )
 
 
 def _accounts(event, delta: float, kind) -> bool:

@@ -39,8 +39,14 @@ import tensorflow as tf
 
 from dpfl_tf.keras.sampling import LotSampler
 
-__all__ = ["agree_on_sampler_key", "barrier", "is_chief", "is_multi_worker", "lot_shares",
-           "save_model"]
+__all__ = [
+    "agree_on_sampler_key",
+    "barrier",
+    "is_chief",
+    "is_multi_worker",
+    "lot_shares",
+    "save_model",
+]
 
 
 def is_multi_worker(strategy) -> bool:
@@ -59,8 +65,9 @@ def is_chief(strategy=None) -> bool:
     task_type, task_id = resolver.task_type, resolver.task_id
     if task_type in (None, "chief"):
         return True
-    return (task_type == "worker" and task_id == 0
-            and "chief" not in resolver.cluster_spec().as_dict())
+    return (
+        task_type == "worker" and task_id == 0 and "chief" not in resolver.cluster_spec().as_dict()
+    )
 
 
 def barrier(strategy) -> None:
@@ -100,10 +107,15 @@ def agree_on_sampler_key(strategy, sampler: LotSampler) -> None:
     from dpfl_tf.privacy.events import SamplingMethod
 
     methods = list(SamplingMethod)
-    own = [1 if sampler.seed is not None else 0,
-           int(sampler.seed) if sampler.seed is not None else 0, int(sampler.key),
-           sampler.dataset_size, sampler.lot_size, methods.index(sampler.sampling),
-           sampler.first_lot]
+    own = [
+        1 if sampler.seed is not None else 0,
+        int(sampler.seed) if sampler.seed is not None else 0,
+        int(sampler.key),
+        sampler.dataset_size,
+        sampler.lot_size,
+        methods.index(sampler.sampling),
+        sampler.first_lot,
+    ]
 
     @tf.function
     def gather():
@@ -117,22 +129,27 @@ def agree_on_sampler_key(strategy, sampler: LotSampler) -> None:
         raise ValueError(
             f"sampling_seed must be the same on every worker of a MultiWorkerMirroredStrategy, "
             f"got {said}: all workers must draw the same lots (pass the same seed to each, "
-            "or none to use the chief's random key); nothing was trained")
+            "or none to use the chief's random key); nothing was trained"
+        )
     settings = {tuple(int(v) for v in row[3:]) for row in rows}
     if len(settings) > 1:
-        said = "; ".join(f"{n} records, lot {lot}, {methods[m].value}, first lot {f}"
-                         for n, lot, m, f in sorted(settings))
+        said = "; ".join(
+            f"{n} records, lot {lot}, {methods[m].value}, first lot {f}"
+            for n, lot, m, f in sorted(settings)
+        )
         raise ValueError(
             "the workers of a MultiWorkerMirroredStrategy disagree on the data or the "
             f"sampling ({said}): every worker must hold the same records in the same order "
             "(an index must be the same example on each) and sample alike; nothing was "
-            "trained")
+            "trained"
+        )
     # row 0 is replica 0: the chief's first replica
     sampler.key = int(rows[0][2])
 
 
-def lot_shares(strategy, sampler: LotSampler, reader, *, epochs: int | None = None,
-               preprocess=None) -> tf.distribute.DistributedDataset:
+def lot_shares(
+    strategy, sampler: LotSampler, reader, *, epochs: int | None = None, preprocess=None
+) -> tf.distribute.DistributedDataset:
     """The lots of `sampler` as this worker's distributed input: each replica its
     own disjoint share of every lot (`LotSampler.replica_shares`), the worker's
     local replicas in order.  Agrees on the chief's sampler key first."""
@@ -143,8 +160,13 @@ def lot_shares(strategy, sampler: LotSampler, reader, *, epochs: int | None = No
         local = replicas // context.num_input_pipelines
         # MultiWorkerMirroredStrategy numbers the replicas worker by worker:
         # replica_id_in_sync_group = worker (input pipeline) id * local + local id
-        return sampler.replica_shares(reader, epochs=epochs, replicas=replicas,
-                                      first_replica=context.input_pipeline_id * local,
-                                      local_replicas=local, preprocess=preprocess)
+        return sampler.replica_shares(
+            reader,
+            epochs=epochs,
+            replicas=replicas,
+            first_replica=context.input_pipeline_id * local,
+            local_replicas=local,
+            preprocess=preprocess,
+        )
 
     return strategy.distribute_datasets_from_function(dataset_fn)

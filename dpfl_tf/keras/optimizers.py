@@ -32,13 +32,17 @@ def _check_clip(l2_norm_clip) -> ClipSpec:
     if isinstance(l2_norm_clip, Mapping):
         if not l2_norm_clip:
             raise ValueError("l2_norm_clip must not be an empty dict")
-        return {str(k): check_number(f"l2_norm_clip[{k!r}]", v, low=0.0, low_open=True)
-                for k, v in l2_norm_clip.items()}
+        return {
+            str(k): check_number(f"l2_norm_clip[{k!r}]", v, low=0.0, low_open=True)
+            for k, v in l2_norm_clip.items()
+        }
     if isinstance(l2_norm_clip, (list, tuple)):
         if not l2_norm_clip:
             raise ValueError("l2_norm_clip must not be an empty list")
-        return [check_number(f"l2_norm_clip[{i}]", v, low=0.0, low_open=True)
-                for i, v in enumerate(l2_norm_clip)]
+        return [
+            check_number(f"l2_norm_clip[{i}]", v, low=0.0, low_open=True)
+            for i, v in enumerate(l2_norm_clip)
+        ]
     return check_number("l2_norm_clip", l2_norm_clip, low=0.0, low_open=True)
 
 
@@ -72,26 +76,43 @@ class DPOptimizer(keras.optimizers.Optimizer):
         a Poisson-sampled one) before the first lot.
     """
 
-    def __init__(self, inner_optimizer: keras.optimizers.Optimizer, *, l2_norm_clip: ClipSpec,
-                 noise_multiplier: float | None = None, noise_allocation: str = "global",
-                 seed: int | None = None, secure_mode: bool = False,
-                 correlated_noise=None, name: str | None = None, **kwargs):
+    def __init__(
+        self,
+        inner_optimizer: keras.optimizers.Optimizer,
+        *,
+        l2_norm_clip: ClipSpec,
+        noise_multiplier: float | None = None,
+        noise_allocation: str = "global",
+        seed: int | None = None,
+        secure_mode: bool = False,
+        correlated_noise=None,
+        name: str | None = None,
+        **kwargs,
+    ):
         if kwargs:
-            raise ValueError(f"DPOptimizer does not support arguments {sorted(kwargs)}; set "
-                             "them on the inner optimizer")
+            raise ValueError(
+                f"DPOptimizer does not support arguments {sorted(kwargs)}; set "
+                "them on the inner optimizer"
+            )
         if isinstance(inner_optimizer, DPOptimizer):
             raise ValueError("inner_optimizer is already a DPOptimizer")
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-            raise TypeError("inner_optimizer must be a keras.optimizers.Optimizer, got "
-                            f"{type(inner_optimizer).__name__}")
+            raise TypeError(
+                "inner_optimizer must be a keras.optimizers.Optimizer, got "
+                f"{type(inner_optimizer).__name__}"
+            )
         super().__init__(learning_rate=0.0, name=name or f"dp_{inner_optimizer.name}")
         self.inner_optimizer = inner_optimizer
         self.l2_norm_clip = _check_clip(l2_norm_clip)
-        self.noise_multiplier = None if noise_multiplier is None else check_number(
-            "noise_multiplier", noise_multiplier, low=0.0)
+        self.noise_multiplier = (
+            None
+            if noise_multiplier is None
+            else check_number("noise_multiplier", noise_multiplier, low=0.0)
+        )
         if noise_allocation not in ("global", "proportional"):
-            raise ValueError("noise_allocation must be 'global' or 'proportional', got "
-                             f"{noise_allocation!r}")
+            raise ValueError(
+                f"noise_allocation must be 'global' or 'proportional', got {noise_allocation!r}"
+            )
         self.noise_allocation = noise_allocation
         self.secure_mode = bool(secure_mode)
         refuse_seed(self.secure_mode, seed)
@@ -99,7 +120,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         if seed is not None:
             warnings.warn(deployment_note(seed), UserWarning, stacklevel=2)
         self.correlated_noise = _correlated_config(correlated_noise)
-        self._run = None   # the correlated-noise run in progress (`plan_correlated_run`)
+        self._run = None  # the correlated-noise run in progress (`plan_correlated_run`)
 
     # -- the sanitizer for a model's variables -------------------------------
     def clip_groups(self, variables, layer_of: Mapping[int, str]) -> tuple[list[int], ClipSpec]:
@@ -111,14 +132,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 raise ValueError(
                     f"l2_norm_clip has {len(self.l2_norm_clip)} bounds but the model has "
                     f"{len(variables)} trainable variables: "
-                    f"{[v.path for v in variables]}")
+                    f"{[v.path for v in variables]}"
+                )
             return list(range(len(variables))), list(self.l2_norm_clip)
         names = [layer_of[id(v)] for v in variables]
         missing = sorted(set(names) - set(self.l2_norm_clip))
         unknown = sorted(set(self.l2_norm_clip) - set(names))
         if missing or unknown:
-            raise ValueError(f"per-layer l2_norm_clip must name every trainable layer: missing "
-                             f"{missing}, unknown {unknown}")
+            raise ValueError(
+                f"per-layer l2_norm_clip must name every trainable layer: missing "
+                f"{missing}, unknown {unknown}"
+            )
         order = list(dict.fromkeys(names))
         return [order.index(n) for n in names], [self.l2_norm_clip[n] for n in order]
 
@@ -128,10 +152,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
         if self.noise_multiplier is None:
             raise ValueError(
                 "noise_multiplier is unset (None): pass it to the optimizer, or pass "
-                "target_epsilon= (and epochs=) to DPModel.fit to calibrate it")
-        return GaussianSanitizer(bounds, self.noise_multiplier,
-                                 noise_allocation=self.noise_allocation, seed=self.seed,
-                                 secure_mode=self.secure_mode)
+                "target_epsilon= (and epochs=) to DPModel.fit to calibrate it"
+            )
+        return GaussianSanitizer(
+            bounds,
+            self.noise_multiplier,
+            noise_allocation=self.noise_allocation,
+            seed=self.seed,
+            secure_mode=self.secure_mode,
+        )
 
     # -- correlated noise ---------------------------------------------------------
     def plan_correlated_run(self, sampler, *, lots: int, first_lot: int):
@@ -146,16 +175,22 @@ class DPOptimizer(keras.optimizers.Optimizer):
         if self.noise_multiplier is None:
             raise ValueError(
                 f"correlated_noise={self.correlated_noise!r} needs noise_multiplier set: fit "
-                "calibrates an unset one for independent noise only (nothing was trained)")
+                "calibrates an unset one for independent noise only (nothing was trained)"
+            )
         from dpfl_tf.correlated_noise import CorrelatedRun
 
         run = self._run
         if run is None or not run.continues(sampler, first_lot, lots):
             participation = sampler.participation(lots)
             mechanism = self.correlated_noise.build(participation, self.noise_multiplier)
-            run = CorrelatedRun(mechanism, first_lot=first_lot,
-                                noise_allocation=self.noise_allocation, seed=self.seed,
-                                secure_mode=self.secure_mode, sampling=sampler.sampling)
+            run = CorrelatedRun(
+                mechanism,
+                first_lot=first_lot,
+                noise_allocation=self.noise_allocation,
+                seed=self.seed,
+                secure_mode=self.secure_mode,
+                sampling=sampler.sampling,
+            )
         self._run = run
         return run
 
@@ -172,8 +207,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
         if self.correlated_noise is None:
             raise ValueError("restore_correlated_run needs an optimizer with correlated_noise")
-        self._run = CorrelatedRun.from_state(state, noise_allocation=self.noise_allocation,
-                                             seed=self.seed, secure_mode=self.secure_mode)
+        self._run = CorrelatedRun.from_state(
+            state,
+            noise_allocation=self.noise_allocation,
+            seed=self.seed,
+            secure_mode=self.secure_mode,
+        )
 
     # -- optimizer protocol ---------------------------------------------------
     def build(self, var_list):
@@ -192,7 +231,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         raise RuntimeError(
             "DPOptimizer received ordinary (unclipped, un-noised) gradients. Train with "
             "dpfl_tf.keras.DPModel(model), whose train_step clips per example and adds the "
-            "noise; a DPOptimizer never applies gradients without privacy.")
+            "noise; a DPOptimizer never applies gradients without privacy."
+        )
 
     def apply_gradients(self, grads_and_vars):
         self.apply(None)
@@ -217,28 +257,37 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     def _dp_config(self) -> dict:
         clip = self.l2_norm_clip
-        return {"l2_norm_clip": dict(clip) if isinstance(clip, Mapping) else clip,
-                "noise_multiplier": self.noise_multiplier,
-                "noise_allocation": self.noise_allocation, "seed": self.seed,
-                "secure_mode": self.secure_mode,
-                "correlated_noise": (None if self.correlated_noise is None
-                                     else self.correlated_noise.to_config())}
+        return {
+            "l2_norm_clip": dict(clip) if isinstance(clip, Mapping) else clip,
+            "noise_multiplier": self.noise_multiplier,
+            "noise_allocation": self.noise_allocation,
+            "seed": self.seed,
+            "secure_mode": self.secure_mode,
+            "correlated_noise": (
+                None if self.correlated_noise is None else self.correlated_noise.to_config()
+            ),
+        }
 
     def get_config(self):
-        return {"name": self.name,
-                "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-                **self._dp_config()}
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            **self._dp_config(),
+        }
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
-                                                      custom_objects=custom_objects)
+        inner = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
         return cls(inner, **config)
 
     def __repr__(self):
-        return (f"{type(self).__name__}(inner={type(self.inner_optimizer).__name__}, "
-                f"l2_norm_clip={self.l2_norm_clip!r}, noise_multiplier={self.noise_multiplier})")
+        return (
+            f"{type(self).__name__}(inner={type(self.inner_optimizer).__name__}, "
+            f"l2_norm_clip={self.l2_norm_clip!r}, noise_multiplier={self.noise_multiplier})"
+        )
 
 
 def _correlated_config(value):
@@ -253,8 +302,10 @@ def _correlated_config(value):
         return CorrelatedNoiseConfig.from_config(value)
     if isinstance(value, str):
         return CorrelatedNoiseConfig(value)
-    raise TypeError(f"correlated_noise must be None, a CorrelatedNoiseConfig, its dict or a "
-                    f"mechanism name, got {type(value).__name__}")
+    raise TypeError(
+        f"correlated_noise must be None, a CorrelatedNoiseConfig, its dict or a "
+        f"mechanism name, got {type(value).__name__}"
+    )
 
 
 def _serialize_lr(lr):
@@ -274,21 +325,40 @@ class DPSGD(DPOptimizer):
     schedule, e.g. the paper's linear decay then constant:
     ``keras.optimizers.schedules.PolynomialDecay(0.1, 10 * steps_per_epoch, 0.052)``."""
 
-    def __init__(self, learning_rate=0.01, momentum: float = 0.0, nesterov: bool = False, *,
-                 l2_norm_clip: ClipSpec, noise_multiplier: float | None = None,
-                 noise_allocation: str = "global", seed: int | None = None,
-                 secure_mode: bool = False, correlated_noise=None, name: str = "dp_sgd"):
-        super().__init__(keras.optimizers.SGD(learning_rate=learning_rate, momentum=momentum,
-                                              nesterov=nesterov),
-                         l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
-                         noise_allocation=noise_allocation, seed=seed,
-                         secure_mode=secure_mode, correlated_noise=correlated_noise,
-                         name=name)
+    def __init__(
+        self,
+        learning_rate=0.01,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        *,
+        l2_norm_clip: ClipSpec,
+        noise_multiplier: float | None = None,
+        noise_allocation: str = "global",
+        seed: int | None = None,
+        secure_mode: bool = False,
+        correlated_noise=None,
+        name: str = "dp_sgd",
+    ):
+        super().__init__(
+            keras.optimizers.SGD(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov),
+            l2_norm_clip=l2_norm_clip,
+            noise_multiplier=noise_multiplier,
+            noise_allocation=noise_allocation,
+            seed=seed,
+            secure_mode=secure_mode,
+            correlated_noise=correlated_noise,
+            name=name,
+        )
 
     def get_config(self):
         inner = self.inner_optimizer
-        return {"name": self.name, "learning_rate": _serialize_lr(inner._learning_rate),
-                "momentum": inner.momentum, "nesterov": inner.nesterov, **self._dp_config()}
+        return {
+            "name": self.name,
+            "learning_rate": _serialize_lr(inner._learning_rate),
+            "momentum": inner.momentum,
+            "nesterov": inner.nesterov,
+            **self._dp_config(),
+        }
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -299,23 +369,44 @@ class DPSGD(DPOptimizer):
 class DPAdam(DPOptimizer):
     """Adam on the clipped, noised, lot-averaged gradient."""
 
-    def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999,
-                 epsilon: float = 1e-7, *, l2_norm_clip: ClipSpec,
-                 noise_multiplier: float | None = None, noise_allocation: str = "global",
-                 seed: int | None = None, secure_mode: bool = False, correlated_noise=None,
-                 name: str = "dp_adam"):
-        super().__init__(keras.optimizers.Adam(learning_rate=learning_rate, beta_1=beta_1,
-                                               beta_2=beta_2, epsilon=epsilon),
-                         l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
-                         noise_allocation=noise_allocation, seed=seed,
-                         secure_mode=secure_mode, correlated_noise=correlated_noise,
-                         name=name)
+    def __init__(
+        self,
+        learning_rate=0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        *,
+        l2_norm_clip: ClipSpec,
+        noise_multiplier: float | None = None,
+        noise_allocation: str = "global",
+        seed: int | None = None,
+        secure_mode: bool = False,
+        correlated_noise=None,
+        name: str = "dp_adam",
+    ):
+        super().__init__(
+            keras.optimizers.Adam(
+                learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon
+            ),
+            l2_norm_clip=l2_norm_clip,
+            noise_multiplier=noise_multiplier,
+            noise_allocation=noise_allocation,
+            seed=seed,
+            secure_mode=secure_mode,
+            correlated_noise=correlated_noise,
+            name=name,
+        )
 
     def get_config(self):
         inner = self.inner_optimizer
-        return {"name": self.name, "learning_rate": _serialize_lr(inner._learning_rate),
-                "beta_1": inner.beta_1, "beta_2": inner.beta_2, "epsilon": inner.epsilon,
-                **self._dp_config()}
+        return {
+            "name": self.name,
+            "learning_rate": _serialize_lr(inner._learning_rate),
+            "beta_1": inner.beta_1,
+            "beta_2": inner.beta_2,
+            "epsilon": inner.epsilon,
+            **self._dp_config(),
+        }
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -326,4 +417,3 @@ def _from_flat_config(cls, config):
     config = dict(config)
     config["learning_rate"] = _deserialize_lr(config["learning_rate"])
     return cls(**config)
-

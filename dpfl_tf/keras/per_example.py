@@ -53,8 +53,8 @@ variables' per-example gradients are then exact Jacobians over all uses.
 from __future__ import annotations
 
 import contextlib
-import math
 import dataclasses
+import math
 import threading
 from typing import Callable, NamedTuple
 
@@ -63,14 +63,19 @@ import tensorflow as tf
 
 from dpfl_tf.keras.layer_rules import FALLBACK, LayerCall, find_rule, weighted_sum
 from dpfl_tf.keras.layer_rules._base import _ACTIVE, _ORIGINAL_CALLS, Taps
-from dpfl_tf.keras.mixing import (BatchMixingLayerError, _leaf_layers,  # noqa: F401
-                                  refuse_batch_mixing_layers)
+from dpfl_tf.keras.mixing import BatchMixingLayerError, _leaf_layers, refuse_batch_mixing_layers  # noqa: F401
 
-__all__ = ["PerExampleGradients", "ClippedBatch", "refuse_batch_mixing_layers",
-           "per_example_loss", "plan_layers", "default_loss_scale"]
+__all__ = [
+    "PerExampleGradients",
+    "ClippedBatch",
+    "refuse_batch_mixing_layers",
+    "per_example_loss",
+    "plan_layers",
+    "default_loss_scale",
+]
 
 
-FLOAT16_LOSS_SCALE = 2.0 ** 10
+FLOAT16_LOSS_SCALE = 2.0**10
 
 
 def default_loss_scale(model: keras.Model) -> float:
@@ -93,7 +98,8 @@ def per_example_loss(loss_fn, y_true, y_pred) -> tf.Tensor:
     if values.shape.rank == 0:
         raise ValueError(
             "the loss returned a scalar: DP-SGD needs one loss value per example. Pass a "
-            "keras.losses.Loss instance or a function returning shape [batch].")
+            "keras.losses.Loss instance or a function returning shape [batch]."
+        )
     if values.shape.rank > 1:  # e.g. per-token losses: average over the example's axes
         values = tf.reduce_mean(tf.reshape(values, [tf.shape(values)[0], -1]), axis=1)
     return values
@@ -101,6 +107,7 @@ def per_example_loss(loss_fn, y_true, y_pred) -> tf.Tensor:
 
 # ---------------------------------------------------------------------------
 # The tapped forward: each planned layer's `call` is replaced by its rule's forward
+
 
 def _direct_children(layer) -> list:
     return list(layer._flatten_layers(include_self=False, recursive=False))
@@ -147,6 +154,7 @@ def plan_layers(model, excluded=frozenset()) -> dict:
 @dataclasses.dataclass
 class _Recorder:
     """One forward pass: its tape, the rules in force and the calls they tapped."""
+
     tape: tf.GradientTape
     plan: dict
     graph: object = dataclasses.field(default_factory=tf.compat.v1.get_default_graph)
@@ -236,7 +244,8 @@ def _call_with_training(op, training: bool):
     def call(*args, **kwargs):
         context = getattr(op, "_call_context_args", None)
         if (context is not None and "training" in context) or getattr(
-                op, "_call_has_training_arg", False):
+            op, "_call_has_training_arg", False
+        ):
             kwargs.setdefault("training", training)
         return op(*args, **kwargs)
 
@@ -247,6 +256,7 @@ class ClippedBatch(NamedTuple):
     """One batch's clipped sums (aligned with the model's trainable variables),
     per-example losses, predictions, and the clip factors applied (one [B]
     tensor per variable; 0 for an example dropped as non-finite)."""
+
     sums: list
     losses: tf.Tensor
     y_pred: object
@@ -268,13 +278,13 @@ class PerExampleGradients:
     a non-finite norm and is dropped like any non-finite example.
     """
 
-    def __init__(self, model: keras.Model, loss_fn, *, fast: bool = True,
-                 loss_scale: float = 1.0):
+    def __init__(self, model: keras.Model, loss_fn, *, fast: bool = True, loss_scale: float = 1.0):
         self.model = model
         self.loss_fn = loss_fn
         self.fast = fast
-        if not (isinstance(loss_scale, (int, float)) and loss_scale > 0
-                and loss_scale < float("inf")):
+        if not (
+            isinstance(loss_scale, (int, float)) and loss_scale > 0 and loss_scale < float("inf")
+        ):
             raise ValueError(f"loss_scale must be a finite number > 0, got {loss_scale!r}")
         self.loss_scale = float(loss_scale)
         self._excluded: dict[int, keras.layers.Layer] = {}
@@ -294,18 +304,22 @@ class PerExampleGradients:
         copy per example (generic path and per-layer Jacobian fallback): what
         bounds the physical batch's memory beyond the activations."""
         plan = plan_layers(self.model, frozenset(self._excluded)) if self.fast else {}
-        fast = {id(v) for layer, rule in plan.values() if rule is not FALLBACK
-                for v in layer.trainable_variables}
-        return sum(math.prod(v.shape) for v in self.model.trainable_variables
-                   if id(v) not in fast)
+        fast = {
+            id(v)
+            for layer, rule in plan.values()
+            if rule is not FALLBACK
+            for v in layer.trainable_variables
+        }
+        return sum(math.prod(v.shape) for v in self.model.trainable_variables if id(v) not in fast)
 
     def compute(self, x, y, weights: tf.Tensor, clip_factors_fn, training: bool = True):
         """Returns (clipped sums aligned with model.trainable_variables,
         per-example losses, y_pred): `clipped` without the factors."""
         return tuple(self.clipped(x, y, weights, clip_factors_fn, training)[:3])
 
-    def clipped(self, x, y, weights: tf.Tensor, clip_factors_fn,
-                training: bool = True) -> ClippedBatch:
+    def clipped(
+        self, x, y, weights: tf.Tensor, clip_factors_fn, training: bool = True
+    ) -> ClippedBatch:
         """The batch's `ClippedBatch`: sum_i c_i grad_i per variable, with the
         clip factors c that `clip_factors_fn` gave.
 
@@ -359,13 +373,18 @@ class PerExampleGradients:
 
         # Tapped calls read variables through stop_gradient: d total / d var is None
         # (no ops, so no run-time cost) unless the variable has another use.
-        watched = [(i, name, z) for i, (_, _, taps) in enumerate(calls)
-                   for name, z in taps.watched.items()]
-        grads = tape.gradient(total, [z for _, _, z in watched] + [v for _, v in tapped_vars]) \
-            if calls else []
-        g_watched, outside = grads[:len(watched)], grads[len(watched):]
-        leave_fast_path |= {layer_id for (layer_id, _), g in zip(tapped_vars, outside)
-                            if g is not None}
+        watched = [
+            (i, name, z) for i, (_, _, taps) in enumerate(calls) for name, z in taps.watched.items()
+        ]
+        grads = (
+            tape.gradient(total, [z for _, _, z in watched] + [v for _, v in tapped_vars])
+            if calls
+            else []
+        )
+        g_watched, outside = grads[: len(watched)], grads[len(watched) :]
+        leave_fast_path |= {
+            layer_id for (layer_id, _), g in zip(tapped_vars, outside) if g is not None
+        }
         if leave_fast_path:
             del tape
             self._excluded.update((i, layers[i][0]) for i in leave_fast_path)
@@ -377,8 +396,7 @@ class PerExampleGradients:
             del tape
             self._persistent = True
             return None
-        jac = (tape.jacobian(scaled_losses, generic, experimental_use_pfor=True)
-               if generic else [])
+        jac = tape.jacobian(scaled_losses, generic, experimental_use_pfor=True) if generic else []
         del tape
 
         call_grads = [{} for _ in calls]
@@ -404,13 +422,15 @@ class PerExampleGradients:
             previous = [sq for _, (sq, _) in results]
             missing = [v.path for v in layer.trainable_variables if id(v) not in sq_norms]
             if missing:
-                raise ValueError(f"the rule {type(rule).__name__} for layer {layer.name!r} "
-                                 f"returned no gradients for variables {missing}")
+                raise ValueError(
+                    f"the rule {type(rule).__name__} for layer {layer.name!r} "
+                    f"returned no gradients for variables {missing}"
+                )
         for var, j in zip(generic, jac):
             j = tf.zeros((tf.shape(losses)[0],) + tuple(var.shape), var.dtype) if j is None else j
             j.set_shape([None, *var.shape])  # pfor inside a while loop loses it
             sq_norms[id(var)] = tf.reduce_sum(tf.reshape(tf.square(j), [tf.shape(j)[0], -1]), 1)
-            sum_fns[id(var)] = (lambda c, j=j: weighted_sum(j, c))
+            sum_fns[id(var)] = lambda c, j=j: weighted_sum(j, c)
 
         if scale != 1.0:  # back to the gradients of the loss itself, in float32
             sq_norms = {k: tf.cast(q, tf.float32) / (scale * scale) for k, q in sq_norms.items()}

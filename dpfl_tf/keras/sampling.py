@@ -46,7 +46,7 @@ from dpfl_tf.secure_random import refuse_seed, secure_uniform
 __all__ = ["LotSampler", "READ_AHEAD_BYTES"]
 
 #: lots read ahead of the one in training hold at most this many bytes (at least one lot)
-READ_AHEAD_BYTES = 2 ** 29
+READ_AHEAD_BYTES = 2**29
 
 
 class LotSampler:
@@ -62,15 +62,23 @@ class LotSampler:
         the first permutation).
     """
 
-    def __init__(self, dataset_size: int, lot_size: int,
-                 sampling: SamplingMethod | str = SamplingMethod.POISSON,
-                 seed: int | None = None, secure_mode: bool = False, first_lot: int = 0,
-                 cycle_length: int | None = None):
+    def __init__(
+        self,
+        dataset_size: int,
+        lot_size: int,
+        sampling: SamplingMethod | str = SamplingMethod.POISSON,
+        seed: int | None = None,
+        secure_mode: bool = False,
+        first_lot: int = 0,
+        cycle_length: int | None = None,
+    ):
         self.dataset_size = check_count("dataset_size", dataset_size, minimum=1)
         self.lot_size = check_count("lot_size", lot_size, minimum=1)
         if self.lot_size > self.dataset_size:
-            raise ValueError(f"lot_size must be <= the number of examples "
-                             f"({self.dataset_size}), got {self.lot_size}")
+            raise ValueError(
+                f"lot_size must be <= the number of examples "
+                f"({self.dataset_size}), got {self.lot_size}"
+            )
         self.sampling = SamplingMethod.parse(sampling)
         if self.sampling is SamplingMethod.FULL_BATCH and self.lot_size != self.dataset_size:
             raise ValueError("full_batch sampling needs lot_size == dataset_size")
@@ -81,25 +89,31 @@ class LotSampler:
         # that continues a model draws new lots, not its first lots again
         self.first_lot = check_count("first_lot", first_lot, minimum=0)
         # the key of the in-graph stateless draws (63 bits of OS entropy by default)
-        self.key = int(seed) if seed is not None else \
-            int.from_bytes(os.urandom(8), "little") >> 1
+        self.key = int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.cycle_length = None
         if self.sampling is SamplingMethod.CYCLIC_POISSON:
             if cycle_length is None:
-                raise ValueError("sampling='cyclic_poisson' needs cycle_length (the number of "
-                                 "groups b), got None")
+                raise ValueError(
+                    "sampling='cyclic_poisson' needs cycle_length (the number of "
+                    "groups b), got None"
+                )
             self.cycle_length = check_count("cycle_length", cycle_length, minimum=1)
             if self.cycle_length > self.lots_per_epoch:
                 raise ValueError(
                     f"cycle_length must be <= N // L = {self.lots_per_epoch} (so that "
-                    f"q = b L / N <= 1), got {self.cycle_length}")
+                    f"q = b L / N <= 1), got {self.cycle_length}"
+                )
             # the group of each example: fixed for this sampler, uniform and independent
-            self._secure_groups = (np.floor(secure_uniform(self.dataset_size)
-                                            * self.cycle_length).astype(np.int64)
-                                   if self.secure_mode else None)
+            self._secure_groups = (
+                np.floor(secure_uniform(self.dataset_size) * self.cycle_length).astype(np.int64)
+                if self.secure_mode
+                else None
+            )
         elif cycle_length is not None:
-            raise ValueError(f"cycle_length is for sampling='cyclic_poisson' only, got "
-                             f"{cycle_length!r} with sampling={self.sampling.value!r}")
+            raise ValueError(
+                f"cycle_length is for sampling='cyclic_poisson' only, got "
+                f"{cycle_length!r} with sampling={self.sampling.value!r}"
+            )
 
     @property
     def sampling_rate(self) -> float:
@@ -116,7 +130,7 @@ class LotSampler:
         per = self.lots_per_epoch
         # the data's order fixes the lots: the neighbours are datasets with one
         # example replaced (removing one would move the others' lots)
-        if self.sampling is SamplingMethod.SHUFFLE:   # epochs start with this sampler's lots
+        if self.sampling is SamplingMethod.SHUFFLE:  # epochs start with this sampler's lots
             return Participation.epochs(steps, per, relation="replace_one")
         if self.sampling is SamplingMethod.IN_ORDER:
             return Participation.min_separation(steps, per, relation="replace_one")
@@ -127,7 +141,8 @@ class LotSampler:
         raise ValueError(
             f"correlated noise needs sampling 'shuffle', 'in_order', 'cyclic_poisson' or "
             f"'full_batch', got {self.sampling.value!r}: its lots can hold one example in "
-            "consecutive lots, and no amplification by sampling is claimed for it")
+            "consecutive lots, and no amplification by sampling is claimed for it"
+        )
 
     @property
     def lots_per_epoch(self) -> int:
@@ -147,12 +162,20 @@ class LotSampler:
         """N uniforms, stateless in (key, stream, t): floats on [0, 1), or
         for int32 the full range of 32-bit integers (2^32 equally likely values)."""
         seed = tf.random.experimental.stateless_fold_in(
-            tf.constant([self.key, stream], tf.int64), tf.cast(t, tf.int64))
+            tf.constant([self.key, stream], tf.int64), tf.cast(t, tf.int64)
+        )
         if dtype == tf.int32:
-            return tf.random.stateless_uniform([self.dataset_size], seed=seed, dtype=tf.int32,
-                                               minval=None, maxval=None, alg="philox")
-        return tf.random.stateless_uniform([self.dataset_size], seed=seed, dtype=dtype,
-                                           alg="philox")
+            return tf.random.stateless_uniform(
+                [self.dataset_size],
+                seed=seed,
+                dtype=tf.int32,
+                minval=None,
+                maxval=None,
+                alg="philox",
+            )
+        return tf.random.stateless_uniform(
+            [self.dataset_size], seed=seed, dtype=dtype, alg="philox"
+        )
 
     @property
     def inclusion_threshold(self) -> int | None:
@@ -162,8 +185,8 @@ class LotSampler:
         conservative, as a smaller rate is more private).  None when q is so
         small that this rounding would exceed 1e-4 of q, or q = 1: float64
         draws are compared with q then."""
-        threshold = math.floor(self.sampling_rate * 2 ** 32)
-        return threshold if 10_000 <= threshold < 2 ** 32 else None
+        threshold = math.floor(self.sampling_rate * 2**32)
+        return threshold if 10_000 <= threshold < 2**32 else None
 
     def _lot_in_graph(self, t) -> tf.Tensor:
         """Indices (sorted, int64) of lot t, Poisson or fixed-size, in the graph."""
@@ -176,7 +199,7 @@ class LotSampler:
             threshold = self.inclusion_threshold
             if threshold is None:
                 return tf.where(self._uniforms(0, t) < self.sampling_rate)[:, 0]
-            u = tf.cast(self._uniforms(0, t, tf.int32), tf.int64) + 2 ** 31  # [0, 2^32)
+            u = tf.cast(self._uniforms(0, t, tf.int32), tf.int64) + 2**31  # [0, 2^32)
             return tf.where(u < threshold)[:, 0]
         u = self._uniforms(0, t)
         # fixed size: the L largest of N uniforms are a uniform L-subset
@@ -208,7 +231,7 @@ class LotSampler:
                 j = i % self.lots_per_epoch
                 if j == 0:
                     perm = np.argsort(secure_uniform(n), kind="stable")
-                yield np.sort(perm[j * lot:(j + 1) * lot])
+                yield np.sort(perm[j * lot : (j + 1) * lot])
 
     def index_dataset(self, num_lots: int | None = None) -> tf.data.Dataset:
         """A `tf.data.Dataset` of lots, each a sorted int64 vector of example
@@ -219,6 +242,7 @@ class LotSampler:
             num_lots = check_count("num_lots", num_lots, minimum=0)
             return self.index_dataset(None).take(num_lots)
         if self.secure_mode:
+
             def endless():
                 start = 0
                 while True:
@@ -226,33 +250,46 @@ class LotSampler:
                     start += self.lots_per_epoch
 
             return tf.data.Dataset.from_generator(
-                endless, output_signature=tf.TensorSpec([None], tf.int64))
+                endless, output_signature=tf.TensorSpec([None], tf.int64)
+            )
         if self.sampling is SamplingMethod.FULL_BATCH:
             return tf.data.Dataset.from_tensors(
-                tf.range(self.dataset_size, dtype=tf.int64)).repeat()
+                tf.range(self.dataset_size, dtype=tf.int64)
+            ).repeat()
         if self.sampling is SamplingMethod.IN_ORDER:
             per, lot = self.lots_per_epoch, self.lot_size
             return tf.data.Dataset.counter(start=self.first_lot).map(
-                lambda t: tf.range(t % per * lot, (t % per + 1) * lot))
+                lambda t: tf.range(t % per * lot, (t % per + 1) * lot)
+            )
         if self.sampling is SamplingMethod.SHUFFLE:
             per, lot = self.lots_per_epoch, self.lot_size
 
             def epoch_lots(e):  # one permutation per epoch, cut into lots
-                perm = tf.cast(self._permutation(e)[:per * lot], tf.int64)
+                perm = tf.cast(self._permutation(e)[: per * lot], tf.int64)
                 return tf.data.Dataset.from_tensor_slices(
-                    tf.sort(tf.reshape(perm, [per, lot]), axis=1))
+                    tf.sort(tf.reshape(perm, [per, lot]), axis=1)
+                )
 
             return tf.data.Dataset.counter(start=self.first_lot).flat_map(epoch_lots)
-        return tf.data.Dataset.counter().map(self._lot_in_graph,
-                                             num_parallel_calls=tf.data.AUTOTUNE)
+        return tf.data.Dataset.counter().map(
+            self._lot_in_graph, num_parallel_calls=tf.data.AUTOTUNE
+        )
 
     def lots(self, num_lots: int) -> Iterator[np.ndarray]:
         """Yields `num_lots` arrays of indices (sorted): the lots `dataset` reads."""
         for idx in self.index_dataset(num_lots).as_numpy_iterator():
             yield idx
 
-    def dataset(self, x, y=None, *, epochs: int | None = None, pad_to: int = 1,
-                preprocess: Callable | None = None, prefetch: int = 2) -> tf.data.Dataset:
+    def dataset(
+        self,
+        x,
+        y=None,
+        *,
+        epochs: int | None = None,
+        pad_to: int = 1,
+        preprocess: Callable | None = None,
+        prefetch: int = 2,
+    ) -> tf.data.Dataset:
         """A `tf.data.Dataset` of (x_lot, y_lot, mask): `epochs * lots_per_epoch`
         lots (endless for None), each padded with zero-weight examples to a multiple of `pad_to`
         (at least `pad_to` examples, so that a distribution strategy splits
@@ -277,31 +314,49 @@ class LotSampler:
             return _read_padded(reader, idx, padded, preprocess, t)
 
         # the parallel map runs `ahead` lots ahead of the one in training
-        return self.index_dataset(total).enumerate(self.first_lot).map(
-            load, num_parallel_calls=ahead, deterministic=True)
+        return (
+            self.index_dataset(total)
+            .enumerate(self.first_lot)
+            .map(load, num_parallel_calls=ahead, deterministic=True)
+        )
 
     def lots_ahead(self, reader, prefetch: int) -> int:
         """Lots to read ahead: `prefetch`, or fewer when they would hold more
         than `READ_AHEAD_BYTES` (the expected lot, padded for Poisson's spread)."""
-        lot = self.lot_size + (math.ceil(5 * math.sqrt(self.lot_size))
-                               if self.sampling is SamplingMethod.POISSON else 0)
+        lot = self.lot_size + (
+            math.ceil(5 * math.sqrt(self.lot_size))
+            if self.sampling is SamplingMethod.POISSON
+            else 0
+        )
         lot_bytes = max(1, lot * reader.example_bytes())
         return max(1, min(prefetch, READ_AHEAD_BYTES // lot_bytes))
 
     def _reader_and_total(self, x, y, epochs):
         """The reader of the data, and the number of lots (None: endless)."""
-        total = None if epochs is None else \
-            check_count("epochs", epochs, minimum=1) * self.lots_per_epoch
+        total = (
+            None
+            if epochs is None
+            else check_count("epochs", epochs, minimum=1) * self.lots_per_epoch
+        )
         reader = x if isinstance(x, (ArrayReader, IndexedReader)) else make_reader(x, y)
         if reader.size != self.dataset_size:
-            raise ValueError(f"the data has {reader.size} examples but the sampler was "
-                             f"made for {self.dataset_size}")
+            raise ValueError(
+                f"the data has {reader.size} examples but the sampler was "
+                f"made for {self.dataset_size}"
+            )
         return reader, total
 
-    def replica_shares(self, x, y=None, *, epochs: int | None = None, replicas: int,
-                       first_replica: int = 0,
-                       local_replicas: int = 1,
-                       preprocess: Callable | None = None) -> tf.data.Dataset:
+    def replica_shares(
+        self,
+        x,
+        y=None,
+        *,
+        epochs: int | None = None,
+        replicas: int,
+        first_replica: int = 0,
+        local_replicas: int = 1,
+        preprocess: Callable | None = None,
+    ) -> tf.data.Dataset:
         """One worker's shares of every lot, for multi-worker training
         (`tf.distribute.Strategy.distribute_datasets_from_function`).
 
@@ -321,26 +376,37 @@ class LotSampler:
         local_replicas = check_count("local_replicas", local_replicas, minimum=1)
         first_replica = check_count("first_replica", first_replica, minimum=0)
         if first_replica + local_replicas > replicas:
-            raise ValueError(f"replicas {first_replica}..{first_replica + local_replicas - 1} "
-                             f"do not exist among {replicas}")
+            raise ValueError(
+                f"replicas {first_replica}..{first_replica + local_replicas - 1} "
+                f"do not exist among {replicas}"
+            )
         reader, total = self._reader_and_total(x, y, epochs)
 
         def with_replica(t, idx):  # (lot, replica) for each local replica, in order
             mine = tf.range(first_replica, first_replica + local_replicas, dtype=tf.int64)
-            return tf.data.Dataset.zip((tf.data.Dataset.from_tensors((t, idx)).repeat(
-                local_replicas), tf.data.Dataset.from_tensor_slices(mine)))
+            return tf.data.Dataset.zip(
+                (
+                    tf.data.Dataset.from_tensors((t, idx)).repeat(local_replicas),
+                    tf.data.Dataset.from_tensor_slices(mine),
+                )
+            )
 
         def load(lot, replica):
             t, idx = lot
             n = tf.shape(idx, out_type=tf.int64)[0]
             share = tf.maximum(tf.constant(1, tf.int64), (n + replicas - 1) // replicas)
             start = tf.minimum(replica * share, n)
-            return _read_padded(reader, idx[start:tf.minimum(start + share, n)], share,
-                                preprocess, t)
+            return _read_padded(
+                reader, idx[start : tf.minimum(start + share, n)], share, preprocess, t
+            )
 
-        return self.index_dataset(total).enumerate(self.first_lot).flat_map(with_replica).map(
-            load, num_parallel_calls=tf.data.AUTOTUNE,
-            deterministic=True).prefetch(2 * local_replicas)
+        return (
+            self.index_dataset(total)
+            .enumerate(self.first_lot)
+            .flat_map(with_replica)
+            .map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            .prefetch(2 * local_replicas)
+        )
 
 
 def takes_lot(preprocess: Callable) -> bool:
@@ -364,5 +430,4 @@ def _read_padded(reader, idx, size, preprocess, lot):
         t = tf.convert_to_tensor(t)
         return tf.pad(t, [[0, size - real]] + [[0, 0]] * (t.shape.rank - 1))
 
-    return (tf.nest.map_structure(pad, xb), pad(yb),
-            tf.sequence_mask(real, size, dtype=tf.float32))
+    return (tf.nest.map_structure(pad, xb), pad(yb), tf.sequence_mask(real, size, dtype=tf.float32))

@@ -15,7 +15,8 @@ Three kinds of data are read:
   `dpfl_tf.data.ImageFolderSource`, your own class (`IndexedReader`).  An
   optional ``__getitems__(indices)`` is used for batched reads; it returns a
   *list* of ``(x, y)`` records (the PyTorch / Hugging Face convention), or a
-  *tuple* ``(x_batch, y_batch)`` of arrays stacked along a first axis.  Without it the records of a lot are read by a thread pool.
+  *tuple* ``(x_batch, y_batch)`` of arrays stacked along a first axis.  Without
+  it the records of a lot are read by a thread pool.
 
 Indexed reads run in `tf.data` worker threads (`tf.numpy_function`), lots are
 read in parallel and prefetched while the current lot trains, so memory is
@@ -51,7 +52,8 @@ _NO_RANDOM_ACCESS = (
     "independently); {what} only streams records in its own order. Pass in-memory "
     "arrays fit(x, y, ...), an np.memmap, or a source with __len__ and "
     "__getitem__(i) -> (x, y) (e.g. tfds.data_source(...), a Hugging Face dataset "
-    "wrapped to return (x, y), dpfl_tf.data.ImageFolderSource) as fit(source, ...)")
+    "wrapped to return (x, y), dpfl_tf.data.ImageFolderSource) as fit(source, ...)"
+)
 
 
 def make_reader(x, y=None):
@@ -59,8 +61,9 @@ def make_reader(x, y=None):
     if isinstance(x, tf.data.Dataset):
         raise TypeError(_NO_RANDOM_ACCESS.format(what="a tf.data.Dataset"))
     if _is_pydataset(x):
-        raise TypeError(_NO_RANDOM_ACCESS.format(what="a keras.utils.PyDataset (a "
-                                                 "sequence of batches)"))
+        raise TypeError(
+            _NO_RANDOM_ACCESS.format(what="a keras.utils.PyDataset (a sequence of batches)")
+        )
     if y is None:
         if hasattr(x, "__next__") or (hasattr(x, "__iter__") and not hasattr(x, "__getitem__")):
             raise TypeError(_NO_RANDOM_ACCESS.format(what="a generator or iterator"))
@@ -69,13 +72,15 @@ def make_reader(x, y=None):
         raise TypeError(
             "DPModel.fit needs the training data as arrays fit(x, y, ...) or as a "
             "random-access source fit(source, ...) with __len__ and __getitem__(i) -> "
-            f"(x, y); got x of type {type(x).__name__} and no y")
+            f"(x, y); got x of type {type(x).__name__} and no y"
+        )
     if isinstance(x, list):  # a multi-input model's inputs given as a list: a
-        x = tuple(x)         # structure tf.data keeps (a list would be stacked)
+        x = tuple(x)  # structure tf.data keeps (a list would be stacked)
     leaves = tf.nest.flatten(x) + [y]
     n = _num_examples(x, y)
-    if any(isinstance(leaf, np.memmap) or getattr(leaf, "read_on_demand", False)
-           for leaf in leaves):   # memmaps, `dpfl_tf.data.NpyRows`: read lot by lot
+    if any(
+        isinstance(leaf, np.memmap) or getattr(leaf, "read_on_demand", False) for leaf in leaves
+    ):  # memmaps, `dpfl_tf.data.NpyRows`: read lot by lot
         return IndexedReader.from_arrays(x, y, n)
     return ArrayReader(x, y, n)
 
@@ -102,8 +107,10 @@ def _num_examples(x, y) -> int:
         raise ValueError("the training data is empty (0 examples)")
     for leaf in tf.nest.flatten(x):
         if np.shape(leaf)[:1] != (n,):
-            raise ValueError(f"x and y disagree on the number of examples: x has shape "
-                             f"{np.shape(leaf)}, y has {n} labels")
+            raise ValueError(
+                f"x and y disagree on the number of examples: x has shape "
+                f"{np.shape(leaf)}, y has {n} labels"
+            )
     return n
 
 
@@ -133,12 +140,13 @@ class ArrayReader:
 
     def example_bytes(self) -> int:
         """Bytes of one record (x and y)."""
-        return sum(int(np.prod(t.shape[1:], dtype=np.int64)) * t.dtype.size
-                   for t in tf.nest.flatten(self._x) + [self._y])
+        return sum(
+            int(np.prod(t.shape[1:], dtype=np.int64)) * t.dtype.size
+            for t in tf.nest.flatten(self._x) + [self._y]
+        )
 
     def read(self, idx: tf.Tensor):
-        return tf.nest.map_structure(lambda t: tf.gather(t, idx), self._x), \
-            tf.gather(self._y, idx)
+        return tf.nest.map_structure(lambda t: tf.gather(t, idx), self._x), tf.gather(self._y, idx)
 
     def raise_pending(self) -> None:
         """Nothing is read outside the graph: no source error to report."""
@@ -150,9 +158,9 @@ class IndexedReader:
 
     def __init__(self, read_records, size: int, length_fn, x_spec, y_spec):
         self.size = size
-        self._read_records = read_records      # np indices -> (x leaves list, y) stacked
+        self._read_records = read_records  # np indices -> (x leaves list, y) stacked
         self._length_fn = length_fn
-        self._x_spec = x_spec                  # structure of (shape, dtype) per leaf
+        self._x_spec = x_spec  # structure of (shape, dtype) per leaf
         self._y_spec = y_spec
         self.error: BaseException | None = None
         self._lock = threading.Lock()
@@ -165,7 +173,8 @@ class IndexedReader:
         for name, leaf in [("y", y)] + [("x", t) for t in leaves]:
             _check_numeric(name, np.asarray(leaf[:0]).dtype)
         x_spec = tf.nest.pack_sequence_as(
-            x, [_Spec(tuple(np.shape(t)[1:]), np.asarray(t[:0]).dtype) for t in leaves])
+            x, [_Spec(tuple(np.shape(t)[1:]), np.asarray(t[:0]).dtype) for t in leaves]
+        )
         y_spec = _Spec(tuple(np.shape(y)[1:]), np.asarray(y[:0]).dtype)
 
         for leaf in leaves + [y]:
@@ -190,8 +199,11 @@ class IndexedReader:
             _check_numeric(name, spec.dtype)
         getitems = getattr(source, "__getitems__", None)
         workers = min(16, 4 * (os.cpu_count() or 1))
-        pool = None if getitems is not None else \
-            concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dpfl-read")
+        pool = (
+            None
+            if getitems is not None
+            else concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dpfl-read")
+        )
         x_leaves_spec = tf.nest.flatten(x_spec)
 
         def read_records(idx: np.ndarray):
@@ -200,14 +212,17 @@ class IndexedReader:
                 got = _call(getitems, ints)
                 if isinstance(got, tuple):  # (x_batch, y_batch); a list is records
                     if len(got) != 2:
-                        raise SourceError(f"__getitems__ returned a tuple of {len(got)} "
-                                          "items; expected (x_batch, y_batch)")
+                        raise SourceError(
+                            f"__getitems__ returned a tuple of {len(got)} "
+                            "items; expected (x_batch, y_batch)"
+                        )
                     xs = tf.nest.flatten(got[0])
                     return _check_batch(xs, np.asarray(got[1]), ints, x_leaves_spec, y_spec)
                 records = [_as_record(r, i) for r, i in zip(_as_list(got, ints), ints)]
             else:
-                records = list(pool.map(lambda i: _as_record(_call(source.__getitem__, i), i),
-                                        ints))
+                records = list(
+                    pool.map(lambda i: _as_record(_call(source.__getitem__, i), i), ints)
+                )
             return _stack(records, ints, x_spec, y_spec)
 
         return cls(read_records, n, lambda: len(source), x_spec, y_spec)
@@ -219,14 +234,18 @@ class IndexedReader:
 
     def example_bytes(self) -> int:
         """Bytes of one record (x and y)."""
-        return sum(int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize
-                   for s in tf.nest.flatten(self._x_spec) + [self._y_spec])
+        return sum(
+            int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize
+            for s in tf.nest.flatten(self._x_spec) + [self._y_spec]
+        )
 
     def _check_length(self) -> None:
         length = self._length_fn()
         if length != self.size:
-            raise SourceError(f"the source changed length during training: it had "
-                              f"{self.size} records, now {length}")
+            raise SourceError(
+                f"the source changed length during training: it had "
+                f"{self.size} records, now {length}"
+            )
 
     def _read_numpy(self, idx: np.ndarray):
         try:
@@ -237,16 +256,20 @@ class IndexedReader:
         except BaseException as e:
             with self._lock:
                 if self.error is None:
-                    self.error = e if isinstance(e, SourceError) else SourceError(
-                        f"reading a lot failed: {type(e).__name__}: {e}")
+                    self.error = (
+                        e
+                        if isinstance(e, SourceError)
+                        else SourceError(f"reading a lot failed: {type(e).__name__}: {e}")
+                    )
                     if self.error is not e:
                         self.error.__cause__ = e
             raise
 
     def read(self, idx: tf.Tensor):
         leaves = tf.nest.flatten(self._x_spec) + [self._y_spec]
-        out = tf.numpy_function(self._read_numpy, [idx], [tf.as_dtype(s.dtype) for s in leaves],
-                                stateful=False)
+        out = tf.numpy_function(
+            self._read_numpy, [idx], [tf.as_dtype(s.dtype) for s in leaves], stateful=False
+        )
         for t, s in zip(out, leaves):
             t.set_shape([None, *s.shape])
         return tf.nest.pack_sequence_as(self._x_spec, out[:-1]), out[-1]
@@ -304,16 +327,17 @@ def _as_record(record, index: int):
     if isinstance(record, dict) and "x" in record and "y" in record:
         record = (record["x"], record["y"])
     if not (isinstance(record, (tuple, list)) and len(record) == 2):
-        raise SourceError(f"record {index}: expected a pair (x, y), got "
-                          f"{type(record).__name__}")
+        raise SourceError(f"record {index}: expected a pair (x, y), got {type(record).__name__}")
     x, y = record
     return tf.nest.map_structure(np.asarray, x), np.asarray(y)
 
 
 def _check_leaf(value: np.ndarray, spec: _Spec, what: str, index) -> None:
     if tuple(value.shape) != spec.shape or value.dtype != spec.dtype:
-        raise SourceError(f"record {index}: {what} has shape {tuple(value.shape)} dtype "
-                          f"{value.dtype}, but record 0 has {spec}")
+        raise SourceError(
+            f"record {index}: {what} has shape {tuple(value.shape)} dtype "
+            f"{value.dtype}, but record 0 has {spec}"
+        )
 
 
 def _stack(records, ints, x_spec, y_spec):
@@ -332,20 +356,25 @@ def _stack(records, ints, x_spec, y_spec):
         _check_leaf(y, y_spec, "y", i)
         ys.append(y)
     shape_of = lambda s: (0, *s.shape)  # noqa: E731
-    xs = [np.stack(c) if c else np.zeros(shape_of(s), s.dtype) for c, s in zip(columns, leaves_spec)]
+    xs = [
+        np.stack(c) if c else np.zeros(shape_of(s), s.dtype) for c, s in zip(columns, leaves_spec)
+    ]
     return xs, (np.stack(ys) if ys else np.zeros(shape_of(y_spec), y_spec.dtype))
 
 
 def _check_batch(xs, y, ints, leaves_spec, y_spec):
     n = len(ints)
     if len(xs) != len(leaves_spec):
-        raise SourceError(f"records {ints[:8]}: __getitems__ returned x with another "
-                          "structure than record 0")
+        raise SourceError(
+            f"records {ints[:8]}: __getitems__ returned x with another structure than record 0"
+        )
     for leaf, spec in zip(xs + [y], leaves_spec + [y_spec]):
         leaf = np.asarray(leaf)
         if leaf.shape != (n, *spec.shape) or leaf.dtype != spec.dtype:
             bad = next((i for i, row in zip(ints, leaf) if np.shape(row) != spec.shape), ints[0])
-            raise SourceError(f"record {bad}: __getitems__ returned a batch of shape "
-                              f"{leaf.shape} dtype {leaf.dtype} for {n} records, expected "
-                              f"({n}, {', '.join(map(str, spec.shape))}) dtype {spec.dtype}")
+            raise SourceError(
+                f"record {bad}: __getitems__ returned a batch of shape "
+                f"{leaf.shape} dtype {leaf.dtype} for {n} records, expected "
+                f"({n}, {', '.join(map(str, spec.shape))}) dtype {spec.dtype}"
+            )
     return [np.asarray(a) for a in xs], np.asarray(y)

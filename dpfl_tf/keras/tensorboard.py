@@ -19,8 +19,9 @@ INSTALL_HINT = "pip install 'dpfl-tf[tensorboard]'"
 def require_tensorboard(what: str = "TensorBoard logging") -> None:
     """Raises ImportError naming the extra to install when `tensorboard` is absent."""
     if importlib.util.find_spec("tensorboard") is None:
-        raise ImportError(f"{what} needs the tensorboard package, which is not installed: "
-                          f"{INSTALL_HINT}")
+        raise ImportError(
+            f"{what} needs the tensorboard package, which is not installed: {INSTALL_HINT}"
+        )
 
 
 def tensorboard_callback(log_dir: str, **kwargs):

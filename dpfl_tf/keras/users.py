@@ -55,8 +55,15 @@ from dpfl_tf.keras.sources import ArrayReader, IndexedReader, make_reader
 from dpfl_tf.privacy.events import SamplingMethod
 from dpfl_tf.secure_random import secure_uniform
 
-__all__ = ["UserLotSampler", "PerUserGradients", "group_users", "rerun_user_by_user",
-           "user_level_sampler", "refuse_mixed_units", "example_level_epsilon"]
+__all__ = [
+    "UserLotSampler",
+    "PerUserGradients",
+    "group_users",
+    "rerun_user_by_user",
+    "user_level_sampler",
+    "refuse_mixed_units",
+    "example_level_epsilon",
+]
 
 #: the ledger label of user-level lots (example-level lots are "dpsgd")
 USER_LEVEL_LABEL = "dpsgd (user-level)"
@@ -72,14 +79,19 @@ def group_users(user_ids, num_examples: int) -> tuple[np.ndarray, np.ndarray]:
     """
     n = check_count("the number of examples", num_examples, minimum=1)
     if user_ids is None:
-        raise ValueError("user_ids is missing: user-level DP-SGD needs the user of every "
-                         "example (an array of N ids, or a partition)")
+        raise ValueError(
+            "user_ids is missing: user-level DP-SGD needs the user of every "
+            "example (an array of N ids, or a partition)"
+        )
     if hasattr(user_ids, "indices") and hasattr(user_ids, "offsets"):  # ClientPartition
         indices = np.asarray(user_ids.indices, dtype=np.int64)
         offsets = np.asarray(user_ids.offsets, dtype=np.int64)
         return _checked_partition(indices, offsets, n)
-    if isinstance(user_ids, (list, tuple)) and user_ids and all(
-            isinstance(u, (list, tuple, np.ndarray)) for u in user_ids):
+    if (
+        isinstance(user_ids, (list, tuple))
+        and user_ids
+        and all(isinstance(u, (list, tuple, np.ndarray)) for u in user_ids)
+    ):
         sizes = np.array([len(u) for u in user_ids], dtype=np.int64)
         indices = np.concatenate([np.asarray(u, dtype=np.int64).ravel() for u in user_ids])
         return _checked_partition(indices, np.concatenate([[0], np.cumsum(sizes)]), n)
@@ -88,8 +100,10 @@ def group_users(user_ids, num_examples: int) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"user_ids must hold one id per example ({n}), got shape {ids.shape}")
     missing = _missing(ids)
     if missing.size:
-        raise ValueError(f"user_ids is missing for {missing.size} example(s) (first: example "
-                         f"{int(missing[0])}, {ids[missing[0]]}); every example needs a user")
+        raise ValueError(
+            f"user_ids is missing for {missing.size} example(s) (first: example "
+            f"{int(missing[0])}, {ids[missing[0]]}); every example needs a user"
+        )
     _, owner = np.unique(ids, return_inverse=True)
     order = np.argsort(owner, kind="stable")
     sizes = np.bincount(owner)
@@ -108,19 +122,27 @@ def _checked_partition(indices, offsets, n):
     sizes = np.diff(offsets)
     empty = np.flatnonzero(sizes == 0)
     if empty.size:
-        raise ValueError(f"{empty.size} user(s) hold no examples (first: user {int(empty[0])}); "
-                         "every user needs at least one example")
+        raise ValueError(
+            f"{empty.size} user(s) hold no examples (first: user {int(empty[0])}); "
+            "every user needs at least one example"
+        )
     if indices.size and (indices.min() < 0 or indices.max() >= n):
-        raise ValueError(f"the user partition names example indices outside [0, {n}) "
-                         f"(got {int(indices.min())}..{int(indices.max())})")
+        raise ValueError(
+            f"the user partition names example indices outside [0, {n}) "
+            f"(got {int(indices.min())}..{int(indices.max())})"
+        )
     counts = np.bincount(indices, minlength=n)
     if (counts > 1).any():
-        raise ValueError(f"example {int(np.flatnonzero(counts > 1)[0])} belongs to several "
-                         "users: each example must belong to exactly one")
+        raise ValueError(
+            f"example {int(np.flatnonzero(counts > 1)[0])} belongs to several "
+            "users: each example must belong to exactly one"
+        )
     if (counts == 0).any():
-        raise ValueError(f"{int((counts == 0).sum())} example(s) belong to no user (first: "
-                         f"example {int(np.flatnonzero(counts == 0)[0])}); every example "
-                         "needs a user")
+        raise ValueError(
+            f"{int((counts == 0).sum())} example(s) belong to no user (first: "
+            f"example {int(np.flatnonzero(counts == 0)[0])}); every example "
+            "needs a user"
+        )
     return indices, offsets
 
 
@@ -144,22 +166,40 @@ class UserLotSampler(LotSampler):
 
     ledger_label = USER_LEVEL_LABEL
     #: physical batch: the whole lot (`DPModel` never splits a user-level lot)
-    batch_size = 2 ** 30
+    batch_size = 2**30
 
-    def __init__(self, user_ids, num_examples: int, users_per_lot: int, *,
-                 max_examples_per_user: int | None = None, seed: int | None = None,
-                 secure_mode: bool = False, first_lot: int = 0):
+    def __init__(
+        self,
+        user_ids,
+        num_examples: int,
+        users_per_lot: int,
+        *,
+        max_examples_per_user: int | None = None,
+        seed: int | None = None,
+        secure_mode: bool = False,
+        first_lot: int = 0,
+    ):
         self.indices, self.offsets = group_users(user_ids, num_examples)
         self.num_examples = int(num_examples)
         users = len(self.offsets) - 1
         lot = check_count("lot_size (users per lot)", users_per_lot, minimum=1)
         if lot > users:
-            raise ValueError(f"lot_size (users per lot) must be <= the number of users "
-                             f"({users}), got {lot}")
-        super().__init__(users, lot, SamplingMethod.POISSON, seed=seed,
-                         secure_mode=secure_mode, first_lot=first_lot)
-        self.max_examples_per_user = None if max_examples_per_user is None else check_count(
-            "max_examples_per_user", max_examples_per_user, minimum=1)
+            raise ValueError(
+                f"lot_size (users per lot) must be <= the number of users ({users}), got {lot}"
+            )
+        super().__init__(
+            users,
+            lot,
+            SamplingMethod.POISSON,
+            seed=seed,
+            secure_mode=secure_mode,
+            first_lot=first_lot,
+        )
+        self.max_examples_per_user = (
+            None
+            if max_examples_per_user is None
+            else check_count("max_examples_per_user", max_examples_per_user, minimum=1)
+        )
 
     @property
     def sizes(self) -> np.ndarray:
@@ -167,28 +207,31 @@ class UserLotSampler(LotSampler):
         return np.diff(self.offsets)
 
     def index_dataset(self, num_lots=None):
-        raise NotImplementedError("user-level lots are (examples, user slots): use lot(t) "
-                                  "or dataset()")
+        raise NotImplementedError(
+            "user-level lots are (examples, user slots): use lot(t) or dataset()"
+        )
 
     def replica_shares(self, *args, **kwargs):
         raise NotImplementedError("user-level lots are not split among replicas")
 
     def expected_lot_examples(self) -> float:
         """E[examples in a lot] = q sum_u min(n_u, k)."""
-        sizes = self.sizes if self.max_examples_per_user is None else \
-            np.minimum(self.sizes, self.max_examples_per_user)
+        sizes = (
+            self.sizes
+            if self.max_examples_per_user is None
+            else np.minimum(self.sizes, self.max_examples_per_user)
+        )
         return float(self.sampling_rate * sizes.sum())
 
     def lot(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         """Lot t: (example indices, user slot of each: 0..m-1 for its m users)."""
         rng = np.random.default_rng([self.key, int(t)])
-        u = secure_uniform(self.dataset_size) if self.secure_mode else \
-            rng.random(self.dataset_size)
+        u = secure_uniform(self.dataset_size) if self.secure_mode else rng.random(self.dataset_size)
         users = np.flatnonzero(u < self.sampling_rate)
         cap = self.max_examples_per_user
         parts = []
         for user in users:
-            mine = self.indices[self.offsets[user]:self.offsets[user + 1]]
+            mine = self.indices[self.offsets[user] : self.offsets[user + 1]]
             if cap is not None and len(mine) > cap:
                 keys = secure_uniform(len(mine)) if self.secure_mode else rng.random(len(mine))
                 mine = np.sort(mine[np.argpartition(keys, cap - 1)[:cap]])
@@ -196,21 +239,36 @@ class UserLotSampler(LotSampler):
         if not parts:
             return np.zeros(0, np.int64), np.zeros(0, np.int32)
         counts = [len(p) for p in parts]
-        return (np.concatenate(parts).astype(np.int64),
-                np.repeat(np.arange(len(parts), dtype=np.int32), counts))
+        return (
+            np.concatenate(parts).astype(np.int64),
+            np.repeat(np.arange(len(parts), dtype=np.int32), counts),
+        )
 
-    def dataset(self, x, y=None, *, epochs: int | None = None, pad_to: int = 1,
-                preprocess: Callable | None = None, prefetch: int = 2) -> tf.data.Dataset:
+    def dataset(
+        self,
+        x,
+        y=None,
+        *,
+        epochs: int | None = None,
+        pad_to: int = 1,
+        preprocess: Callable | None = None,
+        prefetch: int = 2,
+    ) -> tf.data.Dataset:
         """A `tf.data.Dataset` of (x_lot, y_lot, mask, user_slots), padded to a
         multiple of `pad_to`; padding examples have mask 0 and a slot of their
         own (m, after the lot's m users)."""
         pad_to = check_count("pad_to", pad_to, minimum=1)
         reader = x if isinstance(x, (ArrayReader, IndexedReader)) else make_reader(x, y)
         if reader.size != self.num_examples:
-            raise ValueError(f"the data has {reader.size} examples but user_ids were given "
-                             f"for {self.num_examples}")
-        total = None if epochs is None else \
-            check_count("epochs", epochs, minimum=1) * self.lots_per_epoch
+            raise ValueError(
+                f"the data has {reader.size} examples but user_ids were given "
+                f"for {self.num_examples}"
+            )
+        total = (
+            None
+            if epochs is None
+            else check_count("epochs", epochs, minimum=1) * self.lots_per_epoch
+        )
         first = self.first_lot
 
         def lots():
@@ -227,10 +285,16 @@ class UserLotSampler(LotSampler):
             slots = tf.pad(slots, [[0, size - n]], constant_values=users)
             return xb, yb, mask, slots
 
-        spec = (tf.TensorSpec([], tf.int64), tf.TensorSpec([None], tf.int64),
-                tf.TensorSpec([None], tf.int32))
-        return tf.data.Dataset.from_generator(lots, output_signature=spec).map(
-            load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(prefetch)
+        spec = (
+            tf.TensorSpec([], tf.int64),
+            tf.TensorSpec([None], tf.int64),
+            tf.TensorSpec([None], tf.int32),
+        )
+        return (
+            tf.data.Dataset.from_generator(lots, output_signature=spec)
+            .map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            .prefetch(prefetch)
+        )
 
 
 class PerUserGradients(PerExampleGradients):
@@ -243,16 +307,19 @@ class PerUserGradients(PerExampleGradients):
 
     def _clipped_norms(self, variables, sq_norms, sum_fns):
         if self.segments is None:
-            raise RuntimeError("PerUserGradients.segments is not set: give the user slot of "
-                               "every example of the batch")
+            raise RuntimeError(
+                "PerUserGradients.segments is not set: give the user slot of "
+                "every example of the batch"
+            )
         seg = tf.cast(self.segments, tf.int32)
         users = tf.reduce_max(seg) + 1
         indicators = tf.transpose(tf.one_hot(seg, users, dtype=tf.float32))  # [U, B]
         out = []
         for v in variables:
-            per_user = tf.vectorized_map(sum_fns[id(v)], indicators)        # [U, *v.shape]
-            sq = tf.reduce_sum(tf.reshape(tf.square(tf.cast(per_user, tf.float32)),
-                                          [users, -1]), axis=1)
+            per_user = tf.vectorized_map(sum_fns[id(v)], indicators)  # [U, *v.shape]
+            sq = tf.reduce_sum(
+                tf.reshape(tf.square(tf.cast(per_user, tf.float32)), [users, -1]), axis=1
+            )
             out.append(tf.gather(sq, seg))
         return out
 
@@ -267,11 +334,13 @@ def rerun_user_by_user(clip_user: Callable, variables, x, y, mask, segments):
 
     def one(u):
         rows = tf.where(tf.equal(segments, u))[:, 0]
-        sums, dropped = clip_user(tf.nest.map_structure(lambda t: tf.gather(t, rows), x),
-                                  tf.gather(y, rows), tf.gather(mask, rows),
-                                  tf.zeros_like(tf.gather(segments, rows)))
-        return [tf.cast(s, v.dtype) for s, v in zip(sums, variables)] + [
-            tf.cast(dropped, tf.int64)]
+        sums, dropped = clip_user(
+            tf.nest.map_structure(lambda t: tf.gather(t, rows), x),
+            tf.gather(y, rows),
+            tf.gather(mask, rows),
+            tf.zeros_like(tf.gather(segments, rows)),
+        )
+        return [tf.cast(s, v.dtype) for s, v in zip(sums, variables)] + [tf.cast(dropped, tf.int64)]
 
     spec = [tf.TensorSpec(v.shape, v.dtype) for v in variables] + [tf.TensorSpec([], tf.int64)]
     out = tf.map_fn(one, tf.range(users), fn_output_signature=spec, parallel_iterations=1)
@@ -281,49 +350,79 @@ def rerun_user_by_user(clip_user: Callable, variables, x, y, mask, segments):
 def refuse_mixed_units(ledger, *, user_level: bool) -> None:
     """ValueError if `ledger` holds lots of the other unit of privacy: an
     epsilon composed from example-level and user-level lots bounds neither."""
-    held_label, held, new, fix = (("dpsgd", "example", "user", "leave out user_ids=")
-                                  if user_level else
-                                  (USER_LEVEL_LABEL, "user", "example", "pass user_ids="))
+    held_label, held, new, fix = (
+        ("dpsgd", "example", "user", "leave out user_ids=")
+        if user_level
+        else (USER_LEVEL_LABEL, "user", "example", "pass user_ids=")
+    )
     count = ledger.count(held_label)
     if count:
         raise ValueError(
             f"this model's ledger holds {count} {held}-level lots: {new}-level lots composed "
             "with them give an epsilon that bounds neither unit of privacy. Train from a "
-            f"fresh DPModel, or keep to one unit ({fix})")
+            f"fresh DPModel, or keep to one unit ({fix})"
+        )
 
 
-def user_level_sampler(model, num_examples: int, lot_size: int, *, sampling, batch_size,
-                       user_ids, max_examples_per_user, seed, first_lot) -> UserLotSampler:
+def user_level_sampler(
+    model,
+    num_examples: int,
+    lot_size: int,
+    *,
+    sampling,
+    batch_size,
+    user_ids,
+    max_examples_per_user,
+    seed,
+    first_lot,
+) -> UserLotSampler:
     """The sampler of ``DPModel.fit(..., user_ids=...)``, after the refusals
     that keep its lots user-level: Poisson sampling only, one physical batch
     per lot, no XLA, one replica, and a ledger that holds no example-level lots (an
     example-level and a user-level epsilon do not compose into either)."""
     if user_ids is None:
-        raise ValueError(f"max_examples_per_user={max_examples_per_user!r} needs user_ids (the "
-                         "user of every example)")
+        raise ValueError(
+            f"max_examples_per_user={max_examples_per_user!r} needs user_ids (the "
+            "user of every example)"
+        )
     if SamplingMethod.parse(sampling) is not SamplingMethod.POISSON:
-        raise ValueError(f"user-level DP-SGD samples users with Poisson sampling: sampling "
-                         f"must be 'poisson', got {sampling!r}")
+        raise ValueError(
+            f"user-level DP-SGD samples users with Poisson sampling: sampling "
+            f"must be 'poisson', got {sampling!r}"
+        )
     if batch_size is not None:
-        raise ValueError(f"user-level lots are computed in one physical batch (a user's "
-                         f"examples in one backward pass): batch_size must be None, got "
-                         f"{batch_size!r}; bound the lot with max_examples_per_user")
+        raise ValueError(
+            f"user-level lots are computed in one physical batch (a user's "
+            f"examples in one backward pass): batch_size must be None, got "
+            f"{batch_size!r}; bound the lot with max_examples_per_user"
+        )
     if model.jit_compile:
-        raise ValueError("user-level DP-SGD needs jit_compile=False: the number of users in a "
-                         "lot changes from lot to lot, a shape XLA would compile anew (this "
-                         "mode is not supported, so it is refused)")
+        raise ValueError(
+            "user-level DP-SGD needs jit_compile=False: the number of users in a "
+            "lot changes from lot to lot, a shape XLA would compile anew (this "
+            "mode is not supported, so it is refused)"
+        )
     replicas = model.distribute_strategy.num_replicas_in_sync
     if replicas > 1:
-        raise ValueError(f"user-level DP-SGD runs on one replica, got a distribution strategy "
-                         f"with {replicas} (a user's examples would be split; not supported)")
+        raise ValueError(
+            f"user-level DP-SGD runs on one replica, got a distribution strategy "
+            f"with {replicas} (a user's examples would be split; not supported)"
+        )
     refuse_mixed_units(model.ledger, user_level=True)
-    return UserLotSampler(user_ids, num_examples, lot_size,
-                          max_examples_per_user=max_examples_per_user, seed=seed,
-                          secure_mode=model.optimizer.secure_mode, first_lot=first_lot)
+    return UserLotSampler(
+        user_ids,
+        num_examples,
+        lot_size,
+        max_examples_per_user=max_examples_per_user,
+        seed=seed,
+        secure_mode=model.optimizer.secure_mode,
+        first_lot=first_lot,
+    )
 
 
-def example_level_epsilon(noise_multiplier: float, sampling_rate: float, lots: int,
-                          delta: float) -> float:
+def example_level_epsilon(
+    noise_multiplier: float, sampling_rate: float, lots: int, delta: float
+) -> float:
     """The example-level epsilon a user-level run implies (add/remove one example).
 
     Removing one example of user u changes u's clipped contribution
@@ -343,7 +442,12 @@ def example_level_epsilon(noise_multiplier: float, sampling_rate: float, lots: i
     from dp_accounting import pld
 
     accountant = pld.PLDAccountant(
-        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
-    accountant.compose(dp_accounting.PoissonSampledDpEvent(
-        sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier)), int(lots))
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE
+    )
+    accountant.compose(
+        dp_accounting.PoissonSampledDpEvent(
+            sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier)
+        ),
+        int(lots),
+    )
     return float(accountant.get_epsilon(delta))

@@ -16,9 +16,11 @@ import dp_accounting
 from dp_accounting import dp_event as _dp_event
 
 
-def walk_composition(event: dp_accounting.DpEvent, count: int,
-                     leaf: Callable[[dp_accounting.DpEvent, int], Optional[object]]
-                     ) -> Optional[object]:
+def walk_composition(
+    event: dp_accounting.DpEvent,
+    count: int,
+    leaf: Callable[[dp_accounting.DpEvent, int], Optional[object]],
+) -> Optional[object]:
     """Calls ``leaf(e, n)`` for every non-composite event e of `event`, n being
     `count` times the product of the self-composition counts above it; returns
     the first non-None result of `leaf` (an error), else None."""
@@ -46,12 +48,14 @@ class SampledGaussianAccountant(dp_accounting.PrivacyAccountant, abc.ABC):
     def _compose_gaussian(self, q: float, sigma: float, count: int) -> None:
         """Adds `count` steps of the sampled Gaussian (rate q, multiplier sigma)."""
 
-    def _maybe_compose(self, event, count: int, do_compose: bool
-                       ) -> Optional[dp_accounting.PrivacyAccountant.CompositionErrorDetails]:
+    def _maybe_compose(
+        self, event, count: int, do_compose: bool
+    ) -> Optional[dp_accounting.PrivacyAccountant.CompositionErrorDetails]:
         return walk_composition(event, count, lambda e, n: self._compose_leaf(e, n, do_compose))
 
-    def _compose_leaf(self, event, count: int, do_compose: bool
-                      ) -> Optional[dp_accounting.PrivacyAccountant.CompositionErrorDetails]:
+    def _compose_leaf(
+        self, event, count: int, do_compose: bool
+    ) -> Optional[dp_accounting.PrivacyAccountant.CompositionErrorDetails]:
         if isinstance(event, _dp_event.NoOpDpEvent):
             return None
         if isinstance(event, _dp_event.NonPrivateDpEvent):
@@ -65,5 +69,6 @@ class SampledGaussianAccountant(dp_accounting.PrivacyAccountant, abc.ABC):
             if do_compose and count > 0 and q > 0:
                 self._compose_gaussian(float(q), float(inner.noise_multiplier), count)
             return None
-        return self.CompositionErrorDetails(invalid_event=event,
-                                            error_message=self.unsupported_message)
+        return self.CompositionErrorDetails(
+            invalid_event=event, error_message=self.unsupported_message
+        )

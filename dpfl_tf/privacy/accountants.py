@@ -22,13 +22,24 @@ from dp_accounting import rdp as _rdp
 from dpfl_tf._validation import ChoiceEnum, check_number
 from dpfl_tf.privacy import distributed as _distributed
 from dpfl_tf.privacy._gaussian_accountant import walk_composition
-from dpfl_tf.privacy.events import (describe_event, event_to_json, iter_events,
-                                    joint_noise_multiplier, neighboring_relation_of)
+from dpfl_tf.privacy.events import (
+    describe_event,
+    event_to_json,
+    iter_events,
+    joint_noise_multiplier,
+    neighboring_relation_of,
+)
 from dpfl_tf.privacy.moments import MomentsAccountant
 from dpfl_tf.privacy.strong import StrongCompositionAccountant
 
-__all__ = ["AccountantKind", "make_accountant", "compute_epsilon", "compute_delta", "rdp_curve",
-           "refuse_repeat_and_select"]
+__all__ = [
+    "AccountantKind",
+    "make_accountant",
+    "compute_epsilon",
+    "compute_delta",
+    "rdp_curve",
+    "refuse_repeat_and_select",
+]
 
 
 class AccountantKind(ChoiceEnum):
@@ -39,9 +50,12 @@ class AccountantKind(ChoiceEnum):
     STRONG = "strong"
 
 
-def make_accountant(kind: AccountantKind | str = AccountantKind.MOMENTS, *,
-                    neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
-                    pld_discretization: float = 1e-4) -> dp_accounting.PrivacyAccountant:
+def make_accountant(
+    kind: AccountantKind | str = AccountantKind.MOMENTS,
+    *,
+    neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+    pld_discretization: float = 1e-4,
+) -> dp_accounting.PrivacyAccountant:
     """A fresh, empty accountant of the given kind."""
     kind = AccountantKind.parse(kind)
     if kind is AccountantKind.MOMENTS:
@@ -49,8 +63,10 @@ def make_accountant(kind: AccountantKind | str = AccountantKind.MOMENTS, *,
     if kind is AccountantKind.RDP:
         return CachedRdpAccountant(neighboring_relation=neighboring_relation)
     if kind is AccountantKind.PLD:
-        return _pld.PLDAccountant(neighboring_relation=neighboring_relation,
-                                  value_discretization_interval=pld_discretization)
+        return _pld.PLDAccountant(
+            neighboring_relation=neighboring_relation,
+            value_discretization_interval=pld_discretization,
+        )
     return StrongCompositionAccountant(neighboring_relation=neighboring_relation)
 
 
@@ -72,7 +88,7 @@ class _EventKey:
 def _cache_key(event: dp_accounting.DpEvent):
     try:
         hash(event)
-    except TypeError:      # e.g. a sampled [Gaussian + Gaussian] (joint_gaussian_step_event)
+    except TypeError:  # e.g. a sampled [Gaussian + Gaussian] (joint_gaussian_step_event)
         return _EventKey(event)
     return event
 
@@ -99,15 +115,16 @@ class CachedRdpAccountant(_rdp.RdpAccountant):
         return walk_composition(event, count, lambda e, n: self._compose_leaf(e, n, do_compose))
 
     def _compose_leaf(self, event, count, do_compose):
-        if _distributed.is_distributed_event(event):   # distributed DP: its own bounds
+        if _distributed.is_distributed_event(event):  # distributed DP: its own bounds
             if do_compose and count > 0:
                 self._rdp = self._rdp + count * _distributed.rdp_curve(
-                    event, tuple(float(a) for a in self._orders))
+                    event, tuple(float(a) for a in self._orders)
+                )
             return None
         err = super()._maybe_compose(event, count, do_compose=False)  # support check only
         if err is None and do_compose and count > 0:
             orders, curve = _rdp_of_leaf(_cache_key(event), self._neighboring_relation)
-            if orders != tuple(self._orders):   # other orders: the uncached path
+            if orders != tuple(self._orders):  # other orders: the uncached path
                 return super()._maybe_compose(event, count, do_compose)
             self._rdp = self._rdp + count * curve
         return err
@@ -137,7 +154,7 @@ def _gaussian_tree_multiplier(event: dp_accounting.DpEvent) -> float | None:
         inner = _gaussian_tree_multiplier(event.event)
         if inner is None or event.count < 1:
             return None
-        return inner / math.sqrt(event.count)   # joint_noise_multiplier of `count` copies
+        return inner / math.sqrt(event.count)  # joint_noise_multiplier of `count` copies
     if isinstance(event, _dp_event.ComposedDpEvent) and event.events:
         parts = [_gaussian_tree_multiplier(e) for e in event.events]
         return None if any(p is None for p in parts) else joint_noise_multiplier(parts)
@@ -154,9 +171,9 @@ def _one_gaussian_per_sample(event: dp_accounting.DpEvent) -> dp_accounting.DpEv
         return _dp_event.SelfComposedDpEvent(_one_gaussian_per_sample(event.event), event.count)
     if isinstance(event, _dp_event.ComposedDpEvent):
         return _dp_event.ComposedDpEvent([_one_gaussian_per_sample(e) for e in event.events])
-    if isinstance(event, (_dp_event.PoissonSampledDpEvent,
-                          _dp_event.SampledWithoutReplacementDpEvent)) and \
-            not isinstance(event.event, _dp_event.GaussianDpEvent):
+    if isinstance(
+        event, (_dp_event.PoissonSampledDpEvent, _dp_event.SampledWithoutReplacementDpEvent)
+    ) and not isinstance(event.event, _dp_event.GaussianDpEvent):
         sigma = _gaussian_tree_multiplier(event.event)
         if sigma is not None:
             return attr.evolve(event, event=dp_accounting.GaussianDpEvent(sigma))
@@ -173,7 +190,8 @@ def _accountant_for(event: dp_accounting.DpEvent, kind) -> dp_accounting.Privacy
         raise ValueError(
             f"the {AccountantKind.parse(kind).value!r} accountant cannot interpret "
             f"{describe_event(event)}; fixed-size sampling without replacement and the "
-            "distributed DP events are interpreted by 'rdp' only")
+            "distributed DP events are interpreted by 'rdp' only"
+        )
     return accountant.compose(event)
 
 
@@ -190,7 +208,8 @@ def refuse_repeat_and_select(event: dp_accounting.DpEvent, kind) -> None:
         raise ValueError(
             f"accountant {kind.value!r} cannot account {describe_event(event)}: the best of "
             "a random number of runs (RepeatAndSelectDpEvent, Papernot & Steinke 2022) is "
-            "bounded in Renyi DP only; use accountant='rdp'")
+            "bounded in Renyi DP only; use accountant='rdp'"
+        )
 
 
 def rdp_curve(event: dp_accounting.DpEvent) -> tuple[np.ndarray, np.ndarray]:
@@ -200,16 +219,22 @@ def rdp_curve(event: dp_accounting.DpEvent) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(accountant._orders, dtype=float), np.asarray(accountant._rdp, dtype=float)
 
 
-def compute_epsilon(event: dp_accounting.DpEvent, delta: float,
-                    accountant: AccountantKind | str = AccountantKind.MOMENTS) -> float:
+def compute_epsilon(
+    event: dp_accounting.DpEvent,
+    delta: float,
+    accountant: AccountantKind | str = AccountantKind.MOMENTS,
+) -> float:
     """eps such that `event` is (eps, delta)-DP according to `accountant`."""
     delta = check_number("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
     eps = _accountant_for(event, accountant).get_epsilon(delta)
     return math.inf if eps is None or math.isnan(eps) else float(eps)
 
 
-def compute_delta(event: dp_accounting.DpEvent, epsilon: float,
-                  accountant: AccountantKind | str = AccountantKind.MOMENTS) -> float:
+def compute_delta(
+    event: dp_accounting.DpEvent,
+    epsilon: float,
+    accountant: AccountantKind | str = AccountantKind.MOMENTS,
+) -> float:
     """delta such that `event` is (epsilon, delta)-DP according to `accountant`."""
     epsilon = check_number("epsilon", epsilon, low=0.0)
     return float(_accountant_for(event, accountant).get_delta(epsilon))

@@ -41,8 +41,10 @@ def calibrate_noise_multiplier(
     while eps(hi) > target:
         hi *= 2.0
         if hi > max_noise:
-            raise ValueError(f"no noise multiplier <= {max_noise:g} reaches epsilon "
-                             f"{target:g} at delta {delta:g}")
+            raise ValueError(
+                f"no noise multiplier <= {max_noise:g} reaches epsilon "
+                f"{target:g} at delta {delta:g}"
+            )
     lo = 0.0
     while hi - lo > tolerance * max(1.0, hi) * 0.5:
         mid = 0.5 * (lo + hi)
@@ -71,7 +73,8 @@ def max_steps(
 
     def fits(t: int) -> bool:
         event = dp_accounting.ComposedDpEvent(
-            prior + [dp_accounting.SelfComposedDpEvent(step_event, t)])
+            prior + [dp_accounting.SelfComposedDpEvent(step_event, t)]
+        )
         return compute_epsilon(event, delta, accountant) <= target
 
     if not fits(1):

@@ -78,12 +78,22 @@ from dp_accounting import dp_event as _dp_event
 from scipy import special
 
 from dpfl_tf._validation import check_count, check_number
-from dpfl_tf.privacy.events import (DISTRIBUTED_EVENTS, DistributedDiscreteGaussianDpEvent,
-                                    DistributedSkellamDpEvent)
+from dpfl_tf.privacy.events import (
+    DISTRIBUTED_EVENTS,
+    DistributedDiscreteGaussianDpEvent,
+    DistributedSkellamDpEvent,
+)
 
-__all__ = ["rounded_l2_norm_bound", "integer_l1_bound", "ddg_tau", "ddg_rdp",
-           "skellam_rdp", "sampled_without_replacement_rdp", "rdp_curve",
-           "is_distributed_event"]
+__all__ = [
+    "rounded_l2_norm_bound",
+    "integer_l1_bound",
+    "ddg_tau",
+    "ddg_rdp",
+    "skellam_rdp",
+    "sampled_without_replacement_rdp",
+    "rdp_curve",
+    "is_distributed_event",
+]
 
 
 def rounded_l2_norm_bound(l2_norm: float, beta: float, dimension: int) -> float:
@@ -119,26 +129,28 @@ def ddg_tau(share_variance: float, num_shares: int) -> float:
     """tau = 10 sum_{k=1}^{n-1} exp(-2 pi^2 s^2 k / (k+1)) (Kairouz et al. 2021,
     Theorem 1): how far a sum of n discrete Gaussians N_Z(0, s^2) is from one
     discrete Gaussian N_Z(0, n s^2)."""
-    v = check_number("share_variance", share_variance, low=0.25)   # s >= 1/2
+    v = check_number("share_variance", share_variance, low=0.25)  # s >= 1/2
     n = check_count("num_shares", num_shares, minimum=1)
     k = np.arange(1, n, dtype=np.float64)
-    return float(10.0 * np.sum(np.exp(-2.0 * math.pi ** 2 * v * k / (k + 1.0))))
+    return float(10.0 * np.sum(np.exp(-2.0 * math.pi**2 * v * k / (k + 1.0))))
 
 
 def ddg_rdp(orders, event: DistributedDiscreteGaussianDpEvent) -> np.ndarray:
     """eps(a) of one release of the distributed discrete Gaussian at every order a
     (module docstring; Kairouz et al. 2021, Theorem 1 and Proposition 14)."""
     if event.share_variance < 0.25:
-        raise ValueError("the distributed discrete Gaussian bound needs share stddev >= 1/2 "
-                         f"(share_variance >= 0.25), got share_variance={event.share_variance}")
+        raise ValueError(
+            "the distributed discrete Gaussian bound needs share stddev >= 1/2 "
+            f"(share_variance >= 0.25), got share_variance={event.share_variance}"
+        )
     a = np.asarray(orders, dtype=np.float64)
     n, d = event.num_shares, event.dimension
     s = math.sqrt(event.share_variance)
     tau = ddg_tau(event.share_variance, n)
-    l2 = event.l2_sensitivity / (math.sqrt(n) * s)       # D2 / sqrt(n s^2)
+    l2 = event.l2_sensitivity / (math.sqrt(n) * s)  # D2 / sqrt(n s^2)
     l1 = event.l1_sensitivity / (math.sqrt(n) * s)
-    term1 = a * l2 ** 2 / 2.0 + tau * d
-    term2 = a / 2.0 * (l2 ** 2 + 2.0 * l1 * tau + tau ** 2 * d)
+    term1 = a * l2**2 / 2.0 + tau * d
+    term2 = a / 2.0 * (l2**2 + 2.0 * l1 * tau + tau**2 * d)
     term3 = a / 2.0 * (l2 + math.sqrt(d) * tau) ** 2
     return np.minimum(np.minimum(term1, term2), term3)
 
@@ -149,9 +161,8 @@ def skellam_rdp(orders, event: DistributedSkellamDpEvent) -> np.ndarray:
     a = np.asarray(orders, dtype=np.float64)
     mu = event.num_shares * event.share_variance
     l2, l1 = event.l2_sensitivity, event.l1_sensitivity
-    extra = np.minimum(((2.0 * a - 1.0) * l2 ** 2 + 6.0 * l1) / (4.0 * mu ** 2),
-                       3.0 * l1 / (2.0 * mu))
-    return a * l2 ** 2 / (2.0 * mu) + extra
+    extra = np.minimum(((2.0 * a - 1.0) * l2**2 + 6.0 * l1) / (4.0 * mu**2), 3.0 * l1 / (2.0 * mu))
+    return a * l2**2 / (2.0 * mu) + extra
 
 
 def _unsampled_integer_rdp(event, alphas: np.ndarray) -> np.ndarray:
@@ -175,8 +186,9 @@ def sampled_without_replacement_rdp(alpha: int, gamma: float, eps) -> float:
         return float(e[-1])
     log_comb = special.gammaln(alpha + 1) - special.gammaln(j + 1) - special.gammaln(alpha - j + 1)
     e2 = e[0]
-    second = min(math.log(4.0) + e2 + math.log(-math.expm1(-e2)) if e2 > 0 else -math.inf,
-                 math.log(2.0) + e2)
+    second = min(
+        math.log(4.0) + e2 + math.log(-math.expm1(-e2)) if e2 > 0 else -math.inf, math.log(2.0) + e2
+    )
     terms = [0.0, 2 * math.log(gamma) + log_comb[0] + second]
     if alpha >= 3:
         higher = math.log(2.0) + j[1:] * math.log(gamma) + log_comb[1:] + (j[1:] - 1) * e[1:]
@@ -233,10 +245,11 @@ def rdp_curve(event: dp_accounting.DpEvent, orders: tuple) -> np.ndarray:
         if gamma == 1.0:
             return unsampled(alpha)
         sampled = sampled_without_replacement_rdp(
-            alpha, gamma, lambda j: _unsampled_integer_rdp(inner, j))
+            alpha, gamma, lambda j: _unsampled_integer_rdp(inner, j)
+        )
         return min(sampled, unsampled(alpha))
 
     orders = np.asarray(orders, dtype=np.float64)
     if isinstance(inner, DistributedDiscreteGaussianDpEvent) and gamma == 1.0:
-        return ddg_rdp(orders, inner)     # the bound holds at every real order
+        return ddg_rdp(orders, inner)  # the bound holds at every real order
     return _cgf_interpolated(orders, integer_rdp)

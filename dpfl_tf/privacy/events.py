@@ -119,8 +119,10 @@ __all__ = [
 
 NeighboringRelation = dp_accounting.NeighboringRelation
 
-_RELATION_NAMES = {NeighboringRelation.ADD_OR_REMOVE_ONE: "add/remove-one",
-                   NeighboringRelation.REPLACE_ONE: "replace-one"}
+_RELATION_NAMES = {
+    NeighboringRelation.ADD_OR_REMOVE_ONE: "add/remove-one",
+    NeighboringRelation.REPLACE_ONE: "replace-one",
+}
 
 
 def relation_name(relation: NeighboringRelation) -> str:
@@ -128,8 +130,9 @@ def relation_name(relation: NeighboringRelation) -> str:
     return _RELATION_NAMES.get(relation, str(relation))
 
 
-def parse_relation(relation: NeighboringRelation | str, argument: str = "relation"
-                   ) -> NeighboringRelation:
+def parse_relation(
+    relation: NeighboringRelation | str, argument: str = "relation"
+) -> NeighboringRelation:
     """A `NeighboringRelation` from itself or its name ('add_or_remove_one', 'replace_one')."""
     allowed = tuple(_RELATION_NAMES)
     if isinstance(relation, NeighboringRelation) and relation in allowed:
@@ -138,8 +141,9 @@ def parse_relation(relation: NeighboringRelation | str, argument: str = "relatio
         key = relation.strip().upper().replace("-", "_").replace("/", "_OR_")
         if key in NeighboringRelation.__members__ and NeighboringRelation[key] in allowed:
             return NeighboringRelation[key]
-    raise ValueError(f"{argument} must be one of 'add_or_remove_one', 'replace_one', "
-                     f"got {relation!r}")
+    raise ValueError(
+        f"{argument} must be one of 'add_or_remove_one', 'replace_one', got {relation!r}"
+    )
 
 
 @attr.s(frozen=True, slots=True, auto_attribs=True)
@@ -260,8 +264,10 @@ def joint_gaussian_step_event(
     release, each multiplier being noise std / add-remove sensitivity of its
     sum (halved under fixed-size sampling's replace-one relation, as for
     `gaussian_step_event`)."""
-    sigmas = [_check_number(f"noise_multipliers[{i}]", s, low=0.0)
-              for i, s in enumerate(noise_multipliers)]
+    sigmas = [
+        _check_number(f"noise_multipliers[{i}]", s, low=0.0)
+        for i, s in enumerate(noise_multipliers)
+    ]
     if not sigmas:
         raise ValueError("noise_multipliers must name at least one release, got []")
     return _sampled(sigmas, sampling, sampling_rate, dataset_size, lot_size)
@@ -279,9 +285,12 @@ def _sampled(sigmas, sampling, sampling_rate, dataset_size, lot_size) -> dp_acco
     if method is SamplingMethod.POISSON:
         if sampling_rate is None:
             if dataset_size is None or lot_size is None:
-                raise ValueError("Poisson sampling needs sampling_rate, or dataset_size and lot_size")
+                raise ValueError(
+                    "Poisson sampling needs sampling_rate, or dataset_size and lot_size"
+                )
             sampling_rate = _check_count("lot_size", lot_size, minimum=1) / _check_count(
-                "dataset_size", dataset_size, minimum=1)
+                "dataset_size", dataset_size, minimum=1
+            )
         q = _check_number("sampling_rate", sampling_rate, low=0.0, high=1.0, low_open=True)
         return dp_accounting.PoissonSampledDpEvent(q, inner(1.0))
     if method is SamplingMethod.FIXED_SIZE:
@@ -294,24 +303,28 @@ def _sampled(sigmas, sampling, sampling_rate, dataset_size, lot_size) -> dp_acco
         raise ValueError(
             f"sampling={method.value!r} has no per-lot event: it is accounted with a "
             "correlated-noise mechanism for the whole run (DPOptimizer(correlated_noise=...), "
-            "dpfl_tf.privacy.matrix_factorization.MatrixMechanism.event)")
+            "dpfl_tf.privacy.matrix_factorization.MatrixMechanism.event)"
+        )
     raise ValueError(
         "sampling='shuffle' has no per-lot event: an epoch of shuffled lots is one "
         "replace-one Gaussian, recorded once per epoch touched -- use "
-        "shuffle_epoch_event(noise_multiplier) or dp_sgd_event(..., 'shuffle', epochs=E)")
+        "shuffle_epoch_event(noise_multiplier) or dp_sgd_event(..., 'shuffle', epochs=E)"
+    )
 
 
 def joint_noise_multiplier(noise_multipliers) -> float:
     """(sum_i s_i^-2)^(-1/2): independent Gaussian releases of the same records,
     multipliers s_i, as one Gaussian mechanism (module docstring).  Any s_i = 0
     gives 0 (that release is exact)."""
-    sigmas = [_check_number(f"noise_multipliers[{i}]", s, low=0.0)
-              for i, s in enumerate(noise_multipliers)]
+    sigmas = [
+        _check_number(f"noise_multipliers[{i}]", s, low=0.0)
+        for i, s in enumerate(noise_multipliers)
+    ]
     if not sigmas:
         raise ValueError("noise_multipliers must name at least one release, got []")
     if any(s == 0 for s in sigmas):
         return 0.0
-    return sum(s ** -2 for s in sigmas) ** -0.5
+    return sum(s**-2 for s in sigmas) ** -0.5
 
 
 def complementary_noise_multiplier(joint: float, other: float) -> float:
@@ -322,9 +335,11 @@ def complementary_noise_multiplier(joint: float, other: float) -> float:
     joint = _check_number("joint", joint, low=0.0, low_open=True)
     other = _check_number("other", other, low=0.0, low_open=True)
     if other <= joint:
-        raise ValueError(f"the other release's noise multiplier ({other:g}) must exceed the "
-                         f"joint one ({joint:g}): alone it would already cost more")
-    return (joint ** -2 - other ** -2) ** -0.5
+        raise ValueError(
+            f"the other release's noise multiplier ({other:g}) must exceed the "
+            f"joint one ({joint:g}): alone it would already cost more"
+        )
+    return (joint**-2 - other**-2) ** -0.5
 
 
 def shuffle_epoch_event(noise_multiplier: float) -> dp_accounting.DpEvent:
@@ -376,19 +391,31 @@ def dp_sgd_event(
         if epochs is None:
             raise ValueError("shuffle sampling is accounted per epoch: pass epochs")
         return dp_accounting.SelfComposedDpEvent(
-            shuffle_epoch_event(noise_multiplier), _check_count("epochs", epochs))
-    step = gaussian_step_event(noise_multiplier, method, sampling_rate=sampling_rate,
-                               dataset_size=dataset_size, lot_size=lot_size)
+            shuffle_epoch_event(noise_multiplier), _check_count("epochs", epochs)
+        )
+    step = gaussian_step_event(
+        noise_multiplier,
+        method,
+        sampling_rate=sampling_rate,
+        dataset_size=dataset_size,
+        lot_size=lot_size,
+    )
     return dp_accounting.SelfComposedDpEvent(step, _check_count("steps", steps))
 
 
 def iter_events(event: dp_accounting.DpEvent):
     """`event` and every event nested in it, depth first."""
     yield event
-    if isinstance(event, (_dp_event.SelfComposedDpEvent, _dp_event.PoissonSampledDpEvent,
-                          _dp_event.SampledWithoutReplacementDpEvent,
-                          _dp_event.SampledWithReplacementDpEvent,
-                          _dp_event.RepeatAndSelectDpEvent)):
+    if isinstance(
+        event,
+        (
+            _dp_event.SelfComposedDpEvent,
+            _dp_event.PoissonSampledDpEvent,
+            _dp_event.SampledWithoutReplacementDpEvent,
+            _dp_event.SampledWithReplacementDpEvent,
+            _dp_event.RepeatAndSelectDpEvent,
+        ),
+    ):
         yield from iter_events(event.event)
     elif isinstance(event, _dp_event.ComposedDpEvent):
         for e in event.events:
@@ -401,27 +428,33 @@ def relations_of(event: dp_accounting.DpEvent) -> frozenset:
     if isinstance(event, (_dp_event.NoOpDpEvent, _dp_event.NonPrivateDpEvent)):
         return frozenset()
     if isinstance(event, (_dp_event.SelfComposedDpEvent, _dp_event.RepeatAndSelectDpEvent)):
-        return relations_of(event.event)   # best of K runs: the runs' relation
+        return relations_of(event.event)  # best of K runs: the runs' relation
     if isinstance(event, _dp_event.ComposedDpEvent):
         return frozenset().union(*(relations_of(e) for e in event.events))
-    if isinstance(event, (_dp_event.SampledWithoutReplacementDpEvent,
-                          ReplaceOneGaussianDpEvent) + DISTRIBUTED_EVENTS):
+    if isinstance(
+        event,
+        (_dp_event.SampledWithoutReplacementDpEvent, ReplaceOneGaussianDpEvent)
+        + DISTRIBUTED_EVENTS,
+    ):
         return frozenset({NeighboringRelation.REPLACE_ONE})
-    if isinstance(event, (_dp_event.PoissonSampledDpEvent,
-                          _dp_event.SampledWithReplacementDpEvent)):
+    if isinstance(
+        event, (_dp_event.PoissonSampledDpEvent, _dp_event.SampledWithReplacementDpEvent)
+    ):
         return frozenset({NeighboringRelation.ADD_OR_REMOVE_ONE}) | relations_of(event.event)
     return frozenset({NeighboringRelation.ADD_OR_REMOVE_ONE})
 
 
 def mixed_relations_message(what: str) -> str:
     """The error for a composition of add/remove-one and replace-one events."""
-    return (f"{what} mixes add/remove-one and replace-one events (different neighbouring "
-            "relations): an epsilon composed from both bounds neither relation.  Account "
-            "everything under replace-one instead: an add/remove Gaussian(sigma) is the "
-            "replace-one Gaussian(sigma/2) (sensitivity 2C), see "
-            "dpfl_tf.privacy.events.to_replace_one and PrivacyLedger(relation='replace_one'); "
-            "Poisson-sampled events with q < 1 cannot be converted: keep them in a separate "
-            "ledger, or train with poisson sampling throughout")
+    return (
+        f"{what} mixes add/remove-one and replace-one events (different neighbouring "
+        "relations): an epsilon composed from both bounds neither relation.  Account "
+        "everything under replace-one instead: an add/remove Gaussian(sigma) is the "
+        "replace-one Gaussian(sigma/2) (sensitivity 2C), see "
+        "dpfl_tf.privacy.events.to_replace_one and PrivacyLedger(relation='replace_one'); "
+        "Poisson-sampled events with q < 1 cannot be converted: keep them in a separate "
+        "ledger, or train with poisson sampling throughout"
+    )
 
 
 def neighboring_relation_of(event: dp_accounting.DpEvent) -> NeighboringRelation:
@@ -446,9 +479,16 @@ def to_replace_one(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
     Raises ValueError for events with no replace-one form here (Poisson sampling
     with q < 1, non-Gaussian mechanisms).
     """
-    if isinstance(event, (_dp_event.NoOpDpEvent, _dp_event.NonPrivateDpEvent,
-                          _dp_event.SampledWithoutReplacementDpEvent,
-                          ReplaceOneGaussianDpEvent) + DISTRIBUTED_EVENTS):
+    if isinstance(
+        event,
+        (
+            _dp_event.NoOpDpEvent,
+            _dp_event.NonPrivateDpEvent,
+            _dp_event.SampledWithoutReplacementDpEvent,
+            ReplaceOneGaussianDpEvent,
+        )
+        + DISTRIBUTED_EVENTS,
+    ):
         return event
     if isinstance(event, _dp_event.SelfComposedDpEvent):
         return _dp_event.SelfComposedDpEvent(to_replace_one(event.event), event.count)
@@ -466,9 +506,12 @@ def to_replace_one(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
         raise ValueError(
             f"{describe_event(event)} has no replace-one form the accountants here interpret "
             f"(Poisson sampling_probability={event.sampling_probability:g} < 1): keep it in a "
-            "separate ledger, under add/remove-one")
-    raise ValueError(f"{describe_event(event)} has no replace-one form here (only Gaussian "
-                     "events and their compositions are converted)")
+            "separate ledger, under add/remove-one"
+        )
+    raise ValueError(
+        f"{describe_event(event)} has no replace-one form here (only Gaussian "
+        "events and their compositions are converted)"
+    )
 
 
 # --------------------------------------------------------------------------
@@ -487,8 +530,7 @@ def event_to_dict(event: dp_accounting.DpEvent) -> dict:
         if isinstance(value, dp_accounting.DpEvent):
             value = event_to_dict(value)
         elif isinstance(value, (list, tuple)):
-            value = [event_to_dict(v) if isinstance(v, dp_accounting.DpEvent) else v
-                     for v in value]
+            value = [event_to_dict(v) if isinstance(v, dp_accounting.DpEvent) else v for v in value]
         out[field.name] = value
     return out
 
@@ -506,8 +548,9 @@ def event_from_dict(data: dict) -> dp_accounting.DpEvent:
         if isinstance(value, dict) and "type" in value:
             value = event_from_dict(value)
         elif isinstance(value, list):
-            value = [event_from_dict(v) if isinstance(v, dict) and "type" in v else v
-                     for v in value]
+            value = [
+                event_from_dict(v) if isinstance(v, dict) and "type" in v else v for v in value
+            ]
         kwargs[key] = value
     return cls(**kwargs)
 
@@ -540,20 +583,28 @@ def _describe(event: dp_accounting.DpEvent) -> str:
     if isinstance(event, _dp_event.PoissonSampledDpEvent):
         return f"Poisson(q={event.sampling_probability:g}) {_describe_inner(event.event)}"
     if isinstance(event, _dp_event.SampledWithoutReplacementDpEvent):
-        return (f"fixed-size(L={event.sample_size} of N={event.source_dataset_size}) "
-                f"{_describe_inner(event.event)}")
+        return (
+            f"fixed-size(L={event.sample_size} of N={event.source_dataset_size}) "
+            f"{_describe_inner(event.event)}"
+        )
     if isinstance(event, _dp_event.GaussianDpEvent):
         return f"Gaussian(sigma={event.noise_multiplier:g})"
     if isinstance(event, DistributedDiscreteGaussianDpEvent):
-        return (f"distributed discrete Gaussian(>= {event.num_shares} shares of "
-                f"variance {event.share_variance:g}, L2 {event.l2_sensitivity:g}, "
-                f"d={event.dimension})")
+        return (
+            f"distributed discrete Gaussian(>= {event.num_shares} shares of "
+            f"variance {event.share_variance:g}, L2 {event.l2_sensitivity:g}, "
+            f"d={event.dimension})"
+        )
     if isinstance(event, DistributedSkellamDpEvent):
-        return (f"distributed Skellam(>= {event.num_shares} shares of variance "
-                f"{event.share_variance:g}, L2 {event.l2_sensitivity:g})")
+        return (
+            f"distributed Skellam(>= {event.num_shares} shares of variance "
+            f"{event.share_variance:g}, L2 {event.l2_sensitivity:g})"
+        )
     if isinstance(event, _dp_event.RepeatAndSelectDpEvent):
-        return (f"best of {_trial_count_name(event.mean, event.shape)} runs of "
-                f"[{_describe(event.event)}]")
+        return (
+            f"best of {_trial_count_name(event.mean, event.shape)} runs of "
+            f"[{_describe(event.event)}]"
+        )
     if isinstance(event, _dp_event.NoOpDpEvent):
         return "no-op"
     if isinstance(event, _dp_event.NonPrivateDpEvent):

@@ -29,10 +29,18 @@ from dpfl_tf._io import atomic_write_text
 from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.privacy.accountants import AccountantKind, compute_delta, compute_epsilon
 from dpfl_tf.privacy.calibration import max_steps
-from dpfl_tf.privacy.events import (NeighboringRelation, describe_event, event_from_dict,
-                                    event_to_dict, event_to_json, mixed_relations_message,
-                                    parse_relation, relation_name, relations_of,
-                                    to_replace_one)
+from dpfl_tf.privacy.events import (
+    NeighboringRelation,
+    describe_event,
+    event_from_dict,
+    event_to_dict,
+    event_to_json,
+    mixed_relations_message,
+    parse_relation,
+    relation_name,
+    relations_of,
+    to_replace_one,
+)
 
 __all__ = ["PrivacyBudget", "PrivacyLedger", "BudgetExceededError"]
 
@@ -52,10 +60,14 @@ class PrivacyBudget:
     accountant: AccountantKind = AccountantKind.MOMENTS
 
     def __post_init__(self):
-        object.__setattr__(self, "epsilon", check_number("epsilon", self.epsilon, low=0.0,
-                                                         low_open=True))
-        object.__setattr__(self, "delta", check_number("delta", self.delta, low=0.0, high=1.0,
-                                                       low_open=True, high_open=True))
+        object.__setattr__(
+            self, "epsilon", check_number("epsilon", self.epsilon, low=0.0, low_open=True)
+        )
+        object.__setattr__(
+            self,
+            "delta",
+            check_number("delta", self.delta, low=0.0, high=1.0, low_open=True, high_open=True),
+        )
         object.__setattr__(self, "accountant", AccountantKind.parse(self.accountant))
 
     def to_dict(self) -> dict:
@@ -83,9 +95,13 @@ class PrivacyLedger:
         "add_or_remove_one": replace-one events are refused.
     """
 
-    def __init__(self, accountant: AccountantKind | str = AccountantKind.MOMENTS,
-                 budget: PrivacyBudget | None = None, *,
-                 relation: NeighboringRelation | str | None = None):
+    def __init__(
+        self,
+        accountant: AccountantKind | str = AccountantKind.MOMENTS,
+        budget: PrivacyBudget | None = None,
+        *,
+        relation: NeighboringRelation | str | None = None,
+    ):
         self.accountant = AccountantKind.parse(accountant)
         if budget is not None and not isinstance(budget, PrivacyBudget):
             raise TypeError(f"budget must be a PrivacyBudget, got {type(budget).__name__}")
@@ -121,11 +137,10 @@ class PrivacyLedger:
             held = held | {self._relation}
         if not own or own == held or not held:
             return event
-        if len(held) > 1:   # an old file that already mixes relations
+        if len(held) > 1:  # an old file that already mixes relations
             raise ValueError(mixed_relations_message("this ledger"))
         (mine,), (theirs,) = held, own
-        labels = sorted({e.label or "unlabelled" for e in self._entries
-                         if relations_of(e.event)})
+        labels = sorted({e.label or "unlabelled" for e in self._entries if relations_of(e.event)})
         raise ValueError(
             f"cannot record {describe_event(event)} in a ledger of {relation_name(mine)} "
             f"events ({', '.join(labels) or 'declared'}): {relation_name(theirs)} and "
@@ -135,13 +150,13 @@ class PrivacyLedger:
             "add/remove Gaussian(sigma) events, e.g. DP-PCA on every example, to "
             "replace-one Gaussian(sigma/2) (sensitivity 2C); Poisson-sampled events with "
             "q < 1 have no such form: keep them in a separate ledger, or use one sampling "
-            "scheme throughout")
+            "scheme throughout"
+        )
 
     def as_replace_one(self) -> "PrivacyLedger":
         """A copy accounting everything under replace-one (entries converted with
         `events.to_replace_one`; ValueError if one has no replace-one form)."""
-        out = PrivacyLedger(self.accountant, self.budget,
-                            relation=NeighboringRelation.REPLACE_ONE)
+        out = PrivacyLedger(self.accountant, self.budget, relation=NeighboringRelation.REPLACE_ONE)
         for e in self._entries:
             out.record(e.event, e.count, e.label)
         return out
@@ -179,7 +194,8 @@ class PrivacyLedger:
             raise BudgetExceededError(
                 f"{count} x {describe_event(event)} would exceed the budget "
                 f"(epsilon={b.epsilon:g}, delta={b.delta:g}, {b.accountant.value}); "
-                f"spent so far: epsilon={self.epsilon(b.delta, b.accountant):.4g}")
+                f"spent so far: epsilon={self.epsilon(b.delta, b.accountant):.4g}"
+            )
         self.record(event, count, label)
 
     def steps_within_budget(self, event: dp_accounting.DpEvent) -> int:
@@ -188,10 +204,15 @@ class PrivacyLedger:
             raise ValueError("this ledger has no budget; pass budget=PrivacyBudget(...)")
         event = self.admit(event)
         b = self.budget
-        key = (event_to_json(event), b)   # events holding lists are not hashable
+        key = (event_to_json(event), b)  # events holding lists are not hashable
         if key not in self._steps_cache:
-            self._steps_cache[key] = max_steps(b.epsilon, b.delta, event, b.accountant,
-                                               already_spent=self.event if self._entries else None)
+            self._steps_cache[key] = max_steps(
+                b.epsilon,
+                b.delta,
+                event,
+                b.accountant,
+                already_spent=self.event if self._entries else None,
+            )
         return self._steps_cache[key]
 
     # -- queries ----------------------------------------------------------
@@ -199,12 +220,15 @@ class PrivacyLedger:
     def event(self) -> dp_accounting.DpEvent:
         """Everything recorded, as one composed event."""
         return dp_accounting.ComposedDpEvent(
-            [dp_accounting.SelfComposedDpEvent(e.event, e.count) for e in self._entries])
+            [dp_accounting.SelfComposedDpEvent(e.event, e.count) for e in self._entries]
+        )
 
     @property
     def entries(self) -> list[dict]:
-        return [{"event": describe_event(e.event), "count": e.count, "label": e.label}
-                for e in self._entries]
+        return [
+            {"event": describe_event(e.event), "count": e.count, "label": e.label}
+            for e in self._entries
+        ]
 
     def count(self, label: str | None = None) -> int:
         """Number of recorded applications (of events with `label`, if given)."""
@@ -214,32 +238,36 @@ class PrivacyLedger:
         kind = AccountantKind.parse(accountant or self.accountant)
         key = ("eps", kind, float(delta))
         if key not in self._cache:
-            self._cache[key] = (compute_epsilon(self.event, delta, kind)
-                                if self._entries else 0.0)
+            self._cache[key] = compute_epsilon(self.event, delta, kind) if self._entries else 0.0
         return self._cache[key]
 
     def delta(self, epsilon: float, accountant: AccountantKind | str | None = None) -> float:
         kind = AccountantKind.parse(accountant or self.accountant)
         key = ("delta", kind, float(epsilon))
         if key not in self._cache:
-            self._cache[key] = (compute_delta(self.event, epsilon, kind)
-                                if self._entries else 0.0)
+            self._cache[key] = compute_delta(self.event, epsilon, kind) if self._entries else 0.0
         return self._cache[key]
 
     def spent(self) -> dict:
         """Summary at the budget's delta (or 1e-5): epsilon, delta, accountant, steps."""
         delta = self.budget.delta if self.budget else 1e-5
-        return {"epsilon": self.epsilon(delta), "delta": delta,
-                "accountant": self.accountant.value, "applications": self.count()}
+        return {
+            "epsilon": self.epsilon(delta),
+            "delta": delta,
+            "accountant": self.accountant.value,
+            "applications": self.count(),
+        }
 
     def __len__(self) -> int:
         return self.count()
 
     def __repr__(self) -> str:
         relation = self.relation
-        return (f"PrivacyLedger(accountant={self.accountant.value!r}, "
-                f"relation={relation_name(relation) if relation else None!r}, "
-                f"entries={len(self._entries)}, applications={self.count()})")
+        return (
+            f"PrivacyLedger(accountant={self.accountant.value!r}, "
+            f"relation={relation_name(relation) if relation else None!r}, "
+            f"entries={len(self._entries)}, applications={self.count()})"
+        )
 
     # -- serialisation ----------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -249,8 +277,10 @@ class PrivacyLedger:
             "budget": self.budget.to_dict() if self.budget else None,
             # the relation given to the constructor (None: taken from the events)
             "relation": self._relation.name.lower() if self._relation else None,
-            "entries": [{"event": event_to_dict(e.event), "count": e.count, "label": e.label}
-                        for e in self._entries],
+            "entries": [
+                {"event": event_to_dict(e.event), "count": e.count, "label": e.label}
+                for e in self._entries
+            ],
         }
 
     @classmethod
@@ -259,14 +289,17 @@ class PrivacyLedger:
             raise ValueError(f"not a dpfl_tf privacy ledger (format {LEDGER_FORMAT_VERSION})")
         budget = PrivacyBudget(**data["budget"]) if data.get("budget") else None
         # ledgers written before the field existed: relation inferred from the events
-        ledger = cls(accountant=data["accountant"], budget=budget,
-                     relation=data.get("relation"))
+        ledger = cls(accountant=data["accountant"], budget=budget, relation=data.get("relation"))
         # entries are restored as written (no refusal): a file that mixes relations
         # loads, and its epsilon queries raise
         for item in data["entries"]:
-            ledger._entries.append(_Entry(event_from_dict(item["event"]),
-                                          check_count("count", item["count"]),
-                                          str(item.get("label", ""))))
+            ledger._entries.append(
+                _Entry(
+                    event_from_dict(item["event"]),
+                    check_count("count", item["count"]),
+                    str(item.get("label", "")),
+                )
+            )
         return ledger
 
     def to_json(self) -> str:
@@ -290,4 +323,3 @@ class PrivacyLedger:
 
     def copy(self) -> "PrivacyLedger":
         return PrivacyLedger.from_dict(self.to_dict())
-

@@ -91,10 +91,22 @@ from dpfl_tf._validation import ChoiceEnum, check_count, check_number
 from dpfl_tf.privacy.events import ReplaceOneGaussianDpEvent, parse_relation, relation_name
 
 __all__ = [
-    "ParticipationKind", "Participation", "Strategy", "TreeAggregation", "BandedToeplitz",
-    "BufferedToeplitz", "MatrixMechanism", "optimize_banded_toeplitz", "optimize_blt",
-    "strategy_from_config", "sensitivity_squared_bound", "PatternViolation",
-    "ParticipationGuard", "MAX_DENSE_STEPS", "MechanismKind", "CorrelatedNoiseConfig",
+    "ParticipationKind",
+    "Participation",
+    "Strategy",
+    "TreeAggregation",
+    "BandedToeplitz",
+    "BufferedToeplitz",
+    "MatrixMechanism",
+    "optimize_banded_toeplitz",
+    "optimize_blt",
+    "strategy_from_config",
+    "sensitivity_squared_bound",
+    "PatternViolation",
+    "ParticipationGuard",
+    "MAX_DENSE_STEPS",
+    "MechanismKind",
+    "CorrelatedNoiseConfig",
 ]
 
 #: The largest n for which a sensitivity is computed from the dense n x n Gram
@@ -148,43 +160,74 @@ class Participation:
         set_(self, "steps", check_count("steps", self.steps, minimum=1))
         set_(self, "separation", check_count("separation", self.separation, minimum=1))
         if self.max_participations is not None:
-            set_(self, "max_participations",
-                 check_count("max_participations", self.max_participations, minimum=1))
+            set_(
+                self,
+                "max_participations",
+                check_count("max_participations", self.max_participations, minimum=1),
+            )
         if self.kind is ParticipationKind.CYCLIC_POISSON:
             if self.sampling_rate is None:
-                raise ValueError("participation='cyclic_poisson' needs sampling_rate in (0, 1], "
-                                 "got None")
-            set_(self, "sampling_rate", check_number("sampling_rate", self.sampling_rate,
-                                                     low=0.0, high=1.0, low_open=True))
+                raise ValueError(
+                    "participation='cyclic_poisson' needs sampling_rate in (0, 1], got None"
+                )
+            set_(
+                self,
+                "sampling_rate",
+                check_number("sampling_rate", self.sampling_rate, low=0.0, high=1.0, low_open=True),
+            )
             if self.max_participations is not None:
-                raise ValueError("participation='cyclic_poisson' takes no max_participations "
-                                 f"(one chance per cycle), got {self.max_participations}")
+                raise ValueError(
+                    "participation='cyclic_poisson' takes no max_participations "
+                    f"(one chance per cycle), got {self.max_participations}"
+                )
         elif self.sampling_rate is not None:
-            raise ValueError(f"sampling_rate is for participation='cyclic_poisson' only, got "
-                             f"{self.sampling_rate!r} with participation={self.kind.value!r}")
+            raise ValueError(
+                f"sampling_rate is for participation='cyclic_poisson' only, got "
+                f"{self.sampling_rate!r} with participation={self.kind.value!r}"
+            )
         set_(self, "relation", parse_relation(self.relation, "relation"))
-        if (self.kind is ParticipationKind.CYCLIC_POISSON
-                and self.relation is not dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE):
-            raise ValueError("participation='cyclic_poisson' is analysed under add/remove-one "
-                             f"(Poisson sampling), got relation={self.relation!r}")
+        if (
+            self.kind is ParticipationKind.CYCLIC_POISSON
+            and self.relation is not dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+        ):
+            raise ValueError(
+                "participation='cyclic_poisson' is analysed under add/remove-one "
+                f"(Poisson sampling), got relation={self.relation!r}"
+            )
 
     @classmethod
-    def min_separation(cls, steps: int, separation: int, max_participations: int | None = None,
-                       relation="add_or_remove_one") -> "Participation":
-        return cls(ParticipationKind.MIN_SEPARATION, steps, separation, max_participations,
-                   relation=relation)
+    def min_separation(
+        cls,
+        steps: int,
+        separation: int,
+        max_participations: int | None = None,
+        relation="add_or_remove_one",
+    ) -> "Participation":
+        return cls(
+            ParticipationKind.MIN_SEPARATION,
+            steps,
+            separation,
+            max_participations,
+            relation=relation,
+        )
 
     @classmethod
-    def epochs(cls, steps: int, epoch_length: int, max_participations: int | None = None,
-               relation="add_or_remove_one") -> "Participation":
-        return cls(ParticipationKind.EPOCHS, steps, epoch_length, max_participations,
-                   relation=relation)
+    def epochs(
+        cls,
+        steps: int,
+        epoch_length: int,
+        max_participations: int | None = None,
+        relation="add_or_remove_one",
+    ) -> "Participation":
+        return cls(
+            ParticipationKind.EPOCHS, steps, epoch_length, max_participations, relation=relation
+        )
 
     @classmethod
-    def cyclic_poisson(cls, steps: int, cycle_length: int,
-                       sampling_rate: float) -> "Participation":
-        return cls(ParticipationKind.CYCLIC_POISSON, steps, cycle_length,
-                   sampling_rate=sampling_rate)
+    def cyclic_poisson(cls, steps: int, cycle_length: int, sampling_rate: float) -> "Participation":
+        return cls(
+            ParticipationKind.CYCLIC_POISSON, steps, cycle_length, sampling_rate=sampling_rate
+        )
 
     @property
     def participations(self) -> int:
@@ -195,9 +238,14 @@ class Participation:
         return min(self.max_participations, possible)
 
     def to_config(self) -> dict:
-        return {"kind": self.kind.value, "steps": self.steps, "separation": self.separation,
-                "max_participations": self.max_participations,
-                "sampling_rate": self.sampling_rate, "relation": relation_name(self.relation)}
+        return {
+            "kind": self.kind.value,
+            "steps": self.steps,
+            "separation": self.separation,
+            "max_participations": self.max_participations,
+            "sampling_rate": self.sampling_rate,
+            "relation": relation_name(self.relation),
+        }
 
     @classmethod
     def from_config(cls, config: dict) -> "Participation":
@@ -205,12 +253,19 @@ class Participation:
 
     def describe(self) -> str:
         if self.kind is ParticipationKind.CYCLIC_POISSON:
-            return (f"cyclic Poisson (b={self.separation}, q={self.sampling_rate:g}) over "
-                    f"{self.steps} steps")
-        what = ("min-separation b=" if self.kind is ParticipationKind.MIN_SEPARATION
-                else "one per epoch of ")
-        return (f"{what}{self.separation}, at most {self.participations} participations "
-                f"over {self.steps} steps")
+            return (
+                f"cyclic Poisson (b={self.separation}, q={self.sampling_rate:g}) over "
+                f"{self.steps} steps"
+            )
+        what = (
+            "min-separation b="
+            if self.kind is ParticipationKind.MIN_SEPARATION
+            else "one per epoch of "
+        )
+        return (
+            f"{what}{self.separation}, at most {self.participations} participations "
+            f"over {self.steps} steps"
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -226,7 +281,7 @@ def _best_sum(x: np.ndarray, separation: int, k: int) -> np.ndarray:
     f = np.zeros((rows, n + separation))
     for _ in range(k):
         g = np.zeros_like(f)
-        g[:, :n] = x + f[:, separation:separation + n]
+        g[:, :n] = x + f[:, separation : separation + n]
         f = np.maximum.accumulate(g[:, ::-1], axis=1)[:, ::-1]
     return f[:, 0]
 
@@ -294,12 +349,12 @@ def _banded_gram_bands(coefs: np.ndarray, n: int) -> np.ndarray:
     out = np.zeros((n, 2 * b - 1))
     i = np.arange(n)
     for d in range(b):
-        partial = np.cumsum(c[:b - d] * c[d:])
+        partial = np.cumsum(c[: b - d] * c[d:])
         last = np.minimum(b - 1 - d, n - 1 - i - d)
         values = np.where(last >= 0, partial[np.clip(last, 0, None)], 0.0)
         out[:, b - 1 + d] = values
         if d:  # X[i, i - d] = X[i - d, i]
-            out[d:, b - 1 - d] = values[:n - d]
+            out[d:, b - 1 - d] = values[: n - d]
     return out
 
 
@@ -315,8 +370,10 @@ def _banded_epochs_squared(coefs: np.ndarray, participation: Participation) -> f
     valid = (j >= 0) & (j < n)
     rel = np.where(valid, j // m - i // m, 0)
     reach = -(-(b - 1) // m)
-    per_epoch = np.stack([np.where(valid & (rel == r), bands, 0.0).max(axis=1)
-                          for r in range(-reach, reach + 1)], axis=1)
+    per_epoch = np.stack(
+        [np.where(valid & (rel == r), bands, 0.0).max(axis=1) for r in range(-reach, reach + 1)],
+        axis=1,
+    )
     rows = (-np.sort(-per_epoch, axis=1))[:, :k].sum(axis=1)
     return float(_best_epoch_sum(rows[None, :], m, k)[0])
 
@@ -357,7 +414,7 @@ class Strategy:
         """e_t = ||(A M)[t]||^2: the variance, per coordinate and per unit noise,
         of the noise on the t-th prefix sum (the model's error, A = np.tri)."""
         prefix = np.cumsum(self.noise_matrix(n), axis=0)
-        return (prefix ** 2).sum(axis=1)
+        return (prefix**2).sum(axis=1)
 
     def to_config(self) -> dict:
         raise NotImplementedError
@@ -369,7 +426,8 @@ class Strategy:
                 f"the sensitivity of {self.describe()} under {participation.describe()} needs "
                 f"the dense {n} x {n} Gram matrix; steps must be <= {MAX_DENSE_STEPS} for "
                 "it (use a banded strategy with bands <= the separation, or restart the tree "
-                "at each epoch)")
+                "at each epoch)"
+            )
         c = self.strategy_matrix(n)
         return sensitivity_squared_bound(c.T @ c, participation)
 
@@ -381,7 +439,8 @@ def _refuse_cyclic(strategy: Strategy, participation: Participation) -> None:
     if participation.kind is ParticipationKind.CYCLIC_POISSON:
         raise ValueError(
             f"participation='cyclic_poisson' (amplified) needs a BandedToeplitz strategy with "
-            f"bands <= the cycle length, got {strategy.describe()}")
+            f"bands <= the cycle length, got {strategy.describe()}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,8 +457,9 @@ class TreeAggregation(Strategy):
 
     def __post_init__(self):
         if self.restart_every is not None:
-            object.__setattr__(self, "restart_every",
-                               check_count("restart_every", self.restart_every, minimum=1))
+            object.__setattr__(
+                self, "restart_every", check_count("restart_every", self.restart_every, minimum=1)
+            )
 
     def _period(self, n: int) -> int:
         return n if self.restart_every is None else min(self.restart_every, n)
@@ -464,10 +524,12 @@ class TreeAggregation(Strategy):
         n = participation.steps
         period = self._period(n)
         k = participation.participations
-        separate = (participation.separation >= period
-                    if participation.kind is ParticipationKind.MIN_SEPARATION
-                    else participation.separation % period == 0)
-        if separate:   # one participation per tree at most: the k deepest trees
+        separate = (
+            participation.separation >= period
+            if participation.kind is ParticipationKind.MIN_SEPARATION
+            else participation.separation % period == 0
+        )
+        if separate:  # one participation per tree at most: the k deepest trees
             sizes = [min(period, n - start) for start in range(0, n, period)]
             depths = sorted((int(size).bit_length() for size in sizes), reverse=True)
             return float(sum(depths[:k]))
@@ -477,8 +539,9 @@ class TreeAggregation(Strategy):
         return {"name": self.name, "restart_every": self.restart_every}
 
     def describe(self) -> str:
-        every = ("no restart" if self.restart_every is None
-                 else f"restart every {self.restart_every}")
+        every = (
+            "no restart" if self.restart_every is None else f"restart every {self.restart_every}"
+        )
         return f"tree aggregation ({every})"
 
 
@@ -511,8 +574,9 @@ class _Toeplitz(Strategy):
         _refuse_cyclic(self, participation)
         n = participation.steps
         if participation.kind is ParticipationKind.MIN_SEPARATION:
-            return _toeplitz_min_sep_squared(self.coefficients(n), n, participation.separation,
-                                             participation.participations)
+            return _toeplitz_min_sep_squared(
+                self.coefficients(n), n, participation.separation, participation.participations
+            )
         return self._dense_bound(participation)
 
 
@@ -562,15 +626,17 @@ class BandedToeplitz(_Toeplitz):
             if self.bands > participation.separation:
                 raise ValueError(
                     f"participation='cyclic_poisson' needs bands <= the cycle length "
-                    f"({participation.separation}), got {self.bands} bands")
+                    f"({participation.separation}), got {self.bands} bands"
+                )
             return self.column_norm_max(n) ** 2
         if participation.kind is ParticipationKind.EPOCHS:
             return _banded_epochs_squared(self.coefs[:n], participation)
-        best = _toeplitz_min_sep_squared(self.coefs, n, participation.separation,
-                                         participation.participations)
+        best = _toeplitz_min_sep_squared(
+            self.coefs, n, participation.separation, participation.participations
+        )
         if self.bands <= participation.separation:
             c = self.coefficients(n)
-            col2 = np.cumsum(c ** 2)[::-1]           # ||C[:, i]||^2 = sum_{u < n - i} c_u^2
+            col2 = np.cumsum(c**2)[::-1]  # ||C[:, i]||^2 = sum_{u < n - i} c_u^2
             exact = _best_sum(col2, participation.separation, participation.participations)
             best = min(best, float(exact[0]))
         return best
@@ -598,13 +664,18 @@ class BufferedToeplitz(_Toeplitz):
     name = "blt"
 
     def __post_init__(self):
-        decay = tuple(check_number(f"buf_decay[{i}]", d, low=0.0, high=1.0, high_open=True)
-                      for i, d in enumerate(self.buf_decay))
-        scale = tuple(check_number(f"output_scale[{i}]", s)
-                      for i, s in enumerate(self.output_scale))
+        decay = tuple(
+            check_number(f"buf_decay[{i}]", d, low=0.0, high=1.0, high_open=True)
+            for i, d in enumerate(self.buf_decay)
+        )
+        scale = tuple(
+            check_number(f"output_scale[{i}]", s) for i, s in enumerate(self.output_scale)
+        )
         if not decay or len(decay) != len(scale):
-            raise ValueError(f"buf_decay and output_scale must be non-empty and of one length, "
-                             f"got {len(decay)} and {len(scale)}")
+            raise ValueError(
+                f"buf_decay and output_scale must be non-empty and of one length, "
+                f"got {len(decay)} and {len(scale)}"
+            )
         object.__setattr__(self, "buf_decay", decay)
         object.__setattr__(self, "output_scale", scale)
 
@@ -618,8 +689,11 @@ class BufferedToeplitz(_Toeplitz):
         return np.concatenate([[1.0], powers @ omega])[:n]
 
     def to_config(self) -> dict:
-        return {"name": self.name, "buf_decay": list(self.buf_decay),
-                "output_scale": list(self.output_scale)}
+        return {
+            "name": self.name,
+            "buf_decay": list(self.buf_decay),
+            "output_scale": list(self.output_scale),
+        }
 
     def describe(self) -> str:
         return f"BLT ({len(self.buf_decay)} buffers)"
@@ -654,13 +728,14 @@ def _mean_error_and_grad(coefs: np.ndarray, n: int) -> tuple[float, np.ndarray]:
     error = float(np.sum(weight * g * g))
     d_g = 2.0 * weight * g
     d_h = np.cumsum(d_g[::-1])[::-1]
-    hh = _signal.lfilter([1.0], np.convolve(coefs, coefs), impulse)   # h * h
-    grad = -np.array([d_h[j:] @ hh[:n - j] for j in range(len(coefs))])
+    hh = _signal.lfilter([1.0], np.convolve(coefs, coefs), impulse)  # h * h
+    grad = -np.array([d_h[j:] @ hh[: n - j] for j in range(len(coefs))])
     return error, grad
 
 
-def optimize_banded_toeplitz(steps: int, bands: int, *, max_iterations: int = 500
-                             ) -> BandedToeplitz:
+def optimize_banded_toeplitz(
+    steps: int, bands: int, *, max_iterations: int = 500
+) -> BandedToeplitz:
     """Banded Toeplitz coefficients minimising the loss ||c||^2 E(c): the mean
     squared error of the n prefix sums (the model's error; Choquette-Choo et al.
     2023, section 4, eq. (3) with the mean-of-prefix-sums objective) times
@@ -689,14 +764,16 @@ def optimize_banded_toeplitz(steps: int, bands: int, *, max_iterations: int = 50
         return value, 2.0 * c * error + norm2 * grad
 
     bounds = [(1e-6, None)] + [(None, None)] * (b - 1)
-    result = _optimize.minimize(loss, start, jac=True, method="L-BFGS-B", bounds=bounds,
-                                options={"maxiter": max_iterations})
+    result = _optimize.minimize(
+        loss, start, jac=True, method="L-BFGS-B", bounds=bounds, options={"maxiter": max_iterations}
+    )
     c = result.x if result.fun <= loss(start)[0] else start
     return BandedToeplitz(tuple(float(v) for v in c / np.linalg.norm(c)))
 
 
-def optimize_blt(participation: Participation, buffers: int = 4, *,
-                 max_iterations: int = 300) -> BufferedToeplitz:
+def optimize_blt(
+    participation: Participation, buffers: int = 4, *, max_iterations: int = 300
+) -> BufferedToeplitz:
     """BLT parameters minimising sens(C)^2 * mean prefix error for the pattern.
 
     The sensitivity is the min-separation Toeplitz form (exact for the
@@ -708,12 +785,13 @@ def optimize_blt(participation: Participation, buffers: int = 4, *,
     1 / c(z) = Q(z) / P(z).  Nelder-Mead / L-BFGS-B with numerical gradients
     over 2d parameters (d = buffers)."""
     if participation.kind is ParticipationKind.CYCLIC_POISSON:
-        raise ValueError("optimize_blt takes a min_separation or epochs participation, got "
-                         "cyclic_poisson (use a banded strategy for the amplified variant)")
+        raise ValueError(
+            "optimize_blt takes a min_separation or epochs participation, got "
+            "cyclic_poisson (use a banded strategy for the amplified variant)"
+        )
     d = check_count("buffers", buffers, minimum=1)
     n = participation.steps
-    sep = participation.separation if participation.kind is ParticipationKind.MIN_SEPARATION \
-        else 1
+    sep = participation.separation if participation.kind is ParticipationKind.MIN_SEPARATION else 1
     k = participation.participations
 
     def unpack(params):
@@ -740,13 +818,14 @@ def optimize_blt(participation: Participation, buffers: int = 4, *,
     a0 = np.log(theta0 / (1.0 - theta0))
     u0 = np.log(np.expm1(np.full(d, 0.5 / d)))
     start = np.concatenate([a0, u0])
-    result = _optimize.minimize(loss, start, method="L-BFGS-B",
-                                options={"maxiter": max_iterations})
+    result = _optimize.minimize(loss, start, method="L-BFGS-B", options={"maxiter": max_iterations})
     best = result.x if result.fun <= loss(start) else start
     theta, omega = unpack(best)
     order = np.argsort(-theta)
-    return BufferedToeplitz(tuple(float(v) for v in theta[order].clip(0.0, 1 - 1e-12)),
-                            tuple(float(v) for v in omega[order]))
+    return BufferedToeplitz(
+        tuple(float(v) for v in theta[order].clip(0.0, 1 - 1e-12)),
+        tuple(float(v) for v in omega[order]),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -776,11 +855,15 @@ class MatrixMechanism:
         if not isinstance(self.strategy, Strategy):
             raise TypeError(f"strategy must be a Strategy, got {type(self.strategy).__name__}")
         if not isinstance(self.participation, Participation):
-            raise TypeError("participation must be a Participation, got "
-                            f"{type(self.participation).__name__}")
-        object.__setattr__(self, "noise_multiplier", check_number(
-            "noise_multiplier", self.noise_multiplier, low=0.0, low_open=True))
-        self.sensitivity   # refuse an unsupported (strategy, participation) now
+            raise TypeError(
+                f"participation must be a Participation, got {type(self.participation).__name__}"
+            )
+        object.__setattr__(
+            self,
+            "noise_multiplier",
+            check_number("noise_multiplier", self.noise_multiplier, low=0.0, low_open=True),
+        )
+        self.sensitivity  # refuse an unsupported (strategy, participation) now
 
     @property
     def steps(self) -> int:
@@ -793,8 +876,11 @@ class MatrixMechanism:
 
     def noise_stddev(self, clip: float = 1.0) -> float:
         """s = sigma * clip * sens(C): the std of each zeta coordinate."""
-        return self.noise_multiplier * check_number("clip", clip, low=0.0, low_open=True) \
+        return (
+            self.noise_multiplier
+            * check_number("clip", clip, low=0.0, low_open=True)
             * self.sensitivity
+        )
 
     def event(self) -> dp_accounting.DpEvent:
         """The event of the whole run of `steps` releases, under the
@@ -810,19 +896,25 @@ class MatrixMechanism:
         return gaussian
 
     def to_config(self) -> dict:
-        return {"strategy": self.strategy.to_config(),
-                "participation": self.participation.to_config(),
-                "noise_multiplier": self.noise_multiplier}
+        return {
+            "strategy": self.strategy.to_config(),
+            "participation": self.participation.to_config(),
+            "noise_multiplier": self.noise_multiplier,
+        }
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "MatrixMechanism":
-        return cls(strategy_from_config(config["strategy"]),
-                   Participation.from_config(config["participation"]),
-                   config["noise_multiplier"])
+        return cls(
+            strategy_from_config(config["strategy"]),
+            Participation.from_config(config["participation"]),
+            config["noise_multiplier"],
+        )
 
     def describe(self) -> str:
-        return (f"{self.strategy.describe()}, {self.participation.describe()}, "
-                f"sigma={self.noise_multiplier:g}, sensitivity={self.sensitivity:.4g}")
+        return (
+            f"{self.strategy.describe()}, {self.participation.describe()}, "
+            f"sigma={self.noise_multiplier:g}, sensitivity={self.sensitivity:.4g}"
+        )
 
 
 class MechanismKind(ChoiceEnum):
@@ -873,17 +965,16 @@ class CorrelatedNoiseConfig:
             return optimize_blt(participation, self.buffers)
         bands = self.bands if self.bands is not None else min(sep, DEFAULT_MAX_BANDS)
         if bands > sep and participation.kind is not ParticipationKind.EPOCHS:
-            raise ValueError(f"bands must be <= the participation's separation ({sep}), got "
-                             f"{bands}")
+            raise ValueError(
+                f"bands must be <= the participation's separation ({sep}), got {bands}"
+            )
         return optimize_banded_toeplitz(n, bands)
 
     def build(self, participation: Participation, noise_multiplier: float) -> MatrixMechanism:
-        return MatrixMechanism(self.strategy_for(participation), participation,
-                               noise_multiplier)
+        return MatrixMechanism(self.strategy_for(participation), participation, noise_multiplier)
 
     def to_config(self) -> dict:
-        return {"mechanism": self.mechanism.value, "bands": self.bands,
-                "buffers": self.buffers}
+        return {"mechanism": self.mechanism.value, "bands": self.bands, "buffers": self.buffers}
 
     @classmethod
     def from_config(cls, config: dict) -> "CorrelatedNoiseConfig":
@@ -925,8 +1016,9 @@ class ParticipationGuard:
         self.participation = participation
         self.group_of = group_of
         if participation.kind is ParticipationKind.CYCLIC_POISSON and group_of is None:
-            raise ValueError("participation='cyclic_poisson' needs group_of (unit -> group), "
-                             "got None")
+            raise ValueError(
+                "participation='cyclic_poisson' needs group_of (unit -> group), got None"
+            )
         self._last: dict = {}
         self._count: dict = {}
         self.steps_released = 0
@@ -940,10 +1032,13 @@ class ParticipationGuard:
             raise PatternViolation(
                 f"step {step} is not the next step ({self.steps_released}): a step of the "
                 "mechanism is released once, in order (a replayed step would reuse its row "
-                "of the strategy)")
+                "of the strategy)"
+            )
         if step >= p.steps:
-            raise PatternViolation(f"step {step} is beyond the mechanism's horizon of "
-                                   f"{p.steps} steps (participation.steps)")
+            raise PatternViolation(
+                f"step {step} is beyond the mechanism's horizon of "
+                f"{p.steps} steps (participation.steps)"
+            )
         seen = set()
         for unit in units:
             if unit in seen:
@@ -956,22 +1051,26 @@ class ParticipationGuard:
                 if group != step % p.separation:
                     raise PatternViolation(
                         f"unit {unit!r} of group {group} cannot join step {step} (group "
-                        f"{step % p.separation}'s turn, cycle length {p.separation})")
+                        f"{step % p.separation}'s turn, cycle length {p.separation})"
+                    )
                 continue
             if p.max_participations is not None and count >= p.max_participations:
                 raise PatternViolation(
                     f"unit {unit!r} already took part {count} times (max_participations="
-                    f"{p.max_participations})")
+                    f"{p.max_participations})"
+                )
             if last is None:
                 continue
             if p.kind is ParticipationKind.MIN_SEPARATION and step - last < p.separation:
                 raise PatternViolation(
                     f"unit {unit!r} took part at step {last}; step {step} is {step - last} "
-                    f"later, the declared min separation is {p.separation}")
+                    f"later, the declared min separation is {p.separation}"
+                )
             if p.kind is ParticipationKind.EPOCHS and step // p.separation == last // p.separation:
                 raise PatternViolation(
                     f"unit {unit!r} already took part in epoch {last // p.separation} "
-                    f"(step {last}; one participation per epoch of {p.separation} steps)")
+                    f"(step {last}; one participation per epoch of {p.separation} steps)"
+                )
 
     def record(self, step: int, units) -> None:
         """`check`, then counts the step as released."""
@@ -982,15 +1081,19 @@ class ParticipationGuard:
         self.steps_released += 1
 
     def get_state(self) -> dict:
-        return {"last": dict(self._last), "count": dict(self._count),
-                "steps_released": self.steps_released}
+        return {
+            "last": dict(self._last),
+            "count": dict(self._count),
+            "steps_released": self.steps_released,
+        }
 
     def set_state(self, state: dict) -> None:
         released = int(state["steps_released"])
         if released < self.steps_released:
             raise PatternViolation(
                 f"restoring a guard at step {released} after {self.steps_released} steps were "
-                "released would replay released steps of the mechanism")
+                "released would replay released steps of the mechanism"
+            )
         self._last = dict(state["last"])
         self._count = dict(state["count"])
         self.steps_released = released

@@ -68,9 +68,14 @@ def log_moments_closed_form(q: float, sigma: float, orders: Sequence[int]) -> np
         if q == 1.0:
             out[i] = lam * (lam + 1) / (2 * sigma**2)
             continue
-        log_terms = (special.gammaln(lam + 2) - special.gammaln(k + 1) - special.gammaln(lam + 2 - k)
-                     + (lam + 1 - k) * math.log1p(-q) + k * math.log(q)
-                     + (k * k - k) / (2 * sigma**2))
+        log_terms = (
+            special.gammaln(lam + 2)
+            - special.gammaln(k + 1)
+            - special.gammaln(lam + 2 - k)
+            + (lam + 1 - k) * math.log1p(-q)
+            + k * math.log(q)
+            + (k * k - k) / (2 * sigma**2)
+        )
         out[i] = special.logsumexp(log_terms)
     return out
 
@@ -88,8 +93,15 @@ def _log_integral(log_f, lo: float, hi: float, points: Iterable[float]) -> float
     grid = np.linspace(lo, hi, 4001)
     shift = float(np.max(log_f(grid)))
     pts = sorted(p for p in set(points) if lo < p < hi)
-    value, _ = integrate.quad(lambda z: math.exp(float(log_f(np.asarray(z))) - shift), lo, hi,
-                              points=pts or None, limit=500, epsabs=0.0, epsrel=1e-10)
+    value, _ = integrate.quad(
+        lambda z: math.exp(float(log_f(np.asarray(z))) - shift),
+        lo,
+        hi,
+        points=pts or None,
+        limit=500,
+        epsabs=0.0,
+        epsrel=1e-10,
+    )
     return shift + math.log(value)
 
 
@@ -117,8 +129,9 @@ def _log_moment_integrated(q: float, sigma: float, lam: float) -> float:
     return max(e1, e2)
 
 
-def log_moments(q: float, sigma: float, orders: Sequence[float] = DEFAULT_ORDERS,
-                method: str = "integration") -> np.ndarray:
+def log_moments(
+    q: float, sigma: float, orders: Sequence[float] = DEFAULT_ORDERS, method: str = "integration"
+) -> np.ndarray:
     """alpha(lambda) of one sampled-Gaussian step for each order.
 
     Args:
@@ -137,8 +150,9 @@ def log_moments(q: float, sigma: float, orders: Sequence[float] = DEFAULT_ORDERS
     return np.array([_log_moment_integrated(q, sigma, float(lam)) for lam in orders])
 
 
-def epsilon_from_log_moments(alphas: np.ndarray, orders: Sequence[float], delta: float
-                             ) -> tuple[float, float]:
+def epsilon_from_log_moments(
+    alphas: np.ndarray, orders: Sequence[float], delta: float
+) -> tuple[float, float]:
     """(eps, best order) = min over lambda of (alpha + log(1/delta)) / lambda."""
     delta = check_number("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
     orders = np.asarray(orders, dtype=np.float64)
@@ -149,8 +163,9 @@ def epsilon_from_log_moments(alphas: np.ndarray, orders: Sequence[float], delta:
     return max(float(eps[i]), 0.0), float(orders[i])
 
 
-def delta_from_log_moments(alphas: np.ndarray, orders: Sequence[float], epsilon: float
-                           ) -> tuple[float, float]:
+def delta_from_log_moments(
+    alphas: np.ndarray, orders: Sequence[float], epsilon: float
+) -> tuple[float, float]:
     """(delta, best order) = min over lambda of exp(alpha - lambda eps), capped at 1."""
     epsilon = check_number("epsilon", epsilon, low=0.0)
     log_delta = np.asarray(alphas) - np.asarray(orders, dtype=np.float64) * epsilon
@@ -167,11 +182,17 @@ class MomentsAccountant(SampledGaussianAccountant):
     sampling without replacement is outside the paper's analysis: use "rdp".
     """
 
-    unsupported_message = ("the moments accountant handles (Poisson-sampled) Gaussian events; "
-                           "use the 'rdp' accountant for fixed-size sampling and other events")
+    unsupported_message = (
+        "the moments accountant handles (Poisson-sampled) Gaussian events; "
+        "use the 'rdp' accountant for fixed-size sampling and other events"
+    )
 
-    def __init__(self, orders: Sequence[float] = DEFAULT_ORDERS, method: str = "integration",
-                 neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE):
+    def __init__(
+        self,
+        orders: Sequence[float] = DEFAULT_ORDERS,
+        method: str = "integration",
+        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+    ):
         super().__init__(neighboring_relation)
         if len(orders) == 0 or any(o <= 0 for o in orders):
             raise ValueError(f"orders must be a non-empty list of positive numbers, got {orders!r}")
@@ -189,8 +210,9 @@ class MomentsAccountant(SampledGaussianAccountant):
         return np.full_like(self._alphas, math.inf) if self._non_private else self._alphas.copy()
 
     def _compose_gaussian(self, q: float, sigma: float, count: int) -> None:
-        self._alphas = self._alphas + count * log_moments(q, sigma, tuple(self._orders),
-                                                          self._method)
+        self._alphas = self._alphas + count * log_moments(
+            q, sigma, tuple(self._orders), self._method
+        )
 
     def get_epsilon(self, target_delta: float) -> float:
         return self.get_epsilon_and_order(target_delta)[0]

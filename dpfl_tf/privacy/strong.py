@@ -62,8 +62,11 @@ def gaussian_epsilon(sigma: float, delta0: float) -> float:
 class StrongCompositionAccountant(SampledGaussianAccountant):
     """Strong composition of (amplified) Gaussian steps; see module docstring."""
 
-    def __init__(self, neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
-                 split_grid: int = 99):
+    def __init__(
+        self,
+        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+        split_grid: int = 99,
+    ):
         super().__init__(neighboring_relation)
         self._steps: dict[tuple[float, float], int] = {}  # (q, sigma) -> count
         self._grid = np.linspace(0.0, 1.0, split_grid + 2)[1:-1]
@@ -88,8 +91,9 @@ class StrongCompositionAccountant(SampledGaussianAccountant):
         return min(advanced, sum_eps)
 
     def get_epsilon(self, target_delta: float) -> float:
-        delta = check_number("delta", target_delta, low=0.0, high=1.0, low_open=True,
-                             high_open=True)
+        delta = check_number(
+            "delta", target_delta, low=0.0, high=1.0, low_open=True, high_open=True
+        )
         if self._non_private:
             return math.inf
         if not self._steps:
@@ -100,9 +104,12 @@ class StrongCompositionAccountant(SampledGaussianAccountant):
             return math.inf
         lo = self._grid[max(i - 1, 0)]
         hi = self._grid[min(i + 1, len(self._grid) - 1)]
-        res = optimize.minimize_scalar(lambda f: self._epsilon_for_split(f, delta),
-                                       bounds=(lo, hi), method="bounded",
-                                       options={"xatol": 1e-6})
+        res = optimize.minimize_scalar(
+            lambda f: self._epsilon_for_split(f, delta),
+            bounds=(lo, hi),
+            method="bounded",
+            options={"xatol": 1e-6},
+        )
         return float(min(values[i], res.fun))
 
     def get_delta(self, target_epsilon: float) -> float:

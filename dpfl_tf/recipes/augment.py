@@ -49,14 +49,20 @@ from typing import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from dpfl_tf._validation import ChoiceEnum, check_count, check_number
 from dpfl_tf._seeds import derive_seed
+from dpfl_tf._validation import ChoiceEnum, check_count, check_number
 from dpfl_tf.sanitizer import make_generator
 
-__all__ = ["Normalization", "Augmentation", "center_crop", "normalize",
-           "random_crop_and_flip", "random_brightness_contrast", "train_dataset",
-           "eval_dataset"]
-
+__all__ = [
+    "Normalization",
+    "Augmentation",
+    "center_crop",
+    "normalize",
+    "random_crop_and_flip",
+    "random_brightness_contrast",
+    "train_dataset",
+    "eval_dataset",
+]
 
 
 class Normalization(ChoiceEnum):
@@ -85,8 +91,7 @@ def _batched(images) -> tuple[tf.Tensor, bool]:
     if images.shape.rank == 3:
         return images[None], True
     if images.shape.rank != 4:
-        raise ValueError(f"images must have shape (B, H, W, C) or (H, W, C), "
-                         f"got {images.shape}")
+        raise ValueError(f"images must have shape (B, H, W, C) or (H, W, C), got {images.shape}")
     return images, False
 
 
@@ -101,8 +106,8 @@ def _crop_grid(offsets_y, offsets_x, crop: tuple[int, int], flip=None):
 
 
 def _gather_windows(images: tf.Tensor, rows: tf.Tensor, cols: tf.Tensor) -> tf.Tensor:
-    out = tf.gather(images, rows, axis=1, batch_dims=1)   # (B, ch, W, C)
-    return tf.gather(out, cols, axis=2, batch_dims=1)     # (B, ch, cw, C)
+    out = tf.gather(images, rows, axis=1, batch_dims=1)  # (B, ch, W, C)
+    return tf.gather(out, cols, axis=2, batch_dims=1)  # (B, ch, cw, C)
 
 
 def _crop_size(crop_size) -> tuple[int, int]:
@@ -110,8 +115,10 @@ def _crop_size(crop_size) -> tuple[int, int]:
         crop_size = (crop_size, crop_size)
     if not isinstance(crop_size, (tuple, list)) or len(crop_size) != 2:
         raise ValueError(f"crop_size must be an int or (height, width), got {crop_size!r}")
-    return (check_count("crop_size[0]", crop_size[0], minimum=1),
-            check_count("crop_size[1]", crop_size[1], minimum=1))
+    return (
+        check_count("crop_size[0]", crop_size[0], minimum=1),
+        check_count("crop_size[1]", crop_size[1], minimum=1),
+    )
 
 
 def _check_fits(images: tf.Tensor, crop: tuple[int, int]) -> tuple[int, int]:
@@ -123,8 +130,9 @@ def _check_fits(images: tf.Tensor, crop: tuple[int, int]) -> tuple[int, int]:
     return h, w
 
 
-def random_crop_and_flip(images, crop_size=24, *, flip: bool = True,
-                         generator: tf.random.Generator) -> tf.Tensor:
+def random_crop_and_flip(
+    images, crop_size=24, *, flip: bool = True, generator: tf.random.Generator
+) -> tf.Tensor:
     """A uniformly placed crop_size window of each image, mirrored left-right
     with probability 1/2 -- independently per example.  Keeps the dtype."""
     images, single = _batched(images)
@@ -144,13 +152,17 @@ def center_crop(images, crop_size=24) -> tf.Tensor:
     crop = _crop_size(crop_size)
     h, w = _check_fits(images, crop)
     top, left = (h - crop[0]) // 2, (w - crop[1]) // 2
-    out = images[:, top:top + crop[0], left:left + crop[1], :]
+    out = images[:, top : top + crop[0], left : left + crop[1], :]
     return out[0] if single else out
 
 
-def random_brightness_contrast(images, *, max_brightness: float = DEFAULT_MAX_BRIGHTNESS,
-                               contrast: Sequence[float] = DEFAULT_CONTRAST,
-                               generator: tf.random.Generator) -> tf.Tensor:
+def random_brightness_contrast(
+    images,
+    *,
+    max_brightness: float = DEFAULT_MAX_BRIGHTNESS,
+    contrast: Sequence[float] = DEFAULT_CONTRAST,
+    generator: tf.random.Generator,
+) -> tf.Tensor:
     """Per example: x + delta, delta ~ U[-max_brightness, max_brightness]; then
     (x - mean_c) f + mean_c with f ~ U[contrast] and mean_c the per-channel
     mean; clipped to [0, 1].  Input: uint8 or floats in [0, 1]; output float32."""
@@ -200,10 +212,16 @@ class Augmentation:
       seed: seeds the distortions (default: OS entropy).
     """
 
-    def __init__(self, crop_size=24, *, flip: bool = True,
-                 max_brightness: float = DEFAULT_MAX_BRIGHTNESS,
-                 contrast: Sequence[float] = DEFAULT_CONTRAST,
-                 normalization: Normalization | str = "standardize", seed: int | None = None):
+    def __init__(
+        self,
+        crop_size=24,
+        *,
+        flip: bool = True,
+        max_brightness: float = DEFAULT_MAX_BRIGHTNESS,
+        contrast: Sequence[float] = DEFAULT_CONTRAST,
+        normalization: Normalization | str = "standardize",
+        seed: int | None = None,
+    ):
         self.crop_size = _crop_size(crop_size)
         if not isinstance(flip, bool):
             raise ValueError(f"flip must be True or False, got {flip!r}")
@@ -221,9 +239,11 @@ class Augmentation:
         self._generator = None
         # the key of the per-lot draws: from the seed (a stream of its own, not the
         # DP noise's), else from OS entropy
-        self._key = (tuple(derive_seed(seed, "augmentation", i) for i in range(2))
-                     if seed is not None else
-                     tuple(int.from_bytes(os.urandom(8), "little") >> 1 for _ in range(2)))
+        self._key = (
+            tuple(derive_seed(seed, "augmentation", i) for i in range(2))
+            if seed is not None
+            else tuple(int.from_bytes(os.urandom(8), "little") >> 1 for _ in range(2))
+        )
 
     @property
     def generator(self) -> tf.random.Generator:
@@ -239,8 +259,9 @@ class Augmentation:
         keyed by (key, lot); None: draws from the persistent generator."""
         gen = self.generator if lot is None else _LotDraws(self._key, lot)
         x = random_crop_and_flip(images, self.crop_size, flip=self.flip, generator=gen)
-        x = random_brightness_contrast(x, max_brightness=self.max_brightness,
-                                       contrast=self.contrast, generator=gen)
+        x = random_brightness_contrast(
+            x, max_brightness=self.max_brightness, contrast=self.contrast, generator=gen
+        )
         return normalize(x, self.normalization)
 
     def eval_transform(self, images) -> tf.Tensor:
@@ -252,13 +273,21 @@ class Augmentation:
         images = np.asarray(images)
         if len(images) == 0:
             return np.zeros((0,) + self.crop_size + images.shape[3:], np.float32)
-        return np.concatenate([self.eval_transform(images[i:i + batch_size]).numpy()
-                               for i in range(0, len(images), batch_size)])
+        return np.concatenate(
+            [
+                self.eval_transform(images[i : i + batch_size]).numpy()
+                for i in range(0, len(images), batch_size)
+            ]
+        )
 
     def get_config(self) -> dict:
-        return {"crop_size": list(self.crop_size), "flip": self.flip,
-                "max_brightness": self.max_brightness, "contrast": list(self.contrast),
-                "normalization": self.normalization.value}
+        return {
+            "crop_size": list(self.crop_size),
+            "flip": self.flip,
+            "max_brightness": self.max_brightness,
+            "contrast": list(self.contrast),
+            "normalization": self.normalization.value,
+        }
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
@@ -271,18 +300,19 @@ class _LotDraws:
 
     def __init__(self, key, lot):
         self._seed = tf.random.experimental.stateless_fold_in(
-            tf.constant(key, tf.int64), tf.cast(lot, tf.int64))
+            tf.constant(key, tf.int64), tf.cast(lot, tf.int64)
+        )
         self._calls = 0
 
     def uniform(self, shape, minval=0, maxval=None, dtype=tf.float32):
         # int64 data keep a 64-bit seed (a Python int would fold in as int32)
         seed = tf.random.experimental.stateless_fold_in(
-            self._seed, tf.constant(self._calls, tf.int64))
+            self._seed, tf.constant(self._calls, tf.int64)
+        )
         self._calls += 1
         if maxval is None and dtype.is_floating:
             maxval = 1
-        return tf.random.stateless_uniform(shape, seed, minval, maxval, dtype=dtype,
-                                           alg="philox")
+        return tf.random.stateless_uniform(shape, seed, minval, maxval, dtype=dtype, alg="philox")
 
 
 def _records(x, y) -> tuple[tf.data.Dataset, Callable | None]:
@@ -293,14 +323,16 @@ def _records(x, y) -> tuple[tf.data.Dataset, Callable | None]:
     from dpfl_tf.keras.sources import IndexedReader
 
     if not (hasattr(x, "__len__") and hasattr(x, "__getitem__")):
-        raise TypeError(f"x must be arrays (with y) or a random-access source (y=None), "
-                        f"got {type(x).__name__}")
+        raise TypeError(
+            f"x must be arrays (with y) or a random-access source (y=None), got {type(x).__name__}"
+        )
     reader = IndexedReader.from_source(x)
     return tf.data.Dataset.range(len(x)), reader.read
 
 
-def train_dataset(x, y, augmentation: Augmentation, *, batch_size: int,
-                  shuffle_seed: int | None = None) -> tf.data.Dataset:
+def train_dataset(
+    x, y, augmentation: Augmentation, *, batch_size: int, shuffle_seed: int | None = None
+) -> tf.data.Dataset:
     """Non-private training input: reshuffled every epoch, batched, then
     augmented per example (one vectorised call per batch), prefetched.
 
@@ -322,8 +354,7 @@ def train_dataset(x, y, augmentation: Augmentation, *, batch_size: int,
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
-def eval_dataset(x, y, augmentation: Augmentation, *, batch_size: int = 1000
-                 ) -> tf.data.Dataset:
+def eval_dataset(x, y, augmentation: Augmentation, *, batch_size: int = 1000) -> tf.data.Dataset:
     """Evaluation input: centre crops in order, batched.  `x` is arrays, or a
     random-access source (``y=None``) read batch by batch, each time the
     dataset is iterated (memory O(batch))."""
@@ -331,5 +362,6 @@ def eval_dataset(x, y, augmentation: Augmentation, *, batch_size: int = 1000
     ds = ds.batch(check_count("batch_size", batch_size, minimum=1))
     if read is not None:
         ds = ds.map(read, num_parallel_calls=tf.data.AUTOTUNE)
-    return ds.map(lambda xb, yb: (augmentation.eval_transform(xb), yb),
-                  num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+    return ds.map(
+        lambda xb, yb: (augmentation.eval_transform(xb), yb), num_parallel_calls=tf.data.AUTOTUNE
+    ).prefetch(tf.data.AUTOTUNE)

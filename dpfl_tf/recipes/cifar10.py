@@ -55,49 +55,82 @@ from dpfl_tf.models import cifar_convnet
 from dpfl_tf.privacy import AccountantKind
 from dpfl_tf.recipes.augment import Augmentation, Normalization, eval_dataset
 from dpfl_tf.recipes.common import accuracy
-from dpfl_tf.recipes.pretrain import (PretrainConfig, PublicData, _check_optional_count,
-                                      check_public_split, jsonable,
-                                      load_pretrained, pretrain_public, pretrain_split,
-                                      pretraining_description, public_private_split,
-                                      read_pretrained_record, save_pretrained, stratified_split,
-                                      subset)
+from dpfl_tf.recipes.pretrain import (
+    PretrainConfig,
+    PublicData,
+    _check_optional_count,
+    check_public_split,
+    jsonable,
+    load_pretrained,
+    pretrain_public,
+    pretrain_split,
+    pretraining_description,
+    public_private_split,
+    read_pretrained_record,
+    save_pretrained,
+    stratified_split,
+    subset,
+)
 from dpfl_tf.recipes.run import Inputs, Recipe, run_recipe
 
-__all__ = ["CifarConfig", "Init", "PAPER_TARGETS", "PretrainConfig", "PublicData",
-           "TrainedLayers", "build_private_model", "clip_bounds_for", "load_pretrained",
-           "pretrain_public", "pretrain_split", "public_private_split", "read_pretrained_record",
-           "save_pretrained", "stratified_split", "train_cifar10"]
+__all__ = [
+    "CifarConfig",
+    "Init",
+    "PAPER_TARGETS",
+    "PretrainConfig",
+    "PublicData",
+    "TrainedLayers",
+    "build_private_model",
+    "clip_bounds_for",
+    "load_pretrained",
+    "pretrain_public",
+    "pretrain_split",
+    "public_private_split",
+    "read_pretrained_record",
+    "save_pretrained",
+    "stratified_split",
+    "train_cifar10",
+]
 
 CONV_LAYERS = ("conv1", "conv2")
 DENSE_LAYERS = ("fc1", "fc2", "logits")
 SOFTMAX_LAYER = "logits"
 #: Abadi et al. 2016, section 5.3 (CIFAR-100 pretraining, delta = 1e-5).
-PAPER_TARGETS = {"eps2": 0.67, "eps4": 0.70, "eps8": 0.73, "nonprivate_dense": 0.80,
-                 "nonprivate_whole_net": 0.86}
+PAPER_TARGETS = {
+    "eps2": 0.67,
+    "eps4": 0.70,
+    "eps8": 0.73,
+    "nonprivate_dense": 0.80,
+    "nonprivate_whole_net": 0.86,
+}
 
 
 class TrainedLayers(ChoiceEnum):
     """Which layers are trained on the private data; all others are frozen."""
 
     __argument__ = "trained_layers"
-    SOFTMAX = "softmax"    # logits only
-    TOP = "top"            # fc2 + logits
-    DENSE = "dense"        # fc1 + fc2 + logits
-    ALL = "all"            # the whole net, convolutions included
+    SOFTMAX = "softmax"  # logits only
+    TOP = "top"  # fc2 + logits
+    DENSE = "dense"  # fc1 + fc2 + logits
+    ALL = "all"  # the whole net, convolutions included
 
     @property
     def layers(self) -> tuple[str, ...]:
-        return {"softmax": (SOFTMAX_LAYER,), "top": ("fc2", SOFTMAX_LAYER),
-                "dense": DENSE_LAYERS, "all": CONV_LAYERS + DENSE_LAYERS}[self.value]
+        return {
+            "softmax": (SOFTMAX_LAYER,),
+            "top": ("fc2", SOFTMAX_LAYER),
+            "dense": DENSE_LAYERS,
+            "all": CONV_LAYERS + DENSE_LAYERS,
+        }[self.value]
 
 
 class Init(ChoiceEnum):
     """How the network is initialised before private training."""
 
     __argument__ = "init"
-    PRETRAINED = "pretrained"   # every layer from the pretrained net (softmax too if it fits)
-    CONVS = "convs"             # conv layers pretrained, dense layers freshly initialised
-    SCRATCH = "scratch"         # nothing pretrained (trained_layers must be "all")
+    PRETRAINED = "pretrained"  # every layer from the pretrained net (softmax too if it fits)
+    CONVS = "convs"  # conv layers pretrained, dense layers freshly initialised
+    SCRATCH = "scratch"  # nothing pretrained (trained_layers must be "all")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,7 +170,7 @@ class CifarConfig:
     lot_size: int = 2000
     batch_size: int | None = 500
     learning_rate: float = 0.05
-    final_learning_rate: float | None = None   # None: constant learning rate
+    final_learning_rate: float | None = None  # None: constant learning rate
     decay_epochs: int = 0
     momentum: float = 0.0
     target_epsilon: float | None = 4.0
@@ -164,41 +197,63 @@ class CifarConfig:
         if not isinstance(self.private, bool):
             raise ValueError(f"private must be True or False, got {self.private!r}")
         if self.init is Init.SCRATCH and self.trained_layers is not TrainedLayers.ALL:
-            raise ValueError(f"init='scratch' trains from random weights, so trained_layers "
-                             f"must be 'all', got {self.trained_layers.value!r}")
+            raise ValueError(
+                f"init='scratch' trains from random weights, so trained_layers "
+                f"must be 'all', got {self.trained_layers.value!r}"
+            )
         if self.accountant == "strong" and self.private:
-            raise ValueError("accountant must be 'moments', 'rdp' or 'pld' for training, "
-                             "got 'strong'")
+            raise ValueError(
+                "accountant must be 'moments', 'rdp' or 'pld' for training, got 'strong'"
+            )
         if self.noise_multiplier is not None:
-            set_("noise_multiplier", check_number("noise_multiplier", self.noise_multiplier,
-                                                  low=0.0, low_open=True))
+            set_(
+                "noise_multiplier",
+                check_number("noise_multiplier", self.noise_multiplier, low=0.0, low_open=True),
+            )
         elif self.private and self.target_epsilon is None:
-            raise ValueError("noise_multiplier=None calibrates the noise for target_epsilon; "
-                             "give a target_epsilon or a noise_multiplier")
-        set_("l2_norm_clip", check_number("l2_norm_clip", self.l2_norm_clip, low=0.0,
-                                          low_open=True))
-        set_("softmax_clip_ratio", check_number("softmax_clip_ratio", self.softmax_clip_ratio,
-                                                low=0.0, low_open=True))
+            raise ValueError(
+                "noise_multiplier=None calibrates the noise for target_epsilon; "
+                "give a target_epsilon or a noise_multiplier"
+            )
+        set_(
+            "l2_norm_clip", check_number("l2_norm_clip", self.l2_norm_clip, low=0.0, low_open=True)
+        )
+        set_(
+            "softmax_clip_ratio",
+            check_number("softmax_clip_ratio", self.softmax_clip_ratio, low=0.0, low_open=True),
+        )
         check_count("lot_size", self.lot_size, minimum=1)
         _check_optional_count("batch_size", self.batch_size)
-        set_("learning_rate", check_number("learning_rate", self.learning_rate, low=0.0,
-                                           low_open=True))
+        set_(
+            "learning_rate",
+            check_number("learning_rate", self.learning_rate, low=0.0, low_open=True),
+        )
         if self.final_learning_rate is not None:
-            set_("final_learning_rate", check_number("final_learning_rate",
-                                                     self.final_learning_rate, low=0.0))
+            set_(
+                "final_learning_rate",
+                check_number("final_learning_rate", self.final_learning_rate, low=0.0),
+            )
         check_count("decay_epochs", self.decay_epochs)
-        set_("momentum", check_number("momentum", self.momentum, low=0.0, high=1.0,
-                                      high_open=True))
+        set_("momentum", check_number("momentum", self.momentum, low=0.0, high=1.0, high_open=True))
         if self.target_epsilon is not None:
-            set_("target_epsilon", check_number("target_epsilon", self.target_epsilon,
-                                                low=0.0, low_open=True))
-        set_("delta", check_number("delta", self.delta, low=0.0, high=1.0, low_open=True,
-                                   high_open=True))
+            set_(
+                "target_epsilon",
+                check_number("target_epsilon", self.target_epsilon, low=0.0, low_open=True),
+            )
+        set_(
+            "delta",
+            check_number("delta", self.delta, low=0.0, high=1.0, low_open=True, high_open=True),
+        )
         check_count("epochs", self.epochs, minimum=1)
         check_count("eval_every", self.eval_every, minimum=1)
         check_count("train_eval_size", self.train_eval_size)
-        set_("deltas", tuple(check_number("deltas", d, low=0.0, high=1.0, low_open=True,
-                                          high_open=True) for d in self.deltas))
+        set_(
+            "deltas",
+            tuple(
+                check_number("deltas", d, low=0.0, high=1.0, low_open=True, high_open=True)
+                for d in self.deltas
+            ),
+        )
         if not self.deltas:
             raise ValueError("deltas must list at least one delta")
         _check_optional_count("limit_private", self.limit_private)
@@ -209,19 +264,27 @@ class CifarConfig:
         return clip_bounds_for(self.trained_layers, self.l2_norm_clip, self.softmax_clip_ratio)
 
 
-def clip_bounds_for(trained_layers: TrainedLayers | str, l2_norm_clip: float,
-                    softmax_clip_ratio: float = 2.0) -> dict[str, float]:
+def clip_bounds_for(
+    trained_layers: TrainedLayers | str, l2_norm_clip: float, softmax_clip_ratio: float = 2.0
+) -> dict[str, float]:
     """Per-layer clip bounds {layer: C}: `l2_norm_clip` for every trained layer,
     ``softmax_clip_ratio * l2_norm_clip`` for the softmax layer (the paper
     observed softmax gradients about twice as large and kept that ratio)."""
     layers = TrainedLayers.parse(trained_layers).layers
-    return {name: float(l2_norm_clip * (softmax_clip_ratio if name == SOFTMAX_LAYER else 1.0))
-            for name in layers}
+    return {
+        name: float(l2_norm_clip * (softmax_clip_ratio if name == SOFTMAX_LAYER else 1.0))
+        for name in layers
+    }
 
 
-def build_private_model(pretrained: keras.Model | None, trained_layers: TrainedLayers | str,
-                        init: Init | str = Init.PRETRAINED, *, input_shape=(24, 24, 3),
-                        classes: int = 10) -> tuple[keras.Model, list[str]]:
+def build_private_model(
+    pretrained: keras.Model | None,
+    trained_layers: TrainedLayers | str,
+    init: Init | str = Init.PRETRAINED,
+    *,
+    input_shape=(24, 24, 3),
+    classes: int = 10,
+) -> tuple[keras.Model, list[str]]:
     """A fresh `cifar_convnet` for CIFAR-10: layers copied from `pretrained`
     per `init` (the softmax layer only if its shape fits), then every layer
     not in `trained_layers` frozen (``trainable=False``).
@@ -242,9 +305,11 @@ def build_private_model(pretrained: keras.Model | None, trained_layers: TrainedL
                 dst.set_weights(src)
                 copied.append(name)
             elif name != SOFTMAX_LAYER:
-                raise ValueError(f"pretrained layer {name!r} has weights "
-                                 f"{[w.shape for w in src]}, the model needs "
-                                 f"{[tuple(w.shape) for w in dst.weights]}")
+                raise ValueError(
+                    f"pretrained layer {name!r} has weights "
+                    f"{[w.shape for w in src]}, the model needs "
+                    f"{[tuple(w.shape) for w in dst.weights]}"
+                )
     for name in CONV_LAYERS + DENSE_LAYERS:
         net.get_layer(name).trainable = name in trained_layers.layers
     return net, copied
@@ -273,8 +338,9 @@ class CifarRecipe(Recipe):
     def comparable(self, config=None) -> dict:
         from dpfl_tf.recipes.common import comparable_config
 
-        return comparable_config(jsonable(dataclasses.asdict(config or self.config)),
-                                 self.resumable_changes)
+        return comparable_config(
+            jsonable(dataclasses.asdict(config or self.config)), self.resumable_changes
+        )
 
     def inputs(self, ledger, releases) -> Inputs:
         # the private images are read lot by lot from the source (memory O(lot), not O(N))
@@ -284,21 +350,30 @@ class CifarRecipe(Recipe):
             _, private_idx = public_private_split(data.y_train, pre.public_size, pre.split_seed)
         else:
             private_idx = np.arange(len(data.y_train))
-        private = subset(data.train.subset(private_idx), config.limit_private,
-                         pre.split_seed + 3)
+        private = subset(data.train.subset(private_idx), config.limit_private, pre.split_seed + 3)
         test = subset(data.test, config.limit_test, pre.split_seed + 2)
         # random distortions keyed by the lot number (a resumed run draws the same)
         self.augmentation = Augmentation(normalization=config.normalization, seed=config.seed)
         y_priv = private.labels
-        eval_idx, _ = stratified_split(y_priv, min(config.train_eval_size, len(y_priv)),
-                                       pre.split_seed + 4)
+        eval_idx, _ = stratified_split(
+            y_priv, min(config.train_eval_size, len(y_priv)), pre.split_seed + 4
+        )
         # evaluation sets are read (and centre-cropped) batch by batch at each evaluation
-        train_eval = (eval_dataset(private.subset(eval_idx), None, self.augmentation)
-                      if len(eval_idx) else None)
-        return Inputs(private, None, eval_dataset(test, None, self.augmentation), test.labels,
-                      examples=len(y_priv), x_train_eval=train_eval,
-                      y_train_eval=y_priv[eval_idx] if len(eval_idx) else None,
-                      preprocess=self.augmentation)
+        train_eval = (
+            eval_dataset(private.subset(eval_idx), None, self.augmentation)
+            if len(eval_idx)
+            else None
+        )
+        return Inputs(
+            private,
+            None,
+            eval_dataset(test, None, self.augmentation),
+            test.labels,
+            examples=len(y_priv),
+            x_train_eval=train_eval,
+            y_train_eval=y_priv[eval_idx] if len(eval_idx) else None,
+            preprocess=self.augmentation,
+        )
 
     def too_few_examples(self, n: int) -> str:
         return f"lot_size ({self.config.lot_size}) exceeds the {n} private training examples"
@@ -312,15 +387,21 @@ class CifarRecipe(Recipe):
                 if config.pretrained_weights is not None:
                     pretrained = load_pretrained(config.pretrained_weights)
                 else:
-                    pretrained = pretrain_public(dataclasses.replace(
-                        pre, data_dir=pre.data_dir or config.data_dir, seed=config.seed),
-                        verbose=self.verbose)
+                    pretrained = pretrain_public(
+                        dataclasses.replace(
+                            pre, data_dir=pre.data_dir or config.data_dir, seed=config.seed
+                        ),
+                        verbose=self.verbose,
+                    )
             pretrained_net, self.info = pretrained
             check_public_split(self.info, pre, self.data)
         self._set_record()
-        net, self.copied = build_private_model(pretrained_net, config.trained_layers,
-                                               config.init,
-                                               input_shape=self.augmentation.crop_size + (3,))
+        net, self.copied = build_private_model(
+            pretrained_net,
+            config.trained_layers,
+            config.init,
+            input_shape=self.augmentation.crop_size + (3,),
+        )
         self._set_frozen(net)
         self.frozen_digest = _weights_digest(net, self.frozen)
         return net
@@ -335,22 +416,28 @@ class CifarRecipe(Recipe):
         self._set_frozen(model.model)
 
     def _set_record(self):
-        self.record = ({k: v for k, v in self.info.items() if k != "history"}
-                       if self.info else None)
+        self.record = {k: v for k, v in self.info.items() if k != "history"} if self.info else None
 
     def _set_frozen(self, net):
         self.net = net
-        self.frozen = sorted(layer.name for layer in net.layers
-                             if layer.weights and not layer.trainable)
+        self.frozen = sorted(
+            layer.name for layer in net.layers if layer.weights and not layer.trainable
+        )
 
     def state(self) -> dict:
-        return {"pretrained_record": self.record, "copied": self.copied,
-                "frozen_digest": self.frozen_digest}
+        return {
+            "pretrained_record": self.record,
+            "copied": self.copied,
+            "frozen_digest": self.frozen_digest,
+        }
 
     def start_row(self, net, inputs) -> dict:
         """Epoch 0: the starting point (the pretrained network before private training)."""
-        row0 = {"epoch": 0, "seconds": 0.0,
-                "test_accuracy": accuracy(net, inputs.x_test, inputs.y_test)}
+        row0 = {
+            "epoch": 0,
+            "seconds": 0.0,
+            "test_accuracy": accuracy(net, inputs.x_test, inputs.y_test),
+        }
         if inputs.x_train_eval is not None:
             row0["train_accuracy"] = accuracy(net, inputs.x_train_eval, inputs.y_train_eval)
         if self.config.private:
@@ -363,10 +450,18 @@ class CifarRecipe(Recipe):
     def fit_nonprivate(self, net, inputs, learning_rate, epochs, callbacks) -> None:
         from dpfl_tf.recipes.pretrain import fit_nonprivate
 
-        fit_nonprivate(net, inputs.x_train, self.augmentation, batch_size=self.config.lot_size,
-                       epochs=epochs, learning_rate=learning_rate,
-                       momentum=self.config.momentum, weight_decay=None,
-                       callbacks=callbacks, seed=self.config.seed)
+        fit_nonprivate(
+            net,
+            inputs.x_train,
+            self.augmentation,
+            batch_size=self.config.lot_size,
+            epochs=epochs,
+            learning_rate=learning_rate,
+            momentum=self.config.momentum,
+            weight_decay=None,
+            callbacks=callbacks,
+            seed=self.config.seed,
+        )
 
     def fields(self, run, model) -> dict:
         config, net = self.config, self.net
@@ -395,10 +490,19 @@ class CifarRecipe(Recipe):
         }
 
 
-def train_cifar10(config: CifarConfig, *, pretrained: tuple[keras.Model, dict] | None = None,
-                  verbose: bool = True, return_model: bool = False,
-                  checkpoint_dir: str | None = None, checkpoint_every_epoch: bool = True,
-                  on_epoch=None, should_stop=None, on_resume=None, callbacks=()):
+def train_cifar10(
+    config: CifarConfig,
+    *,
+    pretrained: tuple[keras.Model, dict] | None = None,
+    verbose: bool = True,
+    return_model: bool = False,
+    checkpoint_dir: str | None = None,
+    checkpoint_every_epoch: bool = True,
+    on_epoch=None,
+    should_stop=None,
+    on_resume=None,
+    callbacks=(),
+):
     """Trains one configuration; returns a JSON-ready result with per-epoch history
     (and the trained Keras model too if ``return_model``).
 
@@ -414,8 +518,14 @@ def train_cifar10(config: CifarConfig, *, pretrained: tuple[keras.Model, dict] |
         after the same number of lots as an uninterrupted one.
     """
     recipe = CifarRecipe(config, pretrained, verbose)
-    result, model = run_recipe(recipe, verbose=verbose, checkpoint_dir=checkpoint_dir,
-                               checkpoint_every_epoch=checkpoint_every_epoch,
-                               on_epoch=on_epoch, should_stop=should_stop,
-                               on_resume=on_resume, callbacks=callbacks)
+    result, model = run_recipe(
+        recipe,
+        verbose=verbose,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every_epoch=checkpoint_every_epoch,
+        on_epoch=on_epoch,
+        should_stop=should_stop,
+        on_resume=on_resume,
+        callbacks=callbacks,
+    )
     return (result, model) if return_model else result

@@ -15,37 +15,47 @@ import numpy as np
 
 from dpfl_tf.sanitizer import deployment_note  # noqa: F401  (re-exported for the recipes)
 
-__all__ = ["EpochHistory", "paper_learning_rate", "accuracy", "deployment_note",
-           "privacy_summary", "RUN_STATE", "LotStopper", "RunCheckpoint", "comparable_config",
-           "read_run_state", "resumable_run_state", "mark_run_finished"]
+__all__ = [
+    "EpochHistory",
+    "paper_learning_rate",
+    "accuracy",
+    "deployment_note",
+    "privacy_summary",
+    "RUN_STATE",
+    "LotStopper",
+    "RunCheckpoint",
+    "comparable_config",
+    "read_run_state",
+    "resumable_run_state",
+    "mark_run_finished",
+]
 
 
-def paper_learning_rate(initial: float, final: float, decay_epochs: int,
-                        lots_per_epoch: int):
+def paper_learning_rate(initial: float, final: float, decay_epochs: int, lots_per_epoch: int):
     """Abadi et al. 2016: linear decay from `initial` to `final` over
     `decay_epochs` epochs, then constant -- a standard Keras PolynomialDecay."""
     if decay_epochs <= 0 or initial == final:
         return initial
     return keras.optimizers.schedules.PolynomialDecay(
-        initial, decay_epochs * lots_per_epoch, final, power=1.0)
+        initial, decay_epochs * lots_per_epoch, final, power=1.0
+    )
 
 
-def accuracy(model: keras.Model, x, y, batch_size: int = 2000,
-             chunk_bytes: int = 2 ** 26) -> float:
+def accuracy(model: keras.Model, x, y, batch_size: int = 2000, chunk_bytes: int = 2**26) -> float:
     """Top-1 accuracy, predicted chunk by chunk (at most `chunk_bytes` of inputs
     at a time): `predict` on a whole array makes a tensor of all of it (a second
     6 GB copy of CIFAR-10's scattering features), and `x` may be a file read by
     rows (`dpfl_tf.data.NpyRows`) or a memmap."""
     y = np.asarray(y).reshape(-1)
-    if not hasattr(x, "__getitem__"):   # a tf.data pipeline: it streams already
+    if not hasattr(x, "__getitem__"):  # a tf.data pipeline: it streams already
         logits = model.predict(x, batch_size=batch_size, verbose=0)
         return float(np.mean(np.argmax(logits, axis=-1) == y))
     example_bytes = int(np.prod(np.shape(x)[1:], dtype=np.int64)) * 4
     chunk = max(1, min(8 * batch_size, chunk_bytes // max(1, example_bytes)))
     correct = 0
     for i in range(0, len(y), chunk):
-        logits = model.predict(np.asarray(x[i:i + chunk]), batch_size=batch_size, verbose=0)
-        correct += int(np.sum(np.argmax(logits, axis=-1) == y[i:i + chunk]))
+        logits = model.predict(np.asarray(x[i : i + chunk]), batch_size=batch_size, verbose=0)
+        correct += int(np.sum(np.argmax(logits, axis=-1) == y[i : i + chunk]))
     return correct / len(y) if len(y) else float("nan")
 
 
@@ -56,7 +66,8 @@ NON_PRIVATE_STATISTICS_NOTE = (
     "examples without noise, like the loss / accuracy Keras logs while DPModel.fit runs: "
     "a non-private statistic, not covered by epsilon (so is dropped_examples, the count of "
     "examples whose gradient was NaN or inf). Releasing it leaks information about "
-    "the training data; release test_accuracy (held-out data) and the model instead.")
+    "the training data; release test_accuracy (held-out data) and the model instead."
+)
 
 
 def privacy_summary(ledger, delta: float, seed) -> dict:
@@ -65,13 +76,16 @@ def privacy_summary(ledger, delta: float, seed) -> dict:
     fields are non-private statistics of the training data (`NON_PRIVATE_STATISTICS`)."""
     from dpfl_tf.privacy.events import describe_event
 
-    out = {"ledger": ledger.entries if ledger is not None else [],
-           "events": describe_event(ledger.event) if ledger is not None else "non-private",
-           "non_private_statistics": list(NON_PRIVATE_STATISTICS),
-           "non_private_statistics_note": NON_PRIVATE_STATISTICS_NOTE}
+    out = {
+        "ledger": ledger.entries if ledger is not None else [],
+        "events": describe_event(ledger.event) if ledger is not None else "non-private",
+        "non_private_statistics": list(NON_PRIVATE_STATISTICS),
+        "non_private_statistics_note": NON_PRIVATE_STATISTICS_NOTE,
+    }
     if ledger is not None:
-        out["epsilon_by_accountant"] = {k: ledger.epsilon(delta, k)
-                                        for k in ("moments", "rdp", "pld")}
+        out["epsilon_by_accountant"] = {
+            k: ledger.epsilon(delta, k) for k in ("moments", "rdp", "pld")
+        }
     note = deployment_note(seed)
     if note:
         out["note"] = note
@@ -82,9 +96,19 @@ class EpochHistory(keras.callbacks.Callback):
     """After every `every` epochs: test / train accuracy and epsilon at several
     deltas, appended to `rows`; a one-line progress bar over `total_epochs`."""
 
-    def __init__(self, x_test, y_test, x_train=None, y_train=None, *, every: int = 1,
-                 deltas: Sequence[float] = (1e-5,), total_epochs: int | None = None,
-                 private: bool = True, verbose: bool = True):
+    def __init__(
+        self,
+        x_test,
+        y_test,
+        x_train=None,
+        y_train=None,
+        *,
+        every: int = 1,
+        deltas: Sequence[float] = (1e-5,),
+        total_epochs: int | None = None,
+        private: bool = True,
+        verbose: bool = True,
+    ):
         super().__init__()
         self.x_test, self.y_test = x_test, y_test
         self.x_train, self.y_train = x_train, y_train
@@ -100,8 +124,9 @@ class EpochHistory(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._start = time.perf_counter()
         if self.verbose:
-            self._bar = keras.utils.Progbar(self.total_epochs, unit_name="epoch",
-                                            stateful_metrics=["test_acc", "epsilon"])
+            self._bar = keras.utils.Progbar(
+                self.total_epochs, unit_name="epoch", stateful_metrics=["test_acc", "epsilon"]
+            )
 
     def on_epoch_end(self, epoch, logs=None):
         done = epoch + 1
@@ -179,8 +204,15 @@ class RunCheckpoint(keras.callbacks.Callback):
     model, then the recipe's state ``state()`` as RUN_STATE, then
     ``on_epoch(snapshot(model))`` (the results so far)."""
 
-    def __init__(self, directory, every_epoch: bool, stopper: LotStopper,
-                 state: Callable[[], dict], snapshot: Callable, on_epoch=None):
+    def __init__(
+        self,
+        directory,
+        every_epoch: bool,
+        stopper: LotStopper,
+        state: Callable[[], dict],
+        snapshot: Callable,
+        on_epoch=None,
+    ):
         super().__init__()
         self.directory, self.every_epoch, self.stopper = directory, every_epoch, stopper
         self.state, self.snapshot, self.on_epoch = state, snapshot, on_epoch
@@ -218,9 +250,9 @@ def comparable_config(config: dict, changeable: Sequence[str]) -> dict:
 
 
 def _json_value(obj):
-    if hasattr(obj, "value"):   # enums
+    if hasattr(obj, "value"):  # enums
         return obj.value
-    if hasattr(obj, "item"):    # numpy scalars
+    if hasattr(obj, "item"):  # numpy scalars
         return obj.item()
     raise TypeError(f"cannot serialise {type(obj).__name__} to JSON")
 
@@ -233,8 +265,9 @@ def read_run_state(directory: str) -> dict | None:
     return read_checkpoint_json(os.path.join(directory, RUN_STATE))
 
 
-def resumable_run_state(checkpoint_dir: str | None, config: dict,
-                        defaults: dict | None = None) -> dict | None:
+def resumable_run_state(
+    checkpoint_dir: str | None, config: dict, defaults: dict | None = None
+) -> dict | None:
     """The state to resume from `checkpoint_dir`, or None when it holds no
     checkpoint (a new run).  Refuses, naming the directory, a checkpoint without
     a recipe state, one of other settings (`config`, from `comparable_config`)
@@ -246,30 +279,39 @@ def resumable_run_state(checkpoint_dir: str | None, config: dict,
         return None
     state = read_run_state(checkpoint_dir)
     if state is None:
-        raise ValueError(f"{checkpoint_dir} holds a DPCheckpoint but no {RUN_STATE}: it "
-                         "was not written by this recipe; use another checkpoint directory")
+        raise ValueError(
+            f"{checkpoint_dir} holds a DPCheckpoint but no {RUN_STATE}: it "
+            "was not written by this recipe; use another checkpoint directory"
+        )
     missing = object()
     saved = {**(defaults or {}), **state["config"]}
     diff = sorted(k for k, v in config.items() if saved.get(k, missing) != v)
     if diff:
-        raise ValueError(f"{checkpoint_dir} holds a checkpoint of a different run "
-                         f"(differs in: {', '.join(diff)}); use another checkpoint "
-                         "directory")
+        raise ValueError(
+            f"{checkpoint_dir} holds a checkpoint of a different run "
+            f"(differs in: {', '.join(diff)}); use another checkpoint "
+            "directory"
+        )
     if state.get("finished"):
-        raise ValueError(f"{checkpoint_dir} holds a finished run ({state['finished']}); "
-                         "nothing to resume: use another checkpoint directory")
+        raise ValueError(
+            f"{checkpoint_dir} holds a finished run ({state['finished']}); "
+            "nothing to resume: use another checkpoint directory"
+        )
     return state
 
 
-def mark_run_finished(checkpoint_dir: str | None, state: Callable[[], dict],
-                      stop_reason: str) -> None:
+def mark_run_finished(
+    checkpoint_dir: str | None, state: Callable[[], dict], stop_reason: str
+) -> None:
     """Records in RUN_STATE (``state()``) that the run ended (`stop_reason`), so that the same
     command does not resume it again.  Nothing if no checkpoint was written
     there, or the run was interrupted (it is to be resumed)."""
     from dpfl_tf._io import atomic_write_json
 
-    if checkpoint_dir is None or stop_reason == "interrupted" \
-            or not os.path.exists(os.path.join(checkpoint_dir, RUN_STATE)):
+    if (
+        checkpoint_dir is None
+        or stop_reason == "interrupted"
+        or not os.path.exists(os.path.join(checkpoint_dir, RUN_STATE))
+    ):
         return
-    atomic_write_json(os.path.join(checkpoint_dir, RUN_STATE),
-                      {**state(), "finished": stop_reason})
+    atomic_write_json(os.path.join(checkpoint_dir, RUN_STATE), {**state(), "finished": stop_reason})

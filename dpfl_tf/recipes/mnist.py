@@ -42,12 +42,12 @@ import numpy as np
 
 from dpfl_tf.data import load_dataset
 from dpfl_tf.models import mlp, scatter_cnn, scatter_linear, tanh_cnn
-from dpfl_tf.pca import DPPCA, PCAProjection, RandomProjection, _Projection
 from dpfl_tf.normalization import DPFeatureNormalization, FeatureNormalization
-from dpfl_tf.scattering import Scattering2D, scattering_channels, scattering_orders
+from dpfl_tf.pca import DPPCA, PCAProjection, RandomProjection, _Projection
 from dpfl_tf.privacy import PrivacyLedger, compute_epsilon
 from dpfl_tf.recipes.run import Inputs, Recipe, run_recipe
 from dpfl_tf.recipes.settings import MIRROR_VIEWS_BATCH, PAPER_NOISE  # noqa: F401 (re-exported)
+from dpfl_tf.scattering import Scattering2D, scattering_channels, scattering_orders
 
 __all__ = ["MnistConfig", "train_mnist", "PAPER_SETTINGS", "MODELS"]
 
@@ -61,24 +61,32 @@ COLOUR_DATASETS = ("cifar10", "cifar100")
 
 #: Abadi et al. 2016, section 5.2: the three noise settings and their budgets
 PAPER_SETTINGS = {
-    name: {"noise_multiplier": PAPER_NOISE[name][0], "pca_noise_multiplier": PAPER_NOISE[name][1],
-           "target_epsilon": eps, "paper_test_accuracy": acc}
-    for name, eps, acc in (("small_noise", 8.0, 0.97), ("medium_noise", 2.0, 0.95),
-                           ("large_noise", 0.5, 0.90))}
+    name: {
+        "noise_multiplier": PAPER_NOISE[name][0],
+        "pca_noise_multiplier": PAPER_NOISE[name][1],
+        "target_epsilon": eps,
+        "paper_test_accuracy": acc,
+    }
+    for name, eps, acc in (
+        ("small_noise", 8.0, 0.97),
+        ("medium_noise", 2.0, 0.95),
+        ("large_noise", 0.5, 0.90),
+    )
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class MnistConfig:
     dataset: str = "mnist"
     setting: str = "custom"
-    model: str = "mlp"                 # "mlp" | "tanh_cnn" | "scatter_linear" | "scatter_cnn"
-    projection: str = "dp_pca"         # "dp_pca" | "pca" | "random" | "none" (mlp only)
+    model: str = "mlp"  # "mlp" | "tanh_cnn" | "scatter_linear" | "scatter_cnn"
+    projection: str = "dp_pca"  # "dp_pca" | "pca" | "random" | "none" (mlp only)
     pca_dim: int = 60
     pca_noise_multiplier: float = 7.0
-    pca_sample_size: int | None = None   # None: every training example (q_p = 1)
+    pca_sample_size: int | None = None  # None: every training example (q_p = 1)
     hidden_units: int = 1000
     private: bool = True
-    noise_multiplier: float | None = 4.0   # None: calibrate for target_epsilon in `epochs`
+    noise_multiplier: float | None = 4.0  # None: calibrate for target_epsilon in `epochs`
     l2_norm_clip: float = 4.0
     lot_size: int = 600
     batch_size: int | None = None
@@ -89,7 +97,7 @@ class MnistConfig:
     target_epsilon: float | None = 2.0
     delta: float = 1e-5
     accountant: str = "moments"
-    epochs: int = 1000                 # upper bound when a target is set
+    epochs: int = 1000  # upper bound when a target is set
     eval_every: int = 1
     deltas: tuple = (1e-2, 1e-3, 1e-4, 1e-5)
     seed: int | None = None
@@ -100,7 +108,7 @@ class MnistConfig:
     feature_norm: str = "group"
     #: sigma of each of the 6 noised sums (mean and second moment of scattering
     #: orders 0, 1, 2): jointly 8 / sqrt(2), the cost of Tramer & Boneh's release
-    feature_norm_noise_multiplier: float = 8.0 * 3 ** 0.5
+    feature_norm_noise_multiplier: float = 8.0 * 3**0.5
     #: L2 bounds per scattering order (0, 1, 2) on each example's channel means
     #: and second moments, per colour plane (times sqrt(colours)); order 0 is the
     #: local mean of pixels in [0, 1], so 1 bounds it for any image; orders 1 and
@@ -121,24 +129,33 @@ class MnistConfig:
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if self.model not in SCATTER_MODELS and self.dataset in COLOUR_DATASETS:
-            raise ValueError(f"model={self.model!r} needs 28x28 grey images (mnist, "
-                             f"fashion_mnist), got dataset={self.dataset!r}; colour images "
-                             f"take model='scatter_linear' or 'scatter_cnn'")
+            raise ValueError(
+                f"model={self.model!r} needs 28x28 grey images (mnist, "
+                f"fashion_mnist), got dataset={self.dataset!r}; colour images "
+                f"take model='scatter_linear' or 'scatter_cnn'"
+            )
         if self.feature_norm not in FEATURE_NORMS:
-            raise ValueError(f"feature_norm must be one of {', '.join(FEATURE_NORMS)}, got "
-                             f"{self.feature_norm!r}")
+            raise ValueError(
+                f"feature_norm must be one of {', '.join(FEATURE_NORMS)}, got {self.feature_norm!r}"
+            )
         if self.feature_norm != "group" and self.model not in SCATTER_MODELS:
-            raise ValueError(f"feature_norm={self.feature_norm!r} is for the scattering "
-                             f"models ({', '.join(SCATTER_MODELS)}), got model={self.model!r}")
+            raise ValueError(
+                f"feature_norm={self.feature_norm!r} is for the scattering "
+                f"models ({', '.join(SCATTER_MODELS)}), got model={self.model!r}"
+            )
         if self.mirror_views and self.model not in SCATTER_MODELS:
-            raise ValueError(f"mirror_views is for the scattering models "
-                             f"({', '.join(SCATTER_MODELS)}), got model={self.model!r}")
+            raise ValueError(
+                f"mirror_views is for the scattering models "
+                f"({', '.join(SCATTER_MODELS)}), got model={self.model!r}"
+            )
         if self.private and self.feature_norm == "stats":
-            raise ValueError("feature_norm='stats' is not private; use 'dp_stats' (or "
-                             "private=False)")
+            raise ValueError(
+                "feature_norm='stats' is not private; use 'dp_stats' (or private=False)"
+            )
         if self.projection not in ("dp_pca", "pca", "random", "none"):
-            raise ValueError("projection must be 'dp_pca', 'pca', 'random' or 'none', got "
-                             f"{self.projection!r}")
+            raise ValueError(
+                f"projection must be 'dp_pca', 'pca', 'random' or 'none', got {self.projection!r}"
+            )
         if self.private and self.projection == "pca":
             raise ValueError("projection='pca' is not private; use 'dp_pca' (or private=False)")
 
@@ -176,16 +193,25 @@ def _scattering_features(data, mirror: bool = False):
         filters.update(np.ascontiguousarray(f).data)
 
     def scatter(images, start, stop):
-        return scattering.transform(images[start:stop].astype("float32") / 255.0,
-                                    mirror=mirror)
+        return scattering.transform(images[start:stop].astype("float32") / 255.0, mirror=mirror)
 
     out = []
     for x in (data.x_train, data.x_test):
         x = np.ascontiguousarray(x)
         shape = scattering.features_shape(x.shape, mirror)
         digest = hashlib.blake2b(digest_size=16)
-        digest.update(repr((FEATURES_VERSION, repr(scattering), filters.hexdigest(),
-                            bool(mirror), x.shape, x.dtype.str)).encode())
+        digest.update(
+            repr(
+                (
+                    FEATURES_VERSION,
+                    repr(scattering),
+                    filters.hexdigest(),
+                    bool(mirror),
+                    x.shape,
+                    x.dtype.str,
+                )
+            ).encode()
+        )
         digest.update(x.data)
         path = os.path.join(default_cache_dir(), "scattering", digest.hexdigest() + ".npy")
         if os.path.exists(path):
@@ -194,16 +220,20 @@ def _scattering_features(data, mirror: bool = False):
                 out.append(cached)
                 continue
         try:
-            with atomic_path(path, mode=0o600) as tmp:   # never readable by others
-                features = NpyRows.create(tmp, shape, np.float32)   # a full disk: OSError
+            with atomic_path(path, mode=0o600) as tmp:  # never readable by others
+                features = NpyRows.create(tmp, shape, np.float32)  # a full disk: OSError
                 for i in range(0, len(x), SCATTER_CHUNK):
                     features.write(i, scatter(x, i, i + SCATTER_CHUNK))
                 features.close()
-        except OSError as e:   # a read-only or full cache: compute in memory
-            warnings.warn(f"scattering features not cached ({e}); computing them in "
-                          "memory", RuntimeWarning, stacklevel=2)
-            features = np.concatenate([scatter(x, i, i + SCATTER_CHUNK)
-                                       for i in range(0, len(x), SCATTER_CHUNK)])
+        except OSError as e:  # a read-only or full cache: compute in memory
+            warnings.warn(
+                f"scattering features not cached ({e}); computing them in memory",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            features = np.concatenate(
+                [scatter(x, i, i + SCATTER_CHUNK) for i in range(0, len(x), SCATTER_CHUNK)]
+            )
             features.setflags(write=False)
             out.append(features)
             continue
@@ -211,8 +241,9 @@ def _scattering_features(data, mirror: bool = False):
     return tuple(out)
 
 
-def _inputs(config: MnistConfig, data, ledger: PrivacyLedger | None,
-            projection: np.ndarray | None = None):
+def _inputs(
+    config: MnistConfig, data, ledger: PrivacyLedger | None, projection: np.ndarray | None = None
+):
     """(x_train, x_test, the released projection's components or None): pixels
     scaled to [0, 1], then the model's input transform.  `projection`: the
     components of a projection released before (a resumed run); else DP-PCA
@@ -230,16 +261,21 @@ def _inputs(config: MnistConfig, data, ledger: PrivacyLedger | None,
     if projection is not None:
         proj = _SavedProjection(projection)
     elif config.projection == "dp_pca":
-        proj = DPPCA(config.pca_dim, config.pca_noise_multiplier,
-                     config.pca_sample_size or len(x_train), seed=config.seed)
+        proj = DPPCA(
+            config.pca_dim,
+            config.pca_noise_multiplier,
+            config.pca_sample_size or len(x_train),
+            seed=config.seed,
+        )
     elif config.projection == "pca":
         proj = PCAProjection(config.pca_dim)
     else:
         proj = RandomProjection(config.pca_dim, seed=0)
     if projection is None:
         proj.fit(x_train, ledger=ledger)
-    released = proj.components if isinstance(proj, (DPPCA, RandomProjection,
-                                                      _SavedProjection)) else None
+    released = (
+        proj.components if isinstance(proj, (DPPCA, RandomProjection, _SavedProjection)) else None
+    )
     return proj.transform(x_train), proj.transform(x_test), released
 
 
@@ -249,8 +285,9 @@ def _feature_norm_layer(config: MnistConfig, x_train, ledger: PrivacyLedger | No
     if config.feature_norm == "group":
         return None
     if config.feature_norm == "stats":
-        return FeatureNormalization(epsilon=config.feature_norm_epsilon).fit(
-            x_train, ledger).layer()
+        return (
+            FeatureNormalization(epsilon=config.feature_norm_epsilon).fit(x_train, ledger).layer()
+        )
     colours = x_train.shape[-1] // scattering_channels(2, 8)
     return feature_norm_release(config, colours).fit(x_train, ledger).layer()
 
@@ -258,11 +295,15 @@ def _feature_norm_layer(config: MnistConfig, x_train, ledger: PrivacyLedger | No
 def feature_norm_release(config: MnistConfig, colours: int = 1) -> DPFeatureNormalization:
     """The DP release of `feature_norm="dp_stats"` for features of `colours`
     colour planes (its event does not depend on them: one group per order)."""
-    means, seconds = (tuple(c * colours ** 0.5 for c in clips)
-                      for clips in config.feature_norm_clips)
-    return DPFeatureNormalization(config.feature_norm_noise_multiplier, means, seconds,
-                                  channel_groups=scattering_orders(2, 8, colours),
-                                  seed=config.seed, epsilon=config.feature_norm_epsilon)
+    means, seconds = (tuple(c * colours**0.5 for c in clips) for clips in config.feature_norm_clips)
+    return DPFeatureNormalization(
+        config.feature_norm_noise_multiplier,
+        means,
+        seconds,
+        channel_groups=scattering_orders(2, 8, colours),
+        seed=config.seed,
+        epsilon=config.feature_norm_epsilon,
+    )
 
 
 class _SavedProjection(_Projection):
@@ -273,21 +314,26 @@ class _SavedProjection(_Projection):
 class MnistRecipe(Recipe):
     """`train_mnist` on the shared life cycle (`dpfl_tf.recipes.run`)."""
 
-    default_config = None   # set below, once MnistConfig's defaults are known
+    default_config = None  # set below, once MnistConfig's defaults are known
 
     def check(self) -> None:
         config = self.config
-        if config.private and config.feature_norm == "dp_stats" \
-                and config.target_epsilon is not None:   # before any data is read
-            cost = compute_epsilon(feature_norm_release(config).planned_event(), config.delta,
-                                   config.accountant)
+        if (
+            config.private
+            and config.feature_norm == "dp_stats"
+            and config.target_epsilon is not None
+        ):  # before any data is read
+            cost = compute_epsilon(
+                feature_norm_release(config).planned_event(), config.delta, config.accountant
+            )
             if cost >= config.target_epsilon:
                 raise ValueError(
                     f"the DP feature statistics alone cost epsilon = {cost:.3f} "
                     f"(feature_norm_noise_multiplier={config.feature_norm_noise_multiplier:g}"
                     f"), which leaves nothing of target_epsilon = {config.target_epsilon:g} "
                     "for DP-SGD: raise feature_norm_noise_multiplier or use "
-                    "feature_norm='group'")
+                    "feature_norm='group'"
+                )
 
     def inputs(self, ledger, releases) -> Inputs:
         config = self.config
@@ -295,10 +341,16 @@ class MnistRecipe(Recipe):
         saved = (releases or {}).get("projection")
         x_train, x_test, released = _inputs(config, self.data, ledger, saved)
         y_train = self.data.y_train.astype("int64")
-        return Inputs(x_train, y_train, x_test, self.data.y_test.astype("int64"),
-                      examples=len(y_train), x_train_eval=x_train, y_train_eval=y_train,
-                      releases={} if released is None or saved is not None
-                      else {"projection": released})
+        return Inputs(
+            x_train,
+            y_train,
+            x_test,
+            self.data.y_test.astype("int64"),
+            examples=len(y_train),
+            x_train_eval=x_train,
+            y_train_eval=y_train,
+            releases={} if released is None or saved is not None else {"projection": released},
+        )
 
     def network(self, inputs, ledger) -> keras.Model:
         config, x_train = self.config, inputs.x_train
@@ -308,30 +360,44 @@ class MnistRecipe(Recipe):
             norm = _feature_norm_layer(config, x_train, ledger)
             build = scatter_cnn if config.model == "scatter_cnn" else scatter_linear
             views = 2 if config.mirror_views else 1
-            return build(x_train.shape[1 + (views > 1):], normalization=norm, views=views)
+            return build(x_train.shape[1 + (views > 1) :], normalization=norm, views=views)
         return mlp(x_train.shape[1], config.hidden_units)
 
     def too_few_examples(self, n: int) -> str:
-        return (f"lot_size ({self.config.lot_size}) exceeds the dataset size: "
-                f"{self.config.dataset} has {n} training examples")
+        return (
+            f"lot_size ({self.config.lot_size}) exceeds the dataset size: "
+            f"{self.config.dataset} has {n} training examples"
+        )
 
     def fields(self, run, model) -> dict:
         config = self.config
-        return {**dataclasses.asdict(config), "deltas": list(config.deltas),
-                "pca_noise_multiplier": (config.pca_noise_multiplier
-                                         if config.projection == "dp_pca"
-                                         and config.model == "mlp" else None),
-                "dataset_source": getattr(getattr(self.data, "source", None), "label",
-                                          config.dataset)}
+        return {
+            **dataclasses.asdict(config),
+            "deltas": list(config.deltas),
+            "pca_noise_multiplier": (
+                config.pca_noise_multiplier
+                if config.projection == "dp_pca" and config.model == "mlp"
+                else None
+            ),
+            "dataset_source": getattr(getattr(self.data, "source", None), "label", config.dataset),
+        }
 
 
 MnistRecipe.default_config = MnistConfig()
 
 
-def train_mnist(config: MnistConfig, *, verbose: bool = True,
-                checkpoint_dir: str | None = None, checkpoint_every_epoch: bool = True,
-                on_epoch=None, should_stop=None, on_resume=None, callbacks=(),
-                return_model: bool = False):
+def train_mnist(
+    config: MnistConfig,
+    *,
+    verbose: bool = True,
+    checkpoint_dir: str | None = None,
+    checkpoint_every_epoch: bool = True,
+    on_epoch=None,
+    should_stop=None,
+    on_resume=None,
+    callbacks=(),
+    return_model: bool = False,
+):
     """Trains one configuration; returns a JSON-ready result with per-epoch history
     (and the trained model too if `return_model`).
 
@@ -347,9 +413,14 @@ def train_mnist(config: MnistConfig, *, verbose: bool = True,
     on_resume(info): called once when resuming ({"directory", "lots", "epoch",
       "epsilon"}).
     """
-    result, model = run_recipe(MnistRecipe(config), verbose=verbose,
-                               checkpoint_dir=checkpoint_dir,
-                               checkpoint_every_epoch=checkpoint_every_epoch,
-                               on_epoch=on_epoch, should_stop=should_stop,
-                               on_resume=on_resume, callbacks=callbacks)
+    result, model = run_recipe(
+        MnistRecipe(config),
+        verbose=verbose,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every_epoch=checkpoint_every_epoch,
+        on_epoch=on_epoch,
+        should_stop=should_stop,
+        on_resume=on_resume,
+        callbacks=callbacks,
+    )
     return (result, model) if return_model else result

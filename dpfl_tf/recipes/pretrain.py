@@ -38,10 +38,21 @@ from dpfl_tf.models import cifar_convnet
 from dpfl_tf.recipes.augment import Augmentation, Normalization, eval_dataset, train_dataset
 from dpfl_tf.recipes.common import EpochHistory, accuracy
 
-__all__ = ["PretrainConfig", "PublicData", "load_pretrained", "pretrain_public",
-           "pretrain_split", "pretraining_description", "public_private_split",
-           "read_pretrained_record", "save_pretrained", "stratified_split",
-           "check_public_split", "subset", "jsonable"]
+__all__ = [
+    "PretrainConfig",
+    "PublicData",
+    "load_pretrained",
+    "pretrain_public",
+    "pretrain_split",
+    "pretraining_description",
+    "public_private_split",
+    "read_pretrained_record",
+    "save_pretrained",
+    "stratified_split",
+    "check_public_split",
+    "subset",
+    "jsonable",
+]
 
 _METADATA_KEY = "dpfl_tf_pretrained"
 
@@ -68,14 +79,13 @@ def stratified_split(labels, first_size: int, seed: int) -> tuple[np.ndarray, np
     n = len(labels)
     first_size = check_count("first_size", first_size)
     if first_size > n:
-        raise ValueError(f"first_size must be <= the number of examples ({n}), "
-                         f"got {first_size}")
+        raise ValueError(f"first_size must be <= the number of examples ({n}), got {first_size}")
     check_count("seed", seed)
     classes, counts = np.unique(labels, return_counts=True)
     exact = counts * (first_size / n) if n else counts * 0.0
     take = np.floor(exact).astype(np.int64)
     remainder = exact - take
-    for i in np.argsort(-remainder, kind="stable")[:first_size - int(take.sum())]:
+    for i in np.argsort(-remainder, kind="stable")[: first_size - int(take.sum())]:
         take[i] += 1
     rng = np.random.default_rng(seed)
     first = []
@@ -87,8 +97,9 @@ def stratified_split(labels, first_size: int, seed: int) -> tuple[np.ndarray, np
     return first, rest
 
 
-def public_private_split(labels, public_size: int = 10000, seed: int = 0
-                         ) -> tuple[np.ndarray, np.ndarray]:
+def public_private_split(
+    labels, public_size: int = 10000, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """The offline substitute for CIFAR-100: (public, private) indices into the
     CIFAR-10 training set; a fixed seeded split stratified by class."""
     return stratified_split(labels, public_size, seed)
@@ -96,6 +107,7 @@ def public_private_split(labels, public_size: int = 10000, seed: int = 0
 
 def _indices_digest(indices: np.ndarray) -> str:
     return hashlib.sha256(np.asarray(indices, dtype="<i8").tobytes()).hexdigest()
+
 
 # ---------------------------------------------------------------------- configs
 
@@ -115,9 +127,9 @@ class PretrainConfig:
     """
 
     public_data: PublicData | str = PublicData.CIFAR10_SPLIT
-    public_size: int = 10000            # cifar10_split only
-    split_seed: int = 0                 # cifar10_split only
-    cifar100_label_mode: str = "fine"   # cifar100 only: "fine" (100) or "coarse" (20)
+    public_size: int = 10000  # cifar10_split only
+    split_seed: int = 0  # cifar10_split only
+    cifar100_label_mode: str = "fine"  # cifar100 only: "fine" (100) or "coarse" (20)
     epochs: int = 100
     batch_size: int = 128
     learning_rate: float = 0.05
@@ -136,19 +148,22 @@ class PretrainConfig:
         check_count("public_size", self.public_size, minimum=1)
         check_count("split_seed", self.split_seed)
         if self.cifar100_label_mode not in ("fine", "coarse"):
-            raise ValueError(f"cifar100_label_mode must be 'fine' or 'coarse', got "
-                             f"{self.cifar100_label_mode!r}")
+            raise ValueError(
+                f"cifar100_label_mode must be 'fine' or 'coarse', got {self.cifar100_label_mode!r}"
+            )
         check_count("epochs", self.epochs, minimum=1)
         check_count("batch_size", self.batch_size, minimum=1)
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 -- frozen
-        set_("learning_rate", check_number("learning_rate", self.learning_rate, low=0.0,
-                                           low_open=True))
-        set_("momentum", check_number("momentum", self.momentum, low=0.0, high=1.0,
-                                      high_open=True))
+        set_(
+            "learning_rate",
+            check_number("learning_rate", self.learning_rate, low=0.0, low_open=True),
+        )
+        set_("momentum", check_number("momentum", self.momentum, low=0.0, high=1.0, high_open=True))
         set_("weight_decay", check_number("weight_decay", self.weight_decay, low=0.0))
         check_count("eval_every", self.eval_every, minimum=1)
         _check_optional_count("limit_public", self.limit_public)
         _check_optional_count("limit_test", self.limit_test)
+
 
 # ---------------------------------------------------------------------- data
 
@@ -166,23 +181,37 @@ def _public_data(config: PretrainConfig) -> tuple[dict, SourceDataset]:
     the split record."""
     if config.public_data is PublicData.CIFAR100:
         # canonical pickles only, read whole (public data: no privacy concern)
-        c100 = load_dataset("cifar100", data_dir=config.data_dir,
-                            label_mode=config.cifar100_label_mode)
-        data = SourceDataset(ArraySource(c100.x_train, c100.y_train),
-                             ArraySource(c100.x_test, c100.y_test),
-                             num_classes=c100.num_classes, class_names=c100.class_names,
-                             name=c100.name, source=c100.source)
-        record = {"public_data": PublicData.CIFAR100.value, "public_source": data.source.label,
-                  "public_examples": int(len(data.y_train)),
-                  "cifar100_label_mode": config.cifar100_label_mode,
-                  "classes": int(data.num_classes)}
+        c100 = load_dataset(
+            "cifar100", data_dir=config.data_dir, label_mode=config.cifar100_label_mode
+        )
+        data = SourceDataset(
+            ArraySource(c100.x_train, c100.y_train),
+            ArraySource(c100.x_test, c100.y_test),
+            num_classes=c100.num_classes,
+            class_names=c100.class_names,
+            name=c100.name,
+            source=c100.source,
+        )
+        record = {
+            "public_data": PublicData.CIFAR100.value,
+            "public_source": data.source.label,
+            "public_examples": int(len(data.y_train)),
+            "cifar100_label_mode": config.cifar100_label_mode,
+            "classes": int(data.num_classes),
+        }
         return {"source": data.train, "record": record}, data
     data = cifar10_sources(config.data_dir)
     public, _ = public_private_split(data.y_train, config.public_size, config.split_seed)
-    record = {"public_data": PublicData.CIFAR10_SPLIT.value, "public_source": data.source.label,
-              "public_examples": int(len(public)), "public_size": int(config.public_size),
-              "split_seed": int(config.split_seed), "train_examples": int(len(data.y_train)),
-              "public_indices_sha256": _indices_digest(public), "classes": 10}
+    record = {
+        "public_data": PublicData.CIFAR10_SPLIT.value,
+        "public_source": data.source.label,
+        "public_examples": int(len(public)),
+        "public_size": int(config.public_size),
+        "split_seed": int(config.split_seed),
+        "train_examples": int(len(data.y_train)),
+        "public_indices_sha256": _indices_digest(public),
+        "classes": 10,
+    }
     return {"source": data.train.subset(public), "record": record}, data
 
 
@@ -191,36 +220,54 @@ def pretraining_description(record: dict | None) -> str:
     if record is None:
         return "none (trained from scratch)"
     if record["public_data"] == PublicData.CIFAR100.value:
-        classes = "100 fine" if record.get("cifar100_label_mode", "fine") == "fine" \
-            else "20 coarse"
+        classes = "100 fine" if record.get("cifar100_label_mode", "fine") == "fine" else "20 coarse"
         used = record.get("pretrained_on", record["public_examples"])
         subset = f" ({used:,} used)" if used < record["public_examples"] else ""
-        return (f"{record['public_source']}: {record['public_examples']:,} train images"
-                f"{subset}, {classes} classes (the paper's public data)")
-    text = (f"public split: {record['public_examples']:,} CIFAR-10 train images "
-            f"(in-distribution substitute for CIFAR-100)")
+        return (
+            f"{record['public_source']}: {record['public_examples']:,} train images"
+            f"{subset}, {classes} classes (the paper's public data)"
+        )
+    text = (
+        f"public split: {record['public_examples']:,} CIFAR-10 train images "
+        f"(in-distribution substitute for CIFAR-100)"
+    )
     used = record.get("pretrained_on", record["public_examples"])
     if used < record["public_examples"]:
         text += f", pretrained on a {used:,}-image subset of it"
     return text
 
+
 # ---------------------------------------------------------------------- training
 
 
-def fit_nonprivate(net: keras.Model, source: IndexedSource, augmentation: Augmentation, *,
-                    batch_size: int, epochs: int, learning_rate, momentum: float,
-                    weight_decay: float | None, callbacks: Sequence, seed: int | None) -> None:
+def fit_nonprivate(
+    net: keras.Model,
+    source: IndexedSource,
+    augmentation: Augmentation,
+    *,
+    batch_size: int,
+    epochs: int,
+    learning_rate,
+    momentum: float,
+    weight_decay: float | None,
+    callbacks: Sequence,
+    seed: int | None,
+) -> None:
     """Ordinary minibatch SGD on the augmented `tf.data` pipeline, batches read
     from `source`."""
-    net.compile(optimizer=keras.optimizers.SGD(learning_rate, momentum=momentum,
-                                               weight_decay=weight_decay or None),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    net.compile(
+        optimizer=keras.optimizers.SGD(
+            learning_rate, momentum=momentum, weight_decay=weight_decay or None
+        ),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     data = train_dataset(source, None, augmentation, batch_size=batch_size, shuffle_seed=seed)
     net.fit(data, epochs=epochs, callbacks=list(callbacks), verbose=0, shuffle=False)
 
 
-def pretrain_public(config: PretrainConfig | None = None, *, verbose: bool = True
-                    ) -> tuple[keras.Model, dict]:
+def pretrain_public(
+    config: PretrainConfig | None = None, *, verbose: bool = True
+) -> tuple[keras.Model, dict]:
     """Trains `cifar_convnet` non-privately on the public data.
 
     Returns the trained network (classes of the public data) and a JSON-ready
@@ -236,19 +283,36 @@ def pretrain_public(config: PretrainConfig | None = None, *, verbose: bool = Tru
     test = subset(data.test, config.limit_test, config.split_seed + 2)
     y, y_test = train.labels, test.labels
     augmentation = Augmentation(normalization=config.normalization, seed=config.seed)
-    net = cifar_convnet(input_shape=augmentation.crop_size + (3,),
-                        classes=public["record"]["classes"])
+    net = cifar_convnet(
+        input_shape=augmentation.crop_size + (3,), classes=public["record"]["classes"]
+    )
     x_test_in = eval_dataset(test, None, augmentation)  # read and cropped at each evaluation
     steps = config.epochs * int(np.ceil(len(y) / config.batch_size))
     lr = keras.optimizers.schedules.CosineDecay(config.learning_rate, steps)
-    history = EpochHistory(x_test_in, y_test, every=config.eval_every,
-                           total_epochs=config.epochs, private=False, verbose=verbose)
-    fit_nonprivate(net, train, augmentation, batch_size=config.batch_size,
-                    epochs=config.epochs, learning_rate=lr, momentum=config.momentum,
-                    weight_decay=config.weight_decay, callbacks=[history], seed=config.seed)
+    history = EpochHistory(
+        x_test_in,
+        y_test,
+        every=config.eval_every,
+        total_epochs=config.epochs,
+        private=False,
+        verbose=verbose,
+    )
+    fit_nonprivate(
+        net,
+        train,
+        augmentation,
+        batch_size=config.batch_size,
+        epochs=config.epochs,
+        learning_rate=lr,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+        callbacks=[history],
+        seed=config.seed,
+    )
     last = history.rows[-1]
-    test_accuracy = (last["test_accuracy"] if "test_accuracy" in last
-                     else accuracy(net, x_test_in, y_test))
+    test_accuracy = (
+        last["test_accuracy"] if "test_accuracy" in last else accuracy(net, x_test_in, y_test)
+    )
     info = {
         **public["record"],
         "pretrained_on": int(len(y)),
@@ -272,12 +336,12 @@ def save_pretrained(net: keras.Model, info: dict, path: str | os.PathLike) -> No
     path = os.fspath(path)
     if not path.endswith(".weights.h5"):
         raise ValueError(f"path must end with '.weights.h5', got {path!r}")
-    meta = json.dumps({k: v for k, v in info.items() if k != "history"},
-                      default=_json_default)
+    meta = json.dumps({k: v for k, v in info.items() if k != "history"}, default=_json_default)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
-                               suffix=".weights.h5")
+    fd, tmp = tempfile.mkstemp(
+        dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".weights.h5"
+    )
     os.close(fd)
     try:
         net.save_weights(tmp, overwrite=True)
@@ -298,16 +362,20 @@ def read_pretrained_record(path: str | os.PathLike) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"no pretrained weights at {path}; make them with "
-            f"'python experiments/cifar10_pretrain.py' (see models/README.md)")
+            f"'python experiments/cifar10_pretrain.py' (see models/README.md)"
+        )
     try:
         with h5py.File(path, "r") as h5:
             raw = h5.attrs.get(_METADATA_KEY)
     except OSError as e:
-        raise ValueError(f"{path} is not a weights file (.weights.h5) that can be read: "
-                         f"{e}") from None
+        raise ValueError(
+            f"{path} is not a weights file (.weights.h5) that can be read: {e}"
+        ) from None
     if raw is None:
-        raise ValueError(f"{path} has no dpfl_tf pretraining record; it was not written by "
-                         f"dpfl_tf.recipes.cifar10.save_pretrained")
+        raise ValueError(
+            f"{path} has no dpfl_tf pretraining record; it was not written by "
+            f"dpfl_tf.recipes.cifar10.save_pretrained"
+        )
     return json.loads(raw)
 
 
@@ -316,8 +384,7 @@ def pretrain_split(record: dict, **settings) -> PretrainConfig:
     `record` (so that the private set is exactly its complement), with `settings`."""
     split = {"public_data": record["public_data"]}
     if record["public_data"] == PublicData.CIFAR10_SPLIT.value:
-        split.update(public_size=int(record["public_size"]),
-                     split_seed=int(record["split_seed"]))
+        split.update(public_size=int(record["public_size"]), split_seed=int(record["split_seed"]))
     else:
         split["cifar100_label_mode"] = record.get("cifar100_label_mode", "fine")
     return PretrainConfig(**split, **settings)
@@ -337,13 +404,19 @@ def check_public_split(info: dict, pretrain: PretrainConfig, data: SourceDataset
     """Refuses weights pretrained on anything but the public complement of our private set."""
     want = pretrain.public_data.value
     if info.get("public_data") != want:
-        raise ValueError(f"pretrained weights were trained on public_data="
-                         f"{info.get('public_data')!r}, but this run uses {want!r}")
+        raise ValueError(
+            f"pretrained weights were trained on public_data="
+            f"{info.get('public_data')!r}, but this run uses {want!r}"
+        )
     if pretrain.public_data is not PublicData.CIFAR10_SPLIT:
         return
     public, _ = public_private_split(data.y_train, pretrain.public_size, pretrain.split_seed)
-    ours = {"public_source": data.source.label, "public_size": pretrain.public_size,
-            "split_seed": pretrain.split_seed, "public_indices_sha256": _indices_digest(public)}
+    ours = {
+        "public_source": data.source.label,
+        "public_size": pretrain.public_size,
+        "split_seed": pretrain.split_seed,
+        "public_indices_sha256": _indices_digest(public),
+    }
     theirs = {k: info.get(k) for k in ours}
     if theirs != ours:
         diff = {k: (theirs[k], ours[k]) for k in ours if theirs[k] != ours[k]}
@@ -351,7 +424,9 @@ def check_public_split(info: dict, pretrain: PretrainConfig, data: SourceDataset
             "the pretrained weights were trained on another public split than the one this "
             f"run holds out (weights vs this run: {diff}); images of the private set may "
             "have been used in non-private pretraining. Pretrain again with the same "
-            "public_size, split_seed and CIFAR-10 copy.")
+            "public_size, split_seed and CIFAR-10 copy."
+        )
+
 
 # ---------------------------------------------------------------------- helpers
 

@@ -30,11 +30,24 @@ import dp_accounting
 import keras
 import numpy as np
 
-from dpfl_tf.privacy import (PrivacyLedger, calibrate_noise_multiplier, dp_sgd_event,
-                             gaussian_step_event, max_steps)
-from dpfl_tf.recipes.common import (EpochHistory, LotStopper, RunCheckpoint, accuracy,
-                                    comparable_config, mark_run_finished, paper_learning_rate,
-                                    privacy_summary, resumable_run_state)
+from dpfl_tf.privacy import (
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    dp_sgd_event,
+    gaussian_step_event,
+    max_steps,
+)
+from dpfl_tf.recipes.common import (
+    EpochHistory,
+    LotStopper,
+    RunCheckpoint,
+    accuracy,
+    comparable_config,
+    mark_run_finished,
+    paper_learning_rate,
+    privacy_summary,
+    resumable_run_state,
+)
 
 __all__ = ["Inputs", "Recipe", "run_recipe"]
 
@@ -81,8 +94,7 @@ class Recipe:
         self.config = config
 
     def comparable(self, config=None) -> dict:
-        return comparable_config(dataclasses.asdict(config or self.config),
-                                 self.resumable_changes)
+        return comparable_config(dataclasses.asdict(config or self.config), self.resumable_changes)
 
     # -- hooks ----------------------------------------------------------------------
     def check(self) -> None:
@@ -111,13 +123,19 @@ class Recipe:
     def l2_norm_clip(self):
         return self.config.l2_norm_clip
 
-    def fit_nonprivate(self, net, inputs: Inputs, learning_rate, epochs: int,
-                       callbacks) -> None:
-        net.compile(optimizer=keras.optimizers.SGD(learning_rate,
-                                                   momentum=self.config.momentum),
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        net.fit(inputs.x_train, inputs.y_train, batch_size=self.config.lot_size,
-                epochs=epochs, callbacks=list(callbacks), verbose=0)
+    def fit_nonprivate(self, net, inputs: Inputs, learning_rate, epochs: int, callbacks) -> None:
+        net.compile(
+            optimizer=keras.optimizers.SGD(learning_rate, momentum=self.config.momentum),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        net.fit(
+            inputs.x_train,
+            inputs.y_train,
+            batch_size=self.config.lot_size,
+            epochs=epochs,
+            callbacks=list(callbacks),
+            verbose=0,
+        )
 
     def fields(self, run: "_Run", model) -> dict:
         """The result: the recipe's fields (the run adds the common ones after)."""
@@ -141,7 +159,7 @@ class _Run:
     initial_epoch: int = 0
     start_row: dict | None = None
     seconds_before: float = 0.0
-    releases: dict = dataclasses.field(default_factory=dict)   # name -> file
+    releases: dict = dataclasses.field(default_factory=dict)  # name -> file
     history: EpochHistory | None = None
 
     @property
@@ -164,15 +182,17 @@ class _Run:
         elif final and inputs.x_train_eval is not None:
             train_acc = accuracy(model, inputs.x_train_eval, inputs.y_train_eval)
         else:
-            train_acc = next((r["train_accuracy"] for r in reversed(evaluated)
-                              if "train_accuracy" in r), None)
+            train_acc = next(
+                (r["train_accuracy"] for r in reversed(evaluated) if "train_accuracy" in r), None
+            )
         ledger = model.privacy_ledger if config.private else None
         return {
             **self.recipe.fields(self, model),
             "noise_multiplier": self.noise_multiplier if config.private else None,
             "epochs": last["epoch"],
-            "lots": (model.lots_applied if config.private
-                     else last["epoch"] * self.steps_per_epoch),
+            "lots": (
+                model.lots_applied if config.private else last["epoch"] * self.steps_per_epoch
+            ),
             "epsilon": ledger.epsilon(config.delta) if config.private else None,
             "test_accuracy": test_acc,
             "train_accuracy": train_acc,
@@ -183,17 +203,24 @@ class _Run:
         }
 
     def state(self, model) -> dict:
-        return {"config": self.recipe.comparable(), "noise_multiplier": self.noise_multiplier,
-                "total_epochs": self.total_epochs, "lots_per_epoch": self.lots_per_epoch,
-                "lots": model.lots_applied, "releases": self.releases,
-                "row0": self.start_row, "history": self.rows,
-                "seconds": self.seconds_before + time.perf_counter() - self.start,
-                "finished": None, **self.recipe.state()}
+        return {
+            "config": self.recipe.comparable(),
+            "noise_multiplier": self.noise_multiplier,
+            "total_epochs": self.total_epochs,
+            "lots_per_epoch": self.lots_per_epoch,
+            "lots": model.lots_applied,
+            "releases": self.releases,
+            "row0": self.start_row,
+            "history": self.rows,
+            "seconds": self.seconds_before + time.perf_counter() - self.start,
+            "finished": None,
+            **self.recipe.state(),
+        }
 
 
 def _saved_releases(directory: str, state: dict) -> dict:
     names = dict(state.get("releases") or {})
-    if state.get("projection"):   # a checkpoint of dpfl_tf 0.1
+    if state.get("projection"):  # a checkpoint of dpfl_tf 0.1
         names.setdefault("projection", state["projection"])
     return {name: np.load(os.path.join(directory, file)) for name, file in names.items()}
 
@@ -204,8 +231,9 @@ def _write_releases(directory: str, releases: dict) -> dict:
     names = {}
     for name, value in releases.items():
         names[name] = f"{name}.npy"
-        atomic_write(os.path.join(directory, names[name]),
-                     lambda f, v=value: np.save(f, v), binary=True)
+        atomic_write(
+            os.path.join(directory, names[name]), lambda f, v=value: np.save(f, v), binary=True
+        )
     return names
 
 
@@ -216,11 +244,11 @@ def _calibrated(config, prior: dp_accounting.DpEvent, lots: int, rate: float) ->
         raise ValueError("noise_multiplier=None needs a target_epsilon to calibrate for")
 
     def event_for(sigma):
-        return dp_accounting.ComposedDpEvent([prior, dp_sgd_event(sigma, lots,
-                                                                  sampling_rate=rate)])
+        return dp_accounting.ComposedDpEvent([prior, dp_sgd_event(sigma, lots, sampling_rate=rate)])
 
-    sigma, _ = calibrate_noise_multiplier(config.target_epsilon, config.delta, event_for,
-                                          config.accountant, tolerance=1e-3)
+    sigma, _ = calibrate_noise_multiplier(
+        config.target_epsilon, config.delta, event_for, config.accountant, tolerance=1e-3
+    )
     return sigma
 
 
@@ -228,18 +256,32 @@ def _planned_epochs(config, sigma: float, rate: float, spent, lots_per_epoch: in
     """Epochs to run: `config.epochs`, or fewer when the budget ends sooner."""
     if config.target_epsilon is None:
         return config.epochs
-    lots = max_steps(config.target_epsilon, config.delta,
-                     gaussian_step_event(sigma, sampling_rate=rate), config.accountant,
-                     already_spent=spent)
+    lots = max_steps(
+        config.target_epsilon,
+        config.delta,
+        gaussian_step_event(sigma, sampling_rate=rate),
+        config.accountant,
+        already_spent=spent,
+    )
     if lots == 0:
-        raise ValueError(f"target_epsilon={config.target_epsilon:g} does not allow a single "
-                         f"lot with noise_multiplier={sigma:g} after what is already spent")
+        raise ValueError(
+            f"target_epsilon={config.target_epsilon:g} does not allow a single "
+            f"lot with noise_multiplier={sigma:g} after what is already spent"
+        )
     return min(config.epochs, EpochHistory.estimated_epochs(lots, lots_per_epoch))
 
 
-def run_recipe(recipe: Recipe, *, verbose: bool = True, checkpoint_dir: str | None = None,
-               checkpoint_every_epoch: bool = True, on_epoch=None, should_stop=None,
-               on_resume=None, callbacks=()) -> tuple[dict, keras.Model]:
+def run_recipe(
+    recipe: Recipe,
+    *,
+    verbose: bool = True,
+    checkpoint_dir: str | None = None,
+    checkpoint_every_epoch: bool = True,
+    on_epoch=None,
+    should_stop=None,
+    on_resume=None,
+    callbacks=(),
+) -> tuple[dict, keras.Model]:
     """Runs `recipe`; returns (JSON-ready result, the trained model).
 
     checkpoint_dir: if it holds a checkpoint of the same configuration, the
@@ -254,7 +296,7 @@ def run_recipe(recipe: Recipe, *, verbose: bool = True, checkpoint_dir: str | No
     on_resume(info): called once when resuming ({"directory", "lots", "epoch",
       "epsilon"}).
     """
-    from dpfl_tf.keras import DPModel, DPSGD
+    from dpfl_tf.keras import DPSGD, DPModel
     from dpfl_tf.keras.checkpoint import DPCheckpoint
 
     config = recipe.config
@@ -276,22 +318,37 @@ def run_recipe(recipe: Recipe, *, verbose: bool = True, checkpoint_dir: str | No
     rate = config.lot_size / n
     if state is not None:
         if state["lots_per_epoch"] != lots_per_epoch:
-            raise ValueError(f"{checkpoint_dir} holds a run of {state['lots_per_epoch']} lots "
-                             f"per epoch, this data gives {lots_per_epoch} ({n} training "
-                             "examples): not the same data; use another checkpoint directory")
+            raise ValueError(
+                f"{checkpoint_dir} holds a run of {state['lots_per_epoch']} lots "
+                f"per epoch, this data gives {lots_per_epoch} ({n} training "
+                "examples): not the same data; use another checkpoint directory"
+            )
         model, _ = DPCheckpoint.restore(checkpoint_dir)
         recipe.restored(state, model)
-        run = _Run(recipe, inputs, start, lots_per_epoch, steps_per_epoch,
-                   state["noise_multiplier"], state["total_epochs"],
-                   initial_epoch=model.lots_applied // lots_per_epoch,
-                   start_row=state.get("row0"), seconds_before=state["seconds"],
-                   releases=dict(state.get("releases") or {}))
+        run = _Run(
+            recipe,
+            inputs,
+            start,
+            lots_per_epoch,
+            steps_per_epoch,
+            state["noise_multiplier"],
+            state["total_epochs"],
+            initial_epoch=model.lots_applied // lots_per_epoch,
+            start_row=state.get("row0"),
+            seconds_before=state["seconds"],
+            releases=dict(state.get("releases") or {}),
+        )
         if state.get("projection") and "projection" not in run.releases:
             run.releases["projection"] = state["projection"]
         if on_resume is not None:
-            on_resume({"directory": checkpoint_dir, "lots": model.lots_applied,
-                       "epoch": model.lots_applied / lots_per_epoch,
-                       "epsilon": model.epsilon(config.delta)})
+            on_resume(
+                {
+                    "directory": checkpoint_dir,
+                    "lots": model.lots_applied,
+                    "epoch": model.lots_applied / lots_per_epoch,
+                    "epsilon": model.epsilon(config.delta),
+                }
+            )
     else:
         net = recipe.network(inputs, ledger)
         sigma = config.noise_multiplier
@@ -300,18 +357,35 @@ def run_recipe(recipe: Recipe, *, verbose: bool = True, checkpoint_dir: str | No
             if sigma is None:
                 sigma = _calibrated(config, ledger.event, config.epochs * lots_per_epoch, rate)
             total_epochs = _planned_epochs(config, sigma, rate, ledger.event, lots_per_epoch)
-        run = _Run(recipe, inputs, start, lots_per_epoch, steps_per_epoch, sigma, total_epochs,
-                   start_row=recipe.start_row(net, inputs))
-    run.history = EpochHistory(inputs.x_test, inputs.y_test, inputs.x_train_eval,
-                               inputs.y_train_eval, every=config.eval_every,
-                               deltas=config.deltas, total_epochs=run.total_epochs,
-                               private=config.private, verbose=verbose)
+        run = _Run(
+            recipe,
+            inputs,
+            start,
+            lots_per_epoch,
+            steps_per_epoch,
+            sigma,
+            total_epochs,
+            start_row=recipe.start_row(net, inputs),
+        )
+    run.history = EpochHistory(
+        inputs.x_test,
+        inputs.y_test,
+        inputs.x_train_eval,
+        inputs.y_train_eval,
+        every=config.eval_every,
+        deltas=config.deltas,
+        total_epochs=run.total_epochs,
+        private=config.private,
+        verbose=verbose,
+    )
     if state is not None:
         run.history.rows = [r for r in state["history"] if r["epoch"] <= run.initial_epoch]
-    lr = paper_learning_rate(config.learning_rate,
-                             config.learning_rate if config.final_learning_rate is None
-                             else config.final_learning_rate,
-                             config.decay_epochs, steps_per_epoch)
+    lr = paper_learning_rate(
+        config.learning_rate,
+        config.learning_rate if config.final_learning_rate is None else config.final_learning_rate,
+        config.decay_epochs,
+        steps_per_epoch,
+    )
     if not config.private:
         if state is not None:
             raise ValueError("checkpoint_dir: resuming is for private runs (private=True)")
@@ -321,24 +395,39 @@ def run_recipe(recipe: Recipe, *, verbose: bool = True, checkpoint_dir: str | No
 
     if state is None:
         model = DPModel(net, ledger=ledger)
-        model.compile(optimizer=DPSGD(lr, momentum=config.momentum,
-                                      l2_norm_clip=recipe.l2_norm_clip(),
-                                      noise_multiplier=sigma, seed=config.seed),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=DPSGD(
+                lr,
+                momentum=config.momentum,
+                l2_norm_clip=recipe.l2_norm_clip(),
+                noise_multiplier=sigma,
+                seed=config.seed,
+            ),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
 
     def run_state() -> dict:
-        if inputs.releases and not run.releases:   # once, before the first checkpoint
+        if inputs.releases and not run.releases:  # once, before the first checkpoint
             run.releases = _write_releases(checkpoint_dir, inputs.releases)
         return run.state(model)
 
-    _fit(model, run, checkpoint_dir, checkpoint_every_epoch, run_state, on_epoch, should_stop,
-         callbacks)
+    _fit(
+        model,
+        run,
+        checkpoint_dir,
+        checkpoint_every_epoch,
+        run_state,
+        on_epoch,
+        should_stop,
+        callbacks,
+    )
     mark_run_finished(checkpoint_dir, run_state, model.stop_reason)
     return run.result(model, final=model.stop_reason != "interrupted"), model
 
 
-def _fit(model, run: _Run, checkpoint_dir, every_epoch: bool, run_state, on_epoch, should_stop,
-         callbacks) -> None:
+def _fit(
+    model, run: _Run, checkpoint_dir, every_epoch: bool, run_state, on_epoch, should_stop, callbacks
+) -> None:
     """DP-SGD from the model's lot counter to the planned end.  A run resumed
     inside an epoch first finishes that epoch: its own fit, whose lots beyond
     the epoch's end are skipped in the graph (`LotStopper`), so that the next
@@ -356,14 +445,22 @@ def _fit(model, run: _Run, checkpoint_dir, every_epoch: bool, run_state, on_epoc
             model.stop_reason = model.stop_reason or "completed"
             continue
         stopper = LotStopper(end, should_stop)
-        saver = RunCheckpoint(checkpoint_dir, every_epoch, stopper, run_state,
-                              lambda m: run.result(m), on_epoch)
-        model.fit(inputs.x_train, inputs.y_train, lot_size=config.lot_size,
-                  batch_size=config.batch_size, epochs=epochs,
-                  initial_epoch=model.lots_applied // run.lots_per_epoch,
-                  target_epsilon=config.target_epsilon, target_delta=config.delta,
-                  preprocess=inputs.preprocess,
-                  callbacks=[run.history, stopper, saver, *callbacks], verbose=0,
-                  sampling_seed=config.seed)
+        saver = RunCheckpoint(
+            checkpoint_dir, every_epoch, stopper, run_state, lambda m: run.result(m), on_epoch
+        )
+        model.fit(
+            inputs.x_train,
+            inputs.y_train,
+            lot_size=config.lot_size,
+            batch_size=config.batch_size,
+            epochs=epochs,
+            initial_epoch=model.lots_applied // run.lots_per_epoch,
+            target_epsilon=config.target_epsilon,
+            target_delta=config.delta,
+            preprocess=inputs.preprocess,
+            callbacks=[run.history, stopper, saver, *callbacks],
+            verbose=0,
+            sampling_seed=config.seed,
+        )
         if model.stop_reason != "completed" or model.lots_applied < end:
-            break   # interrupted, or the budget is spent
+            break  # interrupted, or the budget is spent

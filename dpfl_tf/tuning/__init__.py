@@ -10,10 +10,25 @@ random number of DP trials, in one ledger.
 """
 
 from dpfl_tf.tuning.scores import ValidationScore, top1_correct
-from dpfl_tf.tuning.search import (PrivateSelection, SearchPrivacyError, SearchResult, Trial,
-                                   calibrate_search, private_search)
+from dpfl_tf.tuning.search import (
+    PrivateSelection,
+    SearchPrivacyError,
+    SearchResult,
+    Trial,
+    calibrate_search,
+    private_search,
+)
 from dpfl_tf.tuning.trials import TrialCount, search_event
 
-__all__ = ["PrivateSelection", "SearchPrivacyError", "SearchResult", "Trial", "TrialCount",
-           "ValidationScore", "calibrate_search", "private_search", "search_event",
-           "top1_correct"]
+__all__ = [
+    "PrivateSelection",
+    "SearchPrivacyError",
+    "SearchResult",
+    "Trial",
+    "TrialCount",
+    "ValidationScore",
+    "calibrate_search",
+    "private_search",
+    "search_event",
+    "top1_correct",
+]

@@ -37,8 +37,9 @@ import os
 try:
     import keras_tuner as kt
 except ImportError as err:  # pragma: no cover - the optional extra
-    raise ImportError("dpfl_tf.tuning.keras_tuner needs Keras Tuner: pip install "
-                      "'dpfl-tf[tune]' (or keras-tuner)") from err
+    raise ImportError(
+        "dpfl_tf.tuning.keras_tuner needs Keras Tuner: pip install 'dpfl-tf[tune]' (or keras-tuner)"
+    ) from err
 from keras_tuner.src.engine import hyperparameters as hp_module
 from keras_tuner.src.engine import trial as trial_module
 
@@ -67,13 +68,27 @@ class DPRandomSearchOracle(kt.Oracle):
     selected.
     """
 
-    def __init__(self, num_trials: int, objective=None, *, hyperparameters=None,
-                 allow_new_entries: bool = True, tune_new_entries: bool = True, seed=None):
+    def __init__(
+        self,
+        num_trials: int,
+        objective=None,
+        *,
+        hyperparameters=None,
+        allow_new_entries: bool = True,
+        tune_new_entries: bool = True,
+        seed=None,
+    ):
         self.num_trials = int(num_trials)
-        super().__init__(objective=objective, max_trials=max(self.num_trials, 1),
-                         hyperparameters=hyperparameters, allow_new_entries=allow_new_entries,
-                         tune_new_entries=tune_new_entries, seed=seed, max_retries_per_trial=0,
-                         max_consecutive_failed_trials=self.num_trials + 1)
+        super().__init__(
+            objective=objective,
+            max_trials=max(self.num_trials, 1),
+            hyperparameters=hyperparameters,
+            allow_new_entries=allow_new_entries,
+            tune_new_entries=tune_new_entries,
+            seed=seed,
+            max_retries_per_trial=0,
+            max_consecutive_failed_trials=self.num_trials + 1,
+        )
 
     def populate_space(self, trial_id):
         # the trial being created is not in self.trials yet
@@ -119,23 +134,44 @@ class DPTuner(kt.Tuner):
       **kwargs: `kt.Tuner` arguments (directory, project_name, overwrite, ...).
     """
 
-    def __init__(self, hypermodel, *, trials, trial_event, score=None, objective=None,
-                 delta: float = 1e-5, accountant="rdp", ledger: PrivacyLedger | None = None,
-                 seed: int | None = None, hyperparameters=None, allow_new_entries=True,
-                 tune_new_entries=True, **kwargs):
+    def __init__(
+        self,
+        hypermodel,
+        *,
+        trials,
+        trial_event,
+        score=None,
+        objective=None,
+        delta: float = 1e-5,
+        accountant="rdp",
+        ledger: PrivacyLedger | None = None,
+        seed: int | None = None,
+        hyperparameters=None,
+        allow_new_entries=True,
+        tune_new_entries=True,
+        **kwargs,
+    ):
         if score is not None and objective is not None:
-            raise ValueError(f"pass either score= (a private score, objective {SCORE_NAME!r}) "
-                             f"or objective= (a Keras metric, non-private), got both")
+            raise ValueError(
+                f"pass either score= (a private score, objective {SCORE_NAME!r}) "
+                f"or objective= (a Keras metric, non-private), got both"
+            )
         if score is None and objective is None:
-            raise ValueError("pass score=ValidationScore(...) (private) or, with a fixed "
-                             "number of trials, objective= a Keras metric (non-private)")
-        self.selection = PrivateSelection(trials, trial_event, score, delta=delta,
-                                          accountant=accountant, ledger=ledger, seed=seed)
+            raise ValueError(
+                "pass score=ValidationScore(...) (private) or, with a fixed "
+                "number of trials, objective= a Keras metric (non-private)"
+            )
+        self.selection = PrivateSelection(
+            trials, trial_event, score, delta=delta, accountant=accountant, ledger=ledger, seed=seed
+        )
         oracle = DPRandomSearchOracle(
             self.selection.num_trials,
             objective=kt.Objective(SCORE_NAME, "max") if score is not None else objective,
-            hyperparameters=hyperparameters, allow_new_entries=allow_new_entries,
-            tune_new_entries=tune_new_entries, seed=seed)
+            hyperparameters=hyperparameters,
+            allow_new_entries=allow_new_entries,
+            tune_new_entries=tune_new_entries,
+            seed=seed,
+        )
         super().__init__(oracle, hypermodel, **kwargs)
         self._load_ledger()
 
@@ -171,7 +207,8 @@ class DPTuner(kt.Tuner):
         if not isinstance(model, DPModel):
             raise kt.errors.FatalError(
                 f"the hypermodel must build a compiled dpfl_tf.keras.DPModel, got "
-                f"{type(model).__name__}: a trial trained without DP-SGD is not covered")
+                f"{type(model).__name__}: a trial trained without DP-SGD is not covered"
+            )
         history = self.hypermodel.fit(hp, model, *args, **kwargs)
         try:
             self.selection.check_trial(model)
@@ -183,7 +220,7 @@ class DPTuner(kt.Tuner):
         return {SCORE_NAME: self.selection.score_of(model)}
 
     def save_model(self, trial_id, model, step=0):
-        if not model.built:   # a DPModel trained by fit is built through its inner model
+        if not model.built:  # a DPModel trained by fit is built through its inner model
             model.build(None)
         model.save_weights(self._get_checkpoint_fname(trial_id))
 
@@ -200,8 +237,9 @@ class DPTuner(kt.Tuner):
         """The release: the best trial's hyperparameters and score, and the
         epsilon (`SearchResult.to_dict`)."""
         best = None
-        done = [t for t in self.oracle.trials.values()
-                if t.status == trial_module.TrialStatus.COMPLETED]
+        done = [
+            t for t in self.oracle.trials.values() if t.status == trial_module.TrialStatus.COMPLETED
+        ]
         if done:
             trial = self.oracle.get_best_trials(1)[0]
             best = Trial(dict(trial.hyperparameters.values), float(trial.score))
@@ -210,8 +248,12 @@ class DPTuner(kt.Tuner):
     def results_summary(self, num_trials=1):
         """Shows the best trial only: the others are not released."""
         if num_trials != 1:
-            raise ValueError(f"a private search releases its best trial only: num_trials "
-                             f"must be 1, got {num_trials}")
+            raise ValueError(
+                f"a private search releases its best trial only: num_trials "
+                f"must be 1, got {num_trials}"
+            )
         report = self.report()
-        print(f"Best trial: {report['best']}; epsilon {report['epsilon']} at delta "
-              f"{report['delta']:g} ({report['accountant']}; {report['note']})")
+        print(
+            f"Best trial: {report['best']}; epsilon {report['epsilon']} at delta "
+            f"{report['delta']:g} ({report['accountant']}; {report['note']})"
+        )

@@ -41,9 +41,11 @@ def top1_correct(y_true: np.ndarray, y_pred: np.ndarray) -> np.ndarray:
     (labels as integers [n] / [n, 1], or one-hot [n, classes])."""
     y_pred = np.asarray(y_pred)
     if y_pred.ndim != 2 or y_pred.shape[1] < 2:
-        raise ValueError(f"top-1 accuracy needs outputs of shape [n, classes >= 2], got "
-                         f"{y_pred.shape}; pass metric=a function (y_true, y_pred) -> "
-                         "per-example values in [0, 1]")
+        raise ValueError(
+            f"top-1 accuracy needs outputs of shape [n, classes >= 2], got "
+            f"{y_pred.shape}; pass metric=a function (y_true, y_pred) -> "
+            "per-example values in [0, 1]"
+        )
     y_true = np.asarray(y_true)
     if y_true.ndim == 2 and y_true.shape[1] == y_pred.shape[1] and y_true.shape[1] > 1:
         y_true = y_true.argmax(axis=1)
@@ -67,21 +69,34 @@ class ValidationScore:
       batch_size: prediction batch size.
     """
 
-    def __init__(self, x, y, *, noise_multiplier: float, metric: str | Callable = "accuracy",
-                 public: bool = False, seed: int | None = None, batch_size: int = 1024):
+    def __init__(
+        self,
+        x,
+        y,
+        *,
+        noise_multiplier: float,
+        metric: str | Callable = "accuracy",
+        public: bool = False,
+        seed: int | None = None,
+        batch_size: int = 1024,
+    ):
         self.x, self.y = x, np.asarray(y)
         self.size = check_count("len(y)", len(self.y), minimum=1)
         self.noise_multiplier = check_number("noise_multiplier", noise_multiplier, low=0.0)
         if metric == "accuracy":
             metric = top1_correct
         if not callable(metric):
-            raise ValueError(f"metric must be 'accuracy' or a function (y_true, y_pred) -> "
-                             f"per-example values, got {metric!r}")
+            raise ValueError(
+                f"metric must be 'accuracy' or a function (y_true, y_pred) -> "
+                f"per-example values, got {metric!r}"
+            )
         self.metric = metric
         self.public = bool(public)
         if self.public and self.noise_multiplier:
-            raise ValueError(f"public=True needs noise_multiplier=0 (public data costs "
-                             f"nothing), got {noise_multiplier!r}")
+            raise ValueError(
+                f"public=True needs noise_multiplier=0 (public data costs "
+                f"nothing), got {noise_multiplier!r}"
+            )
         self._rng = np.random.default_rng(seed)
         self.batch_size = check_count("batch_size", batch_size, minimum=1)
 
@@ -90,8 +105,9 @@ class ValidationScore:
         """True if the score is a DP release or reads only public data."""
         return self.public or self.noise_multiplier > 0
 
-    def event(self, relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE
-              ) -> _dp_event.DpEvent:
+    def event(
+        self, relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE
+    ) -> _dp_event.DpEvent:
         """The score's release under `relation` (module docstring)."""
         if self.public:
             return _dp_event.NoOpDpEvent()
@@ -106,8 +122,10 @@ class ValidationScore:
         y_pred = model.predict(self.x, batch_size=self.batch_size, verbose=0)
         values = np.asarray(self.metric(self.y, y_pred), dtype=np.float64).reshape(-1)
         if values.shape != (self.size,):
-            raise ValueError(f"metric returned {values.shape[0]} values for {self.size} "
-                             "validation examples: it must return one per example")
+            raise ValueError(
+                f"metric returned {values.shape[0]} values for {self.size} "
+                "validation examples: it must return one per example"
+            )
         total = float(np.clip(np.nan_to_num(values, nan=0.0), 0.0, 1.0).sum())
         if self.noise_multiplier > 0:
             total += float(self._rng.normal(0.0, self.noise_multiplier))

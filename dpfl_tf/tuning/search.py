@@ -40,16 +40,26 @@ import numpy as np
 from dp_accounting import dp_event as _dp_event
 
 from dpfl_tf._validation import check_number
-from dpfl_tf.privacy.accountants import (AccountantKind, compute_epsilon, rdp_curve,
-                                         refuse_repeat_and_select)
+from dpfl_tf.privacy.accountants import (
+    AccountantKind,
+    compute_epsilon,
+    rdp_curve,
+    refuse_repeat_and_select,
+)
 from dpfl_tf.privacy.calibration import calibrate_noise_multiplier
 from dpfl_tf.privacy.events import describe_event, neighboring_relation_of
 from dpfl_tf.privacy.ledger import PrivacyLedger
 from dpfl_tf.tuning.scores import ValidationScore
 from dpfl_tf.tuning.trials import TrialCount, search_event
 
-__all__ = ["PrivateSelection", "SearchPrivacyError", "SearchResult", "Trial",
-           "calibrate_search", "private_search"]
+__all__ = [
+    "PrivateSelection",
+    "SearchPrivacyError",
+    "SearchResult",
+    "Trial",
+    "calibrate_search",
+    "private_search",
+]
 
 SEARCH_LABEL = "hyperparameter search"
 
@@ -61,6 +71,7 @@ class SearchPrivacyError(ValueError):
 @dataclasses.dataclass
 class Trial:
     """The released run: its hyperparameters, its (noised) score, its model."""
+
     hyperparameters: dict
     score: float
     model: Any = None
@@ -74,6 +85,7 @@ class SearchResult:
     selection read private data without noise); ``trial_epsilon`` is one
     trial's training alone -- what a single run prints, which does not cover
     the search.  Both at ``delta``, with ``accountant``."""
+
     best: Trial | None
     ledger: PrivacyLedger
     delta: float
@@ -90,13 +102,19 @@ class SearchResult:
             "epsilon": self.epsilon if finite else None,
             "epsilon_covers_search": self.covers_search,
             "trial_epsilon": self.trial_epsilon,
-            "delta": self.delta, "accountant": self.accountant, "trials": self.trials,
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "trials": self.trials,
             "event": self.ledger.entries,
-            "best": None if self.best is None else {
-                "hyperparameters": self.best.hyperparameters, "score": self.best.score},
-            "note": ("epsilon covers the whole search" if self.covers_search else
-                     "the search selected on non-private scores: it has no finite epsilon; "
-                     "trial_epsilon covers one trial's training only, not the search"),
+            "best": None
+            if self.best is None
+            else {"hyperparameters": self.best.hyperparameters, "score": self.best.score},
+            "note": (
+                "epsilon covers the whole search"
+                if self.covers_search
+                else "the search selected on non-private scores: it has no finite epsilon; "
+                "trial_epsilon covers one trial's training only, not the search"
+            ),
         }
 
 
@@ -120,18 +138,26 @@ class PrivateSelection:
       seed: seeds the number of trials (tests only; default OS entropy).
     """
 
-    def __init__(self, trials: TrialCount | int, trial_event: _dp_event.DpEvent, score=None,
-                 *, delta: float = 1e-5, accountant: AccountantKind | str = AccountantKind.RDP,
-                 ledger: PrivacyLedger | None = None, seed: int | None = None):
+    def __init__(
+        self,
+        trials: TrialCount | int,
+        trial_event: _dp_event.DpEvent,
+        score=None,
+        *,
+        delta: float = 1e-5,
+        accountant: AccountantKind | str = AccountantKind.RDP,
+        ledger: PrivacyLedger | None = None,
+        seed: int | None = None,
+    ):
         self.trials = trials
         self.trial_event = trial_event
         self.score = score
-        self.delta = check_number("delta", delta, low=0.0, high=1.0, low_open=True,
-                                  high_open=True)
+        self.delta = check_number("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
         self.accountant = AccountantKind.parse(accountant)
         if not isinstance(trial_event, _dp_event.DpEvent):
-            raise TypeError(f"trial_event must be a dp_accounting DpEvent, got "
-                            f"{type(trial_event).__name__}")
+            raise TypeError(
+                f"trial_event must be a dp_accounting DpEvent, got {type(trial_event).__name__}"
+            )
         relation = neighboring_relation_of(trial_event)
         score_event = _dp_event.NonPrivateDpEvent() if score is None else score.event(relation)
         if isinstance(trials, TrialCount):
@@ -140,15 +166,16 @@ class PrivateSelection:
                     "a search with a random number of trials selects on a private score: pass "
                     "score=ValidationScore(x_val, y_val, noise_multiplier=sigma > 0) (or "
                     "public=True for public validation data), got "
-                    f"{'no score' if score is None else 'noise_multiplier=0'}")
+                    f"{'no score' if score is None else 'noise_multiplier=0'}"
+                )
             refuse_repeat_and_select(trials.event(trial_event), self.accountant)
         self.event = search_event(trials, trial_event, score_event)
         self.covers_search = not isinstance(score_event, _dp_event.NonPrivateDpEvent)
         self.ledger = ledger if ledger is not None else PrivacyLedger(self.accountant)
-        self.ledger.admit(self.event)   # refuses another relation before anything runs
+        self.ledger.admit(self.event)  # refuses another relation before anything runs
         rng = np.random.default_rng(seed)
         self.num_trials = trials.sample(rng) if isinstance(trials, TrialCount) else int(trials)
-        self.hyperparameter_rng = np.random.default_rng(rng.integers(2 ** 63))
+        self.hyperparameter_rng = np.random.default_rng(rng.integers(2**63))
         self._declared = None
         self.started = False
 
@@ -175,7 +202,8 @@ class PrivateSelection:
                 f"trial, {describe_event(self.trial_event)} (Renyi DP at order {orders[i]:g}: "
                 f"{actual[i]:.4g} > {declared[i]:.4g}); every trial must train with the "
                 "declared noise, lot size, sampling and number of lots. The search stops: its "
-                "ledger no longer bounds what was spent")
+                "ledger no longer bounds what was spent"
+            )
 
     def score_of(self, model) -> float:
         """The trial's score (NaN, a diverged model: -inf, never selected)."""
@@ -188,8 +216,10 @@ class PrivateSelection:
         if callable(space):
             return dict(space(self.hyperparameter_rng))
         if not isinstance(space, Mapping) or not space:
-            raise ValueError(f"space must be a function rng -> dict or a non-empty dict "
-                             f"{{name: [values]}}, got {space!r}")
+            raise ValueError(
+                f"space must be a function rng -> dict or a non-empty dict "
+                f"{{name: [values]}}, got {space!r}"
+            )
         out = {}
         for name, values in space.items():
             values = list(values)
@@ -201,19 +231,34 @@ class PrivateSelection:
     def result(self, best: Trial | None) -> SearchResult:
         epsilon = self.ledger.epsilon(self.delta, self.accountant)
         return SearchResult(
-            best=best, ledger=self.ledger, delta=self.delta, accountant=self.accountant.value,
+            best=best,
+            ledger=self.ledger,
+            delta=self.delta,
+            accountant=self.accountant.value,
             epsilon=epsilon if self.covers_search else math.inf,
             trial_epsilon=compute_epsilon(self.trial_event, self.delta, self.accountant),
             covers_search=self.covers_search,
-            trials=(self.trials.describe() if isinstance(self.trials, TrialCount)
-                    else f"{self.trials} (fixed)"))
+            trials=(
+                self.trials.describe()
+                if isinstance(self.trials, TrialCount)
+                else f"{self.trials} (fixed)"
+            ),
+        )
 
 
-def private_search(train: Callable[[dict], Any], space, *, trials: TrialCount | int,
-                   trial_event: _dp_event.DpEvent, score: ValidationScore,
-                   delta: float = 1e-5, accountant: AccountantKind | str = AccountantKind.RDP,
-                   ledger: PrivacyLedger | None = None, seed: int | None = None,
-                   keep_model: bool = True) -> SearchResult:
+def private_search(
+    train: Callable[[dict], Any],
+    space,
+    *,
+    trials: TrialCount | int,
+    trial_event: _dp_event.DpEvent,
+    score: ValidationScore,
+    delta: float = 1e-5,
+    accountant: AccountantKind | str = AccountantKind.RDP,
+    ledger: PrivacyLedger | None = None,
+    seed: int | None = None,
+    keep_model: bool = True,
+) -> SearchResult:
     """Random search over `space`, released privately (module docstring).
 
     Args:
@@ -228,8 +273,9 @@ def private_search(train: Callable[[dict], Any], space, *, trials: TrialCount | 
     Returns a `SearchResult`: only the best trial is released; ``best`` is None
     if no trial ran (Poisson K = 0).  The number of trials is not returned.
     """
-    selection = PrivateSelection(trials, trial_event, score, delta=delta,
-                                 accountant=accountant, ledger=ledger, seed=seed)
+    selection = PrivateSelection(
+        trials, trial_event, score, delta=delta, accountant=accountant, ledger=ledger, seed=seed
+    )
     selection.start()
     best = None
     for _ in range(selection.num_trials):
@@ -242,13 +288,19 @@ def private_search(train: Callable[[dict], Any], space, *, trials: TrialCount | 
     return selection.result(best)
 
 
-def calibrate_search(target_epsilon: float, delta: float, trials: TrialCount | int,
-                     make_trial_event: Callable[[float], _dp_event.DpEvent],
-                     score=None, *, accountant: AccountantKind | str = AccountantKind.RDP
-                     ) -> tuple[float, float]:
+def calibrate_search(
+    target_epsilon: float,
+    delta: float,
+    trials: TrialCount | int,
+    make_trial_event: Callable[[float], _dp_event.DpEvent],
+    score=None,
+    *,
+    accountant: AccountantKind | str = AccountantKind.RDP,
+) -> tuple[float, float]:
     """(sigma, eps): the smallest training noise multiplier sigma whose search
     (``make_trial_event(sigma)`` per trial, `score`'s event, `trials`) costs at
     most `target_epsilon` at `delta`."""
+
     def make_event(sigma):
         trial = make_trial_event(sigma)
         score_event = None if score is None else score.event(neighboring_relation_of(trial))

@@ -79,8 +79,10 @@ class TrialCount:
         """gamma of the truncated negative binomial with this mean and shape
         (the root of mean(gamma) = mean, which decreases from inf to 1 on (0, 1))."""
         if self.is_poisson:
-            raise ValueError("gamma is a parameter of the truncated negative binomial; "
-                             "this is the Poisson distribution (shape=inf)")
+            raise ValueError(
+                "gamma is a parameter of the truncated negative binomial; "
+                "this is the Poisson distribution (shape=inf)"
+            )
         eta = self.shape
 
         def mean_of(g):
@@ -91,8 +93,14 @@ class TrialCount:
         lo, hi = 1e-300, 1 - 1e-15
         if mean_of(hi) >= self.mean:  # mean indistinguishable from 1 in floats
             return hi
-        return optimize.brentq(lambda g: mean_of(g) - self.mean, lo, hi, xtol=1e-300,
-                               rtol=4 * np.finfo(float).eps, maxiter=1000)
+        return optimize.brentq(
+            lambda g: mean_of(g) - self.mean,
+            lo,
+            hi,
+            xtol=1e-300,
+            rtol=4 * np.finfo(float).eps,
+            maxiter=1000,
+        )
 
     def pmf(self, k) -> np.ndarray:
         """P[K = k] for an array of counts k (0 outside the support)."""
@@ -106,8 +114,13 @@ class TrialCount:
         if eta == 0:
             log_p = kk * math.log1p(-g) - np.log(kk) - math.log(math.log(1 / g))
         else:
-            log_p = (kk * math.log1p(-g) + special.gammaln(kk + eta) - special.gammaln(eta)
-                     - special.gammaln(kk + 1) - math.log(math.expm1(-eta * math.log(g))))
+            log_p = (
+                kk * math.log1p(-g)
+                + special.gammaln(kk + eta)
+                - special.gammaln(eta)
+                - special.gammaln(kk + 1)
+                - math.log(math.expm1(-eta * math.log(g)))
+            )
         return np.where(k >= 1, np.exp(log_p), 0.0)
 
     def sample(self, rng: np.random.Generator | None = None) -> int:
@@ -123,7 +136,7 @@ class TrialCount:
             hit = np.flatnonzero(cdf > u)
             if hit.size:
                 return int(ks[hit[0]])
-            if cdf[-1] == total:   # the tail underflows: u is within rounding of 1
+            if cdf[-1] == total:  # the tail underflows: u is within rounding of 1
                 return int(ks[-1])
             total, start = cdf[-1], start + chunk
 
@@ -135,12 +148,18 @@ class TrialCount:
         if self.is_poisson:
             return f"Poisson(mean={self.mean:g})"
         name = {0.0: "logarithmic", 1.0: "geometric"}.get(self.shape)
-        return (f"{name}(mean={self.mean:g})" if name else
-                f"truncated negative binomial(mean={self.mean:g}, shape={self.shape:g})")
+        return (
+            f"{name}(mean={self.mean:g})"
+            if name
+            else f"truncated negative binomial(mean={self.mean:g}, shape={self.shape:g})"
+        )
 
 
-def search_event(trials: "TrialCount | int", trial_event: _dp_event.DpEvent,
-                 score_event: _dp_event.DpEvent | None = None) -> _dp_event.DpEvent:
+def search_event(
+    trials: "TrialCount | int",
+    trial_event: _dp_event.DpEvent,
+    score_event: _dp_event.DpEvent | None = None,
+) -> _dp_event.DpEvent:
     """The event of a whole search, one run being `trial_event` (its training)
     followed by `score_event` (its score's release; None or no-op: nothing).
 
@@ -156,6 +175,8 @@ def search_event(trials: "TrialCount | int", trial_event: _dp_event.DpEvent,
     if isinstance(trials, TrialCount):
         return trials.event(run)
     if isinstance(trials, bool) or not isinstance(trials, (int, np.integer)) or trials < 1:
-        raise ValueError(f"trials must be a TrialCount (a random number of trials) or a "
-                         f"whole number >= 1 (a fixed number), got {trials!r}")
+        raise ValueError(
+            f"trials must be a TrialCount (a random number of trials) or a "
+            f"whole number >= 1 (a fixed number), got {trials!r}"
+        )
     return _dp_event.SelfComposedDpEvent(run, int(trials))

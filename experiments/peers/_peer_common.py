@@ -44,15 +44,16 @@ def find_mnist(explicit):
         candidates.append(explicit)
     if os.environ.get("DPFL_DATA_DIR"):
         candidates.append(os.path.join(os.environ["DPFL_DATA_DIR"], "mnist.npz"))
-    candidates.append(os.path.join(os.path.dirname(repo_root), "shared", "data",
-                                   "mnist.npz"))
+    candidates.append(os.path.join(os.path.dirname(repo_root), "shared", "data", "mnist.npz"))
     candidates.append(os.path.expanduser("~/.keras/datasets/mnist.npz"))
     for path in candidates:
         if os.path.isfile(path):
             return path
-    raise FileNotFoundError("mnist.npz not found; looked in: "
-                            + ", ".join(candidates)
-                            + " (pass --mnist-path or set DPFL_DATA_DIR)")
+    raise FileNotFoundError(
+        "mnist.npz not found; looked in: "
+        + ", ".join(candidates)
+        + " (pass --mnist-path or set DPFL_DATA_DIR)"
+    )
 
 
 def benchmark_data(model_name, examples, mnist_path, nchw=False):
@@ -70,22 +71,28 @@ def benchmark_data(model_name, examples, mnist_path, nchw=False):
         if len(images) < examples:
             raise ValueError(f"{path} has only {len(images)} training rows")
         flat = images.reshape(examples, -1).astype(np.float32) / 255.0
-        projection = np.random.default_rng(0).standard_normal(
-            (flat.shape[1], MNIST_FEATURES)).astype(np.float32)
+        projection = (
+            np.random.default_rng(0)
+            .standard_normal((flat.shape[1], MNIST_FEATURES))
+            .astype(np.float32)
+        )
         features = (flat @ projection).astype(np.float32)
-        desc = (f"first {examples} MNIST train rows from {path}, /255, "
-                f"flattened, times a fixed N(0,1) 784x{MNIST_FEATURES} matrix "
-                f"(numpy default_rng(0))")
+        desc = (
+            f"first {examples} MNIST train rows from {path}, /255, "
+            f"flattened, times a fixed N(0,1) 784x{MNIST_FEATURES} matrix "
+            f"(numpy default_rng(0))"
+        )
     else:
         rng = np.random.default_rng(0)
-        features = rng.uniform(0.0, 1.0, size=(examples,) + CIFAR_SHAPE
-                               ).astype(np.float32)
+        features = rng.uniform(0.0, 1.0, size=(examples,) + CIFAR_SHAPE).astype(np.float32)
         labels = rng.integers(0, NUM_CLASSES, size=examples)
         if nchw:
             features = np.ascontiguousarray(features.transpose(0, 3, 1, 2))
         layout = "generated NHWC, transposed to NCHW" if nchw else "NHWC"
-        desc = (f"{examples} random uniform [0,1) images {CIFAR_SHAPE} "
-                f"({layout}) and random labels (numpy default_rng(0))")
+        desc = (
+            f"{examples} random uniform [0,1) images {CIFAR_SHAPE} "
+            f"({layout}) and random labels (numpy default_rng(0))"
+        )
     return features, labels.astype(np.int64), desc
 
 
@@ -115,14 +122,21 @@ def layers_data(model_name, n, token_dtype=np.int32, nchw=False):
         y = rng.integers(0, IMAGE_CLASSES, n).astype(np.int64)
         if nchw:
             x = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
-        return (x, y, f"{n} uniform [0,1) images {IMAGE} (NHWC{', fed as NCHW' if nchw else ''}),"
-                f" random labels (numpy default_rng(0))")
+        return (
+            x,
+            y,
+            f"{n} uniform [0,1) images {IMAGE} (NHWC{', fed as NCHW' if nchw else ''}),"
+            f" random labels (numpy default_rng(0))",
+        )
     p = 1.0 / np.arange(1, VOCAB)
     x = 1 + rng.choice(VOCAB - 1, size=(n, SEQ_LEN), p=p / p.sum())
     y = rng.integers(0, TEXT_CLASSES, n).astype(np.int64)
-    return (x.astype(token_dtype), y,
-            f"{n} sequences of {SEQ_LEN} tokens, Zipf-like (p ~ 1/rank) over ids "
-            f"1..{VOCAB - 1}, random labels (numpy default_rng(0))")
+    return (
+        x.astype(token_dtype),
+        y,
+        f"{n} sequences of {SEQ_LEN} tokens, Zipf-like (p ~ 1/rank) over ids "
+        f"1..{VOCAB - 1}, random labels (numpy default_rng(0))",
+    )
 
 
 def positions():
@@ -144,8 +158,9 @@ def check_run_args(parser, args, required=()):
     where the script has it, 1 <= --lot-size <= --examples."""
     missing = [name for name in required if getattr(args, name) is None]
     if missing:
-        parser.error("missing required arguments: "
-                     + ", ".join("--" + m.replace("_", "-") for m in missing))
+        parser.error(
+            "missing required arguments: " + ", ".join("--" + m.replace("_", "-") for m in missing)
+        )
     if args.epochs < 2:
         parser.error("--epochs must be >= 2 (the first epoch is warm-up)")
     if args.repeats < 1:
@@ -160,7 +175,7 @@ def limit_address_space(gigabytes):
     """RLIMIT_AS of this process, so that an over-large configuration fails
     with an out-of-memory error instead of exhausting the machine (0: none)."""
     if gigabytes and gigabytes > 0:
-        limit = int(gigabytes * 1024 ** 3)
+        limit = int(gigabytes * 1024**3)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
@@ -174,8 +189,11 @@ def record_repeat(repeat, times, warmup, timed):
     (in place), and all on stderr."""
     warmup.append(times[0])
     timed.extend(times[1:])
-    print(f"repeat {repeat}: warm-up {times[0]:.3f}s, epochs "
-          + ", ".join(f"{t:.3f}s" for t in times[1:]), file=sys.stderr)
+    print(
+        f"repeat {repeat}: warm-up {times[0]:.3f}s, epochs "
+        + ", ".join(f"{t:.3f}s" for t in times[1:]),
+        file=sys.stderr,
+    )
 
 
 def run_guarded(train, *args, describe=None):
@@ -186,8 +204,9 @@ def run_guarded(train, *args, describe=None):
     try:
         train(*args)
     except Exception as exc:  # pylint: disable=broad-except
-        error = (describe(exc) if describe is not None
-                 else f"{type(exc).__name__}: {str(exc)[:1500]}")
+        error = (
+            describe(exc) if describe is not None else f"{type(exc).__name__}: {str(exc)[:1500]}"
+        )
         print("FAILED: " + error, file=sys.stderr)
         return error
     return None
@@ -213,6 +232,12 @@ def finish(path, result, error):
     if error is not None:
         result["error"] = error
     write_result(path, result)
-    print(json.dumps({k: result[k] for k in
-                      ("model", "implementation", "seconds_per_epoch", "peak_memory_mb")}))
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in ("model", "implementation", "seconds_per_epoch", "peak_memory_mb")
+            }
+        )
+    )
     return 0 if error is None else 3

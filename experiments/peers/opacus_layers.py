@@ -44,47 +44,91 @@ import sys
 import time
 
 import numpy as np
+
 # the architecture of experiments/benchmark_layers.py, every constant (SEQ_LEN too)
-from _peer_common import (BLOCKS, CONV_DENSE, CONV_FILTERS, CONV_KERNEL,  # noqa: F401
-                          CONV_STRIDE, FFN, GN_GROUPS, HEADS, IMAGE, IMAGE_CLASSES,
-                          LSTM_UNITS, RESNET_BLOCKS, RESNET_STAGES, SEQ_LEN, TEXT_CLASSES,
-                          VOCAB, WIDTH)
-from _peer_common import (L2_NORM_CLIP, LEARNING_RATE, NOISE_MULTIPLIER, check_run_args,
-                          finish, layers_data, limit_address_space, median_seconds,
-                          peak_memory_mb, positions, record_repeat, run_guarded)
+from _peer_common import (  # noqa: F401
+    BLOCKS,
+    CONV_DENSE,
+    CONV_FILTERS,
+    CONV_KERNEL,
+    CONV_STRIDE,
+    FFN,
+    GN_GROUPS,
+    HEADS,
+    IMAGE,
+    IMAGE_CLASSES,
+    L2_NORM_CLIP,
+    LEARNING_RATE,
+    LSTM_UNITS,
+    NOISE_MULTIPLIER,
+    RESNET_BLOCKS,
+    RESNET_STAGES,
+    SEQ_LEN,
+    TEXT_CLASSES,
+    VOCAB,
+    WIDTH,
+    check_run_args,
+    finish,
+    layers_data,
+    limit_address_space,
+    median_seconds,
+    peak_memory_mb,
+    positions,
+    record_repeat,
+    run_guarded,
+)
 
 MODELS = ("transformer", "conv1d_text", "resnet20_gn", "lstm")
 
 IMPLEMENTATIONS = {
     "nonprivate": "plain PyTorch SGD loop, shuffled batches of lot size",
-    "opacus": ("opacus PrivacyEngine.make_private, grad_sample_mode='hooks' "
-               "(per-sample gradients), Poisson sampling (default)"),
-    "opacus_ghost": ("opacus PrivacyEngine.make_private, grad_sample_mode='ghost' "
-                     "(ghost / fast gradient clipping), Poisson sampling"),
+    "opacus": (
+        "opacus PrivacyEngine.make_private, grad_sample_mode='hooks' "
+        "(per-sample gradients), Poisson sampling (default)"
+    ),
+    "opacus_ghost": (
+        "opacus PrivacyEngine.make_private, grad_sample_mode='ghost' "
+        "(ghost / fast gradient clipping), Poisson sampling"
+    ),
 }
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=MODELS, required=True)
     parser.add_argument("--implementation", choices=sorted(IMPLEMENTATIONS), required=True)
     parser.add_argument("--examples", type=int, default=25_000)
-    parser.add_argument("--lot-size", type=int, default=256,
-                        help="lot size = expected Poisson batch (default 256)")
-    parser.add_argument("--epochs", type=int, default=4,
-                        help="epochs per repeat, the first is warm-up (>= 2)")
+    parser.add_argument(
+        "--lot-size", type=int, default=256, help="lot size = expected Poisson batch (default 256)"
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=4, help="epochs per repeat, the first is warm-up (>= 2)"
+    )
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--max-steps", type=int, default=0,
-                        help="time only the first N lots of each epoch and scale the time "
-                             "to the whole epoch (0 = whole epochs); for the DP modes "
-                             "whose full-size epochs take up to an hour")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="time only the first N lots of each epoch and scale the time "
+        "to the whole epoch (0 = whole epochs); for the DP modes "
+        "whose full-size epochs take up to an hour",
+    )
     parser.add_argument("--output", required=True, help="path of the JSON result file")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2,
-                        help="torch.set_num_threads (default: all cores, as TensorFlow)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 2,
+        help="torch.set_num_threads (default: all cores, as TensorFlow)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-memory-gb", type=float, default=20.0,
-                        help="address-space limit (RLIMIT_AS) so that an over-large "
-                             "configuration fails with an out-of-memory error instead of "
-                             "exhausting the machine; 0 = no limit (default 20)")
+    parser.add_argument(
+        "--max-memory-gb",
+        type=float,
+        default=20.0,
+        help="address-space limit (RLIMIT_AS) so that an over-large "
+        "configuration fails with an out-of-memory error instead of "
+        "exhausting the machine; 0 = no limit (default 20)",
+    )
     args = parser.parse_args(argv)
     check_run_args(parser, args)
     return args
@@ -99,6 +143,7 @@ def make_data(model_name, n):
 # Models
 # --------------------------------------------------------------------------
 
+
 def build_model(torch, model_name, private):
     nn = torch.nn
     F = torch.nn.functional
@@ -112,8 +157,10 @@ def build_model(torch, model_name, private):
 
         def forward(self, x):
             b, s, _ = x.shape
-            heads = [t(x).view(b, s, HEADS, WIDTH // HEADS).transpose(1, 2)
-                     for t in (self.q, self.k, self.v)]
+            heads = [
+                t(x).view(b, s, HEADS, WIDTH // HEADS).transpose(1, 2)
+                for t in (self.q, self.k, self.v)
+            ]
             scores = heads[0] @ heads[1].transpose(-1, -2) / math.sqrt(WIDTH // HEADS)
             out = (scores.softmax(-1) @ heads[2]).transpose(1, 2).reshape(b, s, WIDTH)
             return self.o(out)
@@ -162,6 +209,7 @@ def build_model(torch, model_name, private):
             self.embedding = nn.Embedding(VOCAB, WIDTH)
             if private:
                 from opacus.layers import DPLSTM  # pylint: disable=import-outside-toplevel
+
                 self.lstm = DPLSTM(WIDTH, LSTM_UNITS, batch_first=True)
             else:
                 self.lstm = nn.LSTM(WIDTH, LSTM_UNITS, batch_first=True)
@@ -172,17 +220,25 @@ def build_model(torch, model_name, private):
             return self.head(h[-1])
 
     def conv_gn(cin, cout, stride):
-        return [nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False),
-                nn.GroupNorm(GN_GROUPS, cout, eps=1e-5)]
+        return [
+            nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False),
+            nn.GroupNorm(GN_GROUPS, cout, eps=1e-5),
+        ]
 
     class BasicBlock(nn.Module):
         def __init__(self, cin, cout, stride):
             super().__init__()
-            self.body = nn.Sequential(*conv_gn(cin, cout, stride), nn.ReLU(),
-                                      *conv_gn(cout, cout, 1))
-            self.shortcut = nn.Identity() if stride == 1 and cin == cout else nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
-                nn.GroupNorm(GN_GROUPS, cout, eps=1e-5))
+            self.body = nn.Sequential(
+                *conv_gn(cin, cout, stride), nn.ReLU(), *conv_gn(cout, cout, 1)
+            )
+            self.shortcut = (
+                nn.Identity()
+                if stride == 1 and cin == cout
+                else nn.Sequential(
+                    nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
+                    nn.GroupNorm(GN_GROUPS, cout, eps=1e-5),
+                )
+            )
 
         def forward(self, x):
             return F.relu(self.body(x) + self.shortcut(x))
@@ -202,13 +258,18 @@ def build_model(torch, model_name, private):
         def forward(self, x):
             return self.head(self.features(x).mean(dim=(2, 3)))
 
-    return {"transformer": Transformer, "conv1d_text": ConvText, "lstm": LSTMText,
-            "resnet20_gn": ResNet20}[model_name]()
+    return {
+        "transformer": Transformer,
+        "conv1d_text": ConvText,
+        "lstm": LSTMText,
+        "resnet20_gn": ResNet20,
+    }[model_name]()
 
 
 # --------------------------------------------------------------------------
 # Training
 # --------------------------------------------------------------------------
+
 
 def run_repeats(torch, args, features, labels, warmup, timed, extra):
     """Trains args.repeats fresh models; appends epoch times in place."""
@@ -222,27 +283,38 @@ def run_repeats(torch, args, features, labels, warmup, timed, extra):
         criterion = torch.nn.CrossEntropyLoss()
         optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
         generator = torch.Generator().manual_seed(args.seed + repeat)
-        loader = DataLoader(dataset, batch_size=args.lot_size, shuffle=True,
-                            generator=generator)
-        extra["trainable_parameters"] = int(sum(p.numel() for p in model.parameters()
-                                                if p.requires_grad))
+        loader = DataLoader(dataset, batch_size=args.lot_size, shuffle=True, generator=generator)
+        extra["trainable_parameters"] = int(
+            sum(p.numel() for p in model.parameters() if p.requires_grad)
+        )
         if private:
             from opacus import PrivacyEngine  # pylint: disable=import-outside-toplevel
+
             mode = "ghost" if args.implementation == "opacus_ghost" else "hooks"
             engine = PrivacyEngine()
             made = engine.make_private(
-                module=model, optimizer=optimizer, criterion=criterion, data_loader=loader,
-                noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=L2_NORM_CLIP,
-                grad_sample_mode=mode)
+                module=model,
+                optimizer=optimizer,
+                criterion=criterion,
+                data_loader=loader,
+                noise_multiplier=NOISE_MULTIPLIER,
+                max_grad_norm=L2_NORM_CLIP,
+                grad_sample_mode=mode,
+            )
             if mode == "ghost":
                 model, optimizer, criterion, loader = made
             else:
                 model, optimizer, loader = made
-            extra.update({"grad_sample_mode": mode, "poisson_sampling": True,
-                          "sample_rate": getattr(loader, "sample_rate", None),
-                          "clipping": "flat",
-                          "optimizer_class": type(optimizer).__name__,
-                          "model_wrapper": type(model).__name__})
+            extra.update(
+                {
+                    "grad_sample_mode": mode,
+                    "poisson_sampling": True,
+                    "sample_rate": getattr(loader, "sample_rate", None),
+                    "clipping": "flat",
+                    "optimizer_class": type(optimizer).__name__,
+                    "model_wrapper": type(model).__name__,
+                }
+            )
         model.train()
         times, sizes = [], []
         lots_per_epoch = len(loader)
@@ -268,8 +340,9 @@ def run_repeats(torch, args, features, labels, warmup, timed, extra):
 def main(argv=None):
     args = parse_args(argv)
     limit_address_space(args.max_memory_gb)
-    import torch  # pylint: disable=import-outside-toplevel
     from importlib import metadata  # pylint: disable=import-outside-toplevel
+
+    import torch  # pylint: disable=import-outside-toplevel
 
     torch.set_num_threads(args.threads)
     features, labels, data_desc = make_data(args.model, args.examples)
@@ -280,29 +353,43 @@ def main(argv=None):
     settings = {
         "l2_norm_clip": L2_NORM_CLIP if private else None,
         "noise_multiplier": NOISE_MULTIPLIER if private else None,
-        "learning_rate": LEARNING_RATE, "optimizer": "SGD",
-        "sampling": ("Poisson (opacus DPDataLoader, sample_rate = lot/N)" if private
-                     else "DataLoader(shuffle=True, batch_size=lot)"),
-        "epochs_per_repeat": args.epochs, "repeats": args.repeats,
+        "learning_rate": LEARNING_RATE,
+        "optimizer": "SGD",
+        "sampling": (
+            "Poisson (opacus DPDataLoader, sample_rate = lot/N)"
+            if private
+            else "DataLoader(shuffle=True, batch_size=lot)"
+        ),
+        "epochs_per_repeat": args.epochs,
+        "repeats": args.repeats,
         "timed_lots_per_epoch": args.max_steps or "all (whole epochs)",
-        "epoch_seconds_are": ("the time of the first --max-steps lots x lots per epoch / "
-                              "--max-steps" if args.max_steps else "measured whole epochs"),
-        "warmup_epoch_seconds": warmup, "loss": "CrossEntropyLoss (mean)",
-        "data": data_desc, "torch_num_threads": torch.get_num_threads(),
-        "seed": args.seed, "torch_version": torch.__version__,
+        "epoch_seconds_are": (
+            "the time of the first --max-steps lots x lots per epoch / --max-steps"
+            if args.max_steps
+            else "measured whole epochs"
+        ),
+        "warmup_epoch_seconds": warmup,
+        "loss": "CrossEntropyLoss (mean)",
+        "data": data_desc,
+        "torch_num_threads": torch.get_num_threads(),
+        "seed": args.seed,
+        "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "max_memory_gb": args.max_memory_gb or None,
     }
     settings.update(extra)
     result = {
-        "model": args.model, "implementation": args.implementation,
+        "model": args.model,
+        "implementation": args.implementation,
         "library": "opacus" if private else "torch",
         "library_version": metadata.version("opacus") if private else torch.__version__,
         "seconds_per_epoch": median_seconds(timed, error),
         "epoch_seconds": timed,
         "warmup_seconds": warmup,
         "peak_memory_mb": peak_memory_mb(),
-        "examples": args.examples, "lot_size": args.lot_size, "settings": settings,
+        "examples": args.examples,
+        "lot_size": args.lot_size,
+        "settings": settings,
     }
     return finish(args.output, result, error)
 

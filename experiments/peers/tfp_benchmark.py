@@ -26,10 +26,22 @@ import sys
 import time
 
 import numpy as np
-from _peer_common import (CIFAR_SHAPE, L2_NORM_CLIP, LEARNING_RATE, MNIST_FEATURES,
-                          NOISE_MULTIPLIER, NUM_CLASSES, benchmark_data, check_run_args,
-                          finish, limit_address_space, median_seconds, peak_memory_mb,
-                          record_repeat, run_guarded)
+from _peer_common import (
+    CIFAR_SHAPE,
+    L2_NORM_CLIP,
+    LEARNING_RATE,
+    MNIST_FEATURES,
+    NOISE_MULTIPLIER,
+    NUM_CLASSES,
+    benchmark_data,
+    check_run_args,
+    finish,
+    limit_address_space,
+    median_seconds,
+    peak_memory_mb,
+    record_repeat,
+    run_guarded,
+)
 
 MODELS = ("mnist_mlp", "cifar_frozen_conv", "cifar_full_conv")
 
@@ -56,39 +68,58 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=MODELS)
     parser.add_argument("--implementation", choices=sorted(IMPLEMENTATIONS))
-    parser.add_argument("--examples", type=int, default=6000,
-                        help="number of training examples (default 6000)")
-    parser.add_argument("--lot-size", type=int, default=600,
-                        help="lot (= batch) size (default 600)")
-    parser.add_argument("--epochs", type=int, default=3,
-                        help="epochs per repeat, the first is warm-up (>= 2)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="fresh model builds, each trained --epochs epochs")
+    parser.add_argument(
+        "--examples", type=int, default=6000, help="number of training examples (default 6000)"
+    )
+    parser.add_argument(
+        "--lot-size", type=int, default=600, help="lot (= batch) size (default 600)"
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=3, help="epochs per repeat, the first is warm-up (>= 2)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="fresh model builds, each trained --epochs epochs"
+    )
     parser.add_argument("--output", help="path of the JSON result file")
-    parser.add_argument("--physical-batch-size", type=int, default=None,
-                        help="dp_keras_sgd_microbatch only: split each lot "
-                             "into physical batches of this size using the "
-                             "optimizer's gradient_accumulation_steps "
-                             "(num_microbatches = physical batch). NOTE: "
-                             "tf-privacy then adds noise on every physical "
-                             "batch (sqrt(steps) x more noise per lot). "
-                             "Default: the lot size")
-    parser.add_argument("--threads", type=int, default=2,
-                        help="TF intra- and inter-op threads (default 2)")
-    parser.add_argument("--mnist-path", default=None,
-                        help="mnist.npz; default: $DPFL_DATA_DIR, "
-                             "../shared/data next to the repo, ~/.keras/datasets")
-    parser.add_argument("--no-xla", action="store_true",
-                        help="dp_sequential_fast_clipping only: pass "
-                             "use_xla=False (library default is True)")
+    parser.add_argument(
+        "--physical-batch-size",
+        type=int,
+        default=None,
+        help="dp_keras_sgd_microbatch only: split each lot "
+        "into physical batches of this size using the "
+        "optimizer's gradient_accumulation_steps "
+        "(num_microbatches = physical batch). NOTE: "
+        "tf-privacy then adds noise on every physical "
+        "batch (sqrt(steps) x more noise per lot). "
+        "Default: the lot size",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=2, help="TF intra- and inter-op threads (default 2)"
+    )
+    parser.add_argument(
+        "--mnist-path",
+        default=None,
+        help="mnist.npz; default: $DPFL_DATA_DIR, "
+        "../shared/data next to the repo, ~/.keras/datasets",
+    )
+    parser.add_argument(
+        "--no-xla",
+        action="store_true",
+        help="dp_sequential_fast_clipping only: pass use_xla=False (library default is True)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-memory-gb", type=float, default=16.0,
-                        help="address-space limit (RLIMIT_AS) so that an "
-                             "over-large configuration fails with an OOM "
-                             "error instead of exhausting the machine; "
-                             "0 = no limit (default 16)")
-    parser.add_argument("--list-implementations", action="store_true",
-                        help="print implementation names and exit")
+    parser.add_argument(
+        "--max-memory-gb",
+        type=float,
+        default=16.0,
+        help="address-space limit (RLIMIT_AS) so that an "
+        "over-large configuration fails with an OOM "
+        "error instead of exhausting the machine; "
+        "0 = no limit (default 16)",
+    )
+    parser.add_argument(
+        "--list-implementations", action="store_true", help="print implementation names and exit"
+    )
     args = parser.parse_args(argv)
     if args.list_implementations:
         return args
@@ -97,10 +128,11 @@ def parse_args(argv=None):
         args.physical_batch_size = args.lot_size
     if args.physical_batch_size != args.lot_size:
         if args.implementation != "dp_keras_sgd_microbatch":
-            parser.error("--physical-batch-size is only supported by "
-                         "dp_keras_sgd_microbatch (gradient accumulation)")
-        if (args.physical_batch_size < 1
-                or args.lot_size % args.physical_batch_size):
+            parser.error(
+                "--physical-batch-size is only supported by "
+                "dp_keras_sgd_microbatch (gradient accumulation)"
+            )
+        if args.physical_batch_size < 1 or args.lot_size % args.physical_batch_size:
             parser.error("--physical-batch-size must divide --lot-size")
     return args
 
@@ -108,6 +140,7 @@ def parse_args(argv=None):
 # --------------------------------------------------------------------------
 # TensorFlow side
 # --------------------------------------------------------------------------
+
 
 def model_layers(tf, model_name):
     layers = tf.keras.layers
@@ -120,11 +153,13 @@ def model_layers(tf, model_name):
     conv_trainable = model_name == "cifar_full_conv"
     return [
         layers.InputLayer(input_shape=CIFAR_SHAPE),
-        layers.Conv2D(64, 5, strides=1, padding="same", activation="relu",
-                      trainable=conv_trainable),
+        layers.Conv2D(
+            64, 5, strides=1, padding="same", activation="relu", trainable=conv_trainable
+        ),
         layers.MaxPooling2D(2),
-        layers.Conv2D(64, 5, strides=1, padding="same", activation="relu",
-                      trainable=conv_trainable),
+        layers.Conv2D(
+            64, 5, strides=1, padding="same", activation="relu", trainable=conv_trainable
+        ),
         layers.MaxPooling2D(2),
         layers.Flatten(),
         layers.Dense(384, activation="relu"),
@@ -142,7 +177,9 @@ def build_and_compile(tf, tfp, args):
     extra = {}
     if implementation == "dp_sequential_fast_clipping":
         from tensorflow_privacy.privacy.fast_gradient_clipping import (
-            layer_registry as registry_module)
+            layer_registry as registry_module,
+        )
+
         use_xla = not args.no_xla
         model = tfp.DPSequential(
             l2_norm_clip=L2_NORM_CLIP,
@@ -155,28 +192,32 @@ def build_and_compile(tf, tfp, args):
         optimizer = tf.keras.optimizers.legacy.SGD(learning_rate=LEARNING_RATE)
         loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         fast = bool(model._enable_fast_peg_computation)  # pylint: disable=protected-access
-        extra.update({
-            "dp_model_class": "tensorflow_privacy.DPSequential",
-            "layer_registry": "make_default_layer_registry() (Dense, Embedding)",
-            "num_microbatches": None,
-            "use_xla": use_xla,
-            "fast_gradient_clipping_enabled": fast,
-            "clipping_path": (
-                "ghost-norm: norm pass + reweighted-loss pass" if fast else
-                "fallback: vectorized_map over per-example gradients "
-                "(some trainable layer, e.g. Conv2D, is not in the registry)"),
-            "noise": ("N(0, (clip*noise/batch)^2) added to the mean clipped "
-                      "gradient, once per batch" if fast else
-                      "N(0, (clip*noise)^2) added to the summed clipped "
-                      "gradient, then divided by batch, once per batch"),
-        })
+        extra.update(
+            {
+                "dp_model_class": "tensorflow_privacy.DPSequential",
+                "layer_registry": "make_default_layer_registry() (Dense, Embedding)",
+                "num_microbatches": None,
+                "use_xla": use_xla,
+                "fast_gradient_clipping_enabled": fast,
+                "clipping_path": (
+                    "ghost-norm: norm pass + reweighted-loss pass"
+                    if fast
+                    else "fallback: vectorized_map over per-example gradients "
+                    "(some trainable layer, e.g. Conv2D, is not in the registry)"
+                ),
+                "noise": (
+                    "N(0, (clip*noise/batch)^2) added to the mean clipped gradient, once per batch"
+                    if fast
+                    else "N(0, (clip*noise)^2) added to the summed clipped "
+                    "gradient, then divided by batch, once per batch"
+                ),
+            }
+        )
     else:
         model = tf.keras.Sequential(model_layers(tf, args.model))
         if implementation == "nonprivate":
-            optimizer = tf.keras.optimizers.legacy.SGD(
-                learning_rate=LEARNING_RATE)
-            loss = tf.keras.losses.SparseCategoricalCrossentropy(
-                from_logits=True)
+            optimizer = tf.keras.optimizers.legacy.SGD(learning_rate=LEARNING_RATE)
+            loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         else:
             cls = {
                 "dp_keras_sgd_microbatch": tfp.DPKerasSGDOptimizer,
@@ -193,23 +234,28 @@ def build_and_compile(tf, tfp, args):
                 **kwargs,
             )
             loss = tf.keras.losses.SparseCategoricalCrossentropy(
-                from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
-            extra.update({
-                "optimizer_class": "tensorflow_privacy." + cls.__name__,
-                "num_microbatches": physical,
-                "gradient_accumulation_steps": accumulation,
-                "loss_reduction": "NONE",
-                "noise": "N(0, (clip*noise)^2) added once per physical batch "
-                         "to the sum of the clipped microbatch gradients, "
-                         "then divided by num_microbatches"
-                         + ("" if accumulation == 1 else
-                            "; with gradient accumulation every physical "
-                            "batch is noised, so a lot gets sqrt(steps) x "
-                            "the noise of a single noised lot"),
-            })
+                from_logits=True, reduction=tf.keras.losses.Reduction.NONE
+            )
+            extra.update(
+                {
+                    "optimizer_class": "tensorflow_privacy." + cls.__name__,
+                    "num_microbatches": physical,
+                    "gradient_accumulation_steps": accumulation,
+                    "loss_reduction": "NONE",
+                    "noise": "N(0, (clip*noise)^2) added once per physical batch "
+                    "to the sum of the clipped microbatch gradients, "
+                    "then divided by num_microbatches"
+                    + (
+                        ""
+                        if accumulation == 1
+                        else "; with gradient accumulation every physical "
+                        "batch is noised, so a lot gets sqrt(steps) x "
+                        "the noise of a single noised lot"
+                    ),
+                }
+            )
     model.compile(optimizer=optimizer, loss=loss)
-    extra.setdefault("optimizer", type(optimizer).__module__ + "."
-                     + type(optimizer).__name__)
+    extra.setdefault("optimizer", type(optimizer).__module__ + "." + type(optimizer).__name__)
     return model, extra
 
 
@@ -224,23 +270,24 @@ def summarize_error(exc):
     return summary[:1500]
 
 
-def run_repeats(tf, tfp, args, features, labels, timer_cls, warmup, timed,
-                extra):
+def run_repeats(tf, tfp, args, features, labels, timer_cls, warmup, timed, extra):
     """Trains args.repeats fresh models; appends epoch times in place."""
     for repeat in range(args.repeats):
         tf.keras.backend.clear_session()
         tf.keras.utils.set_random_seed(args.seed + repeat)
-        dataset = (tf.data.Dataset.from_tensor_slices((features, labels))
-                   .shuffle(args.examples, seed=args.seed + repeat,
-                            reshuffle_each_iteration=True)
-                   .batch(args.physical_batch_size, drop_remainder=True)
-                   .prefetch(1))
+        dataset = (
+            tf.data.Dataset.from_tensor_slices((features, labels))
+            .shuffle(args.examples, seed=args.seed + repeat, reshuffle_each_iteration=True)
+            .batch(args.physical_batch_size, drop_remainder=True)
+            .prefetch(1)
+        )
         model, built_extra = build_and_compile(tf, tfp, args)
         extra.update(built_extra)
         timer = timer_cls()
         model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[timer])
-        extra["_trainable_parameters"] = int(sum(
-            int(np.prod(v.shape)) for v in model.trainable_variables))
+        extra["_trainable_parameters"] = int(
+            sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+        )
         record_repeat(repeat, timer.times, warmup, timed)
         del model, dataset
 
@@ -254,15 +301,15 @@ def main(argv=None):
 
     limit_address_space(args.max_memory_gb)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from importlib import metadata  # pylint: disable=import-outside-toplevel
+
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     import tensorflow_privacy as tfp  # pylint: disable=import-outside-toplevel
-    from importlib import metadata  # pylint: disable=import-outside-toplevel
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
 
-    features, labels, data_desc = benchmark_data(args.model, args.examples,
-                                                 args.mnist_path)
+    features, labels, data_desc = benchmark_data(args.model, args.examples, args.mnist_path)
     steps = args.examples // args.lot_size  # logical (noised) steps
     used = steps * args.lot_size  # batches of exactly lot_size examples
     if used != args.examples:
@@ -285,21 +332,29 @@ def main(argv=None):
 
     warmup, timed, extra = [], [], {}
     # typically ResourceExhaustedError (OOM) for per-example Jacobians
-    error = run_guarded(run_repeats, tf, tfp, args, features, labels, EpochTimer,
-                        warmup, timed, extra, describe=summarize_error)
+    error = run_guarded(
+        run_repeats,
+        tf,
+        tfp,
+        args,
+        features,
+        labels,
+        EpochTimer,
+        warmup,
+        timed,
+        extra,
+        describe=summarize_error,
+    )
     n_params = extra.pop("_trainable_parameters", None)
 
     peak_mb = peak_memory_mb()
     settings = {
-        "l2_norm_clip": None if args.implementation == "nonprivate"
-        else L2_NORM_CLIP,
-        "noise_multiplier": None if args.implementation == "nonprivate"
-        else NOISE_MULTIPLIER,
+        "l2_norm_clip": None if args.implementation == "nonprivate" else L2_NORM_CLIP,
+        "noise_multiplier": None if args.implementation == "nonprivate" else NOISE_MULTIPLIER,
         "learning_rate": LEARNING_RATE,
         "batch_size": args.lot_size,
         "physical_batch_size": args.physical_batch_size,
-        "sampling": "shuffle each epoch, fixed batches of lot_size "
-                    "(drop_remainder)",
+        "sampling": "shuffle each epoch, fixed batches of lot_size (drop_remainder)",
         "steps_per_epoch": steps,
         "physical_steps_per_epoch": used // args.physical_batch_size,
         "examples_used_per_epoch": used,

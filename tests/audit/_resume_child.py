@@ -26,7 +26,7 @@ NOISE, CLIP, LOT, N, EPOCHS = 1.1, 1.0, 60, 1200, 3
 def keras_run(directory: str, slow: bool) -> None:
     import keras
 
-    from dpfl_tf.keras import DPModel, DPSGD
+    from dpfl_tf.keras import DPSGD, DPModel
     from dpfl_tf.keras.checkpoint import DPCheckpoint
     from tests.keras.helpers import loss, mlp, mnist_slice
 
@@ -35,9 +35,11 @@ def keras_run(directory: str, slow: bool) -> None:
     if state is None:
         model, initial_epoch = DPModel(mlp(hidden=16)), 0
         # one lot per call: lots.log has a line per lot, and --slow sleeps after each
-        model.compile(optimizer=DPSGD(0.2, momentum=0.5, l2_norm_clip=CLIP,
-                                      noise_multiplier=NOISE), loss=loss(),
-                      steps_per_execution=1)
+        model.compile(
+            optimizer=DPSGD(0.2, momentum=0.5, l2_norm_clip=CLIP, noise_multiplier=NOISE),
+            loss=loss(),
+            steps_per_execution=1,
+        )
     else:
         model, initial_epoch = DPCheckpoint.restore(directory)
     restored_lots = model.lots_applied
@@ -50,14 +52,27 @@ def keras_run(directory: str, slow: bool) -> None:
             if slow:
                 time.sleep(0.1)
 
-    model.fit(x, y, lot_size=LOT, batch_size=LOT, epochs=EPOCHS, initial_epoch=initial_epoch,
-              callbacks=[DPCheckpoint(directory), LotLog()], verbose=0)
+    model.fit(
+        x,
+        y,
+        lot_size=LOT,
+        batch_size=LOT,
+        epochs=EPOCHS,
+        initial_epoch=initial_epoch,
+        callbacks=[DPCheckpoint(directory), LotLog()],
+        verbose=0,
+    )
     ledger = model.privacy_ledger
-    report = {"pid": os.getpid(), "initial_epoch": initial_epoch, "restored_lots": restored_lots,
-              "lots_applied": model.lots_applied,
-              "optimizer_iterations": int(model.optimizer.iterations.numpy()),
-              "ledger_count": ledger.count(), "ledger": ledger.entries,
-              "epsilon": model.epsilon(1e-5)}
+    report = {
+        "pid": os.getpid(),
+        "initial_epoch": initial_epoch,
+        "restored_lots": restored_lots,
+        "lots_applied": model.lots_applied,
+        "optimizer_iterations": int(model.optimizer.iterations.numpy()),
+        "ledger_count": ledger.count(),
+        "ledger": ledger.entries,
+        "epsilon": model.epsilon(1e-5),
+    }
     with open(os.path.join(directory, "report.json"), "w") as f:
         json.dump(report, f)
 
@@ -65,10 +80,21 @@ def keras_run(directory: str, slow: bool) -> None:
 def federated_config():
     from dpfl_tf.federated.runner import FederatedConfig
 
-    return FederatedConfig(dataset="mnist", clients=10, train_subset=600, clients_per_round=5,
-                           rounds=5, local_epochs=10, local_batch_size=10, hidden=(16,),
-                           dp="global", clip=1.0, noise_multiplier=1.0, delta_max=1e-3,
-                           seed=0)
+    return FederatedConfig(
+        dataset="mnist",
+        clients=10,
+        train_subset=600,
+        clients_per_round=5,
+        rounds=5,
+        local_epochs=10,
+        local_batch_size=10,
+        hidden=(16,),
+        dp="global",
+        clip=1.0,
+        noise_multiplier=1.0,
+        delta_max=1e-3,
+        seed=0,
+    )
 
 
 def federated_run(directory: str) -> None:
@@ -80,9 +106,14 @@ def federated_run(directory: str) -> None:
         with open(state_path) as f:
             start_round = json.load(f)["round"]
     result = run_federated(federated_config(), progress=False, checkpoint_dir=directory)
-    report = {"pid": os.getpid(), "start_round": start_round, "rounds": result["rounds"],
-              "ledger_rounds": result["privacy"]["rounds"], "epsilon": result["epsilon"],
-              "history_rounds": [r["round"] for r in result["history"]]}
+    report = {
+        "pid": os.getpid(),
+        "start_round": start_round,
+        "rounds": result["rounds"],
+        "ledger_rounds": result["privacy"]["rounds"],
+        "epsilon": result["epsilon"],
+        "history_rounds": [r["round"] for r in result["history"]],
+    }
     with open(os.path.join(directory, "report.json"), "w") as f:
         json.dump(report, f)
 

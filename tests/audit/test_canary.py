@@ -16,15 +16,15 @@ import keras
 import numpy as np
 import pytest
 
-from dpfl_tf.audit import (DiracCanaries, MislabelledCanaries,
-                           epsilon_lower_bound_from_scores)
+from dpfl_tf.audit import DiracCanaries, MislabelledCanaries, epsilon_lower_bound_from_scores
 from dpfl_tf.keras import DPSGD, DPModel
 from dpfl_tf.privacy.calibration import calibrate_noise_multiplier
 from dpfl_tf.privacy.events import dp_sgd_event
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("broken_dpsgd",
-                                               ROOT / "experiments" / "broken_dpsgd.py")
+_spec = importlib.util.spec_from_file_location(
+    "broken_dpsgd", ROOT / "experiments" / "broken_dpsgd.py"
+)
 broken = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(broken)
 
@@ -42,8 +42,12 @@ def mnist_slice():
     idx = rng.choice(len(data.y_train), 300, replace=False)
     bb = rng.choice(len(data.y_test), 400, replace=False)
     flat = lambda a: a.reshape(len(a), -1).astype(np.float32) / 255.0  # noqa: E731
-    return (flat(data.x_train[idx]), data.y_train[idx].astype(np.int64),
-            flat(data.x_test[bb]), data.y_test[bb].astype(np.int64))
+    return (
+        flat(data.x_train[idx]),
+        data.y_train[idx].astype(np.int64),
+        flat(data.x_test[bb]),
+        data.y_test[bb].astype(np.int64),
+    )
 
 
 def _train(model_cls, canaries, x, y, *, sigma, sampling, seed, lr=1.0, black_box=None):
@@ -51,8 +55,9 @@ def _train(model_cls, canaries, x, y, *, sigma, sampling, seed, lr=1.0, black_bo
     keras.utils.set_random_seed(seed)
     n = len(y)
     lot, epochs = (n, STEPS) if sampling == "full_batch" else (n // 2, STEPS // 2)
-    model = keras.Sequential([keras.Input((canaries.total_dim,)),
-                              keras.layers.Dense(10, kernel_initializer="zeros")])
+    model = keras.Sequential(
+        [keras.Input((canaries.total_dim,)), keras.layers.Dense(10, kernel_initializer="zeros")]
+    )
     dp = model_cls(model, accountant="pld")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # seeded noise: not for deployment
@@ -61,9 +66,19 @@ def _train(model_cls, canaries, x, y, *, sigma, sampling, seed, lr=1.0, black_bo
         opt = DPSGD(lr, l2_norm_clip=1.0, noise_multiplier=sigma, seed=(seed + 100) << 20)
     dp.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     observer = canaries.observer(dp)
-    dp.fit(x, y, lot_size=lot, batch_size=math.ceil(lot / 16), epochs=epochs,
-           sampling=sampling, sampling_seed=seed, verbose=0, callbacks=[observer],
-           log_train_metrics=False, accountant="rdp")  # fast logs; claims below are PLD's
+    dp.fit(
+        x,
+        y,
+        lot_size=lot,
+        batch_size=math.ceil(lot / 16),
+        epochs=epochs,
+        sampling=sampling,
+        sampling_seed=seed,
+        verbose=0,
+        callbacks=[observer],
+        log_train_metrics=False,
+        accountant="rdp",
+    )  # fast logs; claims below are PLD's
     return dp, observer
 
 
@@ -71,11 +86,13 @@ def _train(model_cls, canaries, x, y, *, sigma, sampling, seed, lr=1.0, black_bo
 def _sigma(eps, sampling):
     kw = {"sampling_rate": 0.5} if sampling == "poisson" else {}
     return calibrate_noise_multiplier(
-        eps, DELTA, lambda s: dp_sgd_event(s, STEPS, sampling, **kw), "pld")[0]
+        eps, DELTA, lambda s: dp_sgd_event(s, STEPS, sampling, **kw), "pld"
+    )[0]
 
 
-def _audit(model_cls, eps, sampling, mnist_slice, seed=0, black_box=False, method="eps_dp",
-           m=M, raw=False):
+def _audit(
+    model_cls, eps, sampling, mnist_slice, seed=0, black_box=False, method="eps_dp", m=M, raw=False
+):
     x, y, xb, yb = mnist_slice
     canaries = DiracCanaries(m, input_dim=784, num_classes=10, value=10.0, seed=seed)
     x_train, y_train = canaries.training_data(x, y)
@@ -84,8 +101,15 @@ def _audit(model_cls, eps, sampling, mnist_slice, seed=0, black_box=False, metho
         bb = MislabelledCanaries(canaries.pad(xb), yb, num_classes=10, seed=seed + 1)
         xi, yi = bb.included()
         x_train, y_train = np.concatenate([x_train, xi]), np.concatenate([y_train, yi])
-    dp, observer = _train(model_cls, canaries, x_train, y_train,
-                          sigma=_sigma(eps, sampling), sampling=sampling, seed=seed)
+    dp, observer = _train(
+        model_cls,
+        canaries,
+        x_train,
+        y_train,
+        sigma=_sigma(eps, sampling),
+        sampling=sampling,
+        seed=seed,
+    )
     claimed = dp.epsilon(DELTA, "pld")
     assert claimed == pytest.approx(eps, abs=0.01)
     assert observer.lots_observed == dp.lots_computed == STEPS
@@ -105,8 +129,9 @@ def test_projection_is_the_clipped_canary_gradient(mnist_slice):
     x, y, *_ = mnist_slice
     canaries = DiracCanaries(50, input_dim=784, num_classes=10, value=10.0, seed=3)
     x_train, y_train = canaries.training_data(x[:100], y[:100])
-    dp, observer = _train(DPModel, canaries, x_train, y_train, sigma=0.0,
-                          sampling="full_batch", seed=3, lr=0.5)
+    dp, observer = _train(
+        DPModel, canaries, x_train, y_train, sigma=0.0, sampling="full_batch", seed=3, lr=0.5
+    )
     p = np.stack(observer.projections, axis=1)
     coins = canaries.coins()
     expected = 0.5 * 1.0 * (10.0 / math.sqrt(101.0)) / len(y_train)
@@ -150,8 +175,9 @@ def test_observer_errors():
 
 
 # -- the library never shows a bound above its claim ------------------------------------
-@pytest.mark.parametrize("eps,sampling", [(2.0, "full_batch"), (8.0, "full_batch"),
-                                          (2.0, "poisson")])
+@pytest.mark.parametrize(
+    "eps,sampling", [(2.0, "full_batch"), (8.0, "full_batch"), (2.0, "poisson")]
+)
 def test_library_stays_within_its_claim(mnist_slice, eps, sampling):
     claimed, scores, coins = _audit(DPModel, eps, sampling, mnist_slice, raw=True)
     epsdp = epsilon_lower_bound_from_scores(scores, coins, delta=DELTA)
@@ -168,12 +194,18 @@ def test_library_stays_within_its_claim(mnist_slice, eps, sampling):
 
 
 # -- every broken copy is caught ------------------------------------------------------
-@pytest.mark.parametrize("variant,sampling,method", [
-    ("skip_clipping", "full_batch", "gdp"), ("per_batch_noise", "full_batch", "gdp"),
-    ("reused_noise", "poisson", "eps_dp")])
+@pytest.mark.parametrize(
+    "variant,sampling,method",
+    [
+        ("skip_clipping", "full_batch", "gdp"),
+        ("per_batch_noise", "full_batch", "gdp"),
+        ("reused_noise", "poisson", "eps_dp"),
+    ],
+)
 def test_broken_copy_is_caught(mnist_slice, variant, sampling, method):
-    claimed, result, _ = _audit(broken.BROKEN_VARIANTS[variant], 2.0, sampling, mnist_slice,
-                                method=method)
+    claimed, result, _ = _audit(
+        broken.BROKEN_VARIANTS[variant], 2.0, sampling, mnist_slice, method=method
+    )
     assert result.epsilon_lower_bound > claimed, (variant, result)
 
 
@@ -183,13 +215,15 @@ def test_half_noise_is_caught(mnist_slice):
     # (each coin moves only its own run, so the one-run bound still holds).
     claims, scores, coins = [], [], []
     for seed in (11, 12):
-        c, s_, k = _audit(broken.HalfNoiseDPModel, 2.0, "full_batch", mnist_slice, seed=seed,
-                          m=5000, raw=True)
+        c, s_, k = _audit(
+            broken.HalfNoiseDPModel, 2.0, "full_batch", mnist_slice, seed=seed, m=5000, raw=True
+        )
         claims.append(c)
         scores.append(s_)
         coins.append(k)
-    result = epsilon_lower_bound_from_scores(np.concatenate(scores), np.concatenate(coins),
-                                             delta=DELTA, method="gdp")
+    result = epsilon_lower_bound_from_scores(
+        np.concatenate(scores), np.concatenate(coins), delta=DELTA, method="gdp"
+    )
     assert result.canaries == 10000
     assert result.epsilon_lower_bound > max(claims), result
 
@@ -204,25 +238,37 @@ def _federated_audit(aggregator_cls, eps, mnist_slice, seed=0):
 
     x, y, *_ = mnist_slice
     keras.utils.set_random_seed(seed)
-    partition = ClientPartition.from_lists([list(range(i * 10, (i + 1) * 10))
-                                            for i in range(30)])
+    partition = ClientPartition.from_lists([list(range(i * 10, (i + 1) * 10)) for i in range(30)])
     canaries = DiracCanaries(1000, input_dim=784, num_classes=10, value=10.0, seed=seed)
     xa, ya, pa = canaries.federated_data(x, y, partition)
     assert pa.num_clients == 30 + canaries.coins().sum()
-    model = keras.Sequential([keras.Input((canaries.total_dim,)),
-                              keras.layers.Dense(10, kernel_initializer="zeros")])
+    model = keras.Sequential(
+        [keras.Input((canaries.total_dim,)), keras.layers.Dense(10, kernel_initializer="zeros")]
+    )
     trainer = LocalTrainer(model, xa, ya, local_epochs=1, batch_size=10, learning_rate=0.1)
     sigma = calibrate_noise_multiplier(
-        eps, DELTA, lambda s: dp_sgd_event(s, STEPS, "poisson", sampling_rate=1.0), "pld")[0]
-    server = FederatedServer(trainer, pa, aggregator_cls(GaussianSanitizer(0.1, sigma, seed=7)),
-                             sampling=ClientSampling("poisson", fraction=1.0), test_data=None,
-                             delta_max=DELTA, accountant="pld", seed=seed, noise_seed=7,
-                             progress=False)
+        eps, DELTA, lambda s: dp_sgd_event(s, STEPS, "poisson", sampling_rate=1.0), "pld"
+    )[0]
+    server = FederatedServer(
+        trainer,
+        pa,
+        aggregator_cls(GaussianSanitizer(0.1, sigma, seed=7)),
+        sampling=ClientSampling("poisson", fraction=1.0),
+        test_data=None,
+        delta_max=DELTA,
+        accountant="pld",
+        seed=seed,
+        noise_seed=7,
+        progress=False,
+    )
     observer = canaries.observer(trainer.model, loss=trainer.loss)
     observe_rounds(server, STEPS, observer)
     assert observer.lots_observed == server.rounds_done == STEPS
-    return server.epsilon(), canaries.audit(observer, delta=DELTA), \
-        canaries.audit(observer, delta=DELTA, method="gdp")
+    return (
+        server.epsilon(),
+        canaries.audit(observer, delta=DELTA),
+        canaries.audit(observer, delta=DELTA, method="gdp"),
+    )
 
 
 def test_global_dp_stays_within_its_claim(mnist_slice):
@@ -249,14 +295,15 @@ def test_the_gdp_test_is_refused_on_sampled_lots(mnist_slice):
     for sampling in ("poisson", "full_batch"):
         canaries = DiracCanaries(20, input_dim=784, num_classes=10, value=10.0, seed=5)
         x_train, y_train = canaries.training_data(x[:200], y[:200])
-        dp, observer = _train(DPModel, canaries, x_train, y_train, sigma=1.0,
-                              sampling=sampling, seed=5)
+        dp, observer = _train(
+            DPModel, canaries, x_train, y_train, sigma=1.0, sampling=sampling, seed=5
+        )
         if sampling == "poisson":
             with pytest.raises(ValueError, match="method='eps_dp'"):
                 canaries.audit(observer, delta=DELTA, method="gdp")
         else:
             canaries.audit(observer, delta=DELTA, method="gdp")
-        canaries.audit(observer, delta=DELTA)          # the eps-DP test applies to both
+        canaries.audit(observer, delta=DELTA)  # the eps-DP test applies to both
 
 
 def test_the_gdp_test_is_refused_for_black_box_canaries_on_sampled_lots(mnist_slice):
@@ -269,8 +316,15 @@ def test_the_gdp_test_is_refused_for_black_box_canaries_on_sampled_lots(mnist_sl
         bb = MislabelledCanaries(canaries.pad(xb[:40]), yb[:40], num_classes=10, seed=6)
         x_train, y_train = canaries.training_data(x[:200], y[:200])
         xi, yi = bb.included()
-        dp, _ = _train(DPModel, canaries, np.concatenate([x_train, xi]),
-                       np.concatenate([y_train, yi]), sigma=1.0, sampling=sampling, seed=6)
+        dp, _ = _train(
+            DPModel,
+            canaries,
+            np.concatenate([x_train, xi]),
+            np.concatenate([y_train, yi]),
+            sigma=1.0,
+            sampling=sampling,
+            seed=6,
+        )
         with pytest.raises(ValueError, match="needs mechanism="):
             bb.audit(dp.model, delta=DELTA, method="gdp")
         if sampling == "poisson":
@@ -281,7 +335,7 @@ def test_the_gdp_test_is_refused_for_black_box_canaries_on_sampled_lots(mnist_sl
         else:
             bb.audit(dp, delta=DELTA, method="gdp")
             bb.audit(dp.model, delta=DELTA, method="gdp", mechanism=dp.privacy_ledger)
-        bb.audit(dp.model, delta=DELTA)                # the eps-DP test applies to both
+        bb.audit(dp.model, delta=DELTA)  # the eps-DP test applies to both
 
 
 def test_the_gdp_test_is_refused_for_the_federated_observer_on_sampled_clients(mnist_slice):
@@ -296,19 +350,27 @@ def test_the_gdp_test_is_refused_for_the_federated_observer_on_sampled_clients(m
     from dpfl_tf.sanitizer import GaussianSanitizer
 
     x, y, *_ = mnist_slice
-    partition = ClientPartition.from_lists([list(range(i * 10, (i + 1) * 10))
-                                            for i in range(10)])
+    partition = ClientPartition.from_lists([list(range(i * 10, (i + 1) * 10)) for i in range(10)])
     for fraction in (0.5, 1.0):
         keras.utils.set_random_seed(7)
         canaries = DiracCanaries(10, input_dim=784, num_classes=10, value=10.0, seed=7)
         xa, ya, pa = canaries.federated_data(x[:100], y[:100], partition)
-        model = keras.Sequential([keras.Input((canaries.total_dim,)),
-                                  keras.layers.Dense(10, kernel_initializer="zeros")])
+        model = keras.Sequential(
+            [keras.Input((canaries.total_dim,)), keras.layers.Dense(10, kernel_initializer="zeros")]
+        )
         trainer = LocalTrainer(model, xa, ya, local_epochs=1, batch_size=10, learning_rate=0.1)
         server = FederatedServer(
-            trainer, pa, GlobalDPAggregator(GaussianSanitizer(0.1, 1.0, seed=7)),
-            sampling=ClientSampling("poisson", fraction=fraction), test_data=None,
-            delta_max=DELTA, accountant="rdp", seed=7, noise_seed=7, progress=False)
+            trainer,
+            pa,
+            GlobalDPAggregator(GaussianSanitizer(0.1, 1.0, seed=7)),
+            sampling=ClientSampling("poisson", fraction=fraction),
+            test_data=None,
+            delta_max=DELTA,
+            accountant="rdp",
+            seed=7,
+            noise_seed=7,
+            progress=False,
+        )
         observer = canaries.observer(trainer.model, loss=trainer.loss)
         observe_rounds(server, 2, observer)
         if fraction < 1:

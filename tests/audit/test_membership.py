@@ -8,9 +8,16 @@ import keras
 import numpy as np
 import pytest
 
-from dpfl_tf.audit import (AttackFeatures, clopper_pearson, epsilon_lower_bound,
-                           epsilon_lower_bound_from_counts, evaluate_scores,
-                           features_from_outputs, run_membership_attacks, split_attack_data)
+from dpfl_tf.audit import (
+    AttackFeatures,
+    clopper_pearson,
+    epsilon_lower_bound,
+    epsilon_lower_bound_from_counts,
+    evaluate_scores,
+    features_from_outputs,
+    run_membership_attacks,
+    split_attack_data,
+)
 from tests.keras.helpers import mnist_slice, mnist_test_slice
 
 ATTACKS = ("loss_threshold", "logistic_regression", "mlp")
@@ -22,10 +29,12 @@ def overfit():
     Adam); 600 other training images of MNIST are the non-members."""
     x, y = mnist_slice(1200)
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
-                              keras.layers.Dense(10)])
-    model.compile(keras.optimizers.Adam(1e-3),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = keras.Sequential(
+        [keras.Input((784,)), keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)]
+    )
+    model.compile(
+        keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     model.fit(x[:600], y[:600], batch_size=60, epochs=30, verbose=0)
     return model, (x[:600], y[:600]), (x[600:], y[600:])
 
@@ -44,7 +53,8 @@ def test_attacks_find_the_members_of_an_overfit_model(overfit):
         c = r.counts
         assert c["tp"] + c["fn"] == 300 and c["fp"] + c["tn"] == 300
         assert r.epsilon_lower_bound_ci == pytest.approx(
-            epsilon_lower_bound_from_counts(c["tp"], c["fn"], c["fp"], c["tn"], 1e-5, 0.95))
+            epsilon_lower_bound_from_counts(c["tp"], c["fn"], c["fp"], c["tn"], 1e-5, 0.95)
+        )
         assert set(r.tpr_at_fpr) == {1e-3, 1e-2}
         d = r.to_dict(roc_points=50)
         assert d["auc"] == r.auc and len(d["roc"]["fpr"]) <= 52
@@ -83,21 +93,23 @@ def test_lower_bound_worked_examples():
     # TPR <= delta gives nothing through the first ratio
     assert epsilon_lower_bound(1e-6, 0.0, 1e-5) == 0.0
     # arrays: the maximum over the thresholds
-    assert epsilon_lower_bound([0.3, 0.5, 0.9], [0.3, 0.1, 0.5], 0.0) == \
-        pytest.approx(math.log(5.0))
+    assert epsilon_lower_bound([0.3, 0.5, 0.9], [0.3, 0.1, 0.5], 0.0) == pytest.approx(
+        math.log(5.0)
+    )
 
 
 def test_clopper_pearson_worked_examples():
     # 0 successes in 10: upper bound solves (1 - p)^10 = alpha; 10 of 10: p^10 = alpha
     lo, hi = clopper_pearson(0, 10, 0.05)
-    assert lo == 0.0 and hi == pytest.approx(1 - 0.05 ** 0.1)
+    assert lo == 0.0 and hi == pytest.approx(1 - 0.05**0.1)
     lo, hi = clopper_pearson(10, 10, 0.05)
-    assert lo == pytest.approx(0.05 ** 0.1) and hi == 1.0
+    assert lo == pytest.approx(0.05**0.1) and hi == 1.0
     # 10 of 10 members caught, 0 of 10 non-members flagged, 90 % joint confidence
     # (5 % per rate): TPR_lo = 0.05^0.1, FPR_hi = 1 - 0.05^0.1, both ratios equal
-    a = 0.05 ** 0.1
-    assert epsilon_lower_bound_from_counts(10, 0, 0, 10, 0.0, confidence=0.9) == \
-        pytest.approx(math.log(a / (1 - a)))  # = 1.0519
+    a = 0.05**0.1
+    assert epsilon_lower_bound_from_counts(10, 0, 0, 10, 0.0, confidence=0.9) == pytest.approx(
+        math.log(a / (1 - a))
+    )  # = 1.0519
     assert math.log(a / (1 - a)) == pytest.approx(1.0519, abs=1e-4)
     # a perfect attack on few examples proves little; on many it proves a lot
     assert epsilon_lower_bound_from_counts(1000, 0, 0, 1000, 1e-5) > 5.0

@@ -7,9 +7,13 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from dpfl_tf.audit.one_run import (epsilon_lower_bound_from_scores, guesses_from_scores,
-                                   ideal_gaussian_lower_bound, one_run_epsilon_lower_bound,
-                                   one_run_p_value)
+from dpfl_tf.audit.one_run import (
+    epsilon_lower_bound_from_scores,
+    guesses_from_scores,
+    ideal_gaussian_lower_bound,
+    one_run_epsilon_lower_bound,
+    one_run_p_value,
+)
 
 
 def _brute_p_value(eps, delta, m, r, v):
@@ -17,15 +21,22 @@ def _brute_p_value(eps, delta, m, r, v):
     q = Fraction(math.exp(eps)) / (1 + Fraction(math.exp(eps)))
 
     def f(u):  # P[Bin(r, q) >= u]
-        return sum(math.comb(r, j) * q ** j * (1 - q) ** (r - j) for j in range(max(u, 0), r + 1))
+        return sum(math.comb(r, j) * q**j * (1 - q) ** (r - j) for j in range(max(u, 0), r + 1))
 
     worst = max((f(v - i) - f(v)) / i for i in range(1, v + 1))
     return min(1.0, float(f(v) + 2 * m * Fraction(delta) * worst))
 
 
-@pytest.mark.parametrize("eps,delta,m,r,v", [(0.5, 0.0, 30, 20, 15), (1.0, 1e-3, 30, 20, 18),
-                                             (2.0, 1e-2, 40, 30, 29), (0.0, 0.0, 10, 10, 7),
-                                             (3.0, 1e-5, 50, 12, 12)])
+@pytest.mark.parametrize(
+    "eps,delta,m,r,v",
+    [
+        (0.5, 0.0, 30, 20, 15),
+        (1.0, 1e-3, 30, 20, 18),
+        (2.0, 1e-2, 40, 30, 29),
+        (0.0, 0.0, 10, 10, 7),
+        (3.0, 1e-5, 50, 12, 12),
+    ],
+)
 def test_p_value_matches_brute_force(eps, delta, m, r, v):
     got = one_run_p_value(eps, delta, canaries=m, guesses=r, correct=v)
     assert got == pytest.approx(_brute_p_value(eps, delta, m, r, v), rel=1e-9, abs=1e-15)
@@ -58,10 +69,13 @@ def test_random_guessing_gives_about_zero_and_is_valid():
     lbs = []
     for _ in range(200):
         coins = rng.random(500) < 0.5
-        lbs.append(epsilon_lower_bound_from_scores(rng.normal(size=500), coins,
-                                                   delta=0.0).epsilon_lower_bound)
+        lbs.append(
+            epsilon_lower_bound_from_scores(
+                rng.normal(size=500), coins, delta=0.0
+            ).epsilon_lower_bound
+        )
     lbs = np.array(lbs)
-    assert np.mean(lbs > 0) <= 0.09      # 200 draws of a 5 % event: 18 is > 3 sd out
+    assert np.mean(lbs > 0) <= 0.09  # 200 draws of a 5 % event: 18 is > 3 sd out
     assert np.median(lbs) == 0.0 and lbs.max() < 0.5
 
 
@@ -76,9 +90,8 @@ def test_bound_is_valid_for_randomized_response():
     for _ in range(100):
         coins = rng.random(m) < 0.5
         report = np.where(rng.random(m) < keep, coins, ~coins)
-        scores = report + 1e-3 * rng.random(m)       # ties broken at random
-        lbs.append(epsilon_lower_bound_from_scores(scores, coins,
-                                                   delta=0.0).epsilon_lower_bound)
+        scores = report + 1e-3 * rng.random(m)  # ties broken at random
+        lbs.append(epsilon_lower_bound_from_scores(scores, coins, delta=0.0).epsilon_lower_bound)
     lbs = np.array(lbs)
     assert np.mean(lbs > eps) <= 0.1
     assert np.median(lbs) > 0.5
@@ -97,11 +110,14 @@ def test_guesses_from_scores():
         guesses_from_scores(np.zeros(3), 2, 2)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(correct=5, guesses=4, canaries=10), "correct must be <= guesses"),
-    (dict(correct=1, guesses=11, canaries=10), "guesses must be <= canaries"),
-    (dict(correct=-1, guesses=4, canaries=10), "correct must be a whole number >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(correct=5, guesses=4, canaries=10), "correct must be <= guesses"),
+        (dict(correct=1, guesses=11, canaries=10), "guesses must be <= canaries"),
+        (dict(correct=-1, guesses=4, canaries=10), "correct must be a whole number >= 0"),
+    ],
+)
 def test_count_errors_name_the_argument(kwargs, message):
     with pytest.raises(ValueError, match=message):
         one_run_epsilon_lower_bound(delta=0.0, **kwargs)
@@ -121,8 +137,13 @@ def test_score_errors():
 # -- the f-DP (Gaussian) refinement ------------------------------------------------------
 from statistics import NormalDist  # noqa: E402
 
-from dpfl_tf.audit.one_run import (GDP_GUESS_FRACTIONS, gdp_epsilon, gdp_mu,  # noqa: E402
-                                   gdp_one_run_rejects, one_run_gdp_mu_lower_bound)
+from dpfl_tf.audit.one_run import (  # noqa: E402
+    GDP_GUESS_FRACTIONS,
+    gdp_epsilon,
+    gdp_mu,
+    gdp_one_run_rejects,
+    one_run_gdp_mu_lower_bound,
+)
 
 
 @pytest.mark.parametrize("eps", [0.5, 1.0, 2.0, 4.0, 8.0, 16.0])
@@ -161,8 +182,9 @@ def _scalar_rejects(mu, m, k, v, alpha):
     return r + h > k / m
 
 
-@pytest.mark.parametrize("m,k,v", [(1000, 50, 50), (1000, 100, 80), (5000, 250, 240),
-                                   (200, 200, 120), (100, 10, 3)])
+@pytest.mark.parametrize(
+    "m,k,v", [(1000, 50, 50), (1000, 100, 80), (5000, 250, 240), (200, 200, 120), (100, 10, 3)]
+)
 def test_gdp_recursion_matches_scalar_reference(m, k, v):
     grid = np.arange(0.0, 4.0, 0.05)
     got = gdp_one_run_rejects(grid, canaries=m, guesses=k, correct=v, alpha=0.05)
@@ -175,8 +197,7 @@ def test_gdp_rejection_basics():
     assert not gdp_one_run_rejects(0.0, canaries=100, guesses=10, correct=0, alpha=0.05)
     lb = one_run_gdp_mu_lower_bound(100, 100, 1000, confidence=0.95)
     assert 0.5 < lb < _MU_CAP
-    assert not gdp_one_run_rejects(lb + 0.5, canaries=1000, guesses=100, correct=100,
-                                   alpha=0.05)
+    assert not gdp_one_run_rejects(lb + 0.5, canaries=1000, guesses=100, correct=100, alpha=0.05)
     assert one_run_gdp_mu_lower_bound(60, 100, 1000) < lb
     assert one_run_gdp_mu_lower_bound(50, 100, 1000) == 0.0
 
@@ -190,8 +211,9 @@ def _rr_scores(rng, coins, eps):
     return report + 1e-3 * rng.random(len(coins))
 
 
-@pytest.mark.parametrize("kind,param", [("gaussian", 0.5), ("gaussian", 1.666),
-                                        ("randomized_response", 1.0)])
+@pytest.mark.parametrize(
+    "kind,param", [("gaussian", 0.5), ("gaussian", 1.666), ("randomized_response", 1.0)]
+)
 def test_gdp_bound_is_valid_by_simulation(kind, param):
     # A mechanism that is exactly mu-GDP per canary: Gaussian scores N(mu S, 1),
     # and eps-DP randomized response, which is mu-GDP for mu = 2 Phi^-1(e^eps/(1+e^eps))
@@ -199,19 +221,23 @@ def test_gdp_bound_is_valid_by_simulation(kind, param):
     # the true mu in at most ~5 % of runs (200 runs: at most 18 is < 3 sd out).
     rng = np.random.default_rng(7)
     m = 2000
-    mu = param if kind == "gaussian" else 2 * NormalDist().inv_cdf(
-        math.exp(param) / (1 + math.exp(param)))
+    mu = (
+        param
+        if kind == "gaussian"
+        else 2 * NormalDist().inv_cdf(math.exp(param) / (1 + math.exp(param)))
+    )
     above = 0
     lbs = []
     for _ in range(200):
         coins = rng.random(m) < 0.5
-        scores = (rng.normal(mu * coins, 1.0) if kind == "gaussian"
-                  else _rr_scores(rng, coins, param))
+        scores = (
+            rng.normal(mu * coins, 1.0) if kind == "gaussian" else _rr_scores(rng, coins, param)
+        )
         res = epsilon_lower_bound_from_scores(scores, coins, delta=1e-5, method="gdp")
         lbs.append(res.mu_lower_bound)
         above += res.mu_lower_bound > mu
     assert above <= 18, (above, np.max(lbs))
-    if kind == "gaussian":                 # and it is not trivially small
+    if kind == "gaussian":  # and it is not trivially small
         assert np.median(lbs) > 0.3 * mu
 
 
@@ -221,8 +247,7 @@ def test_gdp_bound_is_close_with_many_canaries():
     mu = gdp_mu(8.0, 1e-5)
     gdp, epsdp = [], []
     for seed in range(4):
-        gdp.append(ideal_gaussian_lower_bound(mu, 10000, delta=1e-5, seed=seed,
-                                              method="gdp"))
+        gdp.append(ideal_gaussian_lower_bound(mu, 10000, delta=1e-5, seed=seed, method="gdp"))
         epsdp.append(ideal_gaussian_lower_bound(mu, 10000, delta=1e-5, seed=seed))
     assert 4.0 < np.median(gdp) < 8.0
     assert np.median(gdp) > np.median(epsdp) + 0.5
@@ -234,8 +259,10 @@ def test_gdp_errors():
     with pytest.raises(ValueError, match="delta must be > 0, got 0"):
         epsilon_lower_bound_from_scores([1.0, 2.0], [True, False], delta=0.0, method="gdp")
     with pytest.raises(ValueError, match="sides must be 'in'"):
-        epsilon_lower_bound_from_scores([1.0, 2.0], [True, False], delta=1e-5, method="gdp",
-                                        sides="both")
-    res = epsilon_lower_bound_from_scores(np.arange(100.0), np.arange(100) % 2 == 0,
-                                          delta=1e-5, method="gdp")
+        epsilon_lower_bound_from_scores(
+            [1.0, 2.0], [True, False], delta=1e-5, method="gdp", sides="both"
+        )
+    res = epsilon_lower_bound_from_scores(
+        np.arange(100.0), np.arange(100) % 2 == 0, delta=1e-5, method="gdp"
+    )
     assert res.tests == len(GDP_GUESS_FRACTIONS) and res.guesses == 5 and res.method == "gdp"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dpfl_tf.federated.runner import FederatedConfig, build_server, run_federated
-from dpfl_tf.keras import DPModel, DPSGD, LotSampler
+from dpfl_tf.keras import DPSGD, DPModel, LotSampler
 from dpfl_tf.recipes.common import privacy_summary
 from dpfl_tf.sanitizer import make_generator
 from tests.keras.helpers import loss, mlp, mnist_slice
@@ -24,8 +24,9 @@ def test_generators_use_os_entropy_unless_seeded():
 def _dp_sgd_weights(noise_seed):
     x, y = mnist_slice(200, features=60)
     model = DPModel(mlp(hidden=8, seed=0))  # same initial weights every time
-    model.compile(optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.0, seed=noise_seed),
-                  loss=loss())
+    model.compile(
+        optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.0, seed=noise_seed), loss=loss()
+    )
     model.fit(x, y, lot_size=100, epochs=1, verbose=0, sampling_seed=0)  # same lots
     return np.concatenate([v.numpy().ravel() for v in model.model.trainable_variables])
 
@@ -39,13 +40,24 @@ def test_two_unseeded_dp_sgd_runs_differ_and_seeded_runs_repeat():
 @pytest.fixture(scope="module")
 def tiny_mnist():
     from dpfl_tf.data import load_dataset
+
     return load_dataset("mnist")
 
 
 def _config(**kw):
-    return FederatedConfig(clients=10, train_subset=300, clients_per_round=4,
-                           sampling="fixed_size", rounds=1, hidden=(8,), dp="global",
-                           noise_multiplier=1.0, delta_max=1e-3, accountant="rdp", **kw)
+    return FederatedConfig(
+        clients=10,
+        train_subset=300,
+        clients_per_round=4,
+        sampling="fixed_size",
+        rounds=1,
+        hidden=(8,),
+        dp="global",
+        noise_multiplier=1.0,
+        delta_max=1e-3,
+        accountant="rdp",
+        **kw,
+    )
 
 
 def _one_round(dataset, **kw):
@@ -57,8 +69,9 @@ def _one_round(dataset, **kw):
 def test_federated_noise_is_os_entropy_unless_noise_seed(tiny_mnist):
     # same clients, same local training (seed=0): only the server's noise differs
     assert not np.allclose(_one_round(tiny_mnist), _one_round(tiny_mnist))
-    np.testing.assert_array_equal(_one_round(tiny_mnist, noise_seed=5),
-                                  _one_round(tiny_mnist, noise_seed=5))
+    np.testing.assert_array_equal(
+        _one_round(tiny_mnist, noise_seed=5), _one_round(tiny_mnist, noise_seed=5)
+    )
 
 
 def test_seeded_runs_say_not_for_deployment(tiny_mnist, capsys):
@@ -85,8 +98,11 @@ def test_federated_cli_cannot_seed_the_noise():
     add_federated_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["federated", "--dp", "global", "--seed", "3"])
     assert config_from_args(args).noise_seed is None
-    assert not any("noise-seed" in a.option_strings[0] for a in parser._subparsers
-                   ._group_actions[0].choices["federated"]._actions if a.option_strings)
+    assert not any(
+        "noise-seed" in a.option_strings[0]
+        for a in parser._subparsers._group_actions[0].choices["federated"]._actions
+        if a.option_strings
+    )
 
 
 def test_a_seeded_dp_optimizer_warns_that_it_is_not_for_deployment():
@@ -97,5 +113,5 @@ def test_a_seeded_dp_optimizer_warns_that_it_is_not_for_deployment():
     with pytest.warns(UserWarning, match="seed=7: .* NOT for deployment"):
         DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=7)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")      # no warning without a seed
+        warnings.simplefilter("error")  # no warning without a seed
         DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0)

@@ -14,7 +14,7 @@ import dp_accounting
 import pytest
 
 from dpfl_tf.privacy import PrivacyLedger, compute_epsilon, dp_sgd_event
-from tests.audit._resume_child import EPOCHS, LOT, N, NOISE, federated_config
+from tests.audit._resume_child import EPOCHS, LOT, NOISE, N, federated_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOTS_PER_EPOCH = N // LOT
@@ -22,9 +22,14 @@ LOTS_PER_EPOCH = N // LOT
 
 def _start(kind, directory, *extra):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT}
-    return subprocess.Popen([sys.executable, "-m", "tests.audit._resume_child", kind,
-                             str(directory), *extra], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.audit._resume_child", kind, str(directory), *extra],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _finish(proc, timeout=240):
@@ -38,8 +43,9 @@ def _wait_for(condition, proc, timeout=180.0):
         if condition():
             return
         if proc.poll() is not None:
-            raise AssertionError("child ended before it could be killed: "
-                                 + proc.stderr.read()[-3000:])
+            raise AssertionError(
+                "child ended before it could be killed: " + proc.stderr.read()[-3000:]
+            )
         time.sleep(0.02)
     proc.kill()
     raise AssertionError("timed out waiting for the child")
@@ -128,9 +134,11 @@ def test_federated_run_killed_during_a_round_resumes_with_an_exact_ledger(tmp_pa
     # sampled Gaussian with the configured noise multiplier per round
     q = config.clients_per_round / config.clients
     round_event = dp_accounting.PoissonSampledDpEvent(
-        q, dp_accounting.GaussianDpEvent(config.noise_multiplier))
-    expected = compute_epsilon(dp_accounting.SelfComposedDpEvent(round_event, config.rounds),
-                               config.delta_max)
+        q, dp_accounting.GaussianDpEvent(config.noise_multiplier)
+    )
+    expected = compute_epsilon(
+        dp_accounting.SelfComposedDpEvent(round_event, config.rounds), config.delta_max
+    )
     assert report["epsilon"] == pytest.approx(expected, rel=1e-9)
 
 
@@ -140,14 +148,15 @@ def test_checkpoint_restores_weights_counter_ledger_and_optimizer_state(tmp_path
     learning-rate schedule and momentum on resume)."""
     import numpy as np
 
-    from dpfl_tf.keras import DPModel, DPSGD
+    from dpfl_tf.keras import DPSGD, DPModel
     from dpfl_tf.keras.checkpoint import DPCheckpoint
     from tests.keras.helpers import loss, mlp, mnist_slice
 
     x, y = mnist_slice(300, features=60)
     model = DPModel(mlp(hidden=8))
-    model.compile(optimizer=DPSGD(0.1, momentum=0.9, l2_norm_clip=1.0, noise_multiplier=1.0),
-                  loss=loss())
+    model.compile(
+        optimizer=DPSGD(0.1, momentum=0.9, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss()
+    )
     model.fit(x, y, lot_size=30, epochs=2, verbose=0, callbacks=[DPCheckpoint(tmp_path)])
     state = DPCheckpoint.latest(tmp_path)
     assert state["epoch"] == 2 and state["lots_applied"] == state["ledger_count"] == 20
@@ -156,6 +165,7 @@ def test_checkpoint_restores_weights_counter_ledger_and_optimizer_state(tmp_path
     assert initial_epoch == 2 and restored.lots_applied == 20
     assert restored.privacy_ledger == model.privacy_ledger
     assert int(restored.optimizer.iterations.numpy()) == 20
+
     def momenta(m):  # in the order of the model's trainable variables
         return [v.numpy() for v in m.optimizer.variables if v.path.endswith("_momentum")]
 

@@ -44,10 +44,12 @@ def isolate(monkeypatch, tmp_path: Path, *, system: bool = False) -> dict[str, P
 
 def mnist_arrays(n_train: int = 12, n_test: int = 7, seed: int = 0):
     rng = np.random.default_rng(seed)
-    return (rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
-            rng.integers(0, 10, n_train, dtype=np.uint8),
-            rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
-            rng.integers(0, 10, n_test, dtype=np.uint8))
+    return (
+        rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
+        rng.integers(0, 10, n_train, dtype=np.uint8),
+        rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
+        rng.integers(0, 10, n_test, dtype=np.uint8),
+    )
 
 
 def write_npz(path: Path, arrays) -> Path:
@@ -59,18 +61,29 @@ def write_npz(path: Path, arrays) -> Path:
 
 def idx_bytes(array: np.ndarray) -> bytes:
     """The IDX encoding of `array`, written independently of the reader."""
-    codes = {np.dtype("u1"): 0x08, np.dtype("i1"): 0x09, np.dtype("i2"): 0x0B,
-             np.dtype("i4"): 0x0C, np.dtype("f4"): 0x0D, np.dtype("f8"): 0x0E}
+    codes = {
+        np.dtype("u1"): 0x08,
+        np.dtype("i1"): 0x09,
+        np.dtype("i2"): 0x0B,
+        np.dtype("i4"): 0x0C,
+        np.dtype("f4"): 0x0D,
+        np.dtype("f8"): 0x0E,
+    }
     code = codes[array.dtype.newbyteorder("=")]
     header = bytes([0, 0, code, array.ndim]) + b"".join(
-        int(d).to_bytes(4, "big") for d in array.shape)
+        int(d).to_bytes(4, "big") for d in array.shape
+    )
     return header + array.astype(array.dtype.newbyteorder(">")).tobytes()
 
 
 def write_idx_set(directory: Path, arrays, gz: bool = True) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    names = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-             "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+    names = [
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ]
     for name, array in zip(names, arrays):
         data = idx_bytes(array)
         if gz:
@@ -88,7 +101,7 @@ def cifar_rows(images_nhwc: np.ndarray) -> np.ndarray:
     n = len(images_nhwc)
     rows = np.empty((n, 3072), dtype=np.uint8)
     for ch in range(3):
-        rows[:, ch * 1024:(ch + 1) * 1024] = images_nhwc[..., ch].reshape(n, 1024)
+        rows[:, ch * 1024 : (ch + 1) * 1024] = images_nhwc[..., ch].reshape(n, 1024)
     return rows
 
 
@@ -116,7 +129,7 @@ class _Py2Pickler(pickle._Pickler):
     def save_global(self, obj, name=None):
         module = obj.__module__
         if module.startswith("numpy._core"):
-            module = "numpy.core" + module[len("numpy._core"):]
+            module = "numpy.core" + module[len("numpy._core") :]
         self.write(pickle.GLOBAL + f"{module}\n{name or obj.__qualname__}\n".encode())
         self.memoize(obj)
 
@@ -128,8 +141,15 @@ def cifar_pickle(obj: dict) -> bytes:
     return buffer.getvalue()
 
 
-def write_cifar10(directory: Path, n_per_batch: int = 4, *, tarball: bool = False,
-                  seed: int = 0, meta: bool = True, skip: tuple[str, ...] = ()):
+def write_cifar10(
+    directory: Path,
+    n_per_batch: int = 4,
+    *,
+    tarball: bool = False,
+    seed: int = 0,
+    meta: bool = True,
+    skip: tuple[str, ...] = (),
+):
     """Canonical cifar-10-batches-py/ (or cifar-10-python.tar.gz) in `directory`.
 
     Returns (x_train, y_train, x_test, y_test) in NHWC as written."""
@@ -141,22 +161,49 @@ def write_cifar10(directory: Path, n_per_batch: int = 4, *, tarball: bool = Fals
         y = [int(v) for v in rng.integers(0, 10, n_per_batch)]
         xs.append(x)
         ys.append(np.array(y))
-        batches[name] = cifar_pickle({
-            b"batch_label": f"{name} of 5".encode(), b"labels": y, b"data": cifar_rows(x),
-            b"filenames": [f"img_{i}.png".encode() for i in range(n_per_batch)]})
+        batches[name] = cifar_pickle(
+            {
+                b"batch_label": f"{name} of 5".encode(),
+                b"labels": y,
+                b"data": cifar_rows(x),
+                b"filenames": [f"img_{i}.png".encode() for i in range(n_per_batch)],
+            }
+        )
     if meta:
-        batches["batches.meta"] = cifar_pickle({
-            b"num_cases_per_batch": n_per_batch, b"num_vis": 3072,
-            b"label_names": [c.encode() for c in ("airplane", "automobile", "bird", "cat",
-                                                  "deer", "dog", "frog", "horse", "ship",
-                                                  "truck")]})
-    _write_members(directory, "cifar-10-batches-py", "cifar-10-python.tar.gz",
-                   {k: v for k, v in batches.items() if k not in skip}, tarball)
+        batches["batches.meta"] = cifar_pickle(
+            {
+                b"num_cases_per_batch": n_per_batch,
+                b"num_vis": 3072,
+                b"label_names": [
+                    c.encode()
+                    for c in (
+                        "airplane",
+                        "automobile",
+                        "bird",
+                        "cat",
+                        "deer",
+                        "dog",
+                        "frog",
+                        "horse",
+                        "ship",
+                        "truck",
+                    )
+                ],
+            }
+        )
+    _write_members(
+        directory,
+        "cifar-10-batches-py",
+        "cifar-10-python.tar.gz",
+        {k: v for k, v in batches.items() if k not in skip},
+        tarball,
+    )
     return np.concatenate(xs[:5]), np.concatenate(ys[:5]), xs[5], ys[5]
 
 
-def write_cifar100(directory: Path, n_train: int = 10, n_test: int = 6, *,
-                   tarball: bool = False, seed: int = 0):
+def write_cifar100(
+    directory: Path, n_train: int = 10, n_test: int = 6, *, tarball: bool = False, seed: int = 0
+):
     rng = np.random.default_rng(seed)
     out, members = {}, {}
     for name, n in (("train", n_train), ("test", n_test)):
@@ -164,9 +211,15 @@ def write_cifar100(directory: Path, n_train: int = 10, n_test: int = 6, *,
         fine = [int(v) for v in rng.integers(0, 100, n)]
         coarse = [int(v) for v in rng.integers(0, 20, n)]
         out[name] = (x, np.array(fine), np.array(coarse))
-        members[name] = cifar_pickle({
-            b"filenames": [b"a.png"] * n, b"batch_label": name.encode(),
-            b"fine_labels": fine, b"coarse_labels": coarse, b"data": cifar_rows(x)})
+        members[name] = cifar_pickle(
+            {
+                b"filenames": [b"a.png"] * n,
+                b"batch_label": name.encode(),
+                b"fine_labels": fine,
+                b"coarse_labels": coarse,
+                b"data": cifar_rows(x),
+            }
+        )
     _write_members(directory, "cifar-100-python", "cifar-100-python.tar.gz", members, tarball)
     return out
 

@@ -7,24 +7,45 @@ import pickle
 import numpy as np
 import pytest
 
-from dpfl_tf.data import (ArraySource, DatasetFormatError, DatasetNotFoundError,
-                          ImageFolderSource, load_dataset)
-from dpfl_tf.data.cifar import (CIFAR10_CLASSES, CIFAR100_COARSE_CLASSES,
-                                CIFAR100_FINE_CLASSES, JPEG_COPY_LABEL, cifar10,
-                                cifar10_sources, cifar100, read_cifar_pickle)
-from tests.data import (CIFAR10_JPEG_ARCHIVE, cifar_pickle, cifar_rows, isolate, make_tar,
-                        real_cifar10_jpeg_slice, write_cifar10, write_cifar100)
+from dpfl_tf.data import (
+    ArraySource,
+    DatasetFormatError,
+    DatasetNotFoundError,
+    ImageFolderSource,
+    load_dataset,
+)
+from dpfl_tf.data.cifar import (
+    CIFAR10_CLASSES,
+    CIFAR100_COARSE_CLASSES,
+    CIFAR100_FINE_CLASSES,
+    JPEG_COPY_LABEL,
+    cifar10,
+    cifar10_sources,
+    cifar100,
+    read_cifar_pickle,
+)
+from tests.data import (
+    CIFAR10_JPEG_ARCHIVE,
+    cifar_pickle,
+    cifar_rows,
+    isolate,
+    make_tar,
+    real_cifar10_jpeg_slice,
+    write_cifar10,
+    write_cifar100,
+)
 
 
 def test_canonical_row_layout_is_rgb_planes_row_major():
     """Independent of the writer helper: place single bytes in the 3072-vector."""
     data = np.zeros((1, 3072), dtype=np.uint8)
-    data[0, 0] = 11                       # R at (row 0, col 0)
-    data[0, 1024 + 31] = 22               # G at (row 0, col 31)
-    data[0, 2048 + 32 * 1 + 2] = 33       # B at (row 1, col 2)
-    data[0, 32 * 31 + 30] = 44            # R at (row 31, col 30)
+    data[0, 0] = 11  # R at (row 0, col 0)
+    data[0, 1024 + 31] = 22  # G at (row 0, col 31)
+    data[0, 2048 + 32 * 1 + 2] = 33  # B at (row 1, col 2)
+    data[0, 32 * 31 + 30] = 44  # R at (row 31, col 30)
     raw = pickle.dumps({b"data": data, b"labels": [3]}, protocol=2)
     from dpfl_tf.data.cifar import _images_and_labels
+
     x, y = _images_and_labels(read_cifar_pickle(raw), "labels", 10, "t")
     assert x.shape == (1, 32, 32, 3) and x.dtype == np.uint8 and x.flags.c_contiguous
     assert x[0, 0, 0, 0] == 11 and x[0, 0, 31, 1] == 22 and x[0, 1, 2, 2] == 33
@@ -63,8 +84,11 @@ def test_cifar10_keras3_cache_layout_and_missing_meta(monkeypatch, tmp_path):
 def test_cifar10_archive_missing_a_batch(monkeypatch, tmp_path):
     places = isolate(monkeypatch, tmp_path)
     write_cifar10(places["data_dir"], tarball=True, skip=("data_batch_3",))
-    with pytest.raises(DatasetFormatError, match=r"cifar-10-python.tar.gz: missing "
-                                                 r"\['data_batch_3'\]"):
+    with pytest.raises(
+        DatasetFormatError,
+        match=r"cifar-10-python.tar.gz: missing "
+        r"\['data_batch_3'\]",
+    ):
         cifar10(places["data_dir"])
 
 
@@ -114,8 +138,9 @@ def test_cifar100_meta_names(monkeypatch, tmp_path):
     places = isolate(monkeypatch, tmp_path)
     write_cifar100(places["data_dir"])
     names = [f"c{i}".encode() for i in range(20)]
-    (places["data_dir"] / "cifar-100-python" / "meta").write_bytes(cifar_pickle(
-        {b"fine_label_names": [b"x"] * 100, b"coarse_label_names": names}))
+    (places["data_dir"] / "cifar-100-python" / "meta").write_bytes(
+        cifar_pickle({b"fine_label_names": [b"x"] * 100, b"coarse_label_names": names})
+    )
     assert cifar100(places["data_dir"], label_mode="coarse").class_names[3] == "c3"
 
 
@@ -128,8 +153,9 @@ def test_cifar100_not_found_message(monkeypatch, tmp_path):
 
 # ------------------------------------------------------------- JPEG copy fallback
 
-needs_jpeg_copy = pytest.mark.skipif(not CIFAR10_JPEG_ARCHIVE.is_file(),
-                                     reason=f"no offline JPEG copy at {CIFAR10_JPEG_ARCHIVE}")
+needs_jpeg_copy = pytest.mark.skipif(
+    not CIFAR10_JPEG_ARCHIVE.is_file(), reason=f"no offline JPEG copy at {CIFAR10_JPEG_ARCHIVE}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -194,8 +220,7 @@ def test_cifar10_sources_read_the_records_of_cifar10(monkeypatch, tmp_path, jpeg
 
 
 @needs_jpeg_copy
-def test_cifar10_sources_of_the_canonical_copy_are_arrays(monkeypatch, tmp_path,
-                                                          jpeg_copy_slice):
+def test_cifar10_sources_of_the_canonical_copy_are_arrays(monkeypatch, tmp_path, jpeg_copy_slice):
     places = isolate(monkeypatch, tmp_path)
     monkeypatch.setenv("DPFL_DATA_DIR", str(jpeg_copy_slice.parent))
     x_train, y_train, x_test, y_test = write_cifar10(places["system"], tarball=True)

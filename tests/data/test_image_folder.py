@@ -15,12 +15,19 @@ import dpfl_tf.data.image_folder as imf
 from dpfl_tf.data import DatasetFormatError, load_dataset
 from dpfl_tf.data.cifar import CIFAR10_CLASSES
 from dpfl_tf.data.image_folder import ImageFolderSource, image_folder, read_image_folder
-from tests.data import (CIFAR10_JPEG_ARCHIVE, make_tar, real_cifar10_jpeg_slice,
-                        touch_later)
+from tests.data import CIFAR10_JPEG_ARCHIVE, make_tar, real_cifar10_jpeg_slice, touch_later
 
 
-def make_tree(root, *, classes=("cat", "ant", "bee"), per_class=(3, 2), size=(6, 5),
-              ext=".png", mode="RGB", seed=0):
+def make_tree(
+    root,
+    *,
+    classes=("cat", "ant", "bee"),
+    per_class=(3, 2),
+    size=(6, 5),
+    ext=".png",
+    mode="RGB",
+    seed=0,
+):
     """root/{train,test}/<class>/<i>.<ext>; returns {split: [(array, class), ...]} in
     the loader's order (class name sorted, then file name)."""
     rng = np.random.default_rng(seed)
@@ -55,8 +62,9 @@ def test_png_tree_exact_pixels_sorted_classes(tmp_path):
 
 def test_explicit_class_list_sets_label_order(tmp_path):
     make_tree(tmp_path / "tree")
-    folder = read_image_folder(tmp_path / "tree", class_names=["cat", "bee", "ant", "dog"],
-                               use_cache=False)
+    folder = read_image_folder(
+        tmp_path / "tree", class_names=["cat", "bee", "ant", "dog"], use_cache=False
+    )
     assert folder.class_names == ("cat", "bee", "ant", "dog")
     assert folder.splits["test"][1].tolist() == [0, 0, 1, 1, 2, 2]
     with pytest.raises(DatasetFormatError, match=r"class folders \['bee'\] are not in"):
@@ -68,13 +76,15 @@ def test_jpeg_grayscale_resize_and_mixed_sizes(tmp_path):
     Image.new("L", (12, 10), 128).save(tmp_path / "a" / "test" / "cat" / "big.jpeg")
     with pytest.raises(DatasetFormatError, match=r"big.jpeg: image is 10x12x3.*image_size"):
         read_image_folder(tmp_path / "a", use_cache=False)
-    folder = read_image_folder(tmp_path / "a", image_size=(4, 7), color_mode="grayscale",
-                               use_cache=False, num_workers=2)
+    folder = read_image_folder(
+        tmp_path / "a", image_size=(4, 7), color_mode="grayscale", use_cache=False, num_workers=2
+    )
     x, y = folder.splits["test"]
     assert x.shape == (7, 4, 7, 1) and y.tolist() == [0, 0, 1, 1, 2, 2, 2]
     assert abs(int(x[-1].mean()) - 128) <= 2  # the grey 'big.jpeg' (sorted last)
-    assert read_image_folder(tmp_path / "a", image_size=3, use_cache=False).splits[
-        "train"][0].shape == (9, 3, 3, 3)
+    assert read_image_folder(tmp_path / "a", image_size=3, use_cache=False).splits["train"][
+        0
+    ].shape == (9, 3, 3, 3)
 
 
 def test_many_images_across_thread_chunks(tmp_path):
@@ -86,8 +96,9 @@ def test_many_images_across_thread_chunks(tmp_path):
         for i in range(n):
             Image.new("L", (2, 2), i % 251).save(root / split / "only" / f"{i:04d}.png")
             values.append(i % 251)
-    x = read_image_folder(root, use_cache=False, num_workers=2, color_mode="grayscale"
-                          ).splits["train"][0]
+    x = read_image_folder(root, use_cache=False, num_workers=2, color_mode="grayscale").splits[
+        "train"
+    ][0]
     assert x[:, 0, 0, 0].tolist() == values[:600]
 
 
@@ -114,14 +125,14 @@ def test_bad_inputs_name_the_problem(tmp_path):
         load_dataset("image_folder")
 
 
-@pytest.mark.parametrize("suffix, top", [(".tar", None), (".tar.gz", "inner"),
-                                         (".tar.xz", None)])
+@pytest.mark.parametrize("suffix, top", [(".tar", None), (".tar.gz", "inner"), (".tar.xz", None)])
 def test_archives_are_extracted_once_into_the_cache(tmp_path, suffix, top):
     written = make_tree(tmp_path / "tree")
     archive = make_tar(tmp_path / "tree", tmp_path / f"pics{suffix}", top=top)
     cache = tmp_path / "cache"
-    ds = load_dataset("image_folder", data_dir=archive, cache_dir=cache, use_cache=False,
-                      label="pictures")
+    ds = load_dataset(
+        "image_folder", data_dir=archive, cache_dir=cache, use_cache=False, label="pictures"
+    )
     np.testing.assert_array_equal(ds.x_test[0], written["test"][0][0])
     assert ds.source.label == "pictures" and ds.source.path == str(archive)
     extracted = os.listdir(cache / "extracted")
@@ -198,8 +209,9 @@ def test_damaged_cache_is_rebuilt_with_a_warning(tmp_path):
         assert read_image_folder(tmp_path / "tree", cache_dir=tmp_path / "c").from_cache
 
 
-@pytest.mark.skipif(not CIFAR10_JPEG_ARCHIVE.is_file(),
-                    reason=f"no offline JPEG copy at {CIFAR10_JPEG_ARCHIVE}")
+@pytest.mark.skipif(
+    not CIFAR10_JPEG_ARCHIVE.is_file(), reason=f"no offline JPEG copy at {CIFAR10_JPEG_ARCHIVE}"
+)
 def test_real_slice_of_the_cifar10_jpeg_copy(tmp_path):
     # only the test split, 20 files per class: the archive is streamed, not extracted
     root = real_cifar10_jpeg_slice(tmp_path / "slice", n_test=20)
@@ -239,8 +251,9 @@ def test_source_records_equal_the_in_memory_loader(cifar_slice, tmp_path):
     cache = tmp_path / "cache"
     folder = read_image_folder(archive, class_names=CIFAR10_CLASSES, use_cache=False)
     for split in ("train", "test"):
-        source = ImageFolderSource(archive, split, class_names=CIFAR10_CLASSES,
-                                   cache_dir=cache, num_workers=2)
+        source = ImageFolderSource(
+            archive, split, class_names=CIFAR10_CLASSES, cache_dir=cache, num_workers=2
+        )
         x, y = folder.splits[split]
         assert len(source) == len(y) == 100 and source.class_names == CIFAR10_CLASSES
         assert source.image_shape == (32, 32, 3) and source.num_classes == 10
@@ -258,16 +271,19 @@ def test_source_records_equal_the_in_memory_loader(cifar_slice, tmp_path):
     # the archive was extracted once into the cache and is reused
     extracted = os.listdir(cache / "extracted")
     assert len(extracted) == 1 and extracted[0].startswith("slice-")
-    assert ImageFolderSource(archive, "test", cache_dir=cache).path(0).startswith(
-        str(cache / "extracted" / extracted[0]))
+    assert (
+        ImageFolderSource(archive, "test", cache_dir=cache)
+        .path(0)
+        .startswith(str(cache / "extracted" / extracted[0]))
+    )
     assert os.listdir(cache / "extracted") == extracted
     # a directory, default class names (sorted folders == the CIFAR-10 order here)
     source = ImageFolderSource(root, "test")
     assert source.class_names == folder.class_names
-    np.testing.assert_array_equal(source.__getitems__(np.arange(100))[0],
-                                  folder.splits["test"][0])
-    assert source.path(23) == str(root / "test" / "bird" /
-                                  sorted(os.listdir(root / "test" / "bird"))[3])
+    np.testing.assert_array_equal(source.__getitems__(np.arange(100))[0], folder.splits["test"][0])
+    assert source.path(23) == str(
+        root / "test" / "bird" / sorted(os.listdir(root / "test" / "bird"))[3]
+    )
 
 
 def test_getitems_equals_stacked_getitem(cifar_slice):
@@ -278,7 +294,7 @@ def test_getitems_equals_stacked_getitem(cifar_slice):
     assert xb.shape == (70, 32, 32, 3) and yb.shape == (70,)
     np.testing.assert_array_equal(xb, np.stack([source[int(i)][0] for i in order]))
     np.testing.assert_array_equal(yb, [source[int(i)][1] for i in order])
-    np.testing.assert_array_equal(xb[0], source[99][0])          # -1: the last record
+    np.testing.assert_array_equal(xb[0], source[99][0])  # -1: the last record
     empty_x, empty_y = source.__getitems__([])
     assert empty_x.shape == (0, 32, 32, 3) and empty_y.shape == (0,)
     with pytest.raises(IndexError, match="index 100 is out of range for a source of 100"):
@@ -290,12 +306,13 @@ def test_getitems_equals_stacked_getitem(cifar_slice):
     # a view: records and labels of the parent, nothing decoded until read
     view = source.subset([17, 3, 3, 88])
     assert len(view) == 4 and view.labels.tolist() == source.labels[[17, 3, 3, 88]].tolist()
-    np.testing.assert_array_equal(view.to_arrays()[0],
-                                  np.stack([source[i][0] for i in (17, 3, 3, 88)]))
+    np.testing.assert_array_equal(
+        view.to_arrays()[0], np.stack([source[i][0] for i in (17, 3, 3, 88)])
+    )
     np.testing.assert_array_equal(view[1][0], source[3][0])
     assert view.path(0) == source.path(17)
     with pytest.raises(ValueError):
-        source.labels[0] = 5      # read-only
+        source.labels[0] = 5  # read-only
     # picklable (the thread pool is not carried over)
     again = pickle.loads(pickle.dumps(source))
     np.testing.assert_array_equal(again.__getitems__(order)[0], xb)
@@ -303,11 +320,21 @@ def test_getitems_equals_stacked_getitem(cifar_slice):
 
 def test_source_options_match_the_loader(tmp_path):
     make_tree(tmp_path / "a", ext=".jpg", size=(8, 8), per_class=(40, 2))
-    folder = read_image_folder(tmp_path / "a", image_size=(4, 7), color_mode="grayscale",
-                               class_names=["bee", "cat", "ant", "wasp"], use_cache=False)
-    source = ImageFolderSource(tmp_path / "a", "train", image_size=(4, 7),
-                               color_mode="grayscale", class_names=["bee", "cat", "ant", "wasp"],
-                               num_workers=2)
+    folder = read_image_folder(
+        tmp_path / "a",
+        image_size=(4, 7),
+        color_mode="grayscale",
+        class_names=["bee", "cat", "ant", "wasp"],
+        use_cache=False,
+    )
+    source = ImageFolderSource(
+        tmp_path / "a",
+        "train",
+        image_size=(4, 7),
+        color_mode="grayscale",
+        class_names=["bee", "cat", "ant", "wasp"],
+        num_workers=2,
+    )
     x, y = folder.splits["train"]
     assert source.image_shape == (4, 7, 1) and source.num_classes == 4
     got = source.__getitems__(np.arange(len(source)))
@@ -331,23 +358,31 @@ def test_source_options_match_the_loader(tmp_path):
 def test_a_corrupt_or_odd_image_is_named_with_its_index(tmp_path):
     make_tree(tmp_path / "t", ext=".jpg", size=(8, 8), per_class=(30, 1))
     source = ImageFolderSource(tmp_path / "t", "train", num_workers=2)
-    bad = tmp_path / "t" / "train" / "bee" / "007.jpg"    # record 30 + 7 (ant, bee, cat)
+    bad = tmp_path / "t" / "train" / "bee" / "007.jpg"  # record 30 + 7 (ant, bee, cat)
     bad.write_bytes(b"\xff\xd8\xff not a jpeg")
-    with pytest.raises(DatasetFormatError,
-                       match=rf"record 37 of split 'train': {re.escape(str(bad))}: "
-                             r"cannot decode image \(UnidentifiedImageError"):
+    with pytest.raises(
+        DatasetFormatError,
+        match=rf"record 37 of split 'train': {re.escape(str(bad))}: "
+        r"cannot decode image \(UnidentifiedImageError",
+    ):
         source[37]
     with pytest.raises(DatasetFormatError, match=r"record 37 .*bee/007.jpg: cannot decode"):
-        source.__getitems__(np.arange(90))   # in a decoding thread
+        source.__getitems__(np.arange(90))  # in a decoding thread
     np.testing.assert_array_equal(source.__getitems__([36, 38])[1], [1, 1])  # others read
-    Image.new("RGB", (9, 8)).save(bad, "JPEG")          # decodable, another size
-    with pytest.raises(DatasetFormatError, match=r"record 37 .*007.jpg: image is 8x9x3 but "
-                                                 r"record 0 .*ant/000.jpg\) is 8x8x3; pass "
-                                                 r"image_size"):
+    Image.new("RGB", (9, 8)).save(bad, "JPEG")  # decodable, another size
+    with pytest.raises(
+        DatasetFormatError,
+        match=r"record 37 .*007.jpg: image is 8x9x3 but "
+        r"record 0 .*ant/000.jpg\) is 8x8x3; pass "
+        r"image_size",
+    ):
         source.__getitems__([0, 37])
-    bad.unlink()                                          # gone after the listing
-    with pytest.raises(DatasetFormatError, match=r"record 37 .*007.jpg: cannot decode image "
-                                                 r"\(FileNotFoundError"):
+    bad.unlink()  # gone after the listing
+    with pytest.raises(
+        DatasetFormatError,
+        match=r"record 37 .*007.jpg: cannot decode image "
+        r"\(FileNotFoundError",
+    ):
         source[37]
     view = source.subset([37])
     with pytest.raises(DatasetFormatError, match=r"record 0 of split 'train': .*bee/007.jpg"):
@@ -358,18 +393,27 @@ def test_dp_model_trains_on_a_source_and_counts_its_lots(cifar_slice):
     import keras
     import tensorflow as tf
 
-    from dpfl_tf.keras import DPModel, DPSGD
+    from dpfl_tf.keras import DPSGD, DPModel
     from dpfl_tf.keras.sources import SourceError
 
     source = ImageFolderSource(cifar_slice[0], "train", num_workers=2)
-    net = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Flatten(),
-                            keras.layers.Dense(10)])
+    net = keras.Sequential(
+        [keras.Input((32, 32, 3)), keras.layers.Flatten(), keras.layers.Dense(10)]
+    )
     model = DPModel(net)
-    model.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     before = [w.copy() for w in net.get_weights()]
-    model.fit(source, lot_size=20, epochs=2, verbose=0, sampling_seed=0,
-              preprocess=lambda x: tf.cast(x, tf.float32) / 255.0)
+    model.fit(
+        source,
+        lot_size=20,
+        epochs=2,
+        verbose=0,
+        sampling_seed=0,
+        preprocess=lambda x: tf.cast(x, tf.float32) / 255.0,
+    )
     assert model.lots_computed == model.lots_applied == 2 * (100 // 20)
     ledger = model.privacy_ledger
     assert sum(e["count"] for e in ledger.entries) == 10
@@ -377,15 +421,23 @@ def test_dp_model_trains_on_a_source_and_counts_its_lots(cifar_slice):
     assert not np.array_equal(before[0], net.get_weights()[0])
     # a corrupt image met during training: the error names the file; nothing is counted
     cats = cifar_slice[0] / "train" / "cat"
-    bad = cats / sorted(os.listdir(cats))[0]                  # record 30
+    bad = cats / sorted(os.listdir(cats))[0]  # record 30
     broken = ImageFolderSource(cifar_slice[0], "train")
     original = bad.read_bytes()
     try:
         bad.write_bytes(b"garbage")
-        with pytest.raises(SourceError, match=rf"record 30 of split 'train': .*{bad.name}: "
-                                              r"cannot decode image"):
-            model.fit(broken, lot_size=100, epochs=1, verbose=0,
-                      preprocess=lambda x: tf.cast(x, tf.float32) / 255.0)
+        with pytest.raises(
+            SourceError,
+            match=rf"record 30 of split 'train': .*{bad.name}: "
+            r"cannot decode image",
+        ):
+            model.fit(
+                broken,
+                lot_size=100,
+                epochs=1,
+                verbose=0,
+                preprocess=lambda x: tf.cast(x, tf.float32) / 255.0,
+            )
     finally:
         bad.write_bytes(original)
     assert model.lots_computed == 10

@@ -10,8 +10,14 @@ import time
 import numpy as np
 import pytest
 
-from dpfl_tf.data import (DataSource, Dataset, DatasetNotFoundError, available_datasets,
-                          load_dataset, register_dataset)
+from dpfl_tf.data import (
+    Dataset,
+    DatasetNotFoundError,
+    DataSource,
+    available_datasets,
+    load_dataset,
+    register_dataset,
+)
 from dpfl_tf.data import locate as loc
 from dpfl_tf.data.mnist import mnist
 from tests.data import isolate, mnist_arrays, write_idx_set, write_npz
@@ -52,8 +58,9 @@ def test_search_order_explicit_then_env_then_keras_then_system(monkeypatch, tmp_
 def test_env_var_may_list_several_directories_and_empty_is_unset(monkeypatch, tmp_path):
     isolate(monkeypatch, tmp_path)
     second = write_npz(tmp_path / "second" / "mnist.npz", mnist_arrays(seed=7))
-    monkeypatch.setenv("DPFL_DATA_DIR", os.pathsep.join([str(tmp_path / "nothing"),
-                                                         str(second.parent)]))
+    monkeypatch.setenv(
+        "DPFL_DATA_DIR", os.pathsep.join([str(tmp_path / "nothing"), str(second.parent)])
+    )
     assert loc.locate("mnist").paths == (str(second),)
     monkeypatch.setenv("DPFL_DATA_DIR", "  ")
     assert all(p.origin != "DPFL_DATA_DIR" for p in loc.search_places("mnist"))
@@ -94,8 +101,11 @@ def test_search_places_full_paths_in_order_without_duplicates(monkeypatch, tmp_p
     paths = [p.path for p in got]
     assert len(paths) == len(set(paths))
     assert all(os.path.isabs(p) for p in paths)
-    assert paths[:3] == [str(places["data_dir"]), str(places["data_dir"] / "fashion-mnist"),
-                         str(places["data_dir"] / "fashion_mnist")]
+    assert paths[:3] == [
+        str(places["data_dir"]),
+        str(places["data_dir"] / "fashion-mnist"),
+        str(places["data_dir"] / "fashion_mnist"),
+    ]
     assert paths.index(str(places["keras"])) < paths.index(str(places["system"]))
     assert str(places["system"] / "fashion-mnist") in paths
 
@@ -137,8 +147,9 @@ def test_download_switch(monkeypatch):
 
 
 def _spec(url):
-    return loc.DatasetFiles("toy", "Toy", (loc.FileSet("npz", (("toy.npz",),), urls=(url,),
-                                                       download_subdir="toy"),))
+    return loc.DatasetFiles(
+        "toy", "Toy", (loc.FileSet("npz", (("toy.npz",),), urls=(url,), download_subdir="toy"),)
+    )
 
 
 def test_download_failure_is_caught_and_fast(monkeypatch, tmp_path):
@@ -201,8 +212,9 @@ def test_download_through_keras_get_file_lands_in_the_keras_cache(monkeypatch, t
 def test_unknown_names():
     with pytest.raises(ValueError, match="cifar10"):
         loc.locate("imagenet")
-    with pytest.raises(ValueError, match="known datasets: cifar10, cifar100, fashion_mnist, "
-                                         "image_folder, mnist"):
+    with pytest.raises(
+        ValueError, match="known datasets: cifar10, cifar100, fashion_mnist, image_folder, mnist"
+    ):
         load_dataset("imagenet")
     with pytest.raises(ValueError, match="file_sets"):
         loc.locate("mnist", file_sets=["zip"])
@@ -210,13 +222,21 @@ def test_unknown_names():
 
 def test_registry_takes_more_datasets_and_dataset_checks_itself(monkeypatch):
     import dpfl_tf.data as data
+
     monkeypatch.setattr(data, "_REGISTRY", dict(data._REGISTRY))
     x = np.zeros((3, 2, 2), np.uint8)
 
     def toy(data_dir=None, scale=1):
-        return Dataset(x, np.array([0, 1, 1]), x[:1], np.array([1]), num_classes=2,
-                       class_names=("no", "yes"), name="toy",
-                       source=DataSource("Toy", str(data_dir), "generated"))
+        return Dataset(
+            x,
+            np.array([0, 1, 1]),
+            x[:1],
+            np.array([1]),
+            num_classes=2,
+            class_names=("no", "yes"),
+            name="toy",
+            source=DataSource("Toy", str(data_dir), "generated"),
+        )
 
     register_dataset("Toy-Set", toy)
     assert "toy_set" in available_datasets()
@@ -228,11 +248,28 @@ def test_registry_takes_more_datasets_and_dataset_checks_itself(monkeypatch):
     with pytest.raises(ValueError, match="loader must be"):
         register_dataset("other", "not-a-path")
     with pytest.raises(ValueError, match=r"y_train must lie in \[0, 2\)"):
-        Dataset(x, np.array([0, 1, 2]), x, np.array([0, 1, 1]), 2, ("a", "b"), "t",
-                DataSource("T", "/", "g"))
+        Dataset(
+            x,
+            np.array([0, 1, 2]),
+            x,
+            np.array([0, 1, 1]),
+            2,
+            ("a", "b"),
+            "t",
+            DataSource("T", "/", "g"),
+        )
     with pytest.raises(ValueError, match="x_test has 3 examples but y_test has 1"):
-        Dataset(x, np.array([0, 1, 1]), x, np.array([0]), 2, ("a", "b"), "t",
-                DataSource("T", "/", "g"))
+        Dataset(
+            x, np.array([0, 1, 1]), x, np.array([0]), 2, ("a", "b"), "t", DataSource("T", "/", "g")
+        )
     with pytest.raises(ValueError, match="class_names must have num_classes=3"):
-        Dataset(x, np.array([0, 1, 1]), x, np.array([0, 1, 1]), 3, ("a", "b"), "t",
-                DataSource("T", "/", "g"))
+        Dataset(
+            x,
+            np.array([0, 1, 1]),
+            x,
+            np.array([0, 1, 1]),
+            3,
+            ("a", "b"),
+            "t",
+            DataSource("T", "/", "g"),
+        )

@@ -8,18 +8,28 @@ import pytest
 
 from dpfl_tf.data import DatasetFormatError, load_dataset
 from dpfl_tf.data.mnist import FASHION_MNIST_CLASSES, fashion_mnist, mnist, read_idx
-from tests.data import (FASHION_SYSTEM_DIR, SHARED_DATA, idx_bytes, isolate, mnist_arrays,
-                        write_idx_set, write_npz)
+from tests.data import (
+    FASHION_SYSTEM_DIR,
+    SHARED_DATA,
+    idx_bytes,
+    isolate,
+    mnist_arrays,
+    write_idx_set,
+    write_npz,
+)
 
 
-@pytest.mark.parametrize("array", [
-    np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4),
-    np.array([-128, -1, 0, 127], dtype=np.int8),
-    np.array([[-30000, 2], [3, 30000]], dtype=np.int16),
-    np.array([-2**31, 0, 2**31 - 1], dtype=np.int32),
-    np.array([[1.5, -2.25, 1e30]], dtype=np.float32),
-    np.array([np.pi, -np.e], dtype=np.float64),
-])
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4),
+        np.array([-128, -1, 0, 127], dtype=np.int8),
+        np.array([[-30000, 2], [3, 30000]], dtype=np.int16),
+        np.array([-(2**31), 0, 2**31 - 1], dtype=np.int32),
+        np.array([[1.5, -2.25, 1e30]], dtype=np.float32),
+        np.array([np.pi, -np.e], dtype=np.float64),
+    ],
+)
 @pytest.mark.parametrize("gz", [False, True])
 def test_read_idx_types_shapes_and_gzip(tmp_path, array, gz):
     data = idx_bytes(array)
@@ -39,16 +49,19 @@ def test_read_idx_known_bytes(tmp_path):
     np.testing.assert_array_equal(read_idx(path), [7, 2, 1])
 
 
-@pytest.mark.parametrize("raw, match", [
-    (b"\x00\x00", "only 2 bytes"),
-    (bytes.fromhex("01000801 00000001 00"), "magic number"),
-    (bytes.fromhex("00000a01 00000001 00"), "unknown IDX type code 0x0a"),
-    (bytes.fromhex("00000800"), "0 dimensions"),
-    (bytes.fromhex("00000803 0000000a 0000"), "truncated IDX header"),
-    (bytes.fromhex("00000802 00000002 00000003 0102"), r"truncated IDX file: shape \(2, 3\)"),
-    (bytes.fromhex("00000c01 00000002 00000001"), "needs 8 data bytes, found 4"),
-    (bytes.fromhex("00000801 00000001 0102"), "1 bytes beyond"),
-])
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        (b"\x00\x00", "only 2 bytes"),
+        (bytes.fromhex("01000801 00000001 00"), "magic number"),
+        (bytes.fromhex("00000a01 00000001 00"), "unknown IDX type code 0x0a"),
+        (bytes.fromhex("00000800"), "0 dimensions"),
+        (bytes.fromhex("00000803 0000000a 0000"), "truncated IDX header"),
+        (bytes.fromhex("00000802 00000002 00000003 0102"), r"truncated IDX file: shape \(2, 3\)"),
+        (bytes.fromhex("00000c01 00000002 00000001"), "needs 8 data bytes, found 4"),
+        (bytes.fromhex("00000801 00000001 0102"), "1 bytes beyond"),
+    ],
+)
 def test_read_idx_rejects_corrupt_files_naming_them(tmp_path, raw, match):
     path = tmp_path / "bad-idx1-ubyte"
     path.write_bytes(raw)
@@ -107,12 +120,10 @@ def test_mnist_npz_layout_and_errors(monkeypatch, tmp_path):
     np.savez(bad, x_train=arrays[0], y_train=arrays[1], x_test=arrays[2])
     with pytest.raises(DatasetFormatError, match="missing arrays.*y_test"):
         mnist(places["env"])
-    np.savez(bad, x_train=arrays[0][:, :27], y_train=arrays[1], x_test=arrays[2],
-             y_test=arrays[3])
+    np.savez(bad, x_train=arrays[0][:, :27], y_train=arrays[1], x_test=arrays[2], y_test=arrays[3])
     with pytest.raises(DatasetFormatError, match=r"uint8 \(N, 28, 28\)"):
         mnist(places["env"])
-    np.savez(bad, x_train=arrays[0], y_train=arrays[1][:-1], x_test=arrays[2],
-             y_test=arrays[3])
+    np.savez(bad, x_train=arrays[0], y_train=arrays[1][:-1], x_test=arrays[2], y_test=arrays[3])
     with pytest.raises(DatasetFormatError, match="12 train images but 11 labels"):
         mnist(places["env"])
     bad.write_bytes(b"not a zip file")
@@ -129,8 +140,10 @@ def test_fashion_mnist_npz_in_the_keras_cache(monkeypatch, tmp_path):
     assert ds.class_names == FASHION_MNIST_CLASSES and ds.source.label == "Fashion-MNIST"
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "mnist.npz").is_file(),
-                    reason=f"real MNIST not available: no {SHARED_DATA / 'mnist.npz'}")
+@pytest.mark.skipif(
+    not (SHARED_DATA / "mnist.npz").is_file(),
+    reason=f"real MNIST not available: no {SHARED_DATA / 'mnist.npz'}",
+)
 def test_real_mnist_from_shared_data_dir(monkeypatch, tmp_path):
     isolate(monkeypatch, tmp_path)
     monkeypatch.setenv("DPFL_DATA_DIR", str(SHARED_DATA))
@@ -139,17 +152,38 @@ def test_real_mnist_from_shared_data_dir(monkeypatch, tmp_path):
     assert ds.x_train.shape == (60000, 28, 28) and ds.x_test.shape == (10000, 28, 28)
     assert ds.x_train.dtype == np.uint8 and ds.y_train.dtype == np.uint8
     # published class counts of the official MNIST files, official order
-    assert np.bincount(ds.y_train).tolist() == [5923, 6742, 5958, 6131, 5842, 5421, 5918,
-                                                6265, 5851, 5949]
-    assert np.bincount(ds.y_test).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028,
-                                               974, 1009]
+    assert np.bincount(ds.y_train).tolist() == [
+        5923,
+        6742,
+        5958,
+        6131,
+        5842,
+        5421,
+        5918,
+        6265,
+        5851,
+        5949,
+    ]
+    assert np.bincount(ds.y_test).tolist() == [
+        980,
+        1135,
+        1032,
+        1010,
+        982,
+        892,
+        958,
+        1028,
+        974,
+        1009,
+    ]
     assert ds.y_train[:5].tolist() == [5, 0, 4, 1, 9] and ds.y_test[:3].tolist() == [7, 2, 1]
     assert ds.x_train.max() == 255 and ds.x_train.min() == 0
 
 
-@pytest.mark.skipif(not (FASHION_SYSTEM_DIR / "train-images-idx3-ubyte.gz").is_file(),
-                    reason="Fashion-MNIST not installed: apt-get install -y "
-                           "dataset-fashion-mnist")
+@pytest.mark.skipif(
+    not (FASHION_SYSTEM_DIR / "train-images-idx3-ubyte.gz").is_file(),
+    reason="Fashion-MNIST not installed: apt-get install -y dataset-fashion-mnist",
+)
 def test_real_fashion_mnist_from_debian_package(monkeypatch, tmp_path):
     isolate(monkeypatch, tmp_path, system=True)
     ds = load_dataset("fashion-mnist")

@@ -9,6 +9,7 @@ import pytest
 @pytest.fixture(scope="session")
 def mnist():
     from dpfl_tf.data import load_dataset
+
     return load_dataset("mnist")
 
 
@@ -18,10 +19,16 @@ def mnist_small(mnist):
     rng = np.random.default_rng(0)
     tr = np.sort(rng.permutation(len(mnist.y_train))[:3000])
     te = np.sort(rng.permutation(len(mnist.y_test))[:1000])
-    return dataclasses.replace(mnist, x_train=mnist.x_train[tr], y_train=mnist.y_train[tr],
-                               x_test=mnist.x_test[te], y_test=mnist.y_test[te])
+    return dataclasses.replace(
+        mnist,
+        x_train=mnist.x_train[tr],
+        y_train=mnist.y_train[tr],
+        x_test=mnist.x_test[te],
+        y_test=mnist.y_test[te],
+    )
 
 
 def tiny_model(hidden=16, seed=0, input_shape=(28, 28), use_bias=True):
     from dpfl_tf.federated.runner import fully_connected_model
+
     return fully_connected_model(input_shape, (hidden,), 10, use_bias=use_bias, seed=seed)

@@ -6,15 +6,25 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dpfl_tf.federated.aggregators import (ClientNoiseDPAggregator, GlobalDPAggregator,
-                                           MeanAggregator, MedianAggregator, update_norms)
+from dpfl_tf.federated.aggregators import (
+    ClientNoiseDPAggregator,
+    GlobalDPAggregator,
+    MeanAggregator,
+    MedianAggregator,
+    update_norms,
+)
 from dpfl_tf.sanitizer import GaussianSanitizer
 
 
 def _updates(n=5, seed=0, scale=3.0):
     rng = np.random.default_rng(seed)
-    return [[tf.constant(rng.normal(size=(4, 3)) * scale, tf.float32),
-             tf.constant(rng.normal(size=(3,)) * scale, tf.float32)] for _ in range(n)]
+    return [
+        [
+            tf.constant(rng.normal(size=(4, 3)) * scale, tf.float32),
+            tf.constant(rng.normal(size=(3,)) * scale, tf.float32),
+        ]
+        for _ in range(n)
+    ]
 
 
 def _template():
@@ -30,21 +40,24 @@ def test_mean_is_the_hand_computed_weighted_average():
         np.testing.assert_allclose(res.update[j].numpy(), want, rtol=1e-5, atol=1e-6)
     assert res.num_clients == 3
     plain = MeanAggregator(weighted=False).aggregate(zip(ups, weights), _template())
-    np.testing.assert_allclose(plain.update[0].numpy(),
-                               np.mean([u[0].numpy() for u in ups], axis=0), rtol=1e-5)
+    np.testing.assert_allclose(
+        plain.update[0].numpy(), np.mean([u[0].numpy() for u in ups], axis=0), rtol=1e-5
+    )
 
 
 def test_median_is_coordinatewise_and_robust_to_an_outlier():
     ups = _updates(5)
     res = MedianAggregator().aggregate(((u, 1.0) for u in ups), _template())
-    np.testing.assert_allclose(res.update[0].numpy(),
-                               np.median(np.stack([u[0].numpy() for u in ups]), axis=0))
+    np.testing.assert_allclose(
+        res.update[0].numpy(), np.median(np.stack([u[0].numpy() for u in ups]), axis=0)
+    )
     bad = ups[:4] + [[tf.fill((4, 3), 1e6), tf.fill((3,), 1e6)]]
     robust = MedianAggregator().aggregate(((u, 1.0) for u in bad), _template())
     assert np.abs(robust.update[0].numpy()).max() < 20
     even = MedianAggregator().aggregate(((u, 1.0) for u in ups[:4]), _template())
-    np.testing.assert_allclose(even.update[1].numpy(),
-                               np.median(np.stack([u[1].numpy() for u in ups[:4]]), axis=0))
+    np.testing.assert_allclose(
+        even.update[1].numpy(), np.median(np.stack([u[1].numpy() for u in ups[:4]]), axis=0)
+    )
     empty = MedianAggregator().aggregate(iter(()), _template())
     assert empty.num_clients == 0 and float(tf.reduce_sum(empty.update[0])) == 0.0
 
@@ -52,14 +65,14 @@ def test_median_is_coordinatewise_and_robust_to_an_outlier():
 def test_global_dp_clips_every_client_to_S_flat_and_per_layer():
     ups = _updates(6, scale=5.0)
     s = GaussianSanitizer(1.0, 0.0)  # no noise: the aggregate is the mean of clipped updates
-    res = GlobalDPAggregator(s).aggregate(((u, 1.0) for u in ups), _template(),
-                                          expected_clients=6)
+    res = GlobalDPAggregator(s).aggregate(((u, 1.0) for u in ups), _template(), expected_clients=6)
     clipped = [s.clip(u) for u in ups]
     for c in clipped:
         assert np.linalg.norm(np.concatenate([t.numpy().ravel() for t in c])) <= 1.0 + 1e-5
     for j in range(2):
-        np.testing.assert_allclose(res.update[j].numpy(),
-                                   sum(c[j].numpy() for c in clipped) / 6, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            res.update[j].numpy(), sum(c[j].numpy() for c in clipped) / 6, rtol=1e-5, atol=1e-6
+        )
     # what the round reports is what the mechanism released: the bound, no statistic of
     # the raw norms (a fraction clipped would be an un-noised release outside the ledger)
     assert res.info == {"clip": 1.0}
@@ -80,9 +93,11 @@ def test_global_dp_clips_every_client_to_S_flat_and_per_layer():
 def test_small_updates_are_not_changed_by_clipping():
     ups = _updates(2, scale=0.01)
     res = GlobalDPAggregator(GaussianSanitizer(10.0, 0.0)).aggregate(
-        ((u, 1.0) for u in ups), _template(), expected_clients=2)
-    np.testing.assert_allclose(res.update[0].numpy(), (ups[0][0] + ups[1][0]).numpy() / 2,
-                               rtol=1e-5)
+        ((u, 1.0) for u in ups), _template(), expected_clients=2
+    )
+    np.testing.assert_allclose(
+        res.update[0].numpy(), (ups[0][0] + ups[1][0]).numpy() / 2, rtol=1e-5
+    )
     assert "fraction_clipped" not in res.info
 
 
@@ -95,8 +110,11 @@ def test_client_side_clip_bound_holds_per_upload():
 
 def test_median_clip_is_refused_and_names_adaptive_clipping():
     """The median of the raw update norms is not private: refused, with its successor."""
-    with pytest.raises(ValueError, match=r"clip='median'.*not differentially private.*"
-                                         r"use clip='adaptive'"):
+    with pytest.raises(
+        ValueError,
+        match=r"clip='median'.*not differentially private.*"
+        r"use clip='adaptive'",
+    ):
         GlobalDPAggregator(GaussianSanitizer(1.0, 1.0), clip="median")
 
 
@@ -106,20 +124,26 @@ def test_adaptive_clip_update_rule_by_hand():
     ups = _updates(8, scale=1.0)
     norms = np.array([math.sqrt((update_norms(u) ** 2).sum()) for u in ups])
     c0 = float(np.quantile(norms, 0.3))
-    agg = GlobalDPAggregator(GaussianSanitizer(c0, 0.0, seed=1), clip="adaptive",
-                             target_quantile=0.5, clip_learning_rate=0.2, count_stddev=1e-9)
+    agg = GlobalDPAggregator(
+        GaussianSanitizer(c0, 0.0, seed=1),
+        clip="adaptive",
+        target_quantile=0.5,
+        clip_learning_rate=0.2,
+        count_stddev=1e-9,
+    )
     assert agg.streaming
     res = agg.aggregate(((u, 1.0) for u in ups), _template(), expected_clients=8)
     below = float(np.mean(norms <= c0))
     assert res.info["clip"] == c0
     assert res.info["unclipped_fraction_noised"] == pytest.approx(below, abs=1e-6)
     assert agg.clip_bound == pytest.approx(c0 * math.exp(-0.2 * (below - 0.5)), rel=1e-6)
-    assert res.info["clip_next"] == agg.clip_bound > c0       # too few under C_0: it grows
-    assert "fraction_clipped" not in res.info                 # no raw statistic is released
+    assert res.info["clip_next"] == agg.clip_bound > c0  # too few under C_0: it grows
+    assert "fraction_clipped" not in res.info  # no raw statistic is released
     # the round clipped at C_0: the mean of the clipped updates
     clipped = [GaussianSanitizer(c0, 0.0).clip(u) for u in ups]
-    np.testing.assert_allclose(res.update[0].numpy(), sum(c[0].numpy() for c in clipped) / 8,
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        res.update[0].numpy(), sum(c[0].numpy() for c in clipped) / 8, rtol=1e-5, atol=1e-6
+    )
     # the next round uses C_1
     res2 = agg.aggregate(((u, 1.0) for u in ups), _template(), expected_clients=8)
     assert res2.info["clip"] == pytest.approx(res.info["clip_next"])
@@ -134,7 +158,7 @@ def test_adaptive_clip_noise_multipliers():
     assert agg._count.noise_stddevs(1) == (2.0,)
     assert agg.count_noise_multiplier() == 4.0
     z_delta = agg.update_noise_multiplier()
-    assert z_delta == pytest.approx((1.2 ** -2 - 4.0 ** -2) ** -0.5) and z_delta > 1.2
+    assert z_delta == pytest.approx((1.2**-2 - 4.0**-2) ** -0.5) and z_delta > 1.2
     assert joint_noise_multiplier([z_delta, 4.0]) == pytest.approx(1.2, rel=1e-12)
     with pytest.raises(ValueError, match=r"count_stddev must be > noise_multiplier / 2 = 0.6"):
         GlobalDPAggregator(GaussianSanitizer(0.5, 1.2), clip="adaptive", count_stddev=0.5)
@@ -143,20 +167,32 @@ def test_adaptive_clip_noise_multipliers():
     with pytest.raises(ValueError, match="one flat bound"):
         GlobalDPAggregator(GaussianSanitizer([0.5, 0.5], 1.2), clip="adaptive", count_stddev=2)
     with pytest.raises(ValueError, match="target_quantile must be in"):
-        GlobalDPAggregator(GaussianSanitizer(0.5, 1.2), clip="adaptive", count_stddev=2,
-                           target_quantile=1.5)
+        GlobalDPAggregator(
+            GaussianSanitizer(0.5, 1.2), clip="adaptive", count_stddev=2, target_quantile=1.5
+        )
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: GaussianSanitizer(0.0, 1.0), "l2_norm_clip must be > 0"),
-    (lambda: GaussianSanitizer(-1.0, 1.0), "l2_norm_clip must be > 0"),
-    (lambda: GlobalDPAggregator(GaussianSanitizer(1.0, 1.0), clip="mean"), "clip must be"),
-    (lambda: GlobalDPAggregator("not a sanitizer"), "must be a GaussianSanitizer"),
-    (lambda: GlobalDPAggregator(GaussianSanitizer(1.0, 1.0)).aggregate(
-        iter(()), _template(), expected_clients=0), "expected_clients must be > 0"),
-    (lambda: GlobalDPAggregator(GaussianSanitizer([1.0, 1.0, 1.0], 1.0)).aggregate(
-        iter(()), _template(), expected_clients=1), "3 bounds but the record has 2"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: GaussianSanitizer(0.0, 1.0), "l2_norm_clip must be > 0"),
+        (lambda: GaussianSanitizer(-1.0, 1.0), "l2_norm_clip must be > 0"),
+        (lambda: GlobalDPAggregator(GaussianSanitizer(1.0, 1.0), clip="mean"), "clip must be"),
+        (lambda: GlobalDPAggregator("not a sanitizer"), "must be a GaussianSanitizer"),
+        (
+            lambda: GlobalDPAggregator(GaussianSanitizer(1.0, 1.0)).aggregate(
+                iter(()), _template(), expected_clients=0
+            ),
+            "expected_clients must be > 0",
+        ),
+        (
+            lambda: GlobalDPAggregator(GaussianSanitizer([1.0, 1.0, 1.0], 1.0)).aggregate(
+                iter(()), _template(), expected_clients=1
+            ),
+            "3 bounds but the record has 2",
+        ),
+    ],
+)
 def test_bad_aggregator_inputs(make, message):
     with pytest.raises((ValueError, TypeError), match=message):
         make()

@@ -21,9 +21,14 @@ CLIENTS, COHORTS, ROUNDS = 12, 3, 6
 
 @pytest.fixture(scope="module")
 def trainer(mnist_small):
-    return LocalTrainer(tiny_model(hidden=4), mnist_small.x_train[:240],
-                        mnist_small.y_train[:240], local_epochs=1, batch_size=20,
-                        learning_rate=0.05)
+    return LocalTrainer(
+        tiny_model(hidden=4),
+        mnist_small.x_train[:240],
+        mnist_small.y_train[:240],
+        local_epochs=1,
+        batch_size=20,
+        learning_rate=0.05,
+    )
 
 
 def server(trainer, mechanism="banded", rounds=ROUNDS, noise=1.0, seed=3, clip=0.5, **kw):
@@ -31,9 +36,17 @@ def server(trainer, mechanism="banded", rounds=ROUNDS, noise=1.0, seed=3, clip=0
     config = mf.CorrelatedNoiseConfig(mechanism)
     mech = config.build(sampling.participation(rounds), noise)
     agg = GlobalDPAggregator(CorrelatedSanitizer(clip, mech, seed=seed))
-    return FederatedServer(trainer, iid_partition(240, CLIENTS, seed=0), agg,
-                           sampling=sampling, test_data=None, delta_max=1e-3, seed=1,
-                           progress=False, **kw)
+    return FederatedServer(
+        trainer,
+        iid_partition(240, CLIENTS, seed=0),
+        agg,
+        sampling=sampling,
+        test_data=None,
+        delta_max=1e-3,
+        seed=1,
+        progress=False,
+        **kw,
+    )
 
 
 def test_cohorts_take_turns_and_the_noise_is_the_mechanisms(trainer):
@@ -45,7 +58,7 @@ def test_cohorts_take_turns_and_the_noise_is_the_mechanisms(trainer):
         rec = srv.run_round()
         deltas.append([w.numpy() - b for w, b in zip(trainer.get_weights(), before)])
         assert rec.clients == CLIENTS // COHORTS
-    assert srv.participations.tolist() == [2] * CLIENTS          # every client 3 rounds apart
+    assert srv.participations.tolist() == [2] * CLIENTS  # every client 3 rounds apart
     entries = srv.ledger.entries
     assert entries[0]["label"] == "mf" and entries[0]["count"] == 1
     assert srv.privacy_report()["run_event"].startswith("Gaussian(sigma=1)")
@@ -73,17 +86,25 @@ def test_refusals_before_any_release(trainer):
     srv = server(trainer)
     srv.run_round()
     srv.sampling = ClientSampling("cyclic_poisson", fraction=1.0, cohorts=1)  # all clients
-    with pytest.raises(mf.PatternViolation, match="client|unit 0 took part at step 0; step 1 "
-                                                  "is 1 later, the declared min separation "
-                                                  "is 3"):
+    with pytest.raises(
+        mf.PatternViolation,
+        match="client|unit 0 took part at step 0; step 1 "
+        "is 1 later, the declared min separation "
+        "is 3",
+    ):
         srv.run_round()
     assert srv.rounds_done == 1 and srv.ledger.count("federated round") == 1
     trainer.set_weights(init)
     with pytest.raises(ValueError, match="cyclic_poisson' \\(cohorts\\) is for correlated"):
-        FederatedServer(trainer, iid_partition(240, CLIENTS, seed=0),
-                        GlobalDPAggregator(GaussianSanitizer(0.5, 1.0)),
-                        sampling=ClientSampling("cyclic_poisson", fraction=1.0, cohorts=3),
-                        test_data=None, delta_max=1e-3, progress=False)
+        FederatedServer(
+            trainer,
+            iid_partition(240, CLIENTS, seed=0),
+            GlobalDPAggregator(GaussianSanitizer(0.5, 1.0)),
+            sampling=ClientSampling("cyclic_poisson", fraction=1.0, cohorts=3),
+            test_data=None,
+            delta_max=1e-3,
+            progress=False,
+        )
     with pytest.raises(ValueError, match="costs epsilon .* > target_epsilon=0.5"):
         server(trainer, target_epsilon=0.5)
     with pytest.raises(ValueError, match="cohorts is for client sampling 'cyclic_poisson'"):
@@ -116,8 +137,9 @@ def test_resume_continues_the_same_noise(trainer, tmp_path):
 def test_config_and_cli_modes_build_the_mechanism(mnist_small):
     from dpfl_tf.federated.runner import FederatedConfig, build_server
 
-    config = FederatedConfig(dp="ftrl", cohorts=4, clients=20, rounds=8, train_subset=400,
-                             noise_multiplier=2.0)
+    config = FederatedConfig(
+        dp="ftrl", cohorts=4, clients=20, rounds=8, train_subset=400, noise_multiplier=2.0
+    )
     assert config.sampling.value == "cyclic_poisson" and config.fraction == 1.0
     srv, _ = build_server(config, mnist_small, progress=False)
     mech = srv.aggregator.sanitizer.mechanism

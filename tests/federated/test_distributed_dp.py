@@ -22,7 +22,7 @@ def updates(n, d, seed=0):
 
 
 def test_rotation_is_orthogonal_and_blocks_keep_padding_small():
-    assert ddp.block_size_for(79_400) == 16_384        # 81,920 coordinates: 3.2% padding
+    assert ddp.block_size_for(79_400) == 16_384  # 81,920 coordinates: 3.2% padding
     assert ddp.block_size_for(531_400) == 32_768
     assert ddp.block_size_for(100) == 128
     assert ddp.block_size_for(1 << 20) == 1 << 20
@@ -30,7 +30,7 @@ def test_rotation_is_orthogonal_and_blocks_keep_padding_small():
     y = ddp.rotate(x, 42, 4096, 1024)
     assert np.linalg.norm(y) == pytest.approx(np.linalg.norm(x))
     assert np.allclose(ddp.unrotate(y, 42, 3000, 1024), x)
-    assert not np.allclose(ddp.rotate(x, 43, 4096, 1024), y)      # the seed picks D
+    assert not np.allclose(ddp.rotate(x, 43, 4096, 1024), y)  # the seed picks D
     # a spike is spread over its block: no coordinate keeps more than 1/sqrt(B) of it
     spike = np.zeros(3000)
     spike[5] = 1.0
@@ -43,7 +43,7 @@ def test_decoded_sum_is_clipped_sum_plus_noise_within_the_rounding_bound(mechani
     dp = DistributedDP(mechanism, 20, 1.0, 1.0, m, d)
     ups = updates(m, d)
     uploads, noise, rounding = [], np.zeros(dp.padded_dimension), []
-    for i, u in enumerate(ups):           # the client steps one by one ...
+    for i, u in enumerate(ups):  # the client steps one by one ...
         src = ddp.seeded_source(7, i)
         x = ddp.rotate(dp.clip(u), seed, dp.padded_dimension, dp.block_size) * dp.scale
         r = dp.round_conditionally(x, src)
@@ -55,7 +55,7 @@ def test_decoded_sum_is_clipped_sum_plus_noise_within_the_rounding_bound(mechani
         # ... are what encode does
         assert np.array_equal(uploads[-1], dp.encode(u, seed, ddp.seeded_source(7, i)))
     total, count = dp.secure_sum(uploads)
-    assert count == m and total.min() >= 0 and total.max() < 2 ** 20
+    assert count == m and total.min() >= 0 and total.max() < 2**20
     decoded = dp.decode(total, seed)
     clipped = sum(dp.clip(u) for u in ups)
     assert all(np.linalg.norm(dp.clip(u)) <= 1.0 + 1e-12 for u in ups)
@@ -77,7 +77,7 @@ def test_wrap_around_happens_as_often_as_computed():
     one = dn.discrete_gaussian_pmf(dp.share_variance, k)
     total = one
     for _ in range(3):
-        total = np.convolve(total, one)[half:3 * half + 1]
+        total = np.convolve(total, one)[half : 3 * half + 1]
     m2 = dp.modulus // 2
     exact = float(total[(k < -m2) | (k >= m2)].sum())
     assert 0.02 < exact < 0.3
@@ -89,10 +89,10 @@ def test_wrap_around_happens_as_often_as_computed():
         centred = np.where(mod_sum >= m2, mod_sum - dp.modulus, mod_sum)
         wrapped += int(np.sum(centred != true_sum))
         coords += true_sum.size
-        assert np.all((centred - true_sum) % dp.modulus == 0)     # off by whole moduli
+        assert np.all((centred - true_sum) % dp.modulus == 0)  # off by whole moduli
     assert stats.binomtest(wrapped, coords, exact).pvalue > 1e-3
     assert exact <= dp.wrap_probability(4)
-    assert dp.wrap_probability(4) <= 0.5 * (1 + 1e-6)    # share variance rounded up
+    assert dp.wrap_probability(4) <= 0.5 * (1 + 1e-6)  # share variance rounded up
 
 
 @pytest.mark.parametrize("mechanism", ["discrete_gaussian", "skellam"])
@@ -101,12 +101,12 @@ def test_scale_keeps_the_wrap_bound_at_its_target(mechanism):
     p = dp.wrap_probability()
     if mechanism == "discrete_gaussian":
         assert p == pytest.approx(1e-4, rel=1e-6)
-    else:                                  # Skellam's tails are heavier than sub-Gaussian
+    else:  # Skellam's tails are heavier than sub-Gaussian
         assert 1e-4 <= p < 1e-3
     assert dp.report()["norm_inflation"] < 1.01
     assert dp.bits_per_parameter == pytest.approx(16 * 81_920 / 79_400)
     low = DistributedDP(mechanism, 12, 1.0, 2.0, 50, 79_400, min_clients=40)
-    assert low.report()["norm_inflation"] > 1.2     # 12 bits: rounding inflates the norm
+    assert low.report()["norm_inflation"] > 1.2  # 12 bits: rounding inflates the norm
 
 
 def test_dropouts_leave_the_survivors_noise_and_are_accounted_at_the_minimum():
@@ -115,12 +115,14 @@ def test_dropouts_leave_the_survivors_noise_and_are_accounted_at_the_minimum():
     assert dp.event().num_shares == n_min
     ups = updates(m, d, seed=3)
     for survivors in (n_min, m):
-        uploads = [dp.encode(u, 11, ddp.seeded_source(1, survivors, i))
-                   for i, u in enumerate(ups[:survivors])]
+        uploads = [
+            dp.encode(u, 11, ddp.seeded_source(1, survivors, i))
+            for i, u in enumerate(ups[:survivors])
+        ]
         total, count = dp.secure_sum(uploads)
         noise = dp.decode(total, 11) - sum(dp.clip(u) for u in ups[:survivors])
         # central noise (z c)^2 with the fewest shares, more with more survivors
-        target = 1.5 ** 2 * survivors / n_min
+        target = 1.5**2 * survivors / n_min
         assert np.var(noise) * dp.padded_dimension / d == pytest.approx(target, rel=0.1)
     full = DistributedDP("discrete_gaussian", 24, 1.0, 1.5, m, d, min_clients=m)
     assert compute_epsilon(dp.event(), 1e-5, "rdp") > compute_epsilon(full.event(), 1e-5, "rdp")
@@ -146,22 +148,37 @@ def test_events_calibration_and_errors():
     with pytest.raises(ValueError, match="lot_size .30. must equal clients_per_round .50."):
         dp.round_event("fixed_size", dataset_size=1000, lot_size=30)
     tuned = dp.calibrated(4.0, 1e-5, 30, 1000, tolerance=1e-3)
-    eps = compute_epsilon(dp_accounting.SelfComposedDpEvent(tuned.round_event(
-        "fixed_size", dataset_size=1000, lot_size=50), 30), 1e-5, "rdp")
+    eps = compute_epsilon(
+        dp_accounting.SelfComposedDpEvent(
+            tuned.round_event("fixed_size", dataset_size=1000, lot_size=50), 30
+        ),
+        1e-5,
+        "rdp",
+    )
     assert 3.95 < eps <= 4.0
     assert tuned.noise_multiplier != dp.noise_multiplier
-    bad = [({"bits": 1}, "bits must be a whole number >= 2, got 1"),
-           ({"bits": 31}, r"bits must be in \[2, 30\]"),
-           ({"mechanism": "binomial"}, "mechanism must be one of discrete_gaussian, skellam"),
-           ({"min_clients": 51}, r"min_clients must be <= clients_per_round \(50\), got 51"),
-           ({"noise_multiplier": 0}, "noise_multiplier must be > 0, got 0"),
-           ({"beta": 1.0}, r"beta must be in \[0, 1\), got 1.0"),
-           ({"block_size": 1000}, "block_size must be a power of two, got 1000"),
-           ({"bits": 4}, "bits=4 is too few for 50 clients per round"),
-           ({"bits": 8, "noise_multiplier": 1e-4, "mechanism": "ddg"},
-            "discrete Gaussian shares would have stddev")]
-    base = dict(mechanism="skellam", bits=16, l2_norm_clip=0.5, noise_multiplier=2.0,
-                clients_per_round=50, dimension=10_000)
+    bad = [
+        ({"bits": 1}, "bits must be a whole number >= 2, got 1"),
+        ({"bits": 31}, r"bits must be in \[2, 30\]"),
+        ({"mechanism": "binomial"}, "mechanism must be one of discrete_gaussian, skellam"),
+        ({"min_clients": 51}, r"min_clients must be <= clients_per_round \(50\), got 51"),
+        ({"noise_multiplier": 0}, "noise_multiplier must be > 0, got 0"),
+        ({"beta": 1.0}, r"beta must be in \[0, 1\), got 1.0"),
+        ({"block_size": 1000}, "block_size must be a power of two, got 1000"),
+        ({"bits": 4}, "bits=4 is too few for 50 clients per round"),
+        (
+            {"bits": 8, "noise_multiplier": 1e-4, "mechanism": "ddg"},
+            "discrete Gaussian shares would have stddev",
+        ),
+    ]
+    base = dict(
+        mechanism="skellam",
+        bits=16,
+        l2_norm_clip=0.5,
+        noise_multiplier=2.0,
+        clients_per_round=50,
+        dimension=10_000,
+    )
     for change, message in bad:
         with pytest.raises(ValueError, match=message):
             DistributedDP(**{**base, **change})
@@ -173,12 +190,23 @@ def test_events_calibration_and_errors():
 # ---------------------------------------------------------------------------
 # In the federated loop (simulated secure sum)
 
+
 def _config(**kw):
     from dpfl_tf.federated.runner import FederatedConfig
 
-    base = dict(dp="distributed", clients=20, clients_per_round=10, min_clients=7,
-                dropout_rate=0.1, rounds=3, hidden=(16,), noise_multiplier=1.0, noise_seed=5,
-                partition="iid", bits=16)
+    base = dict(
+        dp="distributed",
+        clients=20,
+        clients_per_round=10,
+        min_clients=7,
+        dropout_rate=0.1,
+        rounds=3,
+        hidden=(16,),
+        noise_multiplier=1.0,
+        noise_seed=5,
+        partition="iid",
+        bits=16,
+    )
     base.update(kw)
     return FederatedConfig(**base)
 
@@ -198,15 +226,19 @@ def test_federated_rounds_decode_the_sum_and_report_both_guarantees(mnist_small)
     assert privacy["against_server"]["epsilon"] > a["epsilon"] > 0
     assert all(h["info"]["uploads"] <= 10 for h in a["history"])
     assert a["bits_per_parameter"] == pytest.approx(
-        16 * privacy["distributed"]["padded_dimension"] / privacy["distributed"]["dimension"])
+        16 * privacy["distributed"]["padded_dimension"] / privacy["distributed"]["dimension"]
+    )
 
 
 def test_the_release_is_the_mean_of_the_clipped_updates_plus_noise(mnist_small):
     """One round by hand: the server's new weights are w + decode(secure sum) / n."""
     from dpfl_tf.federated.runner import build_server
 
-    server, _ = build_server(_config(noise_multiplier=0.05, bits=24, dropout_rate=0.0,
-                                     min_clients=10), mnist_small, progress=False)
+    server, _ = build_server(
+        _config(noise_multiplier=0.05, bits=24, dropout_rate=0.0, min_clients=10),
+        mnist_small,
+        progress=False,
+    )
     agg = server.aggregator
     w0 = server.trainer.get_weights()
     t, selected = server.open_round()
@@ -215,7 +247,7 @@ def test_the_release_is_the_mean_of_the_clipped_updates_plus_noise(mnist_small):
     uploads = [(agg.client_transform(d), 1.0) for d in deltas]
     result = agg.aggregate(uploads, w0, expected_clients=10)
     got = ddp.flatten([np.asarray(u) for u in result.update])
-    noise_std = 0.05 * 1.0 / len(deltas)               # z c / n per coordinate
+    noise_std = 0.05 * 1.0 / len(deltas)  # z c / n per coordinate
     assert np.std(got - clipped) == pytest.approx(noise_std, rel=0.1)
 
 
@@ -224,21 +256,25 @@ def test_secure_mode_in_the_federated_loop(mnist_small):
 
     with pytest.raises(ValueError, match="refuses a seed"):
         _config(secure_mode=True)
-    out = run_federated(_config(secure_mode=True, noise_seed=None, rounds=1), mnist_small,
-                        progress=False)
+    out = run_federated(
+        _config(secure_mode=True, noise_seed=None, rounds=1), mnist_small, progress=False
+    )
     assert out["privacy"]["secure_mode"] is True
     from dpfl_tf.federated.runner import build_server
 
-    server, _ = build_server(_config(secure_mode=True, noise_seed=None), mnist_small,
-                             progress=False)
+    server, _ = build_server(
+        _config(secure_mode=True, noise_seed=None), mnist_small, progress=False
+    )
     assert isinstance(server.aggregator._source, dn.SecureSource)
     with pytest.raises(ValueError, match="refuses a seed"):
         server.aggregator.reseed(1)
-    for bad, message in [(dict(sampling="poisson"), "needs sampling='fixed_size'"),
-                         (dict(min_clients=None), "needs min_clients"),
-                         (dict(min_clients=11), r"min_clients must be <= the clients per round"),
-                         (dict(ddp_mechanism="laplace"), "ddp_mechanism must be one of"),
-                         (dict(dp="global"), "is a setting of dp='distributed'")]:
+    for bad, message in [
+        (dict(sampling="poisson"), "needs sampling='fixed_size'"),
+        (dict(min_clients=None), "needs min_clients"),
+        (dict(min_clients=11), r"min_clients must be <= the clients per round"),
+        (dict(ddp_mechanism="laplace"), "ddp_mechanism must be one of"),
+        (dict(dp="global"), "is a setting of dp='distributed'"),
+    ]:
         with pytest.raises(ValueError, match=message):
             _config(**bad)
     assert FederatedConfig(dp="distributed").noise_multiplier == 2.0
@@ -251,12 +287,31 @@ def test_the_command_line_takes_the_distributed_flags():
 
     parser = argparse.ArgumentParser()
     add_federated_parser(parser.add_subparsers())
-    args = parser.parse_args(["federated", "--dp", "distributed", "--ddp-mechanism", "skellam",
-                              "--bits", "12", "-m", "50", "--min-clients", "40",
-                              "--dropout-rate", "0.1"])
+    args = parser.parse_args(
+        [
+            "federated",
+            "--dp",
+            "distributed",
+            "--ddp-mechanism",
+            "skellam",
+            "--bits",
+            "12",
+            "-m",
+            "50",
+            "--min-clients",
+            "40",
+            "--dropout-rate",
+            "0.1",
+        ]
+    )
     c = config_from_args(args)
-    assert (c.dp.value, c.ddp_mechanism, c.bits, c.min_clients, c.dropout_rate) == \
-        ("distributed", "skellam", 12, 40, 0.1)
+    assert (c.dp.value, c.ddp_mechanism, c.bits, c.min_clients, c.dropout_rate) == (
+        "distributed",
+        "skellam",
+        12,
+        40,
+        0.1,
+    )
     bad = parser.parse_args(["federated", "--dp", "distributed", "--bits", "40"])
     with pytest.raises(ValueError, match="bits must be in"):
         config_from_args(bad)

@@ -20,29 +20,43 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = [
-    pytest.mark.skipif(os.environ.get("DPFL_FLOWER_DEPLOY") != "1",
-                       reason="several minutes: set DPFL_FLOWER_DEPLOY=1 to run"),
-    pytest.mark.skipif(importlib.util.find_spec("flwr") is None
-                       or shutil.which("flower-superlink") is None,
-                       reason="Flower is not installed: pip install 'dpfl-tf[flower]'"),
+    pytest.mark.skipif(
+        os.environ.get("DPFL_FLOWER_DEPLOY") != "1",
+        reason="several minutes: set DPFL_FLOWER_DEPLOY=1 to run",
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("flwr") is None or shutil.which("flower-superlink") is None,
+        reason="Flower is not installed: pip install 'dpfl-tf[flower]'",
+    ),
 ]
 
 
 def test_a_killed_supernode_keeps_the_books_and_the_run_resumes(tmp_path):
     out = tmp_path / "deploy.json"
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "experiments",
-                                                       "federated_flower_deploy.py"),
-                          "--rounds", "3", "--output", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "experiments", "federated_flower_deploy.py"),
+            "--rounds",
+            "3",
+            "--output",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads(out.read_text())
     kill, dropout = data["scenarios"]
     first = kill["first_run"]
     assert first["status"] == "failed" and "fewer than min_nodes=2" in first["error"]
-    assert first["rounds"] >= 1 and first["epsilon"] > 0        # the spent budget is kept
+    assert first["rounds"] >= 1 and first["epsilon"] > 0  # the spent budget is kept
     assert kill["final"]["status"] == "completed" and kill["final"]["rounds"] == 3
     assert kill["final"]["epsilon"] == data["in_process_epsilon"]
-    assert dropout["final"]["status"] == "completed" and sum(
-        dropout["final"]["missing_clients"]) >= 1
+    assert (
+        dropout["final"]["status"] == "completed" and sum(dropout["final"]["missing_clients"]) >= 1
+    )
     assert dropout["final"]["epsilon"] == data["in_process_epsilon"]
-    assert data["processes_left_running"] == []         # every process it started stopped
+    assert data["processes_left_running"] == []  # every process it started stopped

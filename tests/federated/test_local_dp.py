@@ -12,18 +12,30 @@ import pytest
 import tensorflow as tf
 from scipy import stats
 
-from dpfl_tf.federated.local_dp import (DomainMode, DomainPolicy, DuchiMechanism,
-                                        GaussianMechanism, LaplaceMechanism, LDPFLMechanism,
-                                        LocalDPMechanism, LocalDPUpload, LocalPrivacyReport,
-                                        MechanismKind,
-                                        PiecewiseMechanism, PNPMMechanism, gaussian_upload_report,
-                                        make_mechanism, out_of_domain_counts,
-                                        pnpm_magnitude_distinguishability, privacy_report)
+from dpfl_tf.federated.local_dp import (
+    DomainMode,
+    DomainPolicy,
+    DuchiMechanism,
+    GaussianMechanism,
+    LaplaceMechanism,
+    LDPFLMechanism,
+    LocalDPMechanism,
+    LocalDPUpload,
+    LocalPrivacyReport,
+    MechanismKind,
+    PiecewiseMechanism,
+    PNPMMechanism,
+    gaussian_upload_report,
+    make_mechanism,
+    out_of_domain_counts,
+    pnpm_magnitude_distinguishability,
+    privacy_report,
+)
 from dpfl_tf.privacy import compute_epsilon
 
 EPS = 1.0
-N = 200_000   # samples per input for the moment tests
-Z = 5.0       # |z| above this rejects (false alarm ~6e-7 per check)
+N = 200_000  # samples per input for the moment tests
+Z = 5.0  # |z| above this rejects (false alarm ~6e-7 per check)
 
 
 def _mechanisms(seed=None):
@@ -83,6 +95,7 @@ def _moment_z(samples, mean, var):
 # --------------------------------------------------------------------------
 # moments: unbiasedness and variance, and a test that can fail
 
+
 @pytest.mark.parametrize("name", NAMES)
 def test_unbiased_and_variance_match_closed_form(name):
     mech = _mechanisms(seed=11)[name]
@@ -94,13 +107,16 @@ def test_unbiased_and_variance_match_closed_form(name):
         assert abs(z_var) < Z, (name, t, z_var)
         assert float(mech.mean(t)) == pytest.approx(t)
     # the same check rejects a variance formula that is 10% off
-    rejected = [abs(_moment_z(y, float(mech.mean(t)), 1.1 * float(mech.variance(t)))[1]) > Z
-                for t, y in zip(ts, draws)]
+    rejected = [
+        abs(_moment_z(y, float(mech.mean(t)), 1.1 * float(mech.variance(t)))[1]) > Z
+        for t, y in zip(ts, draws)
+    ]
     assert all(rejected), name
 
 
 class _BiasedDuchi(DuchiMechanism):
     """B computed with e^(eps/2): the output is no longer unbiased."""
+
     def _perturb(self, t, gen):
         b_wrong = (math.exp(self.epsilon / 2) + 1) / (math.exp(self.epsilon / 2) - 1)
         y = super()._perturb(t, gen)
@@ -109,6 +125,7 @@ class _BiasedDuchi(DuchiMechanism):
 
 class _BiasedPiecewise(PiecewiseMechanism):
     """Probability of the central piece e^eps/(e^eps+1) instead of e^(eps/2)/(e^(eps/2)+1)."""
+
     @property
     def b(self):
         return math.exp(self.epsilon)
@@ -116,6 +133,7 @@ class _BiasedPiecewise(PiecewiseMechanism):
 
 class _BiasedPNPM(PNPMMechanism):
     """C = (a+1)/(a-1) (Duchi's B) instead of (a+3)/(a-1): E[t*] = a/(a+1) s."""
+
     @property
     def C(self):
         return (self.a + 1) / (self.a - 1)
@@ -123,12 +141,14 @@ class _BiasedPNPM(PNPMMechanism):
 
 class _BiasedLDPFL(LDPFLMechanism):
     """Forgets the centre in P[+]: biased when c != 0."""
+
     def _ldpfl(self, w, c, r, gen):
         return super()._ldpfl(w + tf.cast(c, w.dtype), c, r, gen)
 
 
 class _WrongScaleLaplace(LaplaceMechanism):
     """Scale 1/eps (forgets that [-1, 1] has sensitivity 2)."""
+
     @property
     def scale(self):
         return 1.0 / self.epsilon
@@ -136,6 +156,7 @@ class _WrongScaleLaplace(LaplaceMechanism):
 
 class _WrongScaleGaussian(GaussianMechanism):
     """Std sigma instead of 2 sigma."""
+
     @property
     def stddev(self):
         return self.noise_multiplier
@@ -157,8 +178,10 @@ def test_moment_check_rejects_a_wrong_sampler(name):
     wrong = WRONG[name]()
     ts = _inputs(right)
     draws = _draw(wrong, ts, n=N // 2)
-    worst = max(max(abs(z) for z in _moment_z(y, float(right.mean(t)), float(right.variance(t))))
-                for t, y in zip(ts, draws))
+    worst = max(
+        max(abs(z) for z in _moment_z(y, float(right.mean(t)), float(right.variance(t))))
+        for t, y in zip(ts, draws)
+    )
     assert worst > Z, (name, worst)
 
 
@@ -177,7 +200,7 @@ def test_closed_forms_match_the_papers_worst_cases():
     # LDP-FL: r^2 B^2 - (w - c)^2
     lf = LDPFLMechanism(EPS, center=0.2, radius=0.5)
     assert lf.variance(0.5) == pytest.approx(0.25 * ((a + 1) / (a - 1)) ** 2 - 0.09)
-    assert LaplaceMechanism(EPS).variance(0.3) == pytest.approx(8 / EPS ** 2)
+    assert LaplaceMechanism(EPS).variance(0.3) == pytest.approx(8 / EPS**2)
     assert GaussianMechanism(1.5).variance(0.3) == pytest.approx(9.0)
 
 
@@ -209,6 +232,7 @@ def test_density_integrates_to_the_closed_form_moments(name):
 
 # --------------------------------------------------------------------------
 # output ranges
+
 
 @pytest.mark.parametrize("name", NAMES)
 def test_outputs_stay_in_the_output_range(name):
@@ -253,8 +277,9 @@ def test_pnpm_upload_keeps_magnitude_within_factor_c_and_flips_sign_with_right_p
 # --------------------------------------------------------------------------
 # the e^eps density-ratio bound
 
+
 def _max_ratio(mech_density, ts, ys):
-    dens = np.stack([mech_density(ys, t) for t in ts])   # [T, Y]
+    dens = np.stack([mech_density(ys, t) for t in ts])  # [T, Y]
     hi = dens.max(axis=0)
     lo = dens.min(axis=0)
     if np.any((hi > 0) & (lo == 0)):
@@ -265,8 +290,9 @@ def _max_ratio(mech_density, ts, ys):
 
 def _grid(mech):
     if mech.discrete:
-        lo, hi = mech.output_range(0.0 if mech.input_domain() is None else
-                                   sum(mech.input_domain()) / 2)
+        lo, hi = mech.output_range(
+            0.0 if mech.input_domain() is None else sum(mech.input_domain()) / 2
+        )
         return np.array([float(lo), float(hi), 0.123])
     if isinstance(mech, PiecewiseMechanism):
         return np.linspace(-mech.C - 0.5, mech.C + 0.5, 20_001)
@@ -314,7 +340,7 @@ def test_pnpm_magnitude_distinguishability_formula_matches_the_densities():
     edges = np.linspace(0, 6 * pn.C * m, 1_200_001)  # covers k C m for every k below
     mid = 0.5 * (edges[1:] + edges[:-1])
     dx = np.diff(edges)
-    f1 = pn.density(mid, m) + pn.density(-mid, m)   # pdf of |y| for |w| = m
+    f1 = pn.density(mid, m) + pn.density(-mid, m)  # pdf of |y| for |w| = m
     for k in (1.0, 1.5, 2.0, 3.0, pn.C, 5.0):
         f2 = pn.density(mid, k * m) + pn.density(-mid, k * m)
         tv = 0.5 * np.sum(np.abs(f1 - f2) * dx)
@@ -323,7 +349,8 @@ def test_pnpm_magnitude_distinguishability_formula_matches_the_densities():
     assert pnpm_magnitude_distinguishability(EPS, 1.0) == 0.0
     # a factor 2 in magnitude is told apart with advantage ~ 0.71 at eps = 1
     assert pnpm_magnitude_distinguishability(EPS, 2.0) == pytest.approx(
-        1 - (pn.C - 2) / (2 * (pn.C - 1)))
+        1 - (pn.C - 2) / (2 * (pn.C - 1))
+    )
 
 
 def test_gaussian_is_eps_delta_not_pure_and_the_check_can_fail():
@@ -343,6 +370,7 @@ def test_gaussian_is_eps_delta_not_pure_and_the_check_can_fail():
 
 # --------------------------------------------------------------------------
 # vectorised (TensorFlow) and scalar (numpy) versions agree
+
 
 def _scalar_draws(mech, t, n, seed):
     rng = np.random.default_rng(seed)
@@ -370,8 +398,10 @@ def test_tensorflow_and_numpy_reference_agree_in_distribution(name):
 
 def test_the_agreement_check_can_fail():
     pm, other = PiecewiseMechanism(EPS, seed=1), PiecewiseMechanism(1.5 * EPS)
-    assert stats.ks_2samp(_draw(pm, [0.3], 50_000)[0],
-                          _scalar_draws(other, 0.3, 20_000, 0)).pvalue < 1e-6
+    assert (
+        stats.ks_2samp(_draw(pm, [0.3], 50_000)[0], _scalar_draws(other, 0.3, 20_000, 0)).pvalue
+        < 1e-6
+    )
     du, other = DuchiMechanism(EPS, seed=1), DuchiMechanism(1.5 * EPS)
     y_tf = _draw(du, [0.5], 50_000)[0] > 0
     y_np = _scalar_draws(other, 0.5, 20_000, 0) > 0
@@ -381,14 +411,17 @@ def test_the_agreement_check_can_fail():
 # --------------------------------------------------------------------------
 # domain handling
 
+
 @pytest.mark.parametrize("name", ["duchi", "piecewise", "laplace", "gaussian", "ldp_fl"])
 def test_error_policy_names_mechanism_range_and_count(name):
     mech = _mechanisms()[name]
     lo, hi = mech.input_domain()
     ok = tf.constant([[lo, hi], [0.5 * (lo + hi), lo]])
     bad = tf.constant([lo - 0.1, hi, hi + 1.0, 0.5 * (lo + hi), hi + 1e-3])
-    pattern = (rf"{type(mech).__name__}\(epsilon=.*\): 3 of 5 entries of weight tensor 1 "
-               rf"\(shape \[5\]\) lie outside the input range \[{lo:g}, {hi:g}\]")
+    pattern = (
+        rf"{type(mech).__name__}\(epsilon=.*\): 3 of 5 entries of weight tensor 1 "
+        rf"\(shape \[5\]\) lie outside the input range \[{lo:g}, {hi:g}\]"
+    )
     if name == "gaussian":
         pattern = pattern.replace(r"\(epsilon=", r"\(noise_multiplier=")
     with pytest.raises(ValueError, match=pattern):
@@ -414,7 +447,7 @@ def test_clip_policy_is_unbiased_for_the_clipped_weights():
     c, r = 0.1, 0.8
     _assert_support(y, [c - r * du.B, c + r * du.B])
     clipped = np.clip(w, c - r, c + r)
-    var = r ** 2 * du.variance((clipped - c) / r)
+    var = r**2 * du.variance((clipped - c) / r)
     z = (y.mean(axis=0) - clipped) / np.sqrt(var / n)
     assert np.all(np.abs(z) < Z), z
     # ... and biased for the raw weights outside the range (the clip is real, and explicit)
@@ -430,11 +463,14 @@ def test_scale_policy_unscales_after_perturbation_and_refuses_out_of_range():
     y = pm.perturb_weights([tf.constant(np.tile(w, (n, 1)))], DomainPolicy.scale(bound))[0]
     y = y.numpy()
     assert np.all(np.abs(y) <= bound * pm.C * (1 + 1e-9))
-    var = bound ** 2 * pm.variance(w / bound)
+    var = bound**2 * pm.variance(w / bound)
     z = (y.mean(axis=0) - w) / np.sqrt(var / n)
     assert np.all(np.abs(z) < Z), z
-    with pytest.raises(ValueError, match=r"PiecewiseMechanism\(epsilon=1.0\): 2 of 4 entries .*"
-                                         r"\[-0.25, 0.25\].*DomainPolicy.scale\(bound=0.25"):
+    with pytest.raises(
+        ValueError,
+        match=r"PiecewiseMechanism\(epsilon=1.0\): 2 of 4 entries .*"
+        r"\[-0.25, 0.25\].*DomainPolicy.scale\(bound=0.25",
+    ):
         pm.perturb_weights([tf.constant([0.3, -0.26, 0.1, 0.0])], DomainPolicy.scale(bound))
 
 
@@ -460,15 +496,19 @@ def test_ldpfl_with_a_layer_range_is_duchi_on_the_rescaled_weight():
     hi = c + r * du.B
     assert lf.output_range(w)[1] == pytest.approx(hi)
     assert lf.density(hi, w) == pytest.approx(du.density(du.B, t))
-    assert lf.variance(w) == pytest.approx(r ** 2 * du.variance(t))
-    y = LDPFLMechanism(EPS, seed=2).perturb_weights([tf.fill([100_000], w)],
-                                                    DomainPolicy.clip(r, center=c))[0].numpy()
+    assert lf.variance(w) == pytest.approx(r**2 * du.variance(t))
+    y = (
+        LDPFLMechanism(EPS, seed=2)
+        .perturb_weights([tf.fill([100_000], w)], DomainPolicy.clip(r, center=c))[0]
+        .numpy()
+    )
     p = float(du.density(du.B, t))
     assert abs(np.mean(np.isclose(y, hi)) - p) < Z * math.sqrt(p * (1 - p) / y.size)
 
 
-@pytest.mark.parametrize("policy", [DomainPolicy.error(), DomainPolicy.clip(1.0),
-                                    DomainPolicy.scale(5.0)])
+@pytest.mark.parametrize(
+    "policy", [DomainPolicy.error(), DomainPolicy.clip(1.0), DomainPolicy.scale(5.0)]
+)
 def test_non_finite_weights_are_refused_under_every_policy(policy):
     for mech in (DuchiMechanism(EPS), PNPMMechanism(EPS)):
         with pytest.raises(ValueError, match=r"1 of 3 entries of weight tensor 0 .* NaN or inf"):
@@ -490,8 +530,9 @@ def test_graph_mode_runs_and_guards_the_domain():
 def test_shapes_dtypes_and_inputs():
     du = DuchiMechanism(EPS, seed=0)
     var = tf.Variable(tf.zeros([3, 4, 5]))
-    out = du.perturb_weights([var, np.zeros((2,), np.float64), tf.zeros([2, 2], tf.float16),
-                              tf.constant(0.25)])
+    out = du.perturb_weights(
+        [var, np.zeros((2,), np.float64), tf.zeros([2, 2], tf.float16), tf.constant(0.25)]
+    )
     assert [o.shape for o in out] == [(3, 4, 5), (2,), (2, 2), ()]
     assert [o.dtype for o in out] == [tf.float32, tf.float64, tf.float16, tf.float32]
     with pytest.raises(ValueError, match="floating-point weights, got dtype int32"):
@@ -500,6 +541,7 @@ def test_shapes_dtypes_and_inputs():
 
 # --------------------------------------------------------------------------
 # seeding
+
 
 @pytest.mark.parametrize("name", NAMES)
 def test_seeded_draws_are_reproducible_and_default_is_not(name):
@@ -521,6 +563,7 @@ def test_seeded_draws_are_reproducible_and_default_is_not(name):
 
 # --------------------------------------------------------------------------
 # honest privacy reporting
+
 
 def test_privacy_report_basic_composition_numbers():
     d, rounds = 21_750, 10
@@ -574,23 +617,35 @@ def test_gaussian_report_uses_the_accountant():
     assert rep.epsilon_per_upload == pytest.approx(d * per_coord)
     assert rep.delta_per_upload == pytest.approx(d * 1e-5)
     assert rep.accountant_epsilon_per_upload == pytest.approx(
-        compute_epsilon(dp_accounting.GaussianDpEvent(2.0 / math.sqrt(d)), 1e-5, "rdp"))
-    assert rep.accountant_epsilon_total == pytest.approx(compute_epsilon(
-        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(0.2), rounds), 1e-5,
-        "rdp"))
+        compute_epsilon(dp_accounting.GaussianDpEvent(2.0 / math.sqrt(d)), 1e-5, "rdp")
+    )
+    assert rep.accountant_epsilon_total == pytest.approx(
+        compute_epsilon(
+            dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(0.2), rounds),
+            1e-5,
+            "rdp",
+        )
+    )
     assert rep.accountant_epsilon_per_upload < rep.epsilon_per_upload
     # the upload event is exact Gaussian composition of the d coordinates
-    assert compute_epsilon(g.dp_event(4), 1e-5, "pld") == pytest.approx(compute_epsilon(
-        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(2.0), 4), 1e-5, "pld"),
-        rel=1e-3)
+    assert compute_epsilon(g.dp_event(4), 1e-5, "pld") == pytest.approx(
+        compute_epsilon(
+            dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(2.0), 4), 1e-5, "pld"
+        ),
+        rel=1e-3,
+    )
 
 
 def test_clipped_gaussian_upload_report_uses_sensitivity_two_s():
     rep = gaussian_upload_report(2.0, rounds=10, delta=1e-5)
     assert rep.epsilon_per_upload == pytest.approx(
-        compute_epsilon(dp_accounting.GaussianDpEvent(1.0), 1e-5, "rdp"))
-    assert rep.epsilon_total == pytest.approx(compute_epsilon(
-        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(1.0), 10), 1e-5, "rdp"))
+        compute_epsilon(dp_accounting.GaussianDpEvent(1.0), 1e-5, "rdp")
+    )
+    assert rep.epsilon_total == pytest.approx(
+        compute_epsilon(
+            dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(1.0), 10), 1e-5, "rdp"
+        )
+    )
     assert rep.epsilon_per_coordinate is None
     assert "GaussianDpEvent(1)" in rep.note
 
@@ -599,11 +654,13 @@ def test_gaussian_from_epsilon_calibrates_per_coordinate():
     g = GaussianMechanism.from_epsilon(1.0, delta=1e-5)
     assert 0.98 <= g.epsilon <= 1.0
     assert make_mechanism("gaussian", 1.0, delta=1e-5).noise_multiplier == pytest.approx(
-        g.noise_multiplier)
+        g.noise_multiplier
+    )
 
 
 # --------------------------------------------------------------------------
 # construction and bad inputs
+
 
 def test_registry_and_config_round_trip():
     assert isinstance(make_mechanism("pm", 1.0), PiecewiseMechanism)
@@ -618,8 +675,9 @@ def test_registry_and_config_round_trip():
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "one", True, None, 51.0])
-@pytest.mark.parametrize("cls", [DuchiMechanism, PiecewiseMechanism, PNPMMechanism,
-                                 LDPFLMechanism, LaplaceMechanism])
+@pytest.mark.parametrize(
+    "cls", [DuchiMechanism, PiecewiseMechanism, PNPMMechanism, LDPFLMechanism, LaplaceMechanism]
+)
 def test_bad_epsilon_is_refused_with_a_clear_error(cls, bad):
     with pytest.raises(ValueError, match=r"epsilon must be (in \(0, 50\]|a number), got"):
         cls(bad)

@@ -3,8 +3,14 @@
 import numpy as np
 import pytest
 
-from dpfl_tf.federated.partition import (ClientPartition, dirichlet_partition, iid_partition,
-                                         make_partition, shard_partition, unequal_partition)
+from dpfl_tf.federated.partition import (
+    ClientPartition,
+    dirichlet_partition,
+    iid_partition,
+    make_partition,
+    shard_partition,
+    unequal_partition,
+)
 
 
 def _is_partition_of(p, n):
@@ -44,8 +50,7 @@ def test_shards_at_large_K_are_tiny_and_nearly_pure(mnist):
 
 def test_partitions_are_deterministic_with_a_seed(mnist):
     y = mnist.y_train[:5000]
-    for scheme, kw in [("iid", {}), ("shards", {}), ("dirichlet", {"alpha": 0.5}),
-                       ("unequal", {})]:
+    for scheme, kw in [("iid", {}), ("shards", {}), ("dirichlet", {"alpha": 0.5}), ("unequal", {})]:
         a = make_partition(y, 50, scheme, seed=7, **kw)
         b = make_partition(y, 50, scheme, seed=7, **kw)
         c = make_partition(y, 50, scheme, seed=8, **kw)
@@ -76,16 +81,19 @@ def test_unequal_sizes_vary_and_cover_the_data():
     assert p.sizes.std() > 0.3 * p.sizes.mean()
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda y: make_partition(y, 10, "by_magic"), "partition must be one of iid, shards"),
-    (lambda y: make_partition(y, 0, "iid"), "num_clients must be a whole number >= 1"),
-    (lambda y: make_partition(y, 101, "iid"), "num_clients must be <= the number of examples"),
-    (lambda y: make_partition(y, 60, "shards"), "shards exceed the 100 examples"),
-    (lambda y: make_partition(y, 10, "dirichlet"), "needs alpha"),
-    (lambda y: make_partition(y, 10, "dirichlet", alpha=0), "alpha must be > 0"),
-    (lambda y: ClientPartition.from_lists([]), "at least one client"),
-    (lambda y: ClientPartition.from_lists([[0, 1], []]), "hold no examples"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda y: make_partition(y, 10, "by_magic"), "partition must be one of iid, shards"),
+        (lambda y: make_partition(y, 0, "iid"), "num_clients must be a whole number >= 1"),
+        (lambda y: make_partition(y, 101, "iid"), "num_clients must be <= the number of examples"),
+        (lambda y: make_partition(y, 60, "shards"), "shards exceed the 100 examples"),
+        (lambda y: make_partition(y, 10, "dirichlet"), "needs alpha"),
+        (lambda y: make_partition(y, 10, "dirichlet", alpha=0), "alpha must be > 0"),
+        (lambda y: ClientPartition.from_lists([]), "at least one client"),
+        (lambda y: ClientPartition.from_lists([[0, 1], []]), "hold no examples"),
+    ],
+)
 def test_bad_inputs_give_clear_errors(call, message):
     y = np.arange(100) % 10
     with pytest.raises(ValueError, match=message):

@@ -12,19 +12,25 @@ from dpfl_tf.federated.client import LocalTrainer, layer_groups
 from dpfl_tf.federated.partition import ClientPartition, iid_partition, unequal_partition
 from dpfl_tf.federated.server import ClientSampling, FederatedServer
 from dpfl_tf.sanitizer import GaussianSanitizer
-
 from tests.federated.conftest import tiny_model
 
 
 @pytest.fixture(scope="module")
 def trainer(mnist_small):
-    return LocalTrainer(tiny_model(hidden=8), mnist_small.x_train[:600],
-                        mnist_small.y_train[:600], local_epochs=2, batch_size=16,
-                        learning_rate=0.05, momentum=0.5)
+    return LocalTrainer(
+        tiny_model(hidden=8),
+        mnist_small.x_train[:600],
+        mnist_small.y_train[:600],
+        local_epochs=2,
+        batch_size=16,
+        learning_rate=0.05,
+        momentum=0.5,
+    )
 
 
 def test_local_sgd_step_is_minus_lr_times_the_gradient(mnist_small):
     import keras
+
     model = tiny_model(hidden=4, seed=1)
     x, y = mnist_small.x_train[:32], mnist_small.y_train[:32]
     t = LocalTrainer(model, x, y, local_epochs=1, batch_size=32, learning_rate=0.3)
@@ -33,7 +39,8 @@ def test_local_sgd_step_is_minus_lr_times_the_gradient(mnist_small):
     t.set_weights(w0)
     with tf.GradientTape() as tape:
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
-            y, model(x.astype(np.float32) / 255.0))
+            y, model(x.astype(np.float32) / 255.0)
+        )
     grads = tape.gradient(loss, model.trainable_variables)
     for d, g in zip(delta, grads):
         np.testing.assert_allclose(d.numpy(), -0.3 * g.numpy(), rtol=1e-4, atol=1e-6)
@@ -50,21 +57,34 @@ def test_batches_cover_each_epoch_once(trainer):
 def test_one_round_equals_the_hand_computed_weighted_average(trainer):
     partition = unequal_partition(600, 6, seed=3)
     sampling = ClientSampling("fixed_size", clients_per_round=4)
-    server = FederatedServer(trainer, partition, MeanAggregator(), sampling=sampling,
-                             test_data=None, seed=5, progress=False)
+    server = FederatedServer(
+        trainer,
+        partition,
+        MeanAggregator(),
+        sampling=sampling,
+        test_data=None,
+        seed=5,
+        progress=False,
+    )
     w0 = trainer.get_weights()
     # the same randomness the server derives for round 0: the sampling stream, then
     # one batch-order stream per client (since the seeding helper; was one shared stream)
     chosen = sampling.sample(server.round_rng(0), 6)
     deltas, sizes = [], []
     for k in chosen:
-        deltas.append([d.numpy() for d in trainer.train(w0, partition.client(int(k)),
-                                                        server.shuffle_rng(0, int(k)))])
+        deltas.append(
+            [
+                d.numpy()
+                for d in trainer.train(w0, partition.client(int(k)), server.shuffle_rng(0, int(k)))
+            ]
+        )
         sizes.append(len(partition.client(int(k))))
     trainer.set_weights(w0)
     server.run_round()
-    want = [w.numpy() + sum(n * d[j] for n, d in zip(sizes, deltas)) / sum(sizes)
-            for j, w in enumerate(w0)]
+    want = [
+        w.numpy() + sum(n * d[j] for n, d in zip(sizes, deltas)) / sum(sizes)
+        for j, w in enumerate(w0)
+    ]
     for got, expect in zip(trainer.get_weights(), want):
         np.testing.assert_allclose(got.numpy(), expect, rtol=1e-5, atol=1e-6)
     assert server.history[0].clients == 4 and len(set(sizes)) > 1  # really weighted
@@ -74,12 +94,23 @@ def test_one_round_equals_the_hand_computed_weighted_average(trainer):
 def test_fedavg_and_fedmedian_learn_real_mnist(mnist_small):
     accs = {}
     for name, agg in [("mean", MeanAggregator()), ("median", MedianAggregator())]:
-        t = LocalTrainer(tiny_model(hidden=32, seed=0), mnist_small.x_train,
-                         mnist_small.y_train, local_epochs=2, batch_size=10, learning_rate=0.1)
-        server = FederatedServer(t, iid_partition(3000, 30, seed=0), agg,
-                                 sampling=ClientSampling("poisson", fraction=0.3),
-                                 test_data=(mnist_small.x_test, mnist_small.y_test), seed=0,
-                                 progress=False)
+        t = LocalTrainer(
+            tiny_model(hidden=32, seed=0),
+            mnist_small.x_train,
+            mnist_small.y_train,
+            local_epochs=2,
+            batch_size=10,
+            learning_rate=0.1,
+        )
+        server = FederatedServer(
+            t,
+            iid_partition(3000, 30, seed=0),
+            agg,
+            sampling=ClientSampling("poisson", fraction=0.3),
+            test_data=(mnist_small.x_test, mnist_small.y_test),
+            seed=0,
+            progress=False,
+        )
         _, before = server.evaluate()
         server.run(3)
         accs[name] = server.history[-1].accuracy
@@ -92,10 +123,17 @@ def test_checkpoint_resume_reproduces_an_uninterrupted_run(trainer, tmp_path, mn
 
     def server():
         agg = GlobalDPAggregator(GaussianSanitizer(0.5, 1.0))
-        return FederatedServer(trainer, partition, agg,
-                               sampling=ClientSampling("poisson", clients_per_round=4),
-                               test_data=(mnist_small.x_test[:100], mnist_small.y_test[:100]),
-                               delta_max=1e-3, seed=1, noise_seed=2, progress=False)
+        return FederatedServer(
+            trainer,
+            partition,
+            agg,
+            sampling=ClientSampling("poisson", clients_per_round=4),
+            test_data=(mnist_small.x_test[:100], mnist_small.y_test[:100]),
+            delta_max=1e-3,
+            seed=1,
+            noise_seed=2,
+            progress=False,
+        )
 
     init = trainer.get_weights()
     straight = server()
@@ -107,7 +145,9 @@ def test_checkpoint_resume_reproduces_an_uninterrupted_run(trainer, tmp_path, mn
     first.run(2, checkpoint_dir=tmp_path)
     state = json.loads((tmp_path / "state.json").read_text())
     assert state["round"] == 2 and sorted(p.name for p in tmp_path.iterdir()) == [
-        "state.json", "weights-000002.npz"]
+        "state.json",
+        "weights-000002.npz",
+    ]
     trainer.set_weights([tf.zeros_like(w) for w in init])  # a fresh process would start anew
     resumed = server()
     resumed.run(3, checkpoint_dir=tmp_path)
@@ -117,24 +157,39 @@ def test_checkpoint_resume_reproduces_an_uninterrupted_run(trainer, tmp_path, mn
         np.testing.assert_allclose(got.numpy(), expect, rtol=1e-5, atol=1e-6)
     assert [r.clients for r in resumed.history] == [r.clients for r in straight.history]
     # a checkpoint of another run is refused
-    other = FederatedServer(trainer, partition, MeanAggregator(),
-                            sampling=ClientSampling("poisson", clients_per_round=4),
-                            test_data=None, seed=1, progress=False)
+    other = FederatedServer(
+        trainer,
+        partition,
+        MeanAggregator(),
+        sampling=ClientSampling("poisson", clients_per_round=4),
+        test_data=None,
+        seed=1,
+        progress=False,
+    )
     with pytest.raises(ValueError, match="belongs to a different run"):
         other.load_checkpoint(tmp_path)
 
 
 def test_server_input_errors(trainer):
     with pytest.raises(ValueError, match="refers to example"):
-        FederatedServer(trainer, ClientPartition.from_lists([[0, 1], [5000]]), MeanAggregator(),
-                        sampling=ClientSampling("poisson", fraction=0.5), test_data=None)
+        FederatedServer(
+            trainer,
+            ClientPartition.from_lists([[0, 1], [5000]]),
+            MeanAggregator(),
+            sampling=ClientSampling("poisson", fraction=0.5),
+            test_data=None,
+        )
     with pytest.raises(ValueError, match="target_epsilon needs a private aggregator"):
-        FederatedServer(trainer, iid_partition(600, 6), MeanAggregator(),
-                        sampling=ClientSampling("poisson", fraction=0.5), test_data=None,
-                        target_epsilon=1.0)
+        FederatedServer(
+            trainer,
+            iid_partition(600, 6),
+            MeanAggregator(),
+            sampling=ClientSampling("poisson", fraction=0.5),
+            test_data=None,
+            target_epsilon=1.0,
+        )
     with pytest.raises(ValueError, match="a client with no examples"):
-        trainer.train(trainer.get_weights(), np.array([], dtype=np.int64),
-                      np.random.default_rng(0))
+        trainer.train(trainer.get_weights(), np.array([], dtype=np.int64), np.random.default_rng(0))
 
 
 def test_client_sampling_is_secret_unless_reproducibility_is_asked_for(trainer):
@@ -144,8 +199,16 @@ def test_client_sampling_is_secret_unless_reproducibility_is_asked_for(trainer):
     sampling = ClientSampling("fixed_size", clients_per_round=5)
 
     def chosen(**kw):
-        server = FederatedServer(trainer, partition, MeanAggregator(), sampling=sampling,
-                                 test_data=None, seed=5, progress=False, **kw)
+        server = FederatedServer(
+            trainer,
+            partition,
+            MeanAggregator(),
+            sampling=sampling,
+            test_data=None,
+            seed=5,
+            progress=False,
+            **kw,
+        )
         return [tuple(sampling.sample(server.round_rng(t), 50)) for t in range(4)]
 
     assert chosen() != chosen()

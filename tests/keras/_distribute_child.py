@@ -12,7 +12,7 @@ tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfigur
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dpfl_tf.keras import DPModel, DPSGD  # noqa: E402
+from dpfl_tf.keras import DPSGD, DPModel  # noqa: E402
 from tests.keras.helpers import loss, mnist_slice  # noqa: E402
 
 x, y = mnist_slice(600, features=60)
@@ -21,11 +21,15 @@ x, y = mnist_slice(600, features=60)
 def update(strategy, noise, jit=False, seed=3, epochs=1):
     with strategy.scope():
         keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.Input((60,)), keras.layers.Dense(200, activation="relu"),
-                                  keras.layers.Dense(10)])
+        model = keras.Sequential(
+            [keras.Input((60,)), keras.layers.Dense(200, activation="relu"), keras.layers.Dense(10)]
+        )
         dp = DPModel(model)
-        dp.compile(optimizer=DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=noise, seed=seed),
-                   loss=loss(), jit_compile=jit)
+        dp.compile(
+            optimizer=DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=noise, seed=seed),
+            loss=loss(),
+            jit_compile=jit,
+        )
     w0 = [v.numpy().copy() for v in model.trainable_variables]
     dp.fit(x, y, lot_size=600, batch_size=150, epochs=epochs, verbose=0, sampling="full_batch")
     delta = np.concatenate([(v.numpy() - a).ravel() for v, a in zip(model.trainable_variables, w0)])
@@ -56,21 +60,28 @@ def tiny_lots():
     sizes = [len(i) for i in dp_sampler_sizes(dp, 40)]
     with np.errstate(all="ignore"):
         dp.fit(xs, ys, lot_size=1, batch_size=1, epochs=40, verbose=0)
-    return {"tiny_lot_sizes_seen": sorted(set(sizes)), "tiny_lots": dp.lots_computed,
-            "tiny_ledger": dp.privacy_ledger.count(), "tiny_dropped": dp.dropped_examples,
-            "tiny_finite": bool(all(np.all(np.isfinite(w)) for w in model.get_weights()))}
+    return {
+        "tiny_lot_sizes_seen": sorted(set(sizes)),
+        "tiny_lots": dp.lots_computed,
+        "tiny_ledger": dp.privacy_ledger.count(),
+        "tiny_dropped": dp.dropped_examples,
+        "tiny_finite": bool(all(np.all(np.isfinite(w)) for w in model.get_weights())),
+    }
 
 
 def dp_sampler_sizes(dp, epochs):
     from dpfl_tf.keras import LotSampler
+
     return list(LotSampler(7, 1, seed=0).lots(7 * epochs))
 
 
 def secure_refusal():
     with mirrored.scope():
         dp = DPModel(keras.Sequential([keras.Input((60,)), keras.layers.Dense(10)]))
-        dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0,
-                                   secure_mode=True), loss=loss())
+        dp.compile(
+            optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, secure_mode=True),
+            loss=loss(),
+        )
     try:
         dp.fit(x[:20], y[:20], lot_size=5, epochs=1, verbose=0)
     except ValueError as err:
@@ -87,11 +98,14 @@ def one_replica():
     for name, strategy in [("plain", plain), ("one", tf.distribute.MirroredStrategy(["/cpu:0"]))]:
         with strategy.scope():
             dp = DPModel(keras.Sequential([keras.Input((60,)), keras.layers.Dense(10)]))
-            dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=3.0),
-                       loss=loss())
+            dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=3.0), loss=loss())
         dp.fit(x[:300], y[:300], lot_size=30, epochs=5, target_epsilon=1.0, verbose=0)
-        out[f"{name}_replica_lots"] = [dp.lots_computed, dp.lots_applied,
-                                       dp.privacy_ledger.count(), dp.stop_reason]
+        out[f"{name}_replica_lots"] = [
+            dp.lots_computed,
+            dp.lots_applied,
+            dp.privacy_ledger.count(),
+            dp.stop_reason,
+        ]
     return out
 
 
@@ -100,25 +114,44 @@ def mixing_refusal():
     from dpfl_tf.keras import BatchMixingLayerError
 
     with mirrored.scope():
-        dp = DPModel(keras.Sequential([
-            keras.Input((60,)), keras.layers.Dense(8),
-            keras.layers.Lambda(lambda t: t - keras.ops.mean(t, axis=0), name="centre"),
-            keras.layers.Dense(10)]))
+        dp = DPModel(
+            keras.Sequential(
+                [
+                    keras.Input((60,)),
+                    keras.layers.Dense(8),
+                    keras.layers.Lambda(lambda t: t - keras.ops.mean(t, axis=0), name="centre"),
+                    keras.layers.Dense(10),
+                ]
+            )
+        )
         dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss())
     try:
         dp.fit(x[:40], y[:40], lot_size=20, epochs=1, verbose=0)
     except BatchMixingLayerError as err:
-        return {"mixing_refusal": str(err), "mixing_lots": dp.lots_computed,
-                "mixing_ledger": len(dp.privacy_ledger)}
-    return {"mixing_refusal": None, "mixing_lots": dp.lots_computed,
-            "mixing_ledger": len(dp.privacy_ledger)}
+        return {
+            "mixing_refusal": str(err),
+            "mixing_lots": dp.lots_computed,
+            "mixing_ledger": len(dp.privacy_ledger),
+        }
+    return {
+        "mixing_refusal": None,
+        "mixing_lots": dp.lots_computed,
+        "mixing_ledger": len(dp.privacy_ledger),
+    }
 
 
-json.dump({**tiny_lots(), **secure_refusal(), **one_replica(), **mixing_refusal(),
-    "replicas": mirrored.num_replicas_in_sync,
-    "mirrored_max_diff": float(np.max(np.abs(clean - clean_m))),
-    "xla_max_diff": float(np.max(np.abs(clean - clean_x))),
-    "mirrored_lots": lots_m,
-    "mirrored_noise": ((noisy_m - one_clean) / scale).tolist()[:60000],
-    "xla_noise": ((noisy_x - one_clean) / scale).tolist()[:60000],
-}, sys.stdout)
+json.dump(
+    {
+        **tiny_lots(),
+        **secure_refusal(),
+        **one_replica(),
+        **mixing_refusal(),
+        "replicas": mirrored.num_replicas_in_sync,
+        "mirrored_max_diff": float(np.max(np.abs(clean - clean_m))),
+        "xla_max_diff": float(np.max(np.abs(clean - clean_x))),
+        "mirrored_lots": lots_m,
+        "mirrored_noise": ((noisy_m - one_clean) / scale).tolist()[:60000],
+        "xla_noise": ((noisy_x - one_clean) / scale).tolist()[:60000],
+    },
+    sys.stdout,
+)

@@ -34,7 +34,7 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dpfl_tf.keras import DPCheckpoint, DPModel, DPSGD  # noqa: E402
+from dpfl_tf.keras import DPSGD, DPCheckpoint, DPModel  # noqa: E402
 from tests.keras.helpers import mnist_slice  # noqa: E402
 
 SAMPLINGS = ("poisson", "fixed_size", "shuffle")
@@ -53,8 +53,14 @@ CLIP_TOTAL = {"flat": 1.0, "per_layer": float(np.sqrt(1.0 + 4.0))}
 def cells():
     for combo in itertools.product(SAMPLINGS, EXECUTIONS, DISTRIBUTIONS, CLIPS, SCENARIOS):
         sampling, (execution, spe), dist, clip, scenario = combo
-        yield dict(sampling=sampling, execution=execution, spe=spe, distribution=dist,
-                   clip=clip, scenario=scenario)
+        yield dict(
+            sampling=sampling,
+            execution=execution,
+            spe=spe,
+            distribution=dist,
+            clip=clip,
+            scenario=scenario,
+        )
 
 
 def refused(cell) -> str | None:
@@ -89,8 +95,13 @@ class Probe(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         c0, a0, w0 = self._before
         w1 = self._rows()
-        self.steps.append((self.model.lots_computed - c0, self.model.lots_applied - a0,
-                           float(np.sum((w1 - w0) ** 2))))
+        self.steps.append(
+            (
+                self.model.lots_computed - c0,
+                self.model.lots_applied - a0,
+                float(np.sum((w1 - w0) ** 2)),
+            )
+        )
 
 
 class Rollback(keras.callbacks.Callback):
@@ -118,20 +129,28 @@ class Kill(keras.callbacks.Callback):
 
 def build(cell, strategy):
     with strategy.scope():
-        inner = keras.Sequential([keras.Input((FEATURES + NOISE_FEATURES,)),
-                                  keras.layers.Dense(HIDDEN, activation="tanh", name="fc1"),
-                                  keras.layers.Dense(3, name="out")])
+        inner = keras.Sequential(
+            [
+                keras.Input((FEATURES + NOISE_FEATURES,)),
+                keras.layers.Dense(HIDDEN, activation="tanh", name="fc1"),
+                keras.layers.Dense(3, name="out"),
+            ]
+        )
         model = DPModel(inner, accountant="rdp")
-        compile_model(model, cell, DPSGD(LR, l2_norm_clip=CLIP_SPEC[cell["clip"]],
-                                         noise_multiplier=SIGMA))
+        compile_model(
+            model, cell, DPSGD(LR, l2_norm_clip=CLIP_SPEC[cell["clip"]], noise_multiplier=SIGMA)
+        )
     return model
 
 
 def compile_model(model, cell, optimizer):
-    model.compile(optimizer=optimizer,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  run_eagerly=cell["execution"] == "eager",
-                  jit_compile=cell["execution"] == "xla", steps_per_execution=cell["spe"])
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        run_eagerly=cell["execution"] == "eager",
+        jit_compile=cell["execution"] == "xla",
+        steps_per_execution=cell["spe"],
+    )
 
 
 _MIRRORED = []
@@ -146,8 +165,7 @@ def mirrored():
 
 
 def run_cell(cell, x, y):
-    strategy = (mirrored() if cell["distribution"] == "mirrored"
-                else tf.distribute.get_strategy())
+    strategy = mirrored() if cell["distribution"] == "mirrored" else tf.distribute.get_strategy()
     model = build(cell, strategy)
     fit_args = dict(lot_size=LOT, batch_size=4, sampling=cell["sampling"], verbose=0)
     probe = Probe()
@@ -175,8 +193,13 @@ def run_cell(cell, x, y):
     else:  # resume: killed mid-epoch 2, restored from the epoch-1 checkpoint
         directory = tempfile.mkdtemp(prefix="dp-matrix-")
         try:
-            model.fit(x, y, epochs=3, callbacks=[probe, DPCheckpoint(directory),
-                                                  Kill(LOTS_PER_EPOCH + 2)], **fit_args)
+            model.fit(
+                x,
+                y,
+                epochs=3,
+                callbacks=[probe, DPCheckpoint(directory), Kill(LOTS_PER_EPOCH + 2)],
+                **fit_args,
+            )
         except KeyboardInterrupt:
             pass
         out["killed_at"] = model.lots_computed
@@ -190,7 +213,8 @@ def run_cell(cell, x, y):
     ledger = model.privacy_ledger
     out.update(
         target=target,
-        lots_computed=model.lots_computed, lots_applied=model.lots_applied,
+        lots_computed=model.lots_computed,
+        lots_applied=model.lots_applied,
         ledger_lots=_ledger_lots(cell, ledger),
         epsilon=ledger.epsilon(1e-5, "rdp"),
         finite=bool(all(np.all(np.isfinite(w)) for w in model.get_weights())),

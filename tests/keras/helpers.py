@@ -17,8 +17,8 @@ def mnist_slice(n=1000, flat=True, features=None, offset=0):
     """The first n MNIST training images in [0, 1] (flattened, optionally
     projected to `features` dimensions by a fixed random matrix) and labels."""
     ds = _mnist()
-    x = ds.x_train[offset:offset + n].astype("float32") / 255.0
-    y = ds.y_train[offset:offset + n].astype("int64")
+    x = ds.x_train[offset : offset + n].astype("float32") / 255.0
+    y = ds.y_train[offset : offset + n].astype("int64")
     if flat:
         x = x.reshape(n, -1)
         if features:
@@ -40,8 +40,13 @@ def mnist_test_slice(n=1000, features=None):
 
 def mlp(inputs=60, hidden=32, seed=0):
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(hidden, activation="relu"),
-                             keras.layers.Dense(10)])
+    return keras.Sequential(
+        [
+            keras.Input((inputs,)),
+            keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
 
 
 def loss():

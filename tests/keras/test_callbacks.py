@@ -5,7 +5,7 @@ import dp_accounting
 import pytest
 from dp_accounting import rdp
 
-from dpfl_tf.keras import DPModel, DPSGD
+from dpfl_tf.keras import DPSGD, DPModel
 from dpfl_tf.privacy import PrivacyLedger
 from tests.keras.helpers import loss, mlp, mnist_slice
 
@@ -21,7 +21,7 @@ def _model(ledger):
 def test_shuffled_fit_after_add_remove_dp_pca_is_refused_before_any_lot():
     x, y = mnist_slice(1000, features=60)
     ledger = PrivacyLedger("rdp")
-    ledger.record(DP_PCA, label="dp_pca")   # add/remove-one
+    ledger.record(DP_PCA, label="dp_pca")  # add/remove-one
     dp = _model(ledger)
     with pytest.raises(ValueError, match="add/remove-one.*relation='replace_one'"):
         dp.fit(x, y, lot_size=100, epochs=2, verbose=0, sampling="shuffle", sampling_seed=0)
@@ -32,7 +32,12 @@ def test_shuffled_fit_after_add_remove_dp_pca_is_refused_before_any_lot():
     dp.ledger.record(DP_PCA, label="dp_pca")
     dp.fit(x, y, lot_size=100, epochs=2, verbose=0, sampling="shuffle", sampling_seed=0)
     assert dp.lots_applied == 20
-    ref = rdp.RdpAccountant().compose(dp_accounting.ComposedDpEvent([
-        dp_accounting.GaussianDpEvent(3.5),
-        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(0.5), 2)]))
+    ref = rdp.RdpAccountant().compose(
+        dp_accounting.ComposedDpEvent(
+            [
+                dp_accounting.GaussianDpEvent(3.5),
+                dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(0.5), 2),
+            ]
+        )
+    )
     assert dp.epsilon(1e-5) == pytest.approx(ref.get_epsilon(1e-5), rel=1e-12)

@@ -10,22 +10,33 @@ import numpy as np
 import pytest
 
 from dpfl_tf.correlated_noise import CorrelatedNoise
-from dpfl_tf.keras import DPModel, DPSGD
+from dpfl_tf.keras import DPSGD, DPModel
 from dpfl_tf.keras.sampling import LotSampler
 from dpfl_tf.privacy import BudgetExceededError, ReplaceOneGaussianDpEvent, compute_epsilon
 from dpfl_tf.privacy import matrix_factorization as mf
 from tests.keras.helpers import loss, mlp, mnist_slice
 
-N, LOT = 200, 50          # 4 lots an epoch
+N, LOT = 200, 50  # 4 lots an epoch
 
 
-def dp_model(mechanism="banded", noise=1.0, lr=1.0, seed=0, model=None, ledger=None,
-             recorded_lots=0, **opt):
-    dp = DPModel(model if model is not None else mlp(hidden=8), ledger=ledger,
-                 recorded_lots=recorded_lots)
-    dp.compile(optimizer=DPSGD(lr, l2_norm_clip=1.0, noise_multiplier=noise, seed=seed,
-                               correlated_noise=mechanism, **opt),
-               loss=loss(), steps_per_execution=1)
+def dp_model(
+    mechanism="banded", noise=1.0, lr=1.0, seed=0, model=None, ledger=None, recorded_lots=0, **opt
+):
+    dp = DPModel(
+        model if model is not None else mlp(hidden=8), ledger=ledger, recorded_lots=recorded_lots
+    )
+    dp.compile(
+        optimizer=DPSGD(
+            lr,
+            l2_norm_clip=1.0,
+            noise_multiplier=noise,
+            seed=seed,
+            correlated_noise=mechanism,
+            **opt,
+        ),
+        loss=loss(),
+        steps_per_execution=1,
+    )
     return dp
 
 
@@ -40,8 +51,9 @@ class KernelTrace(keras.callbacks.Callback):
 
 
 @pytest.mark.filterwarnings("ignore:seed=")
-@pytest.mark.parametrize("mechanism, sampling", [("banded", "in_order"), ("tree", "shuffle"),
-                                                 ("blt", "in_order")])
+@pytest.mark.parametrize(
+    "mechanism, sampling", [("banded", "in_order"), ("tree", "shuffle"), ("blt", "in_order")]
+)
 def test_lot_noise_is_the_mechanisms_and_the_run_is_recorded_once(mechanism, sampling):
     """Zero inputs: no gradient reaches the first kernel, so its change in lot t
     is -lr s sens w_t / L, with w_t the mechanism's noise at (seed, lot t)."""
@@ -55,8 +67,10 @@ def test_lot_noise_is_the_mechanisms_and_the_run_is_recorded_once(mechanism, sam
     assert mech.steps == 12 and run.position == 12
     # the order of the data fixes the lots: replace-one
     assert mech.participation == (
-        mf.Participation.epochs(12, 4, relation="replace_one") if sampling == "shuffle"
-        else mf.Participation.min_separation(12, 4, relation="replace_one"))
+        mf.Participation.epochs(12, 4, relation="replace_one")
+        if sampling == "shuffle"
+        else mf.Participation.min_separation(12, 4, relation="replace_one")
+    )
     deltas = np.diff(np.stack(trace.kernels), axis=0)
     reference = CorrelatedNoise(mech, [deltas.shape[1:]], seed=3)
     want = np.stack([reference.next(t)[0].numpy() for t in range(12)])
@@ -65,8 +79,9 @@ def test_lot_noise_is_the_mechanisms_and_the_run_is_recorded_once(mechanism, sam
     entries = dp.privacy_ledger.entries
     assert [e["label"] for e in entries] == ["mf", "dpsgd"] and entries[0]["count"] == 1
     assert dp.epsilon(1e-5, "rdp") == pytest.approx(
-        compute_epsilon(ReplaceOneGaussianDpEvent(1.0), 1e-5, "rdp"))
-    if mechanism == "banded":    # a new fit is a new run, recorded again
+        compute_epsilon(ReplaceOneGaussianDpEvent(1.0), 1e-5, "rdp")
+    )
+    if mechanism == "banded":  # a new fit is a new run, recorded again
         dp.fit(x, y, lot_size=LOT, epochs=1, verbose=0, sampling=sampling)
         assert [e["label"] for e in dp.privacy_ledger.entries].count("mf") == 2
 
@@ -75,17 +90,20 @@ def test_lot_noise_is_the_mechanisms_and_the_run_is_recorded_once(mechanism, sam
 def test_poisson_lots_and_an_exceeding_run_are_refused_before_anything_is_recorded():
     x, y = mnist_slice(N, features=60)
     dp = dp_model("banded")
-    with pytest.raises(ValueError, match="correlated noise needs sampling 'shuffle', "
-                                         "'in_order', 'cyclic_poisson' or 'full_batch', "
-                                         "got 'poisson'"):
+    with pytest.raises(
+        ValueError,
+        match="correlated noise needs sampling 'shuffle', "
+        "'in_order', 'cyclic_poisson' or 'full_batch', "
+        "got 'poisson'",
+    ):
         dp.fit(x, y, lot_size=LOT, epochs=1, verbose=0)
-    with pytest.raises(BudgetExceededError, match="would bring epsilon to .* > "
-                                                  "target_epsilon=0.5"):
-        dp.fit(x, y, lot_size=LOT, epochs=1, verbose=0, sampling="in_order",
-               target_epsilon=0.5)
+    with pytest.raises(BudgetExceededError, match="would bring epsilon to .* > target_epsilon=0.5"):
+        dp.fit(x, y, lot_size=LOT, epochs=1, verbose=0, sampling="in_order", target_epsilon=0.5)
     assert dp.privacy_ledger.entries == [] and dp.lots_computed == 0
-    with pytest.raises(ValueError, match="cyclic_poisson' needs a DP optimizer with "
-                                         "correlated_noise=CorrelatedNoiseConfig"):
+    with pytest.raises(
+        ValueError,
+        match="cyclic_poisson' needs a DP optimizer with correlated_noise=CorrelatedNoiseConfig",
+    ):
         dp.fit(x, y, lot_size=LOT, epochs=1, verbose=0, sampling="cyclic_poisson")
     # within the budget: trains, and the budget does not stop the run early
     dp.fit(x, y, lot_size=LOT, epochs=2, verbose=0, sampling="in_order", target_epsilon=20)
@@ -107,15 +125,29 @@ def test_an_interrupted_run_resumes_with_the_same_noise_and_one_event():
     whole.fit(x, y, lot_size=LOT, epochs=3, verbose=0, sampling="in_order")
 
     same = dp_model("blt", noise=1.0, seed=5, lr=0.5)
-    same.fit(x, y, lot_size=LOT, epochs=3, verbose=0, sampling="in_order",
-             callbacks=[StopAfterFirstEpoch()])
+    same.fit(
+        x,
+        y,
+        lot_size=LOT,
+        epochs=3,
+        verbose=0,
+        sampling="in_order",
+        callbacks=[StopAfterFirstEpoch()],
+    )
     state = same.optimizer.correlated_run.get_state()
     weights = same.get_weights()
     ledger = same.privacy_ledger.to_dict()
     same.fit(x, y, lot_size=LOT, epochs=3, initial_epoch=1, verbose=0, sampling="in_order")
 
-    other = dp_model("blt", noise=1.0, seed=5, lr=0.5, model=mlp(hidden=8, seed=9),
-                     ledger=ledger, recorded_lots=4)
+    other = dp_model(
+        "blt",
+        noise=1.0,
+        seed=5,
+        lr=0.5,
+        model=mlp(hidden=8, seed=9),
+        ledger=ledger,
+        recorded_lots=4,
+    )
     other.set_weights(weights)
     other.optimizer.restore_correlated_run(state)
     other.fit(x, y, lot_size=LOT, epochs=3, initial_epoch=1, verbose=0, sampling="in_order")
@@ -128,10 +160,8 @@ def test_an_interrupted_run_resumes_with_the_same_noise_and_one_event():
     # weights that carry lots the model did not compute: refused, not recorded as no-ops
     bare = dp_model("blt", noise=1.0, seed=5, lr=0.5, model=mlp(hidden=8, seed=9))
     bare.set_weights(weights)
-    with pytest.raises(ValueError, match="the weights carry 4 lots this model did not "
-                                         "compute"):
-        bare.fit(x, y, lot_size=LOT, epochs=3, initial_epoch=1, verbose=0,
-                 sampling="in_order")
+    with pytest.raises(ValueError, match="the weights carry 4 lots this model did not compute"):
+        bare.fit(x, y, lot_size=LOT, epochs=3, initial_epoch=1, verbose=0, sampling="in_order")
     assert bare.privacy_ledger.entries == []
 
 
@@ -141,25 +171,28 @@ def test_in_order_lots_repeat_the_same_order_every_epoch():
     assert [lot[0] for lot in lots] == [100, 150, 0, 50, 100, 150]
     assert all(np.array_equal(lot, np.arange(lot[0], lot[0] + LOT)) for lot in lots)
     assert sampler.participation(40) == mf.Participation.min_separation(
-        40, 4, relation="replace_one")
+        40, 4, relation="replace_one"
+    )
 
 
 @pytest.mark.parametrize("secure", [False, True])
 def test_cyclic_poisson_lots_take_one_group_per_lot(secure):
-    sampler = LotSampler(1000, 10, "cyclic_poisson", cycle_length=5,
-                         seed=None if secure else 1, secure_mode=secure)
+    sampler = LotSampler(
+        1000, 10, "cyclic_poisson", cycle_length=5, seed=None if secure else 1, secure_mode=secure
+    )
     assert sampler.sampling_rate == pytest.approx(0.05)
     turns = {}
     lots = list(sampler.lots(30))
     for t, lot in enumerate(lots):
         for i in lot:
             turns.setdefault(int(i), set()).add(t % 5)
-    assert all(len(v) == 1 for v in turns.values())       # one group per example
+    assert all(len(v) == 1 for v in turns.values())  # one group per example
     assert np.mean([len(lot) for lot in lots]) == pytest.approx(10, rel=0.35)
     p = sampler.participation(30)
     assert p == mf.Participation.cyclic_poisson(30, 5, 0.05)
-    with pytest.raises(ValueError,
-                       match=r"cycle_length must be <= N // L = 100 \(so that .*\), got 101"):
+    with pytest.raises(
+        ValueError, match=r"cycle_length must be <= N // L = 100 \(so that .*\), got 101"
+    ):
         LotSampler(1000, 10, "cyclic_poisson", cycle_length=101)
     with pytest.raises(ValueError, match="cycle_length is for sampling='cyclic_poisson'"):
         LotSampler(1000, 10, "shuffle", cycle_length=5)
@@ -175,19 +208,26 @@ def test_amplified_banded_fit_in_secure_mode_records_k_sampled_cycles():
     assert all(b.dtype == "float64" for b in run.sanitizer(1.0).noise.buffers)
     assert all(np.isfinite(w).all() for w in dp.get_weights())
     sens = run.mechanism.sensitivity
-    assert sens == pytest.approx(1.0)       # one participation: ||c|| = 1
+    assert sens == pytest.approx(1.0)  # one participation: ||c|| = 1
     assert dp.privacy_ledger.entries[0]["event"] == (
-        "4 x Poisson(q=0.5) Gaussian(sigma=1) (add/remove-one)")
+        "4 x Poisson(q=0.5) Gaussian(sigma=1) (add/remove-one)"
+    )
 
 
 def test_optimizer_config_round_trip_keeps_the_mechanism():
-    opt = DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0,
-                correlated_noise=mf.CorrelatedNoiseConfig("blt", buffers=3))
+    opt = DPSGD(
+        0.1,
+        l2_norm_clip=1.0,
+        noise_multiplier=1.0,
+        correlated_noise=mf.CorrelatedNoiseConfig("blt", buffers=3),
+    )
     again = DPSGD.from_config(opt.get_config())
     assert again.correlated_noise == opt.correlated_noise
-    with pytest.raises(ValueError, match="mechanism must be one of tree, banded, blt, got "
-                                         "'dense'"):
+    with pytest.raises(ValueError, match="mechanism must be one of tree, banded, blt, got 'dense'"):
         DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, correlated_noise="dense")
     assert mf.CorrelatedNoiseConfig("ftrl").mechanism is mf.MechanismKind.TREE
-    assert math.isfinite(mf.CorrelatedNoiseConfig("banded_mf").build(
-        mf.Participation.min_separation(8, 4), 1.0).sensitivity)
+    assert math.isfinite(
+        mf.CorrelatedNoiseConfig("banded_mf")
+        .build(mf.Participation.min_separation(8, 4), 1.0)
+        .sensitivity
+    )

@@ -17,8 +17,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def child():
     env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
-    out = subprocess.run([sys.executable, "-m", "tests.keras._distribute_child"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.keras._distribute_child"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -51,8 +57,9 @@ def test_mirrored_strategy_trains_lots_of_every_size_and_drops_nan_examples(chil
 
 
 def test_secure_mode_is_refused_under_mirrored_strategy(child):
-    assert "secure_mode=True is not supported under a distribution strategy" in \
-        child["secure_refusal"]
+    assert (
+        "secure_mode=True is not supported under a distribution strategy" in child["secure_refusal"]
+    )
     assert child["secure_lots"] == 0
 
 

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
-if str(ROOT / "experiments") not in sys.path:   # as when the script runs (its _common)
+if str(ROOT / "experiments") not in sys.path:  # as when the script runs (its _common)
     sys.path.insert(0, str(ROOT / "experiments"))
-_spec = importlib.util.spec_from_file_location("fuzz_models",
-                                               ROOT / "experiments" / "fuzz_models.py")
+_spec = importlib.util.spec_from_file_location(
+    "fuzz_models", ROOT / "experiments" / "fuzz_models.py"
+)
 fuzz = sys.modules["fuzz_models"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fuzz)
 
@@ -34,7 +35,7 @@ def test_fuzzed_model_trains_exactly_or_is_refused(seed):
     assert row["outcome"] in ("exact", "refused"), row
     if row["outcome"] == "refused":
         assert row["weights_unchanged"] and row["ledger_empty"], row
-        assert len(row["message"]) > 40, row   # says what is wrong, not only a type
+        assert len(row["message"]) > 40, row  # says what is wrong, not only a type
     else:
         assert row["error"] <= row["tolerance"]
         assert row["plan"], row
@@ -58,9 +59,15 @@ def test_a_wrong_rule_is_caught():
 
     class HalvedRule(layer_rules.PerLayerJacobianRule):
         def gradients(self, layer, calls):
-            return [(v, layer_rules.VariableGradients(g.sq_norms,
-                                                      lambda c, g=g: 0.5 * g.clipped_sum(c)))
-                    for v, g in super().gradients(layer, calls)]
+            return [
+                (
+                    v,
+                    layer_rules.VariableGradients(
+                        g.sq_norms, lambda c, g=g: 0.5 * g.clipped_sum(c)
+                    ),
+                )
+                for v, g in super().gradients(layer, calls)
+            ]
 
     layer_rules.register_rule(gate, HalvedRule())
     try:

@@ -24,8 +24,8 @@ N = 5
 def tokens(n=N, steps=12, vocab=16, offset=320):
     """Token ids 0..vocab-1 from MNIST pixel intensities (0 = background)."""
     x, _ = mnist_slice(n + 1, flat=True)
-    ids = np.floor(x[:, offset:offset + steps + 1] * (vocab - 0.01)).astype("int32")
-    return ids[:n, :-1], ids[:n, 1:]   # inputs and next-token targets
+    ids = np.floor(x[:, offset : offset + steps + 1] * (vocab - 0.01)).astype("int32")
+    return ids[:n, :-1], ids[:n, 1:]  # inputs and next-token targets
 
 
 def exact(model, x, y, rules=None, loss_fn=None):
@@ -50,6 +50,7 @@ def randomise_lora(model, seed=0):
 
 # ---------------------------------------------------------------------------
 # ReversibleEmbedding: lookup and tied head, summed before the norm
+
 
 def lm(vocab=16, width=8, steps=12, **kwargs):
     """tokens -> ReversibleEmbedding -> Dense -> the same table as the head."""
@@ -76,12 +77,13 @@ def test_reversible_embedding_as_lookup_and_tied_head(name):
     kwargs = TIED[name]
     x, y = tokens(steps=kwargs["steps"], vocab=kwargs["vocab"])
     model, emb = lm(**kwargs)
-    exact(model, x, y, {("ReversibleEmbedding", "ReversibleEmbeddingRule"),
-                        ("Dense", "DenseRule")})
+    exact(model, x, y, {("ReversibleEmbedding", "ReversibleEmbeddingRule"), ("Dense", "DenseRule")})
     if name in ("materialised", "ghost"):  # the two branches of the norm are taken
         from dpfl_tf.keras.layer_rules._base import ghost_norm_is_smaller
-        assert ghost_norm_is_smaller(kwargs["steps"], kwargs["width"],
-                                     kwargs["vocab"]) == (name == "ghost")
+
+        assert ghost_norm_is_smaller(kwargs["steps"], kwargs["width"], kwargs["vocab"]) == (
+            name == "ghost"
+        )
 
 
 def test_reversible_embedding_lookup_keeps_its_mask_and_head_alone():
@@ -139,7 +141,7 @@ def test_lora_einsum_dense(name):
     equation, shape, bias = EINSUM_LORA[name]
     keras.utils.set_random_seed(43)
     x, y = mnist_slice(N, flat=True)
-    x = x[:, 196:196 + 96].reshape(N, 12, 8)
+    x = x[:, 196 : 196 + 96].reshape(N, 12, 8)
     if name == "heads_out":
         x = x.reshape(N, 12, 2, 4)
     inp = keras.Input(x.shape[1:])
@@ -150,7 +152,8 @@ def test_lora_einsum_dense(name):
     randomise_lora(model)
     exact(model, x, y, {("EinsumDense", "LoraEinsumRule"), ("Dense", "DenseRule")})
     assert {v.path.split("/")[-1] for v in layer.trainable_variables} == (
-        {"lora_kernel_a", "lora_kernel_b"} | ({"bias"} if bias else set()))
+        {"lora_kernel_a", "lora_kernel_b"} | ({"bias"} if bias else set())
+    )
 
 
 @pytest.mark.parametrize("rank", [2, 3])
@@ -191,8 +194,11 @@ def test_lora_embedding_and_lora_reversible_embedding():
     emb.enable_lora(2)
     randomise_lora(model)
     exact(model, x, y[:, 0] % 10, {("Embedding", "LoraEmbeddingRule"), ("Dense", "DenseRule")})
-    for kwargs in (dict(vocab=40, width=8, steps=6), dict(vocab=16, width=8, steps=12),
-                   dict(vocab=40, width=8, steps=6, tie_weights=False)):
+    for kwargs in (
+        dict(vocab=40, width=8, steps=6),
+        dict(vocab=16, width=8, steps=12),
+        dict(vocab=40, width=8, steps=6, tie_weights=False),
+    ):
         x, y = tokens(steps=kwargs["steps"], vocab=kwargs["vocab"])
         model, table = lm(**kwargs)
         table.enable_lora(2)
@@ -208,7 +214,8 @@ POSITIONS = {
     "start_index": lambda layer, e: layer(e, start_index=3),
     "repeated_positions": lambda layer, e: layer(e, positions=tf.constant([0, 1, 1, 2] * 3)),
     "per_example_positions": lambda layer, e: layer(
-        e, positions=tf.cast(tf.cumsum(tf.ones_like(e[..., 0]), axis=1) % 5, "int32")),
+        e, positions=tf.cast(tf.cumsum(tf.ones_like(e[..., 0]), axis=1) % 5, "int32")
+    ),
     "called_twice": lambda layer, e: layer(e) + layer(e[:, :7])[:, :1],
     "rank_4_input": lambda layer, e: layer(tf.stack([e, 2 * e], axis=1))[:, 1],
 }
@@ -235,9 +242,16 @@ class PositionModel(keras.Model):
 def test_position_embedding(name):
     keras.utils.set_random_seed(47)
     x, y = tokens()
-    exact(PositionModel(name), x, y[:, 0] % 10,
-          {("PositionEmbedding", "PositionEmbeddingRule"), ("Embedding", "EmbeddingRule"),
-           ("Dense", "DenseRule")})
+    exact(
+        PositionModel(name),
+        x,
+        y[:, 0] % 10,
+        {
+            ("PositionEmbedding", "PositionEmbeddingRule"),
+            ("Embedding", "EmbeddingRule"),
+            ("Dense", "DenseRule"),
+        },
+    )
 
 
 def test_token_and_position_embedding_is_descended_into():
@@ -247,9 +261,16 @@ def test_token_and_position_embedding_is_descended_into():
     layer = keras_hub.layers.TokenAndPositionEmbedding(16, 12, 6, mask_zero=True)
     h = keras.layers.GlobalAveragePooling1D()(layer(inp))
     model = keras.Model(inp, keras.layers.Dense(10)(h))
-    exact(model, x, y[:, 0] % 10,
-          {("ReversibleEmbedding", "ReversibleEmbeddingRule"),
-           ("PositionEmbedding", "PositionEmbeddingRule"), ("Dense", "DenseRule")})
+    exact(
+        model,
+        x,
+        y[:, 0] % 10,
+        {
+            ("ReversibleEmbedding", "ReversibleEmbeddingRule"),
+            ("PositionEmbedding", "PositionEmbeddingRule"),
+            ("Dense", "DenseRule"),
+        },
+    )
 
 
 def _norm_classes():
@@ -267,7 +288,7 @@ def _norm_classes():
 def test_keras_hub_rms_normalizations(cls, offset):
     keras.utils.set_random_seed(49)
     x, y = mnist_slice(N, flat=True)
-    x = x[:, 196:196 + 96].reshape(N, 12, 8)
+    x = x[:, 196 : 196 + 96].reshape(N, 12, 8)
     inp = keras.Input(x.shape[1:])
     h = keras.layers.Dense(6, activation="tanh")(inp)
     norm = cls(6) if cls.__name__ == "RMSNormalization" and "layers" in cls.__module__ else cls()
@@ -287,7 +308,7 @@ def test_gemma_rms_normalization_computes_one_plus_scale():
     x = np.random.default_rng(0).normal(size=(2, 3, 4)).astype("float32")
     norm.build(x.shape)
     norm.scale.assign([0.0, 1.0, -1.0, 2.0])
-    xhat = x / np.sqrt(np.mean(x ** 2, -1, keepdims=True) + 1e-6)
+    xhat = x / np.sqrt(np.mean(x**2, -1, keepdims=True) + 1e-6)
     np.testing.assert_allclose(norm(x), xhat * np.array([1.0, 2.0, 0.0, 3.0]), rtol=1e-5)
 
 
@@ -300,12 +321,17 @@ def test_vit_patching_and_embedding_without_class_token():
     layer = ViTPatchingAndEmbedding((28, 28), (7, 7), 6, num_channels=1, use_class_token=False)
     h = keras.layers.Flatten()(layer(inp))
     model = keras.Model(inp, keras.layers.Dense(10)(h))
-    exact(model, x, y, {("ViTPatchingAndEmbedding", "ViTPatchingAndEmbeddingRule"),
-                        ("Dense", "DenseRule")})
+    exact(
+        model,
+        x,
+        y,
+        {("ViTPatchingAndEmbedding", "ViTPatchingAndEmbeddingRule"), ("Dense", "DenseRule")},
+    )
 
 
 # ---------------------------------------------------------------------------
 # KerasHub models from configs
+
 
 def hub_model(name, lora=False, seq=16, vocab=64):
     """A small KerasHub model (random initialisation) and one batch for it."""
@@ -319,19 +345,27 @@ def hub_model(name, lora=False, seq=16, vocab=64):
         backbone = m.GPT2Backbone(num_heads=2, max_sequence_length=seq, dropout=0.0, **text)
         model = m.GPT2CausalLM(backbone, preprocessor=None)
     elif name == "gemma":
-        backbone = m.GemmaBackbone(num_query_heads=4, num_key_value_heads=2, head_dim=4,
-                                   final_logit_soft_cap=30.0, **text)
+        backbone = m.GemmaBackbone(
+            num_query_heads=4, num_key_value_heads=2, head_dim=4, final_logit_soft_cap=30.0, **text
+        )
         model = m.GemmaCausalLM(backbone, preprocessor=None)
     elif name == "llama":
         backbone = m.LlamaBackbone(num_query_heads=4, num_key_value_heads=2, **text)
         model = m.LlamaCausalLM(backbone, preprocessor=None)
     elif name == "mistral":
-        backbone = m.MistralBackbone(num_query_heads=4, num_key_value_heads=2,
-                                     sliding_window=8, **text)
+        backbone = m.MistralBackbone(
+            num_query_heads=4, num_key_value_heads=2, sliding_window=8, **text
+        )
         model = m.MistralCausalLM(backbone, preprocessor=None)
     else:
-        backbone = m.ViTBackbone(image_shape=(28, 28, 1), patch_size=7, num_layers=2,
-                                 num_heads=2, hidden_dim=16, mlp_dim=32)
+        backbone = m.ViTBackbone(
+            image_shape=(28, 28, 1),
+            patch_size=7,
+            num_layers=2,
+            num_heads=2,
+            hidden_dim=16,
+            mlp_dim=32,
+        )
         model = m.ViTImageClassifier(backbone, num_classes=10, preprocessor=None)
     if lora:
         backbone.enable_lora(2)
@@ -355,11 +389,12 @@ def test_keras_hub_model_is_exact_and_fast(name, lora):
     model, x, y = hub_model(name, lora)
     report = exact(model, x, y)
     rules = {rule for _, _, rule in report.plan}
-    if lora:   # only the LoRA factors (and biases) train, all through the LoRA rule
+    if lora:  # only the LoRA factors (and biases) train, all through the LoRA rule
         assert "LoraEinsumRule" in rules
-        assert all("lora" in v.path or v.path.endswith("bias")
-                   for v in model.backbone.trainable_variables)
-    elif name != "vit":   # the token table is one tied (or untied) ReversibleEmbedding
+        assert all(
+            "lora" in v.path or v.path.endswith("bias") for v in model.backbone.trainable_variables
+        )
+    elif name != "vit":  # the token table is one tied (or untied) ReversibleEmbedding
         assert "ReversibleEmbeddingRule" in rules
 
 
@@ -383,7 +418,8 @@ def test_hub_rules_compile_under_xla():
 
         eager = run(xs, tf.constant(ys))
         xla = tf.function(run, jit_compile=True)(
-            tf.nest.map_structure(tf.constant, xs), tf.constant(ys))
+            tf.nest.map_structure(tf.constant, xs), tf.constant(ys)
+        )
         for a, b in zip(eager, xla):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
         assert not {type(r).__name__ for _, r in plan_layers(m).values()} & SLOW

@@ -24,28 +24,32 @@ def _images(n=N):
 def _sequence(n=N, steps=14, width=8):
     """MNIST rows as sequences: [n, steps, width] from the middle of the image."""
     x, y = mnist_slice(n, flat=True)
-    return x[:, 196:196 + steps * width].reshape(n, steps, width), y
+    return x[:, 196 : 196 + steps * width].reshape(n, steps, width), y
 
 
 def _tokens(n=N, steps=12, vocab=16, offset=320):
     """Token ids 0..vocab-1 from pixel intensities (0 = background, used as padding)."""
     x, y = mnist_slice(n, flat=True)
-    return np.floor(x[:, offset:offset + steps] * (vocab - 0.01)).astype("int32"), y
+    return np.floor(x[:, offset : offset + steps] * (vocab - 0.01)).astype("int32"), y
 
 
 def _volumes(n=N):
     x, y = mnist_slice(n, flat=True)
-    return x[:, 196:196 + 4 * 7 * 7].reshape(n, 4, 7, 7, 1), y
+    return x[:, 196 : 196 + 4 * 7 * 7].reshape(n, 4, 7, 7, 1), y
 
 
 def _reference(model, x, y):
     grads = []
     for i in range(len(y)):
         with tf.GradientTape() as tape:
-            li = tf.reduce_sum(loss().call(y[i:i + 1], model(x[i:i + 1], training=True)))
+            li = tf.reduce_sum(loss().call(y[i : i + 1], model(x[i : i + 1], training=True)))
         g = tape.gradient(li, model.trainable_variables)
-        grads.append([np.zeros(v.shape) if gi is None else tf.convert_to_tensor(gi).numpy()
-                      for gi, v in zip(g, model.trainable_variables)])
+        grads.append(
+            [
+                np.zeros(v.shape) if gi is None else tf.convert_to_tensor(gi).numpy()
+                for gi, v in zip(g, model.trainable_variables)
+            ]
+        )
     return grads
 
 
@@ -76,8 +80,9 @@ def check_exact(model, x, y, rules=None, clip=0.01, jit=None):
     layer class names to the rule class each must use."""
     model(x[:1])
     if rules is not None:
-        used = {type(layer).__name__: type(rule).__name__
-                for layer, rule in plan_layers(model).values()}
+        used = {
+            type(layer).__name__: type(rule).__name__ for layer, rule in plan_layers(model).values()
+        }
         assert used == rules
     ref = _reference(model, x, y)
     ref_sq = [np.array([np.sum(r[j] ** 2) for r in ref]) for j in range(len(ref[0]))]
@@ -91,7 +96,7 @@ def check_exact(model, x, y, rules=None, clip=0.01, jit=None):
         np.testing.assert_allclose(a, b, rtol=3e-4, atol=2e-6, err_msg=name)
     expected = [np.zeros_like(g) for g in ref[0]]
     for r in ref:
-        norm = np.sqrt(sum(np.sum(g ** 2) for g in r))
+        norm = np.sqrt(sum(np.sum(g**2) for g in r))
         for j, g in enumerate(r):
             expected[j] += g * min(1.0, clip / norm)
     sums, _, _ = _run(model, x, y, clip=clip, jit=jit)
@@ -125,8 +130,9 @@ def test_einsum_dense(name):
     x, y = _sequence()
     inp = keras.Input(x.shape[1:])
     h = keras.layers.EinsumDense(equation, shape, bias_axes=bias, activation="tanh")(inp)
-    check_exact(keras.Model(inp, _head(h)), x, y,
-                {"EinsumDense": "EinsumDenseRule", "Dense": "DenseRule"})
+    check_exact(
+        keras.Model(inp, _head(h)), x, y, {"EinsumDense": "EinsumDenseRule", "Dense": "DenseRule"}
+    )
 
 
 def test_einsum_dense_four_dimensional_input_into_heads():
@@ -153,11 +159,15 @@ def transformer_block(mask_zero=True):
 
 def test_multi_head_attention_is_reached_through_its_einsum_dense_sublayers():
     model = transformer_block()
-    rules = {(type(layer).__name__, type(rule).__name__)
-             for layer, rule in plan_layers(model).values()}
-    assert rules == {("Embedding", "EmbeddingRule"), ("EinsumDense", "EinsumDenseRule"),
-                     ("LayerNormalization", "AffineNormalizationRule"),
-                     ("Dense", "DenseRule")}
+    rules = {
+        (type(layer).__name__, type(rule).__name__) for layer, rule in plan_layers(model).values()
+    }
+    assert rules == {
+        ("Embedding", "EmbeddingRule"),
+        ("EinsumDense", "EinsumDenseRule"),
+        ("LayerNormalization", "AffineNormalizationRule"),
+        ("Dense", "DenseRule"),
+    }
     assert len(plan_layers(model)) == 1 + 4 + 2 + 3  # embedding, q/k/v/out, 2 LN, 3 Dense
 
 
@@ -198,9 +208,16 @@ def test_group_normalization_on_images(groups):
     h = keras.layers.Conv2D(4, 3, strides=2, activation="relu")(inp)
     h = keras.layers.GroupNormalization(groups=groups)(h)
     h = keras.layers.MaxPooling2D(2)(h)
-    check_exact(keras.Model(inp, _head(h)), x, y,
-                {"Conv2D": "ConvRule", "GroupNormalization": "AffineNormalizationRule",
-                 "Dense": "DenseRule"})
+    check_exact(
+        keras.Model(inp, _head(h)),
+        x,
+        y,
+        {
+            "Conv2D": "ConvRule",
+            "GroupNormalization": "AffineNormalizationRule",
+            "Dense": "DenseRule",
+        },
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -242,8 +259,11 @@ def test_conv2d_dilation_and_groups(name):
     check_exact(keras.Model(inp, _head(h)), x, y, {"Conv2D": "ConvRule", "Dense": "DenseRule"})
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(strides=2, padding="same"),
-                                    dict(dilation_rate=2)], ids=["valid", "same_s2", "dilated"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(), dict(strides=2, padding="same"), dict(dilation_rate=2)],
+    ids=["valid", "same_s2", "dilated"],
+)
 def test_conv3d(kwargs):
     keras.utils.set_random_seed(18)
     x, y = _volumes()
@@ -257,18 +277,26 @@ def test_depthwise_conv2d_and_1d():
     x, y = _images()
     inp = keras.Input(x.shape[1:])
     h = keras.layers.Conv2D(3, 3, strides=2, activation="relu")(inp)
-    h = keras.layers.DepthwiseConv2D(3, depth_multiplier=2, strides=2, padding="same",
-                                     activation="tanh")(h)
+    h = keras.layers.DepthwiseConv2D(
+        3, depth_multiplier=2, strides=2, padding="same", activation="tanh"
+    )(h)
     h = keras.layers.DepthwiseConv2D(2, dilation_rate=2)(h)
-    check_exact(keras.Model(inp, _head(h)), x, y,
-                {"Conv2D": "ConvRule", "DepthwiseConv2D": "DepthwiseConvRule",
-                 "Dense": "DenseRule"})
+    check_exact(
+        keras.Model(inp, _head(h)),
+        x,
+        y,
+        {"Conv2D": "ConvRule", "DepthwiseConv2D": "DepthwiseConvRule", "Dense": "DenseRule"},
+    )
     x, y = _sequence()
     inp = keras.Input(x.shape[1:])
     h = keras.layers.DepthwiseConv1D(3, depth_multiplier=2, activation="tanh")(inp)
     h = keras.layers.DepthwiseConv1D(2, strides=2, padding="same")(h)
-    check_exact(keras.Model(inp, _head(h)), x, y,
-                {"DepthwiseConv1D": "DepthwiseConvRule", "Dense": "DenseRule"})
+    check_exact(
+        keras.Model(inp, _head(h)),
+        x,
+        y,
+        {"DepthwiseConv1D": "DepthwiseConvRule", "Dense": "DenseRule"},
+    )
 
 
 def test_separable_conv2d_and_1d():
@@ -276,16 +304,24 @@ def test_separable_conv2d_and_1d():
     x, y = _images()
     inp = keras.Input(x.shape[1:])
     h = keras.layers.Conv2D(3, 3, strides=2, activation="relu")(inp)
-    h = keras.layers.SeparableConv2D(4, 3, depth_multiplier=2, strides=2, padding="same",
-                                     activation="tanh")(h)
-    check_exact(keras.Model(inp, _head(h)), x, y,
-                {"Conv2D": "ConvRule", "SeparableConv2D": "SeparableConvRule",
-                 "Dense": "DenseRule"})
+    h = keras.layers.SeparableConv2D(
+        4, 3, depth_multiplier=2, strides=2, padding="same", activation="tanh"
+    )(h)
+    check_exact(
+        keras.Model(inp, _head(h)),
+        x,
+        y,
+        {"Conv2D": "ConvRule", "SeparableConv2D": "SeparableConvRule", "Dense": "DenseRule"},
+    )
     x, y = _sequence()
     inp = keras.Input(x.shape[1:])
     h = keras.layers.SeparableConv1D(5, 3, dilation_rate=2, activation="tanh")(inp)
-    check_exact(keras.Model(inp, _head(h)), x, y,
-                {"SeparableConv1D": "SeparableConvRule", "Dense": "DenseRule"})
+    check_exact(
+        keras.Model(inp, _head(h)),
+        x,
+        y,
+        {"SeparableConv1D": "SeparableConvRule", "Dense": "DenseRule"},
+    )
 
 
 TRANSPOSE = {
@@ -307,15 +343,20 @@ def test_conv_transpose(name):
     if rank == 2:
         x = x[:, ::4, ::4]  # 7 x 7 keeps the upsampled map small
     inp = keras.Input(x.shape[1:])
-    cls = {1: keras.layers.Conv1DTranspose, 2: keras.layers.Conv2DTranspose,
-           3: keras.layers.Conv3DTranspose}[rank]
+    cls = {
+        1: keras.layers.Conv1DTranspose,
+        2: keras.layers.Conv2DTranspose,
+        3: keras.layers.Conv3DTranspose,
+    }[rank]
     h = cls(3, activation="tanh", **kwargs)(inp)
-    check_exact(keras.Model(inp, _head(h)), x, y,
-                {cls.__name__: "ConvTransposeRule", "Dense": "DenseRule"})
+    check_exact(
+        keras.Model(inp, _head(h)), x, y, {cls.__name__: "ConvTransposeRule", "Dense": "DenseRule"}
+    )
 
 
 # ---------------------------------------------------------------------------
 # Embedding, shared use and the ghost/materialised choice
+
 
 def test_embedding_with_mask_zero_and_masked_pooling():
     keras.utils.set_random_seed(22)
@@ -323,8 +364,12 @@ def test_embedding_with_mask_zero_and_masked_pooling():
     tokens = keras.Input((12,), dtype="int32")
     e = keras.layers.Embedding(16, 6, mask_zero=True)(tokens)
     h = keras.layers.GlobalAveragePooling1D()(keras.layers.Dense(5, activation="tanh")(e))
-    check_exact(keras.Model(tokens, keras.layers.Dense(10)(h)), x, y,
-                {"Embedding": "EmbeddingRule", "Dense": "DenseRule"})
+    check_exact(
+        keras.Model(tokens, keras.layers.Dense(10)(h)),
+        x,
+        y,
+        {"Embedding": "EmbeddingRule", "Dense": "DenseRule"},
+    )
 
 
 def test_einsum_dense_and_layer_norm_called_twice_sum_over_calls():
@@ -345,8 +390,9 @@ def test_ghost_and_materialised_norms_agree(positions):
     var = keras.Variable(np.zeros((3, 5, 7)), dtype="float32")
     result = outer_gradients(a, g, positions, lambda s: s, var)
     per_example = np.einsum("bsgd,bsgo->bgdo", a.numpy(), g.numpy())
-    np.testing.assert_allclose(result.sq_norms.numpy(),
-                               np.sum(per_example ** 2, axis=(1, 2, 3)), rtol=1e-5)
+    np.testing.assert_allclose(
+        result.sq_norms.numpy(), np.sum(per_example**2, axis=(1, 2, 3)), rtol=1e-5
+    )
     c = tf.constant([0.5, 0.0, 1.0, np.nan])  # NaN factors never occur; 0 drops exactly
     c = tf.where(tf.math.is_nan(c), 0.0, c)
     a_nan = tf.tensor_scatter_nd_update(a, [[1, 0, 0, 0]], [np.nan])
@@ -355,19 +401,23 @@ def test_ghost_and_materialised_norms_agree(positions):
     np.testing.assert_allclose(s, expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("positions, d, o, ghost", [
-    (128, 128, 4 * 128, True),    # LSTM(128) kernel over 128 steps: 2 S^2 = 32768 < d o = 65536
-    (128, 128, 128, False),       # Dense 128 -> 128 over 128 positions: 32768 > 16384
-    (64, 9 * 64, 64, True),       # 3x3 conv, 64 -> 64 channels on an 8x8 map
-    (1024, 9 * 16, 16, False),    # 3x3 conv, 16 -> 16 channels on a 32x32 map
-    (None, 5, 7, False),          # positions unknown statically: materialised
-])
+@pytest.mark.parametrize(
+    "positions, d, o, ghost",
+    [
+        (128, 128, 4 * 128, True),  # LSTM(128) kernel over 128 steps: 2 S^2 = 32768 < d o = 65536
+        (128, 128, 128, False),  # Dense 128 -> 128 over 128 positions: 32768 > 16384
+        (64, 9 * 64, 64, True),  # 3x3 conv, 64 -> 64 channels on an 8x8 map
+        (1024, 9 * 16, 16, False),  # 3x3 conv, 16 -> 16 channels on a 32x32 map
+        (None, 5, 7, False),  # positions unknown statically: materialised
+    ],
+)
 def test_ghost_norm_chosen_when_its_gram_matrices_are_smaller(positions, d, o, ghost):
     assert ghost_norm_is_smaller(positions, d, o) is ghost
 
 
 # ---------------------------------------------------------------------------
 # The per-layer fallback
+
 
 class ScaleShift(keras.layers.Layer):
     """A layer with no rule: y = x * exp(s) + t over the last axis."""
@@ -383,21 +433,31 @@ class ScaleShift(keras.layers.Layer):
 RECURRENT = {
     "simple_rnn": (lambda: keras.layers.SimpleRNN(5, activation="tanh"), {}),
     "simple_rnn_no_bias_sequences": (
-        lambda: keras.layers.SimpleRNN(4, use_bias=False, return_sequences=True), {}),
+        lambda: keras.layers.SimpleRNN(4, use_bias=False, return_sequences=True),
+        {},
+    ),
     "lstm": (lambda: keras.layers.LSTM(5), {}),
     "lstm_implementation_1_backwards": (
-        lambda: keras.layers.LSTM(4, implementation=1, go_backwards=True,
-                                  return_sequences=True), {}),
+        lambda: keras.layers.LSTM(4, implementation=1, go_backwards=True, return_sequences=True),
+        {},
+    ),
     "lstm_unrolled_state": (lambda: keras.layers.LSTM(3, unroll=True, return_state=True), {}),
     "gru": (lambda: keras.layers.GRU(4), {}),
     "gru_sequences_backwards": (
-        lambda: keras.layers.GRU(4, return_sequences=True, go_backwards=True), {}),
+        lambda: keras.layers.GRU(4, return_sequences=True, go_backwards=True),
+        {},
+    ),
     "gru_no_bias": (lambda: keras.layers.GRU(3, use_bias=False), {}),
-    "bidirectional_lstm": (lambda: keras.layers.Bidirectional(keras.layers.LSTM(3)),
-                           {"LSTM": "RecurrentRule", "Dense": "DenseRule"}),
+    "bidirectional_lstm": (
+        lambda: keras.layers.Bidirectional(keras.layers.LSTM(3)),
+        {"LSTM": "RecurrentRule", "Dense": "DenseRule"},
+    ),
     "bidirectional_gru_sequences": (
-        lambda: keras.layers.Bidirectional(keras.layers.GRU(3, return_sequences=True),
-                                           merge_mode="sum"), {"GRU": "RecurrentRule", "Dense": "DenseRule"}),
+        lambda: keras.layers.Bidirectional(
+            keras.layers.GRU(3, return_sequences=True), merge_mode="sum"
+        ),
+        {"GRU": "RecurrentRule", "Dense": "DenseRule"},
+    ),
 }
 
 
@@ -416,8 +476,7 @@ def test_recurrent_layers_use_their_per_step_rule(name):
     layer = make()
     h = layer(keras.layers.Dense(4, activation="tanh")(inp))
     model = keras.Model(inp, _recurrent_head(h))
-    check_exact(model, x, y, rules or {type(layer).__name__: "RecurrentRule",
-                                       "Dense": "DenseRule"})
+    check_exact(model, x, y, rules or {type(layer).__name__: "RecurrentRule", "Dense": "DenseRule"})
     if name.startswith("bidirectional"):
         assert plan_layers(model).keys().isdisjoint({id(layer)})
 
@@ -430,17 +489,23 @@ def test_recurrent_rule_with_masked_tokens_and_an_initial_state(cell):
     x, y = _tokens(steps=10)
     x[:, -3:] = 0  # trailing padding on every example, leading zeros already frequent
     units = 4
-    cls = {"lstm": keras.layers.LSTM, "gru": keras.layers.GRU,
-           "simple_rnn": keras.layers.SimpleRNN}[cell]
+    cls = {
+        "lstm": keras.layers.LSTM,
+        "gru": keras.layers.GRU,
+        "simple_rnn": keras.layers.SimpleRNN,
+    }[cell]
     inp = keras.Input(x.shape[1:], dtype="int32")
     e = keras.layers.Embedding(16, 5, mask_zero=True)(inp)
-    h0 = keras.layers.Dense(units, activation="tanh")(
-        keras.layers.GlobalAveragePooling1D()(e))
+    h0 = keras.layers.Dense(units, activation="tanh")(keras.layers.GlobalAveragePooling1D()(e))
     states = [h0, h0] if cell == "lstm" else [h0]
     h = cls(units, return_sequences=True, zero_output_for_mask=True)(e, initial_state=states)
     model = keras.Model(inp, _head(h))
-    check_exact(model, x, y, {cls.__name__: "RecurrentRule", "Embedding": "EmbeddingRule",
-                              "Dense": "DenseRule"})
+    check_exact(
+        model,
+        x,
+        y,
+        {cls.__name__: "RecurrentRule", "Embedding": "EmbeddingRule", "Dense": "DenseRule"},
+    )
 
 
 @pytest.mark.parametrize("unroll", [False, True])
@@ -457,11 +522,15 @@ def test_bidirectional_recurrent_layers_on_masked_tokens(unroll):
     h = keras.layers.Bidirectional(keras.layers.GRU(3, unroll=unroll))(bi(e))
     model = keras.Model(inp, _head(h, pool=False))
     model(x[:1])
-    rules = sorted(type(r).__name__ for layer, r in plan_layers(model).values()
-                   if isinstance(layer, keras.layers.RNN))
+    rules = sorted(
+        type(r).__name__
+        for layer, r in plan_layers(model).values()
+        if isinstance(layer, keras.layers.RNN)
+    )
     # only the LSTM's backward layer zeroes masked outputs (return_sequences=True)
-    assert rules == (["PerLayerJacobianRule"] + ["RecurrentRule"] * 3 if unroll
-                     else ["RecurrentRule"] * 4)
+    assert rules == (
+        ["PerLayerJacobianRule"] + ["RecurrentRule"] * 3 if unroll else ["RecurrentRule"] * 4
+    )
     check_exact(model, x, y)
 
 
@@ -502,8 +571,7 @@ def test_recurrent_configurations_the_rule_refuses_use_the_fallback(name):
         used = {type(lr).__name__: type(r).__name__ for lr, r in plan_layers(model).values()}
         assert used[type(layer).__name__] == "PerLayerJacobianRule"
         return
-    check_exact(model, x, y, {type(layer).__name__: "PerLayerJacobianRule",
-                              "Dense": "DenseRule"})
+    check_exact(model, x, y, {type(layer).__name__: "PerLayerJacobianRule", "Dense": "DenseRule"})
 
 
 def test_the_fallback_runs_a_generic_rnn_inside_xla_without_pfor():
@@ -539,9 +607,10 @@ def test_a_custom_layer_without_a_rule_uses_the_fallback_and_a_registered_rule_w
         def gradients(self, layer, calls):
             (call,) = calls
             g = call.grads["z"]
-            return [(layer.s, layer_rules.materialised(
-                        tf.reduce_sum(g * call.saved, axis=1), layer.s)),
-                    (layer.t, layer_rules.materialised(tf.reduce_sum(g, axis=1), layer.t))]
+            return [
+                (layer.s, layer_rules.materialised(tf.reduce_sum(g * call.saved, axis=1), layer.s)),
+                (layer.t, layer_rules.materialised(tf.reduce_sum(g, axis=1), layer.t)),
+            ]
 
     register_rule(ScaleShift, ScaleShiftRule())
     try:
@@ -562,6 +631,7 @@ def test_register_rule_checks_its_arguments():
 # ---------------------------------------------------------------------------
 # No rule by inheritance alone: a subclass that overrides what a rule
 # reimplements computes another function
+
 
 class ScaledDense(keras.layers.Dense):
     def call(self, x):
@@ -629,21 +699,24 @@ def test_a_tied_reversible_embedding_has_its_own_rule_not_embeddings():
     inp, target = x[:, :-1], x[:, 1:]
     tokens = keras.Input(inp.shape[1:], dtype="int32")
     emb = keras.layers.ReversibleEmbedding(16, 8)
-    model = keras.Model(tokens, emb(keras.layers.Dense(8, activation="tanh")(emb(tokens)),
-                                    reverse=True))
+    model = keras.Model(
+        tokens, emb(keras.layers.Dense(8, activation="tanh")(emb(tokens)), reverse=True)
+    )
     used = {type(la).__name__: type(r).__name__ for la, r in plan_layers(model).values()}
     assert used == {"ReversibleEmbedding": "ReversibleEmbeddingRule", "Dense": "DenseRule"}
     ref = []
-    for i in range(len(inp)):   # the per-example loss: the mean over the tokens
+    for i in range(len(inp)):  # the per-example loss: the mean over the tokens
         with tf.GradientTape() as tape:
-            li = tf.reduce_mean(loss().call(target[i:i + 1], model(inp[i:i + 1])))
+            li = tf.reduce_mean(loss().call(target[i : i + 1], model(inp[i : i + 1])))
         ref.append([g.numpy() for g in tape.gradient(li, model.trainable_variables)])
     sums, sq, _ = _run(model, inp, target)
     for j, v in enumerate(model.trainable_variables):
-        np.testing.assert_allclose(sq[j], [np.sum(r[j] ** 2) for r in ref], rtol=3e-4,
-                                   atol=1e-9, err_msg=v.path)
-        np.testing.assert_allclose(sums[j], sum(r[j] for r in ref), rtol=3e-4, atol=2e-6,
-                                   err_msg=v.path)
+        np.testing.assert_allclose(
+            sq[j], [np.sum(r[j] ** 2) for r in ref], rtol=3e-4, atol=1e-9, err_msg=v.path
+        )
+        np.testing.assert_allclose(
+            sums[j], sum(r[j] for r in ref), rtol=3e-4, atol=2e-6, err_msg=v.path
+        )
 
 
 def test_a_subclass_keeping_call_keeps_the_fast_rule_and_a_registration_declares_one():
@@ -675,6 +748,7 @@ def test_a_rule_refusing_a_configuration_sends_the_layer_to_the_fallback():
 # ---------------------------------------------------------------------------
 # Mixed precision: layers compute in float16/bfloat16, rules in float32
 
+
 @pytest.fixture
 def policy(request):
     keras.mixed_precision.set_global_policy(request.param)
@@ -700,11 +774,12 @@ def _mixed_models():
     return [(cnn, x, y), (transformer_block(), xt, yt), (recurrent, xt, yt)]
 
 
-@pytest.mark.parametrize("policy, loss_scale, rtol", [
-    ("mixed_float16", 1.0, 2e-2), ("mixed_float16", 1024.0, 2e-2),
-    ("mixed_bfloat16", 1.0, 1e-1)], indirect=["policy"])
-def test_mixed_precision_norms_and_sums_are_float32_and_close_to_float32(policy, loss_scale,
-                                                                         rtol):
+@pytest.mark.parametrize(
+    "policy, loss_scale, rtol",
+    [("mixed_float16", 1.0, 2e-2), ("mixed_float16", 1024.0, 2e-2), ("mixed_bfloat16", 1.0, 1e-1)],
+    indirect=["policy"],
+)
+def test_mixed_precision_norms_and_sums_are_float32_and_close_to_float32(policy, loss_scale, rtol):
     mixed = _mixed_models()
     keras.mixed_precision.set_global_policy("float32")
     for model, x, y in mixed:
@@ -726,12 +801,14 @@ def test_mixed_precision_norms_and_sums_are_float32_and_close_to_float32(policy,
         np.testing.assert_allclose(total, total_ref, rtol=rtol)
         for s, r in zip(sums, [sum(g[j] for g in ref) for j in range(len(ref[0]))]):
             assert np.linalg.norm(s.numpy() - r) <= rtol * (np.linalg.norm(r) + 1e-3)
-        assert all(np.array_equal(v.numpy(), w) for v, w in zip(model.trainable_variables,
-                                                                 weights))
+        assert all(np.array_equal(v.numpy(), w) for v, w in zip(model.trainable_variables, weights))
 
 
-@pytest.mark.parametrize("policy, scale", [("mixed_float16", 1024.0), ("mixed_bfloat16", 1.0),
-                                           ("float32", 1.0)], indirect=["policy"])
+@pytest.mark.parametrize(
+    "policy, scale",
+    [("mixed_float16", 1024.0), ("mixed_bfloat16", 1.0), ("float32", 1.0)],
+    indirect=["policy"],
+)
 def test_default_loss_scale(policy, scale):
     from dpfl_tf.keras.per_example import default_loss_scale
 
@@ -752,8 +829,7 @@ def test_dp_training_under_mixed_precision(policy):
     model, x, y = _mixed_models()[0]
     x, y = mnist_slice(48, flat=False)
     dp = DPModel(model)
-    dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0),
-               loss=loss())
+    dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0), loss=loss())
     before = [v.numpy().copy() for v in model.trainable_variables]
     dp.fit(x, y, lot_size=16, batch_size=8, epochs=1, verbose=0)
     assert dp.lots_applied >= 1 and dp.dropped_examples == 0
@@ -776,8 +852,9 @@ def test_noise_under_mixed_precision_has_the_float32_scale(policy):
     for noise in (0.0, sigma):
         model = _mixed_models()[0][0]
         dp = DPModel(model)
-        dp.compile(optimizer=DPSGD(lr, l2_norm_clip=clip, noise_multiplier=noise, seed=1),
-                   loss=loss())
+        dp.compile(
+            optimizer=DPSGD(lr, l2_norm_clip=clip, noise_multiplier=noise, seed=1), loss=loss()
+        )
         before = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
         dp.fit(x, y, lot_size=lot, batch_size=8, epochs=1, verbose=0, sampling="full_batch")
         after = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
@@ -805,8 +882,12 @@ def test_time_distributed_and_a_models_own_variable():
     x, y = _sequence()
     inp = keras.Input(x.shape[1:])
     h = keras.layers.TimeDistributed(keras.layers.Dense(3, activation="tanh"))(inp)
-    check_exact(keras.Model(inp, _head(h)), x, y,
-                {"TimeDistributed": "PerLayerJacobianRule", "Dense": "DenseRule"})
+    check_exact(
+        keras.Model(inp, _head(h)),
+        x,
+        y,
+        {"TimeDistributed": "PerLayerJacobianRule", "Dense": "DenseRule"},
+    )
     model = OwnTemperature()
     flat = x.reshape(N, -1)
     # the Dense uses its rule; the model's own variable takes the whole-model Jacobian

@@ -10,17 +10,19 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dpfl_tf.keras import DPModel, DPSGD
-from dpfl_tf.keras.mixing import (BatchMixingLayerError, BatchMixingLossError,
-                                  probe_batch_mixing)
+from dpfl_tf.keras import DPSGD, DPModel
+from dpfl_tf.keras.mixing import BatchMixingLayerError, BatchMixingLossError, probe_batch_mixing
 from tests.keras.helpers import loss, mlp, mnist_slice
 from tests.keras.test_per_example import Subclassed
 
 
 def _dp(model, loss_fn=None, **compile_kwargs):
     dp = DPModel(model)
-    dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0),
-               loss=loss_fn or loss(), **compile_kwargs)
+    dp.compile(
+        optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0),
+        loss=loss_fn or loss(),
+        **compile_kwargs,
+    )
     return dp
 
 
@@ -30,14 +32,17 @@ def _one_line(err) -> str:
     return text
 
 
-@pytest.mark.parametrize("loss_fn, named", [
-    (keras.losses.Circle(), "Circle"),
-    ("circle", "circle"),
-    (keras.losses.Dice(), "axis=None"),
-    (keras.losses.Tversky(), "axis=None"),
-    (keras.losses.CosineSimilarity(axis=0), "axis=0"),
-    (keras.losses.CategoricalCrossentropy(axis=0), "axis=0"),
-])
+@pytest.mark.parametrize(
+    "loss_fn, named",
+    [
+        (keras.losses.Circle(), "Circle"),
+        ("circle", "circle"),
+        (keras.losses.Dice(), "axis=None"),
+        (keras.losses.Tversky(), "axis=None"),
+        (keras.losses.CosineSimilarity(axis=0), "axis=0"),
+        (keras.losses.CategoricalCrossentropy(axis=0), "axis=0"),
+    ],
+)
 def test_keras_losses_that_mix_the_batch_are_refused_at_compile(loss_fn, named):
     with pytest.raises(BatchMixingLossError) as err:
         _dp(mlp(), loss_fn)
@@ -50,11 +55,14 @@ def test_per_example_forms_of_those_losses_are_accepted():
         _dp(mlp(), loss_fn)
 
 
-@pytest.mark.parametrize("layer, named", [
-    (lambda: keras.layers.Softmax(axis=0), "axis=0"),
-    (lambda: keras.layers.UnitNormalization(axis=[0, 1]), "axis=[0, 1]"),
-    (lambda: keras.layers.MixUp(), "MixUp"),
-])
+@pytest.mark.parametrize(
+    "layer, named",
+    [
+        (lambda: keras.layers.Softmax(axis=0), "axis=0"),
+        (lambda: keras.layers.UnitNormalization(axis=[0, 1]), "axis=[0, 1]"),
+        (lambda: keras.layers.MixUp(), "MixUp"),
+    ],
+)
 def test_keras_layers_that_mix_the_batch_are_refused_at_compile(layer, named):
     model = keras.Sequential([keras.Input((60,)), keras.layers.Dense(10), layer()])
     with pytest.raises(BatchMixingLayerError) as err:
@@ -65,10 +73,14 @@ def test_keras_layers_that_mix_the_batch_are_refused_at_compile(layer, named):
 def _centred(seed=0):
     """An MLP whose hidden layer subtracts the batch mean (the issue's Lambda)."""
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((60,)), keras.layers.Dense(16, activation="relu"),
-        keras.layers.Lambda(lambda t: t - keras.ops.mean(t, axis=0), name="batch_centre"),
-        keras.layers.Dense(10)])
+    return keras.Sequential(
+        [
+            keras.Input((60,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Lambda(lambda t: t - keras.ops.mean(t, axis=0), name="batch_centre"),
+            keras.layers.Dense(10),
+        ]
+    )
 
 
 def _refused_by_probe(dp, model, error=BatchMixingLayerError, **fit_kwargs):
@@ -83,8 +95,7 @@ def _refused_by_probe(dp, model, error=BatchMixingLayerError, **fit_kwargs):
     return _one_line(err)
 
 
-@pytest.mark.parametrize("compile_kwargs", [{}, {"jit_compile": True},
-                                            {"steps_per_execution": 2}])
+@pytest.mark.parametrize("compile_kwargs", [{}, {"jit_compile": True}, {"steps_per_execution": 2}])
 def test_a_lambda_centring_the_batch_is_refused_before_any_lot(compile_kwargs):
     model = _centred()
     message = _refused_by_probe(_dp(model, **compile_kwargs), model)
@@ -128,9 +139,15 @@ def test_a_custom_loss_normalised_by_the_batch_is_refused_and_named():
 
 def test_dropout_and_a_per_example_model_pass_and_the_probe_leaves_randomness_as_it_was():
     keras.utils.set_random_seed(3)
-    model = keras.Sequential([keras.Input((60,)), keras.layers.Dense(32, activation="relu"),
-                              keras.layers.Dropout(0.5), keras.layers.LayerNormalization(),
-                              keras.layers.Dense(10)])
+    model = keras.Sequential(
+        [
+            keras.Input((60,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dropout(0.5),
+            keras.layers.LayerNormalization(),
+            keras.layers.Dense(10),
+        ]
+    )
     x, y = mnist_slice(16, features=60)
     seeds = [v.numpy().copy() for v in model.variables if not v.trainable]
     state = random.getstate()
@@ -145,10 +162,14 @@ def test_dropout_and_a_per_example_model_pass_and_the_probe_leaves_randomness_as
 
 def test_randomness_outside_keras_seed_generators_gives_a_warning_not_a_refusal():
     keras.utils.set_random_seed(4)
-    model = keras.Sequential([
-        keras.Input((60,)), keras.layers.Dense(16),
-        keras.layers.Lambda(lambda t: t + tf.random.normal(tf.shape(t)), name="tf_noise"),
-        keras.layers.Dense(10)])
+    model = keras.Sequential(
+        [
+            keras.Input((60,)),
+            keras.layers.Dense(16),
+            keras.layers.Lambda(lambda t: t + tf.random.normal(tf.shape(t)), name="tf_noise"),
+            keras.layers.Dense(10),
+        ]
+    )
     x, y = mnist_slice(16, features=60)
     with pytest.warns(RuntimeWarning, match="could not check"):
         probe_batch_mixing(model, loss(), x, y)

@@ -10,17 +10,26 @@ import pytest
 import tensorflow as tf
 from scipy import stats
 
-from dpfl_tf.keras import DPAdam, DPModel, DPOptimizer, DPSGD
-from dpfl_tf.privacy import (BudgetExceededError, PrivacyLedger, compute_epsilon,
-                             dp_sgd_event, gaussian_step_event, max_steps)
+from dpfl_tf.keras import DPSGD, DPAdam, DPModel, DPOptimizer
+from dpfl_tf.privacy import (
+    BudgetExceededError,
+    PrivacyLedger,
+    compute_epsilon,
+    dp_sgd_event,
+    gaussian_step_event,
+    max_steps,
+)
 from dpfl_tf.privacy.calibration import calibrate_noise_multiplier
 from tests.keras.helpers import loss, mlp, mnist_slice, mnist_test_slice
 
 
 def dp_model(noise=1.0, clip=1.0, lr=0.5, model=None, seed=0, **opt):
     dp = DPModel(model if model is not None else mlp())
-    dp.compile(optimizer=DPSGD(lr, l2_norm_clip=clip, noise_multiplier=noise, seed=seed, **opt),
-               loss=loss(), metrics=["accuracy"])
+    dp.compile(
+        optimizer=DPSGD(lr, l2_norm_clip=clip, noise_multiplier=noise, seed=seed, **opt),
+        loss=loss(),
+        metrics=["accuracy"],
+    )
     return dp
 
 
@@ -69,7 +78,7 @@ def test_a_fit_with_the_same_settings_reuses_the_traced_function_and_a_change_re
     dp.fit(x, y, lot_size=100, epochs=1, verbose=0, sampling_seed=0)
     assert dp.train_function is not first
     noised = max(np.abs(b - a).max() for a, b in zip(w0, weights(dp.model)))
-    assert noised > 100 * noiseless   # sigma C / L = 1000 x 1 / 100 per lot
+    assert noised > 100 * noiseless  # sigma C / L = 1000 x 1 / 100 per lot
     second = dp.train_function
     for change in ({"lot_size": 200}, {"lot_size": 200, "batch_size": 50}):
         dp.fit(x, y, epochs=1, verbose=0, sampling_seed=0, **change)
@@ -112,8 +121,15 @@ def test_a_transformer_in_physical_batches_smaller_than_the_lot(fast):
         dp = DPModel(_transformer(), fast_gradients=fast)
         dp.compile(optimizer=DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=0.0), loss=loss())
         w0 = weights(dp.model)
-        dp.fit(tokens, y, lot_size=64, batch_size=batch_size, epochs=1, verbose=0,
-               sampling="full_batch")
+        dp.fit(
+            tokens,
+            y,
+            lot_size=64,
+            batch_size=batch_size,
+            epochs=1,
+            verbose=0,
+            sampling="full_batch",
+        )
         assert dp.lots_computed == 1
         updates.append([b - a for a, b in zip(w0, weights(dp.model))])
     for a, b in zip(*updates):
@@ -138,20 +154,25 @@ def test_sampling_modes_record_honest_events():
     x, y = mnist_slice(1000, features=60)
     fixed = dp_model()
     fixed.fit(x, y, lot_size=100, epochs=1, verbose=0, sampling="fixed_size", accountant="rdp")
-    assert fixed.lot_event == gaussian_step_event(1.0, "fixed_size", dataset_size=1000,
-                                                  lot_size=100)
+    assert fixed.lot_event == gaussian_step_event(
+        1.0, "fixed_size", dataset_size=1000, lot_size=100
+    )
     shuffled = dp_model()
     shuffled.ledger.accountant = shuffled.ledger.accountant.parse("rdp")
     shuffled.fit(x, y, lot_size=100, epochs=2, verbose=0, sampling="shuffle")
     ledger = shuffled.privacy_ledger
     # two epochs of disjoint lots: two Gaussians with sensitivity 2C, no amplification
     assert ledger.count() == 2
-    assert ledger.epsilon(1e-5) == pytest.approx(compute_epsilon(
-        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(0.5), 2), 1e-5, "rdp"))
+    assert ledger.epsilon(1e-5) == pytest.approx(
+        compute_epsilon(
+            dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(0.5), 2), 1e-5, "rdp"
+        )
+    )
 
 
 def test_poisson_lots_have_variable_size_and_expected_rate():
     from dpfl_tf.keras import LotSampler
+
     sampler = LotSampler(10000, 100, seed=0)
     sizes = np.array([len(i) for i in sampler.lots(400)])
     assert sizes.std() > 5 and abs(sizes.mean() - 100) < 2
@@ -178,16 +199,21 @@ def test_in_graph_lot_limit_skips_a_lot_without_error(mode):
     x, y = mnist_slice(200, features=60)
     dp = dp_model()
     if mode != "graph":
-        dp.compile(optimizer=dp.optimizer, loss=loss(), run_eagerly=mode == "eager",
-                   jit_compile=mode == "xla")
+        dp.compile(
+            optimizer=dp.optimizer,
+            loss=loss(),
+            run_eagerly=mode == "eager",
+            jit_compile=mode == "xla",
+        )
     dp.fit(x, y, lot_size=100, epochs=1, verbose=0)
     computed = dp.lots_computed
     dp.set_lot_limit(computed)
     w = weights(dp.model)
     dp._prepare(dp.sampler, 100)
     data = dp.sampler.dataset(x, y, pad_to=100 if mode == "xla" else 1, epochs=1)
-    step = dp.train_step if mode == "eager" else tf.function(dp.train_step,
-                                                            jit_compile=mode == "xla")
+    step = (
+        dp.train_step if mode == "eager" else tf.function(dp.train_step, jit_compile=mode == "xla")
+    )
     step(next(iter(data)))
     for a, b in zip(w, weights(dp.model)):
         np.testing.assert_array_equal(a, b)
@@ -243,15 +269,20 @@ def test_per_layer_clipping_by_layer_name():
     model = mlp()
     names = [layer.name for layer in model.layers]
     dp = DPModel(model)
-    opt = DPSGD(0.5, l2_norm_clip={names[0]: 1.0, names[1]: 2.0}, noise_multiplier=1.0,
-                noise_allocation="proportional")
+    opt = DPSGD(
+        0.5,
+        l2_norm_clip={names[0]: 1.0, names[1]: 2.0},
+        noise_multiplier=1.0,
+        noise_allocation="proportional",
+    )
     dp.compile(optimizer=opt, loss=loss())
     dp.fit(x, y, lot_size=100, epochs=1, verbose=0)
     # two groups with proportional noise: sigma_eff = sigma / sqrt(2)
     assert dp.lot_event == gaussian_step_event(1.0 / math.sqrt(2), sampling_rate=100 / 600)
     bad = DPModel(mlp())
-    bad.compile(optimizer=DPSGD(0.5, l2_norm_clip={names[0]: 1.0}, noise_multiplier=1.0),
-                loss=loss())
+    bad.compile(
+        optimizer=DPSGD(0.5, l2_norm_clip={names[0]: 1.0}, noise_multiplier=1.0), loss=loss()
+    )
     with pytest.raises(ValueError, match="must name every trainable layer"):
         bad.fit(x, y, lot_size=100, verbose=0)
 
@@ -266,13 +297,15 @@ def test_save_load_keeps_ledger_and_resume_neither_forgets_nor_double_counts(tmp
     assert isinstance(restored, DPModel) and isinstance(restored.optimizer, DPSGD)
     assert restored.lots_applied == 20
     assert restored.privacy_ledger == dp.privacy_ledger
-    np.testing.assert_allclose(restored.predict(x[:5], verbose=0), dp.predict(x[:5], verbose=0),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        restored.predict(x[:5], verbose=0), dp.predict(x[:5], verbose=0), rtol=1e-6
+    )
     restored.fit(x, y, lot_size=100, epochs=1, verbose=0)
     assert restored.lots_applied == 30
     assert restored.privacy_ledger.count() == 30
-    assert restored.epsilon(1e-5) == pytest.approx(compute_epsilon(
-        dp_sgd_event(1.5, 30, sampling_rate=0.1), 1e-5))
+    assert restored.epsilon(1e-5) == pytest.approx(
+        compute_epsilon(dp_sgd_event(1.5, 30, sampling_rate=0.1), 1e-5)
+    )
 
     # weights-only checkpoint: the lot counter travels with the weights
     weights_path = tmp_path / "ckpt.weights.h5"
@@ -287,10 +320,11 @@ def test_save_load_keeps_ledger_and_resume_neither_forgets_nor_double_counts(tmp
 
 
 def test_optimizer_serialisation_round_trip():
-    for opt in [DPSGD(0.1, momentum=0.9, l2_norm_clip=[1.0, 2.0], noise_multiplier=1.1),
-                DPAdam(1e-3, l2_norm_clip=3.0, noise_multiplier=0.7),
-                DPOptimizer(keras.optimizers.RMSprop(0.01), l2_norm_clip={"a": 1.0},
-                            noise_multiplier=2.0)]:
+    for opt in [
+        DPSGD(0.1, momentum=0.9, l2_norm_clip=[1.0, 2.0], noise_multiplier=1.1),
+        DPAdam(1e-3, l2_norm_clip=3.0, noise_multiplier=0.7),
+        DPOptimizer(keras.optimizers.RMSprop(0.01), l2_norm_clip={"a": 1.0}, noise_multiplier=2.0),
+    ]:
         config = keras.saving.serialize_keras_object(opt)
         again = keras.saving.deserialize_keras_object(config)
         assert type(again) is type(opt)
@@ -322,11 +356,13 @@ def test_bad_inputs_give_clear_errors():
         dp.fit(x, y, lot_size=10, validation_split=0.1)
     with pytest.raises(ValueError, match="sampling must be one of"):
         dp.fit(x, y, lot_size=10, sampling="bootstrap")
-    bn = keras.Sequential([keras.Input((60,)), keras.layers.BatchNormalization(),
-                           keras.layers.Dense(10)])
+    bn = keras.Sequential(
+        [keras.Input((60,)), keras.layers.BatchNormalization(), keras.layers.Dense(10)]
+    )
     with pytest.raises(ValueError, match="BatchNormalization"):
-        DPModel(bn).compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
-                            loss=loss())
+        DPModel(bn).compile(
+            optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss()
+        )
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
@@ -338,8 +374,13 @@ def test_nan_example_is_dropped_and_counted_and_the_update_stays_finite(mode):
     x[3, 0] = np.nan
     x[150, 5] = np.inf
     dp = dp_model(noise=0.0)
-    dp.compile(optimizer=dp.optimizer, loss=loss(), metrics=["accuracy"],
-               run_eagerly=mode == "eager", jit_compile=mode == "xla")
+    dp.compile(
+        optimizer=dp.optimizer,
+        loss=loss(),
+        metrics=["accuracy"],
+        run_eagerly=mode == "eager",
+        jit_compile=mode == "xla",
+    )
     w = weights(dp.model)
     with pytest.warns(RuntimeWarning, match="2 training examples had a NaN or inf gradient"):
         dp.fit(x, y, lot_size=200, epochs=1, verbose=0, sampling="full_batch", batch_size=64)
@@ -352,8 +393,9 @@ def test_nan_example_is_dropped_and_counted_and_the_update_stays_finite(mode):
     clean = DPModel(mlp())
     clean.model.set_weights([np.asarray(v) for v in w])
     clean.compile(optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=0.0), loss=loss())
-    clean.fit(x[keep], y[keep], lot_size=int(keep.sum()), epochs=1, verbose=0,
-              sampling="full_batch")
+    clean.fit(
+        x[keep], y[keep], lot_size=int(keep.sum()), epochs=1, verbose=0, sampling="full_batch"
+    )
     # same sum, but normalised by L = 200 vs 198
     for a, b, c in zip(w, after, weights(clean.model)):
         np.testing.assert_allclose((b - a) * 200, (c - a) * keep.sum(), rtol=1e-4, atol=1e-5)
@@ -375,10 +417,10 @@ def test_restoring_best_weights_refunds_no_privacy_and_the_limit_still_holds():
             if epoch == 1:
                 self.model.set_weights(self.start)
 
-    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=100,
-                                         restore_best_weights=True)
-    dp.fit(x, y, lot_size=100, epochs=10, verbose=0, target_epsilon=target,
-           callbacks=[Rewind(), stop])
+    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=100, restore_best_weights=True)
+    dp.fit(
+        x, y, lot_size=100, epochs=10, verbose=0, target_epsilon=target, callbacks=[Rewind(), stop]
+    )
     assert dp.lots_computed == dp.privacy_ledger.count() == 25
     assert dp.lots_applied < 25
     assert dp.epsilon(1e-5) <= target
@@ -399,8 +441,9 @@ def test_a_seeded_optimizer_continues_its_noise_stream_across_fits(tmp_path):
     dp = dp_model(noise=1.0, seed=7)
     first, second = first_lot_noise(dp), first_lot_noise(dp)
     assert np.abs(first).max() > 0 and not np.allclose(first, second)
-    np.testing.assert_allclose(first_lot_noise(dp_model(noise=1.0, seed=7)), first,
-                               rtol=1e-5, atol=1e-7)  # reproducible from the seed
+    np.testing.assert_allclose(
+        first_lot_noise(dp_model(noise=1.0, seed=7)), first, rtol=1e-5, atol=1e-7
+    )  # reproducible from the seed
     path = tmp_path / "seeded.keras"
     dp.save(path)
     loaded = keras.saving.load_model(path)
@@ -455,13 +498,25 @@ def test_backup_and_restore_in_a_new_model_records_the_restored_lots(tmp_path):
     first = dp_model(noise=1.0, seed=None)
     first.build((None, 60))
     with pytest.raises(RuntimeError, match="crash"):
-        first.fit(x, y, lot_size=100, epochs=4, verbose=0,
-                  callbacks=[keras.callbacks.BackupAndRestore(backup), Crash()])
+        first.fit(
+            x,
+            y,
+            lot_size=100,
+            epochs=4,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup), Crash()],
+        )
     second = dp_model(noise=1.0, seed=None)
     second.build((None, 60))
     with pytest.warns(RuntimeWarning, match="lots restored with the weights"):
-        second.fit(x, y, lot_size=100, epochs=4, verbose=0,
-                   callbacks=[keras.callbacks.BackupAndRestore(backup)])
+        second.fit(
+            x,
+            y,
+            lot_size=100,
+            epochs=4,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup)],
+        )
     assert second.lots_applied == second.lots_computed == second.privacy_ledger.count()
     assert second.lots_computed >= 30
 
@@ -479,12 +534,22 @@ def test_a_nan_example_cannot_drop_its_neighbours_on_the_generic_path(mode, fast
     x[3, 0] = np.nan
     y = np.zeros(n, "int64")
     keras.utils.set_random_seed(0)
-    inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
-                              keras.layers.LayerNormalization(), keras.layers.Dense(2)])
+    inner = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(3),
+            keras.layers.LayerNormalization(),
+            keras.layers.Dense(2),
+        ]
+    )
     w0 = weights(inner)
     dp = DPModel(inner, fast_gradients=fast)
-    dp.compile(optimizer=DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=0.0), loss=loss(),
-               run_eagerly=mode == "eager", jit_compile=mode == "xla")
+    dp.compile(
+        optimizer=DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=0.0),
+        loss=loss(),
+        run_eagerly=mode == "eager",
+        jit_compile=mode == "xla",
+    )
     with pytest.warns(RuntimeWarning, match="1 training examples had a NaN"):
         dp.fit(x, y, lot_size=n, batch_size=4, epochs=1, verbose=0, sampling="full_batch")
     assert dp.dropped_examples == 1
@@ -510,8 +575,16 @@ def test_shuffled_lots_restored_from_weights_are_epochs_of_their_own(tmp_path):
 
     first = dp_model(noise=2.0, seed=None)
     first.build((None, 60))
-    first.fit(x, y, lot_size=10, sampling="shuffle", epochs=2, verbose=0,
-              callbacks=[StopAfter(7)], accountant="rdp")
+    first.fit(
+        x,
+        y,
+        lot_size=10,
+        sampling="shuffle",
+        epochs=2,
+        verbose=0,
+        callbacks=[StopAfter(7)],
+        accountant="rdp",
+    )
     assert first.privacy_ledger.count() == 2
     path = tmp_path / "w.weights.h5"
     first.save_weights(path)
@@ -519,22 +592,31 @@ def test_shuffled_lots_restored_from_weights_are_epochs_of_their_own(tmp_path):
     second.build((None, 60))
     second.load_weights(path)
     with pytest.warns(RuntimeWarning, match="7 lots restored"):
-        second.fit(x, y, lot_size=10, sampling="shuffle", epochs=1, verbose=0,
-                   callbacks=[StopAfter(3)], accountant="rdp")
+        second.fit(
+            x,
+            y,
+            lot_size=10,
+            sampling="shuffle",
+            epochs=1,
+            verbose=0,
+            callbacks=[StopAfter(3)],
+            accountant="rdp",
+        )
     assert second.lots_computed == 10
     assert second.privacy_ledger.count() == 3
-    assert second.epsilon(1e-5, "rdp") == pytest.approx(compute_epsilon(
-        dp_sgd_event(2.0, 0, "shuffle", epochs=3), 1e-5, "rdp"))
+    assert second.epsilon(1e-5, "rdp") == pytest.approx(
+        compute_epsilon(dp_sgd_event(2.0, 0, "shuffle", epochs=3), 1e-5, "rdp")
+    )
 
 
 def test_auto_steps_per_execution_divides_the_epoch():
     from dpfl_tf.keras.model import auto_steps_per_execution
 
-    assert auto_steps_per_execution(100) == 10       # MNIST, lot 600
-    assert auto_steps_per_execution(195) == 15       # 50,000 / 256: 13 calls an epoch
+    assert auto_steps_per_execution(100) == 10  # MNIST, lot 600
+    assert auto_steps_per_execution(195) == 15  # 50,000 / 256: 13 calls an epoch
     assert auto_steps_per_execution(20) == 2
-    assert auto_steps_per_execution(19) == 1         # fewer than 20 lots an epoch
-    assert auto_steps_per_execution(97) == 1         # prime: only 1 divides it
+    assert auto_steps_per_execution(19) == 1  # fewer than 20 lots an epoch
+    assert auto_steps_per_execution(97) == 1  # prime: only 1 divides it
     assert auto_steps_per_execution(100, distributed=True) == 1
     for lots in range(1, 400):
         spe = auto_steps_per_execution(lots)
@@ -560,7 +642,7 @@ def test_auto_steps_per_execution_trains_exactly_the_epochs_asked():
     dp.fit(x, y, lot_size=20, epochs=2, verbose=0, callbacks=[calls])
     assert dp.steps_per_execution == 2
     assert dp.lots_computed == dp.lots_applied == 40
-    assert calls.lots == list(range(2, 41, 2))   # one callback per call of 2 lots
+    assert calls.lots == list(range(2, 41, 2))  # one callback per call of 2 lots
     assert dp.privacy_ledger.entries[0]["count"] == 40
     assert dp.get_compile_config()["steps_per_execution"] == "auto"
     one = dp_model()
@@ -608,8 +690,11 @@ def test_auto_steps_per_execution_trains_the_same_lots_and_noise_as_one_per_call
     for steps in ("auto", 1):
         keras.utils.set_random_seed(4)
         dp = DPModel(mlp())
-        dp.compile(optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.0, seed=11),
-                   loss=loss(), steps_per_execution=steps)
+        dp.compile(
+            optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.0, seed=11),
+            loss=loss(),
+            steps_per_execution=steps,
+        )
         dp.fit(x, y, lot_size=20, epochs=2, verbose=0, sampling_seed=5)
         runs.append((dp.steps_per_execution, weights(dp), dp.privacy_ledger.to_dict()))
     (k_auto, w_auto, ledger_auto), (k_one, w_one, ledger_one) = runs
@@ -645,7 +730,7 @@ def test_several_lots_per_call_under_a_one_replica_strategy_are_refused():
     assert dp.lots_computed == 0
     with strategy.scope():
         auto = dp_model()
-    auto.fit(x, y, lot_size=20, epochs=1, verbose=0)   # "auto" is 1 there
+    auto.fit(x, y, lot_size=20, epochs=1, verbose=0)  # "auto" is 1 there
     assert auto.steps_per_execution == 1 and auto.lots_computed == 20
 
 
@@ -664,10 +749,11 @@ def test_fit_calibrates_an_unset_noise_multiplier_to_the_target():
     assert 1.98 < dp.epsilon(1e-5) <= 2.0
     assert dp.calibration["epsilon"] == pytest.approx(dp.epsilon(1e-5), rel=1e-12)
     want, _ = calibrate_noise_multiplier(
-        2.0, 1e-5, lambda s: dp_sgd_event(s, 60, sampling_rate=0.05), "rdp")
+        2.0, 1e-5, lambda s: dp_sgd_event(s, 60, sampling_rate=0.05), "rdp"
+    )
     assert sigma == pytest.approx(want, rel=1e-12)
     assert DPSGD.from_config(opt.get_config()).noise_multiplier == sigma
-    dp.fit(x, y, lot_size=50, epochs=1, verbose=0)   # set now: no recalibration
+    dp.fit(x, y, lot_size=50, epochs=1, verbose=0)  # set now: no recalibration
     assert opt.noise_multiplier == sigma and dp.calibration is None
 
 

@@ -40,12 +40,22 @@ def workers(tmp_path_factory):
     cluster = {"worker": [f"127.0.0.1:{p}" for p in _free_ports(WORKERS)]}
     procs = []
     for index in range(WORKERS):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2",
-                   TF_CONFIG=json.dumps({"cluster": cluster,
-                                         "task": {"type": "worker", "index": index}}))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.keras._multiworker_child", str(out)], cwd=ROOT,
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(ROOT),
+            TF_CPP_MIN_LOG_LEVEL="2",
+            TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.keras._multiworker_child", str(out)],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     errors = []
     try:
         for index, proc in enumerate(procs):
@@ -88,8 +98,9 @@ def test_every_worker_draws_the_chiefs_lots_and_trains_its_own_share(scenario, w
     lots = chief_run["lots"]
     assert lots == other_run["lots"]
     assert len({len(lot) for lot in lots}) > 1  # Poisson: sizes vary
+
     def halves(lots):
-        return [[lot[:-(-len(lot) // 2)], lot[-(-len(lot) // 2):]] for lot in lots]
+        return [[lot[: -(-len(lot) // 2)], lot[-(-len(lot) // 2) :]] for lot in lots]
 
     shares = halves(lots)
     # the input pipeline reads a few lots ahead (prefetch; never trained or released)
@@ -99,8 +110,9 @@ def test_every_worker_draws_the_chiefs_lots_and_trains_its_own_share(scenario, w
         for t, pair in enumerate(shares):  # every lot's share was read (and trained) ...
             assert tuple(pair[r]) in seen, f"worker {r} did not read its share of lot {t}"
         # ... and nothing that is not this worker's share of a lot of the sampler
-        assert seen <= {tuple(pair[r]) for pair in shares + ahead}, \
+        assert seen <= {tuple(pair[r]) for pair in shares + ahead}, (
             f"worker {r} read examples outside its shares"
+        )
     for first, second in shares:
         assert not set(first) & set(second)
     assert chief_run["lots_applied"] == 10
@@ -130,8 +142,10 @@ def test_one_ledger_equal_to_the_lots_applied(scenario, workers):
     c = runs[0]
     assert c["lots_computed"] == c["ledger"] == c["lots_applied"] > 0
     for other in runs[1:]:  # every worker's counters agree with the chief's
-        assert (other["lots_computed"], other["lots_applied"]) == \
-            (c["lots_computed"], c["lots_applied"])
+        assert (other["lots_computed"], other["lots_applied"]) == (
+            c["lots_computed"],
+            c["lots_applied"],
+        )
 
 
 def test_validation_and_evaluate_equal_one_process(workers):
@@ -164,12 +178,15 @@ def test_checkpoint_written_by_the_chief_resumes_the_ledger(workers):
     assert workers[1]["resume"]["lots_applied"] == workers[1]["resume"]["ledger"] == 40
 
 
-@pytest.mark.parametrize("mode, message", [
-    ("jit_compile", "jit_compile must be False under a distribution strategy"),
-    ("steps_per_execution", "steps_per_execution must be 1 under a distribution strategy"),
-    ("secure_mode", "secure_mode=True is not supported under a distribution strategy"),
-    ("different_seeds", "sampling_seed must be the same on every worker"),
-])
+@pytest.mark.parametrize(
+    "mode, message",
+    [
+        ("jit_compile", "jit_compile must be False under a distribution strategy"),
+        ("steps_per_execution", "steps_per_execution must be 1 under a distribution strategy"),
+        ("secure_mode", "secure_mode=True is not supported under a distribution strategy"),
+        ("different_seeds", "sampling_seed must be the same on every worker"),
+    ],
+)
 def test_unsupported_modes_are_refused_on_every_worker(mode, message, workers):
     for w in workers:
         refused = w["refusals"][mode]
@@ -189,11 +206,19 @@ def test_replica_shares_partition_every_lot_as_a_mirrored_split(replicas):
     lots = list(sampler.lots(13))
     assert 0 in {len(lot) for lot in lots}
     whole = list(sampler.dataset(x, y, epochs=1, pad_to=replicas).as_numpy_iterator())
-    each = [list(sampler.replica_shares(x, y, epochs=1, replicas=replicas,
-                                       first_replica=r).as_numpy_iterator())
-            for r in range(replicas)]
-    local = list(sampler.replica_shares(x, y, epochs=1, replicas=replicas,
-                                        local_replicas=replicas).as_numpy_iterator())
+    each = [
+        list(
+            sampler.replica_shares(
+                x, y, epochs=1, replicas=replicas, first_replica=r
+            ).as_numpy_iterator()
+        )
+        for r in range(replicas)
+    ]
+    local = list(
+        sampler.replica_shares(
+            x, y, epochs=1, replicas=replicas, local_replicas=replicas
+        ).as_numpy_iterator()
+    )
     assert len(local) == replicas * len(lots)
     for t, lot in enumerate(lots):
         got = []
@@ -201,8 +226,8 @@ def test_replica_shares_partition_every_lot_as_a_mirrored_split(replicas):
             xb, yb, mask = each[r][t]
             size = len(mask)
             assert size == max(1, -(-len(lot) // replicas))
-            np.testing.assert_array_equal(mask, whole[t][2][r * size:(r + 1) * size])
-            np.testing.assert_array_equal(yb, whole[t][1][r * size:(r + 1) * size])
+            np.testing.assert_array_equal(mask, whole[t][2][r * size : (r + 1) * size])
+            np.testing.assert_array_equal(yb, whole[t][1][r * size : (r + 1) * size])
             np.testing.assert_array_equal(xb[:, 0][mask > 0], yb[mask > 0])
             for a, b in zip(local[t * replicas + r], each[r][t]):
                 np.testing.assert_array_equal(a, b)
@@ -213,5 +238,6 @@ def test_replica_shares_partition_every_lot_as_a_mirrored_split(replicas):
 def test_replica_shares_validates_replicas():
     sampler = LotSampler(40, 3, seed=1)
     with pytest.raises(ValueError, match="do not exist"):
-        sampler.replica_shares(np.zeros((40, 1)), np.zeros(40), epochs=1, replicas=2,
-                               first_replica=1, local_replicas=2)
+        sampler.replica_shares(
+            np.zeros((40, 1)), np.zeros(40), epochs=1, replicas=2, first_replica=1, local_replicas=2
+        )

@@ -10,14 +10,18 @@ from dpfl_tf.keras.layer_rules.conv import ConvRule
 from dpfl_tf.keras.layer_rules.dense import DenseRule
 from dpfl_tf.keras.layer_rules.embedding import EmbeddingRule
 from dpfl_tf.keras.layer_rules.normalization import AffineNormalizationRule
-from dpfl_tf.keras.per_example import (BatchMixingLayerError, PerExampleGradients,
-                                       plan_layers, refuse_batch_mixing_layers)
+from dpfl_tf.keras.per_example import (
+    BatchMixingLayerError,
+    PerExampleGradients,
+    plan_layers,
+    refuse_batch_mixing_layers,
+)
 from tests.keras.helpers import loss, mnist_slice
 
 
 def _example(x, i):
     """Example i of an input (an array or a list of arrays), batch axis kept."""
-    return [t[i:i + 1] for t in x] if isinstance(x, (list, tuple)) else x[i:i + 1]
+    return [t[i : i + 1] for t in x] if isinstance(x, (list, tuple)) else x[i : i + 1]
 
 
 def _reference(model, x, y):
@@ -25,10 +29,14 @@ def _reference(model, x, y):
     grads = []
     for i in range(len(y)):
         with tf.GradientTape() as tape:
-            li = tf.reduce_sum(loss().call(y[i:i + 1], model(_example(x, i), training=True)))
+            li = tf.reduce_sum(loss().call(y[i : i + 1], model(_example(x, i), training=True)))
         g = tape.gradient(li, model.trainable_variables)
-        grads.append([np.zeros(v.shape) if gi is None else tf.convert_to_tensor(gi).numpy()
-                      for gi, v in zip(g, model.trainable_variables)])
+        grads.append(
+            [
+                np.zeros(v.shape) if gi is None else tf.convert_to_tensor(gi).numpy()
+                for gi, v in zip(g, model.trainable_variables)
+            ]
+        )
     return grads
 
 
@@ -43,7 +51,8 @@ def _compute(model, x, y, fast, clip=None):
         return [clip / tf.maximum(total, clip)] * len(sq)
 
     sums, losses, _ = PerExampleGradients(model, loss(), fast=fast).compute(
-        x, tf.constant(y), tf.ones(len(y)), factors)
+        x, tf.constant(y), tf.ones(len(y)), factors
+    )
     return [s.numpy() for s in sums], captured["sq"]
 
 
@@ -86,8 +95,10 @@ def _data(kind, n=6):
     return x[:, :20], y
 
 
-@pytest.mark.parametrize("kind, make", [("conv", conv_model), ("embedding", embedding_model),
-                                        ("dense", lambda: Subclassed())])
+@pytest.mark.parametrize(
+    "kind, make",
+    [("conv", conv_model), ("embedding", embedding_model), ("dense", lambda: Subclassed())],
+)
 def test_fast_and_generic_paths_equal_reference_loop(kind, make):
     x, y = _data(kind)
     model = make()
@@ -116,9 +127,16 @@ def _rule_names(model):
 def test_rules_are_found_for_dense_conv_embedding_and_frozen_layers_only_run_forward():
     model = conv_model()
     assert [type(find_rule(layer)) for layer in model.layers[1:]] == [
-        ConvRule, type(None), ConvRule, type(None), AffineNormalizationRule, DenseRule]
+        ConvRule,
+        type(None),
+        ConvRule,
+        type(None),
+        AffineNormalizationRule,
+        DenseRule,
+    ]
     assert sorted(_rule_names(model).values()) == sorted(
-        ["ConvRule", "ConvRule", "AffineNormalizationRule", "DenseRule"])
+        ["ConvRule", "ConvRule", "AffineNormalizationRule", "DenseRule"]
+    )
     assert isinstance(find_rule(embedding_model().layers[1]), EmbeddingRule)
     frozen = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3), keras.layers.Dense(2)])
     frozen.layers[0].trainable = False
@@ -128,8 +146,9 @@ def test_rules_are_found_for_dense_conv_embedding_and_frozen_layers_only_run_for
     sub(np.zeros((1, 20), "float32"))
     assert sorted(_rule_names(sub).values()) == ["DenseRule", "DenseRule"]
     # a layer without a rule whose variables are its own uses the fallback
-    rnn = keras.Sequential([keras.Input((5, 3)), keras.layers.RNN(keras.layers.LSTMCell(4)),
-                            keras.layers.Dense(2)])
+    rnn = keras.Sequential(
+        [keras.Input((5, 3)), keras.layers.RNN(keras.layers.LSTMCell(4)), keras.layers.Dense(2)]
+    )
     assert [rule for _, rule in plan_layers(rnn).values()][0] is FALLBACK
 
 
@@ -140,7 +159,7 @@ def test_clipped_sum_equals_sum_of_clipped_reference_gradients():
     clip = 0.05
     expected = [np.zeros_like(g) for g in ref[0]]
     for r in ref:
-        norm = np.sqrt(sum(np.sum(g ** 2) for g in r))
+        norm = np.sqrt(sum(np.sum(g**2) for g in r))
         assert norm > clip  # the bound binds
         for j, g in enumerate(r):
             expected[j] += g * min(1.0, clip / norm)
@@ -148,12 +167,18 @@ def test_clipped_sum_equals_sum_of_clipped_reference_gradients():
     for a, b in zip(sums, expected):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-7)
     # the sum of B clipped gradients has norm at most B * C
-    assert np.sqrt(sum(np.sum(s ** 2) for s in sums)) <= len(y) * clip * (1 + 1e-5)
+    assert np.sqrt(sum(np.sum(s**2) for s in sums)) <= len(y) * clip * (1 + 1e-5)
 
 
 def test_batch_normalization_in_training_mode_is_refused():
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
-                              keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(3),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(2),
+        ]
+    )
     with pytest.raises(BatchMixingLayerError, match="BatchNormalization"):
         refuse_batch_mixing_layers(model)
     model.layers[1].trainable = False  # frozen BN runs in inference mode: fine
@@ -168,12 +193,14 @@ def test_reduced_loss_is_refused():
 
     with pytest.raises(ValueError, match="one loss value per example"):
         PerExampleGradients(model, mean_loss).compute(
-            tf.ones((4, 3)), tf.zeros(4), tf.ones(4), lambda sq: sq)
+            tf.ones((4, 3)), tf.zeros(4), tf.ones(4), lambda sq: sq
+        )
 
 
 # ---------------------------------------------------------------------------
 # Layers called more than once and variables used outside the layer's own call:
 # an example's gradient of such a variable is the sum over all its uses.
+
 
 class TiedProjection(keras.layers.Layer):
     """Output logits h @ E^T with the embedding table E of an Embedding (weight tying)."""
@@ -264,11 +291,16 @@ def mirror_views_cnn():
     from dpfl_tf.models import view_averaged
 
     keras.utils.set_random_seed(9)
-    head = keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Normalization(axis=-1, mean=[0.13], variance=[0.09]),
-        keras.layers.Conv2D(4, 5, strides=2, padding="same", activation="tanh"),
-        keras.layers.MaxPooling2D(2), keras.layers.Flatten(), keras.layers.Dense(10)])
+    head = keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Normalization(axis=-1, mean=[0.13], variance=[0.09]),
+            keras.layers.Conv2D(4, 5, strides=2, padding="same", activation="tanh"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Flatten(),
+            keras.layers.Dense(10),
+        ]
+    )
     return view_averaged(head, 2)
 
 
@@ -276,8 +308,9 @@ def mirror_views_linear():
     from dpfl_tf.models import view_averaged
 
     keras.utils.set_random_seed(11)
-    head = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
-                             keras.layers.Dense(10)])
+    head = keras.Sequential(
+        [keras.Input((28, 28, 1)), keras.layers.Flatten(), keras.layers.Dense(10)]
+    )
     return view_averaged(head, 2)
 
 
@@ -290,25 +323,27 @@ def mirror_views_scatter_cnn():
     return scatter_cnn((7, 7, 81), views=2)
 
 
-SHARED = {"dense_two_inputs": ("dense2", shared_dense_two_inputs),
-          "mirror_views_scatter_cnn": ("scatter_views", mirror_views_scatter_cnn),
-          "mirror_views_cnn": ("views", mirror_views_cnn),
-          "mirror_views_linear": ("views", mirror_views_linear),
-          "dense_twice_in_sequence": ("dense", dense_twice_in_sequence),
-          "conv2d_twice": ("conv", conv_twice),
-          "embedding_twice": ("embedding2", embedding_twice),
-          "tied_embedding": ("embedding", tied_embedding),
-          "tied_embedding_by_keras_ops": ("embedding", tied_embedding_by_keras_ops),
-          "dense_also_called_inside_a_layer": ("dense", dense_also_called_inside_a_layer)}
+SHARED = {
+    "dense_two_inputs": ("dense2", shared_dense_two_inputs),
+    "mirror_views_scatter_cnn": ("scatter_views", mirror_views_scatter_cnn),
+    "mirror_views_cnn": ("views", mirror_views_cnn),
+    "mirror_views_linear": ("views", mirror_views_linear),
+    "dense_twice_in_sequence": ("dense", dense_twice_in_sequence),
+    "conv2d_twice": ("conv", conv_twice),
+    "embedding_twice": ("embedding2", embedding_twice),
+    "tied_embedding": ("embedding", tied_embedding),
+    "tied_embedding_by_keras_ops": ("embedding", tied_embedding_by_keras_ops),
+    "dense_also_called_inside_a_layer": ("dense", dense_also_called_inside_a_layer),
+}
 
 
 def _shared_data(kind, n=6):
-    if kind == "scatter_views":   # real scattering features of digits and their mirrors
+    if kind == "scatter_views":  # real scattering features of digits and their mirrors
         from dpfl_tf.scattering import Scattering2D
 
         x, y = mnist_slice(n, flat=False)
         return Scattering2D(J=2, L=8, shape=(28, 28)).transform(x[..., 0], mirror=True), y
-    if kind == "views":   # [n, 2, 28, 28, 1]: each image and its mirror image
+    if kind == "views":  # [n, 2, 28, 28, 1]: each image and its mirror image
         x, y = mnist_slice(n, flat=False)
         return np.stack([x, x[:, :, ::-1]], axis=1), y
     if kind == "dense2":
@@ -323,7 +358,7 @@ def _shared_data(kind, n=6):
 def _clipped_reference(ref, clip):
     expected = [np.zeros_like(g) for g in ref[0]]
     for r in ref:
-        norm = np.sqrt(sum(np.sum(g ** 2) for g in r))
+        norm = np.sqrt(sum(np.sum(g**2) for g in r))
         assert norm > clip  # the bound binds: every clip factor is < 1
         for j, g in enumerate(r):
             expected[j] += g * min(1.0, clip / norm)
@@ -385,8 +420,12 @@ def test_outside_use_moves_the_layer_to_the_generic_path_once():
     assert per_example.excluded_layers == (embedding,)
     assert len(passes) == 3  # found in the first call; the second starts with it excluded
     # layers called more than once, but only through taps, stay on the fast path
-    for make, kind in [(shared_dense_two_inputs, "dense2"), (conv_twice, "conv"),
-                       (embedding_twice, "embedding2"), (conv_model, "conv")]:
+    for make, kind in [
+        (shared_dense_two_inputs, "dense2"),
+        (conv_twice, "conv"),
+        (embedding_twice, "embedding2"),
+        (conv_model, "conv"),
+    ]:
         xs, ys = _shared_data(kind)
         fast = PerExampleGradients(make(), loss())
         fast.compute(xs, tf.constant(ys), tf.ones(len(ys)), lambda sq: sq)
@@ -410,8 +449,12 @@ def test_a_variable_held_by_two_fast_path_layers_goes_to_the_generic_path():
     ref_sq = [np.array([np.sum(r[j] ** 2) for r in ref]) for j in range(len(ref[0]))]
     per_example = PerExampleGradients(model, loss())
     captured = []
-    per_example.compute(x, tf.constant(y), tf.ones(len(y)),
-                        lambda sq: captured.extend(sq) or [tf.ones_like(s) for s in sq])
+    per_example.compute(
+        x,
+        tf.constant(y),
+        tf.ones(len(y)),
+        lambda sq: captured.extend(sq) or [tf.ones_like(s) for s in sq],
+    )
     assert set(per_example.excluded_layers) == {first, second}
     for a, b in zip(captured, ref_sq):
         np.testing.assert_allclose(a.numpy(), b, rtol=2e-4, atol=1e-8)
@@ -426,8 +469,11 @@ def test_dp_training_of_a_weight_tied_model(jit):
     def dp_model(noise, clip, lr):
         model = tied_embedding()
         dp = DPModel(model)
-        dp.compile(optimizer=DPSGD(lr, l2_norm_clip=clip, noise_multiplier=noise, seed=0),
-                   loss=loss(), jit_compile=jit)
+        dp.compile(
+            optimizer=DPSGD(lr, l2_norm_clip=clip, noise_multiplier=noise, seed=0),
+            loss=loss(),
+            jit_compile=jit,
+        )
         return dp, model, [v.numpy().copy() for v in model.trainable_variables]
 
     # without noise, one lot of 24 in physical batches of 8 moves the weights by
@@ -435,8 +481,7 @@ def test_dp_training_of_a_weight_tied_model(jit):
     clip, lr = 0.01, 1000.0
     expected = _clipped_reference(_reference(tied_embedding(), x[:24], y[:24]), clip)
     dp, model, before = dp_model(0.0, clip, lr)
-    dp.fit(x[:24], y[:24], lot_size=24, batch_size=8, epochs=1, verbose=0,
-           sampling="full_batch")
+    dp.fit(x[:24], y[:24], lot_size=24, batch_size=8, epochs=1, verbose=0, sampling="full_batch")
     for v, w0, e in zip(model.trainable_variables, before, expected):
         np.testing.assert_allclose(v.numpy() - w0, -lr * e / 24, rtol=1e-3, atol=1e-6)
     assert [type(la).__name__ for la in dp._per_example.excluded_layers] == ["Embedding"]
@@ -472,8 +517,11 @@ def test_peak_memory_of_the_dp_pass_stays_near_the_plain_gradient():
     @tf.function
     def dp(x, y):
         return per_example.compute(
-            x, y, tf.ones(tf.shape(y)[0]),
-            lambda sq: [1.0 / tf.maximum(tf.sqrt(tf.add_n(sq)), 1.0)] * len(sq))[0]
+            x,
+            y,
+            tf.ones(tf.shape(y)[0]),
+            lambda sq: [1.0 / tf.maximum(tf.sqrt(tf.add_n(sq)), 1.0)] * len(sq),
+        )[0]
 
     x = tf.random.uniform((64, 32, 32, 3))
     y = tf.zeros((64,), tf.int64)
@@ -487,7 +535,7 @@ def test_peak_memory_of_the_dp_pass_stays_near_the_plain_gradient():
 
     plain_peak, dp_peak = peak_bytes(plain), peak_bytes(dp)
     assert plain_peak > 0
-    assert dp_peak <= 5 * plain_peak, (dp_peak / 2 ** 20, plain_peak / 2 ** 20)
+    assert dp_peak <= 5 * plain_peak, (dp_peak / 2**20, plain_peak / 2**20)
 
 
 def test_the_tape_is_persistent_only_for_the_whole_model_jacobian():
@@ -503,8 +551,9 @@ def test_the_tape_is_persistent_only_for_the_whole_model_jacobian():
     x = np.random.default_rng(0).integers(1, 50, (5, 12)).astype("int32")
     y = np.zeros((5,), "int64")
     per_example = PerExampleGradients(model, loss())
-    sums, _, _ = per_example.compute(x, tf.constant(y), tf.ones(5),
-                                     lambda sq: [tf.ones_like(s) for s in sq])
+    sums, _, _ = per_example.compute(
+        x, tf.constant(y), tf.ones(5), lambda sq: [tf.ones_like(s) for s in sq]
+    )
     assert per_example._persistent is False  # every variable has a rule
     ref = _reference(model, x, y)
     for j, s in enumerate(sums):  # still exact
@@ -528,8 +577,9 @@ class _Branchy(keras.layers.Layer):
         self.dense = keras.layers.Dense(5, activation="tanh")
 
     def call(self, x):
-        return tf.cond(tf.reduce_sum(x) > -1e9, lambda: self.dense(x),
-                       lambda: tf.zeros_like(self.dense(x)))
+        return tf.cond(
+            tf.reduce_sum(x) > -1e9, lambda: self.dense(x), lambda: tf.zeros_like(self.dense(x))
+        )
 
 
 def test_a_planned_layer_not_tapped_takes_the_jacobian_with_a_persistent_redo():
@@ -548,9 +598,12 @@ def test_a_planned_layer_not_tapped_takes_the_jacobian_with_a_persistent_redo():
 
     @tf.function
     def dp(x, y):
-        return per_example.compute(x, y, tf.ones(tf.shape(y)[0]),
-                                   lambda sq: captured.append(sq) or [tf.ones_like(s)
-                                                                      for s in sq])[0]
+        return per_example.compute(
+            x,
+            y,
+            tf.ones(tf.shape(y)[0]),
+            lambda sq: captured.append(sq) or [tf.ones_like(s) for s in sq],
+        )[0]
 
     sums = dp(tf.constant(x), tf.constant(y))
     assert per_example._persistent is True and len(passes) == 2

@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dpfl_tf.keras import DPModel, DPSGD, LotSampler
+from dpfl_tf.keras import DPSGD, DPModel, LotSampler
 from dpfl_tf.keras.sources import IndexedReader, SourceError, make_reader
 from tests.keras.helpers import loss, mlp, mnist_slice
 
 
 def dp_model(seed=0, noise=1.0):
     dp = DPModel(mlp(seed=0))
-    dp.compile(optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=noise, seed=seed),
-               loss=loss())
+    dp.compile(
+        optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=noise, seed=seed), loss=loss()
+    )
     return dp
 
 
@@ -73,8 +74,12 @@ def test_every_source_trains_exactly_like_in_memory_arrays(kind, tmp_path):
     if kind == "memmap":
         args = memmap_of(tmp_path, x, y)
     else:
-        args = ({"items": ItemSource, "record_list": RecordListSource,
-                 "batch": BatchSource}[kind](x, y), None)
+        args = (
+            {"items": ItemSource, "record_list": RecordListSource, "batch": BatchSource}[kind](
+                x, y
+            ),
+            None,
+        )
     dp = dp_model()
     dp.fit(*args, lot_size=30, epochs=2, verbose=0, sampling_seed=4)
     for a, b in zip(weights(reference), weights(dp)):
@@ -131,15 +136,18 @@ def test_a_memmap_is_read_lot_by_lot_never_whole(tmp_path):
     n, d = 10_000, 16_384
     path = tmp_path / "big.npy"
     xm = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, d))
-    xm[:: 1000] = 1.0  # a sparse file: a few rows written, then the mapping dropped
+    xm[::1000] = 1.0  # a sparse file: a few rows written, then the mapping dropped
     xm.flush()
     del xm
     x = np.load(path, mmap_mode="r")
     y = np.zeros(n, np.int64)
     assert isinstance(make_reader(x, y), IndexedReader)
     dp = DPModel(mlp(inputs=d, hidden=8))
-    dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss(),
-               steps_per_execution=1)  # a callback after every lot
+    dp.compile(
+        optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+        loss=loss(),
+        steps_per_execution=1,
+    )  # a callback after every lot
     assert _mapped_bytes(path) == 0
     dp.fit(x, y, lot_size=50, epochs=1, verbose=0, callbacks=[_StopAfter(2)])
     read = _mapped_bytes(path)
@@ -161,6 +169,7 @@ class _StopAfter(keras.callbacks.Callback):
 
 
 # -- bad sources ----------------------------------------------------------------
+
 
 class Broken(ItemSource):
     def __init__(self, x, y, bad, problem):
@@ -184,14 +193,16 @@ class Broken(ItemSource):
         return self.x[i], self.y[i]
 
 
-@pytest.mark.parametrize("problem,message", [
-    ("raises", r"reading record 7 raised OSError: disk on fire"),
-    ("shape", r"record 7: x has shape \(59,\) dtype float32, but record 0 has shape \(60,\)"),
-    ("dtype", r"record 7: x has shape \(60,\) dtype float64, but record 0 has .* float32"),
-    ("length", r"the source changed length during training: it had 40 records, now 3\d"),
-])
-def test_a_bad_record_names_its_index_and_its_lot_is_neither_applied_nor_counted(
-        problem, message):
+@pytest.mark.parametrize(
+    "problem,message",
+    [
+        ("raises", r"reading record 7 raised OSError: disk on fire"),
+        ("shape", r"record 7: x has shape \(59,\) dtype float32, but record 0 has shape \(60,\)"),
+        ("dtype", r"record 7: x has shape \(60,\) dtype float64, but record 0 has .* float32"),
+        ("length", r"the source changed length during training: it had 40 records, now 3\d"),
+    ],
+)
+def test_a_bad_record_names_its_index_and_its_lot_is_neither_applied_nor_counted(problem, message):
     x, y = mnist_slice(40, features=60)
     x = x.astype(np.float32)
     dp = dp_model()
@@ -215,8 +226,13 @@ def test_lots_before_a_bad_record_are_counted_and_the_bad_lot_is_not():
     first_bad = next(t for t, idx in enumerate(lots) if 150 in idx)
     dp = dp_model()
     with pytest.raises(SourceError, match="record 150"):
-        dp.fit(Broken(x, y, bad=150, problem="raises"), lot_size=20, epochs=1, verbose=0,
-               sampling_seed=9)
+        dp.fit(
+            Broken(x, y, bad=150, problem="raises"),
+            lot_size=20,
+            epochs=1,
+            verbose=0,
+            sampling_seed=9,
+        )
     assert dp.lots_computed == dp.lots_applied == dp.privacy_ledger.count() == first_bad
 
 
@@ -233,7 +249,7 @@ def test_sources_without_random_access_and_empty_sources_are_refused():
             return 4
 
         def __getitem__(self, i):
-            return x[i * 10:(i + 1) * 10], y[i * 10:(i + 1) * 10]
+            return x[i * 10 : (i + 1) * 10], y[i * 10 : (i + 1) * 10]
 
     with pytest.raises(TypeError, match="PyDataset .* only streams"):
         dp.fit(Batches(), lot_size=10)
@@ -242,8 +258,10 @@ def test_sources_without_random_access_and_empty_sources_are_refused():
     with pytest.raises(ValueError, match="lot_size must be <= the number of examples"):
         dp.fit(ItemSource(x, y), lot_size=41)
     with pytest.raises(SourceError, match="record 0: expected a pair"):
-        dp.fit(type("Bare", (), {"__len__": lambda s: 3, "__getitem__": lambda s, i: x[i]})(),
-               lot_size=1)
+        dp.fit(
+            type("Bare", (), {"__len__": lambda s: 3, "__getitem__": lambda s, i: x[i]})(),
+            lot_size=1,
+        )
     assert dp.lots_computed == 0
 
 
@@ -260,8 +278,9 @@ def test_a_seeded_fit_that_continues_a_model_draws_new_lots():
     assert dp.sampler.first_lot == 10
     second = list(dp.sampler.lots(10))
     assert all(not np.array_equal(a, b) for a, b in zip(first, second))
-    np.testing.assert_array_equal(second[0], list(LotSampler(200, 20, seed=3, first_lot=10)
-                                                  .lots(1))[0])
+    np.testing.assert_array_equal(
+        second[0], list(LotSampler(200, 20, seed=3, first_lot=10).lots(1))[0]
+    )
 
 
 def test_poisson_threshold_rate_is_at_most_q_and_lots_have_rate_q():
@@ -269,8 +288,8 @@ def test_poisson_threshold_rate_is_at_most_q_and_lots_have_rate_q():
     (rate T / 2^32 <= q); the lots drawn have the rate q (4-sigma bounds, so a
     wrong threshold -- e.g. q 2^31 -- fails)."""
     sampler = LotSampler(100_000, 1_000, seed=1)
-    assert sampler.inclusion_threshold == int(0.01 * 2 ** 32)
-    assert 0 < 0.01 - sampler.inclusion_threshold / 2 ** 32 < 2.4e-10
+    assert sampler.inclusion_threshold == int(0.01 * 2**32)
+    assert 0 < 0.01 - sampler.inclusion_threshold / 2**32 < 2.4e-10
     sizes = np.array([len(i) for i in sampler.lots(60)])
     # lot size ~ Binomial(100000, 0.01): sd 31.5, so the mean of 60 has sd 4.1
     assert abs(sizes.mean() - 1000) < 16.3, sizes.mean()
@@ -293,8 +312,9 @@ def test_a_record_with_other_dict_keys_is_refused_not_misassigned():
             return {keys[0]: x[i, :40], keys[1]: x[i, 40:]}, y[i]
 
     a, b = keras.Input((40,), name="a"), keras.Input((20,), name="b")
-    dp = DPModel(keras.Model({"a": a, "b": b},
-                             keras.layers.Dense(10)(keras.layers.Concatenate()([a, b]))))
+    dp = DPModel(
+        keras.Model({"a": a, "b": b}, keras.layers.Dense(10)(keras.layers.Concatenate()([a, b])))
+    )
     dp.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss())
     with pytest.raises(SourceError, match="record 5: x has another structure than record 0"):
         dp.fit(Renamed(), lot_size=40, epochs=1, verbose=0, sampling="full_batch")

@@ -44,9 +44,20 @@ def results(tmp_path_factory):
     children = []
     for k in range(SHARDS):  # output to files: a full pipe would stall a child
         out, err = open(logs / f"{k}.out", "w+"), open(logs / f"{k}.err", "w+")
-        children.append((subprocess.Popen(
-            [sys.executable, "-m", "tests.keras._matrix_child", "--shard", f"{k}/{SHARDS}"],
-            cwd=ROOT, env=env, text=True, stdout=out, stderr=err), out, err))
+        children.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests.keras._matrix_child", "--shard", f"{k}/{SHARDS}"],
+                    cwd=ROOT,
+                    env=env,
+                    text=True,
+                    stdout=out,
+                    stderr=err,
+                ),
+                out,
+                err,
+            )
+        )
     rows = {}
     for child, out, err in children:
         child.wait(timeout=1500)
@@ -61,8 +72,9 @@ def results(tmp_path_factory):
 
 
 def _name(cell):
-    return "-".join(str(cell[k]) for k in ("sampling", "execution", "spe", "distribution",
-                                           "clip", "scenario"))
+    return "-".join(
+        str(cell[k]) for k in ("sampling", "execution", "spe", "distribution", "clip", "scenario")
+    )
 
 
 @pytest.mark.parametrize("index", range(len(CELLS)), ids=[_name(c) for c in CELLS])

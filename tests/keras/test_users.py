@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dpfl_tf.keras import DPModel, DPSGD
+from dpfl_tf.keras import DPSGD, DPModel
 from dpfl_tf.keras.per_example import per_example_loss
 from dpfl_tf.keras.users import PerUserGradients, UserLotSampler, group_users
 from dpfl_tf.privacy import compute_epsilon, dp_sgd_event
@@ -25,13 +25,24 @@ def _clip(sq_norms):
 
 def _models():
     keras.utils.set_random_seed(0)
-    conv = keras.Sequential([
-        keras.Input((28, 28, 1)), keras.layers.Conv2D(4, 5, strides=3, activation="tanh"),
-        keras.layers.LayerNormalization(), keras.layers.Flatten(), keras.layers.Dense(10)])
-    seq = keras.Sequential([
-        keras.Input((12,), dtype="int32"), keras.layers.Embedding(50, 8),
-        keras.layers.Dense(6, activation="relu"), keras.layers.GlobalAveragePooling1D(),
-        keras.layers.Dense(10)])
+    conv = keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(4, 5, strides=3, activation="tanh"),
+            keras.layers.LayerNormalization(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(10),
+        ]
+    )
+    seq = keras.Sequential(
+        [
+            keras.Input((12,), dtype="int32"),
+            keras.layers.Embedding(50, 8),
+            keras.layers.Dense(6, activation="relu"),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(10),
+        ]
+    )
     return {"conv": conv, "sequence": seq}
 
 
@@ -53,10 +64,15 @@ def _brute_force(model, x, y, segments, drop=None, clip=C):
             continue
         rows = np.flatnonzero(segments == u)
         with tf.GradientTape() as tape:
-            value = tf.reduce_sum(per_example_loss(lossf, tf.gather(y, rows),
-                                                   model(tf.gather(x, rows), training=True)))
-        grads = [tf.convert_to_tensor(g)   # an Embedding's IndexedSlices repeat rows
-                 for g in tape.gradient(value, model.trainable_variables)]
+            value = tf.reduce_sum(
+                per_example_loss(
+                    lossf, tf.gather(y, rows), model(tf.gather(x, rows), training=True)
+                )
+            )
+        grads = [
+            tf.convert_to_tensor(g)  # an Embedding's IndexedSlices repeat rows
+            for g in tape.gradient(value, model.trainable_variables)
+        ]
         norm = tf.linalg.global_norm(grads)
         factor = clip / tf.maximum(norm, clip)
         total = [t + factor * g for t, g in zip(total, grads)]
@@ -92,29 +108,31 @@ def test_removing_one_user_moves_the_sum_by_at_most_c(kind):
     for u in range(4):
         mask = tf.constant((segments != u).astype("float32"))
         without, _, _ = grads.compute(x, y, mask, _clip)
-        move = math.sqrt(sum(float(tf.reduce_sum(tf.square(a - b)))
-                             for a, b in zip(full, without)))
+        move = math.sqrt(sum(float(tf.reduce_sum(tf.square(a - b))) for a, b in zip(full, without)))
         assert move <= C * (1 + 1e-4)
         brute = _brute_force(model, x, y, segments, drop=u)
         assert max(float(tf.reduce_max(tf.abs(a - b))) for a, b in zip(without, brute)) < 1e-4
         moves.append(move)
-    assert max(moves) == pytest.approx(C, rel=1e-3)   # a large user is clipped to exactly C
+    assert max(moves) == pytest.approx(C, rel=1e-3)  # a large user is clipped to exactly C
     from dpfl_tf.keras.per_example import PerExampleGradients
+
     per_example = PerExampleGradients(model, loss())
     full_e, _, _ = per_example.compute(x, y, tf.ones([24]), _clip)
     mask = tf.constant((segments != 2).astype("float32"))
     without_e, _, _ = per_example.compute(x, y, mask, _clip)
-    move_e = math.sqrt(sum(float(tf.reduce_sum(tf.square(a - b)))
-                           for a, b in zip(full_e, without_e)))
-    assert move_e > 1.5 * C   # 10 examples clipped one by one: up to 10 C
+    move_e = math.sqrt(
+        sum(float(tf.reduce_sum(tf.square(a - b))) for a, b in zip(full_e, without_e))
+    )
+    assert move_e > 1.5 * C  # 10 examples clipped one by one: up to 10 C
 
 
 def test_group_users_from_ids_and_partitions():
     ids = np.array(["b", "a", "b", "c", "a"])
     indices, offsets = group_users(ids, 5)
-    groups = [indices[offsets[k]:offsets[k + 1]].tolist() for k in range(3)]
+    groups = [indices[offsets[k] : offsets[k + 1]].tolist() for k in range(3)]
     assert groups == [[1, 4], [0, 2], [3]]
     from dpfl_tf.federated import ClientPartition
+
     part = ClientPartition.from_lists([[0, 2], [1], [3, 4]])
     idx, off = group_users(part, 5)
     assert idx.tolist() == [0, 2, 1, 3, 4] and off.tolist() == [0, 2, 3, 5]
@@ -122,24 +140,30 @@ def test_group_users_from_ids_and_partitions():
     assert off.tolist() == [0, 2, 5]
 
 
-@pytest.mark.parametrize("user_ids,match", [
-    (None, "user_ids is missing: user-level DP-SGD needs the user of every example"),
-    (np.arange(4), r"user_ids must hold one id per example \(5\), got shape \(4,\)"),
-    (np.array([0, 1, np.nan, 1, 0]), r"user_ids is missing for 1 example\(s\) \(first: "
-     r"example 2, nan\)"),
-    (np.array([0, 1, None, 1, 0], dtype=object), "missing for 1 example"),
-    ([[0, 1], [], [2, 3, 4]], r"1 user\(s\) hold no examples \(first: user 1\)"),
-    ([[0, 1], [1, 2, 3, 4]], "example 1 belongs to several users"),
-    ([[0, 1], [2, 3]], r"1 example\(s\) belong to no user \(first: example 4\)"),
-    ([[0, 1], [2, 3, 9]], r"example indices outside \[0, 5\)"),
-])
+@pytest.mark.parametrize(
+    "user_ids,match",
+    [
+        (None, "user_ids is missing: user-level DP-SGD needs the user of every example"),
+        (np.arange(4), r"user_ids must hold one id per example \(5\), got shape \(4,\)"),
+        (
+            np.array([0, 1, np.nan, 1, 0]),
+            r"user_ids is missing for 1 example\(s\) \(first: "
+            r"example 2, nan\)",
+        ),
+        (np.array([0, 1, None, 1, 0], dtype=object), "missing for 1 example"),
+        ([[0, 1], [], [2, 3, 4]], r"1 user\(s\) hold no examples \(first: user 1\)"),
+        ([[0, 1], [1, 2, 3, 4]], "example 1 belongs to several users"),
+        ([[0, 1], [2, 3]], r"1 example\(s\) belong to no user \(first: example 4\)"),
+        ([[0, 1], [2, 3, 9]], r"example indices outside \[0, 5\)"),
+    ],
+)
 def test_group_users_refusals(user_ids, match):
     with pytest.raises(ValueError, match=match):
         group_users(user_ids, 5)
 
 
 def test_user_sampler_poisson_over_users_and_the_cap():
-    ids = np.repeat(np.arange(200), np.arange(200) % 7 + 1)   # 1..7 examples per user
+    ids = np.repeat(np.arange(200), np.arange(200) % 7 + 1)  # 1..7 examples per user
     n = len(ids)
     sampler = UserLotSampler(ids, n, 20, max_examples_per_user=3, seed=1)
     assert sampler.dataset_size == 200 and sampler.sampling_rate == 0.1
@@ -158,8 +182,10 @@ def test_user_sampler_poisson_over_users_and_the_cap():
     assert np.var(counts) == pytest.approx(200 * 0.1 * 0.9, rel=0.25)
     again = UserLotSampler(ids, n, 20, max_examples_per_user=3, seed=1)
     assert all(np.array_equal(again.lot(t)[0], sampler.lot(t)[0]) for t in range(5))
-    with pytest.raises(ValueError, match="lot_size \\(users per lot\\) must be <= the number "
-                       "of users \\(200\\), got 201"):
+    with pytest.raises(
+        ValueError,
+        match="lot_size \\(users per lot\\) must be <= the number of users \\(200\\), got 201",
+    ):
         UserLotSampler(ids, n, 201)
     with pytest.raises(ValueError, match="max_examples_per_user must be a whole number >= 1"):
         UserLotSampler(ids, n, 20, max_examples_per_user=0)
@@ -176,21 +202,37 @@ def mnist_users():
 
 def _dp_model(sigma=1.0, seed=0):
     model = DPModel(mlp(seed=0))
-    model.compile(optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=sigma, seed=seed),
-                  loss=loss(), metrics=["accuracy"])
+    model.compile(
+        optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=sigma, seed=seed),
+        loss=loss(),
+        metrics=["accuracy"],
+    )
     return model
 
 
 def test_fit_with_user_ids_trains_and_accounts_users(mnist_users):
     x, y, users = mnist_users
     model = _dp_model()
-    history = model.fit(x, y, lot_size=12, epochs=2, user_ids=users, max_examples_per_user=5,
-                        sampling_seed=0, verbose=0)
+    history = model.fit(
+        x,
+        y,
+        lot_size=12,
+        epochs=2,
+        user_ids=users,
+        max_examples_per_user=5,
+        sampling_seed=0,
+        verbose=0,
+    )
     assert history.history["loss"][-1] < history.history["loss"][0]
     # 2 epochs of U / L_u = 5 lots, each a Poisson(q = 12 / 60) sample of users
     assert model.lots_computed == 10
-    assert model.ledger.entries == [{"event": "Poisson(q=0.2) Gaussian(sigma=1) (add/remove-one)",
-                                     "count": 10, "label": "dpsgd (user-level)"}]
+    assert model.ledger.entries == [
+        {
+            "event": "Poisson(q=0.2) Gaussian(sigma=1) (add/remove-one)",
+            "count": 10,
+            "label": "dpsgd (user-level)",
+        }
+    ]
     expected = dp_sgd_event(1.0, 10, sampling_rate=12 / 60)
     assert model.epsilon(1e-5) == pytest.approx(compute_epsilon(expected, 1e-5))
     # more training on the same users continues the user-level ledger
@@ -205,8 +247,9 @@ def _assert_one_sgd_lot(model, before, x, y, slots):
     ref.set_weights(before)
     clipped = _brute_force(ref, tf.constant(x), tf.constant(y), slots, clip=1.0)
     for b, after, g in zip(before, model.model.trainable_variables, clipped):
-        np.testing.assert_allclose(after.numpy(), b - 0.5 * g.numpy() / N_USERS,
-                                   rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(
+            after.numpy(), b - 0.5 * g.numpy() / N_USERS, rtol=1e-4, atol=1e-6
+        )
 
 
 def test_user_level_lot_equals_per_user_brute_force(mnist_users):
@@ -216,11 +259,18 @@ def test_user_level_lot_equals_per_user_brute_force(mnist_users):
     x, y, users = mnist_users
     model = _dp_model(sigma=0.0)
     before = [v.numpy() for v in model.model.trainable_variables]
-    idx, slots = UserLotSampler(users, len(y), N_USERS, max_examples_per_user=4,
-                                seed=3).lot(0)
+    idx, slots = UserLotSampler(users, len(y), N_USERS, max_examples_per_user=4, seed=3).lot(0)
     assert len(idx) == 4 * N_USERS and len(np.unique(slots)) == N_USERS
-    model.fit(x, y, lot_size=N_USERS, epochs=1, user_ids=users, max_examples_per_user=4,
-              sampling_seed=3, verbose=0)
+    model.fit(
+        x,
+        y,
+        lot_size=N_USERS,
+        epochs=1,
+        user_ids=users,
+        max_examples_per_user=4,
+        sampling_seed=3,
+        verbose=0,
+    )
     assert model.lots_computed == 1
     _assert_one_sgd_lot(model, before, x[idx], y[idx], slots)
 
@@ -228,8 +278,11 @@ def test_user_level_lot_equals_per_user_brute_force(mnist_users):
 def test_fit_refusals(mnist_users):
     x, y, users = mnist_users
     model = _dp_model()
-    with pytest.raises(ValueError, match=r"user_ids must hold one id per example \(600\), got "
-                       r"shape \(599,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"user_ids must hold one id per example \(600\), got "
+        r"shape \(599,\)",
+    ):
         model.fit(x, y, lot_size=12, user_ids=users[:-1], verbose=0)
     with pytest.raises(ValueError, match="max_examples_per_user=3 needs user_ids"):
         model.fit(x, y, lot_size=12, max_examples_per_user=3, verbose=0)
@@ -240,19 +293,26 @@ def test_fit_refusals(mnist_users):
     with pytest.raises(ValueError, match=r"1 user\(s\) hold no examples"):
         model.fit(x, y, lot_size=12, user_ids=[list(range(600)), []], verbose=0)
     xla = DPModel(mlp(seed=0))
-    xla.compile(optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss(),
-                jit_compile=True)
+    xla.compile(
+        optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss(), jit_compile=True
+    )
     with pytest.raises(ValueError, match="user-level DP-SGD needs jit_compile=False"):
         xla.fit(x, y, lot_size=12, user_ids=users, verbose=0)
-    assert model.lots_computed == 0   # nothing trained
-    model.fit(x, y, lot_size=60, epochs=1, verbose=0)   # example-level lots
-    with pytest.raises(ValueError, match="ledger holds 10 example-level lots: user-level lots "
-                       "composed with them give an epsilon that bounds neither"):
+    assert model.lots_computed == 0  # nothing trained
+    model.fit(x, y, lot_size=60, epochs=1, verbose=0)  # example-level lots
+    with pytest.raises(
+        ValueError,
+        match="ledger holds 10 example-level lots: user-level lots "
+        "composed with them give an epsilon that bounds neither",
+    ):
         model.fit(x, y, lot_size=12, user_ids=users, verbose=0)
     user_model = _dp_model()
     user_model.fit(x, y, lot_size=30, user_ids=users, verbose=0)
-    with pytest.raises(ValueError, match=r"ledger holds 2 user-level lots: example-level lots "
-                       r".*\(pass user_ids=\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"ledger holds 2 user-level lots: example-level lots "
+        r".*\(pass user_ids=\)",
+    ):
         user_model.fit(x, y, lot_size=60, verbose=0)
 
 
@@ -260,16 +320,23 @@ def test_fit_refusals(mnist_users):
 def test_a_non_finite_example_drops_its_user_only(mnist_users, fast):
     x, y, users = mnist_users
     x = x.copy()
-    x[25, 3] = np.nan          # user 2's example
+    x[25, 3] = np.nan  # user 2's example
     model = DPModel(mlp(seed=0), fast_gradients=fast)
     model.compile(optimizer=DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=0.0), loss=loss())
     before = [v.numpy() for v in model.model.trainable_variables]
-    idx, slots = UserLotSampler(users, len(y), N_USERS, max_examples_per_user=10,
-                                seed=4).lot(0)
+    idx, slots = UserLotSampler(users, len(y), N_USERS, max_examples_per_user=10, seed=4).lot(0)
     with pytest.warns(RuntimeWarning, match="10 training examples had a NaN or inf gradient"):
-        model.fit(x, y, lot_size=N_USERS, epochs=1, user_ids=users, sampling_seed=4,
-                  max_examples_per_user=10, verbose=0)
-    assert model.dropped_examples == 10    # all of user 2's examples, no one else's
+        model.fit(
+            x,
+            y,
+            lot_size=N_USERS,
+            epochs=1,
+            user_ids=users,
+            sampling_seed=4,
+            max_examples_per_user=10,
+            verbose=0,
+        )
+    assert model.dropped_examples == 10  # all of user 2's examples, no one else's
     keep = slots != 2
     _assert_one_sgd_lot(model, before, x[idx][keep], y[idx][keep], slots[keep])
 
@@ -282,8 +349,15 @@ def test_random_access_source_gives_the_same_lot_as_arrays(mnist_users):
     weights = []
     for data in ((x, y), (ArraySource(x, y),)):
         model = _dp_model(sigma=0.0)
-        model.fit(*data, lot_size=N_USERS, epochs=1, user_ids=users, max_examples_per_user=3,
-                  sampling_seed=5, verbose=0)
+        model.fit(
+            *data,
+            lot_size=N_USERS,
+            epochs=1,
+            user_ids=users,
+            max_examples_per_user=3,
+            sampling_seed=5,
+            verbose=0,
+        )
         weights.append([v.numpy() for v in model.model.trainable_variables])
     for a, b in zip(*weights):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -299,7 +373,8 @@ def test_example_level_epsilon_of_a_user_level_run():
 
     every = dp_sgd_event(2.0 / 2, 50, "full_batch")
     assert example_level_epsilon(2.0, 1.0, 50, 1e-5) == pytest.approx(
-        compute_epsilon(every, 1e-5, "pld"), rel=1e-3)
+        compute_epsilon(every, 1e-5, "pld"), rel=1e-3
+    )
     user = compute_epsilon(dp_sgd_event(2.0, 300, sampling_rate=0.1), 1e-5, "pld")
     example = example_level_epsilon(2.0, 0.1, 300, 1e-5)
     assert user < example < 2.5 * user

@@ -6,11 +6,22 @@ import dp_accounting
 import pytest
 from dp_accounting import pld, rdp
 
-from dpfl_tf.privacy import (NeighboringRelation, compute_delta, compute_epsilon,
-                             dp_sgd_event, gaussian_step_event, make_accountant)
-from dpfl_tf.privacy.events import (ReplaceOneGaussianDpEvent, complementary_noise_multiplier,
-                                    describe_event, joint_gaussian_step_event,
-                                    joint_noise_multiplier, neighboring_relation_of)
+from dpfl_tf.privacy import (
+    NeighboringRelation,
+    compute_delta,
+    compute_epsilon,
+    dp_sgd_event,
+    gaussian_step_event,
+    make_accountant,
+)
+from dpfl_tf.privacy.events import (
+    ReplaceOneGaussianDpEvent,
+    complementary_noise_multiplier,
+    describe_event,
+    joint_gaussian_step_event,
+    joint_noise_multiplier,
+    neighboring_relation_of,
+)
 
 
 @pytest.mark.parametrize("sigma, steps", [(4.0, 10000), (1.1, 3000), (0.8, 500)])
@@ -37,8 +48,11 @@ def test_fixed_size_sampling_uses_replace_one_and_twice_the_sensitivity():
     assert event.event.noise_multiplier == 2.0  # sensitivity 2C under replace-one
     assert neighboring_relation_of(event) is NeighboringRelation.REPLACE_ONE
     eps = compute_epsilon(dp_accounting.SelfComposedDpEvent(event, 1000), 1e-5, "rdp")
-    ref = rdp.RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE).compose(
-        event, 1000).get_epsilon(1e-5)
+    ref = (
+        rdp.RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
+        .compose(event, 1000)
+        .get_epsilon(1e-5)
+    )
     assert eps == pytest.approx(ref)
     for kind in ["moments", "pld", "strong"]:
         with pytest.raises(ValueError, match="rdp"):
@@ -52,12 +66,14 @@ def test_shuffle_is_one_gaussian_per_epoch_without_amplification():
     assert neighboring_relation_of(event) is NeighboringRelation.REPLACE_ONE
     # shuffled lots never get the Poisson amplification
     assert compute_epsilon(event, 1e-5, "rdp") > 5 * compute_epsilon(
-        dp_sgd_event(4.0, 1000, sampling_rate=0.01), 1e-5, "rdp")
+        dp_sgd_event(4.0, 1000, sampling_rate=0.01), 1e-5, "rdp"
+    )
 
 
 def test_poisson_rate_from_sizes_and_bad_inputs():
-    assert gaussian_step_event(1.0, dataset_size=1000, lot_size=10) == \
-        gaussian_step_event(1.0, sampling_rate=0.01)
+    assert gaussian_step_event(1.0, dataset_size=1000, lot_size=10) == gaussian_step_event(
+        1.0, sampling_rate=0.01
+    )
     with pytest.raises(ValueError, match="sampling_rate must be in \\(0, 1\\]"):
         gaussian_step_event(1.0, sampling_rate=0.0)
     with pytest.raises(ValueError, match="noise_multiplier must be >= 0"):
@@ -82,17 +98,32 @@ def test_zero_noise_gives_infinite_epsilon_everywhere():
         assert compute_epsilon(event, 1e-5, kind) == math.inf, kind
 
 
-@pytest.mark.parametrize("event", [
-    dp_accounting.ComposedDpEvent([
-        dp_accounting.SelfComposedDpEvent(dp_sgd_event(1.1, 1, sampling_rate=0.01), 700),
-        dp_accounting.GaussianDpEvent(7.0),
-        dp_accounting.SelfComposedDpEvent(dp_accounting.ComposedDpEvent([
-            dp_sgd_event(2.0, 3, sampling_rate=0.05), dp_accounting.NoOpDpEvent()]), 4)]),
-    dp_accounting.SelfComposedDpEvent(dp_accounting.SampledWithoutReplacementDpEvent(
-        60000, 256, dp_accounting.GaussianDpEvent(0.55)), 900),
-    dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(1.0),
-                                   dp_accounting.NonPrivateDpEvent()]),
-])
+@pytest.mark.parametrize(
+    "event",
+    [
+        dp_accounting.ComposedDpEvent(
+            [
+                dp_accounting.SelfComposedDpEvent(dp_sgd_event(1.1, 1, sampling_rate=0.01), 700),
+                dp_accounting.GaussianDpEvent(7.0),
+                dp_accounting.SelfComposedDpEvent(
+                    dp_accounting.ComposedDpEvent(
+                        [dp_sgd_event(2.0, 3, sampling_rate=0.05), dp_accounting.NoOpDpEvent()]
+                    ),
+                    4,
+                ),
+            ]
+        ),
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.SampledWithoutReplacementDpEvent(
+                60000, 256, dp_accounting.GaussianDpEvent(0.55)
+            ),
+            900,
+        ),
+        dp_accounting.ComposedDpEvent(
+            [dp_accounting.GaussianDpEvent(1.0), dp_accounting.NonPrivateDpEvent()]
+        ),
+    ],
+)
 def test_cached_rdp_accountant_gives_dp_accountings_numbers(event):
     relation = neighboring_relation_of(event)
     plain = rdp.RdpAccountant(neighboring_relation=relation).compose(event)
@@ -114,22 +145,35 @@ def test_several_releases_of_one_sample_are_one_sampled_event():
     z_delta = complementary_noise_multiplier(1.0, z_count)
     assert joint_noise_multiplier([z_delta, z_count]) == pytest.approx(1.0, rel=1e-12)
     joint = dp_accounting.SelfComposedDpEvent(
-        joint_gaussian_step_event([z_delta, z_count], "poisson", sampling_rate=q), 20)
+        joint_gaussian_step_event([z_delta, z_count], "poisson", sampling_rate=q), 20
+    )
     single = dp_sgd_event(1.0, 20, sampling_rate=q)
     assert compute_epsilon(joint, 1e-5, "rdp") == pytest.approx(
-        rdp.RdpAccountant().compose(joint).get_epsilon(1e-5), rel=1e-12)
+        rdp.RdpAccountant().compose(joint).get_epsilon(1e-5), rel=1e-12
+    )
     for kind in ("rdp", "moments", "pld", "strong"):
         assert compute_epsilon(joint, 1e-5, kind) == pytest.approx(
-            compute_epsilon(single, 1e-5, kind), rel=1e-9), kind
-    separate = dp_accounting.SelfComposedDpEvent(dp_accounting.ComposedDpEvent(
-        [dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(s))
-         for s in (z_delta, z_count)]), 20)
+            compute_epsilon(single, 1e-5, kind), rel=1e-9
+        ), kind
+    separate = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.ComposedDpEvent(
+            [
+                dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(s))
+                for s in (z_delta, z_count)
+            ]
+        ),
+        20,
+    )
     assert compute_epsilon(separate, 1e-5, "rdp") < 0.97 * compute_epsilon(joint, 1e-5, "rdp")
     # fixed-size sampling: both multipliers halved (replace-one), read by rdp
     fixed = joint_gaussian_step_event([2.0, 6.0], "fixed_size", dataset_size=100, lot_size=10)
-    assert fixed == dp_accounting.SampledWithoutReplacementDpEvent(100, 10,
-        dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(1.0),
-                                       dp_accounting.GaussianDpEvent(3.0)]))
+    assert fixed == dp_accounting.SampledWithoutReplacementDpEvent(
+        100,
+        10,
+        dp_accounting.ComposedDpEvent(
+            [dp_accounting.GaussianDpEvent(1.0), dp_accounting.GaussianDpEvent(3.0)]
+        ),
+    )
     assert describe_event(fixed).endswith("[Gaussian(sigma=1) + Gaussian(sigma=3)] (replace-one)")
     with pytest.raises(ValueError, match=r"must exceed the joint one"):
         complementary_noise_multiplier(1.0, 0.9)

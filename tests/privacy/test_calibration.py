@@ -2,8 +2,13 @@
 
 import pytest
 
-from dpfl_tf.privacy import (calibrate_noise_multiplier, compute_epsilon, dp_sgd_event,
-                             gaussian_step_event, max_steps)
+from dpfl_tf.privacy import (
+    calibrate_noise_multiplier,
+    compute_epsilon,
+    dp_sgd_event,
+    gaussian_step_event,
+    max_steps,
+)
 
 
 @pytest.mark.parametrize("accountant", ["moments", "rdp", "pld"])
@@ -40,5 +45,6 @@ def test_calibration_rejects_bad_targets():
     with pytest.raises(ValueError, match="target_epsilon must be > 0"):
         calibrate_noise_multiplier(0.0, 1e-5, lambda s: dp_sgd_event(s, 10, sampling_rate=0.1))
     with pytest.raises(ValueError, match="no noise multiplier"):
-        calibrate_noise_multiplier(1e-6, 1e-5, lambda s: dp_sgd_event(s, 10, sampling_rate=1.0),
-                                   max_noise=10.0)
+        calibrate_noise_multiplier(
+            1e-6, 1e-5, lambda s: dp_sgd_event(s, 10, sampling_rate=1.0), max_noise=10.0
+        )

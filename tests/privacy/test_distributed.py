@@ -14,9 +14,9 @@ from scipy import special, stats
 
 from dpfl_tf.privacy import PrivacyLedger, compute_epsilon, describe_event
 from dpfl_tf.privacy import distributed as dist
-from dpfl_tf.privacy.events import (DistributedDiscreteGaussianDpEvent as DDG,
-                                    DistributedSkellamDpEvent as Skellam, event_from_json,
-                                    event_to_json)
+from dpfl_tf.privacy.events import DistributedDiscreteGaussianDpEvent as DDG
+from dpfl_tf.privacy.events import DistributedSkellamDpEvent as Skellam
+from dpfl_tf.privacy.events import event_from_json, event_to_json
 
 ORDERS = [1.5, 2.0, 3.0, 5.0, 8.0, 16.0]
 
@@ -24,7 +24,7 @@ ORDERS = [1.5, 2.0, 3.0, 5.0, 8.0, 16.0]
 def renyi(lp, lq, alpha):
     """D_alpha(p || q) of two pmfs given as logs on the same support (exact sum; the
     tails that matter at high orders lie far below float64's smallest number)."""
-    ok = np.isfinite(lp) & np.isfinite(lq)      # the truncated edges: negligible mass
+    ok = np.isfinite(lp) & np.isfinite(lq)  # the truncated edges: negligible mass
     return float(special.logsumexp(alpha * lp[ok] + (1 - alpha) * lq[ok]) / (alpha - 1))
 
 
@@ -32,15 +32,19 @@ def log_convolve(la, lb):
     """log of the convolution of two pmfs given as logs on [-h, h], kept on [-h, h]."""
     h = (len(la) - 1) // 2
     grid = np.add.outer(la, lb)[:, ::-1]
-    full = np.array([special.logsumexp(np.diagonal(grid, offset))
-                     for offset in range(len(lb) - 1, -len(la), -1)])
-    return full[h:3 * h + 1]
+    full = np.array(
+        [
+            special.logsumexp(np.diagonal(grid, offset))
+            for offset in range(len(lb) - 1, -len(la), -1)
+        ]
+    )
+    return full[h : 3 * h + 1]
 
 
 def ddg_sum_logpmf(variance, shares, half):
     """log pmf of the sum of `shares` N_Z(0, variance) on [-half, half]."""
     k = np.arange(-half, half + 1, dtype=np.float64)
-    one = -k ** 2 / (2 * variance)
+    one = -(k**2) / (2 * variance)
     one -= special.logsumexp(one)
     out = one
     for _ in range(shares - 1):
@@ -59,7 +63,7 @@ def skellam_logpmf(k, mu):
 
 def shifted(lpmf, delta):
     out = np.full_like(lpmf, -np.inf)
-    out[delta:] = lpmf[:len(lpmf) - delta]
+    out[delta:] = lpmf[: len(lpmf) - delta]
     return out
 
 
@@ -67,8 +71,9 @@ def log_mix(weights, lpmfs):
     return special.logsumexp(np.stack(lpmfs), axis=0, b=np.asarray(weights)[:, None])
 
 
-@pytest.mark.parametrize("variance, shares, delta", [(0.25, 3, 1), (0.25, 3, 2),
-                                                      (0.5, 5, 1), (4.0, 4, 3)])
+@pytest.mark.parametrize(
+    "variance, shares, delta", [(0.25, 3, 1), (0.25, 3, 2), (0.5, 5, 1), (4.0, 4, 3)]
+)
 def test_ddg_bound_holds_against_the_exact_renyi_divergence(variance, shares, delta):
     half = 300
     z = ddg_sum_logpmf(variance, shares, half)
@@ -77,7 +82,7 @@ def test_ddg_bound_holds_against_the_exact_renyi_divergence(variance, shares, de
     for alpha, b in zip(ORDERS, bound):
         exact = max(renyi(shifted(z, delta), z, alpha), renyi(z, shifted(z, delta), alpha))
         assert exact <= b * (1 + 1e-9), (alpha, exact, b)
-        if variance >= 4:          # tau ~ 0: the bound is the Gaussian one, and tight
+        if variance >= 4:  # tau ~ 0: the bound is the Gaussian one, and tight
             assert b <= exact * 1.02, (alpha, exact, b)
 
 
@@ -86,7 +91,7 @@ def test_the_sum_of_discrete_gaussians_is_not_a_discrete_gaussian():
     # brute-force check above can fail, and the tau term of Theorem 1 is needed
     z = ddg_sum_logpmf(0.25, 3, 100)
     for alpha in [4.0, 16.0]:
-        naive = alpha * 1 ** 2 / (2 * 3 * 0.25)
+        naive = alpha * 1**2 / (2 * 3 * 0.25)
         assert renyi(shifted(z, 1), z, alpha) > naive * 1.02
     assert dist.ddg_tau(0.25, 3) > 0.1
     assert dist.ddg_tau(4.0, 100) < 1e-15
@@ -97,13 +102,13 @@ def test_skellam_bound_holds_against_the_exact_renyi_divergence(mu, delta):
     half = int(mu + 60 * math.sqrt(mu) + 200)
     k = np.arange(-half, half + 1)
     z = skellam_logpmf(k, mu)
-    event = Skellam(mu / 4, 4, float(delta), float(delta))       # four shares of mu/4
+    event = Skellam(mu / 4, 4, float(delta), float(delta))  # four shares of mu/4
     alphas = [2, 3, 4, 8, 16]
     bound = dist.skellam_rdp(alphas, event)
     for alpha, b in zip(alphas, bound):
         exact = renyi(shifted(z, delta), z, alpha)
         assert exact <= b * (1 + 1e-9), (alpha, exact, b)
-        assert b <= 3.5 * exact, (alpha, exact, b)       # and not vacuous
+        assert b <= 3.5 * exact, (alpha, exact, b)  # and not vacuous
 
 
 def test_without_replacement_bound_against_dp_accounting_for_the_gaussian():
@@ -112,8 +117,7 @@ def test_without_replacement_bound_against_dp_accounting_for_the_gaussian():
     for sigma in [0.7, 1.5, 3.0]:
         for q in [0.01, 0.1, 0.5]:
             for alpha in [2, 3, 6, 20]:
-                ours = dist.sampled_without_replacement_rdp(
-                    alpha, q, lambda j: j / (2 * sigma ** 2))
+                ours = dist.sampled_without_replacement_rdp(alpha, q, lambda j: j / (2 * sigma**2))
                 ref = rdp_impl._compute_rdp_sample_wor_gaussian_scalar(q, sigma, alpha)
                 assert ours >= ref * (1 - 1e-9)
                 if alpha == 2:
@@ -126,15 +130,15 @@ def test_sampled_ddg_bound_holds_against_a_brute_force_subsampled_release():
     # (client 1 sampled ? a : 0) + Z_2, a mixture
     z = ddg_sum_logpmf(1.0, 2, 150)
     gamma = 2 / 5
-    p = log_mix([gamma, 1 - gamma], [shifted(z, 2), shifted(z, 1)])   # a = +1 (one further)
-    q = log_mix([gamma, 1 - gamma], [z, shifted(z, 1)])               # b = -1
+    p = log_mix([gamma, 1 - gamma], [shifted(z, 2), shifted(z, 1)])  # a = +1 (one further)
+    q = log_mix([gamma, 1 - gamma], [z, shifted(z, 1)])  # b = -1
     event = dp_accounting.SampledWithoutReplacementDpEvent(5, 2, DDG(1.0, 2, 2.0, 2.0, 1))
     orders = (2.0, 3.0, 4.0, 8.0, 2.5)
     bound = dist.rdp_curve(event, orders)
     for alpha, b in zip(orders, bound):
         exact = max(renyi(p, q, alpha), renyi(q, p, alpha))
         assert exact <= b * (1 + 1e-9), (alpha, exact, b)
-        assert b <= dist.rdp_curve(event.event, (alpha,))[0] + 1e-12   # never above unsampled
+        assert b <= dist.rdp_curve(event.event, (alpha,))[0] + 1e-12  # never above unsampled
 
 
 def test_rounds_compose_in_the_rdp_accountant_as_by_hand():
@@ -142,8 +146,7 @@ def test_rounds_compose_in_the_rdp_accountant_as_by_hand():
     event = dp_accounting.SampledWithoutReplacementDpEvent(1000, 50, inner)
     rounds = dp_accounting.SelfComposedDpEvent(event, 120)
     orders = rdp_impl.DEFAULT_RDP_ORDERS
-    by_hand = rdp_impl.compute_epsilon(orders, 120 * dist.rdp_curve(event, tuple(orders)),
-                                       1e-5)[0]
+    by_hand = rdp_impl.compute_epsilon(orders, 120 * dist.rdp_curve(event, tuple(orders)), 1e-5)[0]
     assert compute_epsilon(rounds, 1e-5, "rdp") == pytest.approx(by_hand, rel=1e-12)
     for kind in ["moments", "pld", "strong"]:
         with pytest.raises(ValueError, match="distributed DP events are interpreted by 'rdp'"):
@@ -154,8 +157,9 @@ def test_fewer_shares_cost_more():
     many = DDG(100.0, 50, 40.0, 400.0, 1024)
     few = DDG(100.0, 40, 40.0, 400.0, 1024)
     assert compute_epsilon(few, 1e-5, "rdp") > compute_epsilon(many, 1e-5, "rdp")
-    assert compute_epsilon(Skellam(100.0, 40, 40.0, 400.0), 1e-5, "rdp") > \
-        compute_epsilon(Skellam(100.0, 50, 40.0, 400.0), 1e-5, "rdp")
+    assert compute_epsilon(Skellam(100.0, 40, 40.0, 400.0), 1e-5, "rdp") > compute_epsilon(
+        Skellam(100.0, 50, 40.0, 400.0), 1e-5, "rdp"
+    )
 
 
 def test_events_serialise_describe_and_enter_a_replace_one_ledger():
@@ -180,7 +184,7 @@ def test_rounded_norm_bound_holds_for_randomized_rounding():
     rng = np.random.default_rng(0)
     d, c, beta = 2000, 25.0, 0.3
     bound = dist.rounded_l2_norm_bound(c, beta, d)
-    assert bound < c + math.sqrt(d)               # the conditional bound is the tighter one
+    assert bound < c + math.sqrt(d)  # the conditional bound is the tighter one
     assert dist.rounded_l2_norm_bound(c, 0.0, d) == c + math.sqrt(d)
     over = 0
     for _ in range(400):

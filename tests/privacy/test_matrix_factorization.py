@@ -13,8 +13,10 @@ from dpfl_tf.privacy import ReplaceOneGaussianDpEvent, compute_epsilon, neighbor
 from dpfl_tf.privacy import matrix_factorization as mf
 
 STRATEGIES = [
-    mf.TreeAggregation(), mf.TreeAggregation(restart_every=5),
-    mf.BandedToeplitz((1.0, 0.6, 0.3)), mf.BandedToeplitz((0.8, -0.3, 0.2)),
+    mf.TreeAggregation(),
+    mf.TreeAggregation(restart_every=5),
+    mf.BandedToeplitz((1.0, 0.6, 0.3)),
+    mf.BandedToeplitz((0.8, -0.3, 0.2)),
     mf.BufferedToeplitz((0.9, 0.4), (0.3, 0.2)),
 ]
 
@@ -48,14 +50,16 @@ def test_noise_matrix_inverts_the_strategy_and_factors_prefix_sums(strategy):
     a = np.tri(n)
     # prefix sums of (x + M zeta) = A x + (A M) zeta with B = A M: A = B C
     np.testing.assert_allclose((a @ m) @ c, a, atol=1e-10)
-    np.testing.assert_allclose(strategy.prefix_errors(n), ((a @ m) ** 2).sum(axis=1),
-                               rtol=1e-10)
+    np.testing.assert_allclose(strategy.prefix_errors(n), ((a @ m) ** 2).sum(axis=1), rtol=1e-10)
 
 
 PARTICIPATIONS = [
-    mf.Participation.min_separation(10, 1, 3), mf.Participation.min_separation(11, 3),
-    mf.Participation.min_separation(12, 4, 2), mf.Participation.epochs(12, 4),
-    mf.Participation.epochs(10, 3, 2), mf.Participation.epochs(12, 5),
+    mf.Participation.min_separation(10, 1, 3),
+    mf.Participation.min_separation(11, 3),
+    mf.Participation.min_separation(12, 4, 2),
+    mf.Participation.epochs(12, 4),
+    mf.Participation.epochs(10, 3, 2),
+    mf.Participation.epochs(12, 5),
 ]
 
 
@@ -72,18 +76,20 @@ def test_sensitivity_bounds_brute_force_and_is_exact_where_claimed(strategy, par
     if isinstance(strategy, mf.TreeAggregation):
         period = min(strategy.restart_every or n, n)
         # the closed form k (floor(log2 m) + 1): no two participations share a tree
-        exact = (participation.separation >= period if minsep
-                 else participation.separation % period == 0)
+        exact = (
+            participation.separation >= period if minsep else participation.separation % period == 0
+        )
     elif isinstance(strategy, mf.BandedToeplitz):
         exact = minsep and (min(strategy.coefs) >= 0 or strategy.bands <= participation.separation)
     else:
-        exact = minsep      # BLT with non-negative, non-increasing coefficients
+        exact = minsep  # BLT with non-negative, non-increasing coefficients
     if exact:
         assert ours == pytest.approx(brute, rel=1e-9)
     if np.all(gram >= -1e-12):
         # with X >= 0, the bound is the sensitivity itself: some pattern's ||C u||^2
-        assert brute == pytest.approx(max(np.sum((c[:, s].sum(axis=1)) ** 2)
-                                          for s in _patterns(participation)))
+        assert brute == pytest.approx(
+            max(np.sum((c[:, s].sum(axis=1)) ** 2) for s in _patterns(participation))
+        )
 
 
 def test_tree_sensitivity_within_a_tree_is_a_close_bound():
@@ -106,7 +112,8 @@ def test_a_wrong_sensitivity_would_be_caught():
     assert banded.sensitivity_squared(apart) == pytest.approx(diagonal_only)
     assert banded.sensitivity_squared(close) > 1.5 * diagonal_only
     assert banded.sensitivity_squared(close) == pytest.approx(
-        _brute_force(banded.strategy_matrix(12), close))
+        _brute_force(banded.strategy_matrix(12), close)
+    )
 
 
 @pytest.mark.parametrize("period, epochs", [(1, 3), (7, 2), (8, 3), (100, 4), (1000, 1)])
@@ -114,7 +121,7 @@ def test_tree_epsilon_equals_dp_accounting_tree_event(period, epochs):
     """Kairouz et al. 2021, Appendix D: dp-accounting's event for restarted trees
     with one participation per tree, against our Gaussian event with the
     strategy's sensitivity, both through dp-accounting's RDP accountant."""
-    node_sigma = 3.0       # noise std per node / clip, dp-accounting's noise_multiplier
+    node_sigma = 3.0  # noise std per node / clip, dp-accounting's noise_multiplier
     tree = mf.TreeAggregation(restart_every=period)
     participation = mf.Participation.epochs(period * epochs, period)
     sens = math.sqrt(tree.sensitivity_squared(participation))
@@ -123,10 +130,13 @@ def test_tree_epsilon_equals_dp_accounting_tree_event(period, epochs):
     assert mech.noise_stddev(clip=1.0) == pytest.approx(node_sigma)
     ours = rdp.RdpAccountant().compose(mech.event()).get_epsilon(1e-5)
     theirs_event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.SingleEpochTreeAggregationDpEvent(node_sigma, period), epochs)
-    theirs = rdp.RdpAccountant(
-        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL
-    ).compose(theirs_event).get_epsilon(1e-5)
+        dp_accounting.SingleEpochTreeAggregationDpEvent(node_sigma, period), epochs
+    )
+    theirs = (
+        rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
+        .compose(theirs_event)
+        .get_epsilon(1e-5)
+    )
     assert ours == pytest.approx(theirs, rel=1e-9)
     # the project's own accountants read the event too
     assert compute_epsilon(mech.event(), 1e-5, "rdp") == pytest.approx(ours, rel=1e-6)
@@ -159,25 +169,32 @@ def test_amplified_event_is_k_cycles_of_a_sampled_gaussian():
     banded = mf.BandedToeplitz((3.0, 4.0))
     p = mf.Participation.cyclic_poisson(10, 4, 0.25)
     mech = mf.MatrixMechanism(banded, p, 2.0)
-    assert mech.sensitivity == pytest.approx(5.0)       # one participation's column norm
+    assert mech.sensitivity == pytest.approx(5.0)  # one participation's column norm
     assert mech.event() == dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(0.25, dp_accounting.GaussianDpEvent(2.0)), 3)
+        dp_accounting.PoissonSampledDpEvent(0.25, dp_accounting.GaussianDpEvent(2.0)), 3
+    )
     with pytest.raises(ValueError, match="bands <= the cycle length"):
-        mf.MatrixMechanism(mf.BandedToeplitz((1.0, 0.5, 0.2)),
-                           mf.Participation.cyclic_poisson(10, 2, 0.5), 1.0)
+        mf.MatrixMechanism(
+            mf.BandedToeplitz((1.0, 0.5, 0.2)), mf.Participation.cyclic_poisson(10, 2, 0.5), 1.0
+        )
     with pytest.raises(ValueError, match="cyclic_poisson.*BandedToeplitz"):
         mf.MatrixMechanism(mf.TreeAggregation(), p, 1.0)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(kind="minsep", steps=10, separation=2), "participation must be one of"),
-    (dict(kind="epochs", steps=0, separation=2), "steps must be a whole number >= 1, got 0"),
-    (dict(kind="epochs", steps=10, separation=0), "separation must be"),
-    (dict(kind="cyclic_poisson", steps=10, separation=2), "needs sampling_rate"),
-    (dict(kind="cyclic_poisson", steps=10, separation=2, sampling_rate=1.5),
-     r"sampling_rate must be in \(0, 1\], got 1.5"),
-    (dict(kind="epochs", steps=10, separation=2, sampling_rate=0.1), "cyclic_poisson' only"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(kind="minsep", steps=10, separation=2), "participation must be one of"),
+        (dict(kind="epochs", steps=0, separation=2), "steps must be a whole number >= 1, got 0"),
+        (dict(kind="epochs", steps=10, separation=0), "separation must be"),
+        (dict(kind="cyclic_poisson", steps=10, separation=2), "needs sampling_rate"),
+        (
+            dict(kind="cyclic_poisson", steps=10, separation=2, sampling_rate=1.5),
+            r"sampling_rate must be in \(0, 1\], got 1.5",
+        ),
+        (dict(kind="epochs", steps=10, separation=2, sampling_rate=0.1), "cyclic_poisson' only"),
+    ],
+)
 def test_participation_refuses_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         mf.Participation(**kwargs)
@@ -202,8 +219,10 @@ def test_structured_sensitivities_scale_to_long_runs():
     n = 20_000
     banded = mf.BandedToeplitz((1.0, 0.5, 0.25))
     assert banded.sensitivity_squared(mf.Participation.epochs(n, 200)) >= 100 * 1.3125
-    assert mf.TreeAggregation(restart_every=200).sensitivity_squared(
-        mf.Participation.epochs(n, 200)) == 100 * 8
+    assert (
+        mf.TreeAggregation(restart_every=200).sensitivity_squared(mf.Participation.epochs(n, 200))
+        == 100 * 8
+    )
 
 
 def test_banded_epochs_bound_matches_the_dense_bound():
@@ -211,7 +230,8 @@ def test_banded_epochs_bound_matches_the_dense_bound():
     for p in [mf.Participation.epochs(40, 6), mf.Participation.epochs(30, 3, 4)]:
         c = banded.strategy_matrix(p.steps)
         assert banded.sensitivity_squared(p) == pytest.approx(
-            mf.sensitivity_squared_bound(c.T @ c, p))
+            mf.sensitivity_squared_bound(c.T @ c, p)
+        )
 
 
 def test_error_gradient_matches_finite_differences():
@@ -219,9 +239,14 @@ def test_error_gradient_matches_finite_differences():
     c = np.concatenate([[1.0], rng.uniform(-0.3, 0.5, 5)])
     _, grad = mf._mean_error_and_grad(c, 50)
     eps = 1e-6
-    numeric = [(mf._mean_error_and_grad(c + eps * np.eye(6)[j], 50)[0]
-                - mf._mean_error_and_grad(c - eps * np.eye(6)[j], 50)[0]) / (2 * eps)
-               for j in range(6)]
+    numeric = [
+        (
+            mf._mean_error_and_grad(c + eps * np.eye(6)[j], 50)[0]
+            - mf._mean_error_and_grad(c - eps * np.eye(6)[j], 50)[0]
+        )
+        / (2 * eps)
+        for j in range(6)
+    ]
     np.testing.assert_allclose(grad, numeric, rtol=1e-5)
 
 
@@ -235,12 +260,15 @@ def test_optimised_strategies_beat_independent_noise_and_the_tree():
     banded = mf.optimize_banded_toeplitz(n, b)
     assert np.linalg.norm(banded.coefs) == pytest.approx(1.0)
     dpsgd = mf.BandedToeplitz((1.0,))
-    start = mf.BandedToeplitz(tuple(np.cumprod([1.0] + [(2 * j - 1) / (2 * j)
-                                                        for j in range(1, b)])))
+    start = mf.BandedToeplitz(
+        tuple(np.cumprod([1.0] + [(2 * j - 1) / (2 * j) for j in range(1, b)]))
+    )
     tree = mf.TreeAggregation(restart_every=b)
     blt = mf.optimize_blt(p, buffers=3)
-    losses = {name: _loss(s, p) for name, s in
-              dict(banded=banded, dpsgd=dpsgd, start=start, tree=tree, blt=blt).items()}
+    losses = {
+        name: _loss(s, p)
+        for name, s in dict(banded=banded, dpsgd=dpsgd, start=start, tree=tree, blt=blt).items()
+    }
     assert losses["banded"] < 0.2 * losses["dpsgd"]
     assert losses["banded"] <= losses["start"] * (1 + 1e-9)
     assert losses["banded"] < losses["tree"]
@@ -254,8 +282,10 @@ def test_guard_refuses_what_breaks_the_pattern_before_recording_it():
     guard = mf.ParticipationGuard(mf.Participation.min_separation(10, 3, 2))
     guard.record(0, ["a", "b"])
     guard.record(1, ["c"])
-    with pytest.raises(mf.PatternViolation, match="unit 'a' took part at step 0; step 2 is 2 "
-                                                  "later, the declared min separation is 3"):
+    with pytest.raises(
+        mf.PatternViolation,
+        match="unit 'a' took part at step 0; step 2 is 2 later, the declared min separation is 3",
+    ):
         guard.record(2, ["d", "a"])
     assert guard.steps_released == 2 and "d" not in guard.get_state()["last"]
     guard.record(2, ["d"])
@@ -283,9 +313,10 @@ def test_guard_epochs_and_cyclic_groups():
         guard.record(1, [1])
     for step in range(1, 4):
         guard.record(step, [])
-    guard.record(4, [1])                    # next epoch: allowed, even 4 steps later
-    cyclic = mf.ParticipationGuard(mf.Participation.cyclic_poisson(6, 3, 0.5),
-                                   group_of=lambda u: u % 3)
+    guard.record(4, [1])  # next epoch: allowed, even 4 steps later
+    cyclic = mf.ParticipationGuard(
+        mf.Participation.cyclic_poisson(6, 3, 0.5), group_of=lambda u: u % 3
+    )
     cyclic.record(0, [3, 6])
     with pytest.raises(mf.PatternViolation, match="unit 4 of group 1 cannot join step 2"):
         cyclic.record(1, [4]) or cyclic.record(2, [4])

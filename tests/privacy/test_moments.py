@@ -22,8 +22,9 @@ def test_paper_figure2_moments_rows(epochs, expected):
     assert abs(acc.get_epsilon(DELTA) - expected) < 0.002  # our own exactness
 
 
-@pytest.mark.parametrize("q, sigma", [(0.01, 4.0), (0.01, 1.1), (0.05, 2.0), (0.001, 0.8),
-                                      (1.0, 3.0)])
+@pytest.mark.parametrize(
+    "q, sigma", [(0.01, 4.0), (0.01, 1.1), (0.05, 2.0), (0.001, 0.8), (1.0, 3.0)]
+)
 def test_integration_matches_closed_form(q, sigma):
     a = log_moments(q, sigma, method="integration")
     b = log_moments(q, sigma, method="closed_form")
@@ -52,11 +53,14 @@ def test_composition_is_additive():
     many = MomentsAccountant().compose(step, 250).log_moments
     np.testing.assert_allclose(many, 250 * one, rtol=1e-12)
     mixed = MomentsAccountant().compose(
-        dp_accounting.ComposedDpEvent([dp_accounting.SelfComposedDpEvent(step, 100),
-                                       dp_accounting.GaussianDpEvent(7.0)]))
+        dp_accounting.ComposedDpEvent(
+            [dp_accounting.SelfComposedDpEvent(step, 100), dp_accounting.GaussianDpEvent(7.0)]
+        )
+    )
     np.testing.assert_allclose(
         mixed.log_moments,
-        100 * one + MomentsAccountant().compose(dp_accounting.GaussianDpEvent(7.0)).log_moments)
+        100 * one + MomentsAccountant().compose(dp_accounting.GaussianDpEvent(7.0)).log_moments,
+    )
 
 
 def test_tail_bound_forward_and_inverse_agree():
@@ -72,6 +76,7 @@ def test_tail_bound_forward_and_inverse_agree():
 def test_moments_never_tighter_than_pld_and_never_looser_than_strong():
     event = dp_sgd_event(4.0, 10000, sampling_rate=0.01)
     from dpfl_tf.privacy import compute_epsilon
+
     m = compute_epsilon(event, DELTA, "moments")
     assert compute_epsilon(event, DELTA, "pld") < m < compute_epsilon(event, DELTA, "strong")
 
@@ -79,19 +84,25 @@ def test_moments_never_tighter_than_pld_and_never_looser_than_strong():
 def test_forty_thousand_steps_in_well_under_a_second():
     log_moments.__wrapped__ if hasattr(log_moments, "__wrapped__") else None
     from dpfl_tf.privacy.moments import _log_moment_integrated
+
     _log_moment_integrated.cache_clear()  # cold: includes the 64 integrations
     start = time.perf_counter()
-    eps = MomentsAccountant().compose(dp_sgd_event(4.0, 40000, sampling_rate=0.01)).get_epsilon(
-        DELTA)
+    eps = (
+        MomentsAccountant().compose(dp_sgd_event(4.0, 40000, sampling_rate=0.01)).get_epsilon(DELTA)
+    )
     assert time.perf_counter() - start < 1.0
     assert math.isfinite(eps)
 
 
 def test_zero_noise_is_infinite_and_unsupported_events_are_refused():
-    assert MomentsAccountant().compose(dp_sgd_event(0.0, 10, sampling_rate=0.1)).get_epsilon(
-        DELTA) == math.inf
-    assert MomentsAccountant().compose(dp_accounting.NonPrivateDpEvent()).get_epsilon(
-        DELTA) == math.inf
+    assert (
+        MomentsAccountant().compose(dp_sgd_event(0.0, 10, sampling_rate=0.1)).get_epsilon(DELTA)
+        == math.inf
+    )
+    assert (
+        MomentsAccountant().compose(dp_accounting.NonPrivateDpEvent()).get_epsilon(DELTA)
+        == math.inf
+    )
     wor = dp_sgd_event(1.0, 10, "fixed_size", dataset_size=100, lot_size=10)
     assert not MomentsAccountant().supports(wor)
     with pytest.raises(dp_accounting.UnsupportedEventError, match="rdp"):

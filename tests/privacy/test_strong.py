@@ -14,7 +14,8 @@ def test_gaussian_epsilon_is_the_exact_gaussian_tradeoff():
     sigma, delta0 = 2.0, 1e-6
     eps = gaussian_epsilon(sigma, delta0)
     d = stats.norm.cdf(1 / (2 * sigma) - eps * sigma) - math.exp(eps) * stats.norm.cdf(
-        -1 / (2 * sigma) - eps * sigma)
+        -1 / (2 * sigma) - eps * sigma
+    )
     assert d == pytest.approx(delta0, rel=1e-6)
     # never looser than the textbook bound where that bound is valid (eps < 1)
     assert eps <= math.sqrt(2 * math.log(1.25 / delta0)) / sigma
@@ -32,7 +33,8 @@ def test_paper_setting_is_far_looser_than_moments():
     """Figure 2 setting. Our derivation gives 16.8 / 50.7 (paper plots 9.34 / 24.22)."""
     for epochs, expected in [(100, 16.84), (400, 50.74)]:
         acc = StrongCompositionAccountant().compose(
-            dp_sgd_event(4.0, int(epochs / 0.01), sampling_rate=0.01))
+            dp_sgd_event(4.0, int(epochs / 0.01), sampling_rate=0.01)
+        )
         assert acc.get_epsilon(1e-5) == pytest.approx(expected, abs=0.05)
 
 

@@ -10,9 +10,15 @@ from scipy import stats
 
 from dpfl_tf.data import ArraySource
 from dpfl_tf.keras import LotSampler
-from dpfl_tf.recipes.augment import (Augmentation, center_crop, eval_dataset, normalize,
-                                     random_brightness_contrast, random_crop_and_flip,
-                                     train_dataset)
+from dpfl_tf.recipes.augment import (
+    Augmentation,
+    center_crop,
+    eval_dataset,
+    normalize,
+    random_brightness_contrast,
+    random_crop_and_flip,
+    train_dataset,
+)
 from dpfl_tf.sanitizer import make_generator
 
 
@@ -33,7 +39,7 @@ def test_crops_are_windows_flips_mirror_and_positions_are_uniform():
     cols = out[:, 0, :, 1].astype(int)
     forward = np.all(np.diff(cols, axis=1) == 1, axis=1)
     backward = np.all(np.diff(cols, axis=1) == -1, axis=1)
-    assert np.all(forward ^ backward)             # a contiguous window, one orientation
+    assert np.all(forward ^ backward)  # a contiguous window, one orientation
     left = np.where(forward, cols[:, 0], cols[:, -1])
     assert top.min() == 0 and top.max() == 8 and left.min() == 0 and left.max() == 8
     # offsets uniform on 0..8 (chi-square), flips ~ Bernoulli(1/2)
@@ -45,13 +51,14 @@ def test_crops_are_windows_flips_mirror_and_positions_are_uniform():
     got = random_crop_and_flip(x, 24, generator=make_generator(0)).numpy()
     assert got.dtype == np.uint8
     for i in range(0, n, 97):
-        window = x[i, top[i]:top[i] + 24, left[i]:left[i] + 24]
+        window = x[i, top[i] : top[i] + 24, left[i] : left[i] + 24]
         np.testing.assert_array_equal(got[i], window[:, ::-1] if backward[i] else window)
 
 
 def test_no_flip_and_odd_crop_sizes():
-    out = random_crop_and_flip(coordinate_images(300, 10), (4, 7), flip=False,
-                               generator=make_generator(2)).numpy()
+    out = random_crop_and_flip(
+        coordinate_images(300, 10), (4, 7), flip=False, generator=make_generator(2)
+    ).numpy()
     assert out.shape == (300, 4, 7, 3)
     assert np.all(np.diff(out[:, 0, :, 1], axis=1) == 1)
     single = random_crop_and_flip(coordinate_images(1)[0], 24, generator=make_generator(2))
@@ -74,7 +81,7 @@ def test_brightness_and_contrast_ranges_per_example():
 
     # contrast: two-level images, deviation from the channel mean scales by f ~ U[0.2, 1.8]
     img = np.full((n, 2, 2, 3), 0.4, np.float32)
-    img[:, 0, 0, :] = 0.6                      # mean 0.45, deviation 0.15
+    img[:, 0, 0, :] = 0.6  # mean 0.45, deviation 0.15
     out = random_brightness_contrast(img, max_brightness=0.0, generator=gen).numpy()
     factor = (out[:, 0, 0, 0] - 0.45) / 0.15
     assert factor.min() >= 0.2 - 1e-4 and factor.max() <= 1.8 + 1e-4
@@ -83,13 +90,14 @@ def test_brightness_and_contrast_ranges_per_example():
     x = np.random.default_rng(0).integers(0, 256, (200, 8, 8, 3), dtype=np.uint8)
     out = random_brightness_contrast(x, generator=gen).numpy()
     assert out.dtype == np.float32 and out.min() >= 0.0 and out.max() <= 1.0
-    assert out.min() == 0.0 and out.max() == 1.0    # the clip is active
+    assert out.min() == 0.0 and out.max() == 1.0  # the clip is active
 
 
 def test_draws_are_independent_across_examples_and_calls():
     aug = Augmentation(seed=5, normalization="unit")
-    same = np.repeat(np.random.default_rng(0).integers(0, 256, (1, 32, 32, 3), np.uint8),
-                     64, axis=0)
+    same = np.repeat(
+        np.random.default_rng(0).integers(0, 256, (1, 32, 32, 3), np.uint8), 64, axis=0
+    )
     first = aug(same).numpy()
     assert len({first[i].tobytes() for i in range(64)}) == 64
     second = aug(same).numpy()
@@ -131,7 +139,7 @@ def test_eval_transform_is_the_centre_crop():
     aug = Augmentation(seed=0)
     got = aug.eval_images(x, batch_size=7)
     np.testing.assert_allclose(got, normalize(x[:, 4:28, 4:28]).numpy(), atol=1e-6)
-    np.testing.assert_array_equal(got, aug.eval_images(x))       # deterministic
+    np.testing.assert_array_equal(got, aug.eval_images(x))  # deterministic
     assert aug.eval_images(x[:0]).shape == (0, 24, 24, 3)
 
 
@@ -142,15 +150,18 @@ def test_per_epoch_draws_inside_the_dp_lot_pipeline_and_tf_data():
     y = np.arange(40)
     aug = Augmentation(seed=4)
     sampler = LotSampler(40, 40, "shuffle", seed=0)
-    lots = [(xb.numpy(), yb.numpy()) for xb, yb, _ in
-            sampler.dataset(x, y, pad_to=40, epochs=2, preprocess=aug)]
+    lots = [
+        (xb.numpy(), yb.numpy())
+        for xb, yb, _ in sampler.dataset(x, y, pad_to=40, epochs=2, preprocess=aug)
+    ]
     assert len(lots) == 2 and lots[0][0].shape == (40, 24, 24, 3)
     by_label = [dict(zip(yb.tolist(), xb)) for xb, yb in lots]
     assert all(not np.array_equal(by_label[0][k], by_label[1][k]) for k in range(40))
 
     ds = train_dataset(x, y, aug, batch_size=16, shuffle_seed=0)
-    epochs = [{int(k): v for xb, yb in ds for k, v in zip(yb.numpy(), xb.numpy())}
-              for _ in range(2)]
+    epochs = [
+        {int(k): v for xb, yb in ds for k, v in zip(yb.numpy(), xb.numpy())} for _ in range(2)
+    ]
     assert len(epochs[0]) == 40
     assert all(not np.array_equal(epochs[0][k], epochs[1][k]) for k in range(40))
 
@@ -166,10 +177,16 @@ def test_pipelines_read_a_source_as_they_read_its_arrays():
         return [(xb.numpy(), yb.numpy()) for xb, yb in ds]
 
     for epochs in range(2):  # per epoch: the seeded reshuffle and fresh draws agree
-        from_arrays = batches(train_dataset(x, y, Augmentation(seed=1), batch_size=16,
-                                            shuffle_seed=3).repeat(epochs + 1))
-        from_source = batches(train_dataset(source, None, Augmentation(seed=1), batch_size=16,
-                                            shuffle_seed=3).repeat(epochs + 1))
+        from_arrays = batches(
+            train_dataset(x, y, Augmentation(seed=1), batch_size=16, shuffle_seed=3).repeat(
+                epochs + 1
+            )
+        )
+        from_source = batches(
+            train_dataset(source, None, Augmentation(seed=1), batch_size=16, shuffle_seed=3).repeat(
+                epochs + 1
+            )
+        )
         assert len(from_source) == len(from_arrays) == 4 * (epochs + 1)
         for (xa, ya), (xs, ys) in zip(from_arrays, from_source):
             np.testing.assert_array_equal(ya, ys)
@@ -177,8 +194,7 @@ def test_pipelines_read_a_source_as_they_read_its_arrays():
     aug = Augmentation(seed=0)
     evaluated = batches(eval_dataset(source.subset(np.arange(3, 50)), None, aug, batch_size=20))
     assert [len(b[1]) for b in evaluated] == [20, 20, 7]
-    np.testing.assert_array_equal(np.concatenate([b[0] for b in evaluated]),
-                                  aug.eval_images(x[3:]))
+    np.testing.assert_array_equal(np.concatenate([b[0] for b in evaluated]), aug.eval_images(x[3:]))
     np.testing.assert_array_equal(np.concatenate([b[1] for b in evaluated]), y[3:])
     with pytest.raises(TypeError, match="x must be arrays .* or a random-access source"):
         eval_dataset(iter([x]), None, aug)

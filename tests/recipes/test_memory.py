@@ -22,8 +22,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CGROUP = "/sys/fs/cgroup/memory"
-SHAPE = (2, 8, 8, 243)   # one CIFAR-10 example's scattering features with mirror views
-MB = 2 ** 20
+SHAPE = (2, 8, 8, 243)  # one CIFAR-10 example's scattering features with mirror views
+MB = 2**20
 
 CHILD = r"""
 import json, sys, numpy as np
@@ -72,7 +72,7 @@ def _features(directory, n_train: int, n_test: int) -> tuple[str, str, str]:
         path = os.path.join(directory, f"{name}.npy")
         rows = NpyRows.create(path, (hi - lo, *SHAPE))
         for i in range(lo, hi, 1000):
-            y = labels[i:min(i + 1000, hi)]
+            y = labels[i : min(i + 1000, hi)]
             rows.write(i - lo, means[y] + rng.normal(scale=0.05, size=(len(y), *SHAPE)))
         rows.close()
         paths.append(path)
@@ -99,10 +99,14 @@ def _run(files, mode: str, directory, limit: int | None = None) -> dict | None:
                 f.write(str(os.getpid()))
 
     try:
-        proc = subprocess.run([sys.executable, "-c", CHILD, *files, mode, out],
-                              env={**os.environ, "PYTHONPATH": ROOT,
-                                   "TF_CPP_MIN_LOG_LEVEL": "3"},
-                              preexec_fn=enter, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, *files, mode, out],
+            env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"},
+            preexec_fn=enter,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     finally:
         if group is not None:
             os.rmdir(group)
@@ -125,8 +129,10 @@ def _cgroup_available() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _cgroup_available(), reason="needs a writable cgroup (v1) memory "
-                    "controller at /sys/fs/cgroup/memory")
+@pytest.mark.skipif(
+    not _cgroup_available(),
+    reason="needs a writable cgroup (v1) memory controller at /sys/fs/cgroup/memory",
+)
 def test_the_scatternet_recipe_trains_on_features_larger_than_its_memory(tmp_path):
     small = tmp_path / "small"
     small.mkdir()
@@ -134,13 +140,13 @@ def test_the_scatternet_recipe_trains_on_features_larger_than_its_memory(tmp_pat
     limit = int((baseline["peak_rss_mb"] + 400) * MB)
     big = tmp_path / "big"
     big.mkdir()
-    files = _features(str(big), 12_000, 1_000)   # 1.6 GB of features on disk
+    files = _features(str(big), 12_000, 1_000)  # 1.6 GB of features on disk
     size = sum(os.path.getsize(f) for f in files[:2])
     assert size > limit - baseline["peak_rss_mb"] * MB + 800 * MB
     streamed = _run(files, "stream", str(tmp_path), limit)
     assert streamed is not None, f"killed under {limit / MB:.0f} MB"
     assert streamed["lots"] == 12_000 // 256 and streamed["test_accuracy"] > 0.5
-    assert _run(files, "memory", str(tmp_path), limit) is None   # what the limit catches
+    assert _run(files, "memory", str(tmp_path), limit) is None  # what the limit catches
 
 
 def test_a_second_fit_does_not_grow_memory_by_more_than_a_lot(tmp_path):
@@ -176,10 +182,13 @@ print(json.dumps(seen))
     rows.write(0, rng.normal(size=(n, d)).astype(np.float32))
     rows.close()
     np.save(tmp_path / "y.npy", rng.integers(0, 10, n))
-    proc = subprocess.run([sys.executable, "-c", child, str(tmp_path / "x.npy"),
-                           str(tmp_path / "y.npy")], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"},
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", child, str(tmp_path / "x.npy"), str(tmp_path / "y.npy")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     lot_bytes = 500 * d * 4

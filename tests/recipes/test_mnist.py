@@ -28,32 +28,65 @@ def small_mnist(monkeypatch):
 
 
 def test_short_dp_run_learns_and_reports_the_accountants_epsilon(small_mnist):
-    config = MnistConfig(noise_multiplier=1.5, pca_noise_multiplier=8.0, pca_sample_size=2000,
-                         lot_size=200, batch_size=512, target_epsilon=None, epochs=4,
-                         learning_rate=0.2, final_learning_rate=0.2, seed=0)
+    config = MnistConfig(
+        noise_multiplier=1.5,
+        pca_noise_multiplier=8.0,
+        pca_sample_size=2000,
+        lot_size=200,
+        batch_size=512,
+        target_epsilon=None,
+        epochs=4,
+        learning_rate=0.2,
+        final_learning_rate=0.2,
+        seed=0,
+    )
     result = train_mnist(config, verbose=False)
     assert result["test_accuracy"] > 0.6  # chance is 0.1
     assert result["lots"] == 4 * 30
     # DP-PCA (one sampled Gaussian) + 120 lots, composed in one ledger
     import dp_accounting
-    event = dp_accounting.ComposedDpEvent([
-        dp_accounting.PoissonSampledDpEvent(2000 / 6000, dp_accounting.GaussianDpEvent(8.0)),
-        dp_sgd_event(1.5, 120, sampling_rate=200 / 6000)])
+
+    event = dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.PoissonSampledDpEvent(2000 / 6000, dp_accounting.GaussianDpEvent(8.0)),
+            dp_sgd_event(1.5, 120, sampling_rate=200 / 6000),
+        ]
+    )
     assert result["epsilon"] == pytest.approx(compute_epsilon(event, 1e-5, "moments"), rel=1e-9)
     assert "NOT for deployment" in result["note"]
     # train accuracy is measured on the private data without noise: labelled as such
     assert "train_accuracy" in result["non_private_statistics"]
     assert "not covered by epsilon" in result["non_private_statistics_note"]
     json.dumps(result)  # JSON-ready
-    for key in ["dataset", "setting", "noise_multiplier", "pca_noise_multiplier", "epsilon",
-                "delta", "accountant", "epochs", "test_accuracy", "train_accuracy", "seconds"]:
+    for key in [
+        "dataset",
+        "setting",
+        "noise_multiplier",
+        "pca_noise_multiplier",
+        "epsilon",
+        "delta",
+        "accountant",
+        "epochs",
+        "test_accuracy",
+        "train_accuracy",
+        "seconds",
+    ]:
         assert key in result
 
 
 def test_budget_is_respected(small_mnist):
-    config = MnistConfig(noise_multiplier=2.0, pca_noise_multiplier=8.0, pca_sample_size=2000,
-                         lot_size=600, batch_size=1024, target_epsilon=1.0, epochs=50,
-                         hidden_units=50, seed=1, eval_every=10)
+    config = MnistConfig(
+        noise_multiplier=2.0,
+        pca_noise_multiplier=8.0,
+        pca_sample_size=2000,
+        lot_size=600,
+        batch_size=1024,
+        target_epsilon=1.0,
+        epochs=50,
+        hidden_units=50,
+        seed=1,
+        eval_every=10,
+    )
     result = train_mnist(config, verbose=False)
     assert result["epsilon"] <= 1.0
     assert result["epochs"] < 50
@@ -77,10 +110,21 @@ class _SmallSlice:
 def test_scatter_linear_learns_and_costs_only_the_dp_sgd_lots(monkeypatch):
     real = recipe.load_dataset
     monkeypatch.setattr(recipe, "load_dataset", lambda *a, **k: _SmallSlice(real(*a, **k)))
-    config = MnistConfig(model="scatter_linear", noise_multiplier=1.0, l2_norm_clip=0.1,
-                         lot_size=400, batch_size=400, learning_rate=2.0,
-                         final_learning_rate=2.0, momentum=0.9, target_epsilon=None,
-                         epochs=4, accountant="pld", seed=0, eval_every=4)
+    config = MnistConfig(
+        model="scatter_linear",
+        noise_multiplier=1.0,
+        l2_norm_clip=0.1,
+        lot_size=400,
+        batch_size=400,
+        learning_rate=2.0,
+        final_learning_rate=2.0,
+        momentum=0.9,
+        target_epsilon=None,
+        epochs=4,
+        accountant="pld",
+        seed=0,
+        eval_every=4,
+    )
     result = train_mnist(config, verbose=False)
     assert result["test_accuracy"] > 0.8  # chance is 0.1
     assert result["lots"] == 4 * 10
@@ -88,8 +132,8 @@ def test_scatter_linear_learns_and_costs_only_the_dp_sgd_lots(monkeypatch):
     # the scattering is data-independent: the ledger holds the DP-SGD lots alone
     assert len(result["ledger"]) == 1
     assert result["epsilon"] == pytest.approx(
-        compute_epsilon(dp_sgd_event(1.0, 40, sampling_rate=400 / 4000), 1e-5, "pld"),
-        rel=1e-9)
+        compute_epsilon(dp_sgd_event(1.0, 40, sampling_rate=400 / 4000), 1e-5, "pld"), rel=1e-9
+    )
 
 
 class _CifarSlice:
@@ -101,7 +145,7 @@ class _CifarSlice:
         step = len(full.y_train) // n
         self.x_train, self.y_train = full.x_train[::step][:n], full.y_train[::step][:n]
         self.x_test, self.y_test = full.x_test[::20], full.y_test[::20]
-        assert np.bincount(self.y_train).min() >= n // 20   # every class, chance 0.1
+        assert np.bincount(self.y_train).min() >= n // 20  # every class, chance 0.1
 
 
 def test_scatter_linear_on_cifar10_learns_and_reuses_the_features(monkeypatch, tmp_path):
@@ -110,66 +154,100 @@ def test_scatter_linear_on_cifar10_learns_and_reuses_the_features(monkeypatch, t
     monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
     real = recipe.load_dataset
     sizes = iter([2000, 2000, 1000, 1000])
-    monkeypatch.setattr(recipe, "load_dataset",
-                        lambda *a, **k: _CifarSlice(real(*a, **k), next(sizes)))
+    monkeypatch.setattr(
+        recipe, "load_dataset", lambda *a, **k: _CifarSlice(real(*a, **k), next(sizes))
+    )
     calls = []
     transform = recipe.Scattering2D.transform
-    monkeypatch.setattr(recipe.Scattering2D, "transform",
-                        lambda self, x, **k: calls.append(len(x)) or transform(self, x, **k))
-    config = MnistConfig(dataset="cifar10", model="scatter_linear", noise_multiplier=1.0,
-                         l2_norm_clip=0.1, lot_size=200, batch_size=200, learning_rate=4.0,
-                         final_learning_rate=4.0, momentum=0.9, target_epsilon=None, epochs=3,
-                         accountant="pld", seed=0, eval_every=3)
+    monkeypatch.setattr(
+        recipe.Scattering2D,
+        "transform",
+        lambda self, x, **k: calls.append(len(x)) or transform(self, x, **k),
+    )
+    config = MnistConfig(
+        dataset="cifar10",
+        model="scatter_linear",
+        noise_multiplier=1.0,
+        l2_norm_clip=0.1,
+        lot_size=200,
+        batch_size=200,
+        learning_rate=4.0,
+        final_learning_rate=4.0,
+        momentum=0.9,
+        target_epsilon=None,
+        epochs=3,
+        accountant="pld",
+        seed=0,
+        eval_every=3,
+    )
     result = train_mnist(config, verbose=False)
     assert result["test_accuracy"] > 0.2  # chance is 0.1
     assert result["dataset_source"] == "CIFAR-10 (JPEG copy)"
     # images scattered: 2000 train + 500 test, in chunks of at most SCATTER_CHUNK
     assert sum(calls) == 2500 and max(calls) <= recipe.SCATTER_CHUNK < 2000
     assert len(result["ledger"]) == 1 and result["lots"] == 3 * 10
-    train_mnist(config, verbose=False)              # the same pixels: no new scattering
+    train_mnist(config, verbose=False)  # the same pixels: no new scattering
     assert sum(calls) == 2500
     train_mnist(dataclasses.replace(config, epochs=1), verbose=False)  # 1000 images: new
-    assert sum(calls) == 3500      # the same 500 test images: read back
+    assert sum(calls) == 3500  # the same 500 test images: read back
     files = sorted(tmp_path.joinpath("scattering").iterdir())
     assert len(files) == 3 and all(f.stat().st_mode & 0o777 == 0o600 for f in files)
-    for f in files:   # a file that is not what the key promises is computed again
+    for f in files:  # a file that is not what the key promises is computed again
         np.save(f, np.zeros((3, 8, 8, 243), np.float32))
     train_mnist(dataclasses.replace(config, epochs=1), verbose=False)
     assert sum(calls) == 5000
 
 
-def test_mirror_views_train_a_mirror_invariant_model_at_the_same_privacy_cost(monkeypatch,
-                                                                             tmp_path):
+def test_mirror_views_train_a_mirror_invariant_model_at_the_same_privacy_cost(
+    monkeypatch, tmp_path
+):
     """mirror_views: features of each image and its mirror image ([N, 2, 8, 8, 243],
     cached on disk and read as memmaps), the model averages its logits over both; the
     ledger is the same as without views (one release, the DP-SGD lots)."""
     monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
     real = recipe.load_dataset
     monkeypatch.setattr(recipe, "load_dataset", lambda *a, **k: _CifarSlice(real(*a, **k)))
-    config = MnistConfig(dataset="cifar10", model="scatter_linear", feature_norm="dp_stats",
-                         noise_multiplier=1.0, l2_norm_clip=0.1, lot_size=200, batch_size=200,
-                         learning_rate=4.0, final_learning_rate=4.0, momentum=0.9,
-                         target_epsilon=None, epochs=3, accountant="pld", seed=0,
-                         eval_every=3, mirror_views=True)
+    config = MnistConfig(
+        dataset="cifar10",
+        model="scatter_linear",
+        feature_norm="dp_stats",
+        noise_multiplier=1.0,
+        l2_norm_clip=0.1,
+        lot_size=200,
+        batch_size=200,
+        learning_rate=4.0,
+        final_learning_rate=4.0,
+        momentum=0.9,
+        target_epsilon=None,
+        epochs=3,
+        accountant="pld",
+        seed=0,
+        eval_every=3,
+        mirror_views=True,
+    )
     nets = []
     build = recipe.scatter_linear
-    monkeypatch.setattr(recipe, "scatter_linear",
-                        lambda *a, **k: nets.append(build(*a, **k)) or nets[-1])
+    monkeypatch.setattr(
+        recipe, "scatter_linear", lambda *a, **k: nets.append(build(*a, **k)) or nets[-1]
+    )
     result = train_mnist(config, verbose=False)
     assert result["mirror_views"] is True
-    assert result["test_accuracy"] > 0.2   # chance is 0.1
+    assert result["test_accuracy"] > 0.2  # chance is 0.1
     assert nets[0].input_shape == (None, 2, 8, 8, 243)
     assert [e["label"] for e in result["ledger"]] == ["dp_feature_norm", "dpsgd"]
-    event = dp_accounting.ComposedDpEvent([
-        dp_accounting.GaussianDpEvent(config.feature_norm_noise_multiplier / 6 ** 0.5),
-        dp_sgd_event(1.0, 30, sampling_rate=200 / 2000)])
+    event = dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.GaussianDpEvent(config.feature_norm_noise_multiplier / 6**0.5),
+            dp_sgd_event(1.0, 30, sampling_rate=200 / 2000),
+        ]
+    )
     assert result["epsilon"] == pytest.approx(compute_epsilon(event, 1e-5, "pld"), rel=1e-9)
     files = sorted(os.listdir(tmp_path / "scattering"))
     shapes = sorted(np.load(tmp_path / "scattering" / f, mmap_mode="r").shape for f in files)
     assert shapes == [(500, 2, 8, 8, 243), (2000, 2, 8, 8, 243)]
     calls = []
     monkeypatch.setattr(recipe.Scattering2D, "transform", lambda *a, **k: calls.append(1))
-    again = train_mnist(config, verbose=False)      # read from the cache
+    again = train_mnist(config, verbose=False)  # read from the cache
     assert calls == [] and again["test_accuracy"] == result["test_accuracy"]
 
 
@@ -186,29 +264,43 @@ def test_only_the_scatternet_takes_colour_images():
 
 
 def test_scatter_cnn_with_dp_statistics_pays_for_them_and_resumes_without_a_second_release(
-        monkeypatch, tmp_path):
+    monkeypatch, tmp_path
+):
     """feature_norm='dp_stats': the normalisation is one release in the ledger
     before the lots, the noise is calibrated for what remains of the budget, and
     a resumed run restores the released statistics with the model (no second
     release, the same normalisation)."""
     real = recipe.load_dataset
     monkeypatch.setattr(recipe, "load_dataset", lambda *a, **k: _CifarSlice(real(*a, **k)))
-    config = MnistConfig(dataset="cifar10", model="scatter_cnn", feature_norm="dp_stats",
-                         noise_multiplier=None, target_epsilon=3.0, l2_norm_clip=0.1,
-                         lot_size=400, batch_size=400, learning_rate=2.0,
-                         final_learning_rate=2.0, momentum=0.9, epochs=4, accountant="pld",
-                         seed=0, eval_every=2)
-    stops = iter([False] * 9 + [True] + [False] * 100)   # stop after 10 lots (2 epochs)
-    first = train_mnist(config, verbose=False, checkpoint_dir=str(tmp_path),
-                        should_stop=lambda: next(stops))
+    config = MnistConfig(
+        dataset="cifar10",
+        model="scatter_cnn",
+        feature_norm="dp_stats",
+        noise_multiplier=None,
+        target_epsilon=3.0,
+        l2_norm_clip=0.1,
+        lot_size=400,
+        batch_size=400,
+        learning_rate=2.0,
+        final_learning_rate=2.0,
+        momentum=0.9,
+        epochs=4,
+        accountant="pld",
+        seed=0,
+        eval_every=2,
+    )
+    stops = iter([False] * 9 + [True] + [False] * 100)  # stop after 10 lots (2 epochs)
+    first = train_mnist(
+        config, verbose=False, checkpoint_dir=str(tmp_path), should_stop=lambda: next(stops)
+    )
     assert first["stop_reason"] == "interrupted" and first["lots"] == 10
     labels = [e["label"] for e in first["ledger"]]
     assert labels[0] == "dp_feature_norm" and labels.count("dp_feature_norm") == 1
-    norm_event = dp_accounting.GaussianDpEvent(config.feature_norm_noise_multiplier / 6 ** 0.5)
+    norm_event = dp_accounting.GaussianDpEvent(config.feature_norm_noise_multiplier / 6**0.5)
     sigma = first["noise_multiplier"]
     lots_event = dp_sgd_event(sigma, 20, sampling_rate=400 / 2000)
     full = compute_epsilon(dp_accounting.ComposedDpEvent([norm_event, lots_event]), 1e-5, "pld")
-    assert full <= 3.0 and full > 2.9   # calibrated for the remainder, to tolerance
+    assert full <= 3.0 and full > 2.9  # calibrated for the remainder, to tolerance
     assert compute_epsilon(lots_event, 1e-5, "pld") < full
     from dpfl_tf.keras.checkpoint import DPCheckpoint
 
@@ -232,7 +324,7 @@ def test_scatter_cnn_with_dp_statistics_pays_for_them_and_resumes_without_a_seco
         np.testing.assert_array_equal(before, after)
     assert [e["label"] for e in resumed["ledger"]].count("dp_feature_norm") == 1
     assert resumed["epsilon"] == pytest.approx(full, rel=1e-6)
-    assert resumed["test_accuracy"] > 0.2   # chance is 0.1
+    assert resumed["test_accuracy"] > 0.2  # chance is 0.1
 
 
 def test_exact_feature_statistics_are_refused_for_private_runs():
@@ -245,7 +337,8 @@ def test_exact_feature_statistics_are_refused_for_private_runs():
 
 
 def test_scattering_features_are_computed_in_memory_when_the_cache_is_read_only(
-        monkeypatch, read_only_dir):
+    monkeypatch, read_only_dir
+):
     directory, _ = read_only_dir
     monkeypatch.setenv("DPFL_CACHE_DIR", str(directory))
     full = recipe.load_dataset("mnist")
@@ -257,6 +350,11 @@ def test_scattering_features_are_computed_in_memory_when_the_cache_is_read_only(
         train, test = recipe._scattering_features(Tiny, mirror=True)
     assert not isinstance(train, np.memmap) and train.shape == (12, 2, 7, 7, 81)
     np.testing.assert_allclose(
-        train[:, 1], recipe.Scattering2D(J=2, L=8, shape=(28, 28)).transform(
-            full.x_train[:12, :, ::-1].astype("float32") / 255.0), rtol=1e-5, atol=1e-6)
+        train[:, 1],
+        recipe.Scattering2D(J=2, L=8, shape=(28, 28)).transform(
+            full.x_train[:12, :, ::-1].astype("float32") / 255.0
+        ),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     assert test.shape == (4, 2, 7, 7, 81) and os.listdir(directory) == []

@@ -24,35 +24,65 @@ def small_mnist(monkeypatch):
 
 
 CONFIGS = {
-    "mlp": dict(model="mlp", hidden_units=64, pca_sample_size=1000, l2_norm_clip=4.0,
-                learning_rate=0.1, final_learning_rate=0.05, decay_epochs=2),
-    "tanh_cnn": dict(model="tanh_cnn", projection="none", l2_norm_clip=0.5,
-                     learning_rate=0.5, final_learning_rate=0.5),
-    "scatter_linear": dict(model="scatter_linear", projection="none", l2_norm_clip=0.1,
-                           learning_rate=4.0, final_learning_rate=4.0, momentum=0.9),
+    "mlp": dict(
+        model="mlp",
+        hidden_units=64,
+        pca_sample_size=1000,
+        l2_norm_clip=4.0,
+        learning_rate=0.1,
+        final_learning_rate=0.05,
+        decay_epochs=2,
+    ),
+    "tanh_cnn": dict(
+        model="tanh_cnn",
+        projection="none",
+        l2_norm_clip=0.5,
+        learning_rate=0.5,
+        final_learning_rate=0.5,
+    ),
+    "scatter_linear": dict(
+        model="scatter_linear",
+        projection="none",
+        l2_norm_clip=0.1,
+        learning_rate=4.0,
+        final_learning_rate=4.0,
+        momentum=0.9,
+    ),
 }
 
 
 def _stop_after(polls: int):
-    calls = iter(range(10 ** 6))
+    calls = iter(range(10**6))
     return lambda: next(calls) >= polls - 1
 
 
 @pytest.mark.parametrize("model", sorted(CONFIGS))
-def test_a_resumed_run_ends_with_the_weights_of_the_uninterrupted_run(small_mnist, tmp_path,
-                                                                      model):
-    config = MnistConfig(noise_multiplier=1.0, lot_size=200, batch_size=256,
-                         target_epsilon=None, epochs=3, seed=3, eval_every=1,
-                         **CONFIGS[model])
+def test_a_resumed_run_ends_with_the_weights_of_the_uninterrupted_run(small_mnist, tmp_path, model):
+    config = MnistConfig(
+        noise_multiplier=1.0,
+        lot_size=200,
+        batch_size=256,
+        target_epsilon=None,
+        epochs=3,
+        seed=3,
+        eval_every=1,
+        **CONFIGS[model],
+    )
     whole, whole_model = train_mnist(config, verbose=False, return_model=True)
     assert whole["lots"] == 30
     # interrupted after 13 lots (inside the second epoch), then the same call again
     ckpt = str(tmp_path / "ckpt")
-    first = train_mnist(config, verbose=False, checkpoint_dir=ckpt,
-                        checkpoint_every_epoch=False, should_stop=_stop_after(13))
+    first = train_mnist(
+        config,
+        verbose=False,
+        checkpoint_dir=ckpt,
+        checkpoint_every_epoch=False,
+        should_stop=_stop_after(13),
+    )
     assert first["stop_reason"] == "interrupted" and first["lots"] == 13
-    resumed, resumed_model = train_mnist(config, verbose=False, checkpoint_dir=ckpt,
-                                         return_model=True)
+    resumed, resumed_model = train_mnist(
+        config, verbose=False, checkpoint_dir=ckpt, return_model=True
+    )
     assert resumed["lots"] == 30 and resumed["stop_reason"] == "completed"
     for a, b in zip(whole_model.model.get_weights(), resumed_model.model.get_weights()):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
@@ -60,5 +90,6 @@ def test_a_resumed_run_ends_with_the_weights_of_the_uninterrupted_run(small_mnis
     assert resumed["epsilon"] == pytest.approx(whole["epsilon"], rel=1e-9)
     # the resumed history has a row at every epoch end, at the same lots
     assert [r["lots"] for r in resumed["history"]] == [10, 20, 30]
-    assert [r["test_accuracy"] for r in resumed["history"]][1:] == \
-        [r["test_accuracy"] for r in whole["history"]][1:]
+    assert [r["test_accuracy"] for r in resumed["history"]][1:] == [
+        r["test_accuracy"] for r in whole["history"]
+    ][1:]

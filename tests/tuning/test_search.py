@@ -3,16 +3,22 @@
 import math
 
 import dp_accounting
-import keras
 import numpy as np
 import pytest
 from dp_accounting import dp_event
 from scipy import stats
 
-from dpfl_tf.keras import DPModel, DPSGD
+from dpfl_tf.keras import DPSGD, DPModel
 from dpfl_tf.privacy import PrivacyLedger, compute_epsilon, dp_sgd_event
-from dpfl_tf.tuning import (PrivateSelection, SearchPrivacyError, TrialCount, ValidationScore,
-                            calibrate_search, private_search, search_event)
+from dpfl_tf.tuning import (
+    PrivateSelection,
+    SearchPrivacyError,
+    TrialCount,
+    ValidationScore,
+    calibrate_search,
+    private_search,
+    search_event,
+)
 from tests.keras.helpers import loss, mlp, mnist_slice
 
 N, LOT, EPOCHS, SIGMA = 600, 60, 1, 1.0
@@ -28,23 +34,34 @@ def data():
 def _trainer(x, y, sigma=SIGMA, lot=LOT):
     def train(hp):
         model = DPModel(mlp(seed=0))
-        model.compile(optimizer=DPSGD(hp["learning_rate"], l2_norm_clip=hp["clip"],
-                                      noise_multiplier=sigma, seed=1), loss=loss())
+        model.compile(
+            optimizer=DPSGD(
+                hp["learning_rate"], l2_norm_clip=hp["clip"], noise_multiplier=sigma, seed=1
+            ),
+            loss=loss(),
+        )
         model.fit(x, y, lot_size=lot, epochs=EPOCHS, verbose=0, sampling_seed=2)
         return model
+
     return train
 
 
 def test_search_releases_the_best_trial_and_one_ledger(data):
     (x, y), (xv, yv) = data
     score = ValidationScore(xv, yv, noise_multiplier=3.0, seed=0)
-    result = private_search(_trainer(x, y), {"learning_rate": [0.01, 1.0], "clip": [1.0]},
-                            trials=TrialCount.geometric(3.0), trial_event=TRIAL_EVENT,
-                            score=score, seed=1)   # K = 2
+    result = private_search(
+        _trainer(x, y),
+        {"learning_rate": [0.01, 1.0], "clip": [1.0]},
+        trials=TrialCount.geometric(3.0),
+        trial_event=TRIAL_EVENT,
+        score=score,
+        seed=1,
+    )  # K = 2
     assert result.best is not None and isinstance(result.best.model, DPModel)
     assert result.best.hyperparameters["learning_rate"] in (0.01, 1.0)
-    expected = search_event(TrialCount.geometric(3.0), TRIAL_EVENT,
-                            dp_accounting.GaussianDpEvent(3.0))
+    expected = search_event(
+        TrialCount.geometric(3.0), TRIAL_EVENT, dp_accounting.GaussianDpEvent(3.0)
+    )
     assert result.ledger.count() == 1 and result.ledger.event.events[0].event == expected
     assert result.epsilon == pytest.approx(compute_epsilon(expected, 1e-5, "rdp"))
     assert result.covers_search and result.epsilon > result.trial_epsilon
@@ -58,18 +75,32 @@ def test_the_best_is_the_highest_noised_score(data):
     that does not (the selection reads the scores)."""
     (x, y), (xv, yv) = data
     score = ValidationScore(xv, yv, noise_multiplier=1.0, seed=0)
-    result = private_search(_trainer(x, y), {"learning_rate": [1e-4, 2.0], "clip": [1.0]},
-                            trials=4, trial_event=TRIAL_EVENT, score=score, seed=3)
+    result = private_search(
+        _trainer(x, y),
+        {"learning_rate": [1e-4, 2.0], "clip": [1.0]},
+        trials=4,
+        trial_event=TRIAL_EVENT,
+        score=score,
+        seed=3,
+    )
     assert result.best.hyperparameters["learning_rate"] == 2.0
-    assert result.best.score > 0.2   # chance is 0.1
+    assert result.best.score > 0.2  # chance is 0.1
 
 
 def test_number_of_trials_is_drawn_and_each_trial_draws_anew(data):
     calls = []
-    selection = PrivateSelection(TrialCount.logarithmic(4.0), TRIAL_EVENT,
-                                 ValidationScore(*data[1], noise_multiplier=1.0), seed=11)
-    again = PrivateSelection(TrialCount.logarithmic(4.0), TRIAL_EVENT,
-                             ValidationScore(*data[1], noise_multiplier=1.0), seed=11)
+    selection = PrivateSelection(
+        TrialCount.logarithmic(4.0),
+        TRIAL_EVENT,
+        ValidationScore(*data[1], noise_multiplier=1.0),
+        seed=11,
+    )
+    again = PrivateSelection(
+        TrialCount.logarithmic(4.0),
+        TRIAL_EVENT,
+        ValidationScore(*data[1], noise_multiplier=1.0),
+        seed=11,
+    )
     assert selection.num_trials == again.num_trials >= 1
     draws = [selection.draw({"a": [1, 2, 3]})["a"] for _ in range(300)]
     # independent uniform draws, repeats allowed (Keras Tuner's RandomSearch avoids them)
@@ -82,21 +113,40 @@ def test_number_of_trials_is_drawn_and_each_trial_draws_anew(data):
 def test_a_trial_spending_more_than_declared_stops_the_search(data):
     (x, y), (xv, yv) = data
     score = ValidationScore(xv, yv, noise_multiplier=3.0, seed=0)
-    with pytest.raises(SearchPrivacyError, match=r"a trial spent 10 x Poisson\(q=0.1\) "
-                       r"Gaussian\(sigma=0.8\).*more than the search declared"):
-        private_search(_trainer(x, y, sigma=0.8), {"learning_rate": [0.1], "clip": [1.0]},
-                       trials=2, trial_event=TRIAL_EVENT, score=score)
+    with pytest.raises(
+        SearchPrivacyError,
+        match=r"a trial spent 10 x Poisson\(q=0.1\) "
+        r"Gaussian\(sigma=0.8\).*more than the search declared",
+    ):
+        private_search(
+            _trainer(x, y, sigma=0.8),
+            {"learning_rate": [0.1], "clip": [1.0]},
+            trials=2,
+            trial_event=TRIAL_EVENT,
+            score=score,
+        )
     # less noise is refused; more noise (a cheaper trial) is accepted
-    cheaper = private_search(_trainer(x, y, sigma=1.5), {"learning_rate": [0.1], "clip": [1.0]},
-                             trials=1, trial_event=TRIAL_EVENT, score=score)
+    cheaper = private_search(
+        _trainer(x, y, sigma=1.5),
+        {"learning_rate": [0.1], "clip": [1.0]},
+        trials=1,
+        trial_event=TRIAL_EVENT,
+        score=score,
+    )
     assert cheaper.best is not None
 
 
 def test_non_private_search_reports_the_trial_epsilon_as_not_covering(data):
     (x, y), (xv, yv) = data
     score = ValidationScore(xv, yv, noise_multiplier=0.0)
-    result = private_search(_trainer(x, y), {"learning_rate": [0.5], "clip": [1.0]},
-                            trials=2, trial_event=TRIAL_EVENT, score=score, accountant="moments")
+    result = private_search(
+        _trainer(x, y),
+        {"learning_rate": [0.5], "clip": [1.0]},
+        trials=2,
+        trial_event=TRIAL_EVENT,
+        score=score,
+        accountant="moments",
+    )
     assert math.isinf(result.epsilon) and not result.covers_search
     assert result.trial_epsilon == pytest.approx(compute_epsilon(TRIAL_EVENT, 1e-5, "moments"))
     summary = result.to_dict()
@@ -114,10 +164,13 @@ def test_public_validation_scores_cost_nothing(data):
 def test_refusals(data):
     xv, yv = data[1]
     private = ValidationScore(xv, yv, noise_multiplier=2.0)
-    with pytest.raises(ValueError, match="random number of trials selects on a private score.*"
-                       "got noise_multiplier=0"):
-        PrivateSelection(TrialCount.geometric(5.0), TRIAL_EVENT,
-                         ValidationScore(xv, yv, noise_multiplier=0.0))
+    with pytest.raises(
+        ValueError,
+        match="random number of trials selects on a private score.*got noise_multiplier=0",
+    ):
+        PrivateSelection(
+            TrialCount.geometric(5.0), TRIAL_EVENT, ValidationScore(xv, yv, noise_multiplier=0.0)
+        )
     with pytest.raises(ValueError, match="got no score"):
         PrivateSelection(TrialCount.geometric(5.0), TRIAL_EVENT, None)
     with pytest.raises(ValueError, match="accountant 'moments' cannot account best of"):
@@ -161,8 +214,13 @@ def test_score_noise_has_the_stated_scale(data):
 
 def test_calibrated_search_reaches_the_target():
     score = ValidationScore(np.zeros((10, 2)), np.zeros(10), noise_multiplier=20.0)
-    sigma, eps = calibrate_search(3.0, 1e-5, TrialCount.geometric(10.0),
-                                  lambda s: dp_sgd_event(s, 1000, sampling_rate=0.01), score)
+    sigma, eps = calibrate_search(
+        3.0,
+        1e-5,
+        TrialCount.geometric(10.0),
+        lambda s: dp_sgd_event(s, 1000, sampling_rate=0.01),
+        score,
+    )
     assert eps <= 3.0 and eps == pytest.approx(3.0, abs=0.02)
     alone = compute_epsilon(dp_sgd_event(sigma, 1000, sampling_rate=0.01), 1e-5, "rdp")
-    assert alone < 3.0   # the price of the search: one trial alone costs less
+    assert alone < 3.0  # the price of the search: one trial alone costs less

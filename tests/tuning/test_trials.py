@@ -23,7 +23,7 @@ def _chi2_pvalue(samples, dist: TrialCount, top=40):
     ks = np.arange(low, top + 1)
     expected = np.append(dist.pmf(ks), 1 - dist.pmf(ks).sum()) * len(samples)
     observed = np.append([(samples == k).sum() for k in ks], (samples > top).sum())
-    keep = expected > 5   # sparse bins merged into one
+    keep = expected > 5  # sparse bins merged into one
     if (~keep).any():
         observed = np.append(observed[keep], observed[~keep].sum())
         expected = np.append(expected[keep], expected[~keep].sum())
@@ -85,10 +85,16 @@ def test_samples_are_at_least_one_except_poisson():
     assert min(TrialCount.poisson(1.0).sample(rng) for _ in range(500)) == 0
 
 
-@pytest.mark.parametrize("mean,shape,match", [
-    (1.0, 1.0, "mean must be > 1"), (0.5, math.inf, "mean must be >= 1"),
-    (5.0, -0.5, "shape must be >= 0"), (float("nan"), 1.0, "mean must be"),
-    ("ten", 1.0, "mean must be a number")])
+@pytest.mark.parametrize(
+    "mean,shape,match",
+    [
+        (1.0, 1.0, "mean must be > 1"),
+        (0.5, math.inf, "mean must be >= 1"),
+        (5.0, -0.5, "shape must be >= 0"),
+        (float("nan"), 1.0, "mean must be"),
+        ("ten", 1.0, "mean must be a number"),
+    ],
+)
 def test_refusals_name_the_argument(mean, shape, match):
     with pytest.raises(ValueError, match=match):
         TrialCount(mean, shape)
@@ -101,10 +107,12 @@ def test_search_epsilon_is_dp_accountings_rdp_of_repeat_and_select(shape):
     event = search_event(TrialCount(10.0, shape), trial, score)
     assert isinstance(event, dp_event.RepeatAndSelectDpEvent)
     reference = rdp_module.RdpAccountant()
-    reference.compose(dp_event.RepeatAndSelectDpEvent(
-        dp_event.ComposedDpEvent([trial, score]), 10.0, shape))
-    assert compute_epsilon(event, 1e-5, "rdp") == pytest.approx(reference.get_epsilon(1e-5),
-                                                                rel=1e-12)
+    reference.compose(
+        dp_event.RepeatAndSelectDpEvent(dp_event.ComposedDpEvent([trial, score]), 10.0, shape)
+    )
+    assert compute_epsilon(event, 1e-5, "rdp") == pytest.approx(
+        reference.get_epsilon(1e-5), rel=1e-12
+    )
     # the search costs more than one trial, and (Papernot & Steinke) far less
     # than composing its expected 10 trials
     one = compute_epsilon(dp_accounting.ComposedDpEvent([trial, score]), 1e-5, "rdp")
@@ -123,8 +131,11 @@ def test_fixed_count_composes_the_runs():
 def test_only_rdp_accounts_the_search_and_says_so():
     event = search_event(TrialCount.geometric(10.0), dp_sgd_event(1.1, 500, sampling_rate=0.02))
     for kind in ("moments", "pld", "strong"):
-        with pytest.raises(ValueError, match=f"accountant '{kind}' cannot account best of "
-                           r"geometric\(mean=10\) runs .*Renyi DP only; use accountant='rdp'"):
+        with pytest.raises(
+            ValueError,
+            match=f"accountant '{kind}' cannot account best of "
+            r"geometric\(mean=10\) runs .*Renyi DP only; use accountant='rdp'",
+        ):
             compute_epsilon(event, 1e-5, kind)
 
 
@@ -148,6 +159,7 @@ def test_replace_one_runs_stay_replace_one():
     with pytest.raises(ValueError, match="different neighbouring relations"):
         ledger.record(dp_sgd_event(1.0, 10, sampling_rate=0.1))
     reference = rdp_module.RdpAccountant(
-        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE
+    )
     reference.compose(dp_event.RepeatAndSelectDpEvent(trial, 5.0, 1.0))
     assert ledger.epsilon(1e-5) == pytest.approx(reference.get_epsilon(1e-5), rel=1e-12)

@@ -18,21 +18,58 @@ tensorflow-privacy's ``fast_gradient_clipping/registry_functions/``.
 
 import importlib.util
 
-from dpfl_tf.keras.layer_rules._base import (LayerCall, LayerRule, Taps, VariableGradients,
-                                             find_rule, ghost_norm_is_smaller, kept,
-                                             materialised, original_call,
-                                             outer_gradients, register_rule, scaled, stopped,
-                                             unregister_rule, watched, weighted_sum)
-from dpfl_tf.keras.layer_rules import (conv, dense, einsum_dense, embedding, lora,
-                                      normalization, recurrent, reversible_embedding)
+from dpfl_tf.keras.layer_rules import (
+    conv,
+    dense,
+    einsum_dense,
+    embedding,
+    lora,
+    normalization,
+    recurrent,
+    reversible_embedding,
+)
+from dpfl_tf.keras.layer_rules._base import (
+    LayerCall,
+    LayerRule,
+    Taps,
+    VariableGradients,
+    find_rule,
+    ghost_norm_is_smaller,
+    kept,
+    materialised,
+    original_call,
+    outer_gradients,
+    register_rule,
+    scaled,
+    stopped,
+    unregister_rule,
+    watched,
+    weighted_sum,
+)
 from dpfl_tf.keras.layer_rules.fallback import FALLBACK, PerLayerJacobianRule
 
 if importlib.util.find_spec("keras_hub") is not None:  # the [hub] extra
     from dpfl_tf.keras.layer_rules import keras_hub as _keras_hub
+
     _keras_hub.register()
 
-__all__ = ["LayerRule", "Taps", "LayerCall", "VariableGradients", "register_rule",
-           "unregister_rule", "find_rule", "kept", "scaled", "weighted_sum", "stopped",
-           "materialised", "outer_gradients", "ghost_norm_is_smaller", "original_call",
-           "watched",
-           "PerLayerJacobianRule", "FALLBACK"]
+__all__ = [
+    "LayerRule",
+    "Taps",
+    "LayerCall",
+    "VariableGradients",
+    "register_rule",
+    "unregister_rule",
+    "find_rule",
+    "kept",
+    "scaled",
+    "weighted_sum",
+    "stopped",
+    "materialised",
+    "outer_gradients",
+    "ghost_norm_is_smaller",
+    "original_call",
+    "watched",
+    "PerLayerJacobianRule",
+    "FALLBACK",
+]

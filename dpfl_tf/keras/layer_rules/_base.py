@@ -26,10 +26,24 @@ from typing import Any, Callable, NamedTuple, Sequence
 import keras
 import tensorflow as tf
 
-__all__ = ["LayerRule", "Taps", "LayerCall", "VariableGradients", "register_rule",
-           "unregister_rule", "find_rule", "kept", "scaled", "weighted_sum", "stopped",
-           "outer_gradients", "ghost_norm_is_smaller", "materialised", "original_call",
-           "watched"]
+__all__ = [
+    "LayerRule",
+    "Taps",
+    "LayerCall",
+    "VariableGradients",
+    "register_rule",
+    "unregister_rule",
+    "find_rule",
+    "kept",
+    "scaled",
+    "weighted_sum",
+    "stopped",
+    "outer_gradients",
+    "ghost_norm_is_smaller",
+    "materialised",
+    "original_call",
+    "watched",
+]
 
 
 @dataclasses.dataclass
@@ -39,6 +53,7 @@ class Taps:
     `watched` maps names to tensors whose loss gradient the rule needs (they are
     watched by the tape); `saved` is anything else the rule needs later.
     """
+
     watched: dict
     saved: Any = None
 
@@ -48,6 +63,7 @@ class LayerCall:
     """One call of a layer during the tapped forward, with the loss gradient
     (summed over examples, so row i is example i's) at each watched tensor; a
     watched tensor that does not reach the loss has a zero gradient."""
+
     saved: Any
     outputs: dict
     grads: dict
@@ -56,6 +72,7 @@ class LayerCall:
 class VariableGradients(NamedTuple):
     """Per-example squared norms [B] of one variable's gradient, and the
     clipped sum  c -> sum_i c_i grad_i  (examples with c_i = 0 exactly 0)."""
+
     sq_norms: tf.Tensor
     clipped_sum: Callable[[tf.Tensor], tf.Tensor]
 
@@ -131,14 +148,14 @@ def find_rule(layer) -> LayerRule | None:
         rule = _REGISTRY.get(cls)
         if rule is None:
             continue
-        overridden = [name for k in mro[:depth] for name in rule.reimplements
-                      if name in vars(k)]
+        overridden = [name for k in mro[:depth] for name in rule.reimplements if name in vars(k)]
         return None if overridden else rule.rule_for(layer)
     return None
 
 
 # ---------------------------------------------------------------------------
 # Helpers for rules
+
 
 def stopped(variable, dtype=None) -> tf.Tensor:
     """The variable's value read through tf.stop_gradient (cast to dtype)."""
@@ -152,6 +169,7 @@ def kept(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
     """t with the rows of examples whose factor is 0 (dropped as non-finite)
     set to exactly 0: 0 * NaN would be NaN.  t itself when no factor is 0 (the
     usual case: the copy of a big tap is skipped)."""
+
     def zeroed():
         keep = tf.reshape(c > 0, [-1] + [1] * (t.shape.rank - 1))
         return tf.where(keep, t, tf.zeros_like(t))
@@ -230,8 +248,13 @@ def ghost_norm_is_smaller(positions: int | None, d: int, o: int) -> bool:
     return positions is not None and 2 * positions * positions < d * o
 
 
-def outer_gradients(a: tf.Tensor, g: tf.Tensor, positions: int | None,
-                    to_variable: Callable[[tf.Tensor], tf.Tensor], variable) -> VariableGradients:
+def outer_gradients(
+    a: tf.Tensor,
+    g: tf.Tensor,
+    positions: int | None,
+    to_variable: Callable[[tf.Tensor], tf.Tensor],
+    variable,
+) -> VariableGradients:
     """Gradients of a variable whose example gradient is, per group k,
 
         W_k = sum_s a_isk^T g_isk          a: [B, S, G, d],  g: [B, S, G, o]
@@ -245,12 +268,14 @@ def outer_gradients(a: tf.Tensor, g: tf.Tensor, positions: int | None,
     """
     a, g = f32(a), f32(g)
     d, o = a.shape[-1], g.shape[-1]
-    single = a.shape[2] == 1   # one group: plain (batched) matmuls, faster than einsum
+    single = a.shape[2] == 1  # one group: plain (batched) matmuls, faster than einsum
     if ghost_norm_is_smaller(positions, d, o):
         if single:
             a3, g3 = a[:, :, 0], g[:, :, 0]
-            sq = tf.reduce_sum(tf.matmul(a3, a3, transpose_b=True)
-                               * tf.matmul(g3, g3, transpose_b=True), axis=[1, 2])
+            sq = tf.reduce_sum(
+                tf.matmul(a3, a3, transpose_b=True) * tf.matmul(g3, g3, transpose_b=True),
+                axis=[1, 2],
+            )
         else:
             aa = tf.einsum("bsgd,btgd->bgst", a, a)
             gg = tf.einsum("bsgo,btgo->bgst", g, g)
@@ -258,15 +283,19 @@ def outer_gradients(a: tf.Tensor, g: tf.Tensor, positions: int | None,
 
         def clipped_sum(c, a=a, g=g):
             ac, gc = scaled_smaller(a, g, c)
-            if single:   # sum over examples and positions: one [d, B S] x [B S, o] product
-                s = tf.matmul(tf.reshape(ac, [-1, d]), tf.reshape(gc, [-1, o]),
-                              transpose_a=True)[None]
+            if single:  # sum over examples and positions: one [d, B S] x [B S, o] product
+                s = tf.matmul(tf.reshape(ac, [-1, d]), tf.reshape(gc, [-1, o]), transpose_a=True)[
+                    None
+                ]
             else:
                 s = tf.einsum("bsgd,bsgo->gdo", ac, gc)
             return tf.cast(tf.reshape(to_variable(s), variable.shape), variable.dtype)
     else:
-        per_example = (tf.matmul(a[:, :, 0], g[:, :, 0], transpose_a=True)[:, None] if single
-                       else tf.einsum("bsgd,bsgo->bgdo", a, g))
+        per_example = (
+            tf.matmul(a[:, :, 0], g[:, :, 0], transpose_a=True)[:, None]
+            if single
+            else tf.einsum("bsgd,bsgo->bgdo", a, g)
+        )
         sq = tf.reduce_sum(tf.square(per_example), axis=[1, 2, 3])
 
         def clipped_sum(c, j=per_example):
@@ -278,8 +307,9 @@ def outer_gradients(a: tf.Tensor, g: tf.Tensor, positions: int | None,
     return VariableGradients(sq, clipped_sum)
 
 
-def rank_one_gradients(a: tf.Tensor, g: tf.Tensor, variable,
-                       g_sq: tf.Tensor | None = None) -> VariableGradients:
+def rank_one_gradients(
+    a: tf.Tensor, g: tf.Tensor, variable, g_sq: tf.Tensor | None = None
+) -> VariableGradients:
     """W_i = a_i^T g_i for a: [B, d], g: [B, o] (a Dense layer on vectors):
     ||W_i||^2 = ||a_i||^2 ||g_i||^2 (Goodfellow 2015).  `g_sq`: ||g_i||^2 if
     already computed (it is also the bias's squared norm)."""

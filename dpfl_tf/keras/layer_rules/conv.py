@@ -17,15 +17,23 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 import keras
+import numpy as np
 import tensorflow as tf
 
-from dpfl_tf.keras.layer_rules._base import (LayerRule, Taps, concat_positions, f32,
-                                             grad_or_zeros, materialised, outer_gradients,
-                                             register_rule, static_positions, stopped,
-                                             watched)
+from dpfl_tf.keras.layer_rules._base import (
+    LayerRule,
+    Taps,
+    concat_positions,
+    f32,
+    grad_or_zeros,
+    materialised,
+    outer_gradients,
+    register_rule,
+    static_positions,
+    stopped,
+    watched,
+)
 from dpfl_tf.keras.layer_rules.dense import plain
 
 
@@ -40,8 +48,7 @@ def patches(x: tf.Tensor, kernel_size, strides, padding: str, dilation) -> tf.Te
     x = f32(x)
     spatial = x.shape[1:-1]
     if any(d is None for d in spatial):
-        raise ValueError(f"convolution rule: spatial input shape {tuple(spatial)} must be "
-                         "static")
+        raise ValueError(f"convolution rule: spatial input shape {tuple(spatial)} must be static")
     pads, out = [], []
     for size, k, s, d in zip(spatial, kernel_size, strides, dilation):
         span = (k - 1) * d + 1
@@ -53,18 +60,19 @@ def patches(x: tf.Tensor, kernel_size, strides, padding: str, dilation) -> tf.Te
             n_out = (size - span) // s + 1
             pads.append((0, 0))
         out.append(n_out)
-    xp = tf.pad(x, [[0, 0], *[list(p) for p in pads], [0, 0]]) if any(
-        sum(p) for p in pads) else x
+    xp = tf.pad(x, [[0, 0], *[list(p) for p in pads], [0, 0]]) if any(sum(p) for p in pads) else x
     padded = [size + sum(p) for size, p in zip(spatial, pads)]
     # flat index (in the padded input) of output position o and kernel offset j:
     # sum over axes of (o_a stride_a + j_a dilation_a) * row-major stride of axis a
     index = np.zeros((1, 1), np.int64)
     for n_out, k, s, d, size in zip(out, kernel_size, strides, dilation, padded):
-        index = index[:, None, :, None] * size + (
-            np.arange(n_out)[:, None] * s + np.arange(k)[None, :] * d)[None, :, None, :]
+        index = (
+            index[:, None, :, None] * size
+            + (np.arange(n_out)[:, None] * s + np.arange(k)[None, :] * d)[None, :, None, :]
+        )
         index = index.reshape(index.shape[0] * n_out, -1)
     flat = tf.reshape(xp, [-1, math.prod(padded), x.shape[-1]])
-    p = tf.gather(flat, tf.constant(index.astype(np.int32)), axis=1)   # [B, S, k, C]
+    p = tf.gather(flat, tf.constant(index.astype(np.int32)), axis=1)  # [B, S, k, C]
     return tf.reshape(p, [-1, *out, math.prod(kernel_size) * x.shape[-1]])
 
 
@@ -105,20 +113,26 @@ class ConvRule(LayerRule):
             left = layer.dilation_rate[0] * (layer.kernel_size[0] - 1)
             a = tf.pad(a, [[0, 0], [left, 0], [0, 0]])
             padding = "valid"
-        z = keras.ops.conv(a, stopped(layer.kernel, a.dtype), strides=list(layer.strides),
-                           padding=padding, dilation_rate=layer.dilation_rate,
-                           data_format="channels_last")
+        z = keras.ops.conv(
+            a,
+            stopped(layer.kernel, a.dtype),
+            strides=list(layer.strides),
+            padding=padding,
+            dilation_rate=layer.dilation_rate,
+            data_format="channels_last",
+        )
         z, out = _bias_watch_activate(layer, z)
         return out, Taps({"z": z}, (a, padding))
 
     def gradients(self, layer, calls):
-        ps = [patches(a, layer.kernel_size, layer.strides, padding, layer.dilation_rate)
-              for a, padding in (c.saved for c in calls)]
+        ps = [
+            patches(a, layer.kernel_size, layer.strides, padding, layer.dilation_rate)
+            for a, padding in (c.saved for c in calls)
+        ]
         gs = [grad_or_zeros(c, "z") for c in calls]
         k = math.prod(layer.kernel_size)
         groups = getattr(layer, "groups", 1)
-        a4, g4 = _grouped(concat_positions(ps), concat_positions([f32(g) for g in gs]), k,
-                          groups)
+        a4, g4 = _grouped(concat_positions(ps), concat_positions([f32(g) for g in gs]), k, groups)
         kernel = layer.kernel
         cg, og = kernel.shape[-2], kernel.shape[-1] // groups
 
@@ -136,8 +150,7 @@ def _depthwise_kernel_gradients(kernel, ps, gs, kernel_size):
     """Depthwise kernel (k..., C, M): groups = C, one input channel each."""
     k = math.prod(kernel_size)
     channels, multiplier = kernel.shape[-2], kernel.shape[-1]
-    a4, g4 = _grouped(concat_positions(ps), concat_positions([f32(g) for g in gs]), k,
-                      channels)
+    a4, g4 = _grouped(concat_positions(ps), concat_positions([f32(g) for g in gs]), k, channels)
 
     def to_kernel(s):  # [C, k, M] -> (k..., C, M)
         return tf.transpose(tf.reshape(s, [channels, k, multiplier]), [1, 0, 2])
@@ -151,15 +164,22 @@ class DepthwiseConvRule(LayerRule):
 
     def forward(self, layer, inputs, **kwargs):
         a = tf.convert_to_tensor(inputs)
-        z = keras.ops.depthwise_conv(a, stopped(layer.kernel, a.dtype), strides=layer.strides,
-                                     padding=layer.padding, dilation_rate=layer.dilation_rate,
-                                     data_format="channels_last")
+        z = keras.ops.depthwise_conv(
+            a,
+            stopped(layer.kernel, a.dtype),
+            strides=layer.strides,
+            padding=layer.padding,
+            dilation_rate=layer.dilation_rate,
+            data_format="channels_last",
+        )
         z, out = _bias_watch_activate(layer, z)
         return out, Taps({"z": z}, a)
 
     def gradients(self, layer, calls):
-        ps = [patches(c.saved, layer.kernel_size, layer.strides, layer.padding,
-                      layer.dilation_rate) for c in calls]
+        ps = [
+            patches(c.saved, layer.kernel_size, layer.strides, layer.padding, layer.dilation_rate)
+            for c in calls
+        ]
         gs = [grad_or_zeros(c, "z") for c in calls]
         result = [_depthwise_kernel_gradients(layer.kernel, ps, gs, layer.kernel_size)]
         if layer.use_bias:
@@ -173,27 +193,47 @@ class SeparableConvRule(LayerRule):
 
     def forward(self, layer, inputs, **kwargs):
         a = tf.convert_to_tensor(inputs)
-        h = keras.ops.depthwise_conv(a, stopped(layer.depthwise_kernel, a.dtype),
-                                     strides=layer.strides, padding=layer.padding,
-                                     dilation_rate=layer.dilation_rate,
-                                     data_format="channels_last")
+        h = keras.ops.depthwise_conv(
+            a,
+            stopped(layer.depthwise_kernel, a.dtype),
+            strides=layer.strides,
+            padding=layer.padding,
+            dilation_rate=layer.dilation_rate,
+            data_format="channels_last",
+        )
         h = watched(h)
-        z = keras.ops.conv(h, stopped(layer.pointwise_kernel, a.dtype), strides=1,
-                           padding="valid", data_format="channels_last")
+        z = keras.ops.conv(
+            h,
+            stopped(layer.pointwise_kernel, a.dtype),
+            strides=1,
+            padding="valid",
+            data_format="channels_last",
+        )
         z, out = _bias_watch_activate(layer, z)
         return out, Taps({"h": h, "z": z}, a)
 
     def gradients(self, layer, calls):
-        ps = [patches(c.saved, layer.kernel_size, layer.strides, layer.padding,
-                      layer.dilation_rate) for c in calls]
+        ps = [
+            patches(c.saved, layer.kernel_size, layer.strides, layer.padding, layer.dilation_rate)
+            for c in calls
+        ]
         gh = [grad_or_zeros(c, "h") for c in calls]
         gz = [grad_or_zeros(c, "z") for c in calls]
         result = [_depthwise_kernel_gradients(layer.depthwise_kernel, ps, gh, layer.kernel_size)]
         hs = [f32(c.outputs["h"]) for c in calls]
         pointwise = layer.pointwise_kernel
-        result.append((pointwise, outer_gradients(
-            concat_positions(hs)[:, :, None], concat_positions([f32(g) for g in gz])[:, :, None],
-            static_positions(*hs), lambda s: s, pointwise)))
+        result.append(
+            (
+                pointwise,
+                outer_gradients(
+                    concat_positions(hs)[:, :, None],
+                    concat_positions([f32(g) for g in gz])[:, :, None],
+                    static_positions(*hs),
+                    lambda s: s,
+                    pointwise,
+                ),
+            )
+        )
         if layer.use_bias:
             result.append(_bias_gradients(layer, gz))
         return result
@@ -204,27 +244,43 @@ class ConvTransposeRule(LayerRule):
     sum_s q_is^T x_is, q = patches of the output gradient."""
 
     def applies(self, layer) -> bool:
-        return (plain(layer) and layer.data_format == "channels_last"
-                and layer.output_padding is None)
+        return (
+            plain(layer) and layer.data_format == "channels_last" and layer.output_padding is None
+        )
 
     def forward(self, layer, inputs, **kwargs):
         x = tf.convert_to_tensor(inputs)
-        z = keras.ops.conv_transpose(x, stopped(layer.kernel, x.dtype),
-                                     strides=list(layer.strides), padding=layer.padding,
-                                     dilation_rate=layer.dilation_rate,
-                                     data_format="channels_last")
+        z = keras.ops.conv_transpose(
+            x,
+            stopped(layer.kernel, x.dtype),
+            strides=list(layer.strides),
+            padding=layer.padding,
+            dilation_rate=layer.dilation_rate,
+            data_format="channels_last",
+        )
         z, out = _bias_watch_activate(layer, z)
         return out, Taps({"z": z}, x)
 
     def gradients(self, layer, calls):
         gs = [grad_or_zeros(c, "z") for c in calls]
-        qs = [patches(g, layer.kernel_size, layer.strides, layer.padding, layer.dilation_rate)
-              for g in gs]
+        qs = [
+            patches(g, layer.kernel_size, layer.strides, layer.padding, layer.dilation_rate)
+            for g in gs
+        ]
         xs = [f32(c.saved) for c in calls]
         kernel = layer.kernel
-        result = [(kernel, outer_gradients(
-            concat_positions(qs)[:, :, None], concat_positions(xs)[:, :, None],
-            static_positions(*xs), lambda s: s, kernel))]
+        result = [
+            (
+                kernel,
+                outer_gradients(
+                    concat_positions(qs)[:, :, None],
+                    concat_positions(xs)[:, :, None],
+                    static_positions(*xs),
+                    lambda s: s,
+                    kernel,
+                ),
+            )
+        ]
         if layer.use_bias:
             result.append(_bias_gradients(layer, gs))
         return result
@@ -236,6 +292,9 @@ for _cls in (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D):
     register_rule(_cls, DepthwiseConvRule())
 for _cls in (keras.layers.SeparableConv1D, keras.layers.SeparableConv2D):
     register_rule(_cls, SeparableConvRule())
-for _cls in (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
-             keras.layers.Conv3DTranspose):
+for _cls in (
+    keras.layers.Conv1DTranspose,
+    keras.layers.Conv2DTranspose,
+    keras.layers.Conv3DTranspose,
+):
     register_rule(_cls, ConvTransposeRule())

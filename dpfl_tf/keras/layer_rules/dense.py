@@ -11,16 +11,31 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dpfl_tf.keras.layer_rules._base import (LayerRule, Taps, VariableGradients,
-                                             concat_positions, f32, grad_or_zeros, materialised,
-                                             outer_gradients, rank_one_gradients, register_rule,
-                                             static_positions, stopped, watched, weighted_sum)
+from dpfl_tf.keras.layer_rules._base import (
+    LayerRule,
+    Taps,
+    VariableGradients,
+    concat_positions,
+    f32,
+    grad_or_zeros,
+    materialised,
+    outer_gradients,
+    rank_one_gradients,
+    register_rule,
+    static_positions,
+    stopped,
+    watched,
+    weighted_sum,
+)
 
 
 def plain(layer) -> bool:
     """Trainable, float, not quantized, no LoRA (those use the fallback)."""
-    return (bool(layer.trainable_variables) and not getattr(layer, "quantization_mode", None)
-            and not getattr(layer, "lora_enabled", False))
+    return (
+        bool(layer.trainable_variables)
+        and not getattr(layer, "quantization_mode", None)
+        and not getattr(layer, "lora_enabled", False)
+    )
 
 
 class DenseRule(LayerRule):
@@ -32,8 +47,11 @@ class DenseRule(LayerRule):
     def forward(self, layer, inputs, **kwargs):
         a = tf.convert_to_tensor(inputs)
         kernel = stopped(layer.kernel, a.dtype)
-        z = tf.matmul(a, kernel) if a.shape.rank == 2 else tf.tensordot(
-            a, kernel, axes=[[a.shape.rank - 1], [0]])
+        z = (
+            tf.matmul(a, kernel)
+            if a.shape.rank == 2
+            else tf.tensordot(a, kernel, axes=[[a.shape.rank - 1], [0]])
+        )
         if layer.use_bias:
             z = z + stopped(layer.bias, z.dtype)
         z = watched(z)
@@ -49,12 +67,24 @@ class DenseRule(LayerRule):
             g_sq = tf.reduce_sum(tf.square(g), 1)  # ||g_i||^2: the bias's squared norm too
             result = [(kernel, rank_one_gradients(inputs[0], g, kernel, g_sq))]
             if layer.use_bias:
-                result.append((layer.bias, VariableGradients(
-                    g_sq, lambda c, g=g: tf.cast(weighted_sum(g, c), layer.bias.dtype))))
+                result.append(
+                    (
+                        layer.bias,
+                        VariableGradients(
+                            g_sq, lambda c, g=g: tf.cast(weighted_sum(g, c), layer.bias.dtype)
+                        ),
+                    )
+                )
             return result
         a3, g3 = concat_positions(inputs), concat_positions(gs)
-        result = [(kernel, outer_gradients(a3[:, :, None], g3[:, :, None],
-                                           static_positions(*inputs), lambda s: s, kernel))]
+        result = [
+            (
+                kernel,
+                outer_gradients(
+                    a3[:, :, None], g3[:, :, None], static_positions(*inputs), lambda s: s, kernel
+                ),
+            )
+        ]
         g_example = tf.reduce_sum(g3, axis=1)
         if layer.use_bias:
             result.append((layer.bias, materialised(g_example, layer.bias)))

@@ -21,8 +21,17 @@ import string
 import keras
 import tensorflow as tf
 
-from dpfl_tf.keras.layer_rules._base import (LayerRule, Taps, f32, grad_or_zeros, materialised,
-                                             outer_gradients, register_rule, stopped, watched)
+from dpfl_tf.keras.layer_rules._base import (
+    LayerRule,
+    Taps,
+    f32,
+    grad_or_zeros,
+    materialised,
+    outer_gradients,
+    register_rule,
+    stopped,
+    watched,
+)
 from dpfl_tf.keras.layer_rules.dense import plain
 
 
@@ -45,8 +54,7 @@ def batch_first(equation: str) -> bool:
     inp, ker = lhs.split(",")
     if "..." in ker:
         return False
-    return out.startswith("...") if inp.startswith("...") else (
-        inp[0] in out and inp[0] not in ker)
+    return out.startswith("...") if inp.startswith("...") else (inp[0] in out and inp[0] not in ker)
 
 
 class EinsumDenseRule(LayerRule):
@@ -86,17 +94,26 @@ def kernel_gradients(equation: str, xs, gs, kernel):
     both = [c for c in ker if c in inp and c in out]
     s_letters = [c for c in inp if c in out and c not in ker and c != b]
     if both or b in ker:
-        per_example = tf.add_n([tf.einsum(f"{inp},{out}->{b}{ker}", x, g)
-                                for x, g in zip(xs, gs)])
+        per_example = tf.add_n([tf.einsum(f"{inp},{out}->{b}{ker}", x, g) for x, g in zip(xs, gs)])
         return materialised(per_example, kernel)
     size = dict(zip(ker, kernel.shape))
     d_in = math.prod(size[c] for c in k_in)
     d_out = math.prod(size[c] for c in k_out)
     s_str, in_str, out_str = "".join(s_letters), "".join(k_in), "".join(k_out)
-    a3 = tf.concat([tf.reshape(tf.einsum(f"{inp}->{b}{s_str}{in_str}", x),
-                               [tf.shape(x)[0], -1, d_in]) for x in xs], axis=1)
-    g3 = tf.concat([tf.reshape(tf.einsum(f"{out}->{b}{s_str}{out_str}", g),
-                               [tf.shape(g)[0], -1, d_out]) for g in gs], axis=1)
+    a3 = tf.concat(
+        [
+            tf.reshape(tf.einsum(f"{inp}->{b}{s_str}{in_str}", x), [tf.shape(x)[0], -1, d_in])
+            for x in xs
+        ],
+        axis=1,
+    )
+    g3 = tf.concat(
+        [
+            tf.reshape(tf.einsum(f"{out}->{b}{s_str}{out_str}", g), [tf.shape(g)[0], -1, d_out])
+            for g in gs
+        ],
+        axis=1,
+    )
     positions = 0  # static number of positions over all calls, if known
     for x in xs:
         count = 1
@@ -105,7 +122,7 @@ def kernel_gradients(equation: str, xs, gs, kernel):
             count = None if dim is None or count is None else count * dim
         positions = None if count is None or positions is None else positions + count
     shape = [size[c] for c in k_in + k_out]
-    to_kernel = (lambda s: tf.einsum(f"{in_str}{out_str}->{ker}", tf.reshape(s, shape)))
+    to_kernel = lambda s: tf.einsum(f"{in_str}{out_str}->{ker}", tf.reshape(s, shape))
     return outer_gradients(a3[:, :, None], g3[:, :, None], positions, to_kernel, kernel)
 
 

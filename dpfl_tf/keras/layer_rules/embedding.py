@@ -19,9 +19,17 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dpfl_tf.keras.layer_rules._base import (LayerRule, Taps, VariableGradients, f32,
-                                             grad_or_zeros, register_rule, scaled, stopped,
-                                             watched)
+from dpfl_tf.keras.layer_rules._base import (
+    LayerRule,
+    Taps,
+    VariableGradients,
+    f32,
+    grad_or_zeros,
+    register_rule,
+    scaled,
+    stopped,
+    watched,
+)
 from dpfl_tf.keras.layer_rules.dense import plain
 
 
@@ -56,8 +64,9 @@ def lookup_gradients(ids: tf.Tensor, g: tf.Tensor, table) -> VariableGradients:
 
 def lookup_sum(ids: tf.Tensor, g: tf.Tensor, rows: int) -> tf.Tensor:
     """sum_i sum_t g_it scattered into row ids_it: [rows, d]."""
-    return tf.math.unsorted_segment_sum(tf.reshape(g, [-1, g.shape[-1]]),
-                                        tf.reshape(ids, [-1]), rows)
+    return tf.math.unsorted_segment_sum(
+        tf.reshape(g, [-1, g.shape[-1]]), tf.reshape(ids, [-1]), rows
+    )
 
 
 def lookup_sq_norms(ids: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
@@ -68,11 +77,14 @@ def lookup_sq_norms(ids: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
     order = tf.argsort(ids, axis=1, stable=True)
     ids_sorted = tf.gather(ids, order, batch_dims=1)
     g_sorted = tf.gather(g, order, batch_dims=1)
-    first = tf.concat([tf.ones([b, 1], tf.int32),
-                       tf.cast(ids_sorted[:, 1:] != ids_sorted[:, :-1], tf.int32)], axis=1)
+    first = tf.concat(
+        [tf.ones([b, 1], tf.int32), tf.cast(ids_sorted[:, 1:] != ids_sorted[:, :-1], tf.int32)],
+        axis=1,
+    )
     segment = tf.cumsum(first, axis=1) - 1 + tf.range(b)[:, None] * t
-    run_sums = tf.math.unsorted_segment_sum(tf.reshape(g_sorted, [-1, g.shape[-1]]),
-                                            tf.reshape(segment, [-1]), b * t)
+    run_sums = tf.math.unsorted_segment_sum(
+        tf.reshape(g_sorted, [-1, g.shape[-1]]), tf.reshape(segment, [-1]), b * t
+    )
     return tf.reduce_sum(tf.reshape(tf.square(run_sums), [b, -1]), axis=1)
 
 

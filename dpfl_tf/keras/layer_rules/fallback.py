@@ -25,8 +25,15 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from dpfl_tf.keras.layer_rules._base import (LayerRule, Taps, f32, materialised, original_call,
-                                             register_rule, stopped)
+from dpfl_tf.keras.layer_rules._base import (
+    LayerRule,
+    Taps,
+    f32,
+    materialised,
+    original_call,
+    register_rule,
+    stopped,
+)
 
 
 def _autocast(layer):
@@ -34,6 +41,7 @@ def _autocast(layer):
     compute dtype under mixed precision); the re-run bypasses `__call__`."""
     if layer.autocast and layer.compute_dtype != layer.variable_dtype:
         from keras.src.backend import AutocastScope  # no public alias in Keras 3
+
         return AutocastScope(layer.compute_dtype)
     return contextlib.nullcontext()
 
@@ -44,11 +52,11 @@ def _is_float(t) -> bool:
 
 class PerLayerJacobianRule(LayerRule):
     """Args:
-      vectorize: pfor-vectorise the Jacobian over the batch (default).  XLA
-        cannot compile the pfor form of a layer's internal loop (an RNN's
-        TensorList ops): under ``jit_compile=True`` register recurrent layers with
-        ``PerLayerJacobianRule(vectorize=False)`` (one backward pass of the layer
-        per example, in a loop).
+    vectorize: pfor-vectorise the Jacobian over the batch (default).  XLA
+      cannot compile the pfor form of a layer's internal loop (an RNN's
+      TensorList ops): under ``jit_compile=True`` register recurrent layers with
+      ``PerLayerJacobianRule(vectorize=False)`` (one backward pass of the layer
+      per example, in a loop).
     """
 
     reimplements = ()  # runs the layer's own `call`: exact for any subclass
@@ -79,8 +87,10 @@ class PerLayerJacobianRule(LayerRule):
             ws = [tf.convert_to_tensor(v.value) for v in trainable]
             with tf.GradientTape() as tape:
                 tape.watch(ws)
-                with keras.StatelessScope(state_mapping=list(zip(trainable, ws)) + before), \
-                        _autocast(layer):
+                with (
+                    keras.StatelessScope(state_mapping=list(zip(trainable, ws)) + before),
+                    _autocast(layer),
+                ):
                     outputs = original_call(layer)(*args, **kwargs)
                 flat = tf.nest.flatten(outputs)
                 inner = []
@@ -93,8 +103,12 @@ class PerLayerJacobianRule(LayerRule):
                     continue
                 s = tf.add_n(inner)
             jac = tape.jacobian(s, ws, experimental_use_pfor=self.vectorize)
-            jac = [tf.zeros(tf.concat([tf.shape(s)[:1], w.shape], 0), tf.float32) if j is None
-                   else f32(j) for j, w in zip(jac, ws)]
+            jac = [
+                tf.zeros(tf.concat([tf.shape(s)[:1], w.shape], 0), tf.float32)
+                if j is None
+                else f32(j)
+                for j, w in zip(jac, ws)
+            ]
             total = jac if total is None else [t + j for t, j in zip(total, jac)]
         if total is None:  # no call reaches the loss
             b = tf.shape(next(iter(calls[0].outputs.values())))[0]

@@ -28,10 +28,21 @@ import importlib
 import keras
 import tensorflow as tf
 
-from dpfl_tf.keras.layer_rules._base import (LayerCall, LayerRule, Taps, VariableGradients, f32,
-                                             find_rule, grad_or_zeros, materialised,
-                                             original_call, register_rule, scaled, stopped,
-                                             watched)
+from dpfl_tf.keras.layer_rules._base import (
+    LayerCall,
+    LayerRule,
+    Taps,
+    VariableGradients,
+    f32,
+    find_rule,
+    grad_or_zeros,
+    materialised,
+    original_call,
+    register_rule,
+    scaled,
+    stopped,
+    watched,
+)
 from dpfl_tf.keras.layer_rules.dense import plain
 from dpfl_tf.keras.layer_rules.embedding import lookup_gradients, lookup_sum
 
@@ -44,14 +55,17 @@ def _row_gradients(calls, table) -> VariableGradients:
     batch and S are summed first."""
     gs = [f32(grad_or_zeros(c, "z")) for c in calls]
     b = tf.shape(gs[0])[0]
-    gs = [tf.reduce_sum(g, axis=list(range(1, g.shape.rank - 2))) if g.shape.rank > 3 else g
-          for g in gs]
+    gs = [
+        tf.reduce_sum(g, axis=list(range(1, g.shape.rank - 2))) if g.shape.rank > 3 else g
+        for g in gs
+    ]
     ids = [tf.broadcast_to(c.saved[0], [b, tf.shape(g)[1]]) for c, g in zip(calls, gs)]
-    if len(calls) == 1 and calls[0].saved[1]:   # distinct rows: no sort
+    if len(calls) == 1 and calls[0].saved[1]:  # distinct rows: no sort
         g, i = gs[0], ids[0]
         return VariableGradients(
             tf.reduce_sum(tf.square(g), axis=[1, 2]),
-            lambda c: tf.cast(lookup_sum(i, scaled(g, c), table.shape[0]), table.dtype))
+            lambda c: tf.cast(lookup_sum(i, scaled(g, c), table.shape[0]), table.dtype),
+        )
     return lookup_gradients(tf.concat(ids, axis=1), tf.concat(gs, axis=1), table)
 
 
@@ -81,8 +95,12 @@ class ViTPatchingAndEmbeddingRule(LayerRule):
     def applies(self, layer) -> bool:
         conv = layer.patch_embedding
         rule = find_rule(conv)
-        return (layer.data_format == "channels_last" and plain(layer.position_embedding)
-                and rule is not None and rule.applies(conv))
+        return (
+            layer.data_format == "channels_last"
+            and plain(layer.position_embedding)
+            and rule is not None
+            and rule.applies(conv)
+        )
 
     def forward(self, layer, inputs):
         conv = layer.patch_embedding
@@ -95,7 +113,7 @@ class ViTPatchingAndEmbeddingRule(LayerRule):
             watch["token"] = token
             x = tf.concat([token, x], axis=1)
         table = stopped(layer.position_embedding.embeddings, x.dtype)
-        pos = watched(tf.broadcast_to(table[None, :layer.num_positions], tf.shape(x)))
+        pos = watched(tf.broadcast_to(table[None, : layer.num_positions], tf.shape(x)))
         watch["pos"] = pos
         return x + pos, Taps(watch, conv_taps.saved)
 
@@ -103,10 +121,11 @@ class ViTPatchingAndEmbeddingRule(LayerRule):
         conv = layer.patch_embedding
 
         def part(c, prefix):
-            return {k[len(prefix):]: v for k, v in c.items() if k.startswith(prefix)}
+            return {k[len(prefix) :]: v for k, v in c.items() if k.startswith(prefix)}
 
-        conv_calls = [LayerCall(c.saved, part(c.outputs, "conv/"), part(c.grads, "conv/"))
-                      for c in calls]
+        conv_calls = [
+            LayerCall(c.saved, part(c.outputs, "conv/"), part(c.grads, "conv/")) for c in calls
+        ]
         result = list(find_rule(conv).gradients(conv, conv_calls))
         table = layer.position_embedding.embeddings
         pos = tf.add_n([f32(grad_or_zeros(c, "pos")) for c in calls])
@@ -174,10 +193,13 @@ def register() -> list:
             register_rule(cls, OffsetScaleNormRule(offset))
             done.append(cls)
     for module, name, rule in [
-            ("keras_hub.src.layers.modeling.position_embedding", "PositionEmbedding",
-             PositionEmbeddingRule()),
-            (_MODELS + "vit.vit_layers", "ViTPatchingAndEmbedding",
-             ViTPatchingAndEmbeddingRule())]:
+        (
+            "keras_hub.src.layers.modeling.position_embedding",
+            "PositionEmbedding",
+            PositionEmbeddingRule(),
+        ),
+        (_MODELS + "vit.vit_layers", "ViTPatchingAndEmbedding", ViTPatchingAndEmbeddingRule()),
+    ]:
         cls = _class(module, name)
         if cls is not None:
             register_rule(cls, rule)

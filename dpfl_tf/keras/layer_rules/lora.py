@@ -26,11 +26,23 @@ import string
 import keras
 import tensorflow as tf
 
-from dpfl_tf.keras.layer_rules._base import (LayerRule, Taps, f32, grad_or_zeros, register_rule,
-                                             stopped, watched)
+from dpfl_tf.keras.layer_rules._base import (
+    LayerRule,
+    Taps,
+    f32,
+    grad_or_zeros,
+    register_rule,
+    stopped,
+    watched,
+)
 from dpfl_tf.keras.layer_rules.dense import DenseRule
-from dpfl_tf.keras.layer_rules.einsum_dense import (EinsumDenseRule, _expand, batch_first,
-                                                    bias_gradients, kernel_gradients)
+from dpfl_tf.keras.layer_rules.einsum_dense import (
+    EinsumDenseRule,
+    _expand,
+    batch_first,
+    bias_gradients,
+    kernel_gradients,
+)
 from dpfl_tf.keras.layer_rules.embedding import EmbeddingRule, lookup_gradients
 
 __all__ = ["LoraEinsumRule", "LoraEmbeddingRule", "lora_equations"]
@@ -41,8 +53,11 @@ def enabled(layer) -> bool:
 
 
 def _applies(layer) -> bool:
-    return (enabled(layer) and not getattr(layer, "quantization_mode", None)
-            and bool(layer.trainable_variables))
+    return (
+        enabled(layer)
+        and not getattr(layer, "quantization_mode", None)
+        and bool(layer.trainable_variables)
+    )
 
 
 def lora_equations(inp: str, ker: str, out: str) -> tuple[str, str, bool]:
@@ -50,10 +65,10 @@ def lora_equations(inp: str, ker: str, out: str) -> tuple[str, str, bool]:
     m = einsum(eq1, x, F1), z = einsum(eq2, m, F2), (F1, F2) = (A, B) if a_first."""
     r = next(c for c in string.ascii_letters if c not in inp + ker + out)
     last, a_letters, b_letters = ker[-1], ker[:-1] + r, r + ker[-1]
-    if last in out or last not in inp:   # A first: m keeps every output letter but B's
+    if last in out or last not in inp:  # A first: m keeps every output letter but B's
         mid = "".join(c for c in out if c != last or last in inp) + r
         return f"{inp},{a_letters}->{mid}", f"{mid},{b_letters}->{out}", True
-    mid = "".join(c for c in inp if c != last) + r   # B first: it contracts x's `last`
+    mid = "".join(c for c in inp if c != last) + r  # B first: it contracts x's `last`
     return f"{inp},{b_letters}->{mid}", f"{mid},{a_letters}->{out}", False
 
 
@@ -95,13 +110,19 @@ class LoraEinsumRule(LayerRule):
         gzs = [f32(grad_or_zeros(c, "z")) for c in calls]
         inp, ker, out = _expand(equation, xs[0].shape.rank)
         eq1, eq2, a_first = lora_equations(inp, ker, out)
-        first, second = ((layer.lora_kernel_a, layer.lora_kernel_b) if a_first
-                         else (layer.lora_kernel_b, layer.lora_kernel_a))
-        result = [(first, kernel_gradients(eq1, xs, gms, first)),
-                  (second, kernel_gradients(eq2, sms, gzs, second))]
-        if layer._kernel.trainable:   # the frozen kernel made trainable again
-            result.append((layer._kernel, kernel_gradients(f"{inp},{ker}->{out}", xs, gzs,
-                                                           layer._kernel)))
+        first, second = (
+            (layer.lora_kernel_a, layer.lora_kernel_b)
+            if a_first
+            else (layer.lora_kernel_b, layer.lora_kernel_a)
+        )
+        result = [
+            (first, kernel_gradients(eq1, xs, gms, first)),
+            (second, kernel_gradients(eq2, sms, gzs, second)),
+        ]
+        if layer._kernel.trainable:  # the frozen kernel made trainable again
+            result.append(
+                (layer._kernel, kernel_gradients(f"{inp},{ker}->{out}", xs, gzs, layer._kernel))
+            )
         if layer.bias is not None:
             result.append((layer.bias, bias_gradients(out, bias_axes, gzs, layer.bias)))
         return _training(layer, result)
@@ -119,7 +140,8 @@ class LoraEmbeddingRule(LayerRule):
         m = watched(tf.gather(stopped(layer.lora_embeddings_a, dtype), ids))
         sm = m * tf.cast(layer.lora_alpha / layer.lora_rank, m.dtype)
         z = tf.gather(stopped(layer._embeddings, dtype), ids) + tf.matmul(
-            sm, stopped(layer.lora_embeddings_b, dtype))
+            sm, stopped(layer.lora_embeddings_b, dtype)
+        )
         return watched(z), Taps({"m": m, "z": z}, (ids, sm))
 
     def gradients(self, layer, calls):
@@ -127,14 +149,17 @@ class LoraEmbeddingRule(LayerRule):
         ids = tf.concat([tf.reshape(c.saved[0], [b, -1]) for c in calls], axis=1)
 
         def positions(name):
-            ts = [f32(c.saved[1]) if name == "sm" else f32(grad_or_zeros(c, name))
-                  for c in calls]
+            ts = [f32(c.saved[1]) if name == "sm" else f32(grad_or_zeros(c, name)) for c in calls]
             return tf.concat([tf.reshape(t, [b, -1, t.shape[-1]]) for t in ts], axis=1)
 
         gm, sm, gz = positions("m"), positions("sm"), positions("z")
-        result = [(layer.lora_embeddings_a, lookup_gradients(ids, gm, layer.lora_embeddings_a)),
-                  (layer.lora_embeddings_b, kernel_gradients("bsr,rd->bsd", [sm], [gz],
-                                                             layer.lora_embeddings_b))]
+        result = [
+            (layer.lora_embeddings_a, lookup_gradients(ids, gm, layer.lora_embeddings_a)),
+            (
+                layer.lora_embeddings_b,
+                kernel_gradients("bsr,rd->bsd", [sm], [gz], layer.lora_embeddings_b),
+            ),
+        ]
         if layer._embeddings.trainable:
             result.append((layer._embeddings, lookup_gradients(ids, gz, layer._embeddings)))
         return _training(layer, result)

@@ -15,8 +15,17 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dpfl_tf.keras.layer_rules._base import (LayerRule, Taps, f32, grad_or_zeros, materialised,
-                                             original_call, register_rule, stopped, watched)
+from dpfl_tf.keras.layer_rules._base import (
+    LayerRule,
+    Taps,
+    f32,
+    grad_or_zeros,
+    materialised,
+    original_call,
+    register_rule,
+    stopped,
+    watched,
+)
 from dpfl_tf.keras.layer_rules.dense import plain
 
 
@@ -35,9 +44,14 @@ class AffineNormalizationRule(LayerRule):
         self.scale, self.offset = scale, offset
 
     def _params(self, layer):
-        return [(name, v) for name, v in (("scale", getattr(layer, self.scale or "", None)),
-                                          ("offset", getattr(layer, self.offset or "", None)))
-                if isinstance(v, keras.Variable)]
+        return [
+            (name, v)
+            for name, v in (
+                ("scale", getattr(layer, self.scale or "", None)),
+                ("offset", getattr(layer, self.offset or "", None)),
+            )
+            if isinstance(v, keras.Variable)
+        ]
 
     def applies(self, layer) -> bool:
         axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
@@ -45,8 +59,10 @@ class AffineNormalizationRule(LayerRule):
 
     def forward(self, layer, inputs, *args, **kwargs):
         params = self._params(layer)
-        neutral = [(v, tf.ones(v.shape, v.dtype) if name == "scale" else tf.zeros(v.shape, v.dtype))
-                   for name, v in params]
+        neutral = [
+            (v, tf.ones(v.shape, v.dtype) if name == "scale" else tf.zeros(v.shape, v.dtype))
+            for name, v in params
+        ]
         with keras.StatelessScope(state_mapping=neutral):
             xhat = original_call(layer)(inputs, *args, **kwargs)
         rank = xhat.shape.rank

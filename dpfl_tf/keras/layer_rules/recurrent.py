@@ -32,9 +32,19 @@ import keras
 import tensorflow as tf
 from keras.src import backend as keras_backend
 
-from dpfl_tf.keras.layer_rules._base import (LayerRule, Taps, concat_positions, f32,
-                                             grad_or_zeros, materialised, outer_gradients,
-                                             register_rule, static_positions, stopped, watched)
+from dpfl_tf.keras.layer_rules._base import (
+    LayerRule,
+    Taps,
+    concat_positions,
+    f32,
+    grad_or_zeros,
+    materialised,
+    outer_gradients,
+    register_rule,
+    static_positions,
+    stopped,
+    watched,
+)
 from dpfl_tf.keras.layer_rules.dense import plain
 
 
@@ -66,8 +76,11 @@ def _simple_step(cell, zx, inner, states):
     return h, [h]
 
 
-_STEPS = {keras.layers.LSTMCell: _lstm_step, keras.layers.GRUCell: _gru_step,
-          keras.layers.SimpleRNNCell: _simple_step}
+_STEPS = {
+    keras.layers.LSTMCell: _lstm_step,
+    keras.layers.GRUCell: _gru_step,
+    keras.layers.SimpleRNNCell: _simple_step,
+}
 
 
 def _biases(cell, dtype):
@@ -89,12 +102,17 @@ class RecurrentRule(LayerRule):
 
     def applies(self, layer) -> bool:
         cell = getattr(layer, "cell", None)
-        return (plain(layer) and type(cell) in _STEPS and not layer.stateful
-                and not cell.dropout and not cell.recurrent_dropout
-                and getattr(cell, "reset_after", True)
-                # Keras's unrolled loop zeroes the outputs of a backwards pass with the
-                # mask in input order, so the h_{t-1} tap would be zeroed at valid steps
-                and not (layer.unroll and layer.go_backwards and layer.zero_output_for_mask))
+        return (
+            plain(layer)
+            and type(cell) in _STEPS
+            and not layer.stateful
+            and not cell.dropout
+            and not cell.recurrent_dropout
+            and getattr(cell, "reset_after", True)
+            # Keras's unrolled loop zeroes the outputs of a backwards pass with the
+            # mask in input order, so the h_{t-1} tap would be zeroed at valid steps
+            and not (layer.unroll and layer.go_backwards and layer.zero_output_for_mask)
+        )
 
     def forward(self, layer, sequences, initial_state=None, mask=None, training=False):
         cell = layer.cell
@@ -134,10 +152,16 @@ class RecurrentRule(LayerRule):
             return tf.concat([h, h_prev], axis=-1), new_states
 
         last, outputs, states = keras_backend.rnn(
-            step, (zx, probe) if gru else zx, initial_state, go_backwards=layer.go_backwards,
+            step,
+            (zx, probe) if gru else zx,
+            initial_state,
+            go_backwards=layer.go_backwards,
             mask=mask,
-            unroll=layer.unroll, input_length=x.shape[1],
-            zero_output_for_mask=layer.zero_output_for_mask, return_all_outputs=True)
+            unroll=layer.unroll,
+            input_length=x.shape[1],
+            zero_output_for_mask=layer.zero_output_for_mask,
+            return_all_outputs=True,
+        )
         units = cell.units
         outputs, h_prev, last = outputs[..., :units], outputs[..., units:], last[..., :units]
         if layer.go_backwards:  # the loop's outputs are in processing order
@@ -153,15 +177,34 @@ class RecurrentRule(LayerRule):
         xs = [c.saved[0] for c in calls]
         hs = [c.saved[1] for c in calls]
         gx = concat_positions([grad_or_zeros(c, "zx") for c in calls])
-        gh = (concat_positions([grad_or_zeros(c, "probe") for c in calls])
-              if isinstance(cell, keras.layers.GRUCell) else gx)
+        gh = (
+            concat_positions([grad_or_zeros(c, "probe") for c in calls])
+            if isinstance(cell, keras.layers.GRUCell)
+            else gx
+        )
         positions = static_positions(*xs)
         result = [
-            (cell.kernel, outer_gradients(concat_positions(xs)[:, :, None], gx[:, :, None],
-                                          positions, lambda s: s, cell.kernel)),
-            (cell.recurrent_kernel, outer_gradients(
-                concat_positions(hs)[:, :, None], gh[:, :, None], positions, lambda s: s,
-                cell.recurrent_kernel))]
+            (
+                cell.kernel,
+                outer_gradients(
+                    concat_positions(xs)[:, :, None],
+                    gx[:, :, None],
+                    positions,
+                    lambda s: s,
+                    cell.kernel,
+                ),
+            ),
+            (
+                cell.recurrent_kernel,
+                outer_gradients(
+                    concat_positions(hs)[:, :, None],
+                    gh[:, :, None],
+                    positions,
+                    lambda s: s,
+                    cell.recurrent_kernel,
+                ),
+            ),
+        ]
         if cell.use_bias:
             per_example = tf.reduce_sum(f32(gx), axis=1)
             if isinstance(cell, keras.layers.GRUCell):  # (input, recurrent) biases

@@ -32,12 +32,23 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dpfl_tf.keras.layer_rules._base import (LayerRule, Taps, VariableGradients,
-                                             concat_positions, f32, grad_or_zeros,
-                                             ghost_norm_is_smaller,
-                                             materialised, outer_gradients, register_rule,
-                                             scaled, scaled_smaller, static_positions, stopped,
-                                             watched)
+from dpfl_tf.keras.layer_rules._base import (
+    LayerRule,
+    Taps,
+    VariableGradients,
+    concat_positions,
+    f32,
+    ghost_norm_is_smaller,
+    grad_or_zeros,
+    materialised,
+    outer_gradients,
+    register_rule,
+    scaled,
+    scaled_smaller,
+    static_positions,
+    stopped,
+    watched,
+)
 from dpfl_tf.keras.layer_rules.embedding import lookup_gradients, lookup_sq_norms, lookup_sum
 
 __all__ = ["ReversibleEmbeddingRule", "tied_gradients"]
@@ -56,9 +67,10 @@ def tied_gradients(ids, gl, h, g_head, positions, table) -> VariableGradients:
         index = tf.stack([tf.broadcast_to(tf.range(b)[:, None], [b, t]), ids], axis=-1)
         per_example = tf.tensor_scatter_nd_add(per_example, index, gl)
         return materialised(per_example, table)
-    head_sq = tf.reduce_sum(tf.matmul(h, h, transpose_b=True)
-                            * tf.matmul(g_head, g_head, transpose_b=True), axis=[1, 2])
-    at_ids = tf.gather(g_head, ids, axis=2, batch_dims=1)          # [B, S, T]: G_is[x_it]
+    head_sq = tf.reduce_sum(
+        tf.matmul(h, h, transpose_b=True) * tf.matmul(g_head, g_head, transpose_b=True), axis=[1, 2]
+    )
+    at_ids = tf.gather(g_head, ids, axis=2, batch_dims=1)  # [B, S, T]: G_is[x_it]
     cross = tf.reduce_sum(at_ids * tf.matmul(h, gl, transpose_b=True), axis=[1, 2])
     sq = lookup_sq_norms(ids, gl) + head_sq + 2.0 * cross
 
@@ -73,8 +85,7 @@ def tied_gradients(ids, gl, h, g_head, positions, table) -> VariableGradients:
 def _head_gradients(h, g_head, positions, variable, transposed: bool) -> VariableGradients:
     """A Dense on the head's input: kernel [k, V] (or its transpose [V, k])."""
     to_variable = (lambda s: tf.transpose(s[0])) if transposed else (lambda s: s)
-    return outer_gradients(h[:, :, None], g_head[:, :, None], positions, to_variable,
-                           variable)
+    return outer_gradients(h[:, :, None], g_head[:, :, None], positions, to_variable, variable)
 
 
 def _zero(variable, b) -> VariableGradients:
@@ -101,7 +112,8 @@ class ReversibleEmbeddingRule(LayerRule):
             z = watched(z)
             out = tf.identity(z)
             if layer.mask_zero:
-                from keras.src.backend import set_keras_mask   # no public alias in Keras 3
+                from keras.src.backend import set_keras_mask  # no public alias in Keras 3
+
                 set_keras_mask(out, tf.not_equal(ids, 0))
             return out, Taps({"z": z, **watch}, ("lookup", ids, sm))
         h = tf.convert_to_tensor(inputs)
@@ -111,11 +123,13 @@ class ReversibleEmbeddingRule(LayerRule):
         if layer.tie_weights:
             logits = tf.matmul(h, stopped(table, h.dtype), transpose_b=True)
             if lora:
-                w = watched(tf.matmul(h, stopped(layer.lora_embeddings_b, h.dtype),
-                                      transpose_b=True))
+                w = watched(
+                    tf.matmul(h, stopped(layer.lora_embeddings_b, h.dtype), transpose_b=True)
+                )
                 sw, watch = w * tf.cast(s, w.dtype), {"w": w}
-                logits = logits + tf.matmul(sw, stopped(layer.lora_embeddings_a, h.dtype),
-                                            transpose_b=True)
+                logits = logits + tf.matmul(
+                    sw, stopped(layer.lora_embeddings_a, h.dtype), transpose_b=True
+                )
         else:
             logits = tf.matmul(h, stopped(layer.reverse_embeddings, h.dtype))
         logits = watched(logits)
@@ -128,9 +142,12 @@ class ReversibleEmbeddingRule(LayerRule):
     def gradients(self, layer, calls):
         b = tf.shape(next(iter(calls[0].outputs.values())))[0]
 
-        def gather(kind, i):   # item i of the calls of one kind, [B, positions, ...]
-            ts = [c.saved[i] if isinstance(i, int) else grad_or_zeros(c, i)
-                  for c in calls if c.saved[0] == kind]
+        def gather(kind, i):  # item i of the calls of one kind, [B, positions, ...]
+            ts = [
+                c.saved[i] if isinstance(i, int) else grad_or_zeros(c, i)
+                for c in calls
+                if c.saved[0] == kind
+            ]
             if not ts:
                 return None
             if ts[0].dtype.is_integer:
@@ -142,9 +159,16 @@ class ReversibleEmbeddingRule(LayerRule):
         looked, headed = ids is not None, h is not None
         tied_head = headed and layer.tie_weights
         # static positions of each kind (the reshaped tensors lose them)
-        at = {kind: static_positions(*[c.saved[1][..., None] if kind == "lookup"
-                                       else c.saved[1] for c in calls if c.saved[0] == kind])
-              for kind in ("lookup", "head")}
+        at = {
+            kind: static_positions(
+                *[
+                    c.saved[1][..., None] if kind == "lookup" else c.saved[1]
+                    for c in calls
+                    if c.saved[0] == kind
+                ]
+            )
+            for kind in ("lookup", "head")
+        }
         result = []
         if getattr(layer, "lora_enabled", False):
             a, bv = layer.lora_embeddings_a, layer.lora_embeddings_b
@@ -158,28 +182,40 @@ class ReversibleEmbeddingRule(LayerRule):
                 result.append((a, _head_gradients(sw, g_head, at["head"], a, True)))
             # B: (s m)^T gl over the lookups' positions, g_w^T h over the head's
             pairs = ([(sm, gl, "lookup")] if looked else []) + (
-                [(gw, h, "head")] if tied_head else [])
+                [(gw, h, "head")] if tied_head else []
+            )
             if pairs:
                 left = tf.concat([p[0] for p in pairs], axis=1)
                 right = tf.concat([p[1] for p in pairs], axis=1)
                 counts = [at[p[2]] for p in pairs]
                 positions = None if None in counts else sum(counts)
-                result.append((bv, outer_gradients(left[:, :, None], right[:, :, None],
-                                                   positions, lambda s: s[0], bv)))
+                result.append(
+                    (
+                        bv,
+                        outer_gradients(
+                            left[:, :, None], right[:, :, None], positions, lambda s: s[0], bv
+                        ),
+                    )
+                )
         trained = {id(v): v for v in layer.trainable_variables}
         table = layer._embeddings if getattr(layer, "lora_enabled", False) else layer.embeddings
-        if id(table) in trained and looked and tied_head:   # (frozen under LoRA)
+        if id(table) in trained and looked and tied_head:  # (frozen under LoRA)
             result.append((table, tied_gradients(ids, gl, h, g_head, at["head"], table)))
         elif id(table) in trained and looked:
             result.append((table, lookup_gradients(ids, gl, table)))
         elif id(table) in trained and tied_head:
             result.append((table, _head_gradients(h, g_head, at["head"], table, True)))
         if not layer.tie_weights and headed and id(layer.reverse_embeddings) in trained:
-            result.append((layer.reverse_embeddings, _head_gradients(
-                h, g_head, at["head"], layer.reverse_embeddings, False)))
+            result.append(
+                (
+                    layer.reverse_embeddings,
+                    _head_gradients(h, g_head, at["head"], layer.reverse_embeddings, False),
+                )
+            )
         done = {id(v) for v, _ in result}
-        return ([(v, g) for v, g in result if id(v) in trained]
-                + [(v, _zero(v, b)) for i, v in trained.items() if i not in done])
+        return [(v, g) for v, g in result if id(v) in trained] + [
+            (v, _zero(v, b)) for i, v in trained.items() if i not in done
+        ]
 
 
 if hasattr(keras.layers, "ReversibleEmbedding"):
