@@ -469,7 +469,8 @@ def _run_train(args, error) -> int:
                 ", mirror views" if config.mirror_views else ""
             )
     print(
-        f"DP-SGD on {args.dataset}: {what}, up to {config.epochs} epochs, target epsilon="
+        f"DP-SGD on {args.dataset}: {what}, up to {config.epochs} "
+        f"epoch{'' if config.epochs == 1 else 's'}, target epsilon="
         f"{epsilon:g} at delta={delta:g} ({config.accountant} accountant)"
     )
     if model == "convnet" and config.pretrained_weights is None:

@@ -252,6 +252,30 @@ def _calibrated(config, prior: dp_accounting.DpEvent, lots: int, rate: float) ->
     return sigma
 
 
+def _no_lot_message(config, sigma: float, rate: float, spent) -> str:
+    """Why the budget allows no lot: what the first lot brings epsilon to under
+    each accountant that can analyse it, and what to change (one line)."""
+    from dpfl_tf.privacy.accountants import AccountantKind, compute_epsilon
+    from dpfl_tf.privacy.events import describe_event
+
+    step = gaussian_step_event(sigma, sampling_rate=rate)
+    if isinstance(spent, dp_accounting.ComposedDpEvent) and not spent.events:
+        spent = None  # an empty ledger
+    event = dp_accounting.ComposedDpEvent(([spent] if spent is not None else []) + [step])
+    costs = []
+    for kind in AccountantKind:
+        try:
+            costs.append(f"{compute_epsilon(event, config.delta, kind):.4g} ({kind.value})")
+        except Exception:  # an accountant that cannot analyse it is left out
+            continue
+    return (
+        f"target_epsilon={config.target_epsilon:g} allows no lot of {describe_event(step)}: "
+        f"{'with what is already spent, ' if spent is not None else ''}one brings epsilon to "
+        f"{', '.join(costs)} at delta={config.delta:g}; raise the budget (--epsilon) or "
+        f"the noise multiplier (--noise-multiplier, now {sigma:g})"
+    )
+
+
 def _planned_epochs(config, sigma: float, rate: float, spent, lots_per_epoch: int) -> int:
     """Epochs to run: `config.epochs`, or fewer when the budget ends sooner."""
     if config.target_epsilon is None:
@@ -264,10 +288,7 @@ def _planned_epochs(config, sigma: float, rate: float, spent, lots_per_epoch: in
         already_spent=spent,
     )
     if lots == 0:
-        raise ValueError(
-            f"target_epsilon={config.target_epsilon:g} does not allow a single "
-            f"lot with noise_multiplier={sigma:g} after what is already spent"
-        )
+        raise ValueError(_no_lot_message(config, sigma, rate, spent))
     return min(config.epochs, EpochHistory.estimated_epochs(lots, lots_per_epoch))
 
 

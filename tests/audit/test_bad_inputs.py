@@ -224,7 +224,8 @@ def _(ctx):
     "fit/sampling",
     "unknown name",
     ValueError,
-    "sampling must be one of poisson, fixed_size, shuffle, full_batch, got 'bootstrap'",
+    "sampling must be one of poisson, fixed_size, shuffle, full_batch, in_order, "
+    "cyclic_poisson, got 'bootstrap'",
 )
 def _(ctx):
     _dp().fit(*_data(), lot_size=50, verbose=0, sampling="bootstrap")
@@ -504,7 +505,7 @@ def _(ctx):
     "cli/train/model-for-dataset",
     "wrong shape",
     SystemExit,
-    "--model tanh_cnn needs 28x28 grey images",
+    "model 'tanh_cnn' does not run on cifar10; cifar10 takes convnet, scatter_linear, scatter_cnn",
 )
 def _(ctx):
     _cli(ctx, "train", "cifar10", "--model", "tanh_cnn")
@@ -517,8 +518,20 @@ def _(ctx):
 
 
 @row("cli/train/budget-spent", "budget spent", SystemExit, "allows no lot of")
-def _(ctx):  # a budget that not even the first lot fits in
-    _cli(ctx, "train", "mnist", "--model", "tanh_cnn", "--epsilon", "0.0001", "--epochs", "1")
+def _(ctx):  # a budget that not even the first lot fits in (the noise given, not calibrated)
+    _cli(
+        ctx,
+        "train",
+        "mnist",
+        "--model",
+        "tanh_cnn",
+        "--epsilon",
+        "0.0001",
+        "--epochs",
+        "1",
+        "--noise-multiplier",
+        "1.1",
+    )
 
 
 @row("cli/federated/unknown-dataset", "unknown name", SystemExit, "unknown dataset 'nosuch'")
