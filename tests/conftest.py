@@ -80,3 +80,21 @@ def read_only_dir(tmp_path):
         yield ro, message
     finally:
         undo()
+
+
+def _slow_tests() -> set[str]:
+    """The test functions tests/slow.txt lists ('path::function', from
+    tests/mark_slow.py)."""
+    listed = ROOT / "tests" / "slow.txt"
+    if not listed.exists():
+        return set()
+    lines = listed.read_text().splitlines()
+    return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests of tests/slow.txt slow (the fast tier is -m "not slow")."""
+    slow = _slow_tests()
+    for item in items:
+        if item.nodeid.split("[", 1)[0] in slow:
+            item.add_marker(pytest.mark.slow)

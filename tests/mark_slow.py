@@ -1,0 +1,54 @@
+"""Writes tests/slow.txt, the tests the fast tier (``pytest -m "not slow"``) leaves
+out, from the per-test times of a whole-suite run:
+
+    python -m pytest -q --junitxml=/tmp/suite.xml
+    python tests/mark_slow.py /tmp/suite.xml            # tests over 1.5 s are slow
+
+conftest.py marks every test listed in slow.txt with ``pytest.mark.slow``; a test
+may also carry the mark itself.  A parametrized test is listed by its function
+(all its cases are slow) when its cases take more than the threshold in all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import pathlib
+import xml.etree.ElementTree as ET
+
+HERE = pathlib.Path(__file__).resolve().parent
+SLOW_LIST = HERE / "slow.txt"
+
+
+def test_times(junit_xml: str) -> dict[str, float]:
+    """Seconds per test function (parametrized cases summed), keyed
+    'tests/path.py::function' (setup and teardown included)."""
+    times: dict[str, float] = collections.defaultdict(float)
+    for case in ET.parse(junit_xml).getroot().iter("testcase"):
+        path = case.get("classname", "").replace(".", "/") + ".py"
+        name = case.get("name", "").split("[", 1)[0]
+        times[f"{path}::{name}"] += float(case.get("time", 0.0))
+    return dict(times)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("junit_xml")
+    p.add_argument("--threshold", type=float, default=1.5, help="seconds (default: 1.5)")
+    args = p.parse_args(argv)
+    times = test_times(args.junit_xml)
+    slow = sorted(t for t, s in times.items() if s > args.threshold)
+    fast = sum(s for t, s in times.items() if s <= args.threshold)
+    header = (
+        f"# tests over {args.threshold:g} s in a whole-suite run (tests/mark_slow.py); "
+        f"the rest took {fast / 60:.1f} min\n"
+    )
+    SLOW_LIST.write_text(header + "".join(f"{t}\n" for t in slow))
+    print(
+        f"{len(slow)} of {len(times)} test functions are slow ({SLOW_LIST}); the fast tier "
+        f"took {fast / 60:.1f} min, the slow ones {sum(times[t] for t in slow) / 60:.1f} min"
+    )
+
+
+if __name__ == "__main__":
+    main()
