@@ -83,8 +83,8 @@ def read_only_dir(tmp_path):
 
 
 def _slow_tests() -> set[str]:
-    """The test functions tests/slow.txt lists ('path::function', from
-    tests/mark_slow.py)."""
+    """What tests/slow.txt lists: test functions ('path::function', from
+    tests/mark_slow.py) and whole files ('path')."""
     listed = ROOT / "tests" / "slow.txt"
     if not listed.exists():
         return set()
@@ -96,5 +96,6 @@ def pytest_collection_modifyitems(config, items):
     """Marks the tests of tests/slow.txt slow (the fast tier is -m "not slow")."""
     slow = _slow_tests()
     for item in items:
-        if item.nodeid.split("[", 1)[0] in slow:
+        function = item.nodeid.split("[", 1)[0]
+        if function in slow or function.split("::", 1)[0] in slow:
             item.add_marker(pytest.mark.slow)

@@ -5,8 +5,11 @@ out, from the per-test times of a whole-suite run:
     python tests/mark_slow.py /tmp/suite.xml            # tests over 1.5 s are slow
 
 conftest.py marks every test listed in slow.txt with ``pytest.mark.slow``; a test
-may also carry the mark itself.  A parametrized test is listed by its function
-(all its cases are slow) when its cases take more than the threshold in all.
+may also carry the mark itself.  Entries of slow.txt that the given runs did not
+time are kept: whole files (a path without '::': child processes, multi-process
+runs, statistical audits, slow as a whole) and functions timed in other runs.
+A parametrized test is listed by its function (all its cases are slow) when its
+cases take more than the threshold in all.
 """
 
 from __future__ import annotations
@@ -33,11 +36,22 @@ def test_times(junit_xml: str) -> dict[str, float]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("junit_xml")
+    p.add_argument("junit_xml", nargs="+", help="one or more junit XML files")
     p.add_argument("--threshold", type=float, default=1.5, help="seconds (default: 1.5)")
     args = p.parse_args(argv)
-    times = test_times(args.junit_xml)
+    times: dict[str, float] = {}
+    for path in args.junit_xml:
+        times.update(test_times(path))
+    kept = []
+    if SLOW_LIST.exists():
+        kept = [
+            line.strip()
+            for line in SLOW_LIST.read_text().splitlines()
+            if line.strip() and not line.startswith("#") and line.strip() not in times
+        ]
     slow = sorted(t for t, s in times.items() if s > args.threshold)
+    files = {t for t in kept if "::" not in t}
+    slow = kept + [t for t in slow if t not in kept and t.split("::", 1)[0] not in files]
     fast = sum(s for t, s in times.items() if s <= args.threshold)
     header = (
         f"# tests over {args.threshold:g} s in a whole-suite run (tests/mark_slow.py); "
@@ -46,7 +60,8 @@ def main(argv=None) -> None:
     SLOW_LIST.write_text(header + "".join(f"{t}\n" for t in slow))
     print(
         f"{len(slow)} of {len(times)} test functions are slow ({SLOW_LIST}); the fast tier "
-        f"took {fast / 60:.1f} min, the slow ones {sum(times[t] for t in slow) / 60:.1f} min"
+        f"took {fast / 60:.1f} min, the slow ones "
+        f"{sum(times.get(t, 0.0) for t in slow) / 60:.1f} min"
     )
 
 

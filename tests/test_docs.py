@@ -407,4 +407,7 @@ def test_the_readme_test_command_is_the_one_ci_runs():
     marked = re.search(
         r"<!-- test-command -->\n```\n(.*?)\n```\n<!-- /test-command -->", text, re.S
     )
-    assert marked and marked.group(1) == 'pip install -e ".[test]" && python -m pytest -q'
+    assert marked and marked.group(1) == (
+        'pip install -e ".[test]" && python -m pytest -q -n 2 --dist loadfile'
+    )  # the whole suite: no -m / -k selection
+    assert "test-command" in (ROOT / ".ci" / "run").read_text()
