@@ -591,6 +591,8 @@ class DPModel(keras.Model):
             self._per_example.materialised_parameters(),
             multiple=XLA_PAD if self.jit_compile else 8,
         )
+        # before the events: they are computed from the sanitizer the graph uses
+        self._keep_or_reset_train_function(variables)
         num_groups = max(self._groups) + 1
         if self._correlated is not None:
             if restored:  # their lots would be recorded as this run's no-op lots
@@ -620,7 +622,6 @@ class DPModel(keras.Model):
                 sampler, self._sanitizer.effective_noise_multiplier(num_groups)
             )
         self.sampler = sampler
-        self._keep_or_reset_train_function(variables)
         if restored:
             self._adopt_restored_lots(stacklevel=4)
 
@@ -644,6 +645,8 @@ class DPModel(keras.Model):
             self.steps_per_execution,
             self._ledger_label,
             id(self.distribute_strategy),
+            id(self.optimizer),
+            self._per_example.loss_scale,
             self.jit_compile,
             bool(self.run_eagerly),
         )
