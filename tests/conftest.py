@@ -39,21 +39,18 @@ def _read_only_as_root(directory):
     return None
 
 
-import gc  # noqa: E402
-
 import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _fresh_keras_state():
     """Every test starts from a clear Keras state: the models, traced functions and
-    layer names of earlier tests are released (one process ran the whole suite at
-    10 GB without it)."""
+    layer names of earlier tests are released (`clear_session` also runs the
+    garbage collector once)."""
     yield
     import keras
 
     keras.backend.clear_session()
-    gc.collect()
 
 
 @pytest.fixture
