@@ -509,29 +509,37 @@ class DPModel(keras.Model):
     def _probe_batch_mixing(self, data) -> None:
         """Refuses, before any lot is trained, a model or loss whose per-example
         losses depend on other examples (`mixing.probe_batch_mixing`), on the
-        first 2h real examples of the first lots `data` yields (this process's
+        first 2h distinct real examples of the first lots `data` yields (this process's
         share under a MultiWorkerMirroredStrategy): records the training reads
         anyway, `preprocess`ed as in training.  Once per compile."""
         if getattr(self, "_mixing_probed", True):
             return
         local = self.distribute_strategy.experimental_local_results
-        xs, ys, have = [], [], 0
+        xs, ys, seen = [], [], set()
         for _, (x, y, mask, *_) in zip(range(PROBE_LOTS), data):  # (user slots)
             real = tf.where(local(mask)[0] > 0)[:, 0]
-            xs.append(tf.nest.map_structure(lambda t: tf.gather(local(t)[0], real), x))
-            ys.append(tf.gather(local(y)[0], real))
-            have += int(tf.size(real))
-            if have >= 2 * PROBE_HALF:
+            x = tf.nest.map_structure(lambda t: tf.gather(local(t)[0], real), x)
+            y = tf.gather(local(y)[0], real)
+            # distinct records only: lots that repeat examples (full-batch lots, a
+            # small dataset) would make the probe's two halves equal and blind it
+            for i in range(int(tf.size(real))):
+                record = tf.nest.map_structure(lambda t: t[i], x)
+                key = b"".join(np.asarray(t).tobytes() for t in tf.nest.flatten((record, y[i])))
+                if key not in seen:
+                    seen.add(key)
+                    xs.append(record)
+                    ys.append(y[i])
+            if len(xs) >= 2 * PROBE_HALF:
                 break
-        if have < 2:
+        if len(xs) < 2:
             return  # lots too small to compare; probed at the next fit
         loss = self._dp_loss
         name = getattr(loss, "name", None) or getattr(loss, "__name__", type(loss).__name__)
         probe_batch_mixing(
             self.model,
             loss,
-            tf.nest.map_structure(lambda *t: tf.concat(t, 0), *xs),
-            tf.concat(ys, 0),
+            tf.nest.map_structure(lambda *t: tf.stack(t, 0), *xs),
+            tf.stack(ys, 0),
             loss_name=f"loss {name!r} ({type(loss).__name__})",
         )
         self._mixing_probed = True

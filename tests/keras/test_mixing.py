@@ -103,6 +103,19 @@ def test_a_lambda_centring_the_batch_is_refused_before_any_lot(compile_kwargs):
     assert "nothing was trained" in message
 
 
+def test_lots_that_repeat_their_examples_do_not_blind_the_probe():
+    """Full-batch lots of 5 examples: the probe read the same 5 examples from each
+    of its lots, so its two halves were equal and a batch-centring Lambda trained
+    (the model-zoo fuzzer's seeds 13, 34, 148, 196, 251).  It now probes distinct
+    records only."""
+    model = _centred()
+    dp = _dp(model)
+    x, y = mnist_slice(5, features=60)
+    with pytest.raises(BatchMixingLayerError, match="batch_centre"):
+        dp.fit(x, y, lot_size=5, epochs=1, verbose=0, sampling="full_batch")
+    assert dp.lots_computed == 0 and len(dp.privacy_ledger) == 0
+
+
 def test_the_probe_runs_under_a_mirrored_strategy():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
     with strategy.scope():
