@@ -843,17 +843,13 @@ class DPModel(keras.Model):
         """Why `budget` allows no further release with this fit's settings: what
         one more costs under each accountant that can analyse it, and what to
         change (one line)."""
-        from dpfl_tf.privacy.accountants import AccountantKind
+        from dpfl_tf.privacy.accountants import epsilon_by_accountant
         from dpfl_tf.privacy.calibration import calibrate_noise_multiplier
 
         unit = "epoch of shuffled lots" if self._epoch_event is not None else "lot"
         prior = [self.ledger.event] if len(self.ledger) else []
         step = self.ledger.admit(self._step_event)
-        costs = {}
-        for kind in AccountantKind:
-            event = dp_accounting.ComposedDpEvent(prior + [step])
-            if _accounts(event, budget.delta, kind):
-                costs[kind] = compute_epsilon(event, budget.delta, kind)
+        costs = epsilon_by_accountant(dp_accounting.ComposedDpEvent(prior + [step]), budget.delta)
         listed = ", ".join(f"{eps:.4g} ({kind.value})" for kind, eps in costs.items())
         cost = (
             (

@@ -37,6 +37,7 @@ __all__ = [
     "make_accountant",
     "compute_epsilon",
     "compute_delta",
+    "epsilon_by_accountant",
     "rdp_curve",
     "refuse_repeat_and_select",
 ]
@@ -228,6 +229,18 @@ def compute_epsilon(
     delta = check_number("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
     eps = _accountant_for(event, accountant).get_epsilon(delta)
     return math.inf if eps is None or math.isnan(eps) else float(eps)
+
+
+def epsilon_by_accountant(event: dp_accounting.DpEvent, delta: float) -> dict:
+    """{accountant: eps} for every accountant that can analyse `event` (those
+    that cannot are left out): what a refusal quotes as the cost of a release."""
+    out = {}
+    for kind in AccountantKind:
+        try:
+            out[kind] = compute_epsilon(event, delta, kind)
+        except Exception:  # this accountant cannot analyse the event
+            continue
+    return out
 
 
 def compute_delta(

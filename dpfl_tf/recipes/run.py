@@ -255,19 +255,17 @@ def _calibrated(config, prior: dp_accounting.DpEvent, lots: int, rate: float) ->
 def _no_lot_message(config, sigma: float, rate: float, spent) -> str:
     """Why the budget allows no lot: what the first lot brings epsilon to under
     each accountant that can analyse it, and what to change (one line)."""
-    from dpfl_tf.privacy.accountants import AccountantKind, compute_epsilon
+    from dpfl_tf.privacy.accountants import epsilon_by_accountant
     from dpfl_tf.privacy.events import describe_event
 
     step = gaussian_step_event(sigma, sampling_rate=rate)
     if isinstance(spent, dp_accounting.ComposedDpEvent) and not spent.events:
         spent = None  # an empty ledger
     event = dp_accounting.ComposedDpEvent(([spent] if spent is not None else []) + [step])
-    costs = []
-    for kind in AccountantKind:
-        try:
-            costs.append(f"{compute_epsilon(event, config.delta, kind):.4g} ({kind.value})")
-        except Exception:  # an accountant that cannot analyse it is left out
-            continue
+    costs = [
+        f"{eps:.4g} ({kind.value})"
+        for kind, eps in epsilon_by_accountant(event, config.delta).items()
+    ]
     return (
         f"target_epsilon={config.target_epsilon:g} allows no lot of {describe_event(step)}: "
         f"{'with what is already spent, ' if spent is not None else ''}one brings epsilon to "
