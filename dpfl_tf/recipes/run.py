@@ -259,8 +259,6 @@ def _no_lot_message(config, sigma: float, rate: float, spent) -> str:
     from dpfl_tf.privacy.events import describe_event
 
     step = gaussian_step_event(sigma, sampling_rate=rate)
-    if isinstance(spent, dp_accounting.ComposedDpEvent) and not spent.events:
-        spent = None  # an empty ledger
     event = dp_accounting.ComposedDpEvent(([spent] if spent is not None else []) + [step])
     costs = [
         f"{eps:.4g} ({kind.value})"
@@ -375,7 +373,9 @@ def run_recipe(
         if config.private:
             if sigma is None:
                 sigma = _calibrated(config, ledger.event, config.epochs * lots_per_epoch, rate)
-            total_epochs = _planned_epochs(config, sigma, rate, ledger.event, lots_per_epoch)
+            total_epochs = _planned_epochs(
+                config, sigma, rate, ledger.event if len(ledger) else None, lots_per_epoch
+            )
         run = _Run(
             recipe,
             inputs,
