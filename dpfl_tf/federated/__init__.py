@@ -10,6 +10,8 @@ the record:
   DP-FedAvg with client-side noise;
 * `server` -- `FederatedServer`: the round loop, client sampling, the privacy
   ledger and stop rule, checkpoints;
+* `server_optimizers` -- `ServerOptimizer`: FedAvg, FedAvgM, FedAdagrad,
+  FedAdam, FedYogi on the released aggregate (post-processing);
 * `runner` -- `FederatedConfig` + `run_federated` (CLI, experiments, notebook);
 * `local_dp` -- local-DP perturbation of uploads (Duchi, Piecewise, PNPM,
   LDP-FL, Laplace, Gaussian) and honest per-coordinate / per-upload reports;
@@ -41,6 +43,7 @@ _EXPORTS = {
     "ClientSampling": "server",
     "FederatedServer": "server",
     "RoundRecord": "server",
+    "ServerOptimizer": "server_optimizers",
     "DPMode": "runner",
     "FederatedConfig": "runner",
     "build_server": "runner",

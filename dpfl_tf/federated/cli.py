@@ -73,6 +73,7 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
         DPMode,
         FederatedConfig,
     )
+    from dpfl_tf.federated.server_optimizers import SERVER_OPTIMIZERS
     from dpfl_tf.federated.settings import MechanismKind
     from dpfl_tf.privacy.accountants import AccountantKind
 
@@ -173,6 +174,36 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
         default=default["model"],
         choices=list(MODELS),
         help="mlp (--hidden), or the PNPM experiments' CNN with 2 or 3 conv layers",
+    )
+    so = p.add_argument_group(
+        "server optimiser (post-processing of each round's released aggregate)"
+    )
+    so.add_argument(
+        "--server-optimizer",
+        default=default["server_optimizer"],
+        choices=list(SERVER_OPTIMIZERS),
+        help="sgd (with --server-momentum: FedAvgM), or FedOpt's adagrad, adam, yogi "
+        "(Reddi et al. 2021)",
+    )
+    so.add_argument(
+        "--server-lr", type=float_arg, default=default["server_lr"], help="server learning rate"
+    )
+    so.add_argument(
+        "--server-momentum",
+        type=float_arg,
+        help="server momentum beta (sgd) or beta1 (adaptive) (default: 0 for sgd, 0.9 otherwise)",
+    )
+    so.add_argument(
+        "--server-beta2",
+        type=float_arg,
+        default=default["server_beta2"],
+        help="second-moment decay of adam and yogi",
+    )
+    so.add_argument(
+        "--server-tau",
+        type=float_arg,
+        default=default["server_tau"],
+        help="adaptivity tau of adagrad, adam and yogi",
     )
     q = p.add_argument_group("privacy")
     q.add_argument(
@@ -389,6 +420,11 @@ def config_from_args(args, error=None):
         min_clients=args.min_clients,
         dropout_rate=args.dropout_rate,
         train_subset=args.train_subset,
+        server_optimizer=args.server_optimizer,
+        server_lr=args.server_lr,
+        server_momentum=args.server_momentum,
+        server_beta2=args.server_beta2,
+        server_tau=args.server_tau,
     )
     try:
         config = FederatedConfig(**kwargs)
@@ -417,6 +453,13 @@ def _summary(config, result: dict) -> list[str]:
         f"test accuracy = {result['test_accuracy']:.4f} after "
         f"{rounds_text(result['rounds'])} ({result['mechanism']}, K={result['clients']})"
     ]
+    optimizer = config.build_server_optimizer()
+    if not optimizer.is_plain_fedavg:
+        settings = ", ".join(f"{k} {v:g}" for k, v in optimizer.get_config().items() if k != "kind")
+        lines.append(
+            f"server optimizer: {optimizer.kind} ({settings}); it reads only each round's "
+            "released aggregate, so epsilon is unchanged by it"
+        )
     privacy = result["privacy"]
     if config.dp.value == "local":
         from dpfl_tf.federated.local_dp import LocalPrivacyReport

@@ -152,6 +152,12 @@ class FederatedConfig:
     client sampling from the OS's secure source, `dpfl_tf.secure_random`;
     refuses ``noise_seed``; ``seed`` then seeds only the data partition, the
     initial model and local batch order, none of which a privacy claim rests on).
+
+    Server optimiser (`dpfl_tf.federated.server_optimizers`, post-processing of
+    each round's released aggregate): ``server_optimizer`` ("sgd", "adagrad",
+    "adam", "yogi"), ``server_lr`` (eta), ``server_momentum`` (beta or beta1;
+    None: 0 for sgd, 0.9 for the adaptive rules), ``server_beta2`` and
+    ``server_tau`` (adam, yogi, adagrad).  The default is FedAvg's w + Delta.
     """
 
     dataset: str = "mnist"
@@ -194,6 +200,11 @@ class FederatedConfig:
     dropout_rate: float = 0.0
     eval_every: int = 1
     train_subset: int | None = None
+    server_optimizer: str = "sgd"
+    server_lr: float = 1.0
+    server_momentum: float | None = None
+    server_beta2: float = 0.99
+    server_tau: float = 1e-3
 
     def __post_init__(self):
         s = object.__setattr__
@@ -384,6 +395,9 @@ class FederatedConfig:
         self._check_distributed()
         if self.train_subset is not None:
             s(self, "train_subset", check_count("train_subset", self.train_subset, minimum=1))
+        opt = self.build_server_optimizer()  # validates; the momentum the rule resolves
+        s(self, "server_optimizer", opt.kind)
+        s(self, "server_momentum", opt.momentum)
         s(self, "hidden", tuple(check_count("hidden", h, minimum=1) for h in self.hidden))
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
@@ -472,6 +486,18 @@ class FederatedConfig:
         if n_min > m:
             raise ValueError(f"min_clients must be <= the clients per round (m={m}), got {n_min}")
         s(self, "min_clients", n_min)
+
+    def build_server_optimizer(self):
+        """The `ServerOptimizer` of ``server_*`` (post-processing of each round's release)."""
+        from dpfl_tf.federated.server_optimizers import ServerOptimizer
+
+        return ServerOptimizer(
+            self.server_optimizer,
+            self.server_lr,
+            self.server_momentum,
+            beta2=self.server_beta2,
+            tau=self.server_tau,
+        )
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -610,6 +636,7 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
         progress=progress,
         local_dp=local_dp,
         secure_mode=c.secure_mode,
+        server_optimizer=c.build_server_optimizer(),
     )
     if c.noise_seed is not None and c.dp is not DPMode.NONE:
         from dpfl_tf.sanitizer import deployment_note

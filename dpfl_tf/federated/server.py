@@ -9,8 +9,9 @@ Each round t:
 2. sample clients: Poisson (each of K clients independently with rate q =
    m/K or a fraction C) or m without replacement (fixed size);
 3. broadcast w_t, train each sampled client locally (`LocalTrainer`), collect
-   uploads (the aggregator's client-side step applied), aggregate,
-   w_{t+1} = w_t + Delta;
+   uploads (the aggregator's client-side step applied), aggregate, and move
+   the model by the released aggregate Delta with the server optimiser
+   (`ServerOptimizer`; by default FedAvg's w_{t+1} = w_t + Delta);
 4. record the round's `DpEvent` in the `PrivacyLedger` (one event per round,
    matching how clients were really sampled), evaluate on the server's test
    set, write the checkpoint.
@@ -54,6 +55,7 @@ from dpfl_tf.federated.aggregators import (
 from dpfl_tf.federated.client import LocalTrainer, preprocess_images, refuse_unprotected_state
 from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report
 from dpfl_tf.federated.partition import ClientPartition
+from dpfl_tf.federated.server_optimizers import ServerOptimizer
 from dpfl_tf.federated.settings import check_clients_per_round, check_delta_max
 from dpfl_tf.privacy.accountants import AccountantKind, compute_delta, compute_epsilon
 from dpfl_tf.privacy.events import SamplingMethod, describe_event
@@ -332,6 +334,10 @@ class FederatedServer:
         is refused, and so is local DP (its randomisers have no secure
         sampler).  `seed` then seeds only what no privacy claim rests on (local
         batch order).
+      server_optimizer: what moves the global model by the released aggregate
+        (`ServerOptimizer`: FedAvgM, FedAdagrad, FedAdam, FedYogi); None is
+        FedAvg's w + Delta.  It reads only the released aggregate
+        (post-processing): the ledger is the same with or without it.
 
     With a private aggregator or local DP, a model whose local training updates
     unprotected state from client data (BatchNormalization in training mode) is
@@ -357,6 +363,7 @@ class FederatedServer:
         progress: bool = True,
         local_dp: LocalDPUpload | None = None,
         secure_mode: bool = False,
+        server_optimizer: ServerOptimizer | None = None,
     ):
         if not isinstance(partition, ClientPartition):
             raise TypeError(f"partition must be a ClientPartition, got {type(partition).__name__}")
@@ -389,6 +396,13 @@ class FederatedServer:
             refuse_unprotected_state(
                 trainer.model, "client-level DP" if aggregator.private else "local DP"
             )
+        if server_optimizer is None:
+            server_optimizer = ServerOptimizer()
+        if not isinstance(server_optimizer, ServerOptimizer):
+            raise TypeError(
+                f"server_optimizer must be a ServerOptimizer, got {type(server_optimizer).__name__}"
+            )
+        self.server_optimizer = server_optimizer
         self.local_dp = local_dp
         self.trainer = trainer
         self.partition = partition
@@ -606,10 +620,11 @@ class FederatedServer:
         start: float,
         cpu_start: float,
     ) -> RoundRecord:
-        """Releases round t: w_{t+1} = w_t + the aggregate, the participations, the
-        round's event in the ledger, the evaluation (every `eval_every` rounds),
-        epsilon and delta, and the history row, which it returns."""
-        new_weights = [w + tf.cast(d, w.dtype) for w, d in zip(global_weights, result.update)]
+        """Releases round t: w_{t+1} (the server optimiser's move by the aggregate),
+        the participations, the round's event in the ledger, the evaluation
+        (every `eval_every` rounds), epsilon and delta, and the history row,
+        which it returns."""
+        new_weights = self.server_optimizer.apply(global_weights, result.update)
         self.trainer.set_weights(new_weights)
         seconds = time.perf_counter() - start
         cpu_seconds = time.process_time() - cpu_start
@@ -808,6 +823,7 @@ class FederatedServer:
             "local_dp": None if self.local_dp is None else self.local_dp.get_config(),
             "accountant": self.accountant.value,
             "variables": [list(v.shape) for v in self.trainer.variables],
+            "server_optimizer": self.server_optimizer.get_config(),
         }
 
     def save_checkpoint(self, directory: str | os.PathLike) -> None:
@@ -822,6 +838,8 @@ class FederatedServer:
         if self.correlated is not None:  # secret noise buffers: private, like the weights
             correlated, buffers = self.correlated.get_state()
             arrays.update({f"mf_buffer{i}": b for i, b in enumerate(buffers)})
+        optimizer_state, optimizer_arrays = self.server_optimizer.get_state()
+        arrays.update(optimizer_arrays)
         atomic_write(os.path.join(directory, name), lambda f: np.savez(f, **arrays), binary=True)
         state = {
             "format": CHECKPOINT_FORMAT,
@@ -834,6 +852,7 @@ class FederatedServer:
             "aggregator_state": self.aggregator.get_state(),
             "sampling_key": self._sampling_key,  # private state, like the weights
             "correlated": correlated,
+            "server_optimizer": optimizer_state,
         }
         atomic_write_json(os.path.join(directory, "state.json"), state)
         for old in glob.glob(os.path.join(directory, "weights-*.npz")):
@@ -852,8 +871,10 @@ class FederatedServer:
                 f"{path}: not a dpfl_tf federated checkpoint (format {CHECKPOINT_FORMAT})"
             )
         mine = json.loads(json.dumps(self._fingerprint()))
-        if state["fingerprint"] != mine:
-            diff = sorted(k for k in mine if state["fingerprint"].get(k) != mine[k])
+        saved = dict(state["fingerprint"])  # checkpoints from before server optimisers: FedAvg
+        saved.setdefault("server_optimizer", ServerOptimizer().get_config())
+        if saved != mine:
+            diff = sorted(k for k in mine if saved.get(k) != mine[k])
             raise ValueError(
                 f"{path} belongs to a different run (differs in: "
                 f"{', '.join(diff)}); use another checkpoint directory"
@@ -865,6 +886,7 @@ class FederatedServer:
                 count = sum(1 for key in data.files if key.startswith("mf_buffer"))
                 buffers = [data[f"mf_buffer{i}"] for i in range(count)]
                 self.correlated.set_state(state["correlated"], buffers, self.trainer.variables)
+            self.server_optimizer.set_state(state.get("server_optimizer"), data)
         self.ledger = PrivacyLedger.from_dict(state["ledger"])
         self.history = [RoundRecord(**r) for r in state["history"]]
         self.rounds_done = int(state["round"])

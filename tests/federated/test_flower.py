@@ -254,16 +254,18 @@ def _assert_same(got, want, where="result"):
         assert got == want, (where, got, want)
 
 
-@pytest.mark.parametrize("dp", ["local", "client", "global"])
-def test_one_config_gives_one_result_on_both_runtimes(mnist_small, dp):
+@pytest.mark.parametrize("dp, server", [("local", "sgd"), ("client", "sgd"), ("global", "yogi")])
+def test_one_config_gives_one_result_on_both_runtimes(mnist_small, dp, server):
     """The in-process server and the Flower strategy open, train, close and report a
-    round with the same functions: every result key agrees (seeded runs), apart from
-    timings and Flower's runtime labels."""
+    round with the same functions (the server optimiser's move included): every
+    result key agrees (seeded runs), apart from timings and Flower's runtime labels."""
     extra = (
         dict(ldp_mechanism="piecewise", ldp_epsilon=2.0, ldp_bound=0.5, accountant="moments")
         if dp == "local"
         else {}
     )
+    if server != "sgd":
+        extra.update(server_optimizer=server, server_lr=0.05)
     cfg = _cfg(dp=dp, rounds=3, eval_every=2, **extra)
     inproc = run_federated(cfg, mnist_small, progress=False)
     flower = fl.run_on_flower(cfg, mnist_small, backend="local")

@@ -1,0 +1,157 @@
+"""What the server does with a round's aggregate: server optimisers.
+
+A round releases Delta_t, the aggregate of the client updates (with DP: the
+clipped mean plus the mechanism's noise).  The server treats -Delta_t as a
+pseudo-gradient and moves the global model x with one of
+
+* ``sgd`` -- server learning rate eta and heavy-ball momentum beta
+  (FedAvgM, Hsu et al. 2019; DP-FedAvgM, McMahan et al. 2018)::
+
+      v_t = beta v_{t-1} + Delta_t;   x_{t+1} = x_t + eta v_t
+
+  FedAvg is eta = 1, beta = 0 (the default: x_{t+1} = x_t + Delta_t exactly);
+* ``adagrad``, ``adam``, ``yogi`` -- FedOpt (Reddi et al. 2021, Algorithm 2),
+  with m_{-1} = 0 and v_{-1} = tau^2::
+
+      m_t = beta1 m_{t-1} + (1 - beta1) Delta_t
+      adagrad: v_t = v_{t-1} + Delta_t^2
+      adam:    v_t = beta2 v_{t-1} + (1 - beta2) Delta_t^2
+      yogi:    v_t = v_{t-1} - (1 - beta2) Delta_t^2 sign(v_{t-1} - Delta_t^2)
+      x_{t+1} = x_t + eta m_t / (sqrt(v_t) + tau)
+
+  (no bias correction, as in the paper; tau is the degree of adaptivity).
+
+A server optimiser reads only what the round released, so it is
+post-processing: the privacy ledger records the same events with or without
+one, and its state (v, m) is as public as the model.  (NumPy only: the CLI and
+`FederatedConfig` build one before TensorFlow loads.)
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from dpfl_tf._validation import check_number
+
+__all__ = ["SERVER_OPTIMIZERS", "ServerOptimizer"]
+
+#: the rules, and the momentum (beta or beta1) each takes by default
+SERVER_OPTIMIZERS = {"sgd": 0.0, "adagrad": 0.9, "adam": 0.9, "yogi": 0.9}
+
+
+class ServerOptimizer:
+    """Moves the global model by a round's released aggregate (see the module docstring).
+
+    Args:
+      kind: "sgd" | "adagrad" | "adam" | "yogi".
+      learning_rate: the server learning rate eta (> 0).
+      momentum: beta (sgd) or beta1 (the adaptive rules), in [0, 1); None takes
+        the rule's default (0 for sgd, 0.9 otherwise, as in Reddi et al.).
+      beta2: the second-moment decay of adam and yogi, in [0, 1).
+      tau: the adaptivity tau (> 0) of the adaptive rules.
+    """
+
+    def __init__(
+        self,
+        kind: str = "sgd",
+        learning_rate: float = 1.0,
+        momentum: float | None = None,
+        beta2: float = 0.99,
+        tau: float = 1e-3,
+    ):
+        kind = str(getattr(kind, "value", kind)).lower()
+        if kind not in SERVER_OPTIMIZERS:
+            raise ValueError(
+                f"server optimizer must be one of {', '.join(SERVER_OPTIMIZERS)}, got {kind!r}"
+            )
+        self.kind = kind
+        self.learning_rate = check_number("server_lr", learning_rate, low=0.0, low_open=True)
+        if momentum is None:
+            momentum = SERVER_OPTIMIZERS[kind]
+        self.momentum = check_number("server_momentum", momentum, low=0.0, high=1.0, high_open=True)
+        self.beta2 = check_number("server_beta2", beta2, low=0.0, high=1.0, high_open=True)
+        self.tau = check_number("server_tau", tau, low=0.0, low_open=True)
+        self.steps = 0
+        self._m: list[np.ndarray] | None = None  # sgd: the velocity v; else the first moment
+        self._v: list[np.ndarray] | None = None  # the adaptive rules' second moment
+
+    @property
+    def is_plain_fedavg(self) -> bool:
+        """x_{t+1} = x_t + Delta_t: the default, which keeps no state."""
+        return self.kind == "sgd" and self.learning_rate == 1.0 and self.momentum == 0.0
+
+    def get_config(self) -> dict:
+        return {
+            "kind": self.kind,
+            "learning_rate": self.learning_rate,
+            "momentum": self.momentum,
+            "beta2": self.beta2,
+            "tau": self.tau,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict) -> ServerOptimizer:
+        return cls(**config)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"ServerOptimizer({args})"
+
+    def _step(self, delta: list[np.ndarray]) -> list[np.ndarray]:
+        """The move eta * (v_t, or m_t / (sqrt(v_t) + tau)) for the released Delta_t."""
+        beta = self.momentum
+        if self._m is None:
+            self._m = [np.zeros_like(d) for d in delta]
+        if self.kind == "sgd":
+            self._m = [beta * m + d for m, d in zip(self._m, delta)]
+            return [self.learning_rate * m for m in self._m]
+        self._m = [beta * m + (1.0 - beta) * d for m, d in zip(self._m, delta)]
+        if self._v is None:
+            self._v = [np.full_like(d, self.tau**2) for d in delta]
+        squares = [d * d for d in delta]
+        b2 = self.beta2
+        if self.kind == "adagrad":
+            self._v = [v + s for v, s in zip(self._v, squares)]
+        elif self.kind == "adam":
+            self._v = [b2 * v + (1.0 - b2) * s for v, s in zip(self._v, squares)]
+        else:  # yogi
+            self._v = [v - (1.0 - b2) * s * np.sign(v - s) for v, s in zip(self._v, squares)]
+        return [self.learning_rate * m / (np.sqrt(v) + self.tau) for m, v in zip(self._m, self._v)]
+
+    def apply(self, weights: Sequence, update: Sequence) -> list[np.ndarray]:
+        """x_{t+1} from x_t (`weights`) and the released Delta_t (`update`), as arrays
+        of the weights' dtypes."""
+        if len(weights) != len(update):
+            raise ValueError(f"{len(update)} update tensors for {len(weights)} weights")
+        self.steps += 1
+        weights = [np.asarray(w) for w in weights]
+        if self.is_plain_fedavg:
+            step = update
+        else:
+            step = self._step([np.asarray(d, dtype=np.float64) for d in update])
+        return [w + np.asarray(s, dtype=w.dtype) for w, s in zip(weights, step)]
+
+    # -- checkpoints: the state is public (a function of released aggregates) ----------
+    def get_state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """(json-able info, named arrays) for a checkpoint."""
+        arrays = {}
+        for name, tensors in (("m", self._m), ("v", self._v)):
+            for i, a in enumerate(tensors or []):
+                arrays[f"server_opt_{name}{i}"] = a
+        return {"steps": self.steps, "config": self.get_config()}, arrays
+
+    def set_state(self, info: dict | None, arrays) -> None:
+        """Restores what `get_state` returned (`arrays`: a mapping, e.g. an npz file)."""
+        info = info or {"steps": 0}
+        self.steps = int(info["steps"])
+
+        def read(name):
+            keys = sorted(
+                (k for k in arrays if k.startswith(f"server_opt_{name}")),
+                key=lambda k: int(k[len(f"server_opt_{name}") :]),
+            )
+            return [np.asarray(arrays[k], dtype=np.float64) for k in keys] or None
+
+        self._m, self._v = read("m"), read("v")
