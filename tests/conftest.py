@@ -42,6 +42,17 @@ def _read_only_as_root(directory):
 import pytest  # noqa: E402
 
 
+def pytest_collection_finish(session):
+    """What collection imported (TensorFlow, Keras, the package, the test modules)
+    lives as long as the process: `gc.freeze` takes it out of the garbage
+    collector's scans, so the collection each test ends with costs milliseconds
+    instead of ~0.3 s (8 of the suite's CPU minutes)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_keras_state():
     """Every test starts from a clear Keras state: the models, traced functions and
