@@ -20,6 +20,10 @@ with q = m/K, so the moments-accountant event matches the sampling.  Same
     python experiments/federated_dp.py --clients 10000 --only global   # one setting
     python experiments/federated_dp.py --clients 100 --speed-rounds 40 --speed-only
         # DP vs non-private round time, alternating rounds (results/federated_speed.json)
+    python experiments/federated_dp.py --clients 100 --only global --validation 6000 \
+        --server-optimizer sgd --server-momentum 0.9 --tag momentum
+        # a tuning trial: 6,000 training examples held out and evaluated on, never
+        # the test set (results/federated_dp_tuning.json)
 
 Writes results/federated_dp.json (a list of runs, merged with runs already in
 the file for other settings) and results/federated_dp.png (accuracy and
@@ -36,6 +40,7 @@ import numpy as np
 from _common import RESULTS
 
 from dpfl_tf._io import atomic_write_json, merge_json_runs
+from dpfl_tf.federated import runner
 from dpfl_tf.federated.runner import FederatedConfig, peak_rss_mb, run_federated
 from dpfl_tf.plotting import save_figure
 
@@ -90,7 +95,7 @@ def _runs(k: int, args, seed: int | None = None) -> list[tuple[str, FederatedCon
     common = dict(
         dataset="mnist",
         clients=k,
-        clients_per_round=s["m"],
+        clients_per_round=args.clients_per_round or s["m"],
         sampling="poisson",
         rounds=rounds,
         local_epochs=epochs,
@@ -100,6 +105,10 @@ def _runs(k: int, args, seed: int | None = None) -> list[tuple[str, FederatedCon
         seed=args.seed if seed is None else seed,
         eval_every=args.eval_every,
         hidden=hidden,
+        server_optimizer=args.server_optimizer,
+        server_lr=args.server_lr,
+        server_momentum=args.server_momentum,
+        server_tau=args.server_tau,
     )
     sigma = args.noise_multiplier or s["sigma"]
     out = [
@@ -175,30 +184,103 @@ def speed_compare(k: int, args, dataset) -> dict:
 
 
 def _plot(runs: list[dict], path: str) -> None:
-    fig, (ax_acc, ax_eps) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in runs:
-        h = r["history"]
-        label = f"K={r['clients']} {r['mechanism']} ({r['partition']})"
-        rounds = [x["round"] for x in h if x["accuracy"] is not None]
-        ax_acc.plot(
-            rounds,
-            [x["accuracy"] for x in h if x["accuracy"] is not None],
-            "-" if r["mechanism"] == "global_dp" else "--",
-            label=label,
+    """Left: the final Global DP accuracy of every seed per K and setting, the paper's
+    number beside it; right: accuracy per round (mean over seeds) of each setting."""
+    dp = [r for r in runs if r["mechanism"] == "global_dp"]
+    settings = sorted({(r["clients"], r.get("tag") or "") for r in dp})
+    fig, (ax_final, ax_curve) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ks = sorted({k for k, _ in settings})
+    for i, (k, tag) in enumerate(settings):
+        accs = [r["test_accuracy"] for r in dp if (r["clients"], r.get("tag") or "") == (k, tag)]
+        x = ks.index(k) + (0.15 if tag else -0.15)
+        label = f"ours, {tag or 'FedAvg server'}"
+        ax_final.scatter(
+            [x] * len(accs),
+            accs,
+            s=18,
+            color=f"C{1 if tag else 0}",
+            label=label if label not in ax_final.get_legend_handles_labels()[1] else None,
         )
-        if r["mechanism"] == "global_dp":
-            ax_eps.plot([x["round"] for x in h], [x["epsilon"] for x in h], label=label)
-    ax_acc.set_xlabel("round")
-    ax_acc.set_ylabel("test accuracy")
-    ax_acc.grid(alpha=0.3)
-    ax_acc.legend(fontsize=7)
-    ax_eps.set_xlabel("round")
-    ax_eps.set_ylabel("epsilon at delta_max")
-    ax_eps.axhline(8.0, color="grey", lw=0.8, ls=":")
-    ax_eps.grid(alpha=0.3)
-    ax_eps.legend(fontsize=7)
-    fig.suptitle("Client-level DP FedAvg on non-IID MNIST (Geyer et al. 2017 setting)")
+        ax_final.plot([x - 0.08, x + 0.08], [np.mean(accs)] * 2, color=f"C{1 if tag else 0}")
+        seeds = [r for r in dp if (r["clients"], r.get("tag") or "") == (k, tag)]
+        curves = [[h["accuracy"] for h in r["history"]] for r in seeds]
+        n = min(len(c) for c in curves)
+        mean = np.mean([[a if a is not None else np.nan for a in c[:n]] for c in curves], axis=0)
+        seen = np.isfinite(mean)  # rounds evaluated (eval_every may skip some)
+        ax_curve.plot(
+            np.arange(1, n + 1)[seen],
+            mean[seen],
+            label=f"K={k} {tag or 'FedAvg server'} "
+            f"({len(curves)} seed{'s' if len(curves) > 1 else ''})",
+        )
+    for j, k in enumerate(ks):
+        ax_final.scatter(
+            [j],
+            [PAPER_ACCURACY[k]],
+            marker="*",
+            s=160,
+            color="k",
+            label="Geyer et al. 2017" if j == 0 else None,
+            zorder=3,
+        )
+    ax_final.set_xticks(range(len(ks)), [f"K = {k:,}" for k in ks])
+    ax_final.set_ylabel("test accuracy at eps = 8")
+    ax_final.grid(alpha=0.3)
+    ax_final.legend(fontsize=8)
+    ax_curve.set_xscale("log")
+    ax_curve.set_xlabel("round")
+    ax_curve.set_ylabel("test accuracy (mean over seeds)")
+    ax_curve.grid(alpha=0.3)
+    ax_curve.legend(fontsize=8)
+    fig.suptitle("Client-level Global DP on non-IID MNIST (Geyer et al. 2017 setting)")
     save_figure(fig, path)
+
+
+_build_server = runner.build_server
+
+
+class _ModelAverage:
+    """An exponential moving average of the released global models (post-processing:
+    it reads only what the rounds released), evaluated after the run."""
+
+    def __init__(self, beta: float):
+        self.beta, self.average, self.server = beta, None, None
+
+    def build_server(self, *args, **kwargs):
+        """`runner.build_server`, keeping the server (run_federated's on_round sees results)."""
+        self.server, ds = _build_server(*args, **kwargs)
+        return self.server, ds
+
+    def __call__(self, result) -> None:
+        server = self.server
+        w = [np.asarray(v, dtype=np.float64) for v in server.trainer.get_weights()]
+        b = self.beta
+        self.average = (
+            w if self.average is None else [b * a + (1 - b) * x for a, x in zip(self.average, w)]
+        )
+
+    def evaluate(self) -> dict:
+        final = self.server.trainer.get_weights()
+        self.server.trainer.set_weights(self.average)
+        loss, acc = self.server.evaluate()
+        self.server.trainer.set_weights(final)
+        return {"beta": self.beta, "accuracy": float(acc), "loss": float(loss)}
+
+
+def _validation_split(ds, n: int):
+    """The dataset with `n` training examples (a fixed draw) moved to the evaluation set:
+    tuning reads them, never the test set."""
+    import dataclasses
+
+    order = np.random.default_rng(12345).permutation(len(ds.y_train))
+    held, kept = order[:n], np.sort(order[n:])
+    return dataclasses.replace(
+        ds,
+        x_train=ds.x_train[kept],
+        y_train=ds.y_train[kept],
+        x_test=ds.x_train[held],
+        y_test=ds.y_train[held],
+    )
 
 
 def main(argv=None) -> list[dict]:
@@ -239,6 +321,24 @@ def main(argv=None) -> list[dict]:
         "(writes results/federated_speed.json)",
     )
     p.add_argument("--speed-only", action="store_true", help="only the timing comparison")
+    p.add_argument("--clients-per-round", "-m", type=int, help="m (default per K)")
+    p.add_argument("--server-optimizer", default="sgd", help="sgd | adagrad | adam | yogi")
+    p.add_argument("--server-lr", type=float, default=1.0)
+    p.add_argument("--server-momentum", type=float)
+    p.add_argument("--server-tau", type=float, default=1e-3)
+    p.add_argument(
+        "--validation",
+        type=int,
+        default=0,
+        help="hold out this many training examples (a seeded draw) and evaluate on them "
+        "instead of the test set: tuning trials (results/federated_dp_tuning.json)",
+    )
+    p.add_argument(
+        "--ema",
+        type=float,
+        help="also evaluate an exponential moving average (this beta) of the released models",
+    )
+    p.add_argument("--tag", default="", help="a name for this trial in the results")
     p.add_argument("--output-dir", default=RESULTS)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -247,6 +347,8 @@ def main(argv=None) -> list[dict]:
     from dpfl_tf.data import load_dataset
 
     ds = load_dataset("mnist")
+    if args.validation:
+        ds = _validation_split(ds, args.validation)
     results, speed = [], []
     for k in args.clients:
         if args.speed_rounds:
@@ -261,10 +363,21 @@ def main(argv=None) -> list[dict]:
                 f"hidden={config.hidden}, seed={config.seed}",
                 flush=True,
             )
-            r = run_federated(config, ds, progress=not args.no_progress)
+            averager = _ModelAverage(args.ema) if args.ema else None
+            runner.build_server = averager.build_server if averager else _build_server
+            r = run_federated(config, ds, progress=not args.no_progress, on_round=averager)
+            if averager is not None:
+                r["ema"] = averager.evaluate()
+                print(f"   EMA {args.ema}: accuracy {r['ema']['accuracy']:.4f}", flush=True)
             r["run"] = name
             r["seed"] = config.seed
             r["quick"] = bool(args.quick)
+            r["tag"] = args.tag
+            r["evaluated_on"] = (
+                f"validation ({args.validation} held-out training examples)"
+                if args.validation
+                else "test"
+            )
             if name == "global":
                 r["paper_dp_accuracy"] = PAPER_ACCURACY[k]
             results.append(r)
@@ -282,9 +395,18 @@ def main(argv=None) -> list[dict]:
         atomic_write_json(os.path.join(args.output_dir, "federated_speed.json"), speed)
     if args.speed_only:
         return speed
+    if args.validation:  # tuning trials: their own file, never beside test results
+        path = os.path.join(args.output_dir, "federated_dp_tuning.json")
+        merge_json_runs(
+            path, results, lambda r: (r["clients"], r.get("run"), r.get("tag"), r.get("seed"))
+        )
+        print(f"wrote {path}")
+        return results
     path = os.path.join(args.output_dir, "federated_dp.json")
     merged = merge_json_runs(
-        path, results, lambda r: (r["clients"], r.get("run"), r.get("quick"), r.get("seed"))
+        path,
+        results,
+        lambda r: (r["clients"], r.get("run"), r.get("quick"), r.get("seed"), r.get("tag", "")),
     )
     _plot(
         [r for r in merged if r.get("quick") == bool(args.quick)],
