@@ -85,6 +85,9 @@ class LotStep:
         example with a non-finite norm gets 0 in every group)."""
         groups = self.groups
         grouped = [None] * (max(groups) + 1)
+        if len({s.dtype for s in sq_norms}) > 1:  # layers of several dtypes: the widest
+            wide = max((s.dtype for s in sq_norms), key=lambda d: d.size)
+            sq_norms = [tf.cast(s, wide) for s in sq_norms]
         for g, s in zip(groups, sq_norms):
             grouped[g] = s if grouped[g] is None else grouped[g] + s
         factors = self.sanitizer.clip_factors(grouped)

@@ -610,3 +610,34 @@ def test_a_planned_layer_not_tapped_takes_the_jacobian_with_a_persistent_redo():
     ref = _reference(model, x, y)
     for j, s in enumerate(sums):
         np.testing.assert_allclose(s.numpy(), sum(r[j] for r in ref), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_float64_layer_in_a_float32_model_trains_exactly(fast):
+    """Layers of two dtypes in one model (a float64 head on float32 layers): the
+    per-variable squared norms come in both dtypes and are summed for clipping
+    (the generic path crashed on float32 + float64; the fuzzer's seeds 159, 243)."""
+    from dpfl_tf.keras import DPSGD, DPModel
+
+    keras.utils.set_random_seed(4)
+    a, b = keras.Input((6,)), keras.Input((4,))
+    h = keras.layers.Concatenate()([keras.layers.Dense(3)(a), keras.layers.Dense(3)(b)])
+    out = keras.layers.Dense(10, dtype="float64")(keras.layers.Dense(5)(h))
+    model = keras.Model([a, b], out)
+    rng = np.random.default_rng(0)
+    x = [rng.normal(size=(6, 6)).astype("float32"), rng.normal(size=(6, 4)).astype("float32")]
+    y = rng.integers(0, 10, size=6)
+    before = [v.numpy() for v in model.trainable_variables]
+    per_example = _reference(model, x, y)
+    clip = 0.5
+    clipped = []
+    for g in per_example:
+        norm = np.sqrt(sum(np.sum(np.square(t.astype(np.float64))) for t in g))
+        clipped.append([t * min(1.0, clip / norm) for t in g])
+    want = [w - np.mean(parts, axis=0) for w, parts in zip(before, zip(*clipped))]
+    dp = DPModel(model, fast_gradients=fast)
+    dp.compile(optimizer=DPSGD(1.0, l2_norm_clip=clip, noise_multiplier=0.0), loss=loss())
+    dp.fit(x, y, lot_size=6, sampling="shuffle", epochs=1, verbose=0)
+    assert dp.lots_computed == 1
+    for got, w in zip(model.trainable_variables, want):
+        np.testing.assert_allclose(got.numpy(), w, rtol=1e-4, atol=1e-6)
