@@ -100,11 +100,14 @@ Update = Sequence[tf.Tensor]
 
 @dataclasses.dataclass
 class AggregateResult:
-    """The round's aggregate update and what happened on the way."""
+    """The round's aggregate update and what happened on the way.  ``released`` is
+    False when the round released nothing (no uploads to a non-private mean, a
+    secure aggregation that aborted): the server then leaves the model as it was."""
 
     update: list[tf.Tensor]
     num_clients: int
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    released: bool = True
 
 
 def update_norms(update: Update, groups: Sequence[int] | None = None) -> np.ndarray:
@@ -181,7 +184,7 @@ class MeanAggregator(Aggregator):
             count += 1
         if weight_sum > 0:
             total = [s / weight_sum for s in total]
-        return AggregateResult(total, count)
+        return AggregateResult(total, count, released=count > 0)
 
     def get_config(self) -> dict:
         return {"name": "mean", "weighted": self.weighted}
@@ -202,7 +205,7 @@ class MedianAggregator(Aggregator):
                 s.append(np.asarray(u))
             count += 1
         if count == 0:
-            return AggregateResult([tf.zeros_like(t) for t in template], 0)
+            return AggregateResult([tf.zeros_like(t) for t in template], 0, released=False)
         out = [
             tf.constant(np.median(np.stack(s), axis=0), dtype=t.dtype)
             for s, t in zip(stacks, template)
@@ -712,7 +715,9 @@ class DistributedDPAggregator(Aggregator):
                 f"{count} uploads < min_clients={mech.min_clients}: the secure "
                 "aggregation releases nothing"
             )
-            return AggregateResult([tf.zeros_like(t) for t in template], int(count), info)
+            return AggregateResult(
+                [tf.zeros_like(t) for t in template], int(count), info, released=False
+            )
         flat = mech.decode(total, self.rotation_seed()) / count
         shapes = [tuple(t.shape) for t in template]
         update = [tf.constant(a, dtype=t.dtype) for a, t in zip(unflatten(flat, shapes), template)]

@@ -740,6 +740,10 @@ class DPStrategy(Strategy):
             info = {}
         else:
             update, info = [tf.zeros_like(w) for w in pending.weights], {}
+        if srv.aggregator.private:
+            released = result.released
+        else:
+            released = bool(ordered)
         if missing:
             info["missing_clients"] = missing
 
@@ -748,7 +752,7 @@ class DPStrategy(Strategy):
             pending.round_index,
             pending.selected,
             pending.weights,
-            AggregateResult(update, len(ordered), info),
+            AggregateResult(update, len(ordered), info, released=released),
             start=pending.start,
             cpu_start=pending.cpu_start,
         )

@@ -395,9 +395,13 @@ class FederatedConfig:
         self._check_distributed()
         if self.train_subset is not None:
             s(self, "train_subset", check_count("train_subset", self.train_subset, minimum=1))
-        opt = self.build_server_optimizer()  # validates; the momentum the rule resolves
+        opt = self.build_server_optimizer()  # validates (server_momentum None: the rule's default)
         s(self, "server_optimizer", opt.kind)
-        s(self, "server_momentum", opt.momentum)
+        s(self, "server_lr", opt.learning_rate)
+        s(self, "server_beta2", opt.beta2)
+        s(self, "server_tau", opt.tau)
+        if self.server_momentum is not None:
+            s(self, "server_momentum", opt.momentum)
         s(self, "hidden", tuple(check_count("hidden", h, minimum=1) for h in self.hidden))
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")

@@ -65,6 +65,8 @@ from dpfl_tf.secure_random import refuse_seed, secure_uniform
 __all__ = ["ClientSampling", "FederatedServer", "RoundRecord"]
 
 CHECKPOINT_FORMAT = 1
+#: what checkpoints written before server optimisers existed ran: FedAvg's w + Delta
+LEGACY_SERVER_OPTIMIZER = {"kind": "sgd", "learning_rate": 1.0, "momentum": 0.0}
 
 #: The neighbouring relation of the released model, by client sampling scheme
 #: (`dpfl_tf.privacy.events`): Poisson -> add/remove one client, m of K without
@@ -402,6 +404,11 @@ class FederatedServer:
             raise TypeError(
                 f"server_optimizer must be a ServerOptimizer, got {type(server_optimizer).__name__}"
             )
+        if server_optimizer.steps:
+            raise ValueError(
+                f"this ServerOptimizer has taken {server_optimizer.steps} steps for another "
+                "run; give each server a new one (a checkpoint restores a run's state)"
+            )
         self.server_optimizer = server_optimizer
         self.local_dp = local_dp
         self.trainer = trainer
@@ -624,15 +631,17 @@ class FederatedServer:
         the participations, the round's event in the ledger, the evaluation
         (every `eval_every` rounds), epsilon and delta, and the history row,
         which it returns."""
-        new_weights = self.server_optimizer.apply(global_weights, result.update)
-        self.trainer.set_weights(new_weights)
-        seconds = time.perf_counter() - start
-        cpu_seconds = time.process_time() - cpu_start
         self.participations[selected] += 1
         if self.correlated is not None:
             self.correlated.guard.record(t, [int(k) for k in selected])
-        if self.round_event is not None:
+        if self.round_event is not None:  # charged before anything reads the release
             self.ledger.record(self.round_event, 1, label="federated round")
+        if result.released:
+            self.trainer.set_weights(self.server_optimizer.apply(global_weights, result.update))
+        else:  # nothing released: the model stays, and no optimiser state moves it
+            self.trainer.set_weights(global_weights)
+        seconds = time.perf_counter() - start
+        cpu_seconds = time.process_time() - cpu_start
         self.rounds_done += 1
         acc = loss = None
         if self._test is not None and (self.rounds_done % self.eval_every == 0):
@@ -872,7 +881,7 @@ class FederatedServer:
             )
         mine = json.loads(json.dumps(self._fingerprint()))
         saved = dict(state["fingerprint"])  # checkpoints from before server optimisers: FedAvg
-        saved.setdefault("server_optimizer", ServerOptimizer().get_config())
+        saved.setdefault("server_optimizer", LEGACY_SERVER_OPTIMIZER)
         if saved != mine:
             diff = sorted(k for k in mine if saved.get(k) != mine[k])
             raise ValueError(
@@ -886,7 +895,8 @@ class FederatedServer:
                 count = sum(1 for key in data.files if key.startswith("mf_buffer"))
                 buffers = [data[f"mf_buffer{i}"] for i in range(count)]
                 self.correlated.set_state(state["correlated"], buffers, self.trainer.variables)
-            self.server_optimizer.set_state(state.get("server_optimizer"), data)
+            shapes = [tuple(v.shape) for v in self.trainer.variables]
+            self.server_optimizer.set_state(state.get("server_optimizer"), data, shapes)
         self.ledger = PrivacyLedger.from_dict(state["ledger"])
         self.history = [RoundRecord(**r) for r in state["history"]]
         self.rounds_done = int(state["round"])

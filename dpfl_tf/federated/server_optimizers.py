@@ -83,13 +83,11 @@ class ServerOptimizer:
         return self.kind == "sgd" and self.learning_rate == 1.0 and self.momentum == 0.0
 
     def get_config(self) -> dict:
-        return {
-            "kind": self.kind,
-            "learning_rate": self.learning_rate,
-            "momentum": self.momentum,
-            "beta2": self.beta2,
-            "tau": self.tau,
-        }
+        """The settings the rule uses (sgd has no beta2 or tau)."""
+        config = {"kind": self.kind, "learning_rate": self.learning_rate, "momentum": self.momentum}
+        if self.kind != "sgd":
+            config.update(beta2=self.beta2, tau=self.tau)
+        return config
 
     @classmethod
     def from_config(cls, config: dict) -> ServerOptimizer:
@@ -142,16 +140,27 @@ class ServerOptimizer:
                 arrays[f"server_opt_{name}{i}"] = a
         return {"steps": self.steps, "config": self.get_config()}, arrays
 
-    def set_state(self, info: dict | None, arrays) -> None:
-        """Restores what `get_state` returned (`arrays`: a mapping, e.g. an npz file)."""
+    def set_state(self, info: dict | None, arrays, shapes=None) -> None:
+        """Restores what `get_state` returned (`arrays`: a mapping, e.g. an npz file);
+        with `shapes` (the model's), a state of other shapes is refused."""
         info = info or {"steps": 0}
-        self.steps = int(info["steps"])
+        if info.get("config", self.get_config()) != self.get_config():
+            raise ValueError(
+                f"the saved server optimiser state is of {info['config']}, not {self.get_config()}"
+            )
 
         def read(name):
             keys = sorted(
                 (k for k in arrays if k.startswith(f"server_opt_{name}")),
                 key=lambda k: int(k[len(f"server_opt_{name}") :]),
             )
-            return [np.asarray(arrays[k], dtype=np.float64) for k in keys] or None
+            state = [np.asarray(arrays[k], dtype=np.float64) for k in keys]
+            if state and shapes is not None and [a.shape for a in state] != list(shapes):
+                raise ValueError(
+                    f"the saved server optimiser state has shapes {[a.shape for a in state]}, "
+                    f"the model {list(shapes)}"
+                )
+            return state or None
 
         self._m, self._v = read("m"), read("v")
+        self.steps = int(info["steps"])

@@ -579,3 +579,16 @@ def test_a_failed_flower_run_keeps_its_results_and_resumes_from_its_checkpoint(
     assert a.history[-1].accuracy == b.history[-1].accuracy
     for x, y in zip(a.trainer.get_weights(), b.trainer.get_weights()):
         np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_server_optimizer_round_trips_through_the_run_config():
+    cfg = _cfg(server_optimizer="yogi", server_lr=0.05, server_tau=0.01)
+    again = fl.config_from_run_config(fl.config_to_run_config(cfg))
+    assert again == cfg
+    assert again.build_server_optimizer().get_config() == {
+        "kind": "yogi",
+        "learning_rate": 0.05,
+        "momentum": 0.9,
+        "beta2": 0.99,
+        "tau": 0.01,
+    }

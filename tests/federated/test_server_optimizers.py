@@ -139,18 +139,26 @@ def _cfg(**kw):
 
 def test_the_optimizer_sees_the_released_aggregate_and_the_ledger_does_not_change(mnist_small):
     """Post-processing: the update a round hands the optimiser is the aggregate the
-    aggregator released (noise included), and a run with FedAdam records the same
-    ledger and epsilon as the same run with FedAvg while its weights differ."""
+    aggregator released, noise included (it is not the plain mean of the clipped
+    uploads), and a run with FedAdam records the ledger and epsilon of the same run
+    with FedAvg (server lr 1) while its weights differ."""
     runs = {}
-    for kind in ("sgd", "adam"):
+    for kind, lr in (("sgd", 1.0), ("adam", 0.05)):
         server, _ = build_server(
-            _cfg(server_optimizer=kind, server_lr=0.05), mnist_small, progress=False
+            _cfg(server_optimizer=kind, server_lr=lr), mnist_small, progress=False
         )
-        released, seen = [], []
+        released, seen, clipped = [], [], []
         aggregate, apply = server.aggregator.aggregate, server.server_optimizer.apply
 
-        def spy_aggregate(*args, _aggregate=aggregate, _released=released, **kwargs):
-            result = _aggregate(*args, **kwargs)
+        def spy_aggregate(uploads, *args, _aggregate=aggregate, _released=released, **kwargs):
+            uploads = list(uploads)
+            clip = server.aggregator.sanitizer.l2_norm_clip
+            plain = []
+            for update, _ in uploads:
+                norm = np.sqrt(sum(float(np.sum(np.square(u))) for u in update))
+                plain.append([np.asarray(u) * min(1.0, clip / norm) for u in update])
+            clipped.append([np.mean(parts, axis=0) for parts in zip(*plain)] if plain else None)
+            result = _aggregate(iter(uploads), *args, **kwargs)
             _released.append([np.array(u) for u in result.update])
             return result
 
@@ -162,9 +170,11 @@ def test_the_optimizer_sees_the_released_aggregate_and_the_ledger_does_not_chang
         server.server_optimizer.apply = spy_apply
         server.run(3)
         assert len(seen) == len(released) == 3
-        for s, r in zip(seen, released):
+        for s, r, c in zip(seen, released, clipped):
             for a, b in zip(s, r):
                 np.testing.assert_array_equal(a, b)
+            if c is not None:  # sigma S / m = 1/3 per coordinate: far from the plain mean
+                assert np.abs(s[0] - c[0]).mean() > 0.1
         runs[kind] = (server.ledger.to_dict(), server.epsilon(), server.trainer.get_weights())
     assert runs["adam"][0] == runs["sgd"][0] and runs["adam"][1] == runs["sgd"][1] > 0
     assert not np.allclose(np.asarray(runs["adam"][2][0]), np.asarray(runs["sgd"][2][0]))
@@ -194,3 +204,85 @@ def test_a_server_optimizer_resumes_with_its_state(mnist_small, tmp_path):
     with pytest.raises(ValueError, match="server_optimizer"):
         other, _ = build_server(_cfg(rounds=4), mnist_small, progress=False)
         other.load_checkpoint(ckpt)
+
+
+def test_a_non_default_rule_keeps_float32_weights_float32():
+    rng = np.random.default_rng(3)
+    w32 = [rng.normal(size=(4, 3)).astype(np.float32)]
+    d = [rng.normal(scale=0.1, size=(4, 3)).astype(np.float32)]
+    a, b = ServerOptimizer("adam", 0.1), ServerOptimizer("adam", 0.1)
+    got = a.apply(w32, d)[0]
+    want = b.apply([w32[0].astype(np.float64)], d)[0]
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_round_that_releases_nothing_leaves_the_model_and_the_momentum(mnist_small):
+    """A secure aggregation that aborted (or no uploads to a plain mean) releases
+    nothing: momentum must not keep moving the model on such a round."""
+    from dpfl_tf.federated.aggregators import AggregateResult
+
+    cfg = _cfg(server_optimizer="sgd", server_momentum=0.9, server_lr=0.5)
+    server, _ = build_server(cfg, mnist_small, progress=False)
+    server.run(1)
+    before = [np.array(w) for w in server.trainer.get_weights()]
+    t, selected = server.open_round()
+    zeros = [tf.zeros_like(w) for w in server.trainer.get_weights()]
+    server.close_round(
+        t,
+        selected,
+        server.trainer.get_weights(),
+        AggregateResult(zeros, 0, {"aborted": "test"}, released=False),
+        start=0.0,
+        cpu_start=0.0,
+    )
+    for a, b in zip(before, server.trainer.get_weights()):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    assert server.server_optimizer.steps == 1 and server.ledger.count() == 2  # still charged
+
+
+def test_an_optimizer_of_another_run_is_refused(mnist_small):
+    opt = ServerOptimizer("yogi", 0.1)
+    opt.apply([np.zeros(2)], [np.ones(2)])
+    cfg = _cfg()
+    from dpfl_tf.federated.server import FederatedServer
+
+    server, _ = build_server(cfg, mnist_small, progress=False)
+    with pytest.raises(ValueError, match="taken 1 steps for another run"):
+        FederatedServer(
+            server.trainer,
+            server.partition,
+            server.aggregator,
+            sampling=server.sampling,
+            test_data=None,
+            delta_max=cfg.delta_max,
+            server_optimizer=opt,
+        )
+
+
+def test_a_checkpoint_from_before_server_optimizers_resumes_as_fedavg(mnist_small, tmp_path):
+    """Checkpoints written before this feature have no optimiser: FedAvg resumes them,
+    another optimiser refuses them."""
+    import json
+
+    ckpt = tmp_path / "old"
+    server, _ = build_server(_cfg(rounds=2), mnist_small, progress=False)
+    server.run(2, checkpoint_dir=str(ckpt))
+    state = json.loads((ckpt / "state.json").read_text())
+    del state["fingerprint"]["server_optimizer"], state["server_optimizer"]
+    (ckpt / "state.json").write_text(json.dumps(state))
+    fedavg, _ = build_server(_cfg(rounds=2), mnist_small, progress=False)
+    assert fedavg.load_checkpoint(str(ckpt)) and fedavg.rounds_done == 2
+    yogi, _ = build_server(_cfg(rounds=2, server_optimizer="yogi"), mnist_small, progress=False)
+    with pytest.raises(ValueError, match="server_optimizer"):
+        yogi.load_checkpoint(str(ckpt))
+
+
+def test_the_config_keeps_an_unset_momentum_for_the_rule_to_resolve():
+    import dataclasses
+
+    cfg = FederatedConfig(server_optimizer="sgd")
+    assert cfg.server_momentum is None
+    adam = dataclasses.replace(cfg, server_optimizer="adam").build_server_optimizer()
+    assert adam.momentum == 0.9  # the adaptive rules' default, not sgd's resolved 0
+    assert FederatedConfig(server_lr="0.5").server_lr == 0.5  # numbers, not strings
