@@ -3,6 +3,8 @@ out, from the per-test times of a whole-suite run:
 
     python -m pytest -q --junitxml=/tmp/suite.xml
     python tests/mark_slow.py /tmp/suite.xml            # tests over 1.5 s are slow
+    python tests/mark_slow.py /tmp/suite.xml --fast-minutes 5
+        # the threshold that leaves at most 5 minutes of tests (one process) fast
 
 conftest.py marks every test listed in slow.txt with ``pytest.mark.slow``; a test
 may also carry the mark itself.  Entries of slow.txt that the given runs did not
@@ -34,10 +36,27 @@ def test_times(junit_xml: str) -> dict[str, float]:
     return dict(times)
 
 
+def budget_threshold(times: dict[str, float], budget: float) -> float:
+    """The largest per-function time t such that the functions of at most t seconds
+    sum to at most `budget` seconds."""
+    total, threshold = 0.0, 0.0
+    for seconds in sorted(times.values()):
+        if total + seconds > budget:
+            break
+        total, threshold = total + seconds, seconds
+    return threshold
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("junit_xml", nargs="+", help="one or more junit XML files")
     p.add_argument("--threshold", type=float, default=1.5, help="seconds (default: 1.5)")
+    p.add_argument(
+        "--fast-minutes",
+        type=float,
+        help="instead of --threshold: the largest threshold whose fast tier sums to at "
+        "most this many minutes of test time",
+    )
     args = p.parse_args(argv)
     times: dict[str, float] = {}
     for path in args.junit_xml:
@@ -49,12 +68,15 @@ def main(argv=None) -> None:
             for line in SLOW_LIST.read_text().splitlines()
             if line.strip() and not line.startswith("#") and line.strip() not in times
         ]
+    files = {t for t in kept if "::" not in t}  # slow as a whole
+    times = {t: s for t, s in times.items() if t.split("::", 1)[0] not in files}
+    if args.fast_minutes is not None:
+        args.threshold = budget_threshold(times, args.fast_minutes * 60)
     slow = sorted(t for t, s in times.items() if s > args.threshold)
-    files = {t for t in kept if "::" not in t}
-    slow = kept + [t for t in slow if t not in kept and t.split("::", 1)[0] not in files]
+    slow = kept + [t for t in slow if t not in kept]
     fast = sum(s for t, s in times.items() if s <= args.threshold)
     header = (
-        f"# tests over {args.threshold:g} s in a whole-suite run (tests/mark_slow.py); "
+        f"# tests over {args.threshold:.3g} s in a whole-suite run (tests/mark_slow.py); "
         f"the rest took {fast / 60:.1f} min\n"
     )
     SLOW_LIST.write_text(header + "".join(f"{t}\n" for t in slow))
