@@ -30,6 +30,8 @@ inheriting its parent's rule; losses and layers that mix the examples of a
 batch).
 
     python experiments/fuzz_models.py --models 500 --seed 0   # results/fuzz_models.json
+    python experiments/fuzz_models.py --models 500 --seed 0 --resume   # only the seeds
+        # of the range not yet in the results file (a run stopped part-way)
     python experiments/fuzz_models.py --models 20 --seed 3 --output /tmp/f.json
 """
 
@@ -804,6 +806,12 @@ def main(argv=None) -> dict:
         help="run again the models of --output with these outcomes (after a fix) "
         "and replace their rows; the file records which and at what commit",
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the models already in --output and run only the seeds of the range "
+        "that are not there",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--seeds", type=int, nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -820,7 +828,14 @@ def main(argv=None) -> dict:
     import tensorflow as tf
 
     seeds = list(range(args.seed, args.seed + args.models))
-    rows, started = [], time.perf_counter()
+    rows, started, total, earlier = [], time.perf_counter(), len(seeds), {}
+    if args.resume and os.path.exists(args.output):
+        with open(args.output) as f:
+            earlier = json.load(f)
+        rows = [r for r in earlier["models"] if r["seed"] in set(seeds)]
+        done = {r["seed"] for r in rows}
+        seeds = [s for s in seeds if s not in done]
+        print(f"resuming: {len(done)} models in {args.output}, {len(seeds)} to run", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     command, commit = command_line(), commit_of()
     if args.rerun:
@@ -841,20 +856,28 @@ def main(argv=None) -> dict:
         report = {
             "command": command,
             "commit": commit,
-            "complete": len(rows) == len(seeds),
+            "complete": len(rows) == total,
+            **(
+                {"resumed_from": {"commit": earlier.get("commit"), "models": total - len(seeds)}}
+                if earlier
+                else {}
+            ),
             "property": "every model fit accepts trains exactly (relative error of the "
             "weight update <= tolerance) or is refused with a clear error",
             "tolerance": TOLERANCE,
             "expected_fix": EXPECTED_FIX,
             "tensorflow": tf.__version__,
             "keras": keras.__version__,
-            "wall_seconds": round(time.perf_counter() - started, 1),
+            "wall_seconds": round(
+                earlier.get("wall_seconds", 0.0) + time.perf_counter() - started, 1
+            ),
+            **({"reruns": earlier["reruns"]} if earlier.get("reruns") else {}),
             "summary": summarise(rows),
             "models": rows,
         }
         atomic_write_json(args.output, report)  # after every chunk: a stopped run keeps its rows
         print(
-            f"{len(rows)}/{len(seeds)} models, {report['wall_seconds']:.0f} s: "
+            f"{len(rows)}/{total} models, {report['wall_seconds']:.0f} s: "
             f"{report['summary']['counts']}",
             flush=True,
         )
