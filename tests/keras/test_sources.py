@@ -202,6 +202,7 @@ class Broken(ItemSource):
         ("length", r"the source changed length during training: it had 40 records, now 3\d"),
     ],
 )
+@pytest.mark.timeout(300)  # hung once in a long-lived worker (tf.data get_next); seconds alone
 def test_a_bad_record_names_its_index_and_its_lot_is_neither_applied_nor_counted(problem, message):
     x, y = mnist_slice(40, features=60)
     x = x.astype(np.float32)
