@@ -314,10 +314,11 @@ class LotSampler:
             return _read_padded(reader, idx, padded, preprocess, t)
 
         # the parallel map runs `ahead` lots ahead of the one in training
-        return (
+        return _holding(
+            reader,
             self.index_dataset(total)
             .enumerate(self.first_lot)
-            .map(load, num_parallel_calls=ahead, deterministic=True)
+            .map(load, num_parallel_calls=ahead, deterministic=True),
         )
 
     def lots_ahead(self, reader, prefetch: int) -> int:
@@ -400,13 +401,21 @@ class LotSampler:
                 reader, idx[start : tf.minimum(start + share, n)], share, preprocess, t
             )
 
-        return (
+        return _holding(
+            reader,
             self.index_dataset(total)
             .enumerate(self.first_lot)
             .flat_map(with_replica)
             .map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-            .prefetch(2 * local_replicas)
+            .prefetch(2 * local_replicas),
         )
+
+
+def _holding(reader, dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """`dataset`, keeping `reader` alive as long as it (and its iterators: they
+    hold their dataset) lives; the reader's graph op holds it only weakly."""
+    dataset._dpfl_reader = reader
+    return dataset
 
 
 def takes_lot(preprocess: Callable) -> bool:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -225,7 +226,11 @@ class IndexedReader:
                 )
             return _stack(records, ints, x_spec, y_spec)
 
-        return cls(read_records, n, lambda: len(source), x_spec, y_spec)
+        reader = cls(read_records, n, lambda: len(source), x_spec, y_spec)
+        if pool is not None:
+            # the pool's threads end with the reader (a long process builds many)
+            weakref.finalize(reader, pool.shutdown, wait=False, cancel_futures=True)
+        return reader
 
     # -- reading ----------------------------------------------------------------
     def element_shapes(self):
@@ -267,8 +272,20 @@ class IndexedReader:
 
     def read(self, idx: tf.Tensor):
         leaves = tf.nest.flatten(self._x_spec) + [self._y_spec]
+        # TensorFlow keeps every numpy_function's callable for the life of the
+        # process (in its global graph): it gets a weak reference, so the reader,
+        # its source and its thread pool end with the dataset that holds them
+        # (`LotSampler.dataset` and `replica_shares` keep the reader alive)
+        reader = weakref.ref(self)
+
+        def read_numpy(idx):
+            alive = reader()
+            if alive is None:
+                raise SourceError("the source was released while its lots were read")
+            return alive._read_numpy(idx)
+
         out = tf.numpy_function(
-            self._read_numpy, [idx], [tf.as_dtype(s.dtype) for s in leaves], stateful=False
+            read_numpy, [idx], [tf.as_dtype(s.dtype) for s in leaves], stateful=False
         )
         for t, s in zip(out, leaves):
             t.set_shape([None, *s.shape])

@@ -168,6 +168,39 @@ class _StopAfter(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
+def _reader_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("dpfl-read")]
+
+
+def _settled_reader_threads(at_most, seconds=10.0):
+    """The reader threads still alive once they have had `seconds` to end."""
+    import gc
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        gc.collect()
+        alive = _reader_threads()
+        if len(alive) <= at_most or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def test_the_read_threads_of_a_source_end_with_its_fit():
+    """Each fit over a source without __getitems__ reads records in a thread
+    pool; the pool ends when the fit's input pipeline is released, so a long
+    process (a notebook, a test worker) does not pile up threads."""
+    x, y = mnist_slice(40, features=60)
+    before = len(_settled_reader_threads(at_most=0))
+    dp = dp_model()
+    for _ in range(3):
+        source = ItemSource(x.astype(np.float32), y)
+        dp.fit(source, lot_size=20, epochs=1, verbose=0)
+        assert any(name.startswith("dpfl-read") for name in source.threads)
+    del source
+    assert len(_settled_reader_threads(at_most=before)) <= before
+
+
 # -- bad sources ----------------------------------------------------------------
 
 
