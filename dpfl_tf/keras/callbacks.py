@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import keras
+import numpy as np
 
 from dpfl_tf.privacy.accountants import AccountantKind
 from dpfl_tf.privacy.ledger import BudgetExceededError, PrivacyBudget
@@ -120,3 +121,34 @@ class PrivacyCallback(keras.callbacks.Callback):
                     f"({self._kind().value}) after {self.model.lots_computed} lots; "
                     "training stopped"
                 )
+
+
+class _Count(float):
+    """A count in Keras's progress bar, which formats every value as a float
+    (``lots: 700.0000``): shown as the integer it is."""
+
+    def __truediv__(self, other):  # the bar shows value / 1
+        return _Count(float(self) / other)
+
+    def __format__(self, spec):
+        return str(int(self))
+
+
+def _counts_shown_as_integers(logs):
+    if not logs:
+        return logs
+    return {
+        k: _Count(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else v
+        for k, v in logs.items()
+    }
+
+
+class CountsProgbarLogger(keras.callbacks.ProgbarLogger):
+    """Keras's progress bar, with integer logs (``lots``, ``dropped_examples``)
+    shown as integers; the logs themselves (and `History`) keep their values."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, _counts_shown_as_integers(logs))
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, _counts_shown_as_integers(logs))

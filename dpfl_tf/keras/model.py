@@ -418,7 +418,7 @@ class DPModel(keras.Model):
             "target_delta", target_delta, low=0.0, high=1.0, low_open=True, high_open=True
         )
 
-        from dpfl_tf.keras.callbacks import PrivacyCallback
+        from dpfl_tf.keras.callbacks import CountsProgbarLogger, PrivacyCallback
 
         callbacks = list(callbacks or [])
         privacy_cb = next((c for c in callbacks if isinstance(c, PrivacyCallback)), None)
@@ -473,6 +473,9 @@ class DPModel(keras.Model):
                 prefetch=2 * int(self.steps_per_execution),
             )
         callbacks = [privacy_cb] + [c for c in callbacks if c is not privacy_cb]
+        has_bar = any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks)
+        if verbose != 0 and not has_bar:
+            callbacks.append(CountsProgbarLogger())  # counts shown as integers
         self.stop_reason = None
         dropped_before = self.dropped_examples
         try:

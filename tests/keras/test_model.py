@@ -2,6 +2,7 @@
 serialisation, bad inputs -- on small slices of real MNIST."""
 
 import math
+import re
 
 import dp_accounting
 import keras
@@ -474,6 +475,21 @@ def test_budget_stop_says_so_and_records_why(capsys):
     assert history.stop_reason == dp.stop_reason == "budget_spent"
     done = dp.fit(x, y, lot_size=100, epochs=1, verbose=0)
     assert done.stop_reason == "completed"
+
+
+@pytest.mark.parametrize("verbose", [1, 2])
+def test_the_progress_bar_shows_counts_as_integers(capsys, verbose):
+    """Keras's bar formats every log as a float (``lots: 10.0000``); the lot and
+    drop counts are integers, and the history keeps them as integers."""
+    x, y = mnist_slice(200, features=60)
+    dp = dp_model()
+    history = dp.fit(x, y, lot_size=20, epochs=1, verbose=verbose)
+    out = capsys.readouterr().out
+    assert re.search(r"lots: 10(\s|$)", out), out
+    assert re.search(r"dropped_examples: 0(\s|$)", out), out
+    assert "lots: 10.0" not in out and "dropped_examples: 0.0" not in out
+    assert re.search(r"epsilon: \d+\.\d{4}", out), out  # other values as Keras shows them
+    assert history.history["lots"] == [10] and isinstance(history.history["lots"][0], int)
 
 
 def test_train_metrics_can_be_switched_off():
