@@ -139,8 +139,9 @@ def test_unwritable_output_is_refused_before_data_loads(command, tmp_path):
 
 def test_train_refusals_are_one_line_and_missing_data_names_the_flags(tmp_path):
     """A refusal is one line (no usage block); a finished run's results are not
-    replaced without --overwrite; the data-not-found message speaks the command
-    line's words (--data-dir), not Python's (data_dir=)."""
+    replaced without --overwrite; the data-not-found message of `train` and
+    `federated` (both take --data-dir) speaks the command line's words, not
+    Python's (data_dir=, download=False)."""
     empty = tmp_path / "empty"
     empty.mkdir()
     offline = dict(
@@ -161,13 +162,18 @@ def test_train_refusals_are_one_line_and_missing_data_names_the_flags(tmp_path):
         ], res.stderr
         assert message in res.stderr and "usage:" not in res.stderr
     assert json.loads(done.read_text())["test_accuracy"] == 0.9448  # untouched
-    res = _run(
-        ["train", "mnist", "--data-dir", str(empty), "--output", str(done), "--overwrite"],
-        **offline,
-    )
-    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
-    assert "--data-dir /that/dir" in res.stderr and "data_dir=" not in res.stderr
-    assert "download=True" not in res.stderr and "usage:" not in res.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for command in (
+        ["train", "mnist", "--output", str(done), "--overwrite"],
+        ["federated", "--rounds", "1", "--output", str(tmp_path / "fed.json")],
+    ):
+        res = _run([*command, "--data-dir", str(elsewhere)], **offline)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert str(elsewhere) in res.stderr  # where --data-dir pointed is searched
+        assert "--data-dir /that/dir" in res.stderr and "usage:" not in res.stderr
+        for python_words in ("data_dir", "download=True", "download=False"):
+            assert python_words not in res.stderr, res.stderr
 
 
 def test_missing_parents_of_the_output_are_created(tmp_path):

@@ -404,15 +404,19 @@ def _not_found_message(
         f"Could not find the {spec.display_name} dataset ({spec.name!r}).",
         "Looked for any one of these file sets:",
     ]
+    data_dir = "--data-dir" if cli else "data_dir"
     for fs in sets:
-        where = " (only in data_dir and per-dataset folders)" if fs.generic_names else ""
+        where = f" (only in {data_dir} and per-dataset folders)" if fs.generic_names else ""
         lines.append(f"  - [{fs.name}] {fs.describe()}{where}")
     lines.append("in these places, in this order:")
     for i, place in enumerate(places, 1):
-        lines.append(f"  {i}. {place.path}  [{place.origin}]{place.status()}")
+        origin = place.origin.replace("data_dir argument", "--data-dir") if cli else place.origin
+        lines.append(f"  {i}. {place.path}  [{origin}]{place.status()}")
     if not os.environ.get("DPFL_DATA_DIR", "").strip():
         lines.append("  (DPFL_DATA_DIR is not set)")
     if download_error:
+        if cli:
+            download_error = download_error.replace("download=False argument or ", "")
         lines.append(f"Download: {download_error}.")
     lines.append("To provide the files:")
     lines.append(

@@ -110,6 +110,12 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument(
         "--train-subset", type=_int, help="use only this many training examples (default: all)"
     )
+    d.add_argument(
+        "--data-dir",
+        default=None,
+        help="where the dataset files are (sets DPFL_DATA_DIR for this run; default: "
+        "$DPFL_DATA_DIR, the Keras cache, /usr/share/datasets, then a download)",
+    )
     s = p.add_argument_group("rounds")
     who = s.add_mutually_exclusive_group()
     who.add_argument(
@@ -529,6 +535,11 @@ def _run_federated(args, error) -> int:
         )
         if args.checkpoint_dir is not None:
             check_output_dir("--checkpoint-dir", args.checkpoint_dir)
+        if args.data_dir is not None:
+            if not os.path.isdir(args.data_dir):
+                raise ValueError(f"--data-dir {args.data_dir!r} is not a directory")
+            # the clients (Ray's workers too) find the data where the CLI was told
+            os.environ["DPFL_DATA_DIR"] = os.path.abspath(args.data_dir)
     except ValueError as e:
         error(str(e))
     config = config_from_args(args, error)
