@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 __all__ = [
+    "counted",
     "check_output_file",
     "check_output_dir",
     "resolve_output",
@@ -35,6 +36,14 @@ __all__ = [
     "EXIT_CODES",
     "DEFAULT_RUNS_DIR",
 ]
+
+
+def counted(n, unit: str) -> str:
+    """``"1 epoch"``, ``"2.5 epochs"``: `n` `unit` (a plural) in the number it takes."""
+    one = isinstance(n, (int, float)) and n == 1
+    shown = f"{n:g}" if isinstance(n, float) else n
+    return f"{shown} {unit[:-1] if one and unit.endswith('s') else unit}"
+
 
 #: the values of a results file's ``status``
 STATUSES = ("running", "completed", "budget_spent", "interrupted", "failed")
@@ -368,7 +377,7 @@ def run_command(run: CommandRun, refuse: Callable[[str], None]) -> int:
                 )
         except RunInterrupted:
             kept = (
-                f"results of {results.last.get(unit)} {unit} in {out}"
+                f"results of {counted(results.last.get(unit), unit)} in {out}"
                 if results.written
                 else "nothing measured yet"
             )
@@ -397,7 +406,7 @@ def run_command(run: CommandRun, refuse: Callable[[str], None]) -> int:
                 return 2
             results.write("failed", results.last, error=message)
             print(
-                f"dpfl-tf {run.command}: failed after {results.last.get(unit)} {unit}: "
+                f"dpfl-tf {run.command}: failed after {counted(results.last.get(unit), unit)}: "
                 f"{message}; results so far in {out} (status failed)",
                 file=sys.stderr,
             )

@@ -14,7 +14,7 @@ import math
 import sys
 from typing import Callable, Sequence
 
-from dpfl_tf._runs import quiet_tensorflow
+from dpfl_tf._runs import counted, quiet_tensorflow
 from dpfl_tf._validation import check_count, check_number, float_arg
 
 __all__ = ["main", "build_parser"]
@@ -50,12 +50,18 @@ def _add_privacy_parser(sub) -> None:
         help="epochs; steps = epochs / q (shuffle: epochs x (N // L), an epoch being N // L lots)",
     )
     p.add_argument("--delta", "-d", type=float_arg, required=True, help="delta in (0, 1)")
-    p.add_argument("--accountant", default="moments", choices=["moments", "rdp", "pld", "strong"])
+    p.add_argument(
+        "--accountant",
+        default="moments",
+        choices=["moments", "rdp", "pld", "strong"],
+        help="the accountant (default: moments, Abadi et al.'s)",
+    )
     p.add_argument(
         "--sampling",
         default="poisson",
         choices=["poisson", "fixed_size", "shuffle"],
-        help="how lots are drawn (fixed_size and shuffle need --dataset-size and --lot-size)",
+        help="how lots are drawn (default: poisson; fixed_size and shuffle need "
+        "--dataset-size and --lot-size)",
     )
     p.add_argument("--dataset-size", type=float_arg, help="N (fixed_size / shuffle sampling)")
     p.add_argument("--lot-size", type=float_arg, help="L (fixed_size / shuffle sampling)")
@@ -211,11 +217,11 @@ def _run_privacy(args, error) -> int:
         print(f"epsilon = {eps:.4f} at delta = {v['delta']:g}")
     if v["lots_per_epoch"] is not None:
         length = (
-            f"{v['steps']} steps: {v['epochs_accounted']} epochs of "
-            f"{v['lots_per_epoch']} lots touched"
+            f"{counted(v['steps'], 'steps')}: {counted(v['epochs_accounted'], 'epochs')} of "
+            f"{counted(v['lots_per_epoch'], 'lots')} touched"
         )
     else:
-        length = f"{v['steps']} steps ({v['epochs']:g} epochs)"
+        length = f"{counted(v['steps'], 'steps')} ({counted(v['epochs'], 'epochs')})"
     print(f"  {args.accountant} accountant, {length}: {describe_event(event)}")
     return 0
 
@@ -490,8 +496,7 @@ def _run_train(args, error) -> int:
         return mnist.train_mnist(config, **kw)
 
     def summary(r) -> list:
-        epochs = f"{r['epochs']} epoch{'s' if r['epochs'] != 1 else ''}"
-        line = f"test accuracy = {r['test_accuracy']:.4f} after {epochs}"
+        line = f"test accuracy = {r['test_accuracy']:.4f} after {counted(r['epochs'], 'epochs')}"
         if model == "convnet":
             line += (
                 f" on {r['dataset']} (start {r['pretrained_on_cifar10_test']:.4f}; "

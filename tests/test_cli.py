@@ -64,6 +64,19 @@ def test_privacy_text_and_calibration(capsys):
     assert "epsilon = 2.57" in capsys.readouterr().out
 
 
+def test_privacy_counts_in_the_number_they_take(capsys):
+    assert main(["privacy", "-q", "0.01", "-s", "1.1", "-E", "1", "-d", "1e-5"]) == 0
+    assert "100 steps (1 epoch):" in capsys.readouterr().out
+    assert main(["privacy", "-q", "0.01", "-s", "1.1", "-E", "2.5", "-d", "1e-5"]) == 0
+    assert "250 steps (2.5 epochs):" in capsys.readouterr().out
+    shuffle = ["--sampling", "shuffle", "--dataset-size", "100", "--lot-size", "100"]
+    assert (
+        main(["privacy", "-s", "1.1", "-T", "1", "-d", "1e-5", *shuffle, "--accountant", "rdp"])
+        == 0
+    )
+    assert "1 step: 1 epoch of 1 lot touched" in capsys.readouterr().out
+
+
 def test_zero_noise_is_said_plainly(capsys):
     assert main(["privacy", "-q", "0.01", "-s", "0", "-E", "1", "-d", "1e-5"]) == 0
     assert "epsilon = inf" in capsys.readouterr().out

@@ -231,7 +231,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
         raise RuntimeError(
             "DPOptimizer received ordinary (unclipped, un-noised) gradients. Train with "
             "dpfl_tf.keras.DPModel(model), whose train_step clips per example and adds the "
-            "noise; a DPOptimizer never applies gradients without privacy."
+            "noise, or, in a custom training loop, compute the gradient with "
+            "dpfl_tf.keras.dp_gradients (clipped per example, noised, recorded in a "
+            "ledger) and apply it with this optimizer's apply_noised_gradients; a "
+            "DPOptimizer never applies gradients without privacy."
         )
 
     def apply_gradients(self, grads_and_vars):

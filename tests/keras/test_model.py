@@ -340,6 +340,9 @@ def test_bad_inputs_give_clear_errors():
     plain.compile(optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss())
     with pytest.raises(RuntimeError, match="ordinary .unclipped, un-noised. gradients"):
         plain.fit(x, y, epochs=1, verbose=0)
+    opt = DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0)
+    with pytest.raises(RuntimeError, match="custom training loop.*dp_gradients"):
+        opt.apply_gradients(zip([tf.zeros(3)], [tf.Variable(tf.zeros(3))]))
     with pytest.raises(ValueError, match="l2_norm_clip must be > 0"):
         DPSGD(0.1, l2_norm_clip=-1.0, noise_multiplier=1.0)
     with pytest.raises(ValueError, match="noise_multiplier must be >= 0"):
