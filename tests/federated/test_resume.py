@@ -17,6 +17,14 @@ def _cfg(dp):
         "local": dict(ldp_mechanism="piecewise", ldp_epsilon=2.0, ldp_bound=0.5),
         "client": dict(sampling="fixed_size", accountant="rdp", noise_multiplier=0.5),
         "global": dict(clip="adaptive", clip_count_stddev=2.0),
+        # secure-sum noise shares, dropouts drawn per round
+        "distributed": dict(
+            sampling="fixed_size",
+            min_clients=2,
+            dropout_rate=0.2,
+            noise_multiplier=1.0,
+            bits=16,
+        ),
         "none": {},
     }[dp]
     return FederatedConfig(
@@ -50,7 +58,14 @@ def _stop_after(calls):
 
 
 @pytest.mark.parametrize(
-    "dp, every_round", [("global", True), ("client", False), ("local", True), ("none", False)]
+    "dp, every_round",
+    [
+        ("global", True),
+        ("client", False),
+        ("local", True),
+        ("distributed", True),
+        ("none", False),
+    ],
 )
 def test_interrupted_and_resumed_run_ends_as_the_uninterrupted_one(
     mnist_small, tmp_path, dp, every_round

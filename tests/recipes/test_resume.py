@@ -1,6 +1,8 @@
 """Resume is tested on the model, not only on the books: a seeded `train` run
 interrupted inside an epoch and resumed ends with the weights and the test
-accuracy of the same run uninterrupted, for every model of the MNIST recipe."""
+accuracy of the same run uninterrupted, for every model of the MNIST recipe
+and with the CIFAR-10 scattering recipes' settings (DP feature statistics,
+mirror views; the CIFAR-10 convnet's resume is in test_cifar10.py)."""
 
 import numpy as np
 import pytest
@@ -43,6 +45,26 @@ CONFIGS = {
     "scatter_linear": dict(
         model="scatter_linear",
         projection="none",
+        l2_norm_clip=0.1,
+        learning_rate=4.0,
+        final_learning_rate=4.0,
+        momentum=0.9,
+    ),
+    "scatter_cnn": dict(
+        model="scatter_cnn",
+        projection="none",
+        l2_norm_clip=0.1,
+        learning_rate=4.0,
+        final_learning_rate=4.0,
+        momentum=0.9,
+    ),
+    # the CIFAR-10 scattering recipes' settings (a DP release of the feature
+    # statistics before the first lot, mirror views) on the MNIST slice
+    "scatter_linear_dp_stats_mirror": dict(
+        model="scatter_linear",
+        projection="none",
+        feature_norm="dp_stats",
+        mirror_views=True,
         l2_norm_clip=0.1,
         learning_rate=4.0,
         final_learning_rate=4.0,
