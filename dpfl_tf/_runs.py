@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 __all__ = [
     "counted",
+    "peak_rss_mb",
+    "result_status",
     "check_output_file",
     "check_output_dir",
     "resolve_output",
@@ -49,6 +51,30 @@ def counted(n, unit: str) -> str:
 STATUSES = ("running", "completed", "budget_spent", "interrupted", "failed")
 #: statuses of a run that ended: its results file is not overwritten without --overwrite
 FINISHED = ("completed", "budget_spent")
+
+
+def result_status(stop_reason: str | None) -> str:
+    """A results file's ``status`` for a finished run's stop reason: ``train``'s
+    ("completed", "budget_spent", "interrupted") and the federated server's
+    ("privacy budget ...", "interrupted", ...)."""
+    if stop_reason == "interrupted":
+        return "interrupted"
+    if stop_reason == "budget_spent" or (stop_reason or "").startswith("privacy budget"):
+        return "budget_spent"
+    return "completed"
+
+
+def peak_rss_mb(usage=None) -> float:
+    """Peak resident memory in MiB (``ru_maxrss``, what ``/usr/bin/time -v`` calls
+    the maximum resident set size) of this process so far, or of the
+    ``resource.struct_rusage`` `usage` (a child's, from ``wait4``)."""
+    import resource
+
+    if usage is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)  # bytes / KiB
+
+
 #: where a command's results go by default (relative to the working directory)
 DEFAULT_RUNS_DIR = "runs"
 #: exit code of a run stopped by a signal: 128 + the signal number (as a shell reports it)

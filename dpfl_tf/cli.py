@@ -14,7 +14,7 @@ import math
 import sys
 from typing import Callable, Sequence
 
-from dpfl_tf._runs import counted, quiet_tensorflow
+from dpfl_tf._runs import counted, quiet_tensorflow, result_status
 from dpfl_tf._validation import check_count, check_number, float_arg
 
 __all__ = ["main", "build_parser"]
@@ -566,14 +566,6 @@ def _check_outputs(args, error, default_name: str) -> None:
         error(str(e))
 
 
-def _status(stop_reason: str | None) -> str:
-    return {
-        "completed": "completed",
-        "budget_spent": "budget_spent",
-        "interrupted": "interrupted",
-    }.get(stop_reason or "", "completed")
-
-
 def _run_with_results(
     args, error, train: Callable[..., dict], summary, *, unit: str, resumed, progress, figure
 ) -> int:
@@ -611,7 +603,7 @@ def _run_with_results(
             checkpoint_dir=args.checkpoint_dir,
             unit=unit,
             run=run,
-            status=lambda r: _status(r.get("stop_reason")),
+            status=lambda r: result_status(r.get("stop_reason")),
             resumed=resumed,
             progress=progress,
             summary=summary,

@@ -30,6 +30,7 @@ __all__ = [
     "load_runs",
     "peak_rss_mb",
     "run_child",
+    "run_writer",
     "run_measured",
     "shown",
 ]
@@ -41,6 +42,8 @@ DATA_DIR = os.environ.get("DPFL_DATA_DIR", os.path.join(os.path.dirname(ROOT), "
 for _path in (os.path.join(ROOT, "experiments"), ROOT):
     if _path not in sys.path:
         sys.path.insert(0, _path)
+
+from dpfl_tf._runs import peak_rss_mb  # noqa: E402 -- importable once ROOT is on the path
 
 
 def commit_of(tree: str = ROOT, *, untracked: bool = False) -> str:
@@ -94,13 +97,6 @@ def load_runs(path: str) -> list:
     return []
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MB (``ru_maxrss``)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def run_measured(
     command: list,
     *,
@@ -133,42 +129,56 @@ def run_measured(
         "command": shlex.join(command),
         "exit_code": os.waitstatus_to_exitcode(status),
         "wall_seconds": round(time.perf_counter() - start, 1),
-        "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+        "peak_rss_mb": round(peak_rss_mb(usage), 1),
         "load_average_before": [round(v, 2) for v in load],
     }
 
 
-def run_child(cmd: list, timeout: float, *, key: str = "seconds_per_epoch") -> dict:
-    """Runs a worker that writes one JSON object to the path given after
-    ``--output`` (appended to `cmd` here) and returns that object.
+def run_writer(cmd: list, timeout: float) -> tuple:
+    """Runs a worker that writes JSON to the path given after ``--output``
+    (appended to `cmd` here): (what it wrote, or None, and why it failed: "" on
+    exit 0, else the last 2,000 characters of its stderr, else of its stdout,
+    else "exit N", or "timed out after N s").  What a worker wrote before it
+    died or was killed is kept.
 
     The child runs in the checkout with it as ``PYTHONPATH`` and TensorFlow's
-    C++ logging at warnings.  A child that wrote nothing, or an object with no
-    value for `key` and no "error", gets `key` None and as "error" the last
-    2,000 characters of its stderr (else of its stdout, else "exit N").  One
-    still running after `timeout` seconds is killed:
-    ``{key: None, "error": "timed out after N s"}``."""
+    C++ logging at warnings."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out_path = f.name
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
     try:
-        proc = subprocess.run(
-            cmd + ["--output", out_path],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            cwd=ROOT,
-        )
-        result = {}
+        try:
+            proc = subprocess.run(
+                cmd + ["--output", out_path],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=env,
+                cwd=ROOT,
+            )
+            why = (
+                ((proc.stderr or proc.stdout)[-2000:] or f"exit {proc.returncode}")
+                if proc.returncode
+                else ""
+            )
+        except subprocess.TimeoutExpired:
+            why = f"timed out after {timeout:.0f} s"
+        written = None
         if os.path.getsize(out_path) > 0:
             with open(out_path) as f:
-                result = json.load(f)
-        if result.get(key) is None and not result.get("error"):
-            result[key] = None
-            result["error"] = (proc.stderr or proc.stdout)[-2000:] or f"exit {proc.returncode}"
-        return result
-    except subprocess.TimeoutExpired:
-        return {key: None, "error": f"timed out after {timeout:.0f} s"}
+                written = json.load(f)
+        return written, why
     finally:
         os.unlink(out_path)
+
+
+def run_child(cmd: list, timeout: float, *, key: str = "seconds_per_epoch") -> dict:
+    """Runs a worker (`run_writer`) that writes one JSON object and returns that
+    object.  One that wrote nothing, or an object with no value for `key` and
+    no "error", gets `key` None and as "error" why it failed."""
+    result, why = run_writer(cmd, timeout)
+    result = result or {}
+    if result.get(key) is None and not result.get("error"):
+        result[key] = None
+        result["error"] = why or "wrote no result"
+    return result

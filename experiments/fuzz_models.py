@@ -42,14 +42,12 @@ import dataclasses
 import functools
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
 import numpy as np
-from _common import RESULTS, ROOT, command_line, commit_of
+from _common import RESULTS, command_line, commit_of, run_writer
 
 TOLERANCE = {"float32": 1e-5, "mixed_float16": 2e-2, "mixed_bfloat16": 1e-1}
 # features whose wrong results the library's coming refusals address
@@ -739,32 +737,9 @@ def summarise(rows: list) -> dict:
 def _worker(seeds: list, timeout: float) -> tuple[list, str]:
     """Runs seeds in a child process (bounded memory); its rows (written after
     each model) and, if it died or timed out, why."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--worker",
-        "--output",
-        out,
-        "--seeds",
-        *map(str, seeds),
-    ]
-    why = ""
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
-        )
-        why = (proc.stderr or proc.stdout)[-600:] if proc.returncode else ""
-    except subprocess.TimeoutExpired:
-        why = f"timed out after {timeout:.0f} s"
-    rows = []
-    if os.path.getsize(out) > 0:
-        with open(out) as f:
-            rows = json.load(f)
-    os.unlink(out)
-    return rows, why
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--seeds", *map(str, seeds)]
+    rows, why = run_writer(cmd, timeout)
+    return rows or [], why[-600:]
 
 
 def run_seeds(seeds: list, timeout: float) -> list:

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import resource
-import sys
 import time
 from typing import Any, Sequence
 
 import numpy as np
 
+from dpfl_tf._runs import peak_rss_mb, result_status  # noqa: F401 -- re-exported
 from dpfl_tf._seeds import derive_rng, derive_seed
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
 from dpfl_tf.federated.partition import PartitionScheme, make_partition
@@ -512,12 +511,6 @@ class FederatedConfig:
         return out
 
 
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, in MiB."""
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r / 1024.0 if sys.platform != "darwin" else r / 2**20
-
-
 def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True):
     """(server, dataset) for a config; `dataset` defaults to ``load_dataset(config.dataset)``."""
     from dpfl_tf.data import load_dataset
@@ -747,13 +740,6 @@ def _mechanism(c: FederatedConfig) -> str:
     if c.dp in CORRELATED_DP:
         return c.dp.value
     return "global_dp" if c.dp is DPMode.GLOBAL else "client_dp"
-
-
-def result_status(stop_reason: str | None) -> str:
-    """A results file's ``status`` for a finished run's stop reason."""
-    if stop_reason == "interrupted":
-        return "interrupted"
-    return "budget_spent" if (stop_reason or "").startswith("privacy budget") else "completed"
 
 
 def run_federated(
