@@ -348,7 +348,7 @@ def test_train_scatter_models_use_their_defaults(
         mirror,
     )
     # the physical batch: smaller with two views, smallest for the CNN (memory only)
-    assert config.batch_size == (4096 if not mirror else 1024 if model == "scatter_cnn" else 2048)
+    assert config.batch_size == (4096 if not mirror else 256 if model == "scatter_cnn" else 2048)
 
 
 def test_mirror_views_are_refused_for_models_without_scattering_features(capsys):
