@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 __all__ = [
     "counted",
+    "check_run_outputs",
     "peak_rss_mb",
     "result_status",
     "check_output_file",
@@ -172,6 +173,23 @@ def resolve_output(
                 f"{flag}"
             )
     return path
+
+
+def check_run_outputs(args, default_name: str) -> None:
+    """A command's outputs before any data is loaded (``ValueError`` names the
+    flag): ``args.output`` resolved (`resolve_output`; a checkpoint directory that
+    holds a run means a resume) and ``args.checkpoint_dir`` writable."""
+    checkpoint = getattr(args, "checkpoint_dir", None)
+    resuming = checkpoint is not None and os.path.isdir(checkpoint) and bool(os.listdir(checkpoint))
+    args.output = resolve_output(
+        "--output",
+        args.output,
+        default_name,
+        overwrite=getattr(args, "overwrite", False),
+        resuming=resuming,
+    )
+    if checkpoint is not None:
+        check_output_dir("--checkpoint-dir", checkpoint)
 
 
 class ResultsFile:

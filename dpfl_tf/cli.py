@@ -535,25 +535,10 @@ def _check_outputs(args, error, default_name: str) -> None:
     """Before any data is loaded: the results file (and checkpoint / TensorBoard
     directories) can be written -- missing parents are created -- or the run is
     refused with one line (exit code 2)."""
-    import os
-
-    from dpfl_tf._runs import check_output_dir, resolve_output
+    from dpfl_tf._runs import check_output_dir, check_run_outputs
 
     try:
-        resuming = (
-            args.checkpoint_dir is not None
-            and os.path.isdir(args.checkpoint_dir)
-            and bool(os.listdir(args.checkpoint_dir))
-        )
-        args.output = resolve_output(
-            "--output",
-            args.output,
-            default_name,
-            overwrite=getattr(args, "overwrite", False),
-            resuming=resuming,
-        )
-        if getattr(args, "checkpoint_dir", None) is not None:
-            check_output_dir("--checkpoint-dir", args.checkpoint_dir)
+        check_run_outputs(args, default_name)
         if getattr(args, "tensorboard", None) is not None:
             from dpfl_tf.keras.tensorboard import require_tensorboard
 

@@ -516,25 +516,10 @@ def _run_federated(args, error) -> int:
     round, Ctrl-C, failures, the resume command); `error` refuses in one line."""
     import os
 
-    from dpfl_tf._runs import (
-        CommandRun,
-        check_output_dir,
-        quiet_tensorflow,
-        resolve_output,
-        run_command,
-    )
+    from dpfl_tf._runs import CommandRun, check_run_outputs, quiet_tensorflow, run_command
 
     try:  # before any data is loaded
-        resuming = (
-            args.checkpoint_dir is not None
-            and os.path.isdir(args.checkpoint_dir)
-            and bool(os.listdir(args.checkpoint_dir))
-        )
-        args.output = resolve_output(
-            "--output", args.output, "federated", overwrite=args.overwrite, resuming=resuming
-        )
-        if args.checkpoint_dir is not None:
-            check_output_dir("--checkpoint-dir", args.checkpoint_dir)
+        check_run_outputs(args, "federated")
         if args.data_dir is not None:
             if not os.path.isdir(args.data_dir):
                 raise ValueError(f"--data-dir {args.data_dir!r} is not a directory")
