@@ -76,6 +76,7 @@ __all__ = ["DPModel"]
 
 _NO_LIMIT = np.iinfo(np.int64).max
 PROBE_LOTS = 4  # lots read at most for the cross-example probe's 2h examples
+PROBE_CHUNK = 64  # examples of a lot the probe copies at a time
 XLA_PAD = 64  # under XLA, lots are padded to a multiple of 64 examples (few shapes to compile)
 MAX_DEFAULT_BATCH = 1024
 MATERIALISED_BYTES = 2**30  # default physical batch: at most 1 GiB of per-example gradients
@@ -523,22 +524,30 @@ class DPModel(keras.Model):
         try:
             for _ in range(PROBE_LOTS):
                 x, y, mask, *_ = next(lots)  # (user slots)
-                # the lot's first real examples (4x those still needed, for repeats),
-                # not all: a lot can be a GB (copying it whole raised the peak memory
-                # of the CIFAR-10 scattering recipes by 2.3 GB)
-                real = tf.where(local(mask)[0] > 0)[: 4 * (2 * PROBE_HALF - len(xs)), 0]
-                x = tf.nest.map_structure(lambda t: tf.gather(local(t)[0], real), x)
-                y = tf.gather(local(y)[0], real)
+                x, y = tf.nest.map_structure(lambda t: local(t)[0], x), local(y)[0]
+                real = tf.where(local(mask)[0] > 0)[:, 0]
                 del mask
                 # distinct records only: lots that repeat examples (full-batch lots, a
-                # small dataset) would make the probe's two halves equal and blind it
-                for i in range(int(tf.size(real))):
-                    record = tf.nest.map_structure(lambda t: t[i], x)
-                    key = b"".join(np.asarray(t).tobytes() for t in tf.nest.flatten((record, y[i])))
-                    if key not in seen:
-                        seen.add(key)
-                        xs.append(record)
-                        ys.append(y[i])
+                # small dataset) would make the probe's two halves equal and blind it.
+                # The lot is read in chunks, not copied whole: a lot can be a GB
+                # (CIFAR-10's scattering recipes peaked 5 GB higher for that copy)
+                for start in range(0, int(tf.size(real)), PROBE_CHUNK):
+                    rows = real[start : start + PROBE_CHUNK]
+                    xc = tf.nest.map_structure(lambda t: tf.gather(t, rows), x)
+                    yc = tf.gather(y, rows)
+                    for i in range(int(tf.size(rows))):
+                        record = tf.nest.map_structure(lambda t: t[i], xc)
+                        key = b"".join(
+                            np.asarray(t).tobytes() for t in tf.nest.flatten((record, yc[i]))
+                        )
+                        if key not in seen:
+                            seen.add(key)
+                            xs.append(record)
+                            ys.append(yc[i])
+                        if len(xs) >= 2 * PROBE_HALF:
+                            break
+                    if len(xs) >= 2 * PROBE_HALF:
+                        break
                 del x, y
                 if len(xs) >= 2 * PROBE_HALF:
                     break

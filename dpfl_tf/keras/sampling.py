@@ -307,11 +307,12 @@ class LotSampler:
         prefetch = check_count("prefetch", prefetch, minimum=1)
         reader, total = self._reader_and_total(x, y, epochs)
         ahead = self.lots_ahead(reader, prefetch)
+        weak = not tf.inside_function()  # a dataset built in a graph is not kept
 
         def load(t, idx):
             n = tf.shape(idx, out_type=tf.int64)[0]
             padded = tf.maximum(tf.constant(pad_to, tf.int64), (n + pad_to - 1) // pad_to * pad_to)
-            return _read_padded(reader, idx, padded, preprocess, t)
+            return _read_padded(reader, idx, padded, preprocess, t, weak=weak)
 
         # the parallel map runs `ahead` lots ahead of the one in training
         return _holding(
@@ -382,6 +383,7 @@ class LotSampler:
                 f"do not exist among {replicas}"
             )
         reader, total = self._reader_and_total(x, y, epochs)
+        weak = not tf.inside_function()  # a dataset built in a graph is not kept
 
         def with_replica(t, idx):  # (lot, replica) for each local replica, in order
             mine = tf.range(first_replica, first_replica + local_replicas, dtype=tf.int64)
@@ -398,7 +400,7 @@ class LotSampler:
             share = tf.maximum(tf.constant(1, tf.int64), (n + replicas - 1) // replicas)
             start = tf.minimum(replica * share, n)
             return _read_padded(
-                reader, idx[start : tf.minimum(start + share, n)], share, preprocess, t
+                reader, idx[start : tf.minimum(start + share, n)], share, preprocess, t, weak=weak
             )
 
         return _holding(
@@ -426,11 +428,11 @@ def takes_lot(preprocess: Callable) -> bool:
         return False
 
 
-def _read_padded(reader, idx, size, preprocess, lot):
+def _read_padded(reader, idx, size, preprocess, lot, weak=False):
     """(x, y, mask) of the records `idx` of lot number `lot`, `preprocess`ed
     (given the lot number when it takes one: randomness keyed by the lot),
-    padded with zero (masked) examples to `size`."""
-    xb, yb = reader.read(idx)
+    padded with zero (masked) examples to `size`; `weak`: see `IndexedReader.read`."""
+    xb, yb = reader.read(idx, weak=weak)
     if preprocess is not None:
         xb = preprocess(xb, lot=lot) if takes_lot(preprocess) else preprocess(xb)
     real = tf.shape(idx, out_type=tf.int64)[0]

@@ -146,7 +146,7 @@ class ArrayReader:
             for t in tf.nest.flatten(self._x) + [self._y]
         )
 
-    def read(self, idx: tf.Tensor):
+    def read(self, idx: tf.Tensor, *, weak: bool = False):  # tensors: no Python to hold
         return tf.nest.map_structure(lambda t: tf.gather(t, idx), self._x), tf.gather(self._y, idx)
 
     def raise_pending(self) -> None:
@@ -270,19 +270,26 @@ class IndexedReader:
                         self.error.__cause__ = e
             raise
 
-    def read(self, idx: tf.Tensor):
+    def read(self, idx: tf.Tensor, *, weak: bool = False):
+        """The records `idx` (read in a `tf.numpy_function`).  TensorFlow keeps
+        every numpy_function's callable for the life of the process (in its
+        global graph); with `weak` it holds this reader weakly, so the reader, its
+        source and its thread pool end with the dataset that holds them
+        (`LotSampler.dataset` and `replica_shares` built eagerly keep their
+        reader on the dataset)."""
         leaves = tf.nest.flatten(self._x_spec) + [self._y_spec]
-        # TensorFlow keeps every numpy_function's callable for the life of the
-        # process (in its global graph): it gets a weak reference, so the reader,
-        # its source and its thread pool end with the dataset that holds them
-        # (`LotSampler.dataset` and `replica_shares` keep the reader alive)
-        reader = weakref.ref(self)
+        read_numpy = self._read_numpy
+        if weak:
+            reader = weakref.ref(self)
 
-        def read_numpy(idx):
-            alive = reader()
-            if alive is None:
-                raise SourceError("the source was released while its lots were read")
-            return alive._read_numpy(idx)
+            def read_numpy(idx):
+                alive = reader()
+                if alive is None:
+                    raise SourceError(
+                        "the dataset's reader was garbage-collected: keep the dataset of "
+                        "LotSampler.dataset() referenced while it is read"
+                    )
+                return alive._read_numpy(idx)
 
         out = tf.numpy_function(
             read_numpy, [idx], [tf.as_dtype(s.dtype) for s in leaves], stateful=False

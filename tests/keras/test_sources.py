@@ -201,6 +201,24 @@ def test_the_read_threads_of_a_source_end_with_its_fit():
     assert len(_settled_reader_threads(at_most=before)) <= before
 
 
+def test_a_dataset_built_inside_a_tf_function_reads_its_source():
+    """A dataset built while tracing is thrown away after tracing: its reader
+    must not depend on it to stay alive (only eagerly built ones do)."""
+    x, y = mnist_slice(40, features=60)
+    source = ItemSource(x.astype(np.float32), y)
+
+    @tf.function
+    def first_lot():
+        lots = LotSampler(40, 20, seed=0).dataset(source, epochs=1)
+        return lots.take(1).get_single_element()
+
+    xb, yb, mask = first_lot()
+    real = mask.numpy() > 0
+    assert real.sum() > 0
+    rows = [np.flatnonzero((x.astype(np.float32) == r).all(axis=1))[0] for r in xb.numpy()[real]]
+    np.testing.assert_array_equal(yb.numpy()[real], y[rows])
+
+
 # -- bad sources ----------------------------------------------------------------
 
 
