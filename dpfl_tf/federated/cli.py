@@ -113,8 +113,8 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument(
         "--data-dir",
         default=None,
-        help="where the dataset files are (sets DPFL_DATA_DIR for this run; default: "
-        "$DPFL_DATA_DIR, the Keras cache, /usr/share/datasets, then a download)",
+        help="where the dataset files are (searched first; then $DPFL_DATA_DIR, the Keras "
+        "cache, /usr/share/datasets, then a download)",
     )
     s = p.add_argument_group("rounds")
     who = s.add_mutually_exclusive_group()
@@ -520,11 +520,8 @@ def _run_federated(args, error) -> int:
 
     try:  # before any data is loaded
         check_run_outputs(args, "federated")
-        if args.data_dir is not None:
-            if not os.path.isdir(args.data_dir):
-                raise ValueError(f"--data-dir {args.data_dir!r} is not a directory")
-            # the clients (Ray's workers too) find the data where the CLI was told
-            os.environ["DPFL_DATA_DIR"] = os.path.abspath(args.data_dir)
+        if args.data_dir is not None and not os.path.isdir(args.data_dir):
+            raise ValueError(f"--data-dir {args.data_dir!r} is not a directory")
     except ValueError as e:
         error(str(e))
     config = config_from_args(args, error)
@@ -533,8 +530,14 @@ def _run_federated(args, error) -> int:
     from dpfl_tf.federated.server import rounds_text
 
     def run(*, checkpoint_dir, checkpoint_every, should_stop, on_progress, on_resume):
+        dataset = None
+        if args.data_dir is not None:  # searched first, then the usual places
+            from dpfl_tf.data import load_dataset
+
+            dataset = load_dataset(config.dataset, data_dir=args.data_dir)
         result = run_federated(
             config,
+            dataset,
             progress=not args.no_progress,
             checkpoint_dir=checkpoint_dir,
             checkpoint_every_round=checkpoint_every,

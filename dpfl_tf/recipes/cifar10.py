@@ -327,7 +327,7 @@ def _weights_digest(net: keras.Model, names: Sequence[str]) -> str:
 class CifarRecipe(Recipe):
     """`train_cifar10` on the shared life cycle (`dpfl_tf.recipes.run`)."""
 
-    resumable_changes = ("data_dir", "eval_every", "pretrain.data_dir")
+    resumable_changes = ("data_dir", "eval_every", "batch_size", "pretrain.data_dir")
 
     def __init__(self, config: CifarConfig, pretrained=None, verbose: bool = True):
         super().__init__(config)

@@ -85,7 +85,9 @@ class Recipe:
     delta, accountant, epochs, eval_every and deltas."""
 
     #: config fields a resumed run may change (they do not change what is trained)
-    resumable_changes: tuple = ("data_dir", "eval_every")
+    #: settings a resume may change: where the data are, how often to evaluate,
+    #: the physical batch (memory only: the lots and the privacy do not change)
+    resumable_changes: tuple = ("data_dir", "eval_every", "batch_size")
     #: the config of the defaults (a checkpoint written before a field existed
     #: resumes with its default); None: every field must be recorded
     default_config = None
