@@ -113,8 +113,8 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument(
         "--data-dir",
         default=None,
-        help="where the dataset files are (searched first; then $DPFL_DATA_DIR, the Keras "
-        "cache, /usr/share/datasets, then a download)",
+        help="where the dataset files are, searched first (default: only $DPFL_DATA_DIR, "
+        "the Keras cache, /usr/share/datasets, then a download)",
     )
     s = p.add_argument_group("rounds")
     who = s.add_mutually_exclusive_group()
