@@ -25,6 +25,11 @@ def small_mnist(monkeypatch):
     monkeypatch.setattr(recipe, "load_dataset", lambda *a, **k: _Slice(real(*a, **k)))
 
 
+#: the scattering models' settings (Tramer & Boneh's clip, lr and momentum)
+_SCATTER = dict(
+    projection="none", l2_norm_clip=0.1, learning_rate=4.0, final_learning_rate=4.0, momentum=0.9
+)
+
 CONFIGS = {
     "mlp": dict(
         model="mlp",
@@ -42,33 +47,12 @@ CONFIGS = {
         learning_rate=0.5,
         final_learning_rate=0.5,
     ),
-    "scatter_linear": dict(
-        model="scatter_linear",
-        projection="none",
-        l2_norm_clip=0.1,
-        learning_rate=4.0,
-        final_learning_rate=4.0,
-        momentum=0.9,
-    ),
-    "scatter_cnn": dict(
-        model="scatter_cnn",
-        projection="none",
-        l2_norm_clip=0.1,
-        learning_rate=4.0,
-        final_learning_rate=4.0,
-        momentum=0.9,
-    ),
+    "scatter_linear": dict(model="scatter_linear", **_SCATTER),
+    "scatter_cnn": dict(model="scatter_cnn", **_SCATTER),
     # the CIFAR-10 scattering recipes' settings (a DP release of the feature
     # statistics before the first lot, mirror views) on the MNIST slice
     "scatter_linear_dp_stats_mirror": dict(
-        model="scatter_linear",
-        projection="none",
-        feature_norm="dp_stats",
-        mirror_views=True,
-        l2_norm_clip=0.1,
-        learning_rate=4.0,
-        final_learning_rate=4.0,
-        momentum=0.9,
+        model="scatter_linear", feature_norm="dp_stats", mirror_views=True, **_SCATTER
     ),
 }
 
