@@ -388,6 +388,21 @@ def test_train_cifar10_failing_mid_run_leaves_results_marked_failed(cifar_slice,
     assert [r["epoch"] for r in data["history"]] == list(range(data["epochs"] + 1))
 
 
+def test_train_scatter_run_prints_no_third_party_start_up_lines(cifar_slice, tmp_path):
+    """A ScatterNet run (scattering transform, DP feature statistics, mirror views)
+    prints what the run says and nothing from TensorFlow or absl; with -v it may."""
+    root, _ = cifar_slice
+    out = tmp_path / "s.json"
+    args, env = _cifar(root, None, out, "--model", "scatter_linear", epochs=1)
+    args = [a for a in args if a not in ("--pretrained", "None")]
+    res = _run(args, **env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _read(out)["status"] == "completed"
+    assert not [n for n in (*NOISE, "absl", "I0000", "W0000", "E0000") if n in res.stderr], (
+        res.stderr[-2000:]
+    )
+
+
 # -- federated: Ctrl-C and resume ------------------------------------------------------------
 FED = [
     "federated",

@@ -29,6 +29,25 @@ def _missing_figures(nb) -> list[str]:
     ]
 
 
+#: a path that names the machine it was written on: /home/.., /Users/.., C:\\..
+ABSOLUTE_PATH = re.compile(
+    r"(?<![\w.])(/(home|root|Users|work|tmp|mnt|var|opt|srv)/|\b[A-Za-z]:\\)"
+)
+
+
+def _absolute_paths(nb) -> list[str]:
+    """Every line of a cell's source or text output that names an absolute path
+    (a notebook run on the author's machine shows the author's data path)."""
+    found = []
+    for cell in nb.cells:
+        texts = [cell.source]
+        for out in cell.get("outputs", []):
+            texts.append("".join(out.get("text", "")))
+            texts.append("".join(out.get("data", {}).get("text/plain", "")))
+        found += [line for t in texts for line in t.splitlines() if ABSOLUTE_PATH.search(line)]
+    return found
+
+
 def test_there_are_notebooks():
     assert NOTEBOOKS, "no notebooks found"
 
@@ -46,6 +65,21 @@ def test_committed_notebook_is_executed_with_its_figures(path):
         o for c in _code_cells(nb) for o in c.get("outputs", []) if o.get("output_type") == "error"
     ]
     assert not _missing_figures(nb)
+    assert not _absolute_paths(nb), "the notebook shows its author's paths"
+
+
+def test_absolute_paths_are_detected():
+    """The check above can fail: a data path in an output, a home in a source."""
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("load('/home/alice/data/mnist.npz')", execution_count=1)
+    cell.outputs = [nbformat.v4.new_output("stream", text="read /work/shared/data/x\nok\n")]
+    win = nbformat.v4.new_code_cell("open(r'C:\\Users\\bob\\x.npz')", execution_count=3)
+    nb.cells += [cell, nbformat.v4.new_code_cell("x = 'data/home/c'", execution_count=2), win]
+    assert _absolute_paths(nb) == [
+        "load('/home/alice/data/mnist.npz')",
+        "read /work/shared/data/x",
+        "open(r'C:\\Users\\bob\\x.npz')",
+    ]
 
 
 def test_missing_figure_is_detected():
