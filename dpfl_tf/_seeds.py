@@ -14,6 +14,25 @@ the uninterrupted run drew there.  Seeds are for tests and reproducible
 experiments: a deployment draws DP noise from OS entropy (see
 `dpfl_tf.sanitizer.deployment_note`).
 
+Every seeded stream of the library takes its seed here or from the run's
+seed itself:
+
+- ``derive_seed(seed, purpose, *indices)``: the federated streams (client
+  sampling, local shuffles, server and client noise, count noise, rotations,
+  dropouts), the augmentation key and the recipes' data subsets;
+- ``noise_key(seed)``: DP-SGD's noise (`dpfl_tf.sanitizer`), two 63-bit words,
+  the Philox key of the stateless per-lot noise;
+- the seed itself: lot sampling (`dpfl_tf.keras.sampling.LotSampler`), as the
+  Philox key folded with (stream, lot);
+- ``numpy.random.default_rng(seed)``: DP-PCA's noise (`dpfl_tf.pca`) and
+  CIFAR-10's public/private split (`dpfl_tf.recipes.pretrain`, from its
+  ``split_seed``).
+
+The last three predate `derive_seed` and keep their derivation: every seeded
+result the project records (results/, docs/results/) and the shipped
+pretrained weights were drawn with them, and their streams are distinct
+generators from the hashed ones above.
+
 Nothing here imports TensorFlow.
 """
 
@@ -24,7 +43,7 @@ import operator
 
 import numpy as np
 
-__all__ = ["derive_seed", "derive_rng"]
+__all__ = ["derive_seed", "derive_rng", "noise_key"]
 
 _PERSON = b"dpfl_tf.seeds"  # BLAKE2b personalisation: these hashes are ours alone
 
@@ -51,3 +70,17 @@ def derive_seed(seed: int, purpose: str, *indices: int) -> int:
 def derive_rng(seed: int, purpose: str, *indices: int) -> np.random.Generator:
     """A numpy generator seeded with `derive_seed(seed, purpose, *indices)`."""
     return np.random.default_rng(derive_seed(seed, purpose, *indices))
+
+
+def noise_key(seed: int) -> tuple[int, int]:
+    """The 2 x 63-bit key of a seeded run's DP-SGD noise: both words hashed from
+    the seed (BLAKE2b).  The key (seed, 0) made the streams of nearby seeds
+    overlap: lot t of seed s drew seed [s XOR t, j], so seed 1's lot 0 was seed
+    2's lot 3, and runs told apart only by their seeds shared noise."""
+    digest = hashlib.blake2b(
+        f"dpfl_tf noise key {_int('seed', seed)}".encode(), digest_size=16
+    ).digest()
+    return (
+        int.from_bytes(digest[:8], "little") % 2**63,
+        int.from_bytes(digest[8:], "little") % 2**63,
+    )

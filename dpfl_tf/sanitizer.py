@@ -47,7 +47,6 @@ Noise and sensitivity
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Sequence
 
@@ -55,6 +54,7 @@ import dp_accounting
 import tensorflow as tf
 
 from dpfl_tf import secure_random
+from dpfl_tf._seeds import noise_key
 from dpfl_tf._validation import check_number
 from dpfl_tf.privacy.events import SamplingMethod, gaussian_step_event
 
@@ -88,16 +88,8 @@ def make_generator(seed: int | None = None, *, secure_mode: bool = False) -> tf.
     return tf.random.Generator.from_key_counter(key=int(seed) % 2**63, counter=[0, 0], alg="philox")
 
 
-def seeded_noise_key(seed: int) -> tuple[int, int]:
-    """The 2 x 63-bit noise key of a seeded run: both words hashed from the seed
-    (BLAKE2b).  The key (seed, 0) made the streams of nearby seeds overlap:
-    lot t of seed s drew seed [s XOR t, j], so seed 1's lot 0 was seed 2's lot 3,
-    and runs told apart only by their seeds shared noise."""
-    digest = hashlib.blake2b(f"dpfl_tf noise key {int(seed)}".encode(), digest_size=16).digest()
-    return (
-        int.from_bytes(digest[:8], "little") % 2**63,
-        int.from_bytes(digest[8:], "little") % 2**63,
-    )
+#: the noise key of a seeded run (derived with the library's other seeds)
+seeded_noise_key = noise_key
 
 
 def stream_key(seed: int | None, secure_mode: bool) -> tuple[int, int]:

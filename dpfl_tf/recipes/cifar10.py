@@ -49,6 +49,7 @@ from typing import Sequence
 import keras
 import numpy as np
 
+from dpfl_tf._seeds import derive_seed
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
 from dpfl_tf.data.cifar import cifar10_sources
 from dpfl_tf.models import cifar_convnet
@@ -350,13 +351,19 @@ class CifarRecipe(Recipe):
             _, private_idx = public_private_split(data.y_train, pre.public_size, pre.split_seed)
         else:
             private_idx = np.arange(len(data.y_train))
-        private = subset(data.train.subset(private_idx), config.limit_private, pre.split_seed + 3)
-        test = subset(data.test, config.limit_test, pre.split_seed + 2)
+        private = subset(
+            data.train.subset(private_idx),
+            config.limit_private,
+            derive_seed(pre.split_seed, "private-subset"),
+        )
+        test = subset(data.test, config.limit_test, derive_seed(pre.split_seed, "test-subset"))
         # random distortions keyed by the lot number (a resumed run draws the same)
         self.augmentation = Augmentation(normalization=config.normalization, seed=config.seed)
         y_priv = private.labels
         eval_idx, _ = stratified_split(
-            y_priv, min(config.train_eval_size, len(y_priv)), pre.split_seed + 4
+            y_priv,
+            min(config.train_eval_size, len(y_priv)),
+            derive_seed(pre.split_seed, "train-eval-subset"),
         )
         # evaluation sets are read (and centre-cropped) batch by batch at each evaluation
         train_eval = (

@@ -30,6 +30,7 @@ from typing import Sequence
 import keras
 import numpy as np
 
+from dpfl_tf._seeds import derive_seed
 from dpfl_tf._validation import ChoiceEnum, check_count, check_number
 from dpfl_tf.data import ArraySource, SourceDataset, load_dataset
 from dpfl_tf.data.cifar import cifar10_sources
@@ -279,8 +280,10 @@ def pretrain_public(
     if config.seed is not None:
         keras.utils.set_random_seed(config.seed)
     public, data = _public_data(config)
-    train = subset(public["source"], config.limit_public, config.split_seed + 1)
-    test = subset(data.test, config.limit_test, config.split_seed + 2)
+    train = subset(
+        public["source"], config.limit_public, derive_seed(config.split_seed, "public-subset")
+    )
+    test = subset(data.test, config.limit_test, derive_seed(config.split_seed, "test-subset"))
     y, y_test = train.labels, test.labels
     augmentation = Augmentation(normalization=config.normalization, seed=config.seed)
     net = cifar_convnet(
