@@ -55,7 +55,7 @@ from dpfl_tf.keras.multiworker import is_multi_worker, lot_shares
 from dpfl_tf.keras.optimizers import DPOptimizer
 from dpfl_tf.keras.per_example import PerExampleGradients, _leaf_layers, default_loss_scale
 from dpfl_tf.keras.sampling import LotSampler
-from dpfl_tf.keras.sources import SourceError, make_reader
+from dpfl_tf.keras.sources import SourceError, end_failed_pipeline, make_reader
 from dpfl_tf.keras.users import (
     USER_LEVEL_LABEL,
     PerUserGradients,
@@ -491,7 +491,8 @@ class DPModel(keras.Model):
                 validation_data=validation_data,
                 shuffle=False,
             )
-        except (tf.errors.OpError, SourceError):
+        except (tf.errors.OpError, SourceError) as e:
+            end_failed_pipeline(e)  # its reads in flight end here, not in a reader thread
             reader.raise_pending()  # a record that could not be read: say which
             raise
         finally:

@@ -305,6 +305,22 @@ class IndexedReader:
             raise error
 
 
+def end_failed_pipeline(error: BaseException) -> None:
+    """Ends, now and in this thread, the input pipelines a failed read left
+    behind.  The error's traceback holds the frames that iterated them (a
+    `tf.data` iterator with reads in flight); left to the garbage collector,
+    the iterator is destroyed in whichever thread next allocates -- possibly a
+    `tf.data` reader thread inside `ThreadPoolExecutor.submit`, holding the lock
+    that the iterator's own reads in flight wait for: a deadlock.  Clearing the
+    traceback's finished frames and collecting here ends them holding no lock
+    (the traceback keeps its lines; the finished frames lose their locals)."""
+    import gc
+    import traceback
+
+    traceback.clear_frames(error.__traceback__)
+    gc.collect()
+
+
 def _random_access(array) -> None:
     """Tells the kernel a memmap is read at random (MADV_RANDOM): no read-ahead
     around each row, so a lot reads its rows' pages, not 16x more (which

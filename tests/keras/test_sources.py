@@ -244,16 +244,15 @@ class Broken(ItemSource):
         return self.x[i], self.y[i]
 
 
-@pytest.mark.parametrize(
-    "problem,message",
-    [
-        ("raises", r"reading record 7 raised OSError: disk on fire"),
-        ("shape", r"record 7: x has shape \(59,\) dtype float32, but record 0 has shape \(60,\)"),
-        ("dtype", r"record 7: x has shape \(60,\) dtype float64, but record 0 has .* float32"),
-        ("length", r"the source changed length during training: it had 40 records, now 3\d"),
-    ],
-)
-@pytest.mark.timeout(300)  # hung once in a long-lived worker (tf.data get_next); seconds alone
+BAD_RECORDS = [
+    ("raises", r"reading record 7 raised OSError: disk on fire"),
+    ("shape", r"record 7: x has shape \(59,\) dtype float32, but record 0 has shape \(60,\)"),
+    ("dtype", r"record 7: x has shape \(60,\) dtype float64, but record 0 has .* float32"),
+    ("length", r"the source changed length during training: it had 40 records, now 3\d"),
+]
+
+
+@pytest.mark.parametrize("problem,message", BAD_RECORDS)
 def test_a_bad_record_names_its_index_and_its_lot_is_neither_applied_nor_counted(problem, message):
     x, y = mnist_slice(40, features=60)
     x = x.astype(np.float32)
@@ -268,6 +267,32 @@ def test_a_bad_record_names_its_index_and_its_lot_is_neither_applied_nor_counted
     assert dp.lots_computed == dp.lots_applied == dp.privacy_ledger.count() == 0
     for a, b in zip(w0, weights(dp)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_failed_fits_one_after_another_end_their_pipelines_without_a_deadlock():
+    """A failed read left its tf.data iterator (reads in flight) to the garbage
+    collector, which could destroy it inside another reader thread's
+    `ThreadPoolExecutor.submit`, holding the lock those reads waited for: the
+    process hung in `get_next` (in 2 of 2 tries, within the first 21 failed fits
+    of this loop).  The fits run in a child process, bounded by a timeout."""
+    import subprocess
+    import sys
+
+    code = (
+        "import faulthandler, sys\n"
+        "faulthandler.dump_traceback_later(150, exit=True)\n"
+        "from tests.keras import test_sources as t\n"
+        "for _ in range(12):\n"
+        "    for problem, message in t.BAD_RECORDS:\n"
+        "        t.test_a_bad_record_names_its_index_and_its_lot_is_neither_applied_nor_counted(\n"
+        "            problem, message)\n"
+        "print('48 failed fits')\n"
+    )
+    root = __file__.rsplit("/tests/", 1)[0]
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=240
+    )
+    assert run.returncode == 0 and "48 failed fits" in run.stdout, run.stderr[-4000:]
 
 
 def test_lots_before_a_bad_record_are_counted_and_the_bad_lot_is_not():
