@@ -26,8 +26,14 @@ ratio) the DP step is broken down per layer: each layer's rule timed alone
     python experiments/benchmark_hub.py --quick    # smoke test; timings mean nothing
     python experiments/benchmark_hub.py --models gpt2 --lora off
 
-Opacus peer rows are not run: no Opacus environment exists here (see README's
-layer benchmark for how to make one); the JSON says so.
+With ``--opacus-python <venv>/bin/python`` (an Opacus environment, made as
+experiments/peers/opacus_hub.py says) each model and LoRA setting also runs
+the peer: PyTorch non-private, Opacus ghost clipping, and Opacus's per-sample
+hooks where ghost clipping refuses the model (HuggingFace transformers built
+to the same shapes and parameter counts); their ratios are to the PyTorch
+non-private epoch.  Without it the JSON says the peer was not run.
+
+    python experiments/benchmark_hub.py --opacus-python /work/peer_envs/opacus/bin/python
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from _common import RESULTS, command_line, commit_of, peak_rss_mb, run_child
 
 MODELS = ("bert", "gpt2", "gemma", "llama", "vit")
 IMPLEMENTATIONS = ("keras_nonprivate", "dpfl_tf")
+PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "opacus_hub.py")
 CLIP, NOISE, LR, RANK = 1.0, 1.0, 0.05, 4
 FULL = dict(
     examples=2048, lot_size=128, seq=128, hidden=128, layers=2, vocab=8000, image=32, epochs=3
@@ -267,6 +274,10 @@ def main(argv=None) -> dict:
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per configuration")
     p.add_argument(
+        "--opacus-python",
+        help="the interpreter of an Opacus environment: also run the Opacus peer rows",
+    )
+    p.add_argument(
         "--output",
         help="default results/benchmark_hub.json (results/benchmark_hub_quick.json with --quick)",
     )
@@ -294,38 +305,54 @@ def main(argv=None) -> dict:
         ["--quick"] if args.quick else []
     )
     rows, started = [], time.perf_counter()
+
+    def run(cmd, implementation, base, name, lora):
+        t0, load = time.perf_counter(), os.getloadavg()
+        row = dict(
+            run_child(cmd, args.timeout),
+            model=name,
+            lora=lora == "on",
+            implementation=implementation,
+            command=" ".join(cmd[1:]),
+            wall_seconds=round(time.perf_counter() - t0, 1),
+            load_average_before=[round(v, 2) for v in load],
+        )
+        if base and base.get("seconds_per_epoch") and row.get("seconds_per_epoch"):
+            row["time_ratio"] = row["seconds_per_epoch"] / base["seconds_per_epoch"]
+            row["memory_ratio"] = row["peak_memory_mb"] / base["peak_memory_mb"]
+            row["meets_time_target"] = row["time_ratio"] <= TIME_TARGET
+            row["meets_memory_target"] = row["memory_ratio"] <= MEMORY_TARGET
+        rows.append(row)
+        print(
+            f"{name:6s} lora={lora:3s} {implementation:16s} "
+            f"{row.get('seconds_per_epoch') or float('nan'):8.2f} s/epoch "
+            f"{row.get('peak_memory_mb') or float('nan'):8.0f} MB "
+            f"ratio {row.get('time_ratio', float('nan')):.2f}x time, "
+            f"{row.get('memory_ratio', float('nan')):.2f}x memory"
+            + (f"  ERROR {row['error'][-200:]}" if row.get("error") else ""),
+            flush=True,
+        )
+        return row
+
+    peer = [args.opacus_python, PEER] + (["--quick"] if args.quick else [])
     for name in args.models:
         for lora in args.lora:
             base = None
             for impl in IMPLEMENTATIONS:
                 cmd = common + ["--model", name, "--implementation", impl, "--lora", lora]
-                t0, load = time.perf_counter(), os.getloadavg()
-                row = dict(
-                    run_child(cmd, args.timeout),
-                    model=name,
-                    lora=lora == "on",
-                    implementation=impl,
-                    command=" ".join(cmd[1:]),
-                    wall_seconds=round(time.perf_counter() - t0, 1),
-                    load_average_before=[round(v, 2) for v in load],
-                )
-                if impl == "keras_nonprivate":
-                    base = row
-                elif base and base.get("seconds_per_epoch") and row.get("seconds_per_epoch"):
-                    row["time_ratio"] = row["seconds_per_epoch"] / base["seconds_per_epoch"]
-                    row["memory_ratio"] = row["peak_memory_mb"] / base["peak_memory_mb"]
-                    row["meets_time_target"] = row["time_ratio"] <= TIME_TARGET
-                    row["meets_memory_target"] = row["memory_ratio"] <= MEMORY_TARGET
-                rows.append(row)
-                print(
-                    f"{name:6s} lora={lora:3s} {impl:16s} "
-                    f"{row.get('seconds_per_epoch') or float('nan'):8.2f} s/epoch "
-                    f"{row.get('peak_memory_mb') or float('nan'):8.0f} MB "
-                    f"ratio {row.get('time_ratio', float('nan')):.2f}x time, "
-                    f"{row.get('memory_ratio', float('nan')):.2f}x memory"
-                    + (f"  ERROR {row['error'][-200:]}" if row.get("error") else ""),
-                    flush=True,
-                )
+                row = run(cmd, impl, base, name, lora)
+                base = base or row
+            if not args.opacus_python:
+                continue
+            # the peer: its own non-private baseline, ghost clipping, and the
+            # per-sample hooks where ghost clipping refuses the model
+            base = None
+            for impl in ("torch_nonprivate", "opacus_ghost", "opacus"):
+                cmd = peer + ["--model", name, "--implementation", impl, "--lora", lora]
+                row = run(cmd, impl, base, name, lora)
+                base = base or row
+                if impl == "opacus_ghost" and row.get("seconds_per_epoch"):
+                    break
     report = {
         "command": command_line(),
         "commit": commit_of(),
@@ -341,11 +368,16 @@ def main(argv=None) -> dict:
             "sampling": "poisson (dpfl_tf), physical batch chosen by the library",
         },
         "targets": {"time_ratio": TIME_TARGET, "memory_ratio": MEMORY_TARGET},
-        "opacus": "not run: no Opacus environment on this machine",
+        "opacus": (
+            "rows torch_nonprivate / opacus_ghost / opacus (hooks, where ghost clipping "
+            "refuses the model): experiments/peers/opacus_hub.py; ratios to torch_nonprivate"
+            if args.opacus_python
+            else "not run (no --opacus-python)"
+        ),
         "python": platform.python_version(),
         "rows": rows,
     }
-    ratios = [r for r in rows if r.get("time_ratio")]
+    ratios = [r for r in rows if r.get("time_ratio") and r["implementation"] == "dpfl_tf"]
     if ratios and not args.no_breakdown:
         slowest = max(ratios, key=lambda r: r["time_ratio"])
         cmd = common + [
