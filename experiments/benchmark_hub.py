@@ -305,6 +305,31 @@ def main(argv=None) -> dict:
         ["--quick"] if args.quick else []
     )
     rows, started = [], time.perf_counter()
+    report = {  # rewritten after every row: an interrupted run keeps its rows
+        "command": command_line(),
+        "commit": commit_of(),
+        "quick": args.quick,
+        "shared_machine": args.shared_machine,
+        "sizes": size,
+        "settings": {
+            "l2_norm_clip": CLIP,
+            "noise_multiplier": NOISE,
+            "learning_rate": LR,
+            "lora_rank": RANK,
+            "optimizer": "DPSGD (dpfl_tf) / SGD (Keras)",
+            "sampling": "poisson (dpfl_tf), physical batch chosen by the library",
+        },
+        "targets": {"time_ratio": TIME_TARGET, "memory_ratio": MEMORY_TARGET},
+        "opacus": (
+            "rows torch_nonprivate / opacus_ghost / opacus (hooks, where ghost clipping "
+            "refuses the model): experiments/peers/opacus_hub.py; ratios to torch_nonprivate"
+            if args.opacus_python
+            else "not run (no --opacus-python)"
+        ),
+        "python": platform.python_version(),
+        "rows": rows,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
 
     def run(cmd, implementation, base, name, lora):
         t0, load = time.perf_counter(), os.getloadavg()
@@ -323,6 +348,8 @@ def main(argv=None) -> dict:
             row["meets_time_target"] = row["time_ratio"] <= TIME_TARGET
             row["meets_memory_target"] = row["memory_ratio"] <= MEMORY_TARGET
         rows.append(row)
+        report["complete"] = False
+        atomic_write_json(output, report)
         print(
             f"{name:6s} lora={lora:3s} {implementation:16s} "
             f"{row.get('seconds_per_epoch') or float('nan'):8.2f} s/epoch "
@@ -353,30 +380,6 @@ def main(argv=None) -> dict:
                 base = base or row
                 if impl == "opacus_ghost" and row.get("seconds_per_epoch"):
                     break
-    report = {
-        "command": command_line(),
-        "commit": commit_of(),
-        "quick": args.quick,
-        "shared_machine": args.shared_machine,
-        "sizes": size,
-        "settings": {
-            "l2_norm_clip": CLIP,
-            "noise_multiplier": NOISE,
-            "learning_rate": LR,
-            "lora_rank": RANK,
-            "optimizer": "DPSGD (dpfl_tf) / SGD (Keras)",
-            "sampling": "poisson (dpfl_tf), physical batch chosen by the library",
-        },
-        "targets": {"time_ratio": TIME_TARGET, "memory_ratio": MEMORY_TARGET},
-        "opacus": (
-            "rows torch_nonprivate / opacus_ghost / opacus (hooks, where ghost clipping "
-            "refuses the model): experiments/peers/opacus_hub.py; ratios to torch_nonprivate"
-            if args.opacus_python
-            else "not run (no --opacus-python)"
-        ),
-        "python": platform.python_version(),
-        "rows": rows,
-    }
     ratios = [r for r in rows if r.get("time_ratio") and r["implementation"] == "dpfl_tf"]
     if ratios and not args.no_breakdown:
         slowest = max(ratios, key=lambda r: r["time_ratio"])
@@ -393,7 +396,7 @@ def main(argv=None) -> dict:
         )
         print("breakdown of", slowest["model"], "lora" if slowest["lora"] else "", flush=True)
     report["wall_seconds"] = round(time.perf_counter() - started, 1)
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    report["complete"] = True
     atomic_write_json(output, report)
     return report
 
