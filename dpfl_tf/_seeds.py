@@ -14,24 +14,27 @@ the uninterrupted run drew there.  Seeds are for tests and reproducible
 experiments: a deployment draws DP noise from OS entropy (see
 `dpfl_tf.sanitizer.deployment_note`).
 
-Every seeded stream of the library takes its seed here or from the run's
-seed itself:
+The seeded streams, and where each seed comes from:
 
 - ``derive_seed(seed, purpose, *indices)``: the federated streams (client
   sampling, local shuffles, server and client noise, count noise, rotations,
-  dropouts), the augmentation key and the recipes' data subsets;
+  dropouts), the augmentation key and the CIFAR-10 recipes' data subsets;
 - ``noise_key(seed)``: DP-SGD's noise (`dpfl_tf.sanitizer`), two 63-bit words,
   the Philox key of the stateless per-lot noise;
-- the seed itself: lot sampling (`dpfl_tf.keras.sampling.LotSampler`), as the
-  Philox key folded with (stream, lot);
-- ``numpy.random.default_rng(seed)``: DP-PCA's noise (`dpfl_tf.pca`) and
-  CIFAR-10's public/private split (`dpfl_tf.recipes.pretrain`, from its
-  ``split_seed``).
+- the seed itself, as a Philox key: lot sampling (`LotSampler`, folded with
+  the stream and the lot) and `sanitizer.make_generator`;
+- ``numpy.random.default_rng`` of the seed (and indices): DP-PCA's noise
+  (`dpfl_tf.pca`), CIFAR-10's public/private split (``split_seed``), user-level
+  lots (`UserLotSampler`: ``[seed, t]``), the distributed-DP sources
+  (`federated.distributed_dp`: ``[noise seed, round, client]``, the rotation
+  signs), private tuning (`dpfl_tf.tuning`) and the audits (`dpfl_tf.audit`);
+- ``keras.utils.set_random_seed(seed)``: the recipes' weight initialisation,
+  dropout and Keras's shuffles.
 
-The last three predate `derive_seed` and keep their derivation: every seeded
-result the project records (results/, docs/results/) and the shipped
-pretrained weights were drawn with them, and their streams are distinct
-generators from the hashed ones above.
+These keep their derivation: every seeded result the project records
+(results/, docs/results/) and the shipped pretrained weights were drawn with
+them, and each is a generator of its own (a distinct key or a distinct
+SeedSequence entropy), not a stream shared with another purpose.
 
 Nothing here imports TensorFlow.
 """

@@ -55,7 +55,7 @@ from dpfl_tf.keras.multiworker import is_multi_worker, lot_shares
 from dpfl_tf.keras.optimizers import DPOptimizer
 from dpfl_tf.keras.per_example import PerExampleGradients, _leaf_layers, default_loss_scale
 from dpfl_tf.keras.sampling import LotSampler
-from dpfl_tf.keras.sources import SourceError, end_failed_pipeline, make_reader
+from dpfl_tf.keras.sources import IndexedReader, SourceError, end_failed_pipeline, make_reader
 from dpfl_tf.keras.users import (
     USER_LEVEL_LABEL,
     PerUserGradients,
@@ -491,9 +491,11 @@ class DPModel(keras.Model):
                 validation_data=validation_data,
                 shuffle=False,
             )
-        except (tf.errors.OpError, SourceError) as e:
-            end_failed_pipeline(e)  # its reads in flight end here, not in a reader thread
-            reader.raise_pending()  # a record that could not be read: say which
+        except BaseException as e:  # a bad record, a callback's error, Ctrl-C
+            if isinstance(reader, IndexedReader):
+                end_failed_pipeline(e)  # its reads in flight end here, not in a reader thread
+            if isinstance(e, (tf.errors.OpError, SourceError)):
+                reader.raise_pending()  # a record that could not be read: say which
             raise
         finally:
             self._log_metrics = True  # evaluate() and later calls report metrics again

@@ -339,9 +339,14 @@ class CifarRecipe(Recipe):
     def comparable(self, config=None) -> dict:
         from dpfl_tf.recipes.common import comparable_config
 
-        return comparable_config(
-            jsonable(dataclasses.asdict(config or self.config)), self.resumable_changes
-        )
+        return {
+            **comparable_config(
+                jsonable(dataclasses.asdict(config or self.config)), self.resumable_changes
+            ),
+            # the data subsets' seeds (`derive_seed`); a checkpoint written with the
+            # old split_seed + k subsets does not record it and is not resumed
+            "subset_seeds": "derive_seed",
+        }
 
     def inputs(self, ledger, releases) -> Inputs:
         # the private images are read lot by lot from the source (memory O(lot), not O(N))

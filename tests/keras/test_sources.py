@@ -3,6 +3,7 @@ exactly as in-memory arrays do (same lots, same update), a memmap is read lot by
 lot (bytes counted through the mapping), and bad sources give clear errors
 with nothing applied or counted for the lot they break."""
 
+import gc
 import threading
 
 import keras
@@ -267,6 +268,50 @@ def test_a_bad_record_names_its_index_and_its_lot_is_neither_applied_nor_counted
     assert dp.lots_computed == dp.lots_applied == dp.privacy_ledger.count() == 0
     for a, b in zip(w0, weights(dp)):
         np.testing.assert_array_equal(a, b)
+
+
+def _live_iterators() -> int:
+    from tensorflow.python.data.ops.iterator_ops import OwnedIterator
+
+    return sum(isinstance(o, OwnedIterator) for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("failure", ["bad record", "callback", "interrupt"])
+def test_a_failed_fit_leaves_no_input_pipeline_to_the_garbage_collector(failure):
+    """With the collector off, a failed fit (a bad record, a callback that
+    raises, Ctrl-C) must not leave its tf.data iterator behind as garbage: it
+    would be destroyed wherever the next collection runs (the deadlock below).
+    Deterministic: without `end_failed_pipeline` the iterator survives."""
+
+    class Raise(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise KeyboardInterrupt if failure == "interrupt" else RuntimeError("callback")
+
+    x, y = mnist_slice(40, features=60)
+    x = x.astype(np.float32)
+    dp = dp_model()
+    source = Broken(x, y, bad=7 if failure == "bad record" else -1, problem="raises")
+    expected = {"bad record": SourceError, "callback": RuntimeError}.get(failure, KeyboardInterrupt)
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.raises(expected):
+            dp.fit(
+                source,
+                lot_size=40,
+                epochs=2,
+                verbose=0,
+                sampling="full_batch",
+                callbacks=[] if failure == "bad record" else [Raise()],
+            )
+        # the iterators only a collection frees (a live one, such as the model's,
+        # ends by reference counting when it is replaced)
+        garbage = _live_iterators()
+        gc.collect()
+        garbage -= _live_iterators()
+    finally:
+        gc.enable()
+    assert garbage == 0, f"{garbage} tf.data iterators left to the garbage collector"
 
 
 def test_failed_fits_one_after_another_end_their_pipelines_without_a_deadlock():

@@ -387,6 +387,19 @@ def test_a_resumed_run_ends_with_the_weights_of_the_uninterrupted_run(env, pretr
         should_stop=lambda: next(polls) >= lots // 2,
     )
     assert first["stop_reason"] == "interrupted" and first["lots"] == lots // 2 + 1
+    # a checkpoint of the old data subsets (split_seed + k: no "subset_seeds") is refused
+    import json
+    import shutil
+
+    from dpfl_tf.recipes.common import RUN_STATE
+
+    old = tmp_path / "old"
+    shutil.copytree(ckpt, old)
+    state = json.loads((old / RUN_STATE).read_text())
+    assert state["config"].pop("subset_seeds") == "derive_seed"
+    (old / RUN_STATE).write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=r"different run \(differs in: subset_seeds\)"):
+        train_cifar10(config, verbose=False, checkpoint_dir=str(old))
     resumed, resumed_model = train_cifar10(
         config, verbose=False, checkpoint_dir=ckpt, return_model=True
     )
