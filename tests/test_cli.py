@@ -443,3 +443,20 @@ def test_a_given_setting_overrides_the_models_default_and_keeps_its_schedule(mon
         config.noise_multiplier,
         config.setting,
     ) == (0.2, 0.104, 300, 3.0, "custom")
+
+
+def test_every_recipe_states_what_its_defaults_reach():
+    """`train --help` tells what each model's defaults reach at the default
+    epsilon, with the results that show it: none may be unmeasured."""
+    import os
+    import re
+
+    from dpfl_tf.recipes.settings import TRAIN_DEFAULTS, TrainDefaults
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for (family, model), d in TRAIN_DEFAULTS.items():
+        assert d.reaches != TrainDefaults.reaches, (family, model)
+        assert "not measured" not in d.reaches, (family, model, d.reaches)
+        assert re.search(r"\d+(\.\d+)?%", d.reaches), (family, model, d.reaches)
+        for path in re.findall(r"(?:results|experiments|models)/[\w./-]+\.\w+", d.reaches):
+            assert os.path.exists(os.path.join(root, path)), (family, model, path)
