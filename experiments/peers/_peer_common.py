@@ -171,6 +171,41 @@ def check_run_args(parser, args, required=()):
         parser.error("need 1 <= --lot-size <= --examples")
 
 
+def make_private(
+    model,
+    optimizer,
+    criterion,
+    loader,
+    *,
+    ghost,
+    noise_multiplier,
+    max_grad_norm,
+    poisson_sampling=True,
+):
+    """Opacus's ``PrivacyEngine().make_private`` in ghost-clipping mode (`ghost`,
+    which wraps the loss in DPLossFastGradientClipping) or with per-sample hooks:
+    (engine, model, optimizer, criterion, loader), the criterion unchanged in
+    hooks mode."""
+    from opacus import PrivacyEngine  # pylint: disable=import-outside-toplevel
+
+    engine = PrivacyEngine()
+    made = engine.make_private(
+        module=model,
+        optimizer=optimizer,
+        criterion=criterion,
+        data_loader=loader,
+        noise_multiplier=noise_multiplier,
+        max_grad_norm=max_grad_norm,
+        poisson_sampling=poisson_sampling,
+        grad_sample_mode="ghost" if ghost else "hooks",
+    )
+    if ghost:
+        model, optimizer, criterion, loader = made
+    else:
+        model, optimizer, loader = made
+    return engine, model, optimizer, criterion, loader
+
+
 def limit_address_space(gigabytes):
     """RLIMIT_AS of this process, so that an over-large configuration fails
     with an out-of-memory error instead of exhausting the machine (0: none)."""

@@ -37,6 +37,7 @@ from _peer_common import (
     check_run_args,
     finish,
     limit_address_space,
+    make_private,
     median_seconds,
     peak_memory_mb,
     record_repeat,
@@ -156,23 +157,16 @@ def run_repeats(torch, args, features, labels, warmup, timed, extra):
             sum(p.numel() for p in model.parameters() if p.requires_grad)
         )
         if private:
-            from opacus import PrivacyEngine  # pylint: disable=import-outside-toplevel
-
             mode = "ghost" if args.implementation == "opacus_ghost" else "hooks"
-            engine = PrivacyEngine()
-            made = engine.make_private(
-                module=model,
-                optimizer=optimizer,
-                criterion=criterion,
-                data_loader=loader,
+            engine, model, optimizer, criterion, loader = make_private(
+                model,
+                optimizer,
+                criterion,
+                loader,
+                ghost=mode == "ghost",
                 noise_multiplier=NOISE_MULTIPLIER,
                 max_grad_norm=L2_NORM_CLIP,
-                grad_sample_mode=mode,
             )
-            if mode == "ghost":
-                model, optimizer, criterion, loader = made
-            else:
-                model, optimizer, loader = made
             extra.update(
                 {
                     "grad_sample_mode": mode,

@@ -99,7 +99,7 @@ import time
 import traceback
 
 import numpy as np
-from _peer_common import limit_address_space, peak_memory_mb, write_result
+from _peer_common import limit_address_space, make_private, peak_memory_mb, write_result
 
 MODELS = ("bert", "gpt2", "gemma", "llama", "vit")
 IMPLEMENTATIONS = ("torch_nonprivate", "opacus_ghost", "opacus")
@@ -452,22 +452,16 @@ def train(torch, args, size, data, extra, times):
     optimizer = torch.optim.SGD([p for p in params if p.requires_grad], lr=LEARNING_RATE)
     ghost = args.implementation == "opacus_ghost"
     if args.implementation != "torch_nonprivate":
-        from opacus import PrivacyEngine  # pylint: disable=import-outside-toplevel
-
-        made = PrivacyEngine().make_private(
-            module=model,
-            optimizer=optimizer,
-            criterion=criterion,
-            data_loader=loader,
+        _, model, optimizer, criterion, loader = make_private(
+            model,
+            optimizer,
+            criterion,
+            loader,
+            ghost=ghost,
             noise_multiplier=NOISE_MULTIPLIER,
             max_grad_norm=L2_NORM_CLIP,
             poisson_sampling=False,
-            grad_sample_mode="ghost" if ghost else "hooks",
         )
-        if ghost:
-            model, optimizer, criterion, loader = made
-        else:
-            model, optimizer, loader = made
         extra.update(
             grad_sample_mode="ghost" if ghost else "hooks",
             optimizer_class=type(optimizer).__name__,

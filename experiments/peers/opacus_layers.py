@@ -71,6 +71,7 @@ from _peer_common import (  # noqa: F401
     finish,
     layers_data,
     limit_address_space,
+    make_private,
     median_seconds,
     peak_memory_mb,
     positions,
@@ -288,23 +289,16 @@ def run_repeats(torch, args, features, labels, warmup, timed, extra):
             sum(p.numel() for p in model.parameters() if p.requires_grad)
         )
         if private:
-            from opacus import PrivacyEngine  # pylint: disable=import-outside-toplevel
-
             mode = "ghost" if args.implementation == "opacus_ghost" else "hooks"
-            engine = PrivacyEngine()
-            made = engine.make_private(
-                module=model,
-                optimizer=optimizer,
-                criterion=criterion,
-                data_loader=loader,
+            _, model, optimizer, criterion, loader = make_private(
+                model,
+                optimizer,
+                criterion,
+                loader,
+                ghost=mode == "ghost",
                 noise_multiplier=NOISE_MULTIPLIER,
                 max_grad_norm=L2_NORM_CLIP,
-                grad_sample_mode=mode,
             )
-            if mode == "ghost":
-                model, optimizer, criterion, loader = made
-            else:
-                model, optimizer, loader = made
             extra.update(
                 {
                     "grad_sample_mode": mode,
