@@ -4,6 +4,8 @@ apps run with ``flwr run``, one SuperNode killed mid-run (issue 39).
 
 Scenarios (each a fresh results file and checkpoint directory):
 
+* ``clean`` -- no node lost: the run must end at the in-process run's epsilon
+  and test accuracy (the same rounds on another runtime).
 * ``kill`` -- min-nodes = K (the default): node K-1 is killed (SIGKILL) once
   round 1 is in the results file.  The round under way completes without it
   (after the SuperLink's heartbeat timeout), the next round finds too few
@@ -17,7 +19,8 @@ Each run's epsilon is compared with the in-process run of the same config
 (`run_federated`: the same events, so the same epsilon).  Every process
 started here is stopped at the end.
 
-    python experiments/federated_flower_deploy.py                 # both scenarios
+    python experiments/federated_flower_deploy.py                 # all three scenarios
+    python experiments/federated_flower_deploy.py --only clean --client-app cold
     python experiments/federated_flower_deploy.py --only dropout --rounds 3
 
 Writes results/federated_flower_deploy.json (per scenario: status, rounds,
@@ -61,7 +64,7 @@ class Deployment:
     directory and the ``flwr`` connection for them.  Use as a context manager:
     every process it started is stopped on exit."""
 
-    def __init__(self, directory: str, run_config: dict, clients: int):
+    def __init__(self, directory: str, run_config: dict, clients: int, client_app: str):
         self.dir, self.k = directory, clients
         self.port = _free_port()
         self.env = {
@@ -81,7 +84,7 @@ class Deployment:
         os.makedirs(self.app, exist_ok=True)
         config = "\n".join(f"{k} = {_toml(v)}" for k, v in run_config.items())
         with open(os.path.join(self.app, "pyproject.toml"), "w") as f:
-            f.write(APP_PYPROJECT + config + "\n")
+            f.write(APP_PYPROJECT.format(clientapp=CLIENT_APPS[client_app]) + config + "\n")
         self.procs: dict[str, subprocess.Popen] = {}
         #: process groups started (one per SuperLink / SuperNode, with their children)
         self.groups: list[int] = []
@@ -192,10 +195,15 @@ publisher = "dpfl"
 
 [tool.flwr.app.components]
 serverapp = "dpfl_tf.federated.flower:server_app"
-clientapp = "dpfl_tf.federated.flower:client_app"
+clientapp = "{clientapp}"
 
 [tool.flwr.app.config]
 """
+#: the ClientApp: warm keeps a worker per node across rounds, cold starts afresh
+CLIENT_APPS = {
+    "warm": "dpfl_tf.federated.flower_warm:client_app",
+    "cold": "dpfl_tf.federated.flower:client_app",
+}
 
 
 def _read(path: str) -> dict | None:
@@ -237,6 +245,12 @@ def scenario(name: str, dep: Deployment, rounds: int, timeout: float) -> dict:
     }
     start = time.perf_counter()
     dep.flwr_run(**keys)
+    if name == "clean":  # no node lost: the in-process run, on Flower
+        row = {"scenario": name, "min_nodes": keys["min-nodes"], "killed_node": None}
+        row["final"] = _summary(_wait(out, lambda d: d["status"] != "running", timeout))
+        row["minutes"] = (time.perf_counter() - start) / 60
+        print(f"{name}: {json.dumps(row)}", flush=True)
+        return row
     _wait(out, lambda d: d["rounds"] >= 1 or d["status"] != "running", timeout)
     dep.kill_node(dep.k - 1)
     row = {"scenario": name, "min_nodes": keys["min-nodes"], "killed_node": dep.k - 1}
@@ -267,7 +281,14 @@ def scenario(name: str, dep: Deployment, rounds: int, timeout: float) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="+", choices=["kill", "dropout"])
+    p.add_argument("--only", nargs="+", choices=["clean", "kill", "dropout"])
+    p.add_argument(
+        "--client-app",
+        choices=sorted(CLIENT_APPS),
+        default="warm",
+        help="warm: one worker per node keeps TensorFlow and the model across rounds "
+        "(dpfl_tf.federated.flower_warm); cold: a new ClientApp process per message",
+    )
     p.add_argument("--clients", type=int, default=2, help="K SuperNodes")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per wait")
@@ -285,6 +306,7 @@ def main(argv=None) -> int:
         "dp": "global",
         "partition": "iid",
         "train-subset": 600,
+        "noise-seed": 0,  # seeded: the clean run must end with the in-process model
         "results-path": "",
         "checkpoint-dir": "",
         "min-nodes": args.clients,
@@ -296,14 +318,20 @@ def main(argv=None) -> int:
         "command": command_line(),
         "commit": commit_of(),
         "run_config": run_config,
+        "client_app": CLIENT_APPS[args.client_app],
         "in_process_epsilon": inproc["epsilon"],
+        "in_process_test_accuracy": inproc["test_accuracy"],
         "scenarios": [],
     }
     with tempfile.TemporaryDirectory(prefix="dpfl-flower-") as tmp:
-        with Deployment(tmp, run_config, args.clients) as dep:
-            for name in args.only or ["kill", "dropout"]:
+        with Deployment(tmp, run_config, args.clients, args.client_app) as dep:
+            for name in args.only or ["clean", "kill", "dropout"]:
                 row = scenario(name, dep, args.rounds, args.timeout)
                 row["epsilon_equals_in_process"] = row["final"]["epsilon"] == inproc["epsilon"]
+                if name == "clean":  # the same rounds, so the same model
+                    row["test_accuracy_equals_in_process"] = (
+                        row["final"]["test_accuracy"] == inproc["test_accuracy"]
+                    )
                 out["scenarios"].append(row)
                 atomic_write_json(args.output, out)
         out["processes_left_running"] = dep.left_running()
@@ -312,7 +340,9 @@ def main(argv=None) -> int:
     return (
         0
         if all(
-            r["final"]["status"] == "completed" and r["epsilon_equals_in_process"]
+            r["final"]["status"] == "completed"
+            and r["epsilon_equals_in_process"]
+            and r.get("test_accuracy_equals_in_process", True)
             for r in out["scenarios"]
         )
         else 1

@@ -118,6 +118,16 @@ import tensorflow as tf
 
 from dpfl_tf._validation import check_count
 from dpfl_tf.federated.aggregators import AggregateResult, ClientNoiseDPAggregator
+from dpfl_tf.federated.flower_messages import (
+    NUM_PARTITIONS_KEY,
+    PARTITION_ID_KEY,
+    ROUND_KEY,
+    TrainRequest,
+    query_reply,
+    train_reply,
+    train_request,
+)
+from dpfl_tf.federated.flower_messages import only as _only
 from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report
 from dpfl_tf.federated.runner import DPMode, FederatedConfig, build_server, federated_result
 from dpfl_tf.federated.server import FederatedServer, RoundRecord
@@ -143,12 +153,6 @@ __all__ = [
 ]
 
 FLOWER_VERSION = getattr(flwr, "__version__", "unknown")
-#: node_config keys Flower's simulation engine sets for every (virtual) SuperNode.
-PARTITION_ID_KEY = "partition-id"
-NUM_PARTITIONS_KEY = "num-partitions"
-#: the round index t (0-based, as in FederatedServer) the server puts in every train config.
-ROUND_KEY = "dpfl-round"
-_STATE_KEY = "dpfl"
 _BACKENDS = ("ray", "local")
 #: the composed epsilons clients report in their metrics (the largest is kept)
 _CLIENT_EPSILONS = (
@@ -262,22 +266,12 @@ def _runtime(spec: _ClientSpec, config: FederatedConfig) -> FederatedServer:
     return _RUNTIMES[key]
 
 
-def _only(records: dict, what: str):
-    if len(records) != 1:
-        raise ValueError(
-            f"expected exactly one {what} in the message, got {len(records)} "
-            f"({', '.join(records) or 'none'})"
-        )
-    return next(iter(records.values()))
-
-
-def _partition_id(spec: _ClientSpec, context: Context) -> tuple[FederatedConfig, int]:
+def _partition_id(
+    spec: _ClientSpec, run_config: dict, node_config: dict
+) -> tuple[FederatedConfig, int]:
     """(the run's config, this node's partition id k), checked: 0 <= k < K and the node's
     num-partitions equal to K."""
-    config = (
-        spec.config if spec.config is not None else config_from_run_config(dict(context.run_config))
-    )
-    node_config = context.node_config
+    config = spec.config if spec.config is not None else config_from_run_config(dict(run_config))
     if PARTITION_ID_KEY not in node_config:
         raise ValueError(
             f"the node config has no {PARTITION_ID_KEY!r}: start the SuperNode "
@@ -297,23 +291,13 @@ def _partition_id(spec: _ClientSpec, context: Context) -> tuple[FederatedConfig,
     return config, k
 
 
-def _client_query(spec: _ClientSpec, msg: Message, context: Context) -> Message:
-    """Enrolment: the node says which client (partition) it holds (`DPStrategy`)."""
-    _, k = _partition_id(spec, context)
-    return Message(RecordDict({"metrics": MetricRecord({PARTITION_ID_KEY: k})}), reply_to=msg)
-
-
-def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
-    config, k = _partition_id(spec, context)
+def client_train(spec: _ClientSpec, request: TrainRequest) -> tuple[list[np.ndarray], dict]:
+    """Client k's answer to a train message: (its upload, its metrics).  The cold
+    ClientApp calls it in the ClientApp's process, the warm one
+    (`dpfl_tf.federated.flower_warm`) in the node's worker process."""
+    config, k = _partition_id(spec, request.run_config, request.node_config)
     server = _runtime(spec, config)
-    arrays = _only(msg.content.array_records, "ArrayRecord").to_numpy_ndarrays()
-    train_config = _only(msg.content.config_records, "ConfigRecord")
-    if ROUND_KEY not in train_config:
-        raise ValueError(
-            f"the train config has no {ROUND_KEY!r}: this ClientApp answers "
-            "messages configured by dpfl_tf's DPStrategy"
-        )
-    t = int(train_config[ROUND_KEY])
+    arrays, t = request.arrays, request.round_index
     shapes = [tuple(v.shape) for v in server.trainer.variables]
     if [tuple(a.shape) for a in arrays] != shapes:
         raise ValueError(
@@ -332,9 +316,7 @@ def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
     upload, n_k = client_update(server, k, global_weights, t, local_dp=local_dp)
 
     # the client's own accounting, composed over the rounds it took part in
-    state = context.state.config_records.get(_STATE_KEY, ConfigRecord({"uploads": 0}))
-    uploads = int(state["uploads"]) + 1
-    context.state[_STATE_KEY] = ConfigRecord({"uploads": uploads})
+    uploads = request.uploads + 1
     # n_k is the client's data, which no mechanism protects: a server that is not
     # trusted (client-side noise, local DP) gets 1, so FedAvg's weighting is the
     # unweighted mean, as in-process (`build_server`); a trusted Global DP server
@@ -357,10 +339,22 @@ def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
         metrics["client-dp-epsilon-total"] = _finite(rep.accountant_epsilon_total)
     if local_dp is not None:
         metrics.update(local_dp.metrics(d, uploads))
-    content = RecordDict(
-        {"arrays": ArrayRecord([np.asarray(u) for u in upload]), "metrics": MetricRecord(metrics)}
-    )
-    return Message(content, reply_to=msg)
+    return [np.asarray(u) for u in upload], metrics
+
+
+def client_partition(spec: _ClientSpec, run_config: dict, node_config: dict) -> int:
+    """The node's partition id, checked against the run's config (enrolment)."""
+    return _partition_id(spec, run_config, node_config)[1]
+
+
+def _client_query(spec: _ClientSpec, msg: Message, context: Context) -> Message:
+    k = client_partition(spec, dict(context.run_config), dict(context.node_config))
+    return query_reply(msg, k)
+
+
+def _client_train(spec: _ClientSpec, msg: Message, context: Context) -> Message:
+    upload, metrics = client_train(spec, train_request(msg, context))
+    return train_reply(msg, context, upload, metrics)
 
 
 def _finite(x: float) -> float:

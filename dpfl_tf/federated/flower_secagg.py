@@ -295,7 +295,9 @@ class _UpdateClient(NumPyClient):
     """Trains with the in-process client step and returns Delta_k (the mod encodes it)."""
 
     def __init__(self, spec: _ClientSpec, context: Context):
-        self.config, self.k = _partition_id(spec, context)
+        self.config, self.k = _partition_id(
+            spec, dict(context.run_config), dict(context.node_config)
+        )
         self.spec = spec
 
     def get_properties(self, config):

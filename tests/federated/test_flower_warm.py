@@ -1,0 +1,113 @@
+"""The warm ClientApp (`dpfl_tf.federated.flower_warm`): one worker process per node
+answers every round with the cold ClientApp's own function, so a run is the same
+run; the worker ends with the process it watches; a worker's error reaches the
+ClientApp; and the ClientApp's process never imports TensorFlow."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import Context, RecordDict  # noqa: E402
+
+import dpfl_tf.federated.flower as fl  # noqa: E402
+from dpfl_tf.federated import flower_warm  # noqa: E402
+
+RUN_CONFIG = {
+    "clients": 2,
+    "clients-per-round": 2,
+    "sampling": "fixed_size",
+    "rounds": 2,
+    "dp": "global",
+    "partition": "iid",
+    "train-subset": 300,
+    "hidden": "16",
+    "noise-seed": 1,  # seeded noise: two runs of the same rounds are the same run
+}
+
+
+def _run(client_app, run_config):
+    out = {}
+    server = fl.make_server_app(on_finish=lambda d, r, s: out.update(d=d))
+    server(
+        fl.LocalGrid(client_app, 2, run_config=run_config),
+        Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config),
+    )
+    return out["d"].server
+
+
+def _workers(parent_pid: int) -> list[int]:
+    """Live worker processes serving nodes of `parent_pid` (by their command line)."""
+    sock = flower_warm.worker_address(parent_pid, 0)[0].rsplit("-", 1)[0]
+    out = subprocess.run(["pgrep", "-f", sock], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+@pytest.fixture
+def parent(monkeypatch):
+    """A stand-in for the SuperNode's executor: the workers watch it."""
+    proc = subprocess.Popen(["sleep", "600"])
+    monkeypatch.setattr(flower_warm, "_parent_pid", lambda: proc.pid)
+    yield proc
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while _workers(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def test_a_warm_run_is_the_cold_run_and_its_workers_end_with_their_node(parent, mnist):
+    cold = _run(fl.client_app, RUN_CONFIG)
+    warm = _run(flower_warm.client_app, RUN_CONFIG)
+    assert warm.ledger == cold.ledger and warm.epsilon() == cold.epsilon()
+    assert warm.history[-1].accuracy == cold.history[-1].accuracy
+    for a, b in zip(warm.trainer.get_weights(), cold.trainer.get_weights()):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+    workers = _workers(parent.pid)
+    assert len(workers) == 2  # one per node, kept across the rounds (and the enrolment)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _workers(parent.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _workers(parent.pid) == []  # they end with the process they watch
+    sock, key = flower_warm.worker_address(parent.pid, 1)
+    assert not os.path.exists(sock)
+
+
+def test_an_error_in_the_worker_reaches_the_client_app(parent, mnist):
+    grid = fl.LocalGrid(flower_warm.client_app, 2, run_config=RUN_CONFIG, raise_client_errors=False)
+    grid.contexts[2].node_config[fl.PARTITION_ID_KEY] = 7
+    with pytest.raises(ValueError, match=r"node 2 could not enrol: WorkerError: .*\[0, 2\), got 7"):
+        fl.DPStrategy.from_config(fl.config_from_run_config(RUN_CONFIG)).run(grid, 1)
+
+
+def test_a_dead_worker_is_replaced_at_the_next_message(parent, mnist):
+    grid = fl.LocalGrid(flower_warm.client_app, 2, run_config=RUN_CONFIG)
+    strategy = fl.DPStrategy.from_config(fl.config_from_run_config(RUN_CONFIG))
+    strategy.run(grid, 1)
+    first = _workers(parent.pid)
+    for pid in first:
+        os.kill(pid, signal.SIGKILL)
+    strategy = fl.DPStrategy.from_config(fl.config_from_run_config(RUN_CONFIG))
+    strategy.run(grid, 1)
+    assert strategy.server.rounds_done == 1
+    again = _workers(parent.pid)
+    assert len(again) == 2 and not set(again) & set(first)
+
+
+def test_the_warm_client_app_does_not_import_tensorflow():
+    code = (
+        "import sys, dpfl_tf.federated.flower_warm as w; "
+        "assert callable(w.client_app); print('tensorflow' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
