@@ -9,16 +9,24 @@ only imported by the modules that need it, so `dpfl_tf.privacy` and the
 
 __version__ = "0.2.0"
 
-from dpfl_tf.privacy import (  # noqa: E402
-    AccountantKind,
-    PrivacyBudget,
-    PrivacyLedger,
-    SamplingMethod,
-    calibrate_noise_multiplier,
-    compute_delta,
-    compute_epsilon,
-    dp_sgd_event,
-)
+import importlib
+from typing import TYPE_CHECKING
+
+#: public names and the module each lives in; imported on first use (the privacy
+#: core imports dp-accounting, about a second; the sanitizer TensorFlow, seconds),
+#: so a process that needs only a small part (a Flower ClientApp started for every
+#: message, ``dpfl-tf privacy``) does not pay for the rest
+_EXPORTS = {
+    "AccountantKind": "dpfl_tf.privacy",
+    "PrivacyBudget": "dpfl_tf.privacy",
+    "PrivacyLedger": "dpfl_tf.privacy",
+    "SamplingMethod": "dpfl_tf.privacy",
+    "calibrate_noise_multiplier": "dpfl_tf.privacy",
+    "compute_delta": "dpfl_tf.privacy",
+    "compute_epsilon": "dpfl_tf.privacy",
+    "dp_sgd_event": "dpfl_tf.privacy",
+    "GaussianSanitizer": "dpfl_tf.sanitizer",
+}
 
 __all__ = [
     "AccountantKind",
@@ -32,10 +40,30 @@ __all__ = [
     "GaussianSanitizer",
 ]
 
+if TYPE_CHECKING:  # what static readers (type checkers, the API reference) see
+    from dpfl_tf.privacy import (
+        AccountantKind,
+        PrivacyBudget,
+        PrivacyLedger,
+        SamplingMethod,
+        calibrate_noise_multiplier,
+        compute_delta,
+        compute_epsilon,
+        dp_sgd_event,
+    )
+    from dpfl_tf.sanitizer import GaussianSanitizer
 
-def __getattr__(name):  # lazy: importing TensorFlow takes seconds
-    if name == "GaussianSanitizer":
-        from dpfl_tf.sanitizer import GaussianSanitizer
 
-        return GaussianSanitizer
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    try:  # a submodule: ``import dpfl_tf; dpfl_tf.privacy``
+        return importlib.import_module(f"dpfl_tf.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"dpfl_tf.{name}":
+            raise
     raise AttributeError(f"module 'dpfl_tf' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

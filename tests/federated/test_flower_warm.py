@@ -103,11 +103,24 @@ def test_a_dead_worker_is_replaced_at_the_next_message(parent, mnist):
     assert len(again) == 2 and not set(again) & set(first)
 
 
-def test_the_warm_client_app_does_not_import_tensorflow():
+def test_the_warm_client_app_imports_neither_tensorflow_nor_the_accountants():
+    """Flower starts a ClientApp process for every message: what it imports is paid
+    every round (TensorFlow seconds, dp-accounting about one)."""
     code = (
-        "import sys, dpfl_tf.federated.flower_warm as w; "
-        "assert callable(w.client_app); print('tensorflow' in sys.modules)"
+        "import sys, dpfl_tf.federated.flower_warm as w; assert callable(w.client_app); "
+        "print([m for m in ('tensorflow', 'dp_accounting', 'keras') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_package_top_level_is_lazy_and_complete():
+    code = (
+        "import sys, dpfl_tf; assert 'dp_accounting' not in sys.modules; "
+        "from dpfl_tf import compute_epsilon, PrivacyLedger; "
+        "assert all(getattr(dpfl_tf, n) for n in dpfl_tf.__all__); "
+        "assert dpfl_tf.privacy.PrivacyLedger is PrivacyLedger; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -1,0 +1,109 @@
+"""What the test suite costs: wall time and peak memory of the README's test command.
+
+Runs a command (default: the README's test command without its ``pip install``)
+and samples, every half second, the resident memory of every process it started
+(pytest, its xdist workers and their child processes).  Records the wall time,
+the peak of the *sum* over the process tree (what the machine must hold) and the
+peak of the largest single process, and appends a row to
+results/suite_cost.json.  Run it on an idle machine: the wall time is the claim.
+
+    python experiments/suite_cost.py                       # the full suite
+    python experiments/suite_cost.py --label fast -- python -m pytest -q -n 2 \\
+        --dist loadfile -m "not slow"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+from _common import RESULTS, ROOT, commit_of
+
+
+def readme_test_command() -> list[str]:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    block = text.split("<!-- test-command -->", 1)[1].split("<!-- /test-command -->", 1)[0]
+    line = [x for x in block.splitlines() if x.strip() and not x.startswith("```")][0]
+    return line.split("&&", 1)[-1].split()  # without the pip install
+
+
+def _tree_rss(root: int) -> tuple[int, int]:
+    """(sum of RSS over `root` and its descendants, largest single RSS), bytes."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    page = os.sysconf("SC_PAGE_SIZE")
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(") ", 1)[1].split()
+        except OSError:
+            continue
+        pid, ppid = int(name), int(fields[1])
+        children.setdefault(ppid, []).append(pid)
+        rss[pid] = int(fields[21]) * page
+    total, largest, todo = 0, 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += rss.get(pid, 0)
+        largest = max(largest, rss.get(pid, 0))
+        todo.extend(children.get(pid, []))
+    return total, largest
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--label", default="full")
+    p.add_argument("--output", default=os.path.join(RESULTS, "suite_cost.json"))
+    p.add_argument("command", nargs="*", help="default: the README's test command")
+    args = p.parse_args(argv)
+    cmd = args.command or [sys.executable if c == "python" else c for c in readme_test_command()]
+    peak = {"tree": 0, "process": 0}
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.5):
+            tree, single = _tree_rss(proc.pid)
+            peak["tree"], peak["process"] = max(peak["tree"], tree), max(peak["process"], single)
+
+    threading.Thread(target=sample, daemon=True).start()
+    lines = []
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        lines.append(line)
+    code = proc.wait()
+    done.set()
+    seconds = time.perf_counter() - start
+    summary = next((x for x in reversed(lines) if re.search(r"\d+ (passed|failed)", x)), "")
+    row = {
+        "label": args.label,
+        "command": " ".join(args.command) if args.command else "README test command",
+        "argv": cmd[1:] if cmd[0] == sys.executable else cmd,
+        "commit": commit_of(),
+        "exit_code": code,
+        "summary": summary.strip(" =\n"),
+        "wall_seconds": round(seconds, 1),
+        "peak_tree_rss_gb": round(peak["tree"] / 1e9, 2),
+        "peak_process_rss_gb": round(peak["process"] / 1e9, 2),
+        "cpus": os.cpu_count(),
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    rows = json.load(open(args.output)) if os.path.exists(args.output) else []
+    rows.append(row)
+    with open(args.output, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(json.dumps(row))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
