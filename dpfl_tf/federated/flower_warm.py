@@ -13,14 +13,14 @@ so a warm client uploads exactly what a cold one does.
 
 The worker
 ----------
-* listens on a Unix socket in a private directory (mode 0700) under the
-  system's temporary directory, named after the ClientApp's parent process
-  (the SuperNode's executor) and the node id, with a random key
-  (`multiprocessing.connection`'s HMAC handshake) in a file only the user can
-  read;
+* listens on a Unix socket of its own with a random key
+  (`multiprocessing.connection`'s HMAC handshake), both named in an address
+  file in a private directory (``/tmp/dpfl-flower-<uid>``, mode 0700) that is
+  named after the ClientApp's parent process (the SuperNode's executor) and
+  the node id;
 * ends when that parent process ends (the SuperNode stopped or killed), after
   ``DPFL_FLOWER_WORKER_IDLE`` seconds without a message (default 1800), or
-  when its socket file is removed;
+  when the address file no longer names it (deleted, or a newer worker);
 * runs in the ClientApp's process group (the SuperNode's), so a signal to
   that group reaches it, and writes to the ClientApp's stdout/stderr (the
   SuperNode's log);
@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import json
 import os
 import secrets
 import subprocess
@@ -66,7 +67,10 @@ START_TIMEOUT = 120.0
 
 
 def _private_dir() -> str:
-    path = os.path.join(tempfile.gettempdir(), f"dpfl-flower-{os.getuid()}")
+    # /tmp where it exists: a Unix socket's path must stay under ~100 characters, and
+    # some systems' $TMPDIR is long
+    base = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+    path = os.path.join(base, f"dpfl-flower-{os.getuid()}")
     os.makedirs(path, mode=0o700, exist_ok=True)
     st = os.stat(path)
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
@@ -76,33 +80,44 @@ def _private_dir() -> str:
     return path
 
 
-def worker_address(parent_pid: int, node_id: int) -> tuple[str, str]:
-    """(socket path, key path) of the worker serving node `node_id` of the SuperNode
-    whose executor process is `parent_pid`."""
-    base = os.path.join(_private_dir(), f"worker-{parent_pid}-{node_id}")
-    return base + ".sock", base + ".key"
+def worker_address(parent_pid: int, node_id: int) -> str:
+    """The address file of the worker serving node `node_id` of the SuperNode whose
+    executor process is `parent_pid`: it names the worker's socket and key."""
+    return os.path.join(_private_dir(), f"worker-{parent_pid}-{node_id}.addr")
+
+
+def _read_address(address_file: str) -> tuple[str, bytes]:
+    with open(address_file) as f:
+        entry = json.load(f)
+    return entry["socket"], entry["key"].encode()
 
 
 # ---------------------------------------------------------------------------
 # The ClientApp side (no TensorFlow)
 
 
-def _start_worker(sock: str, key_path: str, parent_pid: int) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(sock)
-    key = secrets.token_hex(32)
-    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+class WorkerError(RuntimeError):
+    """An error raised in the node's worker process (its traceback in the message)."""
+
+
+def _start_worker(address_file: str, parent_pid: int) -> subprocess.Popen:
+    """A new worker on a socket of its own; the address file names it from now on
+    (an older worker sees that and ends)."""
+    with contextlib.suppress(OSError, ValueError, KeyError):  # a dead worker's socket
+        os.unlink(_read_address(address_file)[0])
+    sock = f"{address_file[: -len('.addr')]}-{secrets.token_hex(4)}.sock"
+    tmp = f"{address_file}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(key)
-    subprocess.Popen(  # noqa: S603 - our own module, our interpreter
+        json.dump({"socket": sock, "key": secrets.token_hex(32)}, f)
+    os.replace(tmp, address_file)
+    return subprocess.Popen(  # noqa: S603 - our own module, our interpreter
         [
             sys.executable,
             "-m",
             "dpfl_tf.federated.flower_warm",
-            "--socket",
-            sock,
-            "--key-file",
-            key_path,
+            "--address-file",
+            address_file,
             "--watch-pid",
             str(parent_pid),
         ],
@@ -111,16 +126,25 @@ def _start_worker(sock: str, key_path: str, parent_pid: int) -> None:
     )
 
 
-def _connect(sock: str, key_path: str, deadline: float | None):
-    """A connection to the worker, waiting for it until `deadline` (None: try once)."""
+def _connect(address_file: str, deadline: float | None, worker=None):
+    """A connection to the worker the address file names, waiting for the `worker`
+    just started until `deadline` (None: try once)."""
     while True:
         try:
-            with open(key_path) as f:
-                key = f.read().encode()
+            sock, key = _read_address(address_file)
             return Client(sock, family="AF_UNIX", authkey=key)
-        except (FileNotFoundError, ConnectionRefusedError):
-            if deadline is None or time.monotonic() > deadline:
-                raise
+        except (FileNotFoundError, ConnectionRefusedError, ValueError, KeyError):
+            if deadline is None:
+                raise ConnectionRefusedError(address_file) from None
+            if worker is not None and worker.poll() is not None:
+                raise WorkerError(
+                    f"the node's worker process exited with code {worker.returncode} "
+                    "before it listened (its error is in the SuperNode's log)"
+                ) from None
+            if time.monotonic() > deadline:
+                raise WorkerError(
+                    f"the node's worker process did not listen within {START_TIMEOUT:g} s"
+                ) from None
             time.sleep(0.2)
 
 
@@ -130,25 +154,27 @@ def _parent_pid() -> int:
     return os.getppid()
 
 
+@contextlib.contextmanager
+def _locked(address_file: str):
+    """One process at a time starts or retires the worker of an address file."""
+    with open(address_file + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _worker_connection(context: Context):
     parent_pid = _parent_pid()
-    sock, key_path = worker_address(parent_pid, context.node_id)
+    address_file = worker_address(parent_pid, context.node_id)
     try:
-        return _connect(sock, key_path, None)
-    except (FileNotFoundError, ConnectionRefusedError):
+        return _connect(address_file, None)
+    except ConnectionRefusedError:
         pass
-    # one ClientApp starts the worker; another arriving meanwhile waits for it
-    with open(sock + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _locked(address_file):  # another ClientApp may have started it meanwhile
         try:
-            return _connect(sock, key_path, None)
-        except (FileNotFoundError, ConnectionRefusedError):
-            _start_worker(sock, key_path, parent_pid)
-            return _connect(sock, key_path, time.monotonic() + START_TIMEOUT)
-
-
-class WorkerError(RuntimeError):
-    """An error raised in the node's worker process (its traceback in the message)."""
+            return _connect(address_file, None)
+        except ConnectionRefusedError:
+            worker = _start_worker(address_file, parent_pid)
+            return _connect(address_file, time.monotonic() + START_TIMEOUT, worker)
 
 
 def _ask(context: Context, request: tuple):
@@ -192,11 +218,11 @@ def _answer(spec, request: tuple):
     raise ValueError(f"unknown request {kind!r}")
 
 
-def serve(socket_path: str, key_file: str, watch_pid: int, idle_seconds: float) -> None:
-    """Answer the node's ClientApps on `socket_path` until `watch_pid` ends, the
-    socket file goes, or `idle_seconds` pass without a message."""
-    with open(key_file) as f:
-        key = f.read().encode()
+def serve(address_file: str, watch_pid: int, idle_seconds: float) -> None:
+    """Answer the node's ClientApps on the socket the address file names until
+    `watch_pid` ends, the address file names another worker (or is deleted), or
+    `idle_seconds` pass without a message."""
+    socket_path, key = _read_address(address_file)
     from dpfl_tf.federated.flower import _ClientSpec
 
     spec = _ClientSpec(None, None, None, key="default:warm")
@@ -204,10 +230,19 @@ def serve(socket_path: str, key_file: str, watch_pid: int, idle_seconds: float) 
     last = [time.monotonic()]
     stop = threading.Event()
 
+    def still_named() -> bool:
+        try:
+            return _read_address(address_file)[0] == socket_path
+        except (OSError, ValueError, KeyError):
+            return False
+
     def watch() -> None:
         while not stop.wait(1.0):
-            gone = not os.path.exists(socket_path) or not _alive(watch_pid)
-            if gone or time.monotonic() - last[0] > idle_seconds:
+            if (
+                not still_named()
+                or not _alive(watch_pid)
+                or time.monotonic() - last[0] > idle_seconds
+            ):
                 stop.set()
                 with contextlib.suppress(OSError):  # wakes accept()
                     Client(socket_path, family="AF_UNIX", authkey=key).close()
@@ -235,7 +270,15 @@ def serve(socket_path: str, key_file: str, watch_pid: int, idle_seconds: float) 
                     conn.send(reply)
                 last[0] = time.monotonic()
     finally:
-        listener.close()
+        stop.set()
+        listener.close()  # removes this worker's own socket file
+        with _locked(address_file):
+            if still_named():  # not replaced by a newer worker: retire the address
+                for path in (address_file, address_file + ".lock"):
+                    # (a racing starter holding the unlinked lock at worst starts a
+                    # second worker; the one the address file does not name ends)
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
 
 
 def _alive(pid: int) -> bool:
@@ -250,12 +293,11 @@ def _alive(pid: int) -> bool:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="dpfl_tf's warm Flower client worker")
-    p.add_argument("--socket", required=True)
-    p.add_argument("--key-file", required=True)
+    p.add_argument("--address-file", required=True)
     p.add_argument("--watch-pid", type=int, required=True)
     args = p.parse_args(argv)
     idle = float(os.environ.get("DPFL_FLOWER_WORKER_IDLE", DEFAULT_IDLE_SECONDS))
-    serve(args.socket, args.key_file, args.watch_pid, idle)
+    serve(args.address_file, args.watch_pid, idle)
 
 
 if __name__ == "__main__":

@@ -44,8 +44,8 @@ def _run(client_app, run_config):
 
 def _workers(parent_pid: int) -> list[int]:
     """Live worker processes serving nodes of `parent_pid` (by their command line)."""
-    sock = flower_warm.worker_address(parent_pid, 0)[0].rsplit("-", 1)[0]
-    out = subprocess.run(["pgrep", "-f", sock], capture_output=True, text=True)
+    prefix = flower_warm.worker_address(parent_pid, 0).rsplit("-", 1)[0] + "-"
+    out = subprocess.run(["pgrep", "-f", prefix], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 
@@ -78,8 +78,7 @@ def test_a_warm_run_is_the_cold_run_and_its_workers_end_with_their_node(parent, 
     while _workers(parent.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _workers(parent.pid) == []  # they end with the process they watch
-    sock, key = flower_warm.worker_address(parent.pid, 1)
-    assert not os.path.exists(sock)
+    assert not os.path.exists(flower_warm.worker_address(parent.pid, 1))  # and retire
 
 
 def test_an_error_in_the_worker_reaches_the_client_app(parent, mnist):
@@ -101,6 +100,20 @@ def test_a_dead_worker_is_replaced_at_the_next_message(parent, mnist):
     assert strategy.server.rounds_done == 1
     again = _workers(parent.pid)
     assert len(again) == 2 and not set(again) & set(first)
+
+
+def test_an_idle_worker_ends(parent, mnist, monkeypatch):
+    monkeypatch.setenv("DPFL_FLOWER_WORKER_IDLE", "8")
+    grid = fl.LocalGrid(flower_warm.client_app, 2, run_config=RUN_CONFIG)
+    fl.DPStrategy.from_config(fl.config_from_run_config(RUN_CONFIG)).run(grid, 1)
+    assert len(_workers(parent.pid)) == 2
+    deadline = time.monotonic() + 30
+    while _workers(parent.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _workers(parent.pid) == [] and parent.poll() is None  # idle, not orphaned
+    directory = os.path.dirname(flower_warm.worker_address(parent.pid, 1))
+    left = [f for f in os.listdir(directory) if f.startswith(f"worker-{parent.pid}-")]
+    assert left == []  # they leave no file behind
 
 
 def test_the_warm_client_app_imports_neither_tensorflow_nor_the_accountants():

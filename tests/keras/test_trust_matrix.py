@@ -1,10 +1,14 @@
 """The verification matrix: every training mode against the ledger.
 
-Each cell of sampling (poisson, fixed_size, shuffle) x execution (eager; graph
+The factors: sampling (poisson, fixed_size, shuffle) x execution (eager; graph
 and XLA with steps_per_execution 1 and 3) x distribution (none,
 MirroredStrategy on 2 logical CPUs) x clipping (flat, per-layer) x scenario
 (plain fit; a target that stops training; a weight-rollback callback under a
-target; kill and resume from a checkpoint) runs in one child process
+target; kill and resume from a checkpoint).  The cells are a covering array of
+strength 3 (`_matrix_child.cells`): every combination of values of any three
+factors that the library runs is run in some cell (63 cells instead of the
+product's 168; `test_the_cells_cover_every_three_factor_combination` checks it),
+and every refused combination is checked.  They run in two child processes
 (`tests/keras/_matrix_child.py`).  In every cell:
 
 * lots recorded in the ledger == lots computed (released), and == the lots
@@ -69,6 +73,26 @@ def results(tmp_path_factory):
                 rows[row["index"]] = row
     assert sorted(rows) == list(range(len(CELLS)))
     return [rows[i] for i in range(len(CELLS))]
+
+
+def test_the_cells_cover_every_three_factor_combination():
+    full = matrix.all_cells()
+    running = [c for c in full if matrix.refused(c) is None]
+    wanted = set().union(*(matrix.interactions(c) for c in running))
+    chosen = [c for c in CELLS if matrix.refused(c) is None]
+    assert set().union(*(matrix.interactions(c) for c in chosen)) == wanted
+    assert len(chosen) == 63 and len(running) == 168
+    # every refused combination is still checked
+    assert [c for c in CELLS if matrix.refused(c)] == [c for c in full if matrix.refused(c)]
+    # each of the 5 x 4 x 3 combinations of execution, scenario and sampling is run
+    assert (
+        len(
+            set().union(
+                *({(c["execution"], c["spe"], c["scenario"], c["sampling"])} for c in chosen)
+            )
+        )
+        == 60
+    )
 
 
 def _name(cell):
