@@ -5,7 +5,9 @@ and samples, every half second, the resident memory of every process it started
 (pytest, its xdist workers and their child processes).  Records the wall time,
 the peak of the *sum* over the process tree (what the machine must hold) and the
 peak of the largest single process, and appends a row to
-results/suite_cost.json.  Run it on an idle machine: the wall time is the claim.
+results/suite_cost.json.  With DPFL_TEST_MEMORY_LOG=<file> set, the test processes
+also log their memory after every test (tests/conftest.py), which names the tests
+behind the peaks.  Run it on an idle machine: the wall time is the claim.
 
     python experiments/suite_cost.py                       # the full suite
     python experiments/suite_cost.py --label fast -- python -m pytest -q -n 2 \\
@@ -33,8 +35,8 @@ def readme_test_command() -> list[str]:
     return line.split("&&", 1)[-1].split()  # without the pip install
 
 
-def _tree_rss(root: int) -> tuple[int, int]:
-    """(sum of RSS over `root` and its descendants, largest single RSS), bytes."""
+def _tree_rss(root: int) -> tuple[int, int, int]:
+    """(sum of RSS over `root` and its descendants, largest single RSS, its pid)."""
     children: dict[int, list[int]] = {}
     rss: dict[int, int] = {}
     page = os.sysconf("SC_PAGE_SIZE")
@@ -49,13 +51,22 @@ def _tree_rss(root: int) -> tuple[int, int]:
         pid, ppid = int(name), int(fields[1])
         children.setdefault(ppid, []).append(pid)
         rss[pid] = int(fields[21]) * page
-    total, largest, todo = 0, 0, [root]
+    total, largest, largest_pid, todo = 0, 0, root, [root]
     while todo:
         pid = todo.pop()
         total += rss.get(pid, 0)
-        largest = max(largest, rss.get(pid, 0))
+        if rss.get(pid, 0) > largest:
+            largest, largest_pid = rss[pid], pid
         todo.extend(children.get(pid, []))
-    return total, largest
+    return total, largest, largest_pid
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:300]
+    except OSError:
+        return "?"
 
 
 def main(argv=None) -> int:
@@ -65,15 +76,17 @@ def main(argv=None) -> int:
     p.add_argument("command", nargs="*", help="default: the README's test command")
     args = p.parse_args(argv)
     cmd = args.command or [sys.executable if c == "python" else c for c in readme_test_command()]
-    peak = {"tree": 0, "process": 0}
+    peak = {"tree": 0, "process": 0, "process_cmdline": ""}
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     done = threading.Event()
 
     def sample() -> None:
         while not done.wait(0.5):
-            tree, single = _tree_rss(proc.pid)
-            peak["tree"], peak["process"] = max(peak["tree"], tree), max(peak["process"], single)
+            tree, single, pid = _tree_rss(proc.pid)
+            peak["tree"] = max(peak["tree"], tree)
+            if single > peak["process"]:
+                peak["process"], peak["process_cmdline"] = single, _cmdline(pid)
 
     threading.Thread(target=sample, daemon=True).start()
     lines = []
@@ -94,6 +107,7 @@ def main(argv=None) -> int:
         "wall_seconds": round(seconds, 1),
         "peak_tree_rss_gb": round(peak["tree"] / 1e9, 2),
         "peak_process_rss_gb": round(peak["process"] / 1e9, 2),
+        "peak_process": peak["process_cmdline"],
         "cpus": os.cpu_count(),
         "when": time.strftime("%Y-%m-%d %H:%M"),
     }

@@ -53,6 +53,35 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+_MEMORY_LOG = os.environ.get("DPFL_TEST_MEMORY_LOG")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With DPFL_TEST_MEMORY_LOG=<file>: after each test, one line of JSON with the
+    test process's resident memory now and at its peak so far, and the peak of the
+    child processes it waited for (experiments/suite_cost.py reads them to name
+    the tests that set the suite's memory peaks)."""
+    yield
+    if _MEMORY_LOG:
+        import json
+        import resource
+
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        row = {
+            "test": item.nodeid,
+            "pid": os.getpid(),
+            "rss_gb": round(rss / 1e9, 3),
+            "peak_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 3),
+            "children_peak_gb": round(
+                resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6, 3
+            ),
+        }
+        with open(_MEMORY_LOG, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 @pytest.fixture(autouse=True)
 def _fresh_keras_state():
     """Every test starts from a clear Keras state: the models, traced functions and
