@@ -180,7 +180,13 @@ def _worker_connection(context: Context):
 def _ask(context: Context, request: tuple):
     with _worker_connection(context) as conn:
         conn.send(request)
-        ok, value = conn.recv()
+        try:
+            ok, value = conn.recv()
+        except EOFError:
+            raise WorkerError(
+                "the node's worker process ended while answering (its error is in the "
+                "SuperNode's log); the next message starts a new one"
+            ) from None
     if not ok:
         raise WorkerError(value)
     return value
