@@ -57,7 +57,9 @@ if TYPE_CHECKING:  # what static readers (type checkers, the API reference) see
 def __getattr__(name):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    try:  # a submodule: ``import dpfl_tf; dpfl_tf.privacy``
+    if name.startswith("_"):  # never runs dpfl_tf.__main__ (the CLI) on a hasattr
+        raise AttributeError(f"module 'dpfl_tf' has no attribute {name!r}")
+    try:  # a public submodule: ``import dpfl_tf; dpfl_tf.privacy``
         return importlib.import_module(f"dpfl_tf.{name}")
     except ModuleNotFoundError as exc:
         if exc.name != f"dpfl_tf.{name}":

@@ -162,7 +162,9 @@ class Deployment:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         time.sleep(2)
-        for pid in self.left_running():  # a child that outlived its SuperNode
+        #: what outlived SIGTERM to its SuperNode's group (recorded, then killed)
+        self.survivors = self.left_running()
+        for pid in self.survivors:
             os.kill(pid, signal.SIGKILL)
 
     def flwr_run(self, **overrides) -> None:
@@ -334,7 +336,7 @@ def main(argv=None) -> int:
                     )
                 out["scenarios"].append(row)
                 atomic_write_json(args.output, out)
-        out["processes_left_running"] = dep.left_running()
+        out["processes_left_running"] = dep.survivors
         atomic_write_json(args.output, out)
     print(f"wrote {args.output}")
     return (

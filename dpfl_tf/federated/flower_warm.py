@@ -42,16 +42,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
+import re
 import secrets
+import signal
+import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import (
+    Client,
+    Connection,
+    answer_challenge,
+    deliver_challenge,
+)
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
@@ -67,17 +77,43 @@ START_TIMEOUT = 120.0
 
 
 def _private_dir() -> str:
-    # /tmp where it exists: a Unix socket's path must stay under ~100 characters, and
-    # some systems' $TMPDIR is long
-    base = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
-    path = os.path.join(base, f"dpfl-flower-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+    """``$XDG_RUNTIME_DIR/dpfl-flower`` (a per-user directory), else
+    ``/tmp/dpfl-flower-<uid>`` (short: a Unix socket's path must stay under ~100
+    characters).  It must be a real directory (not a symbolic link) of this user
+    with mode 0700: it holds the workers' keys."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime) and len(runtime) <= 50:
+        path = os.path.join(runtime, "dpfl-flower")
+    else:
+        base = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+        path = os.path.join(base, f"dpfl-flower-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)  # not os.stat: a symbolic link planted there is refused
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise PermissionError(
-            f"{path} must belong to this user with mode 0700 (it holds the workers' keys)"
+            f"{path} must be a directory (not a link) of this user with mode 0700 "
+            "(it holds the warm Flower workers' keys)"
         )
     return path
+
+
+def code_fingerprint() -> str:
+    """What the worker runs: the interpreter, its import path and the size and
+    modification time of every dpfl_tf module.  A ClientApp whose fingerprint
+    differs from its worker's (dpfl_tf upgraded, another app bundle on the path)
+    starts a new worker instead of asking the old one."""
+    import dpfl_tf
+
+    h = hashlib.sha1(f"{sys.executable}\0{sys.path}\0{dpfl_tf.__version__}".encode())
+    root = os.path.dirname(os.path.abspath(dpfl_tf.__file__))
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                st = os.stat(os.path.join(folder, name))
+                h.update(f"{folder}/{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
 
 
 def worker_address(parent_pid: int, node_id: int) -> str:
@@ -86,10 +122,26 @@ def worker_address(parent_pid: int, node_id: int) -> str:
     return os.path.join(_private_dir(), f"worker-{parent_pid}-{node_id}.addr")
 
 
-def _read_address(address_file: str) -> tuple[str, bytes]:
+def _read_address(address_file: str) -> tuple[str, bytes, str]:
+    """(socket path, key, code fingerprint) of the worker the file names."""
     with open(address_file) as f:
         entry = json.load(f)
-    return entry["socket"], entry["key"].encode()
+    return entry["socket"], entry["key"].encode(), entry["code"]
+
+
+def _sweep(directory: str) -> None:
+    """Removes the files of workers whose SuperNode executor is gone (a worker
+    killed with its node cannot remove them itself)."""
+    for name in os.listdir(directory):
+        m = re.fullmatch(r"worker-(\d+)-\d+\.addr", name)
+        if not m or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            os.unlink(_read_address(path)[0])
+        for stale in (path, path + ".lock"):
+            with contextlib.suppress(OSError):
+                os.unlink(stale)
 
 
 # ---------------------------------------------------------------------------
@@ -100,18 +152,19 @@ class WorkerError(RuntimeError):
     """An error raised in the node's worker process (its traceback in the message)."""
 
 
-def _start_worker(address_file: str, parent_pid: int) -> subprocess.Popen:
+def _start_worker(address_file: str, parent_pid: int, code: str) -> subprocess.Popen:
     """A new worker on a socket of its own; the address file names it from now on
-    (an older worker sees that and ends)."""
+    (an older worker sees that and ends).  The worker gets its socket and key on
+    its standard input, and this process's import path."""
     with contextlib.suppress(OSError, ValueError, KeyError):  # a dead worker's socket
         os.unlink(_read_address(address_file)[0])
-    sock = f"{address_file[: -len('.addr')]}-{secrets.token_hex(4)}.sock"
-    tmp = f"{address_file}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"socket": sock, "key": secrets.token_hex(32)}, f)
-    os.replace(tmp, address_file)
-    return subprocess.Popen(  # noqa: S603 - our own module, our interpreter
+    entry = {
+        "socket": f"{address_file[: -len('.addr')]}-{secrets.token_hex(4)}.sock",
+        "key": secrets.token_hex(32),
+        "code": code,
+    }
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    worker = subprocess.Popen(  # noqa: S603 - our own module, our interpreter
         [
             sys.executable,
             "-m",
@@ -121,17 +174,28 @@ def _start_worker(address_file: str, parent_pid: int) -> subprocess.Popen:
             "--watch-pid",
             str(parent_pid),
         ],
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.PIPE,
+        env=env,
         close_fds=True,
     )
+    worker.stdin.write(json.dumps(entry).encode())
+    worker.stdin.close()
+    tmp = f"{address_file}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(entry, f)
+    os.replace(tmp, address_file)
+    return worker
 
 
-def _connect(address_file: str, deadline: float | None, worker=None):
-    """A connection to the worker the address file names, waiting for the `worker`
-    just started until `deadline` (None: try once)."""
+def _connect(address_file: str, code: str, deadline: float | None, worker=None):
+    """A connection to the worker the address file names if it runs this code,
+    waiting for the `worker` just started until `deadline` (None: try once)."""
     while True:
         try:
-            sock, key = _read_address(address_file)
+            sock, key, worker_code = _read_address(address_file)
+            if worker_code != code:  # another dpfl_tf, or another import path
+                raise ConnectionRefusedError(address_file)
             return Client(sock, family="AF_UNIX", authkey=key)
         except (FileNotFoundError, ConnectionRefusedError, ValueError, KeyError):
             if deadline is None:
@@ -165,16 +229,18 @@ def _locked(address_file: str):
 def _worker_connection(context: Context):
     parent_pid = _parent_pid()
     address_file = worker_address(parent_pid, context.node_id)
+    code = code_fingerprint()
     try:
-        return _connect(address_file, None)
+        return _connect(address_file, code, None)
     except ConnectionRefusedError:
         pass
+    _sweep(os.path.dirname(address_file))
     with _locked(address_file):  # another ClientApp may have started it meanwhile
         try:
-            return _connect(address_file, None)
+            return _connect(address_file, code, None)
         except ConnectionRefusedError:
-            worker = _start_worker(address_file, parent_pid)
-            return _connect(address_file, time.monotonic() + START_TIMEOUT, worker)
+            worker = _start_worker(address_file, parent_pid, code)
+            return _connect(address_file, code, time.monotonic() + START_TIMEOUT, worker)
 
 
 def _ask(context: Context, request: tuple):
@@ -224,15 +290,17 @@ def _answer(spec, request: tuple):
     raise ValueError(f"unknown request {kind!r}")
 
 
-def serve(address_file: str, watch_pid: int, idle_seconds: float) -> None:
-    """Answer the node's ClientApps on the socket the address file names until
-    `watch_pid` ends, the address file names another worker (or is deleted), or
-    `idle_seconds` pass without a message."""
-    socket_path, key = _read_address(address_file)
+def serve(
+    address_file: str, socket_path: str, key: bytes, watch_pid: int, idle_seconds: float
+) -> None:
+    """Answer the node's ClientApps on `socket_path` until `watch_pid` ends, the
+    address file names another worker (or is deleted), `idle_seconds` pass without
+    a message, or SIGTERM."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # ends through `finally`
     from dpfl_tf.federated.flower import _ClientSpec
 
     spec = _ClientSpec(None, None, None, key="default:warm")
-    listener = Listener(socket_path, family="AF_UNIX", authkey=key)
+    listener = _listen(socket_path)
     last = [time.monotonic()]
     stop = threading.Event()
 
@@ -250,15 +318,13 @@ def serve(address_file: str, watch_pid: int, idle_seconds: float) -> None:
                 or time.monotonic() - last[0] > idle_seconds
             ):
                 stop.set()
-                with contextlib.suppress(OSError):  # wakes accept()
-                    Client(socket_path, family="AF_UNIX", authkey=key).close()
 
     threading.Thread(target=watch, daemon=True).start()
     try:
         while not stop.is_set():
             try:
-                conn = listener.accept()
-            except Exception:  # a peer with the wrong key, or one that hung up
+                conn = _accept(listener, key)
+            except Exception:  # a second without a peer, a wrong key, a peer gone
                 continue
             last[0] = time.monotonic()
             with conn:
@@ -270,14 +336,17 @@ def serve(address_file: str, watch_pid: int, idle_seconds: float) -> None:
                     continue
                 try:
                     reply = (True, _answer(spec, request))
-                except Exception as exc:  # raised in the ClientApp, with our traceback
-                    reply = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+                except Exception as exc:  # raised in the ClientApp; the traceback stays
+                    traceback.print_exc()  # in the SuperNode's log, not in the reply
+                    reply = (False, f"{type(exc).__name__}: {exc}")
                 with contextlib.suppress(OSError):
                     conn.send(reply)
                 last[0] = time.monotonic()
     finally:
         stop.set()
-        listener.close()  # removes this worker's own socket file
+        listener.close()
+        with contextlib.suppress(OSError):  # this worker's own socket file
+            os.unlink(socket_path)
         with _locked(address_file):
             if still_named():  # not replaced by a newer worker: retire the address
                 for path in (address_file, address_file + ".lock"):
@@ -285,6 +354,32 @@ def serve(address_file: str, watch_pid: int, idle_seconds: float) -> None:
                     # second worker; the one the address file does not name ends)
                     with contextlib.suppress(OSError):
                         os.unlink(path)
+
+
+def _listen(socket_path: str) -> socket.socket:
+    """A Unix socket listening on `socket_path` whose accept times out every second,
+    so the serving loop sees its stop flag even when nobody connects."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(socket_path)
+    os.chmod(socket_path, 0o600)
+    sock.listen()
+    sock.settimeout(1.0)
+    return sock
+
+
+def _accept(listener: socket.socket, key: bytes) -> Connection:
+    """The next peer, authenticated both ways with the key (HMAC challenges, as
+    `multiprocessing.connection.Listener` does)."""
+    peer, _ = listener.accept()
+    peer.setblocking(True)
+    conn = Connection(peer.detach())
+    try:
+        deliver_challenge(conn, key)
+        answer_challenge(conn, key)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 def _alive(pid: int) -> bool:
@@ -302,8 +397,9 @@ def main(argv=None) -> None:
     p.add_argument("--address-file", required=True)
     p.add_argument("--watch-pid", type=int, required=True)
     args = p.parse_args(argv)
+    entry = json.loads(sys.stdin.read())  # socket and key: from the starter, not the file
     idle = float(os.environ.get("DPFL_FLOWER_WORKER_IDLE", DEFAULT_IDLE_SECONDS))
-    serve(args.address_file, args.watch_pid, idle)
+    serve(args.address_file, entry["socket"], entry["key"].encode(), args.watch_pid, idle)
 
 
 if __name__ == "__main__":

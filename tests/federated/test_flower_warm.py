@@ -4,9 +4,12 @@ run; the worker ends with the process it watches; a worker's error reaches the
 ClientApp; and the ClientApp's process never imports TensorFlow."""
 
 import os
+import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -46,7 +49,15 @@ def _workers(parent_pid: int) -> list[int]:
     """Live worker processes serving nodes of `parent_pid` (by their command line)."""
     prefix = flower_warm.worker_address(parent_pid, 0).rsplit("-", 1)[0] + "-"
     out = subprocess.run(["pgrep", "-f", prefix], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
+    live = []
+    for pid in out.stdout.split():  # not the zombies this process has yet to reap
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(") ", 1)[1][0] != "Z":
+                    live.append(int(pid))
+        except OSError:
+            continue
+    return live
 
 
 @pytest.fixture
@@ -133,7 +144,47 @@ def test_the_package_top_level_is_lazy_and_complete():
         "import sys, dpfl_tf; assert 'dp_accounting' not in sys.modules; "
         "from dpfl_tf import compute_epsilon, PrivacyLedger; "
         "assert all(getattr(dpfl_tf, n) for n in dpfl_tf.__all__); "
-        "assert dpfl_tf.privacy.PrivacyLedger is PrivacyLedger; print('ok')"
+        "assert dpfl_tf.privacy.PrivacyLedger is PrivacyLedger; "
+        "assert not hasattr(dpfl_tf, '__main__') and not hasattr(dpfl_tf, 'nothing'); "
+        "import ast, inspect; tree = ast.parse(inspect.getsource(dpfl_tf)); "
+        "typed = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) "
+        "and n.module and n.module.startswith('dpfl_tf') for a in n.names}; "
+        "assert typed == set(dpfl_tf.__all__) == set(dpfl_tf._EXPORTS), typed; print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_link_in_place_of_the_private_directory_is_refused(tmp_path, monkeypatch, request):
+    """Another user could plant a symbolic link where the keys go; it is refused."""
+    runtime = pathlib.Path(tempfile.mkdtemp(dir="/tmp"))  # short: a socket path's limit
+    request.addfinalizer(lambda: shutil.rmtree(runtime, ignore_errors=True))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (runtime / "dpfl-flower").symlink_to(elsewhere)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    with pytest.raises(PermissionError, match="not a link"):
+        flower_warm.worker_address(1, 1)
+    (runtime / "dpfl-flower").unlink()
+    assert os.path.dirname(flower_warm.worker_address(1, 1)) == str(runtime / "dpfl-flower")
+
+
+def test_other_code_gets_a_new_worker_and_a_terminated_worker_cleans_up(parent, mnist, monkeypatch):
+    grid = fl.LocalGrid(flower_warm.client_app, 2, run_config=RUN_CONFIG)
+    fl.DPStrategy.from_config(fl.config_from_run_config(RUN_CONFIG)).run(grid, 1)
+    first = _workers(parent.pid)
+    # dpfl_tf upgraded (or another app bundle on the path): the old worker is not asked
+    monkeypatch.setattr(flower_warm, "code_fingerprint", lambda: "other code")
+    fl.DPStrategy.from_config(fl.config_from_run_config(RUN_CONFIG)).run(grid, 1)
+    deadline = time.monotonic() + 15
+    while set(_workers(parent.pid)) & set(first) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    second = _workers(parent.pid)
+    assert len(second) == 2 and not set(second) & set(first)  # replaced, and the old ended
+    for pid in second:  # SIGTERM (the SuperNode's group stopped): the files go too
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while _workers(parent.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    directory = os.path.dirname(flower_warm.worker_address(parent.pid, 1))
+    assert [f for f in os.listdir(directory) if f.startswith(f"worker-{parent.pid}-")] == []
