@@ -9,23 +9,27 @@ forwards each message to one *worker process per node*, which it starts on the
 node's first message and which keeps TensorFlow, the partition, the model and
 its traced step for the next rounds.  The worker answers with
 `dpfl_tf.federated.flower.client_train` -- the cold ClientApp's own function --
-so a warm client uploads exactly what a cold one does.
+so a warm client uploads exactly what a cold one running the same code does (a
+ClientApp whose code differs from its worker's starts a new worker).
 
 The worker
 ----------
-* listens on a Unix socket of its own with a random key
-  (`multiprocessing.connection`'s HMAC handshake), both named in an address
-  file in a private directory (``/tmp/dpfl-flower-<uid>``, mode 0700) that is
-  named after the ClientApp's parent process (the SuperNode's executor) and
-  the node id;
-* ends when that parent process ends (the SuperNode stopped or killed), after
-  ``DPFL_FLOWER_WORKER_IDLE`` seconds without a message (default 1800), or
-  when the address file no longer names it (deleted, or a newer worker);
+* listens on a Unix socket of its own with a random key (HMAC challenges, as
+  `multiprocessing.connection`), both named in an address file (with the
+  ClientApp's `code_fingerprint`) in a private directory
+  (``$XDG_RUNTIME_DIR/dpfl-flower`` or ``/tmp/dpfl-flower-<uid>``, a real
+  directory of mode 0700), named after the ClientApp's parent process (the
+  SuperNode's executor) and the node id;
+* ends when that parent process ends (the SuperNode stopped or killed), on
+  SIGTERM, after ``DPFL_FLOWER_WORKER_IDLE`` seconds without a message (default
+  1800), or when the address file no longer names it (deleted, or a newer
+  worker: a ClientApp running other code starts one);
 * runs in the ClientApp's process group (the SuperNode's), so a signal to
   that group reaches it, and writes to the ClientApp's stdout/stderr (the
   SuperNode's log);
 * serves one message at a time; an error in it is raised in the ClientApp
-  (Flower replies with an error message, as for a cold client).  If the worker
+  (Flower replies with an error message, as for a cold client; the traceback
+  stays in the worker's log).  If the worker
   dies, the next message starts a new one (cold once).
 
 Use it in the app's ``pyproject.toml``::
