@@ -342,9 +342,16 @@ def client_train(spec: _ClientSpec, request: TrainRequest) -> tuple[list[np.ndar
     return [np.asarray(u) for u in upload], metrics
 
 
-def client_partition(spec: _ClientSpec, run_config: dict, node_config: dict) -> int:
-    """The node's partition id, checked against the run's config (enrolment)."""
-    return _partition_id(spec, run_config, node_config)[1]
+def client_partition(
+    spec: _ClientSpec, run_config: dict, node_config: dict, *, build: bool = False
+) -> int:
+    """The node's partition id, checked against the run's config (enrolment); with
+    `build`, the client's runtime (data, model) is built now, before the first round
+    (the warm ClientApp's worker)."""
+    config, k = _partition_id(spec, run_config, node_config)
+    if build:
+        _runtime(spec, config)
+    return k
 
 
 def _client_query(spec: _ClientSpec, msg: Message, context: Context) -> Message:

@@ -288,9 +288,7 @@ def _answer(spec, request: tuple):
     if kind == "train" and isinstance(request[1], TrainRequest):
         return flower.client_train(spec, request[1])
     if kind == "query":  # enrolment, before the first round: build the client now
-        k = flower.client_partition(spec, request[1], request[2])
-        flower._runtime(spec, flower.config_from_run_config(request[1]))
-        return k
+        return flower.client_partition(spec, request[1], request[2], build=True)
     raise ValueError(f"unknown request {kind!r}")
 
 

@@ -60,6 +60,13 @@ def _workers(parent_pid: int) -> list[int]:
     return live
 
 
+def _wait(condition, seconds: float) -> None:
+    """Until `condition()` is false, at most `seconds`."""
+    deadline = time.monotonic() + seconds
+    while condition() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 @pytest.fixture
 def parent(monkeypatch):
     """A stand-in for the SuperNode's executor: the workers watch it."""
@@ -68,9 +75,7 @@ def parent(monkeypatch):
     yield proc
     proc.kill()
     proc.wait()
-    deadline = time.monotonic() + 10
-    while _workers(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    _wait(lambda: _workers(proc.pid), 10)
 
 
 def test_a_warm_run_is_the_cold_run_and_its_workers_end_with_their_node(parent, mnist):
@@ -85,9 +90,7 @@ def test_a_warm_run_is_the_cold_run_and_its_workers_end_with_their_node(parent, 
     assert len(workers) == 2  # one per node, kept across the rounds (and the enrolment)
     parent.kill()
     parent.wait()
-    deadline = time.monotonic() + 10
-    while _workers(parent.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    _wait(lambda: _workers(parent.pid), 10)
     assert _workers(parent.pid) == []  # they end with the process they watch
     assert not os.path.exists(flower_warm.worker_address(parent.pid, 1))  # and retire
 
@@ -118,9 +121,7 @@ def test_an_idle_worker_ends(parent, mnist, monkeypatch):
     grid = fl.LocalGrid(flower_warm.client_app, 2, run_config=RUN_CONFIG)
     fl.DPStrategy.from_config(fl.config_from_run_config(RUN_CONFIG)).run(grid, 1)
     assert len(_workers(parent.pid)) == 2
-    deadline = time.monotonic() + 30
-    while _workers(parent.pid) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    _wait(lambda: _workers(parent.pid), 30)
     assert _workers(parent.pid) == [] and parent.poll() is None  # idle, not orphaned
     directory = os.path.dirname(flower_warm.worker_address(parent.pid, 1))
     left = [f for f in os.listdir(directory) if f.startswith(f"worker-{parent.pid}-")]
@@ -176,15 +177,11 @@ def test_other_code_gets_a_new_worker_and_a_terminated_worker_cleans_up(parent, 
     # dpfl_tf upgraded (or another app bundle on the path): the old worker is not asked
     monkeypatch.setattr(flower_warm, "code_fingerprint", lambda: "other code")
     fl.DPStrategy.from_config(fl.config_from_run_config(RUN_CONFIG)).run(grid, 1)
-    deadline = time.monotonic() + 15
-    while set(_workers(parent.pid)) & set(first) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    _wait(lambda: set(_workers(parent.pid)) & set(first), 15)
     second = _workers(parent.pid)
     assert len(second) == 2 and not set(second) & set(first)  # replaced, and the old ended
     for pid in second:  # SIGTERM (the SuperNode's group stopped): the files go too
         os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    while _workers(parent.pid) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    _wait(lambda: _workers(parent.pid), 15)
     directory = os.path.dirname(flower_warm.worker_address(parent.pid, 1))
     assert [f for f in os.listdir(directory) if f.startswith(f"worker-{parent.pid}-")] == []
