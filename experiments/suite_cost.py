@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import threading
@@ -96,6 +97,8 @@ def main(argv=None) -> int:
     code = proc.wait()
     done.set()
     seconds = time.perf_counter() - start
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = used.ru_utime + used.ru_stime
     summary = next((x for x in reversed(lines) if re.search(r"\d+ (passed|failed)", x)), "")
     row = {
         "label": args.label,
@@ -108,6 +111,11 @@ def main(argv=None) -> int:
         "peak_tree_rss_gb": round(peak["tree"] / 1e9, 2),
         "peak_process_rss_gb": round(peak["process"] / 1e9, 2),
         "peak_process": peak["process_cmdline"],
+        # CPU seconds of every process the command started and waited for (pytest
+        # waits for its workers, they for their children): busy / (wall x cores) is how
+        # much of the machine the suite kept busy
+        "cpu_seconds": round(cpu, 1),
+        "cpu_busy": round(cpu / (seconds * os.cpu_count()), 2),
         "cpus": os.cpu_count(),
         "when": time.strftime("%Y-%m-%d %H:%M"),
     }

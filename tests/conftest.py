@@ -42,6 +42,14 @@ def _read_only_as_root(directory):
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    """Files marked `isolated` run in a child process each (tests/isolation.py)."""
+    from tests import isolation
+
+    if not config.pluginmanager.is_registered(isolation):
+        config.pluginmanager.register(isolation, "dpfl-isolation")
+
+
 def pytest_collection_finish(session):
     """What collection imported (TensorFlow, Keras, the package, the test modules)
     lives as long as the process: `gc.freeze` takes it out of the garbage
@@ -129,8 +137,23 @@ def _slow_tests() -> set[str]:
     return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
 
 
+def _file_seconds() -> dict[str, float]:
+    """What tests/file_seconds.txt lists: seconds per test file (tests/mark_slow.py)."""
+    listed = ROOT / "tests" / "file_seconds.txt"
+    if not listed.exists():
+        return {}
+    rows = [line.split(maxsplit=1) for line in listed.read_text().splitlines()]
+    return {path: float(s) for s, path in (r for r in rows if r and not r[0].startswith("#"))}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Marks the tests of tests/slow.txt slow (the fast tier is -m "not slow")."""
+    """Marks the tests of tests/slow.txt slow (the fast tier is -m "not slow"), and
+    puts the slowest files first (tests/file_seconds.txt; the order within a file is
+    kept): with `--dist loadfile` a long file that starts last keeps one worker busy
+    while the other has finished."""
+    seconds = _file_seconds()
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::", 1)[0], 0.0), order[id(item)]))
     slow = _slow_tests()
     for item in items:
         function = item.nodeid.split("[", 1)[0]

@@ -12,6 +12,10 @@ time are kept: whole files (a path without '::': child processes, multi-process
 runs, statistical audits, slow as a whole) and functions timed in other runs.
 A parametrized test is listed by its function (all its cases are slow) when its
 cases take more than the threshold in all.
+
+It also writes tests/file_seconds.txt, the seconds each test file took: conftest.py
+hands the files to the workers slowest first, so that no long file starts last and
+keeps one worker busy after the other has finished.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import xml.etree.ElementTree as ET
 
 HERE = pathlib.Path(__file__).resolve().parent
 SLOW_LIST = HERE / "slow.txt"
+FILE_SECONDS = HERE / "file_seconds.txt"
 
 
 def test_times(junit_xml: str) -> dict[str, float]:
@@ -47,6 +52,24 @@ def budget_threshold(times: dict[str, float], budget: float) -> float:
     return threshold
 
 
+def write_file_seconds(times: dict[str, float]) -> None:
+    """tests/file_seconds.txt: '<seconds> <path>' per test file, slowest first (files
+    listed before and not timed now are kept)."""
+    seconds: dict[str, float] = collections.defaultdict(float)
+    for test, s in times.items():
+        seconds[test.split("::", 1)[0]] += s
+    if FILE_SECONDS.exists():
+        for line in FILE_SECONDS.read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                s, path = line.split(maxsplit=1)
+                seconds.setdefault(path, float(s))
+    rows = sorted(seconds.items(), key=lambda row: -row[1])
+    FILE_SECONDS.write_text(
+        "# seconds per test file in a whole-suite run (tests/mark_slow.py); conftest.py "
+        "starts the slowest first\n" + "".join(f"{s:.0f} {path}\n" for path, s in rows)
+    )
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("junit_xml", nargs="+", help="one or more junit XML files")
@@ -61,6 +84,7 @@ def main(argv=None) -> None:
     times: dict[str, float] = {}
     for path in args.junit_xml:
         times.update(test_times(path))
+    write_file_seconds(times)
     kept = []
     if SLOW_LIST.exists():
         kept = [

@@ -21,6 +21,10 @@ from dpfl_tf.keras import DPSGD, DPModel
 from dpfl_tf.privacy.calibration import calibrate_noise_multiplier
 from dpfl_tf.privacy.events import dp_sgd_event
 
+# what XLA and TensorFlow compile here stays until the process ends (+0.6 GB in a
+# whole-suite worker): the file runs in a process of its own (tests/isolation.py)
+pytestmark = pytest.mark.isolated
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(
     "broken_dpsgd", ROOT / "experiments" / "broken_dpsgd.py"

@@ -12,6 +12,10 @@ import sys
 import numpy as np
 import pytest
 
+# what XLA and TensorFlow compile here stays until the process ends (+0.4 GB in a
+# whole-suite worker): the file runs in a process of its own (tests/isolation.py)
+pytestmark = pytest.mark.isolated
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 if str(ROOT / "experiments") not in sys.path:  # as when the script runs (its _common)
     sys.path.insert(0, str(ROOT / "experiments"))

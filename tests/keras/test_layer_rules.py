@@ -14,6 +14,10 @@ from dpfl_tf.keras.layer_rules.recurrent import RECURRENT as RECURRENT_RULE
 from dpfl_tf.keras.per_example import PerExampleGradients, plan_layers
 from tests.keras.helpers import loss, mnist_slice
 
+# what XLA and TensorFlow compile here stays until the process ends (+0.9 GB in a
+# whole-suite worker): the file runs in a process of its own (tests/isolation.py)
+pytestmark = pytest.mark.isolated
+
 N = 5
 
 

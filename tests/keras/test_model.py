@@ -23,6 +23,10 @@ from dpfl_tf.privacy import (
 from dpfl_tf.privacy.calibration import calibrate_noise_multiplier
 from tests.keras.helpers import loss, mlp, mnist_slice, mnist_test_slice
 
+# what XLA and TensorFlow compile here stays until the process ends (+2.6 GB in a
+# whole-suite worker): the file runs in a process of its own (tests/isolation.py)
+pytestmark = pytest.mark.isolated
+
 
 def dp_model(noise=1.0, clip=1.0, lr=0.5, model=None, seed=0, **opt):
     dp = DPModel(model if model is not None else mlp())

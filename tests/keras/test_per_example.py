@@ -18,6 +18,10 @@ from dpfl_tf.keras.per_example import (
 )
 from tests.keras.helpers import loss, mnist_slice
 
+# what XLA and TensorFlow compile here stays until the process ends (+0.8 GB in a
+# whole-suite worker): the file runs in a process of its own (tests/isolation.py)
+pytestmark = pytest.mark.isolated
+
 
 def _example(x, i):
     """Example i of an input (an array or a list of arrays), batch axis kept."""

@@ -14,6 +14,10 @@ from dpfl_tf.keras.users import PerUserGradients, UserLotSampler, group_users
 from dpfl_tf.privacy import compute_epsilon, dp_sgd_event
 from tests.keras.helpers import loss, mlp, mnist_slice
 
+# what XLA and TensorFlow compile here stays until the process ends (+1.2 GB in a
+# whole-suite worker): the file runs in a process of its own (tests/isolation.py)
+pytestmark = pytest.mark.isolated
+
 C = 0.5
 
 

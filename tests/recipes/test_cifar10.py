@@ -28,6 +28,10 @@ from dpfl_tf.recipes.cifar10 import (
 )
 from tests.data import CIFAR10_JPEG_ARCHIVE, isolate, real_cifar10_jpeg_slice, write_cifar100
 
+# what XLA and TensorFlow compile here stays until the process ends (+0.4 GB in a
+# whole-suite worker): the file runs in a process of its own (tests/isolation.py)
+pytestmark = pytest.mark.isolated
+
 needs_jpeg_copy = pytest.mark.skipif(
     not CIFAR10_JPEG_ARCHIVE.is_file(), reason=f"no offline JPEG copy at {CIFAR10_JPEG_ARCHIVE}"
 )

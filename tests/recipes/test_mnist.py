@@ -12,6 +12,10 @@ from dpfl_tf.privacy import compute_epsilon, dp_sgd_event
 from dpfl_tf.recipes import mnist as recipe
 from dpfl_tf.recipes.mnist import MnistConfig, train_mnist
 
+# what XLA and TensorFlow compile here stays until the process ends (+2.3 GB in a
+# whole-suite worker): the file runs in a process of its own (tests/isolation.py)
+pytestmark = pytest.mark.isolated
+
 
 class _Slice:
     """The real MNIST, cut to 6000 / 2000 examples to keep the test short."""

@@ -10,6 +10,10 @@ import pytest
 from dpfl_tf.recipes import mnist as recipe
 from dpfl_tf.recipes.mnist import MnistConfig, train_mnist
 
+# what XLA and TensorFlow compile here stays until the process ends (+0.8 GB in a
+# whole-suite worker): the file runs in a process of its own (tests/isolation.py)
+pytestmark = pytest.mark.isolated
+
 
 class _Slice:
     """The real MNIST, cut to 2000 / 500 examples (10 lots of 200 an epoch)."""

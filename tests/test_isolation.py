@@ -1,0 +1,121 @@
+"""tests/isolation.py: a file marked `isolated` runs in a child process, and what
+its tests did (passed, failed, skipped, died) reaches the parent's report intact."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+ISOLATED_FILE = """
+import os
+import pytest
+
+pytestmark = pytest.mark.isolated
+
+def _record(tag):
+    with open(os.environ["PID_FILE"], "a") as f:
+        f.write(f"{tag} {os.getpid()}\\n")
+
+def test_passes():
+    _record("isolated")
+
+def test_fails():
+    assert 1 == 2, "the child's assertion message"
+
+def test_skips():
+    pytest.skip("the child's skip reason")
+
+@pytest.mark.parametrize("x", [1, 2])
+def test_param(x):
+    _record(f"isolated-param-{x}")
+
+def test_prints_then_passes():
+    print("captured in the child")
+
+def test_kills_its_process():
+    os._exit(3)
+
+def test_after_the_death():
+    pass
+"""
+
+PLAIN_FILE = """
+import os
+
+def test_plain():
+    with open(os.environ["PID_FILE"], "a") as f:
+        f.write(f"plain {os.getpid()}\\n")
+"""
+
+
+@pytest.mark.parametrize("xdist", [[], ["-n", "2", "--dist", "loadfile"]], ids=["one", "xdist"])
+def test_an_isolated_file_runs_in_a_child_and_reports_every_outcome(tmp_path, xdist):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "conftest.py").write_text('pytest_plugins = ["tests.isolation"]\n')
+    (project / "test_isolated.py").write_text(textwrap.dedent(ISOLATED_FILE))
+    (project / "test_plain.py").write_text(textwrap.dedent(PLAIN_FILE))
+    pids, junit = tmp_path / "pids.txt", tmp_path / "junit.xml"
+    env = dict(os.environ, PID_FILE=str(pids), PYTHONPATH=ROOT)
+    env.pop("DPFL_TEST_CHILD_REPORTS", None)  # this test itself may run in a child
+    env.pop("DPFL_TEST_NO_ISOLATION", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", *xdist]
+        + ["--rootdir", str(project), "-c", os.devnull, f"--junitxml={junit}", str(project)],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out  # tests failed
+
+    outcomes = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = case.get("name")
+        failure = case.find("failure")
+        skipped = case.find("skipped")
+        if failure is not None:
+            outcomes[name] = ("failed", failure.get("message", "") + (failure.text or ""))
+        elif skipped is not None:
+            outcomes[name] = ("skipped", skipped.get("message", ""))
+        else:
+            outcomes[name] = ("passed", case.findtext("system-out") or "")
+    assert sorted(outcomes) == sorted(
+        [
+            "test_passes",
+            "test_fails",
+            "test_skips",
+            "test_param[1]",
+            "test_param[2]",
+            "test_prints_then_passes",
+            "test_kills_its_process",
+            "test_after_the_death",
+            "test_plain",
+        ]
+    ), out
+    assert outcomes["test_passes"][0] == "passed"
+    assert outcomes["test_param[1]"][0] == outcomes["test_param[2]"][0] == "passed"
+    assert outcomes["test_fails"][0] == "failed"
+    assert "the child's assertion message" in outcomes["test_fails"][1]
+    assert outcomes["test_skips"] == ("skipped", "the child's skip reason")
+    assert outcomes["test_prints_then_passes"][0] == "passed"
+    # the child died in one test: that test and the ones it never reached fail, saying so
+    for name in ("test_kills_its_process", "test_after_the_death"):
+        assert outcomes[name][0] == "failed", (name, out)
+        assert "did not report this test" in outcomes[name][1]
+        assert "child exit status 3" in outcomes[name][1]
+    assert outcomes["test_plain"][0] == "passed"
+    assert "captured in the child" in out  # -rA shows the child's captured output
+
+    # the isolated tests ran in one process, which is neither pytest nor its worker
+    rows = [line.split() for line in pids.read_text().splitlines()]
+    isolated = {pid for tag, pid in rows if tag.startswith("isolated")}
+    plain = {pid for tag, pid in rows if tag == "plain"}
+    assert len(isolated) == 1 and len(plain) == 1 and isolated != plain, rows
