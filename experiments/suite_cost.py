@@ -62,6 +62,24 @@ def _tree_rss(root: int) -> tuple[int, int, int]:
     return total, largest, largest_pid
 
 
+def memory_growth_by_file(log: str) -> dict[str, float]:
+    """GB each test file added to the processes that ran it, from a
+    DPFL_TEST_MEMORY_LOG file: per process, the resident memory after each test
+    minus after the test before it, summed per file (a process's first test
+    counts from its own first row).  The files over ~0.4 GB are the ones to mark
+    `pytest.mark.isolated` (tests/isolation.py)."""
+    last: dict[int, float] = {}
+    growth: dict[str, float] = {}
+    with open(log) as f:
+        for line in f:
+            row = json.loads(line)
+            before = last.get(row["pid"], row["rss_gb"])
+            last[row["pid"]] = row["rss_gb"]
+            path = row["test"].split("::", 1)[0]
+            growth[path] = growth.get(path, 0.0) + row["rss_gb"] - before
+    return dict(sorted(growth.items(), key=lambda kv: -kv[1]))
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -119,6 +137,12 @@ def main(argv=None) -> int:
         "cpus": os.cpu_count(),
         "when": time.strftime("%Y-%m-%d %H:%M"),
     }
+    log = os.environ.get("DPFL_TEST_MEMORY_LOG")
+    if log and os.path.exists(log):
+        growth = memory_growth_by_file(log)
+        row["memory_growth_gb_by_file"] = {
+            k: round(v, 2) for k, v in list(growth.items())[:15] if v >= 0.1
+        }
     rows = json.load(open(args.output)) if os.path.exists(args.output) else []
     rows.append(row)
     with open(args.output, "w") as f:

@@ -89,6 +89,9 @@ def pytest_runtest_protocol(item, nextitem):
         got.append(_unreported(item, output))
     for report in got:
         item.ihook.pytest_runtest_logreport(report=report)
+    # what the test before set up for the directories it shares with this one is ours
+    # to tear down now, as the runner would have: up to what the next test needs
+    item.session._setupstate.teardown_exact(nextitem)
     item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     return True
 
