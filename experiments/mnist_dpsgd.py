@@ -5,6 +5,8 @@
     python experiments/mnist_dpsgd.py --group sweep        # Figure 5 points at eps = 2
     python experiments/mnist_dpsgd.py --dataset fashion_mnist
     python experiments/mnist_dpsgd.py --only medium_noise --quick   # a short smoke run
+    python experiments/mnist_dpsgd.py --group beyond --only medium_noise/pld --seed 0
+        # one seeded run (its name ends in /seed0); run each seed in its own process
 
 Each run is written to results/<dataset>_dpsgd.json as soon as it finishes
 (runs with the same name are replaced), then the figures are redrawn:
@@ -211,6 +213,13 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--output-dir", default=RESULTS)
     p.add_argument("--data-dir", default=None)
     p.add_argument("--list", action="store_true", help="list the run names and exit")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed every run (noise, lot sampling, DP-PCA, initialisation); the run names "
+        "get /seed<N>. Default: unseeded, the names as listed",
+    )
     args = p.parse_args(argv)
 
     runs = {}
@@ -218,6 +227,10 @@ def main(argv=None) -> list[dict]:
         runs.update(GROUPS[g]())
     if args.only:
         runs = {k: v for k, v in runs.items() if any(k.startswith(o) for o in args.only)}
+    if args.seed is not None:
+        runs = {
+            f"{k}/seed{args.seed}": dataclasses.replace(v, seed=args.seed) for k, v in runs.items()
+        }
     if args.list or not runs:
         print("\n".join(runs) or "no run matches --only")
         return []
