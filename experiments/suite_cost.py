@@ -66,8 +66,9 @@ def memory_growth_by_file(log: str) -> dict[str, float]:
     """GB each test file added to the processes that ran it, from a
     DPFL_TEST_MEMORY_LOG file: per process, the resident memory after each test
     minus after the test before it, summed per file (a process's first test
-    counts from its own first row).  The files over ~0.4 GB are the ones to mark
-    `pytest.mark.isolated` (tests/isolation.py)."""
+    counts from its own first row).  The files over ~0.4 GB not yet marked
+    `pytest.mark.isolated` are the ones to mark (tests/isolation.py); the marked
+    ones are listed too, with what they grow their own child process by."""
     last: dict[int, float] = {}
     growth: dict[str, float] = {}
     with open(log) as f:
@@ -95,6 +96,9 @@ def main(argv=None) -> int:
     p.add_argument("command", nargs="*", help="default: the README's test command")
     args = p.parse_args(argv)
     cmd = args.command or [sys.executable if c == "python" else c for c in readme_test_command()]
+    log = os.environ.get("DPFL_TEST_MEMORY_LOG")
+    if log and os.path.exists(log):  # the test processes append: start it empty
+        os.remove(log)
     peak = {"tree": 0, "process": 0, "process_cmdline": ""}
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -137,7 +141,6 @@ def main(argv=None) -> int:
         "cpus": os.cpu_count(),
         "when": time.strftime("%Y-%m-%d %H:%M"),
     }
-    log = os.environ.get("DPFL_TEST_MEMORY_LOG")
     if log and os.path.exists(log):
         growth = memory_growth_by_file(log)
         row["memory_growth_gb_by_file"] = {

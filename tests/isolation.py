@@ -1,4 +1,4 @@
-"""Runs the test files marked ``isolated`` each in a child pytest process.
+"""Runs the tests marked ``isolated`` in a child pytest process, one per file.
 
 Why: what TensorFlow compiles (XLA executables, traced graphs, kernels) stays in
 the process until it ends; ``keras.backend.clear_session`` releases the Python
@@ -8,24 +8,34 @@ holds 2.6 GB more until the suite ends, and in one worker the files add up to
 child ``python -m pytest <its selected tests>`` started when its first test is
 due; the child's memory is returned when the file is done.
 
-The child's reports (outcome, duration, captured output, traceback) come back as
-the JSON that pytest-xdist also uses (``pytest_report_to_serializable``), and the
-parent passes them on as its own: the terminal, ``--junitxml``, ``-x`` and the
-exit status see them as if the tests had run in the parent.  A test the child
-never reported (the child crashed, was killed, failed to collect) fails with the
-end of the child's output.  The child costs a Python start-up and a TensorFlow
-import (5-7 s), so only files whose memory growth is worth it are marked.
+The child gets the calling pytest's options (from the command line and
+``PYTEST_ADDOPTS``: ``-W``, ``-o``, ``--runxfail``, ``--timeout``, ``-s``, ``-v``,
+conftest options, ...) except those that select, schedule or write files (the
+positional paths, xdist's, ``--junitxml``, ``--basetemp``, the cache's ``--lf``
+and ``--sw``, ``-x``; a third-party plugin's option that writes a report file would
+be forwarded too, and the child would write it first); ``--pdb``, ``--trace``, ``--setup-only`` and
+``--setup-plan`` run everything in the calling process instead.  Its reports
+(outcome, duration, captured output, traceback) come back as the JSON that
+pytest-xdist also uses (``pytest_report_to_serializable``), and the parent
+passes them on as its own: the terminal, ``--junitxml``, ``-x`` and the exit
+status see them as if the tests had run in the parent.  A test the child did
+not report to its end (the child crashed, was killed, failed to collect) fails
+with the end of the child's output.  pytest-timeout's limit applies to each test
+in the child, not to the file.  The child costs a Python start-up and a
+TensorFlow import (5-7 s), so only files whose memory growth is worth it are
+marked.
 
-Files are the unit: run with ``--dist loadfile`` (or without xdist) so that one
-process runs all of a file's tests; with ``--dist load`` each worker would start
-a child for the whole file.  ``DPFL_TEST_NO_ISOLATION=1`` runs everything in the
-calling process (e.g. to step through a test in a debugger).
+Files are the unit: isolation is on without xdist and with ``--dist loadfile``,
+where one process runs all of a file's tests; with another ``--dist`` the tests
+run in the worker as usual.  ``DPFL_TEST_NO_ISOLATION=1`` runs everything in the
+calling process.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,24 +45,80 @@ import pytest
 MARK = "isolated"
 REPORTS_ENV = "DPFL_TEST_CHILD_REPORTS"  # set in the child: where it writes its reports
 _RESULTS = pytest.StashKey[dict]()
+_DIST_KEY = "dpfl_isolation_dist"
+
+# options (argparse dests) the child must not get: selection and scheduling (the
+# parent did both), files written (the parent writes them), stopping early (a test
+# the child skips for that would fail as unreported)
+_NOT_FORWARDED = {
+    "file_or_dir",
+    "numprocesses",
+    "maxprocesses",
+    "dist",
+    "tx",
+    "rsyncdir",
+    "rsyncignore",
+    "maxworkerrestart",
+    "looponfail",
+    "xmlpath",
+    "junitprefix",
+    "basetemp",
+    "lf",
+    "failedfirst",
+    "newfirst",
+    "last_failed_no_failures",
+    "stepwise",
+    "stepwise_skip",
+    "stepwise_reset",
+    "cacheclear",
+    "cacheshow",
+    "distload",
+    "maxfail",
+    "durations",
+    "durations_min",
+    "inifilename",
+    "rootdir",
+    "tbstyle",
+    "debug",
+    "pastebin",
+    "version",
+    "help",
+    "collectonly",
+}
+# options that need the tests in this process
+_IN_PROCESS = ("usepdb", "trace", "setuponly", "setupplan")
 
 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        f"{MARK}: the file's tests run in a child pytest process, one per file "
+        f"{MARK}: the file's marked tests run in a child pytest process, one per file "
         "(tests/isolation.py)",
     )
     path = os.environ.get(REPORTS_ENV)
     if path and not config.pluginmanager.has_plugin("dpfl-child-reports"):
         config.pluginmanager.register(_ChildReports(config, path), "dpfl-child-reports")
+    if config.pluginmanager.has_plugin("xdist") and not hasattr(config, "workerinput"):
+        if not config.pluginmanager.has_plugin("dpfl-xdist-dist"):
+            config.pluginmanager.register(_TellWorkersTheDist(), "dpfl-xdist-dist")
+
+
+class _TellWorkersTheDist:
+    """In the xdist controller: a worker's config says dist = "no"; tell it the
+    mode the tests are handed out in."""
+
+    def pytest_configure_node(self, node):
+        node.workerinput[_DIST_KEY] = node.config.option.dist
 
 
 class _ChildReports:
-    """In the child: appends each test and collection report, serialised, to a file."""
+    """In the child: appends each test report, and each failed or skipped
+    collection report, serialised, to a file."""
 
     def __init__(self, config, path):
         self.config, self.path = config, path
+        if sys.platform.startswith("linux"):
+            _die_with_parent()
 
     def _write(self, report):
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
@@ -63,95 +129,176 @@ class _ChildReports:
         self._write(report)
 
     def pytest_collectreport(self, report):
-        if report.failed:
+        if not report.passed:
             self._write(report)
 
 
-def _isolated(item) -> bool:
-    return (
-        item.get_closest_marker(MARK) is not None
-        and not os.environ.get(REPORTS_ENV)
-        and not os.environ.get("DPFL_TEST_NO_ISOLATION")
-    )
+def _isolation_on(config) -> bool:
+    if os.environ.get(REPORTS_ENV) or os.environ.get("DPFL_TEST_NO_ISOLATION"):
+        return False
+    if any(getattr(config.option, name, False) for name in _IN_PROCESS):
+        return False
+    if not hasattr(config, "workerinput"):
+        return True
+    return config.workerinput.get(_DIST_KEY) == "loadfile"
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
-    if not _isolated(item):
+    if item.get_closest_marker(MARK) is None or not _isolation_on(item.config):
         return None
+    cancel_timeout = getattr(item, "cancel_timeout", None)
+    if cancel_timeout is not None:  # pytest-timeout's timer would time the whole file
+        cancel_timeout()
     results = item.session.stash.setdefault(_RESULTS, {})
     if item.path not in results:
         results[item.path] = _run_file_in_child(item)
-    reports, output = results[item.path]
+    reports, skipped_modules, output = results[item.path]
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
     got = reports.pop(item.nodeid, [])
-    if not any(report.when == "teardown" for report in got):  # the child died in the test
-        got.append(_unreported(item, output))
+    skip = next((r for r in skipped_modules if item.nodeid.startswith(r.nodeid + "::")), None)
+    if not got and skip is not None:  # skipped at collection, in the child only
+        got = [_report(item, "skipped", skip.longrepr, "setup")]
+    elif not any(report.when == "teardown" for report in got):  # the child died in it
+        message = f"the child process running {item.path.name} did not report this test\n"
+        when = "teardown" if any(r.when == "call" for r in got) else "call"
+        got.append(_report(item, "failed", message + output, when))
     for report in got:
         item.ihook.pytest_runtest_logreport(report=report)
     # what the test before set up for the directories it shares with this one is ours
     # to tear down now, as the runner would have: up to what the next test needs
-    item.session._setupstate.teardown_exact(nextitem)
+    call = pytest.CallInfo.from_call(
+        lambda: item.session._setupstate.teardown_exact(nextitem), "teardown"
+    )
+    if call.excinfo is not None:
+        item.ihook.pytest_runtest_logreport(report=pytest.TestReport.from_item_and_call(item, call))
     item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     return True
 
 
-def _run_file_in_child(item):
-    """Runs this process's selected tests of `item`'s file in one child pytest;
-    returns ({nodeid: [its setup/call/teardown reports]}, the child's output)."""
-    config = item.config
-    nodeids = [other.nodeid for other in item.session.items if other.path == item.path]
-    fd, path = tempfile.mkstemp(prefix="dpfl_test_child_", suffix=".jsonl")
-    os.close(fd)
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        f"--tb={config.option.tbstyle}",
-        "--rootdir",
-        str(config.rootpath),
-        *nodeids,
-    ]
-    if config.inipath is not None:
-        command[4:4] = ["-c", str(config.inipath)]
-    env = dict(os.environ, **{REPORTS_ENV: path})
-    env.pop("PYTEST_XDIST_WORKER", None)
-    env.pop("PYTEST_XDIST_WORKER_COUNT", None)
+def _forwarded_args(config) -> list[str]:
+    """The options this pytest was given (command line, PYTEST_ADDOPTS, ini
+    addopts; in an xdist worker, the controller's), rebuilt from the parsed values
+    that differ from their defaults, minus those of _NOT_FORWARDED."""
+    parser = getattr(getattr(config, "_parser", None), "optparser", None)
+    if parser is None:  # another pytest: forward nothing rather than guess
+        return []
+    by_dest: dict[str, list] = {}
+    for action in parser._actions:
+        if action.option_strings:
+            by_dest.setdefault(action.dest, []).append(action)
+    args: list[str] = []
+    for dest, actions in by_dest.items():
+        if dest in _NOT_FORWARDED or not hasattr(config.option, dest):
+            continue
+        value = getattr(config.option, dest)
+        if value is None or value == parser.get_default(dest):
+            continue
+        if dest == "verbose":  # -v and -q count up and down
+            args.append("-" + ("v" * value if value > 0 else "q" * -value))
+            continue
+        consts = [a for a in actions if a.nargs == 0 and getattr(a, "const", None) == value]
+        flag = consts[0] if consts else None
+        if flag is not None:  # store_true, store_false, store_const (-s, -x)
+            args.append(max(flag.option_strings, key=len))
+            continue
+        valued = next((a for a in actions if a.nargs != 0), None)
+        if valued is None:
+            continue
+        name = max(valued.option_strings, key=len)
+        for element in value if isinstance(value, list) else [value]:  # -W, -o, -p: each
+            args += [name, str(element)]
+    return args
+
+
+def _die_with_parent():
+    """In the child: end when the process that started it ends (SIGTERM from the
+    kernel on Linux: prctl PR_SET_PDEATHSIG), so that a killed or timed-out parent
+    leaves no child running."""
     try:
-        done = subprocess.run(command, cwd=config.rootpath, env=env, capture_output=True, text=True)
-        output = f"child exit status {done.returncode}\n{done.stdout[-4000:]}{done.stderr[-4000:]}"
-        reports: dict[str, list] = {}
-        with open(path) as f:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent ended before the call
+        os._exit(1)
+
+
+def _run_file_in_child(item):
+    """Runs this process's selected isolated tests of `item`'s file in one child
+    pytest; returns ({nodeid: [its reports]}, [skipped collection reports], the
+    end of the child's output)."""
+    config = item.config
+    nodeids = [
+        other.nodeid
+        for other in item.session.items
+        if other.path == item.path and other.get_closest_marker(MARK) is not None
+    ]
+    fd, reports_path = tempfile.mkstemp(prefix="dpfl_test_child_", suffix=".jsonl")
+    os.close(fd)
+    fd, args_path = tempfile.mkstemp(prefix="dpfl_test_child_", suffix=".args")
+    with os.fdopen(fd, "w") as f:  # an @file: no limit on the number of tests
+        f.write("\n".join(nodeids) + "\n")
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+    command += _forwarded_args(config)
+    command += [f"--tb={config.option.tbstyle}", "--rootdir", str(config.rootpath)]
+    if config.inipath is not None:
+        command += ["-c", str(config.inipath)]
+    command.append(f"@{args_path}")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT")
+    }
+    env[REPORTS_ENV] = reports_path
+    reports: dict[str, list] = {}
+    skipped: list = []
+    try:
+        done = subprocess.run(
+            command,
+            cwd=config.rootpath,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            errors="replace",
+        )
+        output = f"child exit status {done.returncode}\n{done.stdout[-8000:]}{done.stderr[-20000:]}"
+        with open(reports_path, errors="replace") as f:
             for line in f:
-                report = config.hook.pytest_report_from_serializable(
-                    config=config, data=json.loads(line)
-                )
+                try:
+                    data = json.loads(line)
+                except ValueError:  # a line cut short by the child's death
+                    continue
+                report = config.hook.pytest_report_from_serializable(config=config, data=data)
                 # JSON made the tuples (a skip's (path, line, reason), the location) lists
                 if isinstance(report.longrepr, list):
                     report.longrepr = tuple(report.longrepr)
                 if isinstance(getattr(report, "location", None), list):
                     report.location = tuple(report.location)
                 if isinstance(report, pytest.CollectReport):
-                    output = f"collecting {report.nodeid} failed:\n{report.longreprtext}\n{output}"
+                    if report.skipped:
+                        skipped.append(report)
+                    else:
+                        failed = f"collecting {report.nodeid} failed:\n{report.longreprtext}\n"
+                        output = failed + output
                     continue
                 reports.setdefault(report.nodeid, []).append(report)
     finally:
-        os.unlink(path)
-    return reports, output
+        os.unlink(reports_path)
+        os.unlink(args_path)
+    return reports, skipped, output
 
 
-def _unreported(item, output) -> pytest.TestReport:
-    """A failed report for a test the child did not report to its end."""
+def _report(item, outcome, longrepr, when) -> pytest.TestReport:
     return pytest.TestReport(
         nodeid=item.nodeid,
         location=item.location,
         keywords={name: 1 for name in item.keywords},
-        outcome="failed",
-        longrepr=f"the child process running {item.path.name} did not report this test\n" + output,
-        when="call",
+        outcome=outcome,
+        longrepr=longrepr,
+        when=when,
         sections=[],
         duration=0.0,
         start=0.0,

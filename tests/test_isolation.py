@@ -13,9 +13,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ISOLATED_FILE = """
 import os
+import time
+import warnings
+
 import pytest
 
 pytestmark = pytest.mark.isolated
+
+@pytest.mark.timeout(2)  # the parent's timer must not time the whole file (> 2 s)
+def test_first_with_a_short_timeout():
+    pass
+
+def test_sleeps():
+    time.sleep(2.5)
+
+@pytest.mark.xfail(reason="expected to fail")
+def test_xpasses():  # -o xfail_strict=true, given to the parent: fails
+    pass
+
+def test_warns():  # -W "error:dpfl child warning", given to the parent: fails
+    warnings.warn("dpfl child warning")
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("the fixture's error")
+
+def test_with_a_broken_fixture(broken):
+    pass
 
 def _record(tag):
     with open(os.environ["PID_FILE"], "a") as f:
@@ -71,6 +95,7 @@ def test_an_isolated_file_runs_in_a_child_and_reports_every_outcome(tmp_path, xd
     env.pop("DPFL_TEST_NO_ISOLATION", None)
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", *xdist]
+        + ["-o", "xfail_strict=true", "-W", "error:dpfl child warning"]
         + ["--rootdir", str(project), "-c", os.devnull, f"--junitxml={junit}", str(project)],
         cwd=project,
         env=env,
@@ -109,6 +134,11 @@ def test_an_isolated_file_runs_in_a_child_and_reports_every_outcome(tmp_path, xd
             "test_after_the_death",
             "test_plain",
             "test_plain",
+            "test_first_with_a_short_timeout",
+            "test_sleeps",
+            "test_xpasses",
+            "test_warns",
+            "test_with_a_broken_fixture",
         ]
     ), out
     assert outcomes["test_passes"][0] == "passed"
@@ -122,6 +152,13 @@ def test_an_isolated_file_runs_in_a_child_and_reports_every_outcome(tmp_path, xd
         assert outcomes[name][0] == "failed", (name, out)
         assert "did not report this test" in outcomes[name][1]
         assert "child exit status 3" in outcomes[name][1]
+    # the parent's options reached the child; pytest-timeout timed each test, not the file
+    assert outcomes["test_first_with_a_short_timeout"][0] == "passed", out
+    assert outcomes["test_sleeps"][0] == "passed", out
+    assert outcomes["test_xpasses"][0] == "failed", out  # XPASS(strict)
+    assert outcomes["test_warns"][0] == "failed" and "dpfl child warning" in out, out
+    assert outcomes["test_with_a_broken_fixture"][0] == "error", out
+    assert "the fixture's error" in outcomes["test_with_a_broken_fixture"][1]
     # both plain files passed: the one after the isolated file too (no setup error)
     assert outcomes["test_plain"][0] == "passed", out
     assert "captured in the child" in out  # -rA shows the child's captured output
