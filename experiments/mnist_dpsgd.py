@@ -156,10 +156,13 @@ def draw_all(results: list[dict], out_dir: str, dataset: str) -> None:
         save_figure,
     )
 
-    main_runs = [
+    main_runs = [  # one panel per setting: the seeded repeats (<run>/seed<N>) are left out
         r
         for r in results
-        if r.get("private", True) and r.get("history") and not r["setting"].startswith("sweep")
+        if r.get("private", True)
+        and r.get("history")
+        and not r["setting"].startswith("sweep")
+        and "/seed" not in r.get("run", "")
     ]
     if main_runs:
         fig, axes = plt.subplots(
@@ -213,6 +216,55 @@ def diagnose_runs() -> dict[str, MnistConfig]:
             pld, setting="medium_noise_anneal", final_learning_rate=0.01, decay_epochs=357
         )
     }
+
+
+def draw_paper_comparison(results: list[dict], out_dir: str, dataset: str) -> None:
+    """The paper's accuracies (Abadi et al. 2016, section 5.2) beside ours, per epsilon:
+    every run of the paper's network (PCA 60 + 1000 ReLU, DP-PCA on all the training
+    data, the sweep left out) as a dot, the runs of one setting (its seeds and an
+    unseeded run) in one column with their mean as a bar."""
+    import matplotlib.pyplot as plt
+
+    from dpfl_tf.plotting import save_figure
+
+    groups: dict[str, list[dict]] = {}
+    for r in results:
+        if (
+            r.get("model") == "mlp"
+            and r.get("epsilon")
+            and r.get("pca_sample_size") is None
+            and not r["setting"].startswith("sweep")
+        ):
+            groups.setdefault(r["run"].split("/seed")[0], []).append(r)
+    if not groups:
+        return
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    targets = sorted({s["target_epsilon"] for s in PAPER_SETTINGS.values()})
+    names = sorted(groups, key=lambda g: (groups[g][0]["target_epsilon"], g))
+    for i, eps in enumerate(targets):
+        at = [g for g in names if groups[g][0]["target_epsilon"] == eps]
+        for j, g in enumerate(at):
+            x = i + (j - (len(at) - 1) / 2) * 0.22
+            acc = [100 * r["test_accuracy"] for r in groups[g]]
+            ax.bar(x, sum(acc) / len(acc) - 85, bottom=85, width=0.2, alpha=0.35, color=f"C{j}")
+            ax.plot([x] * len(acc), acc, "o", color=f"C{j}", ms=4)
+            label = g.split("/", 1)[1] if "/" in g else g
+            ax.annotate(f"{label}\n{len(acc)} run(s)", (x, 85.3), ha="center", fontsize=6)
+        paper = next(s for s in PAPER_SETTINGS.values() if s["target_epsilon"] == eps)
+        ax.plot(
+            [i - 0.45, i + 0.45],
+            [100 * paper["paper_test_accuracy"]] * 2,
+            "k--",
+            label="Abadi et al. 2016" if i == 0 else None,
+        )
+    ax.set_xticks(range(len(targets)), [f"eps = {e:g}" for e in targets])
+    ax.set_ylim(85, 100)
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(f"{dataset}: DP-PCA 60 + 1000 ReLU, lot 600, delta 1e-5")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    save_figure(fig, os.path.join(out_dir, f"{dataset}_paper_vs_ours.png"))
 
 
 GROUPS = {
@@ -277,6 +329,7 @@ def main(argv=None) -> list[dict]:
             flush=True,
         )
     draw_all(results, args.output_dir, args.dataset)
+    draw_paper_comparison(results, args.output_dir, args.dataset)
     print(f"wrote {path} and figures in {args.output_dir}")
     return results
 
