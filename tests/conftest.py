@@ -127,34 +127,16 @@ def read_only_dir(tmp_path):
         undo()
 
 
-def _slow_tests() -> set[str]:
-    """What tests/slow.txt lists: test functions ('path::function', from
-    tests/mark_slow.py) and whole files ('path')."""
-    listed = ROOT / "tests" / "slow.txt"
-    if not listed.exists():
-        return set()
-    lines = listed.read_text().splitlines()
-    return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
-
-
-def _file_seconds() -> dict[str, float]:
-    """What tests/file_seconds.txt lists: seconds per test file (tests/mark_slow.py)."""
-    listed = ROOT / "tests" / "file_seconds.txt"
-    if not listed.exists():
-        return {}
-    rows = [line.split(maxsplit=1) for line in listed.read_text().splitlines()]
-    return {path: float(s) for s, path in (r for r in rows if r and not r[0].startswith("#"))}
-
-
 def pytest_collection_modifyitems(config, items):
     """Marks the tests of tests/slow.txt slow (the fast tier is -m "not slow"), and
     puts the slowest files first (tests/file_seconds.txt; the order within a file is
     kept): with `--dist loadfile` a long file that starts last keeps one worker busy
     while the other has finished."""
-    seconds = _file_seconds()
-    order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::", 1)[0], 0.0), order[id(item)]))
-    slow = _slow_tests()
+    from tests.mark_slow import SLOW_LIST, listed, read_file_seconds
+
+    seconds = read_file_seconds()
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], 0.0))  # stable
+    slow = set(listed(SLOW_LIST))  # test functions ('path::function') and whole files
     for item in items:
         function = item.nodeid.split("[", 1)[0]
         if function in slow or function.split("::", 1)[0] in slow:

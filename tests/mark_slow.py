@@ -52,17 +52,29 @@ def budget_threshold(times: dict[str, float], budget: float) -> float:
     return threshold
 
 
+def listed(path: pathlib.Path) -> list[str]:
+    """The entries of a list file of this directory (slow.txt, file_seconds.txt): its
+    non-empty lines, stripped, without the '#' comments; none if it does not exist."""
+    if not path.exists():
+        return []
+    lines = (line.strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def read_file_seconds() -> dict[str, float]:
+    """tests/file_seconds.txt as {path: seconds}."""
+    rows = (line.split(maxsplit=1) for line in listed(FILE_SECONDS))
+    return {path: float(s) for s, path in rows}
+
+
 def write_file_seconds(times: dict[str, float]) -> None:
     """tests/file_seconds.txt: '<seconds> <path>' per test file, slowest first (files
     listed before and not timed now are kept)."""
     seconds: dict[str, float] = collections.defaultdict(float)
     for test, s in times.items():
         seconds[test.split("::", 1)[0]] += s
-    if FILE_SECONDS.exists():
-        for line in FILE_SECONDS.read_text().splitlines():
-            if line.strip() and not line.startswith("#"):
-                s, path = line.split(maxsplit=1)
-                seconds.setdefault(path, float(s))
+    for path, s in read_file_seconds().items():
+        seconds.setdefault(path, s)
     rows = sorted(seconds.items(), key=lambda row: -row[1])
     FILE_SECONDS.write_text(
         "# seconds per test file in a whole-suite run (tests/mark_slow.py); conftest.py "
@@ -85,13 +97,7 @@ def main(argv=None) -> None:
     for path in args.junit_xml:
         times.update(test_times(path))
     write_file_seconds(times)
-    kept = []
-    if SLOW_LIST.exists():
-        kept = [
-            line.strip()
-            for line in SLOW_LIST.read_text().splitlines()
-            if line.strip() and not line.startswith("#") and line.strip() not in times
-        ]
+    kept = [entry for entry in listed(SLOW_LIST) if entry not in times]
     files = {t for t in kept if "::" not in t}  # slow as a whole
     times = {t: s for t, s in times.items() if t.split("::", 1)[0] not in files}
     if args.fast_minutes is not None:
