@@ -238,7 +238,7 @@ def _run_file_in_child(item):
     fd, reports_path = tempfile.mkstemp(prefix="dpfl_test_child_", suffix=".jsonl")
     os.close(fd)
     fd, args_path = tempfile.mkstemp(prefix="dpfl_test_child_", suffix=".args")
-    with os.fdopen(fd, "w") as f:  # an @file: no limit on the number of tests
+    with os.fdopen(fd, "w") as f:  # an @file (pytest >= 8.2): no limit on the number of tests
         f.write("\n".join(nodeids) + "\n")
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
     command += _forwarded_args(config)
