@@ -267,22 +267,6 @@ class _ModelAverage:
         return {"beta": self.beta, "accuracy": float(acc), "loss": float(loss)}
 
 
-def _validation_split(ds, n: int):
-    """The dataset with `n` training examples (a fixed draw) moved to the evaluation set:
-    tuning reads them, never the test set."""
-    import dataclasses
-
-    order = np.random.default_rng(12345).permutation(len(ds.y_train))
-    held, kept = order[:n], np.sort(order[n:])
-    return dataclasses.replace(
-        ds,
-        x_train=ds.x_train[kept],
-        y_train=ds.y_train[kept],
-        x_test=ds.x_train[held],
-        y_test=ds.y_train[held],
-    )
-
-
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -348,7 +332,7 @@ def main(argv=None) -> list[dict]:
 
     ds = load_dataset("mnist")
     if args.validation:
-        ds = _validation_split(ds, args.validation)
+        ds = ds.validation_split(args.validation)  # the same draw as every tuning run
     results, speed = [], []
     for k in args.clients:
         if args.speed_rounds:

@@ -7,6 +7,8 @@
     python experiments/mnist_dpsgd.py --only medium_noise --quick   # a short smoke run
     python experiments/mnist_dpsgd.py --group beyond --only medium_noise/pld --seed 0
         # one seeded run (its name ends in /seed0); run each seed in its own process
+    python experiments/mnist_dpsgd.py --group diagnose --validation 6000 --seed 0
+        # a tuning trial: 6,000 training examples held out and evaluated on (/val6000)
 
 Each run is written to results/<dataset>_dpsgd.json as soon as it finishes
 (runs with the same name are replaced), then the figures are redrawn:
@@ -163,6 +165,7 @@ def draw_all(results: list[dict], out_dir: str, dataset: str) -> None:
         and r.get("history")
         and not r["setting"].startswith("sweep")
         and "/seed" not in r.get("run", "")
+        and not r.get("validation")
     ]
     if main_runs:
         fig, axes = plt.subplots(
@@ -234,6 +237,7 @@ def draw_paper_comparison(results: list[dict], out_dir: str, dataset: str) -> No
             and r.get("epsilon")
             and r.get("pca_sample_size") is None
             and not r["setting"].startswith("sweep")
+            and not r.get("validation")  # tuning trials: not test accuracies
         ):
             groups.setdefault(r["run"].split("/seed")[0], []).append(r)
     if not groups:
@@ -291,6 +295,13 @@ def main(argv=None) -> list[dict]:
         help="seed every run (noise, lot sampling, DP-PCA, initialisation); the run names "
         "get /seed<N>. Default: unseeded, the names as listed",
     )
+    p.add_argument(
+        "--validation",
+        type=int,
+        default=0,
+        help="hold out this many training examples (the same draw every run) and evaluate "
+        "on them, not on the test set: a tuning trial; the run names get /val<N>",
+    )
     args = p.parse_args(argv)
 
     runs = {}
@@ -298,6 +309,11 @@ def main(argv=None) -> list[dict]:
         runs.update(GROUPS[g]())
     if args.only:
         runs = {k: v for k, v in runs.items() if any(k.startswith(o) for o in args.only)}
+    if args.validation:
+        runs = {
+            f"{k}/val{args.validation}": dataclasses.replace(v, validation=args.validation)
+            for k, v in runs.items()
+        }
     if args.seed is not None:
         runs = {
             f"{k}/seed{args.seed}": dataclasses.replace(v, seed=args.seed) for k, v in runs.items()
@@ -318,7 +334,8 @@ def main(argv=None) -> list[dict]:
         results = [r for r in load_runs(path) if r.get("run") != name] + [result]
         atomic_write_json(path, results)
         print(
-            f"   test accuracy {result['test_accuracy']:.4f}  train {result['train_accuracy']:.4f}"
+            f"   {'validation' if config.validation else 'test'} accuracy "
+            f"{result['test_accuracy']:.4f}  train {result['train_accuracy']:.4f}"
             " (non-private statistic)"
             + (
                 f"  epsilon {result['epsilon']:.3f} (delta {config.delta:g}, {config.accountant})"

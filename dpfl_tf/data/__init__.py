@@ -125,6 +125,28 @@ class Dataset:
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x_train.shape[1:])
 
+    def validation_split(self, n: int, *, seed: int = 12345) -> "Dataset":
+        """This dataset with `n` training examples (a seeded draw) held out as its
+        evaluation split: ``x_train``/``y_train`` keep the other N - n in their
+        order, ``x_test``/``y_test`` are the held-out ones.  Hyperparameters
+        chosen on them never read the test set.  A DP run on the result protects
+        its N - n training examples; the held-out examples shape the choice of
+        hyperparameters, which no epsilon of a single run covers.  The default
+        seed gives every run the same held-out examples."""
+        n = check_count("n", n, minimum=1)
+        if n >= len(self.y_train):
+            raise ValueError(f"cannot hold out {n} of the {len(self.y_train)} training examples")
+        order = np.random.default_rng(seed).permutation(len(self.y_train))
+        held, kept = order[:n], np.sort(order[n:])
+        return dataclasses.replace(
+            self,
+            x_train=self.x_train[kept],
+            y_train=self.y_train[kept],
+            x_test=self.x_train[held],
+            y_test=self.y_train[held],
+            name=f"{self.name} (validation split: {n} held out)",
+        )
+
     def __repr__(self) -> str:
         return (
             f"Dataset(name={self.name!r}, train={self.x_train.shape} {self.x_train.dtype}, "

@@ -99,6 +99,8 @@ def test_bad_configs():
         MnistConfig(projection="pca")
     with pytest.raises(ValueError, match="model must be"):
         MnistConfig(model="resnet")
+    with pytest.raises(ValueError, match="validation must be a whole number"):
+        MnistConfig(validation=-1)
 
 
 class _SmallSlice:
@@ -181,3 +183,56 @@ def test_scattering_features_are_computed_in_memory_when_the_cache_is_read_only(
         atol=1e-6,
     )
     assert test.shape == (4, 2, 7, 7, 81) and os.listdir(directory) == []
+
+
+def test_a_validation_run_trains_on_the_rest_and_evaluates_on_the_held_out(monkeypatch):
+    import dataclasses
+
+    import dp_accounting
+
+    real = recipe.load_dataset
+    splits = []
+
+    def sliced(*a, **k):
+        full = real(*a, **k)
+        return dataclasses.replace(full, x_train=full.x_train[:6000], y_train=full.y_train[:6000])
+
+    def spy(self, n, **kw):
+        splits.append(original(self, n, **kw))
+        return splits[-1]
+
+    def inputs(*a, **k):  # what the run trains and evaluates on
+        prepared.append(real_inputs(*a, **k))
+        return prepared[-1]
+
+    original, real_inputs, prepared = type(real("mnist")).validation_split, recipe._inputs, []
+    monkeypatch.setattr(recipe, "load_dataset", sliced)
+    monkeypatch.setattr(type(real("mnist")), "validation_split", spy)
+    monkeypatch.setattr(recipe, "_inputs", inputs)
+    config = MnistConfig(
+        validation=1000,
+        noise_multiplier=1.5,
+        pca_noise_multiplier=8.0,
+        lot_size=200,
+        batch_size=512,
+        target_epsilon=None,
+        epochs=1,
+        seed=0,
+    )
+    result, model = train_mnist(config, verbose=False, return_model=True)
+    assert result["evaluated_on"] == "validation (1000 training examples held out)"
+    assert result["lots"] == 25  # 5,000 training examples / lot 200: the rest of the 6,000
+    event = dp_accounting.ComposedDpEvent(  # DP-PCA and DP-SGD both over the 5,000
+        [
+            dp_accounting.PoissonSampledDpEvent(1.0, dp_accounting.GaussianDpEvent(8.0)),
+            dp_sgd_event(1.5, 25, sampling_rate=200 / 5000),
+        ]
+    )
+    assert result["epsilon"] == pytest.approx(compute_epsilon(event, 1e-5, "moments"), rel=1e-9)
+    # "test_accuracy" is the accuracy on the 1,000 held-out training examples
+    (split,) = splits
+    assert len(split.y_test) == 1000 and len(split.y_train) == 5000
+    ((x_train, x_held, _),) = prepared
+    assert len(x_train) == 5000 and len(x_held) == 1000
+    predicted = np.argmax(model.predict(x_held, verbose=0), axis=1)
+    assert result["test_accuracy"] == pytest.approx(np.mean(predicted == split.y_test), abs=1e-6)
