@@ -7,8 +7,8 @@
     python experiments/mnist_dpsgd.py --only medium_noise --quick   # a short smoke run
     python experiments/mnist_dpsgd.py --group beyond --only medium_noise/pld --seed 0
         # one seeded run (its name ends in /seed0); run each seed in its own process
-    python experiments/mnist_dpsgd.py --group diagnose --validation 6000 --seed 0
-        # a tuning trial: 6,000 training examples held out and evaluated on (/val6000)
+    python experiments/mnist_dpsgd.py --group tune --validation 6000 --seed 0
+        # tuning trials: 6,000 training examples held out and evaluated on (/val6000)
 
 Each run is written to results/<dataset>_dpsgd.json as soon as it finishes
 (runs with the same name are replaced), then the figures are redrawn:
@@ -221,6 +221,45 @@ def diagnose_runs() -> dict[str, MnistConfig]:
     }
 
 
+def budget_epochs(config: MnistConfig, examples: int) -> int:
+    """The epochs `config`'s budget buys on `examples` training examples: DP-PCA
+    over all of them (q_p = 1), then lots of q = L / N, with its accountant."""
+    import dp_accounting
+
+    from dpfl_tf.privacy import dp_sgd_event
+    from dpfl_tf.privacy.calibration import max_steps
+
+    pca = dp_accounting.PoissonSampledDpEvent(
+        1.0, dp_accounting.GaussianDpEvent(config.pca_noise_multiplier)
+    )
+    q = config.lot_size / examples
+    lots = max_steps(
+        config.target_epsilon,
+        config.delta,
+        dp_sgd_event(config.noise_multiplier, 1, sampling_rate=q),
+        config.accountant,
+        already_spent=pca,
+    )
+    return lots // (examples // config.lot_size)
+
+
+def tune_runs(validation: int = 0) -> dict[str, MnistConfig]:
+    """Trials for the medium-noise row (eps = 2, PLD): the step decayed linearly from
+    0.1 to a final value over the whole run the budget buys (`budget_epochs`).  Run
+    them with --validation (tuning trials) and the chosen one without (the test)."""
+    pld = paper_runs("pld")["medium_noise/pld"]
+    epochs = budget_epochs(pld, 60000 - validation)
+    return {
+        f"medium_noise/pld/anneal{final:g}": dataclasses.replace(
+            pld,
+            setting=f"medium_noise_anneal{final:g}",
+            final_learning_rate=final,
+            decay_epochs=epochs,
+        )
+        for final in (0.02, 0.01, 0.005, 0.0025)
+    }
+
+
 def draw_paper_comparison(results: list[dict], out_dir: str, dataset: str) -> None:
     """The paper's accuracies (Abadi et al. 2016, section 5.2) beside ours, per epsilon:
     every run of the paper's network (PCA 60 + 1000 ReLU, DP-PCA on all the training
@@ -276,6 +315,7 @@ GROUPS = {
     "beyond": beyond_runs,
     "sweep": sweep_runs,
     "diagnose": diagnose_runs,
+    "tune": tune_runs,
 }
 
 
@@ -306,7 +346,7 @@ def main(argv=None) -> list[dict]:
 
     runs = {}
     for g in args.group:
-        runs.update(GROUPS[g]())
+        runs.update(tune_runs(args.validation) if g == "tune" else GROUPS[g]())
     if args.only:
         runs = {k: v for k, v in runs.items() if any(k.startswith(o) for o in args.only)}
     if args.validation:
