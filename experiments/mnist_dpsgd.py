@@ -244,20 +244,23 @@ def budget_epochs(config: MnistConfig, examples: int) -> int:
 
 
 def tune_runs(validation: int = 0) -> dict[str, MnistConfig]:
-    """Trials for the medium-noise row (eps = 2, PLD): the step decayed linearly from
-    0.1 to a final value over the whole run the budget buys (`budget_epochs`).  Run
-    them with --validation (tuning trials) and the chosen one without (the test)."""
-    pld = paper_runs("pld")["medium_noise/pld"]
-    epochs = budget_epochs(pld, 60000 - validation)
-    return {
-        f"medium_noise/pld/anneal{final:g}": dataclasses.replace(
-            pld,
-            setting=f"medium_noise_anneal{final:g}",
-            final_learning_rate=final,
-            decay_epochs=epochs,
-        )
-        for final in (0.02, 0.01, 0.005, 0.0025)
-    }
+    """Trials for the small- and medium-noise rows (eps = 8 and 2, PLD): the step
+    decayed linearly from 0.1 to a final value over the whole run the budget buys
+    (`budget_epochs`).  Run them with --validation (tuning trials) and the chosen
+    one without (the test)."""
+    runs = {}
+    for name, base in paper_runs("pld").items():
+        if name not in ("small_noise/pld", "medium_noise/pld"):
+            continue
+        epochs = budget_epochs(base, 60000 - validation)
+        for final in (0.02, 0.01, 0.005, 0.0025):
+            runs[f"{name}/anneal{final:g}"] = dataclasses.replace(
+                base,
+                setting=f"{base.setting}_anneal{final:g}",
+                final_learning_rate=final,
+                decay_epochs=epochs,
+            )
+    return runs
 
 
 def draw_paper_comparison(results: list[dict], out_dir: str, dataset: str) -> None:
