@@ -252,43 +252,69 @@ def _run_file_in_child(item):
         if k not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT")
     }
     env[REPORTS_ENV] = reports_path
-    reports: dict[str, list] = {}
-    skipped: list = []
     try:
-        done = subprocess.run(
-            command,
-            cwd=config.rootpath,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            errors="replace",
-        )
+        try:
+            done = subprocess.run(
+                command,
+                cwd=config.rootpath,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                errors="replace",
+            )
+        except KeyboardInterrupt:  # the tests the child finished are reported, not lost
+            _log_finished(item.session, _read_reports(config, reports_path)[0])
+            raise
         output = f"child exit status {done.returncode}\n{done.stdout[-8000:]}{done.stderr[-20000:]}"
-        with open(reports_path, errors="replace") as f:
-            for line in f:
-                try:
-                    data = json.loads(line)
-                except ValueError:  # a line cut short by the child's death
-                    continue
-                report = config.hook.pytest_report_from_serializable(config=config, data=data)
-                # JSON made the tuples (a skip's (path, line, reason), the location) lists
-                if isinstance(report.longrepr, list):
-                    report.longrepr = tuple(report.longrepr)
-                if isinstance(getattr(report, "location", None), list):
-                    report.location = tuple(report.location)
-                if isinstance(report, pytest.CollectReport):
-                    if report.skipped:
-                        skipped.append(report)
-                    else:
-                        failed = f"collecting {report.nodeid} failed:\n{report.longreprtext}\n"
-                        output = failed + output
-                    continue
-                reports.setdefault(report.nodeid, []).append(report)
+        reports, skipped, failed = _read_reports(config, reports_path)
+        output = failed + output
     finally:
         os.unlink(reports_path)
         os.unlink(args_path)
     return reports, skipped, output
+
+
+def _read_reports(config, path) -> tuple[dict[str, list], list, str]:
+    """The child's reports file: ({nodeid: [its test reports]}, [skipped collection
+    reports], what failed to collect, as text)."""
+    reports: dict[str, list] = {}
+    skipped: list = []
+    failed = ""
+    with open(path, errors="replace") as f:
+        for line in f:
+            try:
+                data = json.loads(line)
+            except ValueError:  # a line cut short by the child's death
+                continue
+            report = config.hook.pytest_report_from_serializable(config=config, data=data)
+            # JSON made the tuples (a skip's (path, line, reason), the location) lists
+            if isinstance(report.longrepr, list):
+                report.longrepr = tuple(report.longrepr)
+            if isinstance(getattr(report, "location", None), list):
+                report.location = tuple(report.location)
+            if isinstance(report, pytest.CollectReport):
+                if report.skipped:
+                    skipped.append(report)
+                else:
+                    failed += f"collecting {report.nodeid} failed:\n{report.longreprtext}\n"
+                continue
+            reports.setdefault(report.nodeid, []).append(report)
+    return reports, skipped, failed
+
+
+def _log_finished(session, reports: dict[str, list]) -> None:
+    """Logs, as the runner would have, each test the child ran to its end (before an
+    interruption ends the session): the terminal, --junitxml and the exit status see
+    them."""
+    for item in session.items:
+        got = reports.get(item.nodeid, [])
+        if not any(report.when == "teardown" for report in got):
+            continue
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        for report in got:
+            item.ihook.pytest_runtest_logreport(report=report)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
 
 
 def _report(item, outcome, longrepr, when) -> pytest.TestReport:

@@ -168,3 +168,57 @@ def test_an_isolated_file_runs_in_a_child_and_reports_every_outcome(tmp_path, xd
     isolated = {pid for tag, pid in rows if tag.startswith("isolated")}
     plain = {pid for tag, pid in rows if tag == "plain"}
     assert len(isolated) == 1 and not isolated & plain, rows
+
+
+INTERRUPTED_FILE = """
+import os
+import time
+
+import pytest
+
+pytestmark = pytest.mark.isolated
+
+def test_finishes():
+    pass
+
+def test_waits_for_ctrl_c():
+    open(os.environ["MARKER"], "w").close()
+    time.sleep(120)
+"""
+
+
+def test_ctrl_c_keeps_the_results_of_the_tests_the_child_finished(tmp_path):
+    import signal
+    import time
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "conftest.py").write_text('pytest_plugins = ["tests.isolation"]\n')
+    (project / "test_isolated.py").write_text(textwrap.dedent(INTERRUPTED_FILE))
+    marker, junit = tmp_path / "marker", tmp_path / "junit.xml"
+    env = dict(os.environ, MARKER=str(marker), PYTHONPATH=ROOT)
+    env.pop("DPFL_TEST_CHILD_REPORTS", None)
+    env.pop("DPFL_TEST_NO_ISOLATION", None)
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v"]
+        + ["--rootdir", str(project), "-c", os.devnull, f"--junitxml={junit}", str(project)],
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():  # the child finished the first test, is in the second
+            assert parent.poll() is None and time.monotonic() < deadline, parent.stdout.read()
+            time.sleep(0.1)
+        parent.send_signal(signal.SIGINT)  # Ctrl-C, to the parent alone
+        out, _ = parent.communicate(timeout=60)
+    finally:
+        parent.kill()
+    assert "KeyboardInterrupt" in out, out
+    assert parent.returncode == 2, out  # interrupted
+    assert "test_finishes PASSED" in out and "1 passed" in out, out
+    cases = {c.get("name"): c for c in ET.parse(junit).getroot().iter("testcase")}
+    assert "test_finishes" in cases and len(cases["test_finishes"]) == 0, out  # passed
