@@ -40,7 +40,6 @@ import numpy as np
 from _common import RESULTS
 
 from dpfl_tf._io import atomic_write_json, merge_json_runs
-from dpfl_tf.federated import runner
 from dpfl_tf.federated.runner import FederatedConfig, peak_rss_mb, run_federated
 from dpfl_tf.plotting import save_figure
 
@@ -109,6 +108,7 @@ def _runs(k: int, args, seed: int | None = None) -> list[tuple[str, FederatedCon
         server_lr=args.server_lr,
         server_momentum=args.server_momentum,
         server_tau=args.server_tau,
+        model_average=args.model_average,
     )
     sigma = args.noise_multiplier or s["sigma"]
     out = [
@@ -236,37 +236,6 @@ def _plot(runs: list[dict], path: str) -> None:
     save_figure(fig, path)
 
 
-_build_server = runner.build_server
-
-
-class _ModelAverage:
-    """An exponential moving average of the released global models (post-processing:
-    it reads only what the rounds released), evaluated after the run."""
-
-    def __init__(self, beta: float):
-        self.beta, self.average, self.server = beta, None, None
-
-    def build_server(self, *args, **kwargs):
-        """`runner.build_server`, keeping the server (run_federated's on_round sees results)."""
-        self.server, ds = _build_server(*args, **kwargs)
-        return self.server, ds
-
-    def __call__(self, result) -> None:
-        server = self.server
-        w = [np.asarray(v, dtype=np.float64) for v in server.trainer.get_weights()]
-        b = self.beta
-        self.average = (
-            w if self.average is None else [b * a + (1 - b) * x for a, x in zip(self.average, w)]
-        )
-
-    def evaluate(self) -> dict:
-        final = self.server.trainer.get_weights()
-        self.server.trainer.set_weights(self.average)
-        loss, acc = self.server.evaluate()
-        self.server.trainer.set_weights(final)
-        return {"beta": self.beta, "accuracy": float(acc), "loss": float(loss)}
-
-
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -318,9 +287,12 @@ def main(argv=None) -> list[dict]:
         "instead of the test set: tuning trials (results/federated_dp_tuning.json)",
     )
     p.add_argument(
-        "--ema",
+        "--model-average",
         type=float,
-        help="also evaluate an exponential moving average (this beta) of the released models",
+        metavar="BETA",
+        help="release the exponential moving average (decay BETA) of the released global "
+        "models (FederatedConfig.model_average; post-processing); the results also give the "
+        "last global model's accuracy",
     )
     p.add_argument("--tag", default="", help="a name for this trial in the results")
     p.add_argument("--output-dir", default=RESULTS)
@@ -347,12 +319,9 @@ def main(argv=None) -> list[dict]:
                 f"hidden={config.hidden}, seed={config.seed}",
                 flush=True,
             )
-            averager = _ModelAverage(args.ema) if args.ema else None
-            runner.build_server = averager.build_server if averager else _build_server
-            r = run_federated(config, ds, progress=not args.no_progress, on_round=averager)
-            if averager is not None:
-                r["ema"] = averager.evaluate()
-                print(f"   EMA {args.ema}: accuracy {r['ema']['accuracy']:.4f}", flush=True)
+            r = run_federated(config, ds, progress=not args.no_progress)
+            if "global_model_accuracy" in r:  # the average is released; the last x_T's too
+                print(f"   the last global model: {r['global_model_accuracy']:.4f}", flush=True)
             r["run"] = name
             r["seed"] = config.seed
             r["quick"] = bool(args.quick)

@@ -11,7 +11,8 @@ the record:
 * `server` -- `FederatedServer`: the round loop, client sampling, the privacy
   ledger and stop rule, checkpoints;
 * `server_optimizers` -- `ServerOptimizer`: FedAvg, FedAvgM, FedAdagrad,
-  FedAdam, FedYogi on the released aggregate (post-processing);
+  FedAdam, FedYogi on the released aggregate, and `ModelAverage` of the released
+  models (post-processing);
 * `runner` -- `FederatedConfig` + `run_federated` (CLI, experiments, notebook);
 * `local_dp` -- local-DP perturbation of uploads (Duchi, Piecewise, PNPM,
   LDP-FL, Laplace, Gaussian) and honest per-coordinate / per-upload reports;
@@ -43,6 +44,7 @@ _EXPORTS = {
     "ClientSampling": "server",
     "FederatedServer": "server",
     "RoundRecord": "server",
+    "ModelAverage": "server_optimizers",
     "ServerOptimizer": "server_optimizers",
     "DPMode": "runner",
     "FederatedConfig": "runner",

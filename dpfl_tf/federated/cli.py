@@ -211,6 +211,13 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
         default=default["server_tau"],
         help="adaptivity tau of adagrad, adam and yogi",
     )
+    so.add_argument(
+        "--model-average",
+        type=float_arg,
+        metavar="BETA",
+        help="release and evaluate the exponential moving average (decay BETA, e.g. 0.9) "
+        "of the released global models; the clients train the global model (default: off)",
+    )
     q = p.add_argument_group("privacy")
     q.add_argument(
         "--dp",
@@ -431,6 +438,7 @@ def config_from_args(args, error=None):
         server_momentum=args.server_momentum,
         server_beta2=args.server_beta2,
         server_tau=args.server_tau,
+        model_average=args.model_average,
     )
     try:
         config = FederatedConfig(**kwargs)

@@ -157,6 +157,9 @@ class FederatedConfig:
     "adam", "yogi"), ``server_lr`` (eta), ``server_momentum`` (beta or beta1;
     None: 0 for sgd, 0.9 for the adaptive rules), ``server_beta2`` and
     ``server_tau`` (adam, yogi, adagrad).  The default is FedAvg's w + Delta.
+    ``model_average`` (beta in (0, 1), or None): the server releases and
+    evaluates the exponential moving average of the released global models
+    (`ModelAverage`; post-processing too).
     """
 
     dataset: str = "mnist"
@@ -204,6 +207,7 @@ class FederatedConfig:
     server_momentum: float | None = None
     server_beta2: float = 0.99
     server_tau: float = 1e-3
+    model_average: float | None = None
 
     def __post_init__(self):
         s = object.__setattr__
@@ -401,6 +405,8 @@ class FederatedConfig:
         s(self, "server_tau", opt.tau)
         if self.server_momentum is not None:
             s(self, "server_momentum", opt.momentum)
+        if self.model_average is not None:
+            s(self, "model_average", self.build_model_average().beta)
         s(self, "hidden", tuple(check_count("hidden", h, minimum=1) for h in self.hidden))
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
@@ -489,6 +495,12 @@ class FederatedConfig:
         if n_min > m:
             raise ValueError(f"min_clients must be <= the clients per round (m={m}), got {n_min}")
         s(self, "min_clients", n_min)
+
+    def build_model_average(self):
+        """The `ModelAverage` of the released models (None without ``model_average``)."""
+        from dpfl_tf.federated.server_optimizers import ModelAverage
+
+        return None if self.model_average is None else ModelAverage(self.model_average)
 
     def build_server_optimizer(self):
         """The `ServerOptimizer` of ``server_*`` (post-processing of each round's release)."""
@@ -634,6 +646,7 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
         local_dp=local_dp,
         secure_mode=c.secure_mode,
         server_optimizer=c.build_server_optimizer(),
+        model_average=c.build_model_average(),
     )
     if c.noise_seed is not None and c.dp is not DPMode.NONE:
         from dpfl_tf.sanitizer import deployment_note
@@ -786,6 +799,14 @@ def run_federated(
     return federated_result(config, server, ds, seconds=time.perf_counter() - start)
 
 
+def _global_model_accuracy(server, last) -> dict:
+    """With a model average, "test_accuracy" is the average's (the released model);
+    this adds the last global model's, evaluated when the last round was."""
+    if server.model_average is None or last is None or last.accuracy is None:
+        return {}
+    return {"global_model_accuracy": server.evaluate(server.trainer.get_weights())[1]}
+
+
 def federated_result(config: FederatedConfig, server, ds, *, seconds: float) -> dict[str, Any]:
     """The JSON-ready result of `server`'s run so far, on either runtime (in-process
     and `dpfl_tf.federated.flower`, which adds its runtime labels).  `ds` is the
@@ -810,6 +831,7 @@ def federated_result(config: FederatedConfig, server, ds, *, seconds: float) -> 
         "delta": report.get("delta"),
         "accountant": c.accountant.value if c.dp is not DPMode.NONE else None,
         "test_accuracy": last.accuracy if last else None,
+        **_global_model_accuracy(server, last),
         "seconds": seconds,
         "median_round_seconds": float(np.median(round_secs)) if round_secs else None,
         "rounds_per_minute": 60.0 / float(np.median(round_secs)) if round_secs else None,

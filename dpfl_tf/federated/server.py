@@ -11,7 +11,8 @@ Each round t:
 3. broadcast w_t, train each sampled client locally (`LocalTrainer`), collect
    uploads (the aggregator's client-side step applied), aggregate, and move
    the model by the released aggregate Delta with the server optimiser
-   (`ServerOptimizer`; by default FedAvg's w_{t+1} = w_t + Delta);
+   (`ServerOptimizer`; by default FedAvg's w_{t+1} = w_t + Delta), and with a
+   `ModelAverage` average the released models (the model the server releases);
 4. record the round's `DpEvent` in the `PrivacyLedger` (one event per round,
    matching how clients were really sampled), evaluate on the server's test
    set, write the checkpoint.
@@ -55,7 +56,7 @@ from dpfl_tf.federated.aggregators import (
 from dpfl_tf.federated.client import LocalTrainer, preprocess_images, refuse_unprotected_state
 from dpfl_tf.federated.local_dp import LocalDPUpload, gaussian_upload_report
 from dpfl_tf.federated.partition import ClientPartition
-from dpfl_tf.federated.server_optimizers import ServerOptimizer
+from dpfl_tf.federated.server_optimizers import ModelAverage, ServerOptimizer
 from dpfl_tf.federated.settings import check_clients_per_round, check_delta_max
 from dpfl_tf.privacy.accountants import AccountantKind, compute_delta, compute_epsilon
 from dpfl_tf.privacy.events import SamplingMethod, describe_event
@@ -340,6 +341,10 @@ class FederatedServer:
         (`ServerOptimizer`: FedAvgM, FedAdagrad, FedAdam, FedYogi); None is
         FedAvg's w + Delta.  It reads only the released aggregate
         (post-processing): the ledger is the same with or without it.
+      model_average: a `ModelAverage` of the released global models; the
+        server then releases and evaluates the average (`released_weights`,
+        `evaluate`, each round's accuracy) while the clients keep training the
+        global model.  Post-processing: the ledger is the same.
 
     With a private aggregator or local DP, a model whose local training updates
     unprotected state from client data (BatchNormalization in training mode) is
@@ -366,6 +371,7 @@ class FederatedServer:
         local_dp: LocalDPUpload | None = None,
         secure_mode: bool = False,
         server_optimizer: ServerOptimizer | None = None,
+        model_average: ModelAverage | None = None,
     ):
         if not isinstance(partition, ClientPartition):
             raise TypeError(f"partition must be a ClientPartition, got {type(partition).__name__}")
@@ -410,6 +416,16 @@ class FederatedServer:
                 "run; give each server a new one (a checkpoint restores a run's state)"
             )
         self.server_optimizer = server_optimizer
+        if model_average is not None and not isinstance(model_average, ModelAverage):
+            raise TypeError(
+                f"model_average must be a ModelAverage, got {type(model_average).__name__}"
+            )
+        if model_average is not None and model_average.rounds:
+            raise ValueError(
+                f"this ModelAverage has averaged {model_average.rounds} rounds of another "
+                "run; give each server a new one (a checkpoint restores a run's state)"
+            )
+        self.model_average = model_average
         self.local_dp = local_dp
         self.trainer = trainer
         self.partition = partition
@@ -500,10 +516,32 @@ class FederatedServer:
         correct = tf.reduce_sum(tf.cast(pred == tf.cast(y, tf.int32), tf.int32))
         return loss, correct
 
-    def evaluate(self) -> tuple[float, float]:
-        """(loss, accuracy) of the global model on the server's test set."""
+    def released_weights(self) -> list[np.ndarray]:
+        """The model this server releases: the average of the released global models
+        with `model_average` (after its first round), else the global model."""
+        current = [v.numpy() for v in self.trainer.variables]
+        if self.model_average is None:
+            return current
+        average = self.model_average.average(current)
+        return current if average is None else average
+
+    def evaluate(self, weights: Sequence | None = None) -> tuple[float, float]:
+        """(loss, accuracy) on the server's test set of `weights`, by default the
+        released model (`released_weights`)."""
         if self._test is None:
             raise ValueError("no test_data was given")
+        if weights is None and self.model_average is not None:
+            weights = self.released_weights()
+        if weights is not None:  # evaluated in place of the global model, then put back
+            current = self.trainer.get_weights()
+            self.trainer.set_weights(weights)
+            try:
+                return self._evaluate()
+            finally:
+                self.trainer.set_weights(current)
+        return self._evaluate()
+
+    def _evaluate(self) -> tuple[float, float]:
         x, y = self._test
         n = int(x.shape[0])
         loss, correct = 0.0, 0
@@ -640,6 +678,8 @@ class FederatedServer:
             self.trainer.set_weights(self.server_optimizer.apply(global_weights, result.update))
         else:  # nothing released: the model stays, and no optimiser state moves it
             self.trainer.set_weights(global_weights)
+        if self.model_average is not None:  # the average of the models released so far
+            self.model_average.update(self.trainer.get_weights())
         seconds = time.perf_counter() - start
         cpu_seconds = time.process_time() - cpu_start
         self.rounds_done += 1
@@ -833,6 +873,9 @@ class FederatedServer:
             "accountant": self.accountant.value,
             "variables": [list(v.shape) for v in self.trainer.variables],
             "server_optimizer": self.server_optimizer.get_config(),
+            "model_average": (
+                None if self.model_average is None else self.model_average.get_config()
+            ),
         }
 
     def save_checkpoint(self, directory: str | os.PathLike) -> None:
@@ -849,6 +892,10 @@ class FederatedServer:
             arrays.update({f"mf_buffer{i}": b for i, b in enumerate(buffers)})
         optimizer_state, optimizer_arrays = self.server_optimizer.get_state()
         arrays.update(optimizer_arrays)
+        average_state = None
+        if self.model_average is not None:
+            average_state, average_arrays = self.model_average.get_state()
+            arrays.update(average_arrays)
         atomic_write(os.path.join(directory, name), lambda f: np.savez(f, **arrays), binary=True)
         state = {
             "format": CHECKPOINT_FORMAT,
@@ -862,6 +909,7 @@ class FederatedServer:
             "sampling_key": self._sampling_key,  # private state, like the weights
             "correlated": correlated,
             "server_optimizer": optimizer_state,
+            "model_average": average_state,
         }
         atomic_write_json(os.path.join(directory, "state.json"), state)
         for old in glob.glob(os.path.join(directory, "weights-*.npz")):
@@ -882,6 +930,7 @@ class FederatedServer:
         mine = json.loads(json.dumps(self._fingerprint()))
         saved = dict(state["fingerprint"])  # checkpoints from before server optimisers: FedAvg
         saved.setdefault("server_optimizer", LEGACY_SERVER_OPTIMIZER)
+        saved.setdefault("model_average", None)  # and before model averages
         if saved != mine:
             diff = sorted(k for k in mine if saved.get(k) != mine[k])
             raise ValueError(
@@ -897,6 +946,8 @@ class FederatedServer:
                 self.correlated.set_state(state["correlated"], buffers, self.trainer.variables)
             shapes = [tuple(v.shape) for v in self.trainer.variables]
             self.server_optimizer.set_state(state.get("server_optimizer"), data, shapes)
+            if self.model_average is not None:
+                self.model_average.set_state(state.get("model_average"), data, shapes)
         self.ledger = PrivacyLedger.from_dict(state["ledger"])
         self.history = [RoundRecord(**r) for r in state["history"]]
         self.rounds_done = int(state["round"])

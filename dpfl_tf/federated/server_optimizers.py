@@ -23,8 +23,15 @@ pseudo-gradient and moves the global model x with one of
 
 A server optimiser reads only what the round released, so it is
 post-processing: the privacy ledger records the same events with or without
-one, and its state (v, m) is as public as the model.  (NumPy only: the CLI and
-`FederatedConfig` build one before TensorFlow loads.)
+one, and its state (v, m) is as public as the model.
+
+`ModelAverage` keeps an exponential moving average of the global models the
+rounds released, a_1 = x_1 and a_t = beta a_{t-1} + (1 - beta) x_t, and makes
+it the model the server releases and evaluates (the clients keep training the
+global model x_t).  Post-processing too: it averages out part of the noise each
+round added, at no privacy cost (iterate averaging; Polyak & Juditsky 1992).
+
+(NumPy only: the CLI and `FederatedConfig` build these before TensorFlow loads.)
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import numpy as np
 
 from dpfl_tf._validation import check_number
 
-__all__ = ["SERVER_OPTIMIZERS", "ServerOptimizer"]
+__all__ = ["SERVER_OPTIMIZERS", "ModelAverage", "ServerOptimizer"]
 
 #: the rules, and the momentum (beta or beta1) each takes by default
 SERVER_OPTIMIZERS = {"sgd": 0.0, "adagrad": 0.9, "adam": 0.9, "yogi": 0.9}
@@ -164,3 +171,67 @@ class ServerOptimizer:
 
         self._m, self._v = read("m"), read("v")
         self.steps = int(info["steps"])
+
+
+class ModelAverage:
+    """The exponential moving average of the released global models (see the module
+    docstring): ``update(x_t)`` after every round, ``average`` is a_t.
+
+    Args:
+      beta: the decay, in (0, 1); the average spans about 1 / (1 - beta) rounds.
+    """
+
+    def __init__(self, beta: float):
+        self.beta = check_number(
+            "model_average", beta, low=0.0, high=1.0, low_open=True, high_open=True
+        )
+        self.rounds = 0
+        self._average: list[np.ndarray] | None = None
+
+    def get_config(self) -> dict:
+        return {"beta": self.beta}
+
+    def __repr__(self) -> str:
+        return f"ModelAverage(beta={self.beta!r})"
+
+    def update(self, weights: Sequence) -> None:
+        """a_t from a_{t-1} and the global model x_t the round released."""
+        x = [np.asarray(w, dtype=np.float64) for w in weights]
+        b = self.beta
+        if self._average is None:
+            self._average = x
+        else:
+            self._average = [b * a + (1.0 - b) * w for a, w in zip(self._average, x)]
+        self.rounds += 1
+
+    def average(self, like: Sequence) -> list[np.ndarray] | None:
+        """a_t in the dtypes of `like` (the model's weights); None before round 1."""
+        if self._average is None:
+            return None
+        return [a.astype(np.asarray(w).dtype) for a, w in zip(self._average, like)]
+
+    # -- checkpoints: as public as the released models it averages ---------------------
+    def get_state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        arrays = {f"model_average{i}": a for i, a in enumerate(self._average or [])}
+        return {"rounds": self.rounds, "config": self.get_config()}, arrays
+
+    def set_state(self, info: dict | None, arrays, shapes=None) -> None:
+        """Restores what `get_state` returned; a state of other settings or shapes is
+        refused."""
+        info = info or {"rounds": 0}
+        if info.get("config", self.get_config()) != self.get_config():
+            raise ValueError(
+                f"the saved model average is of {info['config']}, not {self.get_config()}"
+            )
+        keys = sorted(
+            (k for k in arrays if k.startswith("model_average")),
+            key=lambda k: int(k[len("model_average") :]),
+        )
+        state = [np.asarray(arrays[k], dtype=np.float64) for k in keys]
+        if state and shapes is not None and [a.shape for a in state] != list(shapes):
+            raise ValueError(
+                f"the saved model average has shapes {[a.shape for a in state]}, "
+                f"the model {list(shapes)}"
+            )
+        self._average = state or None
+        self.rounds = int(info["rounds"])

@@ -264,8 +264,8 @@ def test_one_config_gives_one_result_on_both_runtimes(mnist_small, dp, server):
         if dp == "local"
         else {}
     )
-    if server != "sgd":
-        extra.update(server_optimizer=server, server_lr=0.05)
+    if server != "sgd":  # and the released model is the average of the global models
+        extra.update(server_optimizer=server, server_lr=0.05, model_average=0.5)
     cfg = _cfg(dp=dp, rounds=3, eval_every=2, **extra)
     inproc = run_federated(cfg, mnist_small, progress=False)
     flower = fl.run_on_flower(cfg, mnist_small, backend="local")
@@ -286,6 +286,8 @@ def test_one_config_gives_one_result_on_both_runtimes(mnist_small, dp, server):
         )
     assert inproc["history"][0]["accuracy"] is None  # eval_every=2: rounds 2 and 3
     assert inproc["test_accuracy"] == inproc["history"][-1]["accuracy"] is not None
+    if server != "sgd":
+        assert "global_model_accuracy" in flower and "global_model_accuracy" in inproc
 
 
 def test_correlated_noise_gives_one_result_on_both_runtimes(mnist_small):
@@ -582,9 +584,9 @@ def test_a_failed_flower_run_keeps_its_results_and_resumes_from_its_checkpoint(
 
 
 def test_a_server_optimizer_round_trips_through_the_run_config():
-    cfg = _cfg(server_optimizer="yogi", server_lr=0.05, server_tau=0.01)
+    cfg = _cfg(server_optimizer="yogi", server_lr=0.05, server_tau=0.01, model_average=0.9)
     again = fl.config_from_run_config(fl.config_to_run_config(cfg))
-    assert again == cfg
+    assert again == cfg and again.model_average == 0.9
     assert again.build_server_optimizer().get_config() == {
         "kind": "yogi",
         "learning_rate": 0.05,
