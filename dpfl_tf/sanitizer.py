@@ -116,6 +116,17 @@ def noise_seed(noise_key, step, j: int) -> tf.Tensor:
     return tf.bitwise.bitwise_xor(key, mix)
 
 
+def flat_clip_factor(squared_norm: tf.Tensor, bound) -> tf.Tensor:
+    """min(1, C / ||g||) from ||g||^2 (any shape), and 0 where ||g||^2 is not
+    finite; `bound` C may be a float or a tensor (a bound that moves, as adaptive
+    clipping's)."""
+    squared_norm = tf.convert_to_tensor(squared_norm)
+    finite = tf.math.is_finite(squared_norm)
+    norm = tf.sqrt(tf.where(finite, squared_norm, 0.0))
+    c = tf.cast(bound, norm.dtype)
+    return tf.where(finite, c / tf.maximum(norm, c), 0.0)
+
+
 class GaussianSanitizer:
     """Clip (flat or per-layer) + sum + Gaussian noise, with its `DpEvent`.
 
@@ -253,10 +264,7 @@ class GaussianSanitizer:
         total = tf.add_n(squared_norms) if len(squared_norms) > 1 else squared_norms[0]
         finite = tf.math.is_finite(total)
         if not self.per_layer:
-            norm = tf.sqrt(tf.where(finite, total, 0.0))
-            c = tf.cast(bounds[0], norm.dtype)
-            factor = tf.where(finite, c / tf.maximum(norm, c), 0.0)
-            return [factor] * len(squared_norms)
+            return [flat_clip_factor(total, bounds[0])] * len(squared_norms)
         out = []
         for sq, bound in zip(squared_norms, bounds):
             norm = tf.sqrt(tf.where(finite, sq, 0.0))

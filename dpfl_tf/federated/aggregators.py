@@ -81,7 +81,7 @@ from dpfl_tf.privacy.events import (
     gaussian_step_event,
     joint_gaussian_step_event,
 )
-from dpfl_tf.sanitizer import GaussianSanitizer
+from dpfl_tf.sanitizer import GaussianSanitizer, flat_clip_factor
 from dpfl_tf.secure_random import refuse_seed
 
 __all__ = [
@@ -233,6 +233,22 @@ def _clip_update_tensors(
     factors = sanitizer.clip_factors(sq)
     clipped = [sanitizer.apply_factors(t[None], factors[g])[0] for t, g in zip(update, groups)]
     return clipped, tf.concat(sq, axis=0)
+
+
+def _adaptive_clip_count(state, bits, update, bound):
+    """Adaptive clipping's client step: the update clipped to the round's bound C_t
+    (flat) added to the sum `state`, and b_k - 1/2 added to the count `bits`
+    (b_k = 1 if ||update|| <= C_t; 0 for a non-finite update, which is also zeroed).
+    Pure TensorFlow, with C_t an input, so one traced graph serves every round."""
+    total = tf.add_n([tf.reduce_sum(tf.square(t)) for t in update])
+    factor = flat_clip_factor(total, bound)
+    clipped = [GaussianSanitizer.apply_factors(t[None], factor[None])[0] for t in update]
+    norm = tf.sqrt(total)  # NaN (non-finite update): b_k = 0
+    below = tf.cast(norm <= tf.cast(bound, norm.dtype), tf.float32)
+    return (
+        [s + c for s, c in zip(state, clipped)],
+        [bits[0] + tf.reshape(below - 0.5, [1])],
+    )
 
 
 def _clip_update(
@@ -411,6 +427,8 @@ class GlobalDPAggregator(_SanitizedAggregator):
                 secure_mode=self.secure_mode,
             )
         self.clip_bound = float(sanitizer.l2_norm_clip) if not sanitizer.per_layer else None
+        # adaptive: one graph call per client too, with the round's bound C_t an input
+        self._adaptive_step = tf.function(_adaptive_clip_count, reduce_retracing=True)
 
     # -- the noise multipliers of the two releases --------------------------------
     def update_noise_multiplier(self) -> float:
@@ -448,11 +466,9 @@ class GlobalDPAggregator(_SanitizedAggregator):
             if not adaptive:  # fixed S: one compiled call per client
                 state, _ = self._clip_accumulate(state, list(update))
             else:  # this round's C_t; b_k - 1/2 into the count
-                clipped, sq = _clip_update_tensors(sanitizer, list(update), self.groups)
-                state = sanitizer.accumulate(state, clipped)
-                norm = tf.sqrt(tf.reduce_sum(sq))  # NaN (non-finite update): b_k = 0
-                below = tf.cast(norm <= tf.cast(self.clip_bound, norm.dtype), tf.float32)
-                bits = self._count.accumulate(bits, [tf.reshape(below - 0.5, [1])])
+                state, bits = self._adaptive_step(
+                    state, bits, list(update), tf.constant(self.clip_bound, tf.float64)
+                )
             count += 1
         noised = sanitizer.add_noise(state, self.groups)
         # Only what the mechanism released goes into `info` (it is written to the
