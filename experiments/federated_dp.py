@@ -183,26 +183,45 @@ def speed_compare(k: int, args, dataset) -> dict:
     return out
 
 
+def _setting(r: dict) -> str:
+    """A run's setting in the figure: its tag; runs evaluated with this script's own
+    average of the released models (tag "ema0.9", before `ModelAverage`) are the
+    model-average setting."""
+    tag = r.get("tag") or ""
+    return "model-average0.9" if tag == "ema0.9" else tag
+
+
+def _released_accuracy(r: dict) -> float:
+    """The released model's test accuracy: for the "ema0.9" runs the average, which
+    the script evaluated beside the global model (`test_accuracy` there)."""
+    return r["ema"]["accuracy"] if "ema" in r else r["test_accuracy"]
+
+
 def _plot(runs: list[dict], path: str) -> None:
     """Left: the final Global DP accuracy of every seed per K and setting, the paper's
     number beside it; right: accuracy per round (mean over seeds) of each setting."""
     dp = [r for r in runs if r["mechanism"] == "global_dp"]
-    settings = sorted({(r["clients"], r.get("tag") or "") for r in dp})
+    settings = sorted({(r["clients"], _setting(r)) for r in dp})
+    tags = sorted({tag for _, tag in settings})
     fig, (ax_final, ax_curve) = plt.subplots(1, 2, figsize=(12, 4.5))
     ks = sorted({k for k, _ in settings})
-    for i, (k, tag) in enumerate(settings):
-        accs = [r["test_accuracy"] for r in dp if (r["clients"], r.get("tag") or "") == (k, tag)]
-        x = ks.index(k) + (0.15 if tag else -0.15)
+    for k, tag in settings:
+        seeds = [r for r in dp if (r["clients"], _setting(r)) == (k, tag)]
+        accs = [_released_accuracy(r) for r in seeds]
+        j = tags.index(tag)
+        x = ks.index(k) + 0.6 * (j + 0.5) / len(tags) - 0.3
         label = f"ours, {tag or 'FedAvg server'}"
         ax_final.scatter(
             [x] * len(accs),
             accs,
             s=18,
-            color=f"C{1 if tag else 0}",
+            color=f"C{j}",
             label=label if label not in ax_final.get_legend_handles_labels()[1] else None,
         )
-        ax_final.plot([x - 0.08, x + 0.08], [np.mean(accs)] * 2, color=f"C{1 if tag else 0}")
-        seeds = [r for r in dp if (r["clients"], r.get("tag") or "") == (k, tag)]
+        ax_final.plot([x - 0.04, x + 0.04], [np.mean(accs)] * 2, color=f"C{j}")
+        seeds = [r for r in seeds if "ema" not in r]  # their history is the global model's
+        if not seeds:
+            continue
         curves = [[h["accuracy"] for h in r["history"]] for r in seeds]
         n = min(len(c) for c in curves)
         mean = np.mean([[a if a is not None else np.nan for a in c[:n]] for c in curves], axis=0)
