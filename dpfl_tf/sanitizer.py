@@ -123,7 +123,9 @@ def flat_clip_factor(squared_norm: tf.Tensor, bound) -> tf.Tensor:
     squared_norm = tf.convert_to_tensor(squared_norm)
     finite = tf.math.is_finite(squared_norm)
     norm = tf.sqrt(tf.where(finite, squared_norm, 0.0))
-    c = tf.cast(bound, norm.dtype)
+    # a Python bound straight into the norm's dtype (tf.cast of a float would round it
+    # through float32 first: a float64 record clipped to C = 0.1 kept norm 0.10000000149)
+    c = tf.cast(bound, norm.dtype) if tf.is_tensor(bound) else tf.constant(bound, norm.dtype)
     return tf.where(finite, c / tf.maximum(norm, c), 0.0)
 
 
@@ -265,12 +267,10 @@ class GaussianSanitizer:
         finite = tf.math.is_finite(total)
         if not self.per_layer:
             return [flat_clip_factor(total, bounds[0])] * len(squared_norms)
-        out = []
-        for sq, bound in zip(squared_norms, bounds):
-            norm = tf.sqrt(tf.where(finite, sq, 0.0))
-            c = tf.cast(bound, norm.dtype)
-            out.append(tf.where(finite, c / tf.maximum(norm, c), 0.0))
-        return out
+        # a record with any non-finite component gets factor 0 in all of them
+        return [
+            tf.where(finite, flat_clip_factor(sq, b), 0.0) for sq, b in zip(squared_norms, bounds)
+        ]
 
     @staticmethod
     def dropped_records(factors: Sequence[tf.Tensor]) -> tf.Tensor:

@@ -185,7 +185,7 @@ def draw_all(results: list[dict], out_dir: str, dataset: str) -> None:
         )
         ax.set_title(f"{dataset}: PCA + MLP, all runs")
         save_figure(fig, os.path.join(out_dir, f"{dataset}_fig4_accuracy_vs_epsilon.png"))
-    sweep = [r for r in results if r["setting"].startswith("sweep:")]
+    sweep = [r for r in results if r["setting"].startswith("sweep:") and not r.get("validation")]
     if sweep:
         knobs = sorted({r["setting"].split(":")[1].split("=")[0] for r in sweep})
         fig, axes = plt.subplots(1, len(knobs), figsize=(3 * len(knobs), 3), squeeze=False)
@@ -222,25 +222,18 @@ def diagnose_runs() -> dict[str, MnistConfig]:
 
 
 def budget_epochs(config: MnistConfig, examples: int) -> int:
-    """The epochs `config`'s budget buys on `examples` training examples: DP-PCA
-    over all of them (q_p = 1), then lots of q = L / N, with its accountant."""
+    """The epochs the recipe will run for `config` on `examples` training examples
+    (its own `_planned_epochs`): DP-PCA over all of them (q_p = 1), then lots of
+    q = L / N until the accountant reaches the target."""
     import dp_accounting
 
-    from dpfl_tf.privacy import dp_sgd_event
-    from dpfl_tf.privacy.calibration import max_steps
+    from dpfl_tf.recipes.run import _planned_epochs
 
     pca = dp_accounting.PoissonSampledDpEvent(
         1.0, dp_accounting.GaussianDpEvent(config.pca_noise_multiplier)
     )
-    q = config.lot_size / examples
-    lots = max_steps(
-        config.target_epsilon,
-        config.delta,
-        dp_sgd_event(config.noise_multiplier, 1, sampling_rate=q),
-        config.accountant,
-        already_spent=pca,
-    )
-    return lots // (examples // config.lot_size)
+    rate, lots_per_epoch = config.lot_size / examples, max(1, examples // config.lot_size)
+    return _planned_epochs(config, config.noise_multiplier, rate, pca, lots_per_epoch)
 
 
 def tune_runs(validation: int = 0) -> dict[str, MnistConfig]:

@@ -211,7 +211,9 @@ def test_ctrl_c_keeps_the_results_of_the_tests_the_child_finished(tmp_path):
     try:
         deadline = time.monotonic() + 120
         while not marker.exists():  # the child finished the first test, is in the second
-            assert parent.poll() is None and time.monotonic() < deadline, parent.stdout.read()
+            if parent.poll() is not None or time.monotonic() > deadline:
+                parent.kill()  # so that reading its output cannot block
+                pytest.fail(f"the child never reached the second test:\n{parent.stdout.read()}")
             time.sleep(0.1)
         parent.send_signal(signal.SIGINT)  # Ctrl-C, to the parent alone
         out, _ = parent.communicate(timeout=60)

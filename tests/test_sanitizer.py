@@ -53,6 +53,20 @@ def test_per_layer_clipping_bounds_hold_per_component():
     assert s.total_clip(2) == pytest.approx(math.sqrt(0.25 + 4.0))
 
 
+@pytest.mark.parametrize("clip", [0.1, [0.1, 0.3]], ids=["flat", "per_layer"])
+def test_float64_records_are_clipped_to_the_bound_in_float64(clip):
+    """The bound enters in the records' dtype: 0.1 rounded through float32 is
+    0.10000000149, which let a float64 record keep a norm above C."""
+    records = [tf.cast(r, tf.float64) * 100.0 for r in _records()]
+    clipped = GaussianSanitizer(clip, 1.0).clip_batch(records)
+    if isinstance(clip, list):
+        for c, bound in zip(clipped, clip):
+            norms = tf.norm(tf.reshape(c, [c.shape[0], -1]), axis=1).numpy()
+            assert np.all(norms <= bound * (1 + 1e-15))
+    else:
+        assert np.all(_norms(clipped) <= 0.1 * (1 + 1e-15))
+
+
 @pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
 @pytest.mark.parametrize("clip", [1.0, [1.0, 2.0]])
 def test_non_finite_records_are_zeroed_and_counted_in_every_mode(mode, clip):

@@ -157,9 +157,10 @@ class FederatedConfig:
     "adam", "yogi"), ``server_lr`` (eta), ``server_momentum`` (beta or beta1;
     None: 0 for sgd, 0.9 for the adaptive rules), ``server_beta2`` and
     ``server_tau`` (adam, yogi, adagrad).  The default is FedAvg's w + Delta.
-    ``model_average`` (beta in (0, 1), or None): the server releases and
-    evaluates the exponential moving average of the released global models
-    (`ModelAverage`; post-processing too).
+    ``model_average`` (beta in (0, 1), or None): the server's result (its
+    evaluation, `released_weights`) is the exponential moving average of the
+    global models after each round (`ModelAverage`; post-processing too); the
+    clients still train the global model.
     """
 
     dataset: str = "mnist"
@@ -800,11 +801,16 @@ def run_federated(
 
 
 def _global_model_accuracy(server, last) -> dict:
-    """With a model average, "test_accuracy" is the average's (the released model);
-    this adds the last global model's, evaluated when the last round was."""
+    """With a model average, "test_accuracy" is the average's (the server's result);
+    this adds the current global model's, evaluated once per round however many
+    results are built for it (the CLI builds one every round)."""
     if server.model_average is None or last is None or last.accuracy is None:
         return {}
-    return {"global_model_accuracy": server.evaluate(server.trainer.get_weights())[1]}
+    cached = getattr(server, "_global_model_accuracy", None)
+    if cached is None or cached[0] != server.rounds_done:
+        cached = (server.rounds_done, server.evaluate(server.trainer.get_weights())[1])
+        server._global_model_accuracy = cached
+    return {"global_model_accuracy": cached[1]}
 
 
 def federated_result(config: FederatedConfig, server, ds, *, seconds: float) -> dict[str, Any]:

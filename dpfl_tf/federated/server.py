@@ -341,10 +341,12 @@ class FederatedServer:
         (`ServerOptimizer`: FedAvgM, FedAdagrad, FedAdam, FedYogi); None is
         FedAvg's w + Delta.  It reads only the released aggregate
         (post-processing): the ledger is the same with or without it.
-      model_average: a `ModelAverage` of the released global models; the
-        server then releases and evaluates the average (`released_weights`,
-        `evaluate`, each round's accuracy) while the clients keep training the
-        global model.  Post-processing: the ledger is the same.
+      model_average: a `ModelAverage` of the global models after each round
+        (a round that released nothing counts with the unchanged model); the
+        server's result is then the average (`released_weights`, `evaluate`,
+        each round's accuracy), while the model broadcast to the clients (and
+        Flower's returned arrays) stays the global model they train.
+        Post-processing: the ledger is the same.
 
     With a private aggregator or local DP, a model whose local training updates
     unprotected state from client data (BatchNormalization in training mode) is
@@ -533,9 +535,13 @@ class FederatedServer:
         if weights is None and self.model_average is not None:
             weights = self.released_weights()
         if weights is not None:  # evaluated in place of the global model, then put back
+            shapes = [tuple(v.shape) for v in self.trainer.variables]
+            given = [tuple(np.shape(w)) for w in weights]
+            if given != shapes:
+                raise ValueError(f"weights of shapes {given} for a model of shapes {shapes}")
             current = self.trainer.get_weights()
-            self.trainer.set_weights(weights)
             try:
+                self.trainer.set_weights(weights)
                 return self._evaluate()
             finally:
                 self.trainer.set_weights(current)
@@ -678,7 +684,7 @@ class FederatedServer:
             self.trainer.set_weights(self.server_optimizer.apply(global_weights, result.update))
         else:  # nothing released: the model stays, and no optimiser state moves it
             self.trainer.set_weights(global_weights)
-        if self.model_average is not None:  # the average of the models released so far
+        if self.model_average is not None:  # every round, also one that released nothing
             self.model_average.update(self.trainer.get_weights())
         seconds = time.perf_counter() - start
         cpu_seconds = time.process_time() - cpu_start

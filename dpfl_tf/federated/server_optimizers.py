@@ -25,11 +25,12 @@ A server optimiser reads only what the round released, so it is
 post-processing: the privacy ledger records the same events with or without
 one, and its state (v, m) is as public as the model.
 
-`ModelAverage` keeps an exponential moving average of the global models the
-rounds released, a_1 = x_1 and a_t = beta a_{t-1} + (1 - beta) x_t, and makes
-it the model the server releases and evaluates (the clients keep training the
-global model x_t).  Post-processing too: it averages out part of the noise each
-round added, at no privacy cost (iterate averaging; Polyak & Juditsky 1992).
+`ModelAverage` keeps an exponential moving average of the global models after
+each round, a_1 = x_1 and a_t = beta a_{t-1} + (1 - beta) x_t, and makes it the
+server's result, the model it evaluates and hands out as trained (the clients
+keep training the global model x_t).  Post-processing too: it averages out part
+of the noise each round added, at no privacy cost (iterate averaging, here
+exponentially weighted rather than Polyak & Juditsky's uniform average).
 
 (NumPy only: the CLI and `FederatedConfig` build these before TensorFlow loads.)
 """
@@ -198,6 +199,11 @@ class ModelAverage:
         """a_t from a_{t-1} and the global model x_t the round released."""
         x = [np.asarray(w, dtype=np.float64) for w in weights]
         b = self.beta
+        if self._average is not None and [a.shape for a in self._average] != [w.shape for w in x]:
+            raise ValueError(
+                f"weights of shapes {[w.shape for w in x]} for an average of shapes "
+                f"{[a.shape for a in self._average]}"
+            )
         if self._average is None:
             self._average = x
         else:
@@ -228,6 +234,10 @@ class ModelAverage:
             key=lambda k: int(k[len("model_average") :]),
         )
         state = [np.asarray(arrays[k], dtype=np.float64) for k in keys]
+        if bool(state) != bool(info["rounds"]):
+            raise ValueError(
+                f"the saved model average has {len(state)} arrays after {info['rounds']} rounds"
+            )
         if state and shapes is not None and [a.shape for a in state] != list(shapes):
             raise ValueError(
                 f"the saved model average has shapes {[a.shape for a in state]}, "

@@ -48,6 +48,10 @@ def test_the_average_is_the_formula():
     np.testing.assert_array_equal(again.average(models[0])[0], average.average(models[0])[0])
     with pytest.raises(ValueError, match="not"):
         ModelAverage(0.5).set_state(info, arrays)
+    with pytest.raises(ValueError, match="0 arrays after 5 rounds"):
+        ModelAverage(0.8).set_state(info, {})
+    with pytest.raises(ValueError, match="shapes"):
+        average.update([np.zeros((2, 3)), np.zeros(2)])
     with pytest.raises(ValueError, match="shapes"):
         ModelAverage(0.8).set_state(info, arrays, [(2, 3), (2,)])
 
@@ -84,7 +88,9 @@ def test_the_server_releases_the_average_and_the_run_is_the_same_without_it(mnis
     assert (loss, acc) == averaged.evaluate(released)
     assert averaged.history[-1].accuracy == acc
     assert averaged.evaluate(averaged.trainer.get_weights()) == plain.evaluate()
-    # evaluating the average put the global model back
+    with pytest.raises(ValueError, match="shapes"):  # checked before anything is assigned
+        averaged.evaluate(released[:1])
+    # evaluating the average (and refusing a wrong one) put the global model back
     np.testing.assert_array_equal(
         np.asarray(averaged.trainer.get_weights()[0]), np.asarray(plain.trainer.get_weights()[0])
     )
