@@ -49,6 +49,19 @@ __all__ = ["SERVER_OPTIMIZERS", "ModelAverage", "ServerOptimizer"]
 SERVER_OPTIMIZERS = {"sgd": 0.0, "adagrad": 0.9, "adam": 0.9, "yogi": 0.9}
 
 
+def _read_arrays(arrays, prefix: str, shapes, what: str) -> list[np.ndarray]:
+    """The arrays ``<prefix>0``, ``<prefix>1``, ... of a checkpoint mapping (e.g. an npz
+    file), in order, as float64; with `shapes` (the model's), other shapes are refused."""
+    keys = sorted(
+        (k for k in arrays if k.startswith(prefix)),
+        key=lambda k: int(k[len(prefix) :]),
+    )
+    state = [np.asarray(arrays[k], dtype=np.float64) for k in keys]
+    if state and shapes is not None and [a.shape for a in state] != list(shapes):
+        raise ValueError(f"{what} has shapes {[a.shape for a in state]}, the model {list(shapes)}")
+    return state
+
+
 class ServerOptimizer:
     """Moves the global model by a round's released aggregate (see the module docstring).
 
@@ -157,20 +170,9 @@ class ServerOptimizer:
                 f"the saved server optimiser state is of {info['config']}, not {self.get_config()}"
             )
 
-        def read(name):
-            keys = sorted(
-                (k for k in arrays if k.startswith(f"server_opt_{name}")),
-                key=lambda k: int(k[len(f"server_opt_{name}") :]),
-            )
-            state = [np.asarray(arrays[k], dtype=np.float64) for k in keys]
-            if state and shapes is not None and [a.shape for a in state] != list(shapes):
-                raise ValueError(
-                    f"the saved server optimiser state has shapes {[a.shape for a in state]}, "
-                    f"the model {list(shapes)}"
-                )
-            return state or None
-
-        self._m, self._v = read("m"), read("v")
+        what = "the saved server optimiser state"
+        self._m = _read_arrays(arrays, "server_opt_m", shapes, what) or None
+        self._v = _read_arrays(arrays, "server_opt_v", shapes, what) or None
         self.steps = int(info["steps"])
 
 
@@ -229,19 +231,10 @@ class ModelAverage:
             raise ValueError(
                 f"the saved model average is of {info['config']}, not {self.get_config()}"
             )
-        keys = sorted(
-            (k for k in arrays if k.startswith("model_average")),
-            key=lambda k: int(k[len("model_average") :]),
-        )
-        state = [np.asarray(arrays[k], dtype=np.float64) for k in keys]
+        state = _read_arrays(arrays, "model_average", shapes, "the saved model average")
         if bool(state) != bool(info["rounds"]):
             raise ValueError(
                 f"the saved model average has {len(state)} arrays after {info['rounds']} rounds"
-            )
-        if state and shapes is not None and [a.shape for a in state] != list(shapes):
-            raise ValueError(
-                f"the saved model average has shapes {[a.shape for a in state]}, "
-                f"the model {list(shapes)}"
             )
         self._average = state or None
         self.rounds = int(info["rounds"])

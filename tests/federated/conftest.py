@@ -1,4 +1,5 @@
-"""Shared fixtures: a small slice of real MNIST and a tiny Keras model."""
+"""Shared fixtures: a small slice of real MNIST, a tiny Keras model and a small
+seeded Global DP configuration."""
 
 import dataclasses
 
@@ -32,3 +33,25 @@ def tiny_model(hidden=16, seed=0, input_shape=(28, 28), use_bias=True):
     from dpfl_tf.federated.runner import fully_connected_model
 
     return fully_connected_model(input_shape, (hidden,), 10, use_bias=use_bias, seed=seed)
+
+
+def small_global_dp_config(**kw):
+    """A FederatedConfig for a few quick seeded Global DP rounds (6 clients, 3 a round,
+    fixed-size sampling, the RDP accountant, a hidden layer of 8); `kw` overrides."""
+    from dpfl_tf.federated.runner import FederatedConfig
+
+    base = dict(
+        clients=6,
+        clients_per_round=3,
+        sampling="fixed_size",
+        accountant="rdp",
+        rounds=3,
+        partition="iid",
+        hidden=(8,),
+        dp="global",
+        noise_multiplier=1.0,
+        noise_seed=5,
+        seed=1,
+    )
+    base.update(kw)
+    return FederatedConfig(**base)

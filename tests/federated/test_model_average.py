@@ -5,26 +5,13 @@ without it (post-processing), evaluated and resumed as the released model."""
 import numpy as np
 import pytest
 
-from dpfl_tf.federated.runner import FederatedConfig, build_server, run_federated
+from dpfl_tf.federated.runner import build_server, run_federated
 from dpfl_tf.federated.server_optimizers import ModelAverage
+from tests.federated.conftest import small_global_dp_config
 
 
 def _cfg(**kw):
-    base = dict(
-        clients=6,
-        clients_per_round=3,
-        sampling="fixed_size",
-        accountant="rdp",
-        rounds=4,
-        partition="iid",
-        hidden=(8,),
-        dp="global",
-        noise_multiplier=1.0,
-        noise_seed=5,
-        seed=1,
-    )
-    base.update(kw)
-    return FederatedConfig(**base)
+    return small_global_dp_config(**{"rounds": 4, **kw})
 
 
 def test_the_average_is_the_formula():

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from dpfl_tf.federated.runner import FederatedConfig, build_server, run_federated
 from dpfl_tf.federated.server_optimizers import ServerOptimizer
+from tests.federated.conftest import small_global_dp_config
 
 
 def _reference(kind, deltas, eta, beta1, beta2, tau):
@@ -119,22 +120,7 @@ def test_the_cli_flags_reach_the_config_and_errors_name_the_flag(capsys):
     assert capsys.readouterr().out.startswith("--server-lr ")
 
 
-def _cfg(**kw):
-    base = dict(
-        clients=6,
-        clients_per_round=3,
-        sampling="fixed_size",
-        accountant="rdp",
-        rounds=3,
-        partition="iid",
-        hidden=(8,),
-        dp="global",
-        noise_multiplier=1.0,
-        noise_seed=5,
-        seed=1,
-    )
-    base.update(kw)
-    return FederatedConfig(**base)
+_cfg = small_global_dp_config
 
 
 def test_the_optimizer_sees_the_released_aggregate_and_the_ledger_does_not_change(mnist_small):
