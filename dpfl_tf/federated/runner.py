@@ -800,19 +800,6 @@ def run_federated(
     return federated_result(config, server, ds, seconds=time.perf_counter() - start)
 
 
-def _global_model_accuracy(server, last) -> dict:
-    """With a model average, "test_accuracy" is the average's (the server's result);
-    this adds the current global model's, evaluated once per round however many
-    results are built for it (the CLI builds one every round)."""
-    if server.model_average is None or last is None or last.accuracy is None:
-        return {}
-    cached = getattr(server, "_global_model_accuracy", None)
-    if cached is None or cached[0] != server.rounds_done:
-        cached = (server.rounds_done, server.evaluate(server.trainer.get_weights())[1])
-        server._global_model_accuracy = cached
-    return {"global_model_accuracy": cached[1]}
-
-
 def federated_result(config: FederatedConfig, server, ds, *, seconds: float) -> dict[str, Any]:
     """The JSON-ready result of `server`'s run so far, on either runtime (in-process
     and `dpfl_tf.federated.flower`, which adds its runtime labels).  `ds` is the
@@ -837,7 +824,12 @@ def federated_result(config: FederatedConfig, server, ds, *, seconds: float) -> 
         "delta": report.get("delta"),
         "accountant": c.accountant.value if c.dp is not DPMode.NONE else None,
         "test_accuracy": last.accuracy if last else None,
-        **_global_model_accuracy(server, last),
+        # with a model average, "test_accuracy" is the average's; the global model's too
+        **(
+            {"global_model_accuracy": server.global_model_accuracy()}
+            if server.model_average is not None and last is not None and last.accuracy is not None
+            else {}
+        ),
         "seconds": seconds,
         "median_round_seconds": float(np.median(round_secs)) if round_secs else None,
         "rounds_per_minute": 60.0 / float(np.median(round_secs)) if round_secs else None,

@@ -505,6 +505,7 @@ class FederatedServer:
             x, y = test_data
             self._test = (tf.constant(preprocess_images(x)), tf.constant(np.asarray(y)))
         self._eval_fn = tf.function(self._eval_batch, reduce_retracing=True)
+        self._global_accuracy: tuple[int, float] | None = None  # (round, accuracy)
 
     # -- helpers ---------------------------------------------------------------
     def _notice(self, text: str) -> None:
@@ -546,6 +547,15 @@ class FederatedServer:
             finally:
                 self.trainer.set_weights(current)
         return self._evaluate()
+
+    def global_model_accuracy(self) -> float:
+        """The test accuracy of the global model the clients train (with a model
+        average, `evaluate` gives the average's), evaluated once per round however
+        often it is asked for (the CLI builds a result every round)."""
+        if self._global_accuracy is None or self._global_accuracy[0] != self.rounds_done:
+            accuracy = self.evaluate(self.trainer.get_weights())[1]
+            self._global_accuracy = (self.rounds_done, accuracy)
+        return self._global_accuracy[1]
 
     def _evaluate(self) -> tuple[float, float]:
         x, y = self._test
