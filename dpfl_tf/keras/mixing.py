@@ -13,14 +13,16 @@ Two checks, both before anything trains:
   at `compile`): the Keras 3 losses and layers known to mix the batch;
 * *a probe* (`probe_batch_mixing`, at the first `fit` after `compile`,
   eagerly, before the first lot is trained, on 2h examples of that lot): they
-  are run as one batch [x_1..x_h, x_h+1..x_2h] and as
-  [x_1..x_h, x_1..x_h]; the first h examples' losses must not change when the
-  other h do.  The randomness of the training forward (dropout masks) is the
+  are run as one batch [x_1..x_h, x_h+1..x_2h], as [x_1..x_h, x_1..x_h] and
+  as [x_1..x_h, x_h+1..x_h+h//2, x_1..x_h-h//2]; the first h examples'
+  losses must not change when the other h do (two replacements, so that a
+  dependence on, say, the other rows' mean escapes only if that mean happens
+  to be the same twice).  The randomness of the training forward (dropout masks) is the
   same in both runs (Keras seed-generator states and Python's `random` are
   restored before each), so a difference means dependence; the layer named is
   the first whose inputs agree on the first h rows and whose outputs do not.
-  Cost: two forward passes of 2h = 16 examples in training mode (a third when
-  they differ), no gradient.
+  Cost: three forward passes of 2h = 16 examples in training mode (a fourth
+  when they differ), no gradient.
 
 What the probe cannot see (docs/concepts/what-epsilon-covers.md):
 dependence on particular inputs only (a branch on the batch's content that
@@ -229,10 +231,11 @@ def _culprit(calls_a, calls_b, h: int):
 def probe_batch_mixing(model, loss_fn, x, y, loss_name: str = "the loss") -> None:
     """Raises `BatchMixingLayerError` / `BatchMixingLossError` when the first h
     examples' per-example losses change with the other h examples of the
-    batch (x, y: 2h examples, h >= 1).  Runs eagerly, in training mode, with
-    the same randomness in each run (`_same_randomness`); when two identical
-    runs already disagree (randomness outside Keras seed generators) it warns
-    that it could not check, and returns."""
+    batch (x, y: 2h examples, h >= 1), replaced in two different ways.  Runs
+    eagerly, in training mode, with the same randomness in each run
+    (`_same_randomness`); when two identical runs already disagree (randomness
+    outside Keras seed generators) it warns that it could not check, and
+    returns."""
     from dpfl_tf.keras.per_example import _call_with_training, per_example_loss
 
     n = int(tf.shape(y)[0])
@@ -241,8 +244,14 @@ def probe_batch_mixing(model, loss_fn, x, y, loss_name: str = "the loss") -> Non
         return
     take = lambda t: tf.convert_to_tensor(t)[: 2 * h]
     x, y = tf.nest.map_structure(take, x), take(y)
-    twice = lambda t: tf.concat([t[:h], t[:h]], axis=0)
-    x_b, y_b = tf.nest.map_structure(twice, x), twice(y)
+    # Two other second halves: the first half twice, and the second half's first h // 2
+    # rows followed by the first half's.  A dependence on a statistic of the other rows
+    # (a mean, say) escapes one comparison when that statistic happens to be equal in both
+    # halves; escaping both needs two such coincidences.
+    others = (
+        lambda t: tf.concat([t[:h], t[:h]], axis=0),
+        lambda t: tf.concat([t[:h], t[h : h + h // 2], t[: h - h // 2]], axis=0),
+    )
 
     def run(xs, ys):
         calls: list = []
@@ -253,9 +262,12 @@ def probe_batch_mixing(model, loss_fn, x, y, loss_name: str = "the loss") -> Non
 
     with _same_randomness(model) as rerun:
         calls_a, pred_a, losses_a = run(x, y)
-        rerun()
-        calls_b, pred_b, losses_b = run(x_b, y_b)
-        if _first_rows_close(losses_a, losses_b, h):
+        for other in others:
+            rerun()
+            calls_b, pred_b, losses_b = run(tf.nest.map_structure(other, x), other(y))
+            if not _first_rows_close(losses_a, losses_b, h):
+                break
+        else:
             return
         rerun()
         _, _, losses_again = run(x, y)

@@ -150,6 +150,23 @@ def test_a_custom_loss_normalised_by_the_batch_is_refused_and_named():
     assert "'relative_loss'" in message
 
 
+def test_a_loss_normalised_by_the_batch_is_refused_when_both_halves_have_the_same_mean():
+    # The second half is the first half reordered: the batch's mean loss is the first
+    # half's, so comparing against [first half, first half] alone sees no change.
+    base = loss()
+
+    def relative_loss(y_true, y_pred):
+        values = base.call(y_true, y_pred)
+        return values / keras.ops.mean(values)
+
+    x, y = mnist_slice(8, features=60)
+    order = np.array([3, 0, 7, 5, 1, 6, 2, 4])
+    x, y = np.concatenate([x, x[order]]), np.concatenate([y, y[order]])
+    with pytest.raises(BatchMixingLossError):
+        probe_batch_mixing(mlp(), relative_loss, x, y)
+    probe_batch_mixing(mlp(), loss(), x, y)  # the per-example loss passes on the same batch
+
+
 def test_dropout_and_a_per_example_model_pass_and_the_probe_leaves_randomness_as_it_was():
     keras.utils.set_random_seed(3)
     model = keras.Sequential(
