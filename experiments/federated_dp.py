@@ -100,6 +100,8 @@ def _runs(k: int, args, seed: int | None = None) -> list[tuple[str, FederatedCon
         local_epochs=epochs,
         local_batch_size=args.local_batch_size,
         learning_rate=args.lr or s.get("lr", 0.1),
+        lr_decay_rounds=args.lr_decay_rounds,
+        lr_decay_rate=args.lr_decay_rate,
         momentum=args.momentum,
         seed=args.seed if seed is None else seed,
         eval_every=args.eval_every,
@@ -269,6 +271,13 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--local-batch-size", type=int, default=10)
     p.add_argument("--lr", type=float, help="local learning rate (default per K)")
     p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument(
+        "--lr-decay-rounds",
+        type=float,
+        help="decay the local step by --lr-decay-rate every R rounds (exponentially; "
+        "Geyer et al.'s code: 0.1 every 675 rounds at E = 4 and 10 batches)",
+    )
+    p.add_argument("--lr-decay-rate", type=float, default=0.1)
     p.add_argument(
         "--hidden",
         type=int,

@@ -162,6 +162,20 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
         "--lr", type=float_arg, default=default["learning_rate"], help="local learning rate"
     )
     s.add_argument(
+        "--lr-decay-rounds",
+        type=float_arg,
+        metavar="R",
+        help="decay the local learning rate exponentially with the round: lr x "
+        "RATE^(round / R) (default: constant)",
+    )
+    s.add_argument(
+        "--lr-decay-rate",
+        type=float_arg,
+        default=default["lr_decay_rate"],
+        metavar="RATE",
+        help="the factor the local learning rate falls by every R rounds",
+    )
+    s.add_argument(
         "--momentum", type=float_arg, default=default["momentum"], help="local heavy-ball momentum"
     )
     s.add_argument(
@@ -406,6 +420,8 @@ def config_from_args(args, error=None):
         local_epochs=args.local_epochs,
         local_batch_size=args.local_batch_size,
         learning_rate=args.lr,
+        lr_decay_rounds=args.lr_decay_rounds,
+        lr_decay_rate=args.lr_decay_rate,
         momentum=args.momentum,
         aggregator=args.aggregator,
         dp=args.dp,

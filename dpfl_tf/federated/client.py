@@ -88,7 +88,10 @@ class LocalTrainer:
       x, y: the whole training set (clients hold indices into it).
       local_epochs: E >= 1.
       batch_size: B >= 1 (a client's last batch may be smaller).
-      learning_rate: eta > 0.
+      learning_rate: eta > 0, or a schedule of the round index t (a callable
+        returning eta_t > 0, e.g. a Keras
+        `keras.optimizers.schedules.ExponentialDecay(0.1, 675, 0.1)`, whose
+        "step" is then the round), read at each `train(round_index=t)`.
       momentum: mu in [0, 1).
       loss: a Keras loss or callable(y_true, y_pred) returning per-batch mean;
         default sparse categorical cross-entropy on logits.
@@ -102,7 +105,7 @@ class LocalTrainer:
         *,
         local_epochs: int = 1,
         batch_size: int = 10,
-        learning_rate: float = 0.1,
+        learning_rate: float | Callable[[int], float] = 0.1,
         momentum: float = 0.0,
         loss: Callable | None = None,
     ):
@@ -115,7 +118,12 @@ class LocalTrainer:
             raise ValueError(f"x has {len(x)} examples but y has {len(y)}")
         self.local_epochs = check_count("local_epochs", local_epochs, minimum=1)
         self.batch_size = check_count("batch_size", batch_size, minimum=1)
-        self.learning_rate = check_number("learning_rate", learning_rate, low=0.0, low_open=True)
+        self.learning_rate = (
+            learning_rate
+            if callable(learning_rate)
+            else check_number("learning_rate", learning_rate, low=0.0, low_open=True)
+        )
+        self.learning_rate_at(0)  # a schedule is checked on its first round too
         self.momentum = check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         self.loss = loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         self.num_examples = len(x)
@@ -123,7 +131,6 @@ class LocalTrainer:
         self.y = tf.constant(np.asarray(y))
         self._vars = list(model.trainable_variables)
         self._velocity = [tf.Variable(tf.zeros_like(v), trainable=False) for v in self._vars]
-        self._lr = tf.constant(self.learning_rate, tf.float32)
         self._mu = tf.constant(self.momentum, tf.float32)
         self._train_fn = tf.function(self._local_sgd, reduce_retracing=True)
 
@@ -152,10 +159,27 @@ class LocalTrainer:
         ends = np.minimum(starts + b, (starts // n + 1) * n)
         return starts.astype(np.int32), ends.astype(np.int32)
 
+    def learning_rate_at(self, round_index: int) -> float:
+        """eta_t: the learning rate, or its schedule at round t (0, 1, ...)."""
+        if not callable(self.learning_rate):
+            return self.learning_rate
+        return check_number(
+            f"learning_rate schedule at round {int(round_index)}",
+            float(self.learning_rate(int(round_index))),
+            low=0.0,
+            low_open=True,
+        )
+
     def train(
-        self, global_weights: Sequence[tf.Tensor], indices: np.ndarray, rng: np.random.Generator
+        self,
+        global_weights: Sequence[tf.Tensor],
+        indices: np.ndarray,
+        rng: np.random.Generator,
+        *,
+        round_index: int = 0,
     ) -> list[tf.Tensor]:
-        """Delta_k = w_k - w_t after E local epochs on the client's `indices`.
+        """Delta_k = w_k - w_t after E local epochs on the client's `indices`, with
+        the step `learning_rate_at(round_index)`.
 
         `rng` shuffles the client's examples (one permutation per epoch)."""
         indices = np.asarray(indices, dtype=np.int64)
@@ -173,7 +197,7 @@ class LocalTrainer:
             tf.constant(order),
             tf.constant(starts),
             tf.constant(ends),
-            self._lr,
+            tf.constant(self.learning_rate_at(round_index), tf.float32),
             self._mu,
         )
 

@@ -152,6 +152,11 @@ class FederatedConfig:
     refuses ``noise_seed``; ``seed`` then seeds only the data partition, the
     initial model and local batch order, none of which a privacy claim rests on).
 
+    Local step: ``learning_rate`` eta, constant, or with ``lr_decay_rounds`` R
+    decayed exponentially with the round, eta_t = eta x ``lr_decay_rate`` ^ (t / R)
+    for round t = 0, 1, ... (Geyer et al.'s code: 0.1, falling ten-fold every
+    27,000 local steps, i.e. R = 675 rounds of E = 4 epochs of 10 batches).
+
     Server optimiser (`dpfl_tf.federated.server_optimizers`, post-processing of
     each round's released aggregate): ``server_optimizer`` ("sgd", "adagrad",
     "adam", "yogi"), ``server_lr`` (eta), ``server_momentum`` (beta or beta1;
@@ -175,6 +180,8 @@ class FederatedConfig:
     local_epochs: int = 1
     local_batch_size: int = 10
     learning_rate: float = 0.2
+    lr_decay_rounds: float | None = None
+    lr_decay_rate: float = 0.1
     momentum: float = 0.0
     aggregator: AggregatorKind = AggregatorKind.MEAN
     dp: DPMode = DPMode.NONE
@@ -275,6 +282,17 @@ class FederatedConfig:
             self,
             "learning_rate",
             check_number("learning_rate", self.learning_rate, low=0.0, low_open=True),
+        )
+        if self.lr_decay_rounds is not None:
+            s(
+                self,
+                "lr_decay_rounds",
+                check_number("lr_decay_rounds", self.lr_decay_rounds, low=0.0, low_open=True),
+            )
+        s(
+            self,
+            "lr_decay_rate",
+            check_number("lr_decay_rate", self.lr_decay_rate, low=0.0, high=1.0, low_open=True),
         )
         s(
             self,
@@ -503,6 +521,17 @@ class FederatedConfig:
 
         return None if self.model_average is None else ModelAverage(self.model_average)
 
+    def local_learning_rate(self):
+        """The clients' step: ``learning_rate``, or its exponential decay over the
+        rounds (a `keras.optimizers.schedules.ExponentialDecay` of the round index)."""
+        if self.lr_decay_rounds is None:
+            return self.learning_rate
+        import keras
+
+        return keras.optimizers.schedules.ExponentialDecay(
+            self.learning_rate, self.lr_decay_rounds, self.lr_decay_rate
+        )
+
     def build_server_optimizer(self):
         """The `ServerOptimizer` of ``server_*`` (post-processing of each round's release)."""
         from dpfl_tf.federated.server_optimizers import ServerOptimizer
@@ -554,7 +583,7 @@ def build_server(config: FederatedConfig, dataset=None, *, progress: bool = True
         y,
         local_epochs=c.local_epochs,
         batch_size=c.local_batch_size,
-        learning_rate=c.learning_rate,
+        learning_rate=c.local_learning_rate(),
         momentum=c.momentum,
     )
     local_dp = None
@@ -852,6 +881,11 @@ def federated_result(config: FederatedConfig, server, ds, *, seconds: float) -> 
         "local_epochs": c.local_epochs,
         "local_batch_size": c.local_batch_size,
         "learning_rate": c.learning_rate,
+        **(
+            {"lr_decay_rounds": c.lr_decay_rounds, "lr_decay_rate": c.lr_decay_rate}
+            if c.lr_decay_rounds is not None
+            else {}
+        ),
         "momentum": c.momentum,
         "config": c.to_dict(),
         "history": [r.to_dict() for r in server.history],

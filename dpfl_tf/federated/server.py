@@ -648,19 +648,21 @@ class FederatedServer:
         client_step: bool = True,
     ) -> tuple[list[tf.Tensor], int]:
         """What client k uploads in round t, and its n_k: Delta_k from `LocalTrainer.train`
-        on its partition with `shuffle_rng(t, k)`, then the aggregator's client step
-        (`client_transform`: identity, clip + noise for DP-FedAvg, or distributed DP's
-        encoding, drawn with (noise_seed, "client-noise", t, k) when seeded; skipped
-        with ``client_step=False``, where a Flower client mod takes it), then the
-        local-DP mechanism (`local_dp`, default this server's) with its (t, k)
-        generator."""
+        on its partition with `shuffle_rng(t, k)` and round t's step, then the
+        aggregator's client step (`client_transform`: identity, clip + noise for
+        DP-FedAvg, or distributed DP's encoding, drawn with (noise_seed,
+        "client-noise", t, k) when seeded; skipped with ``client_step=False``, where
+        a Flower client mod takes it), then the local-DP mechanism (`local_dp`,
+        default this server's) with its (t, k) generator."""
         k = int(client_id)
         if not 0 <= k < self.num_clients:
             raise ValueError(
                 f"client id (partition-id) must lie in [0, {self.num_clients}), got {client_id!r}"
             )
         indices = self.partition.client(k)
-        delta = self.trainer.train(list(global_weights), indices, self.shuffle_rng(t, k))
+        delta = self.trainer.train(
+            list(global_weights), indices, self.shuffle_rng(t, k), round_index=t
+        )
         upload = delta
         if client_step:
             if self.noise_seed is not None and self.aggregator.client_noise:

@@ -264,8 +264,9 @@ def test_one_config_gives_one_result_on_both_runtimes(mnist_small, dp, server):
         if dp == "local"
         else {}
     )
-    if server != "sgd":  # and the released model is the average of the global models
-        extra.update(server_optimizer=server, server_lr=0.05, model_average=0.5)
+    if server != "sgd":  # and the released model is the average of the global models,
+        # the clients' step decaying over the rounds
+        extra.update(server_optimizer=server, server_lr=0.05, model_average=0.5, lr_decay_rounds=2)
     cfg = _cfg(dp=dp, rounds=3, eval_every=2, **extra)
     inproc = run_federated(cfg, mnist_small, progress=False)
     flower = fl.run_on_flower(cfg, mnist_small, backend="local")
