@@ -236,17 +236,20 @@ def budget_epochs(config: MnistConfig, examples: int) -> int:
     return _planned_epochs(config, config.noise_multiplier, rate, pca, lots_per_epoch)
 
 
-def tune_runs(validation: int = 0) -> dict[str, MnistConfig]:
+def tune_runs(validation: int = 0, wanted=lambda name: True) -> dict[str, MnistConfig]:
     """Trials for the small- and medium-noise rows (eps = 8 and 2, PLD): the step
     decayed linearly from 0.1 to a final value over the whole run the budget buys
-    (`budget_epochs`).  Run them with --validation (tuning trials) and the chosen
-    one without (the test)."""
+    (`budget_epochs`, ~20 s each, computed only for a setting with a `wanted` run).
+    Run them with --validation (tuning trials) and the chosen one without (the test)."""
     runs = {}
     for name, base in paper_runs("pld").items():
         if name not in ("small_noise/pld", "medium_noise/pld"):
             continue
+        finals = [f for f in (0.02, 0.01, 0.005, 0.0025) if wanted(f"{name}/anneal{f:g}")]
+        if not finals:
+            continue
         epochs = budget_epochs(base, 60000 - validation)
-        for final in (0.02, 0.01, 0.005, 0.0025):
+        for final in finals:
             runs[f"{name}/anneal{final:g}"] = dataclasses.replace(
                 base,
                 setting=f"{base.setting}_anneal{final:g}",
@@ -340,11 +343,13 @@ def main(argv=None) -> list[dict]:
     )
     args = p.parse_args(argv)
 
+    def wanted(name: str) -> bool:
+        return not args.only or any(name.startswith(o) for o in args.only)
+
     runs = {}
     for g in args.group:
-        runs.update(tune_runs(args.validation) if g == "tune" else GROUPS[g]())
-    if args.only:
-        runs = {k: v for k, v in runs.items() if any(k.startswith(o) for o in args.only)}
+        runs.update(tune_runs(args.validation, wanted) if g == "tune" else GROUPS[g]())
+    runs = {k: v for k, v in runs.items() if wanted(k)}
     if args.validation:
         runs = {
             f"{k}/val{args.validation}": dataclasses.replace(v, validation=args.validation)
