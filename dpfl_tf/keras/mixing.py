@@ -12,17 +12,18 @@ Two checks, both before anything trains:
 * *by construction* (`refuse_batch_mixing_layers`, `refuse_batch_mixing_loss`,
   at `compile`): the Keras 3 losses and layers known to mix the batch;
 * *a probe* (`probe_batch_mixing`, at the first `fit` after `compile`,
-  eagerly, before the first lot is trained, on 2h examples of that lot): they
-  are run as one batch [x_1..x_h, x_h+1..x_2h], as [x_1..x_h, x_1..x_h] and
-  as [x_1..x_h, x_h+1..x_h+h//2, x_1..x_h-h//2]; the first h examples'
-  losses must not change when the other h do (two replacements, so that a
-  dependence on, say, the other rows' mean escapes only if that mean happens
-  to be the same twice).  The randomness of the training forward (dropout masks) is the
-  same in both runs (Keras seed-generator states and Python's `random` are
-  restored before each), so a difference means dependence; the layer named is
-  the first whose inputs agree on the first h rows and whose outputs do not.
-  Cost: three forward passes of 2h = 16 examples in training mode (a fourth
-  when they differ), no gradient.
+  eagerly, before the first lot is trained, on 2h examples of that lot): with
+  A = x_1..x_h and B = x_h+1..x_2h, it runs the batches [A, B] against [A, A]
+  and [A, B[:h/2], A[:h/2]], and [B, A] against [B, B]: one half's losses
+  must not change when the other half does (three trials, so that a batch
+  statistic -- a mean that happens to be equal for both halves, a maximum
+  that one half decides -- is changed by at least one).  The randomness of
+  the training forward (dropout masks) is the same in every run (Keras
+  seed-generator states and Python's `random` are restored before each), so
+  a difference means dependence; the layer named is the first whose inputs
+  agree on the compared rows and whose outputs do not.
+  Cost: five forward passes of 2h = 16 examples in training mode (fewer when
+  a trial finds a difference, plus one to rerun it), no gradient.
 
 What the probe cannot see (docs/concepts/what-epsilon-covers.md):
 dependence on particular inputs only (a branch on the batch's content that
@@ -229,9 +230,9 @@ def _culprit(calls_a, calls_b, h: int):
 
 
 def probe_batch_mixing(model, loss_fn, x, y, loss_name: str = "the loss") -> None:
-    """Raises `BatchMixingLayerError` / `BatchMixingLossError` when the first h
-    examples' per-example losses change with the other h examples of the
-    batch (x, y: 2h examples, h >= 1), replaced in two different ways.  Runs
+    """Raises `BatchMixingLayerError` / `BatchMixingLossError` when one half's
+    per-example losses change with the other half of the batch (x, y: 2h
+    examples, h >= 1; the trials are in the comments below).  Runs
     eagerly, in training mode, with the same randomness in each run
     (`_same_randomness`); when two identical runs already disagree (randomness
     outside Keras seed generators) it warns that it could not check, and
@@ -244,16 +245,20 @@ def probe_batch_mixing(model, loss_fn, x, y, loss_name: str = "the loss") -> Non
         return
     take = lambda t: tf.convert_to_tensor(t)[: 2 * h]
     x, y = tf.nest.map_structure(take, x), take(y)
-    # Two other second halves: the first half twice, and the second half's first h // 2
-    # rows followed by the first half's.  A dependence on a statistic of the other rows
-    # (a mean, say) escapes one comparison when that statistic happens to be equal in both
-    # halves; escaping both needs two such coincidences.
-    others = (
-        lambda t: tf.concat([t[:h], t[:h]], axis=0),
-        lambda t: tf.concat([t[:h], t[h : h + h // 2], t[: h - h // 2]], axis=0),
-    )
+    # Each trial runs a batch [P, Q] and the same P with Q replaced, and compares P's
+    # losses: [A, B] against [A, A] and against [A, B[:h//2], A[:h-h//2]] (a statistic
+    # of the batch, a mean say, that happens to be equal for both halves escapes one of
+    # them, not both), then [B, A] against [B, B] (a statistic A decides, the batch's
+    # largest loss say, escapes every replacement that keeps A).
+    both = lambda first, second: lambda t: tf.concat([first(t), second(t)], axis=0)
+    a, b = (lambda t: t[:h]), (lambda t: t[h : 2 * h])
+    mixed = lambda t: tf.concat([t[h : h + h // 2], t[: h - h // 2]], axis=0)
+    trials = [(both(a, b), both(a, a)), (both(a, b), both(a, mixed)), (both(b, a), both(b, b))]
+    if h == 1:  # the mixed second half is A itself: the first trial again
+        del trials[1]
 
-    def run(xs, ys):
+    def run(batch):
+        xs, ys = tf.nest.map_structure(batch, x), batch(y)
         calls: list = []
         with _recording(model, calls):
             y_pred = _call_with_training(model, True)(xs)
@@ -261,16 +266,20 @@ def probe_batch_mixing(model, loss_fn, x, y, loss_name: str = "the loss") -> Non
         return calls, y_pred, losses
 
     with _same_randomness(model) as rerun:
-        calls_a, pred_a, losses_a = run(x, y)
-        for other in others:
+        bases: dict = {}
+        for base, other in trials:
+            if base not in bases:
+                rerun()
+                bases[base] = run(base)
+            calls_a, pred_a, losses_a = bases[base]
             rerun()
-            calls_b, pred_b, losses_b = run(tf.nest.map_structure(other, x), other(y))
+            calls_b, pred_b, losses_b = run(other)
             if not _first_rows_close(losses_a, losses_b, h):
                 break
         else:
             return
         rerun()
-        _, _, losses_again = run(x, y)
+        _, _, losses_again = run(base)
     if not _first_rows_close(losses_a, losses_again, h) or not np.array_equal(
         np.isfinite(losses_a.numpy()), np.isfinite(losses_again.numpy())
     ):

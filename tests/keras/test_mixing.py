@@ -167,6 +167,23 @@ def test_a_loss_normalised_by_the_batch_is_refused_when_both_halves_have_the_sam
     probe_batch_mixing(mlp(), loss(), x, y)  # the per-example loss passes on the same batch
 
 
+def test_a_loss_scaled_by_the_batchs_largest_loss_is_refused_when_the_first_half_holds_it():
+    # The example with the largest loss comes first: every replacement of the second half
+    # keeps the batch's largest loss, so only replacing the first half shows the mixing.
+    base = loss()
+
+    def scaled_by_max(y_true, y_pred):
+        values = base.call(y_true, y_pred)
+        return values / keras.ops.max(values)
+
+    model = mlp()
+    x, y = mnist_slice(16, features=60)
+    order = np.argsort(-base.call(y, model(x)).numpy())
+    x, y = x[order], y[order]
+    with pytest.raises(BatchMixingLossError):
+        probe_batch_mixing(model, scaled_by_max, x, y)
+
+
 def test_dropout_and_a_per_example_model_pass_and_the_probe_leaves_randomness_as_it_was():
     keras.utils.set_random_seed(3)
     model = keras.Sequential(
