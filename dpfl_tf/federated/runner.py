@@ -154,8 +154,9 @@ class FederatedConfig:
 
     Local step: ``learning_rate`` eta, constant, or with ``lr_decay_rounds`` R
     decayed exponentially with the round, eta_t = eta x ``lr_decay_rate`` ^ (t / R)
-    for round t = 0, 1, ... (Geyer et al.'s code: 0.1, falling ten-fold every
-    27,000 local steps, i.e. R = 675 rounds of E = 4 epochs of 10 batches).
+    for round t = 0, 1, ... (t = 0 is the first round; Geyer et al.'s code: 0.1,
+    falling ten-fold every 27,000 local steps, i.e. R = 675 rounds of E = 4
+    epochs of 10 batches).
 
     Server optimiser (`dpfl_tf.federated.server_optimizers`, post-processing of
     each round's released aggregate): ``server_optimizer`` ("sgd", "adagrad",
@@ -283,17 +284,30 @@ class FederatedConfig:
             "learning_rate",
             check_number("learning_rate", self.learning_rate, low=0.0, low_open=True),
         )
-        if self.lr_decay_rounds is not None:
-            s(
-                self,
-                "lr_decay_rounds",
-                check_number("lr_decay_rounds", self.lr_decay_rounds, low=0.0, low_open=True),
-            )
         s(
             self,
             "lr_decay_rate",
             check_number("lr_decay_rate", self.lr_decay_rate, low=0.0, high=1.0, low_open=True),
         )
+        if self.lr_decay_rounds is None:
+            if self.lr_decay_rate != 0.1:
+                raise ValueError(
+                    f"lr_decay_rate {self.lr_decay_rate!r} decays nothing without "
+                    "lr_decay_rounds (the rounds over which the step falls by that factor)"
+                )
+        else:
+            s(
+                self,
+                "lr_decay_rounds",
+                check_number("lr_decay_rounds", self.lr_decay_rounds, low=0.0, low_open=True),
+            )
+            last = float(self.local_learning_rate()(self.rounds - 1))
+            if not last > 0.0:  # refused now, not at the round where it underflows
+                raise ValueError(
+                    f"lr_decay_rounds {self.lr_decay_rounds!r} with lr_decay_rate "
+                    f"{self.lr_decay_rate!r} makes the local learning rate underflow to 0 "
+                    f"by round {self.rounds}"
+                )
         s(
             self,
             "momentum",

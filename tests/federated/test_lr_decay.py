@@ -1,6 +1,7 @@
 """The clients' step decayed over the rounds (FederatedConfig.lr_decay_rounds):
-eta_t = eta x rate^(t / R) reaches LocalTrainer at round t, in-process and on
-Flower alike; the constant step stays the default."""
+eta_t = eta x rate^(t / R) reaches LocalTrainer at round t (in-process here, resumed
+too; on Flower, tests/federated/test_flower.py's parity test), without retracing;
+the constant step stays the default."""
 
 import argparse
 
@@ -29,10 +30,12 @@ def _steps_seen(server) -> list[float]:
 def test_each_round_trains_its_clients_with_that_rounds_step(mnist_small):
     cfg = small_global_dp_config(learning_rate=0.2, lr_decay_rounds=2, lr_decay_rate=0.25)
     server, _ = build_server(cfg, mnist_small, progress=False)
+    compiled = server.trainer._train_fn
     seen = _steps_seen(server)
     server.run(3)
     want = [0.2 * 0.25 ** (t / 2) for t in range(3) for _ in range(3)]  # 3 clients a round
     np.testing.assert_allclose(seen, want, rtol=1e-6)
+    assert compiled.experimental_get_tracing_count() == 1  # the step is a tensor argument
 
     constant, _ = build_server(
         small_global_dp_config(learning_rate=0.2), mnist_small, progress=False
@@ -68,6 +71,10 @@ def test_bad_schedules_are_refused_with_the_field_named(mnist_small):
     for rate in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match="lr_decay_rate"):
             small_global_dp_config(lr_decay_rounds=10, lr_decay_rate=rate)
+    with pytest.raises(ValueError, match="without lr_decay_rounds"):
+        small_global_dp_config(lr_decay_rate=0.5)
+    with pytest.raises(ValueError, match="underflow to 0 by round 200"):
+        small_global_dp_config(lr_decay_rounds=2, rounds=200)
     x, y = mnist_small.x_train[:20], mnist_small.y_train[:20]
     with pytest.raises(ValueError, match="learning_rate schedule at round 0"):
         LocalTrainer(tiny_model(), x, y, learning_rate=lambda t: 0.0)
@@ -90,3 +97,15 @@ def test_the_decay_is_reported_and_reaches_the_config_from_the_cli_and_flower(mn
     assert "lr_decay_rounds" not in run_federated(
         small_global_dp_config(rounds=1), mnist_small, progress=False
     )
+
+
+def test_a_resumed_run_continues_the_schedule_from_its_round(mnist_small, tmp_path):
+    cfg = small_global_dp_config(learning_rate=0.2, lr_decay_rounds=1, lr_decay_rate=0.5)
+    first, _ = build_server(cfg, mnist_small, progress=False)
+    first.run(2)
+    first.save_checkpoint(tmp_path)
+    resumed, _ = build_server(cfg, mnist_small, progress=False)
+    assert resumed.load_checkpoint(tmp_path)
+    seen = _steps_seen(resumed)
+    resumed.run(3)  # rounds in all
+    assert seen == [pytest.approx(0.2 * 0.5**2)] * 3  # round t = 2
