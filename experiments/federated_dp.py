@@ -234,6 +234,24 @@ def _plot(runs: list[dict], path: str) -> None:
             label=f"K={k} {tag or 'FedAvg server'} "
             f"({len(curves)} seed{'s' if len(curves) > 1 else ''})",
         )
+    # the non-private ceiling of a DP setting: FedAvg with its K, m, network, E, lr and
+    # rounds, no clipping or noise (runs tagged "ceiling...")
+    for r in runs:
+        if r["mechanism"] == "fedavg" and (r.get("tag") or "").startswith("ceiling"):
+            if r["clients"] not in ks:
+                continue
+            ax_final.scatter(
+                [ks.index(r["clients"])],
+                [r["test_accuracy"]],
+                marker="x",
+                s=70,
+                color="grey",
+                label="non-private FedAvg, the same setting"
+                if "non-private FedAvg, the same setting"
+                not in ax_final.get_legend_handles_labels()[1]
+                else None,
+                zorder=3,
+            )
     for j, k in enumerate(ks):
         ax_final.scatter(
             [j],
