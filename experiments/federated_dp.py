@@ -86,6 +86,62 @@ PAPER_ACCURACY = {100: 0.78, 1000: 0.92, 10000: 0.96}  # as quoted in the issue 
 QUICK = {"rounds": 4, "local_epochs": 1}
 
 
+def authors_clip_aggregate(sigma: float, seed: int):
+    """The aggregation of Geyer et al.'s code (`WeightsAccountant.clip_updates` and
+    `Update_via_GaussianMechanism`), for comparison only, NOT private: per layer i,
+    the median M_i of the m raw update norms, each update divided by
+    min(||Delta_k,i|| / M_i, 1) -- so updates above the median pass unchanged and those
+    below are scaled up to it: no norm is bounded -- then the mean plus
+    N(0, (sigma M_i)^2) / m."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+
+    def aggregate(uploads, template, *, expected_clients=None):
+        updates = [[np.asarray(t, np.float64) for t in u] for u, _ in uploads]
+        m = len(updates)
+        out = []
+        for i, t in enumerate(template):
+            layer = np.stack([u[i] for u in updates])
+            norms = np.sqrt(np.sum(layer.reshape(m, -1) ** 2, axis=1))
+            median = float(np.median(norms))
+            factor = np.minimum(norms / median, 1.0).reshape((m,) + (1,) * (layer.ndim - 1))
+            mean = np.mean(layer / factor, axis=0)
+            noise = rng.normal(0.0, sigma * median, size=mean.shape) / m
+            out.append(tf.constant(mean + noise, dtype=t.dtype))
+        from dpfl_tf.federated.aggregators import AggregateResult
+
+        return AggregateResult(out, m, {"authors_median": True})
+
+    return aggregate
+
+
+def run_authors_clip(config: FederatedConfig, ds, progress: bool) -> dict:
+    """`config` (a Global DP run) with its aggregation replaced by the authors' coded one:
+    the same clients, sampling, noise multiplier, local training and rounds (the stop
+    rule of the Global DP event at these q and sigma), but no bound on any update, so
+    the run has no epsilon: the result says so."""
+    import time
+
+    from dpfl_tf.federated.runner import build_server, federated_result
+
+    server, ds = build_server(config, ds, progress=progress)
+    server.aggregator.aggregate = authors_clip_aggregate(config.noise_multiplier, config.seed)
+    start = time.perf_counter()
+    server.run(config.rounds)
+    r = federated_result(config, server, ds, seconds=time.perf_counter() - start)
+    for h in r["history"]:  # the ledger's epsilon is a Global DP run's, not this one's
+        h.update(epsilon=None, delta=None)
+    r.update(
+        mechanism="authors_median_clip_not_private",
+        epsilon=None,
+        delta=None,
+        privacy="none: Geyer et al.'s coded clipping bounds no update norm (the rounds are "
+        "those a Global DP run at the same q and sigma may take)",
+    )
+    return r
+
+
 def _runs(k: int, args, seed: int | None = None) -> list[tuple[str, FederatedConfig]]:
     s = SETTINGS[k]
     rounds = QUICK["rounds"] if args.quick else (args.rounds or s["rounds"])
@@ -340,6 +396,12 @@ def main(argv=None) -> list[dict]:
         "models (FederatedConfig.model_average; post-processing); the results also give the "
         "last global model's accuracy",
     )
+    p.add_argument(
+        "--authors-clip",
+        action="store_true",
+        help="replace the global run's aggregation by Geyer et al.'s coded one (per-layer "
+        "median, which bounds no norm: NOT private, no epsilon; for comparison only)",
+    )
     p.add_argument("--tag", default="", help="a name for this trial in the results")
     p.add_argument("--output-dir", default=RESULTS)
     p.add_argument("--no-progress", action="store_true")
@@ -365,7 +427,10 @@ def main(argv=None) -> list[dict]:
                 f"hidden={config.hidden}, seed={config.seed}",
                 flush=True,
             )
-            r = run_federated(config, ds, progress=not args.no_progress)
+            if args.authors_clip and name == "global":
+                r = run_authors_clip(config, ds, progress=not args.no_progress)
+            else:
+                r = run_federated(config, ds, progress=not args.no_progress)
             if "global_model_accuracy" in r:  # the average is released; the last x_T's too
                 print(f"   the last global model: {r['global_model_accuracy']:.4f}", flush=True)
             r["run"] = name
