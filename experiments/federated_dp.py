@@ -241,6 +241,9 @@ def speed_compare(k: int, args, dataset) -> dict:
     return out
 
 
+_TAG_LABELS = {"authors-setting": "S = 1 in the authors' K = 100 setting"}
+
+
 def _setting(r: dict) -> str:
     """A run's setting in the figure: its tag; runs evaluated with this script's own
     average of the released models (tag "ema0.9", before `ModelAverage`) are the
@@ -268,7 +271,7 @@ def _plot(runs: list[dict], path: str) -> None:
         accs = [_released_accuracy(r) for r in seeds]
         j = tags.index(tag)
         x = ks.index(k) + 0.6 * (j + 0.5) / len(tags) - 0.3
-        label = f"ours, {tag or 'FedAvg server'}"
+        label = f"ours, {_TAG_LABELS.get(tag, tag) or 'FedAvg server'}"
         ax_final.scatter(
             [x] * len(accs),
             accs,
@@ -292,22 +295,30 @@ def _plot(runs: list[dict], path: str) -> None:
         )
     # the non-private ceiling of a DP setting: FedAvg with its K, m, network, E, lr and
     # rounds, no clipping or noise (runs tagged "ceiling...")
+    # and the authors' coded aggregation rerun (--authors-clip: no bound, no epsilon)
+    others = {
+        "ceiling": ("x", "non-private FedAvg, the same setting"),
+        "authors": ("D", "Geyer et al.'s code rerun (bounds no update; not private)"),
+    }
     for r in runs:
         if r["mechanism"] == "fedavg" and (r.get("tag") or "").startswith("ceiling"):
-            if r["clients"] not in ks:
-                continue
-            ax_final.scatter(
-                [ks.index(r["clients"])],
-                [r["test_accuracy"]],
-                marker="x",
-                s=70,
-                color="grey",
-                label="non-private FedAvg, the same setting"
-                if "non-private FedAvg, the same setting"
-                not in ax_final.get_legend_handles_labels()[1]
-                else None,
-                zorder=3,
-            )
+            kind = "ceiling"
+        elif r["mechanism"] == "authors_median_clip_not_private":
+            kind = "authors"
+        else:
+            continue
+        if r["clients"] not in ks:
+            continue
+        marker, label = others[kind]
+        ax_final.scatter(
+            [ks.index(r["clients"]) + 0.33],
+            [r["test_accuracy"]],
+            marker=marker,
+            s=40,
+            color="grey",
+            label=label if label not in ax_final.get_legend_handles_labels()[1] else None,
+            zorder=4,
+        )
     for j, k in enumerate(ks):
         ax_final.scatter(
             [j],
