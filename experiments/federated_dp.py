@@ -137,7 +137,6 @@ def run_authors_clip(config: FederatedConfig, ds, progress: bool) -> dict:
     r = federated_result(config, server, ds, seconds=time.perf_counter() - start)
     for h in r["history"]:  # the ledger's epsilon is a Global DP run's, not this one's
         h.update(epsilon=None, delta=None)
-    r.pop("paper_dp_accuracy", None)
     r.update(
         mechanism="authors_median_clip_not_private",
         epsilon=None,

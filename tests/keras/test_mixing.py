@@ -138,50 +138,46 @@ def test_mixing_in_a_subclassed_models_call_names_the_model():
     assert "model" in _refused_by_probe(_dp(model), model)
 
 
-def test_a_custom_loss_normalised_by_the_batch_is_refused_and_named():
+def _scaled_by_the_batch(statistic):
+    """A loss that mixes the batch: each example's cross-entropy divided by
+    `statistic` (keras.ops.mean, keras.ops.max) of the batch's."""
     base = loss()
 
     def relative_loss(y_true, y_pred):
         values = base.call(y_true, y_pred)
-        return values / keras.ops.mean(values)
+        return values / statistic(values)
 
+    return relative_loss
+
+
+def test_a_custom_loss_normalised_by_the_batch_is_refused_and_named():
     model = mlp()
-    message = _refused_by_probe(_dp(model, relative_loss), model, BatchMixingLossError)
+    message = _refused_by_probe(
+        _dp(model, _scaled_by_the_batch(keras.ops.mean)), model, BatchMixingLossError
+    )
     assert "'relative_loss'" in message
 
 
 def test_a_loss_normalised_by_the_batch_is_refused_when_both_halves_have_the_same_mean():
     # The second half is the first half reordered: the batch's mean loss is the first
     # half's, so comparing against [first half, first half] alone sees no change.
-    base = loss()
-
-    def relative_loss(y_true, y_pred):
-        values = base.call(y_true, y_pred)
-        return values / keras.ops.mean(values)
-
     x, y = mnist_slice(8, features=60)
     order = np.array([3, 0, 7, 5, 1, 6, 2, 4])
     x, y = np.concatenate([x, x[order]]), np.concatenate([y, y[order]])
     with pytest.raises(BatchMixingLossError):
-        probe_batch_mixing(mlp(), relative_loss, x, y)
+        probe_batch_mixing(mlp(), _scaled_by_the_batch(keras.ops.mean), x, y)
     probe_batch_mixing(mlp(), loss(), x, y)  # the per-example loss passes on the same batch
 
 
 def test_a_loss_scaled_by_the_batchs_largest_loss_is_refused_when_the_first_half_holds_it():
     # The example with the largest loss comes first: every replacement of the second half
     # keeps the batch's largest loss, so only replacing the first half shows the mixing.
-    base = loss()
-
-    def scaled_by_max(y_true, y_pred):
-        values = base.call(y_true, y_pred)
-        return values / keras.ops.max(values)
-
     model = mlp()
     x, y = mnist_slice(16, features=60)
-    order = np.argsort(-base.call(y, model(x)).numpy())
+    order = np.argsort(-loss().call(y, model(x)).numpy())
     x, y = x[order], y[order]
     with pytest.raises(BatchMixingLossError):
-        probe_batch_mixing(model, scaled_by_max, x, y)
+        probe_batch_mixing(model, _scaled_by_the_batch(keras.ops.max), x, y)
 
 
 def test_dropout_and_a_per_example_model_pass_and_the_probe_leaves_randomness_as_it_was():
