@@ -48,6 +48,12 @@ def pytest_configure(config):
 
     if not config.pluginmanager.is_registered(isolation):
         config.pluginmanager.register(isolation, "dpfl-isolation")
+    # pytest-xdist's --dist loadfile hands out the files with the most tests first unless
+    # told not to; the order that shortens the run is the slowest first
+    # (`pytest_collection_modifyitems`): a one-test file of four minutes (the Flower
+    # deployment) handed out last kept one worker busy after the other had finished
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_finish(session):

@@ -34,6 +34,58 @@ def test_rdp_and_pld_agree_with_dp_accounting_directly(sigma, steps):
     assert compute_epsilon(event, 1e-5, "pld") == pytest.approx(ref_pld, rel=1e-9)
 
 
+@pytest.mark.parametrize(
+    "event",
+    [
+        # a resumed recipe: DP feature statistics, then two fits' lots
+        dp_accounting.ComposedDpEvent(
+            [
+                dp_accounting.GaussianDpEvent(5.6),
+                dp_accounting.SelfComposedDpEvent(
+                    dp_accounting.PoissonSampledDpEvent(0.125, dp_accounting.GaussianDpEvent(1.0)),
+                    8,
+                ),
+                dp_accounting.SelfComposedDpEvent(
+                    dp_accounting.PoissonSampledDpEvent(0.125, dp_accounting.GaussianDpEvent(1.0)),
+                    5,
+                ),
+            ]
+        ),
+        # nested counts (rounds of several steps), a full-batch Gaussian, a no-op, a Laplace
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.ComposedDpEvent(
+                [
+                    dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(3.0), 4),
+                    dp_accounting.PoissonSampledDpEvent(0.5, dp_accounting.GaussianDpEvent(0.9)),
+                    dp_accounting.NoOpDpEvent(),
+                    dp_accounting.LaplaceDpEvent(20.0),
+                ]
+            ),
+            3,
+        ),
+    ],
+)
+def test_the_cached_pld_accountant_gives_dp_accountings_numbers_exactly(event):
+    """The PLD accountant builds each Gaussian's distribution once per process; a
+    first and a second (cached) composition both equal dp-accounting's own."""
+    ref = pld.PLDAccountant().compose(event)
+    for _ in range(2):
+        ours = make_accountant("pld").compose(event)
+        assert ours.get_epsilon(1e-5) == ref.get_epsilon(1e-5)
+        assert ours.get_delta(1.0) == ref.get_delta(1.0)
+
+
+def test_a_pld_with_no_private_release_is_infinite_as_in_dp_accounting():
+    event = dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(0.0)),
+            dp_accounting.GaussianDpEvent(2.0),
+        ]
+    )
+    assert pld.PLDAccountant().compose(event).get_epsilon(1e-5) == math.inf
+    assert compute_epsilon(event, 1e-5, "pld") == math.inf
+
+
 def test_forward_and_inverse_are_consistent_for_every_accountant():
     event = dp_sgd_event(1.5, 2000, sampling_rate=0.02)
     for kind in ["moments", "rdp", "pld", "strong"]:
