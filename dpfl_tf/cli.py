@@ -955,7 +955,11 @@ def _run_with_results(
         )
 
     def refuse(message: str) -> None:
-        for name, flag in (("lot_size (", "--lot-size ("), ("user_ids ", "--user-ids ")):
+        for name, flag in (
+            ("lot_size (", "--lot-size ("),
+            ("user_ids ", "--user-ids "),
+            ("users (", "--users ("),
+        ):
             if message.startswith(name):
                 message = flag + message[len(name) :]
         error(message)

@@ -550,6 +550,9 @@ def test_user_ids_of_the_wrong_length_are_refused_once_the_data_are_read(
     argv = TANH + ["--user-ids", str(ids), "--lot-size", "4", "--output", str(out)]
     line = _refused(argv, capsys)
     assert f"--user-ids {ids}: holds 1999 ids, the training set has 2000 examples" in line
+    shards = ["--users", "1001", "--user-split", "shards", "--lot-size", "4"]
+    line = _refused(TANH + [*shards, "--output", str(out)], capsys)
+    assert "--users (1001) of user_split 'shards' hold two label shards each: at most 1000" in line
     np.save(ids, np.arange(2000) % 40)  # 40 users: a lot of 50 users is too many
     line = _refused(
         TANH + ["--user-ids", str(ids), "--lot-size", "50", "--output", str(out)], capsys

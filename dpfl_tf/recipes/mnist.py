@@ -510,6 +510,11 @@ class MnistRecipe(Recipe):
                     f"users ({config.users}) exceeds the {n} training examples: every "
                     "simulated user needs one"
                 )
+            if config.user_split == "shards" and 2 * config.users > n:
+                raise ValueError(
+                    f"users ({config.users}) of user_split 'shards' hold two label shards "
+                    f"each: at most {n // 2} users for the {n} training examples"
+                )
             return make_partition(y_train, config.users, config.user_split, seed=config.users_seed)
         if config.user_ids is None:
             return None
