@@ -347,6 +347,13 @@ def quiet_tensorflow(verbose: bool) -> None:
 # ------------------------------------------------------------------ one run of a command
 
 
+def _done(result: dict | None, unit: str, otherwise: str) -> str:
+    """What a run did before it stopped: "3 epochs", or `otherwise` when its
+    results do not count `unit`."""
+    value = (result or {}).get(unit)
+    return otherwise if value is None else counted(value, unit)
+
+
 class RunFailed(Exception):
     """A run that failed after it started, with what was kept (exit code 1)."""
 
@@ -366,6 +373,9 @@ class CommandRun:
     progress: "after ..." of an interrupted result (lots, epsilon).
     summary: the lines printed at the end of a run.
     figure(result, path) -> bool: draws the figure (False: nothing to draw).
+    resumable: False for a run that cannot be resumed (a private search: its
+      budget is charged in full when it starts); `not_resumable` says why, in
+      the message of an interrupted run.
     """
 
     command: str
@@ -379,6 +389,8 @@ class CommandRun:
     progress: Callable[[dict], str]
     summary: Callable[[dict], list]
     figure: Callable[[dict, str], bool] | None = None
+    resumable: bool = True
+    not_resumable: str = "this run cannot be resumed"
 
     @property
     def checkpoint(self) -> str:
@@ -421,7 +433,7 @@ def run_command(run: CommandRun, refuse: Callable[[str], None]) -> int:
                 )
         except RunInterrupted:
             kept = (
-                f"results of {counted(results.last.get(unit), unit)} in {out}"
+                f"results of {_done(results.last, unit, 'the run so far')} in {out}"
                 if results.written
                 else "nothing measured yet"
             )
@@ -432,6 +444,8 @@ def run_command(run: CommandRun, refuse: Callable[[str], None]) -> int:
                 if resumable
                 else "; no checkpoint was written yet: run the command again"
             )
+            if not run.resumable:
+                how = f"; {run.not_resumable}"
             print(
                 f"\ninterrupted ({interrupts.name}): kept {kept} (status interrupted){how}",
                 file=sys.stderr,
@@ -450,7 +464,7 @@ def run_command(run: CommandRun, refuse: Callable[[str], None]) -> int:
                 return 2
             results.write("failed", results.last, error=message)
             print(
-                f"dpfl-tf {run.command}: failed after {counted(results.last.get(unit), unit)}: "
+                f"dpfl-tf {run.command}: failed after {_done(results.last, unit, 'it started')}: "
                 f"{message}; results so far in {out} (status failed)",
                 file=sys.stderr,
             )
@@ -459,6 +473,13 @@ def run_command(run: CommandRun, refuse: Callable[[str], None]) -> int:
     status = run.status(result)
     results.write(status, result)
     drew = run.figure(result, figure) if run.figure is not None else False
+    if status == "interrupted" and not run.resumable:
+        print(
+            f"\ninterrupted ({interrupts.name}): results in {out} (status interrupted); "
+            f"{run.not_resumable}",
+            file=sys.stderr,
+        )
+        return interrupts.exit_code
     if status == "interrupted":
         print(
             f"\ninterrupted ({interrupts.name}) {run.progress(result)}: results in {out} "

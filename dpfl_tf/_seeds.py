@@ -19,6 +19,9 @@ The seeded streams, and where each seed comes from:
 - ``derive_seed(seed, purpose, *indices)``: the federated streams (client
   sampling, local shuffles, server and client noise, count noise, rotations,
   dropouts), the augmentation key and the CIFAR-10 recipes' data subsets;
+- ``derive_seed(seed, purpose, *indices) >> 32``: the private search of
+  ``dpfl-tf train --tune`` (`dpfl_tf.recipes.tune`: the number of trials,
+  the score's noise, and each trial's recipe seed);
 - ``noise_key(seed)``: DP-SGD's noise (`dpfl_tf.sanitizer`), two 63-bit words,
   the Philox key of the stateless per-lot noise;
 - the seed itself, as a Philox key: lot sampling (`LotSampler`, folded with

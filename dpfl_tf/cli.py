@@ -374,8 +374,116 @@ def _add_train_parser(sub) -> None:
         help="where the dataset files are (default: $DPFL_DATA_DIR, the Keras "
         "cache, /usr/share/datasets, then a download)",
     )
+    _add_user_level_options(p)
+    _add_tune_options(p)
     _add_verbose(p)
     p.set_defaults(func=_run_train)
+
+
+def _add_user_level_options(p) -> None:
+    g = p.add_argument_group(
+        "user-level DP-SGD",
+        "The unit of privacy becomes a user, all of one person's examples: lots "
+        "sample users, each user's summed gradient is clipped, epsilon is per "
+        "user and --lot-size (required) counts users. Models without an "
+        "example-level release only: tanh_cnn, scatter_linear, scatter_cnn "
+        "(with --feature-norm group).",
+    )
+    who = g.add_mutually_exclusive_group()
+    who.add_argument(
+        "--user-ids",
+        metavar="PATH",
+        help="a .npy file of one user id (integers or strings) per training "
+        "example, in the training set's order",
+    )
+    who.add_argument(
+        "--users",
+        type=float_arg,
+        metavar="N",
+        help="simulate N users: the training examples dealt to them by "
+        "--user-split (seed 0: the same users every run)",
+    )
+    g.add_argument(
+        "--user-split",
+        default=None,
+        choices=["iid", "unequal", "shards"],
+        help="simulated users: iid (nearly equal random shares; default), "
+        "unequal (log-normal sizes, sigma 1), shards (two label shards each)",
+    )
+    g.add_argument(
+        "--max-examples-per-user",
+        type=float_arg,
+        metavar="K",
+        help="at most K of a user's examples in a lot (a fresh random subset "
+        "every lot; default: all): bounds the lot, one physical batch, and its memory",
+    )
+
+
+def _float_list(text: str) -> tuple:
+    """argparse type: comma-separated numbers."""
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}")
+    if not values:
+        raise argparse.ArgumentTypeError(f"no number in {text!r}")
+    return values
+
+
+def _add_tune_options(p) -> None:
+    g = p.add_argument_group(
+        "private hyperparameter search",
+        "--tune searches the learning rate and the clip bound (Papernot & "
+        "Steinke 2022): a random, secret number of trials, each scored with "
+        "noise on training examples held out from every trial's training, "
+        "only the best released. --epsilon is the budget of the WHOLE search: "
+        "the training noise of every trial is calibrated for it. MNIST-family "
+        "and ScatterNet recipes (not convnet); no resume.",
+    )
+    g.add_argument(
+        "--tune", action="store_true", help="run a private search instead of one training run"
+    )
+    g.add_argument(
+        "--tune-trials",
+        type=float_arg,
+        metavar="MEAN",
+        help="the mean number of trials (default 10); with --tune-distribution "
+        "fixed, the number of trials",
+    )
+    g.add_argument(
+        "--tune-distribution",
+        default=None,
+        choices=["geometric", "logarithmic", "poisson", "fixed"],
+        help="the number of trials: geometric (default), logarithmic or poisson "
+        "(random, secret; rdp accountant), or fixed (all trials composed: "
+        "costs far more beyond 2 or 3 trials)",
+    )
+    g.add_argument(
+        "--tune-lr",
+        type=_float_list,
+        metavar="LR,LR,...",
+        help="learning rates to draw from (default: the model's times 0.25, 0.5, 1, 2)",
+    )
+    g.add_argument(
+        "--tune-clip",
+        type=_float_list,
+        metavar="C,C,...",
+        help="clip bounds to draw from (default: the model's times 0.5, 1, 2)",
+    )
+    g.add_argument(
+        "--tune-validation",
+        type=float_arg,
+        metavar="N",
+        help="training examples held out for the trials' score (default: a "
+        "tenth); they stay private: the score is released with noise",
+    )
+    g.add_argument(
+        "--tune-score-noise",
+        type=float_arg,
+        metavar="SIGMA",
+        help="noise std of the score on the count of correct validation "
+        "examples (default 20: accuracy +- 20 / N)",
+    )
 
 
 def _add_verbose(p) -> None:
@@ -436,6 +544,8 @@ def _run_train(args, error) -> int:
             "--delta", args.delta, low=0.0, high=1.0, low_open=True, high_open=True
         )
         given = _train_settings(args)
+        users = _user_level_settings(args, model, given)
+        tune = _tune_settings(args, model, users)
     except ValueError as e:
         error(str(e))
     _check_outputs(args, error, f"train_{args.dataset}")
@@ -445,20 +555,34 @@ def _run_train(args, error) -> int:
         extra = dict(feature_norm=args.feature_norm, mirror_views=args.mirror_views)
     elif model != "convnet":
         extra = {}
+    accountant = args.accountant
+    if tune is not None and accountant is None and tune["distribution"] != "fixed":
+        accountant = "rdp"  # Papernot & Steinke's bound is in Renyi DP
     try:
         config = train_config(
             args.dataset,
             model,
             target_epsilon=epsilon,
             delta=delta,
-            accountant=args.accountant,
+            accountant=accountant,
             seed=args.seed,
             data_dir=args.data_dir,
             **given,
             **extra,
+            **users,
         )
+        if tune is not None:
+            import dataclasses
+
+            from dpfl_tf.recipes.tune import TuneConfig
+
+            # the search calibrates the training noise (mlp: not the paper's by the budget)
+            config = dataclasses.replace(config, noise_multiplier=None, setting="custom")
+            tune = TuneConfig(**tune)
     except ValueError as e:
         error(str(e))
+    if tune is not None:
+        return _run_tune(args, error, model, config, tune)
     sigma = "calibrated" if config.noise_multiplier is None else f"{config.noise_multiplier:g}"
     if model == "convnet":
         what = (
@@ -474,6 +598,8 @@ def _run_train(args, error) -> int:
             what += f", {config.feature_norm} normalisation" + (
                 ", mirror views" if config.mirror_views else ""
             )
+        if users:
+            what = what.replace(f"lot={config.lot_size}", f"lot={config.lot_size} users")
     print(
         f"DP-SGD on {args.dataset}: {what}, up to {config.epochs} "
         f"epoch{'' if config.epochs == 1 else 's'}, target epsilon="
@@ -484,6 +610,18 @@ def _run_train(args, error) -> int:
             "note: no pretrained weights given or found in models/; pretraining 30 epochs "
             "on the public split first (python experiments/cifar10_pretrain.py makes "
             "the full model)"
+        )
+    if users:
+        given_by = (
+            f"{config.users} simulated users ({config.user_split} split, seed {config.users_seed})"
+            if config.users is not None
+            else f"the users of {args.user_ids}"
+        )
+        cap = config.max_examples_per_user
+        print(
+            f"user-level DP-SGD: {given_by}; lots sample users and clip each user's summed "
+            f"gradient ({'all of a user' if cap is None else f'at most {cap} of a user'}'s "
+            "examples in a lot); epsilon is per user"
         )
 
     def train(**kw):
@@ -507,9 +645,12 @@ def _run_train(args, error) -> int:
                 f", sigma = {r['noise_multiplier']:.3f}; train accuracy = "
                 f"{r['train_accuracy']:.4f} (non-private statistic)"
             )
+        unit = ""
+        if r.get("privacy_unit") == "user":
+            unit = f" per user (user-level: {r['users']} users, {r['examples']} examples)"
         return [
             line,
-            f"privacy spent: epsilon = {r['epsilon']:.4f} at delta = {delta:g} "
+            f"privacy spent: epsilon = {r['epsilon']:.4f} at delta = {delta:g}{unit} "
             f"({config.accountant}; {r['events']})",
         ]
 
@@ -528,6 +669,244 @@ def _run_train(args, error) -> int:
             f"after {r['lots']} lots (in epoch {r['epochs']}; epsilon = {r['epsilon']:.4f})"
         ),
         figure=_save_training_figure,
+    )
+
+
+def _user_level_settings(args, model: str, given: dict) -> dict:
+    """The config fields of a user-level run (--user-ids / --users), or {};
+    refuses what the recipe cannot account at the user level."""
+    import os
+
+    from dpfl_tf.recipes.settings import defaults_for
+
+    if args.user_ids is None and args.users is None:
+        for flag, value in (
+            ("--user-split", args.user_split),
+            ("--max-examples-per-user", args.max_examples_per_user),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"{flag} is for user-level runs: give --users N or --user-ids PATH"
+                )
+        return {}
+    flag = "--user-ids" if args.user_ids is not None else "--users"
+    if args.user_split is not None and args.user_ids is not None:
+        raise ValueError(
+            "--user-split is for simulated users (--users); --user-ids gives the users"
+        )
+    if model == "convnet":
+        raise ValueError(
+            f"{flag} is not supported by the convnet recipe (its private examples are "
+            "what its public split leaves of CIFAR-10); use --model scatter_linear or "
+            "scatter_cnn"
+        )
+    if model == "mlp":
+        raise ValueError(
+            f"{flag}: the mlp recipe releases a DP-PCA projection whose unit of privacy "
+            "is one example, not a user, so no user-level epsilon would cover it; use "
+            "--model tanh_cnn, scatter_linear or scatter_cnn"
+        )
+    if (args.feature_norm or defaults_for(args.dataset, model).feature_norm) == "dp_stats":
+        default = ", this dataset's default" if args.feature_norm is None else ""
+        raise ValueError(
+            f"{flag}: the DP feature statistics (--feature-norm dp_stats{default}) protect "
+            "one example, not a user, so no user-level epsilon would cover them; add "
+            "--feature-norm group"
+        )
+    if "lot_size" not in given:
+        raise ValueError(
+            f"{flag}: give --lot-size, the expected number of users in a lot (the "
+            "model's default lot size counts examples)"
+        )
+    out = {}
+    if args.user_ids is not None:
+        if not os.path.isfile(args.user_ids):
+            raise ValueError(f"--user-ids {args.user_ids}: no such file")
+        out["user_ids"] = os.path.abspath(args.user_ids)
+    else:
+        out["users"] = check_count("--users", args.users, minimum=1)
+        out["user_split"] = args.user_split or "iid"
+    if args.max_examples_per_user is not None:
+        out["max_examples_per_user"] = check_count(
+            "--max-examples-per-user", args.max_examples_per_user, minimum=1
+        )
+    return out
+
+
+def _tune_settings(args, model: str, users: dict) -> dict | None:
+    """The `TuneConfig` fields of --tune (None without it), checked before any
+    data is read; refuses what a search cannot honour."""
+    flags = (
+        ("--tune-trials", args.tune_trials),
+        ("--tune-distribution", args.tune_distribution),
+        ("--tune-lr", args.tune_lr),
+        ("--tune-clip", args.tune_clip),
+        ("--tune-validation", args.tune_validation),
+        ("--tune-score-noise", args.tune_score_noise),
+    )
+    if not args.tune:
+        for flag, value in flags:
+            if value is not None:
+                raise ValueError(f"{flag} is for --tune")
+        return None
+    if model == "convnet":
+        raise ValueError(
+            "--tune runs the MNIST-family and ScatterNet recipes (mnist, fashion_mnist; "
+            "cifar10 with --model scatter_linear or scatter_cnn), not convnet"
+        )
+    for flag, value, why in (
+        (
+            "--users / --user-ids",
+            users or None,
+            "a search of user-level runs is not supported (its validation score "
+            "protects one example, not a user)",
+        ),
+        (
+            "--noise-multiplier",
+            args.noise_multiplier,
+            "the training noise is calibrated so that the whole search fits in --epsilon",
+        ),
+        ("--lr", args.lr, "the learning rate is searched: give the values with --tune-lr"),
+        ("--clip", args.clip, "the clip bound is searched: give the values with --tune-clip"),
+        (
+            "--checkpoint-dir",
+            args.checkpoint_dir,
+            "a search is not checkpointed nor resumed (its budget is charged in full "
+            "when it starts)",
+        ),
+        (
+            "--tensorboard",
+            args.tensorboard,
+            "the trials' logs would show how many trials ran, which the search keeps secret",
+        ),
+    ):
+        if value is not None:
+            raise ValueError(f"--tune with {flag}: {why}")
+    if model == "mlp" and args.epochs is None:
+        raise ValueError(
+            "--tune with --model mlp needs --epochs: its recipe trains until the budget "
+            "is spent (up to 1000 epochs), and every trial of a search trains a fixed number"
+        )
+    distribution = args.tune_distribution or "geometric"
+    if distribution != "fixed" and args.accountant not in (None, "rdp"):
+        raise ValueError(
+            f"--tune with a random number of trials ({distribution}) is accounted in Renyi "
+            f"DP only (Papernot & Steinke 2022): --accountant must be rdp (the default "
+            f"with --tune), got {args.accountant}"
+        )
+    trials = 10.0 if args.tune_trials is None else args.tune_trials
+    if distribution == "fixed":
+        trials = check_count("--tune-trials", trials, minimum=1)
+    else:
+        trials = check_number("--tune-trials", trials, low=1.0, low_open=distribution != "poisson")
+    for flag, values in (("--tune-lr", args.tune_lr), ("--tune-clip", args.tune_clip)):
+        for v in values or ():
+            check_number(flag, v, low=0.0, low_open=True)
+    out = dict(
+        trials=trials,
+        distribution=distribution,
+        learning_rates=tuple(args.tune_lr or ()),
+        clips=tuple(args.tune_clip or ()),
+    )
+    if args.tune_validation is not None:
+        out["validation"] = check_count("--tune-validation", args.tune_validation, minimum=1)
+    if args.tune_score_noise is not None:
+        out["score_noise_multiplier"] = check_number(
+            "--tune-score-noise", args.tune_score_noise, low=0.0, low_open=True
+        )
+    return out
+
+
+def _run_tune(args, error, model: str, config, tune) -> int:
+    """`train ... --tune`: the private search of `dpfl_tf.recipes.tune`, as one
+    run of the command (results written when the search is charged and when
+    it ends; Ctrl-C stops it, releasing nothing; no resume)."""
+    from dpfl_tf._runs import CommandRun, run_command
+    from dpfl_tf.recipes import tune as tuning
+
+    space = tune.space(config)
+    values = {k: "{" + ", ".join(f"{v:g}" for v in vs) + "}" for k, vs in space.items()}
+    print(
+        f"private hyperparameter search on {args.dataset}: {model}, lot={config.lot_size}, "
+        f"{counted(config.epochs, 'epochs')} per trial, learning rate from "
+        f"{values['learning_rate']}, clip from {values['l2_norm_clip']}; trials: "
+        f"{tune.describe_trials()}{', secret' if tune.random else ''}; score: noised accuracy "
+        f"on {'a tenth' if tune.validation is None else tune.validation} of the training "
+        f"examples held out (noise {tune.score_noise_multiplier:g}); epsilon="
+        f"{config.target_epsilon:g} at delta={config.delta:g} for the whole search "
+        f"({config.accountant} accountant)"
+    )
+    if args.seed is not None:
+        print(f"note: --seed {args.seed} makes the run reproducible; it is NOT for deployment")
+
+    def run(*, checkpoint_dir, checkpoint_every, should_stop, on_progress, on_resume):
+        def start(result):
+            print(
+                f"training noise: sigma = {result['noise_multiplier']:.4f} in every trial "
+                f"(the search: epsilon = {result['epsilon']:.4f}; one trial's training "
+                f"alone: {result['trial_epsilon']:.4f}); {result['score']['validation_examples']}"
+                " examples held out",
+                flush=True,
+            )
+            if tune.random:
+                print(
+                    "note: the trial lines below show how many trials ran, which the search "
+                    "keeps secret (the results file does not say): keep this output private",
+                    flush=True,
+                )
+            on_progress(result)
+
+        count = iter(range(1, 10**9))
+
+        def trial(hp, seconds):
+            print(
+                f"trial {next(count)}: learning rate {hp['learning_rate']:g}, clip "
+                f"{hp['l2_norm_clip']:g} ({seconds:.0f} s)",
+                flush=True,
+            )
+
+        return tuning.tune_mnist(
+            config, tune, should_stop=should_stop, on_start=start, on_trial=trial
+        )
+
+    def summary(r) -> list:
+        covers = f"for the whole search ({config.accountant}; {r['search']['event'][0]['event']})"
+        spent = f"privacy spent: epsilon = {r['epsilon']:.4f} at delta = {config.delta:g} {covers}"
+        best = r["best"]
+        if best is None:
+            return ["the search drew no trial (Poisson): nothing is released", spent]
+        hp = best["hyperparameters"]
+        return [
+            f"best trial (released): learning rate {hp['learning_rate']:g}, clip "
+            f"{hp['l2_norm_clip']:g}; its score (noised validation accuracy) = "
+            f"{best['score']:.4f}",
+            f"test accuracy = {r['test_accuracy']:.4f} (the best trial's model)",
+            spent,
+        ]
+
+    def refuse(message: str) -> None:
+        if message.startswith("lot_size ("):
+            message = "--lot-size" + message[len("lot_size") :]
+        error(message)
+
+    return run_command(
+        CommandRun(
+            command=args.command,
+            argv=list(getattr(args, "argv", None) or sys.argv[1:]),
+            output=args.output,
+            checkpoint_dir=None,
+            unit="search",
+            run=run,
+            status=lambda r: result_status(r.get("stop_reason")),
+            resumed=lambda info: "",
+            progress=lambda r: "",
+            summary=summary,
+            resumable=False,
+            not_resumable="nothing is released; the search cannot be resumed: its budget "
+            "was charged in full when it started, and running it again is a new search "
+            "that spends the budget again",
+        ),
+        refuse,
     )
 
 
@@ -576,8 +955,13 @@ def _run_with_results(
         )
 
     def refuse(message: str) -> None:
-        if message.startswith("lot_size ("):
-            message = "--lot-size" + message[len("lot_size") :]
+        for name, flag in (
+            ("lot_size (", "--lot-size ("),
+            ("user_ids ", "--user-ids "),
+            ("users (", "--users ("),
+        ):
+            if message.startswith(name):
+                message = flag + message[len(name) :]
         error(message)
 
     return run_command(

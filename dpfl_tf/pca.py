@@ -110,13 +110,20 @@ class DPPCA(_Projection):
         noise = upper + np.triu(upper, 1).T  # symmetric, N(0, sigma_p^2) per upper entry
         return sample.T @ sample + noise, q
 
+    def planned_event(self, num_examples: int) -> dp_accounting.DpEvent:
+        """The event `fit` records for `num_examples` private rows, known before
+        any data is read: the Gaussian mechanism on rows sampled with rate
+        q_p = min(1, sample_size / N)."""
+        n = check_count("num_examples", num_examples, minimum=1)
+        return dp_accounting.PoissonSampledDpEvent(
+            min(1.0, self.sample_size / n), dp_accounting.GaussianDpEvent(self.noise_multiplier)
+        )
+
     def fit(self, x, ledger: PrivacyLedger | None = None) -> "DPPCA":
         """Fits on private data `x` ([N, ...]) and records the event in `ledger`."""
         noisy, q = self.noisy_covariance(x)
         self.components = _top_eigenvectors(noisy, self.k)
-        self.event = dp_accounting.PoissonSampledDpEvent(
-            q, dp_accounting.GaussianDpEvent(self.noise_multiplier)
-        )
+        self.event = self.planned_event(len(x))
         if ledger is not None:
             ledger.record(self.event, label="dp_pca")
         return self

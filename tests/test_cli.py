@@ -460,3 +460,197 @@ def test_every_recipe_states_what_its_defaults_reach():
         assert re.search(r"\d+(\.\d+)?%", d.reaches), (family, model, d.reaches)
         for path in re.findall(r"(?:results|experiments|models)/[\w./-]+\.\w+", d.reaches):
             assert os.path.exists(os.path.join(root, path)), (family, model, path)
+
+
+# -- user-level DP-SGD (--users, --user-ids) and the private search (--tune) ---------------
+@pytest.fixture
+def small_mnist(monkeypatch):
+    """The real MNIST cut to its first 2,000 training and 500 test examples, for
+    the recipe the command runs (and so for the command)."""
+    import dataclasses
+
+    from dpfl_tf.recipes import mnist
+
+    real = mnist.load_dataset
+
+    def sliced(*args, **kwargs):
+        full = real(*args, **kwargs)
+        return dataclasses.replace(
+            full,
+            x_train=full.x_train[:2000],
+            y_train=full.y_train[:2000],
+            x_test=full.x_test[:500],
+            y_test=full.y_test[:500],
+        )
+
+    monkeypatch.setattr(mnist, "load_dataset", sliced)
+
+
+def _refused(argv, capsys):
+    """The one line `dpfl-tf <argv>` is refused with (exit code 2)."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dpfl-tf train: error: "), err
+    return err[0]
+
+
+TANH = ["train", "mnist", "--model", "tanh_cnn"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "mnist", "--users", "10", "--lot-size", "2"], "DP-PCA projection whose unit"),
+        (TANH + ["--users", "10"], "give --lot-size, the expected number of users in a lot"),
+        (["train", "cifar10", "--users", "10", "--lot-size", "2"], "the convnet recipe"),
+        (
+            ["train", "cifar10", "--model", "scatter_linear", "--users", "10", "--lot-size", "2"],
+            "(--feature-norm dp_stats, this dataset's default) protect one example",
+        ),
+        (TANH + ["--user-ids", "/no/such/ids.npy", "--lot-size", "2"], "no such file"),
+        (TANH + ["--users", "0", "--lot-size", "2"], "--users must be a whole number >= 1"),
+        (TANH + ["--user-split", "unequal"], "--user-split is for user-level runs"),
+        (TANH + ["--max-examples-per-user", "4"], "--max-examples-per-user is for user-level"),
+        (TANH + ["--tune-trials", "3"], "--tune-trials is for --tune"),
+        (TANH + ["--tune", "--noise-multiplier", "2"], "--tune with --noise-multiplier"),
+        (TANH + ["--tune", "--lr", "1"], "give the values with --tune-lr"),
+        (TANH + ["--tune", "--clip", "1"], "give the values with --tune-clip"),
+        (TANH + ["--tune", "--checkpoint-dir", "ckpt"], "not checkpointed nor resumed"),
+        (TANH + ["--tune", "--users", "10", "--lot-size", "2"], "--tune with --users"),
+        (TANH + ["--tune", "--accountant", "pld"], "--accountant must be rdp"),
+        (TANH + ["--tune", "--tune-trials", "1"], "--tune-trials must be > 1"),
+        (TANH + ["--tune", "--tune-lr", "0.5,-1"], "--tune-lr must be > 0"),
+        (TANH + ["--tune", "--tune-validation", "0"], "--tune-validation must be a whole"),
+        (["train", "mnist", "--tune"], "--tune with --model mlp needs --epochs"),
+        (["train", "cifar10", "--tune"], "not convnet"),
+    ],
+)
+def test_user_level_and_tune_refusals_name_the_flag(args, message, capsys, tmp_path):
+    line = _refused([*args, "--output", str(tmp_path / "r.json")], capsys)
+    assert message in line
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_user_ids_and_users_cannot_both_be_given(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(TANH + ["--users", "10", "--user-ids", "ids.npy"])
+    assert stop.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_user_ids_of_the_wrong_length_are_refused_once_the_data_are_read(
+    small_mnist, tmp_path, capsys
+):
+    import numpy as np
+
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(1999) % 40)  # one short of the 2,000 training examples
+    out = tmp_path / "r.json"
+    argv = TANH + ["--user-ids", str(ids), "--lot-size", "4", "--output", str(out)]
+    line = _refused(argv, capsys)
+    assert f"--user-ids {ids}: holds 1999 ids, the training set has 2000 examples" in line
+    shards = ["--users", "1001", "--user-split", "shards", "--lot-size", "4"]
+    line = _refused(TANH + [*shards, "--output", str(out)], capsys)
+    assert "--users (1001) of user_split 'shards' hold two label shards each: at most 1000" in line
+    np.save(ids, np.arange(2000) % 40)  # 40 users: a lot of 50 users is too many
+    line = _refused(
+        TANH + ["--user-ids", str(ids), "--lot-size", "50", "--output", str(out)], capsys
+    )
+    assert "--lot-size (50) counts users in a user-level run: it exceeds the 40 users" in line
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_users_run_is_user_level_and_prints_the_accountants_epsilon_per_user(
+    small_mnist, tmp_path, capsys
+):
+    """200 simulated users of 10 examples, 10 users a lot: q = 10 / 200 (not the
+    example-level 10 / 2,000) and 20 lots an epoch; the noise is calibrated for
+    that, and the epsilon printed and saved is the RDP accountant's for it."""
+    import dp_accounting
+
+    out = tmp_path / "u.json"
+    argv = TANH + ["--users", "200", "--lot-size", "10", "--epochs", "1", "--epsilon", "3"]
+    argv += ["--accountant", "rdp", "--seed", "0", "--output", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["status"] in ("completed", "budget_spent") and data["lots"] == 20
+    assert (data["privacy_unit"], data["users"], data["examples"]) == ("user", 200, 2000)
+    assert (data["user_split"], data["users_seed"], data["user_ids"]) == ("iid", 0, None)
+    assert [(e["label"], e["count"]) for e in data["ledger"]] == [("dpsgd (user-level)", 20)]
+    accountant = dp_accounting.rdp.RdpAccountant()
+    accountant.compose(
+        dp_accounting.PoissonSampledDpEvent(
+            10 / 200, dp_accounting.GaussianDpEvent(data["noise_multiplier"])
+        ),
+        20,
+    )
+    epsilon = accountant.get_epsilon(1e-5)
+    assert data["epsilon"] == pytest.approx(epsilon, rel=1e-9) and epsilon <= 3.0
+    assert f"epsilon = {epsilon:.4f} at delta = 1e-05 per user (user-level: 200 users" in printed
+    assert "200 simulated users (iid split, seed 0)" in printed and "lot=10 users" in printed
+
+
+def test_tune_refuses_a_budget_its_scores_alone_exceed(small_mnist, tmp_path, capsys):
+    argv = TANH + ["--tune", "--tune-score-noise", "0.5", "--epsilon", "0.5", "--epochs", "1"]
+    line = _refused([*argv, "--output", str(tmp_path / "t.json")], capsys)
+    assert "validation scores alone cost epsilon = " in line and "budget 0.5" in line
+    assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.slow
+def test_tune_releases_the_best_trial_and_the_searchs_epsilon(small_mnist, tmp_path, capsys):
+    """A private search (geometric number of trials, mean 1.2) on 1,600 training
+    examples, 400 held out: the epsilon saved is the RDP accountant's for the
+    RepeatAndSelect event of the trials actually run (16 lots of q = 100 / 1,600
+    at the saved sigma, then the score's Gaussian of noise 20), within the
+    budget and tight (1% less noise would exceed it); the number of trials is
+    not in the results."""
+    import dp_accounting
+    from dp_accounting import dp_event
+
+    out = tmp_path / "t.json"
+    argv = TANH + ["--tune", "--tune-trials", "1.2", "--epochs", "1", "--lot-size", "100"]
+    argv += ["--tune-validation", "400", "--epsilon", "4", "--seed", "0", "--output", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["status"] == "completed" and data["accountant"] == "rdp"
+    assert data["trial"]["lots"] == 16 and data["trial"]["training_examples"] == 1600
+
+    def search(sigma):
+        run = dp_accounting.ComposedDpEvent(
+            [
+                dp_accounting.SelfComposedDpEvent(
+                    dp_accounting.PoissonSampledDpEvent(
+                        100 / 1600, dp_accounting.GaussianDpEvent(sigma)
+                    ),
+                    16,
+                ),
+                dp_accounting.GaussianDpEvent(20.0),
+            ]
+        )
+        accountant = dp_accounting.rdp.RdpAccountant()
+        accountant.compose(dp_event.RepeatAndSelectDpEvent(run, 1.2, 1.0))
+        return accountant.get_epsilon(1e-5)
+
+    sigma = data["noise_multiplier"]
+    assert data["epsilon"] == pytest.approx(search(sigma), rel=1e-9)
+    assert data["epsilon"] <= 4.0 < search(0.99 * sigma)
+    assert data["search"]["epsilon_covers_search"] is True
+    assert data["trials"] == "geometric(mean=1.2)" and data["privacy_unit"] == "example"
+    assert data["trial_epsilon"] < data["epsilon"]
+    best = data["best"]
+    assert best["hyperparameters"]["learning_rate"] in data["space"]["learning_rate"]
+    assert best["hyperparameters"]["l2_norm_clip"] in data["space"]["l2_norm_clip"]
+    assert data["space"] == {
+        "learning_rate": [1.0, 2.0, 4.0, 8.0],
+        "l2_norm_clip": [0.05, 0.1, 0.2],
+    }
+    assert 0.0 <= data["test_accuracy"] == best["test_accuracy"] <= 1.0
+    assert "num_trials" not in json.dumps(data)  # the number of trials stays secret
+    assert "trial 1: learning rate" in printed and "keep this output private" in printed
+    assert f"test accuracy = {data['test_accuracy']:.4f} (the best trial's model)" in printed
+    assert f"epsilon = {data['epsilon']:.4f} at delta = 1e-05 for the whole search" in printed

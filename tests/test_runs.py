@@ -155,3 +155,49 @@ def test_a_second_signal_inside_a_finalizer_still_stops_the_run():
                 obj = Finalized()
                 del obj
                 time.sleep(1.0)  # the stop arrives here, not inside __del__
+
+
+@pytest.mark.parametrize("second_signal", [False, True])
+def test_an_interrupted_run_that_cannot_resume_says_why_and_offers_no_resume(
+    tmp_path, capsys, second_signal
+):
+    """A run marked not resumable (a private search, charged in full when it
+    starts) stopped by Ctrl-C -- after the current step, or at once by a
+    second signal -- names its results and says why it cannot resume; it never
+    prints a resume command."""
+    from dpfl_tf._runs import CommandRun, run_command
+
+    out = tmp_path / "search.json"
+
+    def run(*, checkpoint_dir, checkpoint_every, should_stop, on_progress, on_resume):
+        on_progress({"epsilon": 1.5})
+        os.kill(os.getpid(), signal.SIGINT)  # the first: stop after the current step
+        assert should_stop()
+        if second_signal:
+            os.kill(os.getpid(), signal.SIGINT)  # the second: at once
+        return {"epsilon": 1.5, "stop_reason": "interrupted"}
+
+    code = run_command(
+        CommandRun(
+            command="train",
+            argv=["train", "mnist", "--tune"],
+            output=str(out),
+            checkpoint_dir=None,
+            unit="search",
+            run=run,
+            status=lambda r: r["stop_reason"],
+            resumed=lambda info: "",
+            progress=lambda r: "",
+            summary=lambda r: [],
+            resumable=False,
+            not_resumable="the search cannot be resumed",
+        ),
+        refuse=pytest.fail,
+    )
+    err = capsys.readouterr().err
+    assert code == 130
+    kept = "kept results of the run so far" if second_signal else "results"
+    assert f"{kept} in {out} (status interrupted); the search cannot be resumed" in err
+    assert "resume with" not in err and "checkpoint" not in err
+    data = json.loads(out.read_text())
+    assert data["status"] == "interrupted" and data["epsilon"] == 1.5

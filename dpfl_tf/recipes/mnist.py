@@ -59,6 +59,8 @@ SCATTER_MODELS = ("scatter_linear", "scatter_cnn")
 FEATURE_NORMS = ("group", "dp_stats", "stats")
 #: colour datasets: the ScatterNet model takes them, the paper models need 28x28 grey images
 COLOUR_DATASETS = ("cifar10", "cifar100")
+#: how simulated users (`MnistConfig.users`) get their examples (`dpfl_tf.federated.partition`)
+USER_SPLITS = ("iid", "unequal", "shards")
 
 #: Abadi et al. 2016, section 5.2: the three noise settings and their budgets
 PAPER_SETTINGS = {
@@ -130,6 +132,27 @@ class MnistConfig:
     #: them (`dpfl_tf.models.view_averaged`): mirror-invariant, for data whose
     #: classes do not change in a mirror (CIFAR-10 yes, digits no)
     mirror_views: bool = False
+    #: user-level DP-SGD (`dpfl_tf.keras.users`): the unit of privacy is a user,
+    #: all of one person's examples, and `lot_size` is the expected number of
+    #: USERS in a lot (q = lot_size / users).  `user_ids`: a .npy file of one
+    #: user id (integers or strings) per training example, in the training
+    #: set's order.  Only releases accounted per user are allowed beside it:
+    #: not DP-PCA nor the DP feature statistics (their unit is one example)
+    user_ids: str | None = None
+    #: or this many simulated users: the training examples dealt to them by
+    #: `dpfl_tf.federated.make_partition` with `user_split` ("iid": nearly
+    #: equal random shares; "unequal": log-normal sizes, sigma 1; "shards": two
+    #: label shards each, McMahan et al. 2017), seeded with `users_seed`
+    users: int | None = None
+    user_split: str = "iid"
+    users_seed: int = 0
+    #: user-level: at most this many of a user's examples in a lot (a fresh
+    #: random subset every lot); None: all of them
+    max_examples_per_user: int | None = None
+
+    @property
+    def user_level(self) -> bool:
+        return self.user_ids is not None or self.users is not None
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -165,6 +188,53 @@ class MnistConfig:
         if self.private and self.projection == "pca":
             raise ValueError("projection='pca' is not private; use 'dp_pca' (or private=False)")
         object.__setattr__(self, "validation", check_count("validation", self.validation))
+        self._check_user_level()
+
+    def _check_user_level(self) -> None:
+        if self.user_ids is not None and self.users is not None:
+            raise ValueError(
+                f"give user_ids (a file) or users (simulated users), not both; got "
+                f"user_ids={self.user_ids!r} and users={self.users!r}"
+            )
+        if self.users is not None:
+            object.__setattr__(self, "users", check_count("users", self.users, minimum=1))
+        if self.user_split not in USER_SPLITS:
+            raise ValueError(
+                f"user_split must be one of {', '.join(USER_SPLITS)}, got {self.user_split!r}"
+            )
+        if self.max_examples_per_user is not None:
+            object.__setattr__(
+                self,
+                "max_examples_per_user",
+                check_count("max_examples_per_user", self.max_examples_per_user, minimum=1),
+            )
+        if not self.user_level:
+            if self.max_examples_per_user is not None:
+                raise ValueError(
+                    "max_examples_per_user is for user-level runs: give user_ids or users"
+                )
+            return
+        what = "user-level DP-SGD (user_ids or users)"
+        if not self.private:
+            raise ValueError(f"{what} is for private runs (private=True)")
+        if self.model == "mlp" and self.projection == "dp_pca":
+            raise ValueError(
+                f"{what} cannot run with projection='dp_pca': DP-PCA's release protects one "
+                "example, not a user, so no user-level epsilon would cover it; use "
+                "model='tanh_cnn', 'scatter_linear' or 'scatter_cnn' (or projection='none' "
+                "or 'random')"
+            )
+        if self.feature_norm == "dp_stats":
+            raise ValueError(
+                f"{what} cannot run with feature_norm='dp_stats': the DP feature statistics "
+                "protect one example, not a user, so no user-level epsilon would cover "
+                "them; use feature_norm='group'"
+            )
+        if self.validation:
+            raise ValueError(
+                f"{what} cannot hold out validation examples (validation={self.validation}): "
+                "the held-out examples would cut users in two"
+            )
 
 
 #: part of the features' cache key: bump it when the transform's output changes
@@ -190,11 +260,16 @@ def _scattering_features(data, mirror: bool = False):
     they are written readable by their owner only.  If the cache cannot be
     written (read-only, or no room for the whole file), the features are
     computed in memory, with a warning."""
+    return _scattered((data.x_train, data.x_test), mirror)
+
+
+def _scattered(arrays, mirror: bool = False) -> tuple:
+    """The scattering features of each array of images (`_scattering_features`)."""
     from dpfl_tf._io import atomic_path
     from dpfl_tf.data import NpyRows
     from dpfl_tf.data.image_folder import default_cache_dir
 
-    scattering = Scattering2D(J=2, L=8, shape=data.x_train.shape[1:3])
+    scattering = Scattering2D(J=2, L=8, shape=arrays[0].shape[1:3])
     filters = hashlib.blake2b(digest_size=16)
     for f in (scattering.psi_hat, scattering.phi_hat):
         filters.update(np.ascontiguousarray(f).data)
@@ -203,7 +278,7 @@ def _scattering_features(data, mirror: bool = False):
         return scattering.transform(images[start:stop].astype("float32") / 255.0, mirror=mirror)
 
     out = []
-    for x in (data.x_train, data.x_test):
+    for x in arrays:
         x = np.ascontiguousarray(x)
         shape = scattering.features_shape(x.shape, mirror)
         digest = hashlib.blake2b(digest_size=16)
@@ -236,7 +311,7 @@ def _scattering_features(data, mirror: bool = False):
             warnings.warn(
                 f"scattering features not cached ({e}); computing them in memory",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             features = np.concatenate(
                 [scatter(x, i, i + SCATTER_CHUNK) for i in range(0, len(x), SCATTER_CHUNK)]
@@ -286,6 +361,41 @@ def _inputs(
     return proj.transform(x_train), proj.transform(x_test), released
 
 
+def input_features(config: "MnistConfig", images, projection: np.ndarray | None = None):
+    """`images` through the model's input transform, as `_inputs` gives the test
+    set: pixels scaled to [0, 1], then the scattering features, or the channel
+    axis (tanh_cnn), or the released projection (`projection`: its components;
+    mlp with a projection)."""
+    if config.model in SCATTER_MODELS:
+        return _scattered((images,), config.mirror_views)[0]
+    x = np.asarray(images).astype("float32") / 255.0
+    if config.model == "tanh_cnn":
+        return x[..., None]
+    if config.projection == "none":
+        return x.reshape(len(x), -1)
+    if projection is None:
+        raise ValueError(
+            f"projection={config.projection!r} needs the released projection's components"
+        )
+    return _SavedProjection(projection).transform(x)
+
+
+def input_release_event(config: "MnistConfig", num_examples: int):
+    """The DP release the inputs of a private run of `config` make before DP-SGD
+    on `num_examples` training examples (DP-PCA, or the DP feature statistics),
+    known before any data is read; None if they release nothing."""
+    if config.model == "mlp" and config.projection == "dp_pca":
+        return DPPCA(
+            config.pca_dim,
+            config.pca_noise_multiplier,
+            config.pca_sample_size or num_examples,
+            seed=config.seed,
+        ).planned_event(num_examples)
+    if config.model in SCATTER_MODELS and config.feature_norm == "dp_stats":
+        return feature_norm_release(config).planned_event()
+    return None
+
+
 def _feature_norm_layer(config: MnistConfig, x_train, ledger: PrivacyLedger | None):
     """The scattering models' input normalisation (None: per-example GroupNorm);
     a DP release is recorded in `ledger`."""
@@ -311,6 +421,29 @@ def feature_norm_release(config: MnistConfig, colours: int = 1) -> DPFeatureNorm
         seed=config.seed,
         epsilon=config.feature_norm_epsilon,
     )
+
+
+def read_user_ids(path: str, num_examples: int) -> np.ndarray:
+    """The user ids of a .npy file: one per training example (`num_examples`),
+    integers or strings; errors name the file."""
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"user_ids {path}: no such file") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"user_ids {path}: not a .npy array of user ids ({e})") from None
+    if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iuUSf":
+        raise ValueError(
+            f"user_ids {path}: user ids must be integers or strings, got "
+            f"{getattr(ids, 'dtype', type(ids).__name__)}"
+        )
+    if ids.ndim != 1 or len(ids) != num_examples:
+        raise ValueError(
+            f"user_ids {path}: holds {ids.shape[0] if ids.ndim == 1 else ids.shape} ids, "
+            f"the training set has {num_examples} examples: give one user id per "
+            "training example, in the training set's order"
+        )
+    return ids
 
 
 class _SavedProjection(_Projection):
@@ -344,11 +477,14 @@ class MnistRecipe(Recipe):
 
     def inputs(self, ledger, releases) -> Inputs:
         config = self.config
-        self.data = load_dataset(config.dataset, data_dir=config.data_dir)
+        #: the dataset as loaded (its test set also when `validation` holds some out)
+        self.full = self.data = load_dataset(config.dataset, data_dir=config.data_dir)
         if config.validation:
             self.data = self.data.validation_split(config.validation)
         saved = (releases or {}).get("projection")
         x_train, x_test, released = _inputs(config, self.data, ledger, saved)
+        #: the components of the projection the inputs went through (mlp), or None
+        self.projection = saved if saved is not None else released
         y_train = self.data.y_train.astype("int64")
         return Inputs(
             x_train,
@@ -359,7 +495,30 @@ class MnistRecipe(Recipe):
             x_train_eval=x_train,
             y_train_eval=y_train,
             releases={} if released is None or saved is not None else {"projection": released},
+            user_ids=self._user_ids(y_train),
+            max_examples_per_user=config.max_examples_per_user,
         )
+
+    def _user_ids(self, y_train: np.ndarray):
+        """The user of every training example (a user-level run), or None."""
+        config, n = self.config, len(y_train)
+        if config.users is not None:
+            from dpfl_tf.federated.partition import make_partition
+
+            if config.users > n:
+                raise ValueError(
+                    f"users ({config.users}) exceeds the {n} training examples: every "
+                    "simulated user needs one"
+                )
+            if config.user_split == "shards" and 2 * config.users > n:
+                raise ValueError(
+                    f"users ({config.users}) of user_split 'shards' hold two label shards "
+                    f"each: at most {n // 2} users for the {n} training examples"
+                )
+            return make_partition(y_train, config.users, config.user_split, seed=config.users_seed)
+        if config.user_ids is None:
+            return None
+        return read_user_ids(config.user_ids, n)
 
     def network(self, inputs, ledger) -> keras.Model:
         config, x_train = self.config, inputs.x_train

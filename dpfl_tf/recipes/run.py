@@ -17,6 +17,12 @@ interrupted inside an epoch first finishes that epoch (the lots beyond its end
 are skipped in the graph), so that every later epoch spans the lots of an
 uninterrupted run.  A seeded run interrupted and resumed ends with the
 weights of the same run uninterrupted.
+
+Inputs that name the user of every example (`Inputs.user_ids`) make the run
+user-level DP-SGD (`dpfl_tf.keras.users`): lots sample users (q = L / U, an
+epoch U // L lots), the noise is calibrated and the budget kept for that rate,
+the result states the unit (``privacy_unit`` "user", ``users``), and a resume
+checks that the users are the same (a digest of the grouping in the run state).
 """
 
 from __future__ import annotations
@@ -65,6 +71,11 @@ class Inputs:
     releases: DP releases made while preparing the inputs ({name: array}),
       kept beside the checkpoint so that a resume reuses them (their cost is
       in the ledger once).
+    user_ids: user-level DP-SGD (`dpfl_tf.keras.users`): the user of every
+      training example (N ids, or a `ClientPartition`); the unit of privacy is
+      then a user, the lot size counts users and q = L / U.  None: example-level.
+    max_examples_per_user: with `user_ids`, at most this many examples of a
+      user in a lot (None: all of them).
     """
 
     x_train: Any
@@ -76,6 +87,25 @@ class Inputs:
     y_train_eval: Any = None
     preprocess: Callable | None = None
     releases: dict = dataclasses.field(default_factory=dict)
+    user_ids: Any = None
+    max_examples_per_user: int | None = None
+
+    @property
+    def user_level(self) -> bool:
+        return self.user_ids is not None
+
+
+def _users(inputs: Inputs) -> tuple[int, str]:
+    """(U, a digest of the grouping) of a user-level run's inputs: the number
+    of users, and what a resume checks to train the same users."""
+    import hashlib
+
+    from dpfl_tf.keras.users import group_users
+
+    indices, offsets = group_users(inputs.user_ids, inputs.examples)
+    digest = hashlib.sha256(np.ascontiguousarray(indices, np.int64).tobytes())
+    digest.update(np.ascontiguousarray(offsets, np.int64).tobytes())
+    return len(offsets) - 1, digest.hexdigest()
 
 
 class Recipe:
@@ -146,6 +176,12 @@ class Recipe:
     def too_few_examples(self, n: int) -> str:
         return f"lot_size ({self.config.lot_size}) exceeds the {n} training examples"
 
+    def too_few_users(self, users: int) -> str:
+        return (
+            f"lot_size ({self.config.lot_size}) counts users in a user-level run: it "
+            f"exceeds the {users} users"
+        )
+
 
 @dataclasses.dataclass
 class _Run:
@@ -163,6 +199,8 @@ class _Run:
     seconds_before: float = 0.0
     releases: dict = dataclasses.field(default_factory=dict)  # name -> file
     history: EpochHistory | None = None
+    #: user-level runs: (U, digest of the grouping); None: example-level
+    users: tuple | None = None
 
     @property
     def rows(self) -> list:
@@ -201,7 +239,22 @@ class _Run:
             "seconds": self.seconds_before + time.perf_counter() - self.start,
             "stop_reason": getattr(model, "stop_reason", None) or "running",
             "history": ([self.start_row] if self.start_row else []) + list(rows),
+            **self.unit(),
             **privacy_summary(ledger, config.delta, config.seed),
+        }
+
+    def unit(self) -> dict:
+        """The unit of privacy epsilon is stated for, and its count."""
+        if not self.recipe.config.private:
+            return {}
+        if self.users is None:
+            return {"privacy_unit": "example", "privacy_units": self.inputs.examples}
+        return {
+            "privacy_unit": "user",
+            "privacy_units": self.users[0],
+            "users": self.users[0],
+            "examples": self.inputs.examples,
+            "max_examples_per_user": self.inputs.max_examples_per_user,
         }
 
     def state(self, model) -> dict:
@@ -216,6 +269,7 @@ class _Run:
             "history": self.rows,
             "seconds": self.seconds_before + time.perf_counter() - self.start,
             "finished": None,
+            "user_ids_digest": None if self.users is None else self.users[1],
             **self.recipe.state(),
         }
 
@@ -332,15 +386,29 @@ def run_recipe(
     n = inputs.examples
     if config.lot_size > n:
         raise ValueError(recipe.too_few_examples(n))
-    lots_per_epoch = max(1, n // config.lot_size)
+    users = None
+    if inputs.user_level:  # lots sample users: q = L / U, an epoch is U / L lots
+        if not config.private:
+            raise ValueError("user_ids: user-level DP-SGD is for private runs (private=True)")
+        users = _users(inputs)
+        if config.lot_size > users[0]:
+            raise ValueError(recipe.too_few_users(users[0]))
+    units = n if users is None else users[0]
+    lots_per_epoch = max(1, units // config.lot_size)
     steps_per_epoch = lots_per_epoch if config.private else -(-n // config.lot_size)
-    rate = config.lot_size / n
+    rate = config.lot_size / units
     if state is not None:
         if state["lots_per_epoch"] != lots_per_epoch:
             raise ValueError(
                 f"{checkpoint_dir} holds a run of {state['lots_per_epoch']} lots "
-                f"per epoch, this data gives {lots_per_epoch} ({n} training "
-                "examples): not the same data; use another checkpoint directory"
+                f"per epoch, this data gives {lots_per_epoch} ({units} training "
+                f"{'examples' if users is None else 'users'}): not the same data; use "
+                "another checkpoint directory"
+            )
+        if state.get("user_ids_digest") != (None if users is None else users[1]):
+            raise ValueError(
+                f"{checkpoint_dir} holds a run of other users (its user ids differ from "
+                "these): not the same run; use another checkpoint directory"
             )
         model, _ = DPCheckpoint.restore(checkpoint_dir)
         recipe.restored(state, model)
@@ -356,6 +424,7 @@ def run_recipe(
             start_row=state.get("row0"),
             seconds_before=state["seconds"],
             releases=dict(state.get("releases") or {}),
+            users=users,
         )
         if state.get("projection") and "projection" not in run.releases:
             run.releases["projection"] = state["projection"]
@@ -387,6 +456,7 @@ def run_recipe(
             sigma,
             total_epochs,
             start_row=recipe.start_row(net, inputs),
+            users=users,
         )
     run.history = EpochHistory(
         inputs.x_test,
@@ -469,11 +539,17 @@ def _fit(
         saver = RunCheckpoint(
             checkpoint_dir, every_epoch, stopper, run_state, lambda m: run.result(m), on_epoch
         )
+        user_level = (
+            dict(user_ids=inputs.user_ids, max_examples_per_user=inputs.max_examples_per_user)
+            if inputs.user_level
+            else {}
+        )
         model.fit(
             inputs.x_train,
             inputs.y_train,
             lot_size=config.lot_size,
-            batch_size=config.batch_size,
+            # a user-level lot is one physical batch (a user's examples in one pass)
+            batch_size=None if inputs.user_level else config.batch_size,
             epochs=epochs,
             initial_epoch=model.lots_applied // run.lots_per_epoch,
             target_epsilon=config.target_epsilon,
@@ -482,6 +558,7 @@ def _fit(
             callbacks=[run.history, stopper, saver, *callbacks],
             verbose=0,
             sampling_seed=config.seed,
+            **user_level,
         )
         if model.stop_reason != "completed" or model.lots_applied < end:
             break  # interrupted, or the budget is spent

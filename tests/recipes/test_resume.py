@@ -4,6 +4,8 @@ accuracy of the same run uninterrupted, for every model of the MNIST recipe
 and with the CIFAR-10 scattering recipes' settings (DP feature statistics,
 mirror views; the CIFAR-10 convnet's resume is in test_cifar10.py)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -103,3 +105,79 @@ def test_a_resumed_run_ends_with_the_weights_of_the_uninterrupted_run(small_mnis
     assert [r["test_accuracy"] for r in resumed["history"]][1:] == [
         r["test_accuracy"] for r in whole["history"]
     ][1:]
+
+
+def test_a_resumed_user_level_run_ends_with_the_weights_of_the_uninterrupted_run(
+    small_mnist, tmp_path
+):
+    """500 simulated users of 4 examples, lots of 50 users (10 lots an epoch), at
+    most 3 examples of a user a lot (a fresh subset keyed by the lot): a run
+    interrupted inside its second epoch and resumed ends with the weights, the
+    test accuracy and the user-level ledger of the run uninterrupted; a
+    checkpoint of other users is refused."""
+    config = MnistConfig(
+        noise_multiplier=1.0,
+        lot_size=50,
+        target_epsilon=None,
+        epochs=2,
+        seed=3,
+        eval_every=2,
+        users=500,
+        max_examples_per_user=3,
+        **CONFIGS["tanh_cnn"],
+    )
+    whole, whole_model = train_mnist(config, verbose=False, return_model=True)
+    assert whole["lots"] == 20 and (whole["privacy_unit"], whole["users"]) == ("user", 500)
+    ckpt = str(tmp_path / "ckpt")
+    first = train_mnist(
+        config,
+        verbose=False,
+        checkpoint_dir=ckpt,
+        checkpoint_every_epoch=False,
+        should_stop=_stop_after(13),
+    )
+    assert first["stop_reason"] == "interrupted" and first["lots"] == 13
+    other_users = dataclasses.replace(config, users_seed=1)
+    with pytest.raises(ValueError, match="differs in: users_seed"):
+        train_mnist(other_users, verbose=False, checkpoint_dir=ckpt)
+    resumed, resumed_model = train_mnist(
+        config, verbose=False, checkpoint_dir=ckpt, return_model=True
+    )
+    assert resumed["lots"] == 20 and resumed["stop_reason"] == "completed"
+    for a, b in zip(whole_model.model.get_weights(), resumed_model.model.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    assert resumed["test_accuracy"] == whole["test_accuracy"]
+    assert (
+        resumed["ledger"]
+        == whole["ledger"]
+        == [
+            {
+                "event": "Poisson(q=0.1) Gaussian(sigma=1) (add/remove-one)",
+                "count": 20,
+                "label": "dpsgd (user-level)",
+            }
+        ]
+    )
+    assert resumed["epsilon"] == pytest.approx(whole["epsilon"], rel=1e-9)
+
+
+def test_a_checkpoint_of_other_user_ids_is_refused(small_mnist, tmp_path):
+    """The same settings and file name, but the file now says other users: the
+    digest of the users kept beside the checkpoint refuses the resume."""
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(2000) % 500)
+    config = MnistConfig(
+        noise_multiplier=1.0,
+        lot_size=50,
+        target_epsilon=None,
+        epochs=2,
+        seed=3,
+        user_ids=str(ids),
+        **CONFIGS["tanh_cnn"],
+    )
+    ckpt = str(tmp_path / "ckpt")
+    first = train_mnist(config, verbose=False, checkpoint_dir=ckpt, should_stop=_stop_after(3))
+    assert first["stop_reason"] == "interrupted"
+    np.save(ids, np.arange(2000) // 4)  # 500 users again, other examples each
+    with pytest.raises(ValueError, match="holds a run of other users"):
+        train_mnist(config, verbose=False, checkpoint_dir=ckpt)
