@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -140,6 +141,7 @@ def resolve_output(
     *,
     overwrite: bool = False,
     resuming: bool = False,
+    timed: bool = True,
 ) -> str:
     """The results file of a run, checked before any data is loaded.
 
@@ -148,9 +150,12 @@ def resolve_output(
     ending in a separator) takes ``<default_name>.json`` inside it.  A file
     that holds a finished run (status completed or budget_spent) is refused
     unless `overwrite` (or `resuming` that run's checkpoint).  Missing parents
-    are created; raises ValueError naming `flag` and the path."""
+    are created; raises ValueError naming `flag` and the path.  Not `timed`: the
+    default name takes a random token instead of the date and time (a run whose
+    duration is secret: the start time in the name and the file's modification
+    time would give it)."""
     if path is None:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
+        stamp = time.strftime("%Y%m%d-%H%M%S") if timed else secrets.token_hex(4)
         path = os.path.join(DEFAULT_RUNS_DIR, f"{default_name}-{stamp}.json")
         n = 1
         while os.path.exists(path):
@@ -175,7 +180,7 @@ def resolve_output(
     return path
 
 
-def check_run_outputs(args, default_name: str) -> None:
+def check_run_outputs(args, default_name: str, *, timed: bool = True) -> None:
     """A command's outputs before any data is loaded (``ValueError`` names the
     flag): ``args.output`` resolved (`resolve_output`; a checkpoint directory that
     holds a run means a resume) and ``args.checkpoint_dir`` writable."""
@@ -187,6 +192,7 @@ def check_run_outputs(args, default_name: str) -> None:
         default_name,
         overwrite=getattr(args, "overwrite", False),
         resuming=resuming,
+        timed=timed,
     )
     if checkpoint is not None:
         check_output_dir("--checkpoint-dir", checkpoint)
@@ -194,11 +200,13 @@ def check_run_outputs(args, default_name: str) -> None:
 
 class ResultsFile:
     """A results JSON rewritten atomically whenever the run has something new:
-    ``{"status": ..., <everything measured so far>}``.  Nothing is written
-    before the first `write` (a run refused at the start leaves no file)."""
+    ``{"status": ..., <everything measured so far>, "updated": <time>}`` (no
+    ``updated`` if not `timed`).  Nothing is written before the first `write` (a
+    run refused at the start leaves no file)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, timed: bool = True):
         self.path = path
+        self.timed = timed
         self.written = False
         self.last: dict | None = None
 
@@ -212,7 +220,8 @@ class ResultsFile:
             **extra,
             **{k: v for k, v in result.items() if k not in ("status",)},
         }
-        data["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        if self.timed:
+            data["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         atomic_write_json(self.path, data)
         self.written = True
         self.last = data
@@ -376,6 +385,8 @@ class CommandRun:
     resumable: False for a run that cannot be resumed (a private search: its
       budget is charged in full when it starts); `not_resumable` says why, in
       the message of an interrupted run.
+    timed: False for a run whose duration is secret (a search with a random
+      number of trials): its results carry no time.
     """
 
     command: str
@@ -391,6 +402,7 @@ class CommandRun:
     figure: Callable[[dict, str], bool] | None = None
     resumable: bool = True
     not_resumable: str = "this run cannot be resumed"
+    timed: bool = True
 
     @property
     def checkpoint(self) -> str:
@@ -418,7 +430,7 @@ def run_command(run: CommandRun, refuse: Callable[[str], None]) -> int:
     import gc
 
     out, unit = run.output, run.unit
-    results = ResultsFile(out)
+    results = ResultsFile(out, timed=run.timed)
     figure = os.path.splitext(out)[0] + ".png"
     checkpoint = run.checkpoint
     with Interrupts() as interrupts:

@@ -478,6 +478,14 @@ def _add_tune_options(p) -> None:
         "tenth); they stay private: the score is released with noise",
     )
     g.add_argument(
+        "--tune-show-trials",
+        action="store_true",
+        default=None,
+        help="print a line per trial even when the number of trials is random: "
+        "the output then shows how many ran, which the search keeps secret "
+        "(without it, a random number of trials runs with no per-trial output)",
+    )
+    g.add_argument(
         "--tune-score-noise",
         type=float_arg,
         metavar="SIGMA",
@@ -548,7 +556,8 @@ def _run_train(args, error) -> int:
         tune = _tune_settings(args, model, users)
     except ValueError as e:
         error(str(e))
-    _check_outputs(args, error, f"train_{args.dataset}")
+    secret_length = tune is not None and tune["distribution"] != "fixed"  # secret count
+    _check_outputs(args, error, f"train_{args.dataset}", timed=not secret_length)
     quiet_tensorflow(args.verbose)
     extra = dict(trained_layers=args.trained_layers, pretrained_weights=args.pretrained)
     if scatter:
@@ -622,6 +631,12 @@ def _run_train(args, error) -> int:
             f"user-level DP-SGD: {given_by}; lots sample users and clip each user's summed "
             f"gradient ({'all of a user' if cap is None else f'at most {cap} of a user'}'s "
             "examples in a lot); epsilon is per user"
+            + (
+                " -- here per simulated user, dealt from the examples: it protects no real "
+                "person, and one example's epsilon is larger (up to about twice)"
+                if config.users is not None
+                else ""
+            )
         )
 
     def train(**kw):
@@ -743,6 +758,7 @@ def _tune_settings(args, model: str, users: dict) -> dict | None:
         ("--tune-clip", args.tune_clip),
         ("--tune-validation", args.tune_validation),
         ("--tune-score-noise", args.tune_score_noise),
+        ("--tune-show-trials", args.tune_show_trials),
     )
     if not args.tune:
         for flag, value in flags:
@@ -824,6 +840,7 @@ def _run_tune(args, error, model: str, config, tune) -> int:
     from dpfl_tf._runs import CommandRun, run_command
     from dpfl_tf.recipes import tune as tuning
 
+    show_trials = bool(getattr(args, "tune_show_trials", None))
     space = tune.space(config)
     values = {k: "{" + ", ".join(f"{v:g}" for v in vs) + "}" for k, vs in space.items()}
     print(
@@ -848,10 +865,16 @@ def _run_tune(args, error, model: str, config, tune) -> int:
                 " examples held out",
                 flush=True,
             )
-            if tune.random:
+            if tune.random and show_trials:
                 print(
                     "note: the trial lines below show how many trials ran, which the search "
                     "keeps secret (the results file does not say): keep this output private",
+                    flush=True,
+                )
+            elif tune.random:
+                print(
+                    "searching: no line per trial (they would show how many trials ran, "
+                    "which the search keeps secret; --tune-show-trials prints them)",
                     flush=True,
                 )
             on_progress(result)
@@ -859,6 +882,8 @@ def _run_tune(args, error, model: str, config, tune) -> int:
         count = iter(range(1, 10**9))
 
         def trial(hp, seconds):
+            if tune.random and not show_trials:
+                return
             print(
                 f"trial {next(count)}: learning rate {hp['learning_rate']:g}, clip "
                 f"{hp['l2_norm_clip']:g} ({seconds:.0f} s)",
@@ -902,6 +927,7 @@ def _run_tune(args, error, model: str, config, tune) -> int:
             progress=lambda r: "",
             summary=summary,
             resumable=False,
+            timed=not tune.random,  # its duration would tell how many trials ran
             not_resumable="nothing is released; the search cannot be resumed: its budget "
             "was charged in full when it started, and running it again is a new search "
             "that spends the budget again",
@@ -910,14 +936,15 @@ def _run_tune(args, error, model: str, config, tune) -> int:
     )
 
 
-def _check_outputs(args, error, default_name: str) -> None:
+def _check_outputs(args, error, default_name: str, *, timed: bool = True) -> None:
     """Before any data is loaded: the results file (and checkpoint / TensorBoard
     directories) can be written -- missing parents are created -- or the run is
-    refused with one line (exit code 2)."""
+    refused with one line (exit code 2).  Not `timed`: a default results name
+    without the time (`dpfl_tf._runs.resolve_output`)."""
     from dpfl_tf._runs import check_output_dir, check_run_outputs
 
     try:
-        check_run_outputs(args, default_name)
+        check_run_outputs(args, default_name, timed=timed)
         if getattr(args, "tensorboard", None) is not None:
             from dpfl_tf.keras.tensorboard import require_tensorboard
 

@@ -602,9 +602,9 @@ def test_tune_refuses_a_budget_its_scores_alone_exceed(small_mnist, tmp_path, ca
 
 @pytest.mark.slow
 def test_tune_releases_the_best_trial_and_the_searchs_epsilon(small_mnist, tmp_path, capsys):
-    """A private search (geometric number of trials, mean 1.2) on 1,600 training
-    examples, 400 held out: the epsilon saved is the RDP accountant's for the
-    RepeatAndSelect event of the trials actually run (16 lots of q = 100 / 1,600
+    """A private search (geometric number of trials, mean 1.2) on ~1,600 training
+    examples, ~400 held out: the epsilon saved is the RDP accountant's for the
+    RepeatAndSelect event of the trials actually run (n // 100 lots of q = 100 / n
     at the saved sigma, then the score's Gaussian of noise 20), within the
     budget and tight (1% less noise would exceed it); the number of trials is
     not in the results."""
@@ -618,16 +618,19 @@ def test_tune_releases_the_best_trial_and_the_searchs_epsilon(small_mnist, tmp_p
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["status"] == "completed" and data["accountant"] == "rdp"
-    assert data["trial"]["lots"] == 16 and data["trial"]["training_examples"] == 1600
+    n, held = data["trial"]["training_examples"], data["score"]["validation_examples"]
+    assert n + held == 2000 and abs(held - 400) < 100  # held out by content, p = 400 / 2,000
+    lots = data["trial"]["lots"]
+    assert lots == n // 100
 
     def search(sigma):
         run = dp_accounting.ComposedDpEvent(
             [
                 dp_accounting.SelfComposedDpEvent(
                     dp_accounting.PoissonSampledDpEvent(
-                        100 / 1600, dp_accounting.GaussianDpEvent(sigma)
+                        100 / n, dp_accounting.GaussianDpEvent(sigma)
                     ),
-                    16,
+                    lots,
                 ),
                 dp_accounting.GaussianDpEvent(20.0),
             ]
@@ -650,7 +653,18 @@ def test_tune_releases_the_best_trial_and_the_searchs_epsilon(small_mnist, tmp_p
         "l2_norm_clip": [0.05, 0.1, 0.2],
     }
     assert 0.0 <= data["test_accuracy"] == best["test_accuracy"] <= 1.0
-    assert "num_trials" not in json.dumps(data)  # the number of trials stays secret
-    assert "trial 1: learning rate" in printed and "keep this output private" in printed
+    # what the results hold, and nothing that tells how many trials ran (no count, no
+    # time: the search's duration would give the count)
+    assert set(data) == {
+        "status", "dataset", "model", "mode", "epsilon", "epsilon_covers",
+        "target_epsilon", "delta", "accountant", "trials", "trial_epsilon",
+        "noise_multiplier", "test_accuracy", "best", "search", "trial", "score", "space",
+        "recipe", "privacy_unit", "privacy_units", "stop_reason", "not_released", "note",
+    }  # fmt: skip
+    assert set(data["search"]) <= {
+        "epsilon", "delta", "accountant", "event", "epsilon_covers_search", "trials",
+        "best", "trial_epsilon", "note",
+    }, set(data["search"])  # fmt: skip
+    assert "trial 1: learning rate" not in printed and "no line per trial" in printed
     assert f"test accuracy = {data['test_accuracy']:.4f} (the best trial's model)" in printed
     assert f"epsilon = {data['epsilon']:.4f} at delta = 1e-05 for the whole search" in printed

@@ -114,6 +114,24 @@ def test_the_default_output_is_a_new_file_under_runs(tmp_path, monkeypatch):
     assert second != first and not os.path.exists(second)
 
 
+def test_an_untimed_run_has_no_time_in_its_default_name_or_its_results(tmp_path, monkeypatch):
+    """A search with a secret number of trials: the start time in the name and an
+    'updated' time in the file would give its duration, and so the count."""
+    import re
+
+    from dpfl_tf._runs import resolve_output
+
+    monkeypatch.chdir(tmp_path)
+    timed = resolve_output("--output", None, "train_mnist")
+    assert re.fullmatch(r"runs/train_mnist-\d{8}-\d{6}\.json", timed)
+    untimed = resolve_output("--output", None, "train_mnist", timed=False)
+    assert re.fullmatch(r"runs/train_mnist-[0-9a-f]{8}\.json", untimed)
+    ResultsFile(str(tmp_path / "a.json")).write("completed", {"x": 1})
+    ResultsFile(str(tmp_path / "b.json"), timed=False).write("completed", {"x": 1})
+    assert "updated" in json.loads((tmp_path / "a.json").read_text())
+    assert json.loads((tmp_path / "b.json").read_text()) == {"status": "completed", "x": 1}
+
+
 @pytest.mark.parametrize(
     "status,refused",
     [("completed", True), ("budget_spent", True), ("interrupted", False), ("failed", False)],

@@ -28,13 +28,14 @@ groups, deduplicates or shuffles examples (DP sampling happens later).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import os
 from typing import Callable, Union
 
 import numpy as np
 
-from dpfl_tf._validation import check_count
+from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.data.locate import DatasetFormatError, DatasetNotFoundError
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "NpyRows",
     "SourceDataset",
     "available_datasets",
+    "held_out_by_hash",
     "load_dataset",
     "register_dataset",
 ]
@@ -125,19 +127,39 @@ class Dataset:
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x_train.shape[1:])
 
-    def validation_split(self, n: int, *, seed: int = 12345) -> "Dataset":
-        """This dataset with `n` training examples (a seeded draw) held out as its
-        evaluation split: ``x_train``/``y_train`` keep the other N - n in their
-        order, ``x_test``/``y_test`` are the held-out ones.  Hyperparameters
-        chosen on them never read the test set.  A DP run on the result protects
-        its N - n training examples; the held-out examples shape the choice of
-        hyperparameters, which no epsilon of a single run covers.  The default
-        seed gives every run the same held-out examples."""
+    def validation_split(self, n: int, *, seed: int = 12345, by: str = "draw") -> "Dataset":
+        """This dataset with training examples held out as its evaluation split:
+        ``x_train``/``y_train`` keep the others in their order, ``x_test``/``y_test``
+        are the held-out ones.  Hyperparameters chosen on them never read the test
+        set.  A DP run on the result protects its training examples; the held-out
+        examples shape the choice of hyperparameters, which no epsilon of a single
+        run covers (a private search pays for them: `dpfl_tf.recipes.tune`).
+
+        by="draw": exactly `n` examples, a seeded draw (the default seed gives every
+        run the same ones).  by="hash": each example is held out with probability
+        n / N by a keyed hash of its own pixels and label (`held_out_by_hash`):
+        about `n`, and whether one example is held out depends on that example
+        alone -- adding or removing an example moves no other across the split,
+        which a private search's add/remove-one analysis needs (a draw of exactly
+        n out of N reshuffles every example when N changes)."""
         n = check_count("n", n, minimum=1)
         if n >= len(self.y_train):
             raise ValueError(f"cannot hold out {n} of the {len(self.y_train)} training examples")
-        order = np.random.default_rng(seed).permutation(len(self.y_train))
-        held, kept = order[:n], np.sort(order[n:])
+        if by == "draw":
+            order = np.random.default_rng(seed).permutation(len(self.y_train))
+            held, kept = order[:n], np.sort(order[n:])
+        elif by == "hash":
+            mask = held_out_by_hash(self.x_train, self.y_train, n / len(self.y_train))
+            held, kept = np.flatnonzero(mask), np.flatnonzero(~mask)
+            if len(held) == 0 or len(kept) == 0:
+                raise ValueError(
+                    f"holding out each of the {len(self.y_train)} training examples with "
+                    f"probability {n}/{len(self.y_train)} left "
+                    + ("none held out" if len(held) == 0 else "no training example")
+                )
+            n = len(held)
+        else:
+            raise ValueError(f"by must be 'draw' or 'hash', got {by!r}")
         return dataclasses.replace(
             self,
             x_train=self.x_train[kept],
@@ -153,6 +175,30 @@ class Dataset:
             f"test={self.x_test.shape}, num_classes={self.num_classes}, "
             f"source={str(self.source)!r})"
         )
+
+
+def held_out_by_hash(x, y, fraction: float, key: bytes = b"dpfl_tf validation") -> np.ndarray:
+    """A boolean mask: example i is held out iff u_i < `fraction`, with u_i in
+    [0, 1) the first 8 bytes of the keyed BLAKE2b hash of its bytes and its label.
+    u_i depends on example i alone (identical examples share it)."""
+    check_number("fraction", fraction, low=0.0, high=1.0)
+    x = np.ascontiguousarray(x)
+    labels = np.asarray(y).astype("<i8")
+    cut = int(fraction * 2.0**64)
+    return np.fromiter(
+        (
+            int.from_bytes(
+                hashlib.blake2b(
+                    x[i].tobytes() + labels[i].tobytes(), digest_size=8, key=key
+                ).digest(),
+                "little",
+            )
+            < cut
+            for i in range(len(labels))
+        ),
+        dtype=bool,
+        count=len(labels),
+    )
 
 
 Loader = Callable[..., Dataset]

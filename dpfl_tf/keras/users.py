@@ -20,8 +20,10 @@ to a user:
 Removing one user removes one clipped term, so the noised sum moves by at most
 C: the lot is ``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))`` with q the
 *user* sampling rate, and the ledger counts user-level lots.  The epsilon is
-a guarantee for users; the same run's example-level epsilon is never larger
-(a user-level guarantee covers any one example too).
+a guarantee for users.  It does not carry over to one example unchanged:
+removing one example of a user *changes* that user's clipped term (a
+replace-one step of sensitivity 2C), so the same run's example-level epsilon
+is larger, up to about twice (`example_level_epsilon`).
 
 How the per-user norm is computed.  The per-layer rules give each example's
 gradient implicitly (its squared norm and the clipped sum c -> sum_i c_i g_i).

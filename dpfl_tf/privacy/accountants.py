@@ -87,10 +87,15 @@ class _EventKey:
 
 
 def _cache_key(event: dp_accounting.DpEvent):
+    """`event` itself, or its `_EventKey`; None if neither can key a cache (a list
+    holding numpy numbers: the caller computes without the cache)."""
     try:
         hash(event)
     except TypeError:  # e.g. a sampled [Gaussian + Gaussian] (joint_gaussian_step_event)
-        return _EventKey(event)
+        try:
+            return _EventKey(event)
+        except TypeError:  # JSON cannot write numpy numbers
+            return None
     return event
 
 
@@ -124,7 +129,10 @@ class CachedRdpAccountant(_rdp.RdpAccountant):
             return None
         err = super()._maybe_compose(event, count, do_compose=False)  # support check only
         if err is None and do_compose and count > 0:
-            orders, curve = _rdp_of_leaf(_cache_key(event), self._neighboring_relation)
+            key = _cache_key(event)
+            if key is None:
+                return super()._maybe_compose(event, count, do_compose)
+            orders, curve = _rdp_of_leaf(key, self._neighboring_relation)
             if orders != tuple(self._orders):  # other orders: the uncached path
                 return super()._maybe_compose(event, count, do_compose)
             self._rdp = self._rdp + count * curve
@@ -284,12 +292,16 @@ def compute_epsilon(
     distinct question answered once per process: a budget is searched, planned
     and checked with the same events)."""
     delta = check_number("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
-    return _epsilon(_cache_key(event), delta, AccountantKind.parse(accountant))
+    kind, key = AccountantKind.parse(accountant), _cache_key(event)
+    return _epsilon_of(event, delta, kind) if key is None else _epsilon(key, delta, kind)
 
 
 @functools.lru_cache(maxsize=1024)
 def _epsilon(key, delta: float, kind: AccountantKind) -> float:
-    event = key.event if isinstance(key, _EventKey) else key
+    return _epsilon_of(key.event if isinstance(key, _EventKey) else key, delta, kind)
+
+
+def _epsilon_of(event, delta: float, kind: AccountantKind) -> float:
     eps = _accountant_for(event, kind).get_epsilon(delta)
     return math.inf if eps is None or math.isnan(eps) else float(eps)
 

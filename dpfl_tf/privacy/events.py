@@ -577,7 +577,10 @@ def describe_event(event: dp_accounting.DpEvent) -> str:
 
 def _describe(event: dp_accounting.DpEvent) -> str:
     if isinstance(event, _dp_event.SelfComposedDpEvent):
-        return f"{event.count} x {_describe(event.event)}"
+        inner = _describe(event.event)
+        if isinstance(event.event, _dp_event.ComposedDpEvent) and len(event.event.events) > 1:
+            inner = f"[{inner}]"  # the count repeats the whole composition
+        return f"{event.count} x {inner}"
     if isinstance(event, _dp_event.ComposedDpEvent):
         return " + ".join(_describe(e) for e in event.events) or "nothing"
     if isinstance(event, _dp_event.PoissonSampledDpEvent):

@@ -110,6 +110,10 @@ class MnistConfig:
     #: the "test_accuracy" of such a run is the validation accuracy (its result
     #: says ``evaluated_on``); DP-SGD and DP-PCA see only the other examples
     validation: int = 0
+    #: how `validation` holds out: "draw" (exactly that many, a seeded draw) or
+    #: "hash" (each example with probability validation / N, by its own content:
+    #: what a private search needs, `Dataset.validation_split`)
+    validation_by: str = "draw"
     # scattering models: "group" (per-example GroupNorm(27), free), "dp_stats"
     # (channel statistics released under DP, `dpfl_tf.normalization`) or "stats"
     # (exact statistics: private=False only)
@@ -188,6 +192,8 @@ class MnistConfig:
         if self.private and self.projection == "pca":
             raise ValueError("projection='pca' is not private; use 'dp_pca' (or private=False)")
         object.__setattr__(self, "validation", check_count("validation", self.validation))
+        if self.validation_by not in ("draw", "hash"):
+            raise ValueError(f"validation_by must be 'draw' or 'hash', got {self.validation_by!r}")
         self._check_user_level()
 
     def _check_user_level(self) -> None:
@@ -480,7 +486,7 @@ class MnistRecipe(Recipe):
         #: the dataset as loaded (its test set also when `validation` holds some out)
         self.full = self.data = load_dataset(config.dataset, data_dir=config.data_dir)
         if config.validation:
-            self.data = self.data.validation_split(config.validation)
+            self.data = self.data.validation_split(config.validation, by=config.validation_by)
         saved = (releases or {}).get("projection")
         x_train, x_test, released = _inputs(config, self.data, ledger, saved)
         #: the components of the projection the inputs went through (mlp), or None

@@ -5,10 +5,14 @@ recipe (`dpfl_tf.recipes.mnist`): every trial is one run of the recipe with a
 learning rate and a clip bound drawn at random (uniformly from `TuneConfig`'s
 lists, independently of the data and of the other trials), the same training
 noise sigma, lot size and number of epochs, followed by its score: top-1
-accuracy on V training examples held out from every trial's training (the same
-draw for all, `Dataset.validation_split`; never the test set), released with
-Gaussian noise (`ValidationScore`).  The number of trials K is drawn from
-`TuneConfig.distribution` and kept secret; only the best trial is released.
+accuracy on V training examples held out from every trial's training (never the
+test set), released with Gaussian noise (`ValidationScore`).  Each example is
+held out with probability V / N by a keyed hash of its own content
+(`Dataset.validation_split(by="hash")`, the same examples in every trial): adding
+or removing one example moves no other between training and validation, as
+the add/remove-one analysis below needs; V and N - V, like N, are public.  The
+number of trials K is drawn from `TuneConfig.distribution` and kept secret;
+only the best trial is released.
 
 Privacy: one trial is ``ComposedDpEvent([inputs' release (DP-PCA, DP feature
 statistics; none for the other models), epochs x (N - V) // L lots of
@@ -26,7 +30,8 @@ N training examples (validation included), add/remove-one.
 Released: the best trial's hyperparameters, its noised score, its test
 accuracy (the test set is not private) and the search's epsilon.  Not
 released: the number of trials that ran, the other trials, their scores and
-the search's wall time.
+the search's wall time (so the results of a random number of trials carry no
+time, and the command prints no line per trial unless asked).
 """
 
 from __future__ import annotations
@@ -207,11 +212,15 @@ def tune_mnist(
     _refusals(config, tune)
     data = mnist.load_dataset(config.dataset, data_dir=config.data_dir)  # the recipe's loader
     total = len(data.y_train)
-    held = tune.validation or max(1, total // 10)
-    if held >= total:
+    asked = tune.validation or max(1, total // 10)
+    if asked >= total:
         raise ValueError(
-            f"validation ({held}) must leave training examples: {config.dataset} has {total}"
+            f"validation ({asked}) must leave training examples: {config.dataset} has {total}"
         )
+    # each example held out by its own content (probability asked / N): adding or
+    # removing one example moves no other across the split (add/remove-one)
+    y_val = data.validation_split(asked, by="hash").y_test.astype("int64")
+    held = len(y_val)
     n = total - held
     if config.lot_size > n:
         raise ValueError(
@@ -231,7 +240,6 @@ def tune_mnist(
     seeded = (
         (lambda purpose, *i: derive_seed(seed, purpose, *i) >> 32) if seed is not None else None
     )
-    y_val = data.validation_split(held).y_test.astype("int64")
     score = ValidationScore(
         np.zeros((held, 1), np.float32),  # each trial's validation inputs replace it
         y_val,
@@ -273,11 +281,14 @@ def tune_mnist(
             "l2_norm_clip",
             "noise_multiplier",
             "validation",
+            "validation_by",
             "eval_every",
             "setting",
         )
     }
     recipe_settings["deltas"] = list(config.deltas)
+    if not (config.projection == "dp_pca" and config.model == "mlp"):
+        recipe_settings["pca_noise_multiplier"] = None  # no DP-PCA ran (as MnistRecipe.fields)
 
     def result(best: dict | None, stop_reason: str) -> dict:
         released = selection.result(
@@ -327,6 +338,8 @@ def tune_mnist(
         }
         note = deployment_note(seed)
         if note:
+            if tune.random:  # the seed draws the number of trials too
+                note += "; the number of trials can be recomputed from the seed"
             out["note"] = note
         return out
 
@@ -352,7 +365,8 @@ def tune_mnist(
             l2_norm_clip=clip,
             noise_multiplier=sigma,
             target_epsilon=None,  # the trial's length is declared; the search holds the budget
-            validation=held,
+            validation=asked,
+            validation_by="hash",
             eval_every=config.epochs,
             seed=seeded and seeded("tune-trial", i),
         )

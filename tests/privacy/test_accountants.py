@@ -86,6 +86,35 @@ def test_a_pld_with_no_private_release_is_infinite_as_in_dp_accounting():
     assert compute_epsilon(event, 1e-5, "pld") == math.inf
 
 
+@pytest.mark.parametrize("kind", ["rdp", "pld", "moments"])
+def test_numpy_numbers_in_an_unhashable_event_are_accounted(kind):
+    """A composition (a list: attrs cannot hash it) of events holding numpy numbers
+    cannot key the caches; it is accounted without them, as dp-accounting does."""
+    import numpy as np
+
+    event = dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(
+                    np.float64(0.01), dp_accounting.GaussianDpEvent(np.float32(1.1))
+                ),
+                np.int64(500),
+            )
+        ]
+    )
+    plain = dp_sgd_event(float(np.float32(1.1)), 500, sampling_rate=0.01)
+    assert compute_epsilon(event, 1e-5, kind) == compute_epsilon(plain, 1e-5, kind)
+
+
+def test_the_epsilon_memo_answers_a_changed_event_anew():
+    first = dp_sgd_event(1.1, 100, sampling_rate=0.01)
+    later = dp_sgd_event(1.1, 200, sampling_rate=0.01)
+    assert compute_epsilon(later, 1e-5, "pld") > compute_epsilon(first, 1e-5, "pld")
+    assert compute_epsilon(first, 1e-5, "pld") == (
+        pld.PLDAccountant().compose(first).get_epsilon(1e-5)
+    )
+
+
 def test_forward_and_inverse_are_consistent_for_every_accountant():
     event = dp_sgd_event(1.5, 2000, sampling_rate=0.02)
     for kind in ["moments", "rdp", "pld", "strong"]:

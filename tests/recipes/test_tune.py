@@ -28,6 +28,16 @@ def small_mnist(monkeypatch):
     monkeypatch.setattr(recipe, "load_dataset", sliced)
 
 
+def _held_out(result, asked=400, total=2000):
+    """(training examples, lots of 100 in one epoch) of a search on the 2,000-example
+    slice: each example held out with probability asked / total by its content, so
+    about `asked` (binomial sd ~18 at 400 of 2,000), the same in the score and the trial."""
+    n, held = result["trial"]["training_examples"], result["score"]["validation_examples"]
+    assert n + held == total and abs(held - asked) < 100, (n, held)
+    assert result["trial"]["lots"] == n // 100 and result["trial"]["sampling_rate"] == 100 / n
+    return n, n // 100
+
+
 def _config(**kw):
     settings = dict(
         model="tanh_cnn",
@@ -100,13 +110,14 @@ def test_an_interrupted_search_releases_nothing_and_stays_charged_in_full(small_
     assert result["test_accuracy"] is None
     assert started[0]["epsilon"] == result["epsilon"] <= 4.0
     # the charge is the whole search's: the search event the ledger recorded
+    n, lots = _held_out(result)
     from dp_accounting import dp_event
 
     from dpfl_tf.privacy import dp_sgd_event
 
     run = dp_event.ComposedDpEvent(
         [
-            dp_sgd_event(result["noise_multiplier"], 16, sampling_rate=100 / 1600),
+            dp_sgd_event(result["noise_multiplier"], lots, sampling_rate=100 / n),
             dp_event.GaussianDpEvent(20.0),
         ]
     )
@@ -116,10 +127,10 @@ def test_an_interrupted_search_releases_nothing_and_stays_charged_in_full(small_
 
 @pytest.mark.slow
 def test_a_search_of_the_mlp_declares_each_trials_dp_pca(small_mnist):
-    """The mlp recipe releases DP-PCA in every trial (on the trial's 1,600
+    """The mlp recipe releases DP-PCA in every trial (on the trial's ~1,600
     training examples, q_p = 1): the declared trial -- checked against every
     trial's own ledger -- holds it, and one trial composed (fixed k = 1) costs
-    DP-PCA + 16 lots + the score under the moments accountant."""
+    DP-PCA + the lots + the score under the moments accountant."""
     import dp_accounting
 
     from dpfl_tf.privacy import compute_epsilon, dp_sgd_event
@@ -140,17 +151,18 @@ def test_a_search_of_the_mlp_declares_each_trials_dp_pca(small_mnist):
     result = tune_mnist(config, tune)
     assert result["stop_reason"] == "completed" and result["trials"] == "1 (fixed)"
     sigma = result["noise_multiplier"]
+    n, lots = _held_out(result)
     trial = dp_accounting.ComposedDpEvent(
         [
             dp_accounting.PoissonSampledDpEvent(1.0, dp_accounting.GaussianDpEvent(8.0)),
-            dp_sgd_event(sigma, 16, sampling_rate=100 / 1600),
+            dp_sgd_event(sigma, lots, sampling_rate=100 / n),
             dp_accounting.GaussianDpEvent(20.0),
         ]
     )
     search = dp_accounting.SelfComposedDpEvent(trial, 1)
     assert result["epsilon"] == pytest.approx(compute_epsilon(search, 1e-5, "moments"), rel=1e-9)
     assert result["epsilon"] <= 6.0
-    assert result["trial"]["event"].startswith("Poisson(q=1) Gaussian(sigma=8) + 16 x")
+    assert result["trial"]["event"].startswith(f"Poisson(q=1) Gaussian(sigma=8) + {lots} x")
     assert result["best"]["hyperparameters"]["learning_rate"] == 0.4
     assert result["best"]["hyperparameters"]["l2_norm_clip"] in (2.0, 4.0, 8.0)
     # the released model on the test set, through its own trial's projection: above
