@@ -910,8 +910,9 @@ def _run_tune(args, error, model: str, config, tune) -> int:
         ]
 
     def refuse(message: str) -> None:
-        if message.startswith("lot_size ("):
-            message = "--lot-size" + message[len("lot_size") :]
+        for field, flag in (("lot_size (", "--lot-size"), ("validation (", "--tune-validation")):
+            if message.startswith(field):
+                message = flag + message[len(field) - 2 :]
         error(message)
 
     return run_command(
