@@ -522,7 +522,8 @@ TANH = ["train", "mnist", "--model", "tanh_cnn"]
         (TANH + ["--tune", "--accountant", "pld"], "--accountant must be rdp"),
         (TANH + ["--tune", "--tune-trials", "1"], "--tune-trials must be > 1"),
         (TANH + ["--tune", "--tune-lr", "0.5,-1"], "--tune-lr must be > 0"),
-        (TANH + ["--tune", "--tune-validation", "0"], "--tune-validation must be a whole"),
+        (TANH + ["--tune", "--tune-validation", "0"], "--tune-validation must be in (0, 1), got 0"),
+        (TANH + ["--tune", "--tune-validation", "400"], "must be in (0, 1), got 400"),
         (["train", "mnist", "--tune"], "--tune with --model mlp needs --epochs"),
         (["train", "cifar10", "--tune"], "not convnet"),
     ],
@@ -613,13 +614,13 @@ def test_tune_releases_the_best_trial_and_the_searchs_epsilon(small_mnist, tmp_p
 
     out = tmp_path / "t.json"
     argv = TANH + ["--tune", "--tune-trials", "1.2", "--epochs", "1", "--lot-size", "100"]
-    argv += ["--tune-validation", "400", "--epsilon", "4", "--seed", "0", "--output", str(out)]
+    argv += ["--tune-validation", "0.2", "--epsilon", "4", "--seed", "0", "--output", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["status"] == "completed" and data["accountant"] == "rdp"
     n, held = data["trial"]["training_examples"], data["score"]["validation_examples"]
-    assert n + held == 2000 and abs(held - 400) < 100  # held out by content, p = 400 / 2,000
+    assert n + held == 2000 and abs(held - 400) < 100  # held out by content, p = 0.2
     lots = data["trial"]["lots"]
     assert lots == n // 100
 

@@ -127,39 +127,46 @@ class Dataset:
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x_train.shape[1:])
 
-    def validation_split(self, n: int, *, seed: int = 12345, by: str = "draw") -> "Dataset":
-        """This dataset with training examples held out as its evaluation split:
-        ``x_train``/``y_train`` keep the others in their order, ``x_test``/``y_test``
-        are the held-out ones.  Hyperparameters chosen on them never read the test
-        set.  A DP run on the result protects its training examples; the held-out
-        examples shape the choice of hyperparameters, which no epsilon of a single
-        run covers (a private search pays for them: `dpfl_tf.recipes.tune`).
-
-        by="draw": exactly `n` examples, a seeded draw (the default seed gives every
-        run the same ones).  by="hash": each example is held out with probability
-        n / N by a keyed hash of its own pixels and label (`held_out_by_hash`):
-        about `n`, and whether one example is held out depends on that example
-        alone -- adding or removing an example moves no other across the split,
-        which a private search's add/remove-one analysis needs (a draw of exactly
-        n out of N reshuffles every example when N changes)."""
+    def validation_split(self, n: int, *, seed: int = 12345) -> "Dataset":
+        """This dataset with `n` training examples (a seeded draw) held out as its
+        evaluation split: ``x_train``/``y_train`` keep the other N - n in their
+        order, ``x_test``/``y_test`` are the held-out ones.  Hyperparameters
+        chosen on them never read the test set.  A DP run on the result protects
+        its N - n training examples; the held-out examples shape the choice of
+        hyperparameters, which no epsilon of a single run covers.  The default
+        seed gives every run the same held-out examples.  (A private search needs
+        `hash_split` instead: a draw of exactly n of N moves other examples across
+        the split when N changes.)"""
         n = check_count("n", n, minimum=1)
         if n >= len(self.y_train):
             raise ValueError(f"cannot hold out {n} of the {len(self.y_train)} training examples")
-        if by == "draw":
-            order = np.random.default_rng(seed).permutation(len(self.y_train))
-            held, kept = order[:n], np.sort(order[n:])
-        elif by == "hash":
-            mask = held_out_by_hash(self.x_train, self.y_train, n / len(self.y_train))
-            held, kept = np.flatnonzero(mask), np.flatnonzero(~mask)
-            if len(held) == 0 or len(kept) == 0:
-                raise ValueError(
-                    f"holding out each of the {len(self.y_train)} training examples with "
-                    f"probability {n}/{len(self.y_train)} left "
-                    + ("none held out" if len(held) == 0 else "no training example")
-                )
-            n = len(held)
-        else:
-            raise ValueError(f"by must be 'draw' or 'hash', got {by!r}")
+        order = np.random.default_rng(seed).permutation(len(self.y_train))
+        held, kept = order[:n], np.sort(order[n:])
+        return self._held_out(held, kept)
+
+    def hash_split(self, fraction: float) -> "Dataset":
+        """This dataset with each training example held out with probability
+        `fraction` by a keyed hash of its own pixels and label (`held_out_by_hash`),
+        as `validation_split` lays it out.  `fraction` is fixed in advance, never
+        derived from the data: whether an example is held out depends on that
+        example alone, so adding or removing one example moves no other between
+        training and held out -- what a private search's add/remove-one analysis
+        needs (`dpfl_tf.recipes.tune`).  The number held out is about fraction x N."""
+        fraction = check_number(
+            "fraction", fraction, low=0.0, high=1.0, low_open=True, high_open=True
+        )
+        mask = held_out_by_hash(self.x_train, self.y_train, fraction)
+        held, kept = np.flatnonzero(mask), np.flatnonzero(~mask)
+        if len(held) == 0 or len(kept) == 0:
+            raise ValueError(
+                f"holding out each of the {len(self.y_train)} training examples with "
+                f"probability {fraction:g} left "
+                + ("none held out" if len(held) == 0 else "no training example")
+            )
+        return self._held_out(held, kept)
+
+    def _held_out(self, held: np.ndarray, kept: np.ndarray) -> "Dataset":
+        n = len(held)
         return dataclasses.replace(
             self,
             x_train=self.x_train[kept],

@@ -23,7 +23,8 @@ C: the lot is ``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))`` with q the
 a guarantee for users.  It does not carry over to one example unchanged:
 removing one example of a user *changes* that user's clipped term (a
 replace-one step of sensitivity 2C), so the same run's example-level epsilon
-is larger, up to about twice (`example_level_epsilon`).
+is larger (1.5-2.5 times in typical settings, more at high sampling rates:
+`example_level_epsilon` computes it).
 
 How the per-user norm is computed.  The per-layer rules give each example's
 gradient implicitly (its squared norm and the clipped sum c -> sum_i c_i g_i).
@@ -436,7 +437,7 @@ def example_level_epsilon(
     ``REPLACE_ONE`` (its multiplier is std / C, the sensitivity doubled
     inside).  The cap's extra sampling of a large user's examples is ignored
     (conservative).  So a user-level epsilon does not carry over to examples
-    unchanged: the example-level one is larger (up to about twice at the same
+    unchanged: the example-level one is larger (1.5-2.5 times in typical settings, at the same
     delta), while an example-level epsilon says nothing useful about a user
     of many examples (group privacy multiplies it by their number).
     """

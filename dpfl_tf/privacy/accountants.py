@@ -180,6 +180,10 @@ class CachedPldAccountant(_pld.PLDAccountant):
         return None
 
     def _cached_leaf(self, event, count):
+        try:
+            hash(event)  # a 0-d numpy array as sigma or q cannot key the cache
+        except TypeError:
+            return None
         args = (self.neighboring_relation, self._value_discretization_interval)
         if isinstance(event, _dp_event.GaussianDpEvent) and event.noise_multiplier > 0:
             return _gaussian_pld(event.noise_multiplier / math.sqrt(count), None, *args)

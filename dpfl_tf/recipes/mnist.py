@@ -40,7 +40,7 @@ import warnings
 import keras
 import numpy as np
 
-from dpfl_tf._validation import check_count
+from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.data import load_dataset
 from dpfl_tf.models import mlp, scatter_cnn, scatter_linear, tanh_cnn
 from dpfl_tf.normalization import DPFeatureNormalization, FeatureNormalization
@@ -110,10 +110,10 @@ class MnistConfig:
     #: the "test_accuracy" of such a run is the validation accuracy (its result
     #: says ``evaluated_on``); DP-SGD and DP-PCA see only the other examples
     validation: int = 0
-    #: how `validation` holds out: "draw" (exactly that many, a seeded draw) or
-    #: "hash" (each example with probability validation / N, by its own content:
-    #: what a private search needs, `Dataset.validation_split`)
-    validation_by: str = "draw"
+    #: instead of `validation`: hold out each training example with this fixed
+    #: probability, by its own content (`Dataset.hash_split`: what a private
+    #: search needs; `dpfl_tf.recipes.tune`)
+    validation_fraction: float = 0.0
     # scattering models: "group" (per-example GroupNorm(27), free), "dp_stats"
     # (channel statistics released under DP, `dpfl_tf.normalization`) or "stats"
     # (exact statistics: private=False only)
@@ -192,8 +192,12 @@ class MnistConfig:
         if self.private and self.projection == "pca":
             raise ValueError("projection='pca' is not private; use 'dp_pca' (or private=False)")
         object.__setattr__(self, "validation", check_count("validation", self.validation))
-        if self.validation_by not in ("draw", "hash"):
-            raise ValueError(f"validation_by must be 'draw' or 'hash', got {self.validation_by!r}")
+        fraction = check_number(
+            "validation_fraction", self.validation_fraction, low=0.0, high=1.0, high_open=True
+        )
+        object.__setattr__(self, "validation_fraction", fraction)
+        if fraction and self.validation:
+            raise ValueError("give validation (a number) or validation_fraction, not both")
         self._check_user_level()
 
     def _check_user_level(self) -> None:
@@ -236,9 +240,10 @@ class MnistConfig:
                 "protect one example, not a user, so no user-level epsilon would cover "
                 "them; use feature_norm='group'"
             )
-        if self.validation:
+        if self.validation or self.validation_fraction:
             raise ValueError(
-                f"{what} cannot hold out validation examples (validation={self.validation}): "
+                f"{what} cannot hold out validation examples (validation="
+                f"{self.validation or self.validation_fraction}): "
                 "the held-out examples would cut users in two"
             )
 
@@ -486,7 +491,9 @@ class MnistRecipe(Recipe):
         #: the dataset as loaded (its test set also when `validation` holds some out)
         self.full = self.data = load_dataset(config.dataset, data_dir=config.data_dir)
         if config.validation:
-            self.data = self.data.validation_split(config.validation, by=config.validation_by)
+            self.data = self.data.validation_split(config.validation)
+        elif config.validation_fraction:
+            self.data = self.data.hash_split(config.validation_fraction)
         saved = (releases or {}).get("projection")
         x_train, x_test, released = _inputs(config, self.data, ledger, saved)
         #: the components of the projection the inputs went through (mlp), or None
@@ -555,8 +562,8 @@ class MnistRecipe(Recipe):
             ),
             "dataset_source": getattr(getattr(self.data, "source", None), "label", config.dataset),
             "evaluated_on": (
-                f"validation ({config.validation} training examples held out)"
-                if config.validation
+                f"validation ({len(self.data.y_test)} training examples held out)"
+                if config.validation or config.validation_fraction
                 else "test"
             ),
         }

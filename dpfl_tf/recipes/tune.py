@@ -5,12 +5,14 @@ recipe (`dpfl_tf.recipes.mnist`): every trial is one run of the recipe with a
 learning rate and a clip bound drawn at random (uniformly from `TuneConfig`'s
 lists, independently of the data and of the other trials), the same training
 noise sigma, lot size and number of epochs, followed by its score: top-1
-accuracy on V training examples held out from every trial's training (never the
-test set), released with Gaussian noise (`ValidationScore`).  Each example is
-held out with probability V / N by a keyed hash of its own content
-(`Dataset.validation_split(by="hash")`, the same examples in every trial): adding
-or removing one example moves no other between training and validation, as
-the add/remove-one analysis below needs; V and N - V, like N, are public.  The
+accuracy on the V training examples held out from every trial's training (never
+the test set), released with Gaussian noise (`ValidationScore`).  Each example
+is held out with a fixed probability p (`TuneConfig.validation`, never derived
+from the data) by a keyed hash of its own content (`Dataset.hash_split`, the
+same examples in every trial): adding or removing one example moves no other
+between training and validation, as the add/remove-one analysis below needs.
+V and N - V are treated as public, as N is (the library's convention: they set
+the sampling rate).  The
 number of trials K is drawn from `TuneConfig.distribution` and kept secret;
 only the best trial is released.
 
@@ -75,7 +77,9 @@ class TuneConfig:
       distribution: `TrialDistribution`.
       learning_rates, clips: the values drawn from; empty: the recipe's
         learning rate times `LR_FACTORS` and clip bound times `CLIP_FACTORS`.
-      validation: V, training examples held out for the score (None: a tenth).
+      validation: p, the probability with which each training example is held
+        out for the score (by its own content, `Dataset.hash_split`): fixed in
+        advance, never derived from the data.
       score_noise_multiplier: sigma of the score's noise (on the count of
         correct validation examples, sensitivity 1).
     """
@@ -84,7 +88,7 @@ class TuneConfig:
     distribution: TrialDistribution | str = TrialDistribution.GEOMETRIC
     learning_rates: tuple = ()
     clips: tuple = ()
-    validation: int | None = None
+    validation: float = 0.1
     score_noise_multiplier: float = 20.0
 
     def __post_init__(self):
@@ -99,8 +103,12 @@ class TuneConfig:
             for v in values:
                 check_number(f"{name}[]", v, low=0.0, low_open=True)
             set_(name, tuple(float(v) for v in values))
-        if self.validation is not None:
-            set_("validation", check_count("validation", self.validation, minimum=1))
+        set_(
+            "validation",
+            check_number(
+                "validation", self.validation, low=0.0, high=1.0, low_open=True, high_open=True
+            ),
+        )
         set_(
             "score_noise_multiplier",
             check_number(
@@ -164,10 +172,10 @@ def _refusals(config: MnistConfig, tune: TuneConfig) -> None:
             "a search of user-level runs (user_ids or users) is not supported: its "
             "validation score is released per example, not per user"
         )
-    if config.validation:
+    if config.validation or config.validation_fraction:
         raise ValueError(
             f"the search holds out its own validation examples (TuneConfig.validation), "
-            f"got validation={config.validation}"
+            f"got validation={config.validation or config.validation_fraction}"
         )
     if tune.random and config.accountant != "rdp":
         raise ValueError(
@@ -212,14 +220,12 @@ def tune_mnist(
     _refusals(config, tune)
     data = mnist.load_dataset(config.dataset, data_dir=config.data_dir)  # the recipe's loader
     total = len(data.y_train)
-    asked = tune.validation or max(1, total // 10)
-    if asked >= total:
-        raise ValueError(
-            f"validation ({asked}) must leave training examples: {config.dataset} has {total}"
-        )
-    # each example held out by its own content (probability asked / N): adding or
+    # each example held out by its own content with the fixed probability p: adding or
     # removing one example moves no other across the split (add/remove-one)
-    y_val = data.validation_split(asked, by="hash").y_test.astype("int64")
+    try:
+        y_val = data.hash_split(tune.validation).y_test.astype("int64")
+    except ValueError as e:
+        raise ValueError(f"validation ({tune.validation:g}): {e}") from None
     held = len(y_val)
     n = total - held
     if config.lot_size > n:
@@ -281,7 +287,7 @@ def tune_mnist(
             "l2_norm_clip",
             "noise_multiplier",
             "validation",
-            "validation_by",
+            "validation_fraction",
             "eval_every",
             "setting",
         )
@@ -365,8 +371,7 @@ def tune_mnist(
             l2_norm_clip=clip,
             noise_multiplier=sigma,
             target_epsilon=None,  # the trial's length is declared; the search holds the budget
-            validation=asked,
-            validation_by="hash",
+            validation_fraction=tune.validation,
             eval_every=config.epochs,
             seed=seeded and seeded("tune-trial", i),
         )

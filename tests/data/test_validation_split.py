@@ -1,7 +1,5 @@
 """`Dataset.validation_split`: held-out training examples for tuning, never the test set."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -44,38 +42,52 @@ def test_impossible_sizes_are_refused(n):
         _dataset().validation_split(n)
 
 
-def test_a_split_by_hash_moves_no_other_example_when_one_is_added_or_removed():
-    """by="hash": whether an example is held out depends on that example alone (what
-    the add/remove-one analysis of a private search needs); a draw of exactly n
-    reshuffles the others when N changes (which the hash split is there to avoid)."""
+def test_a_hash_split_moves_no_other_example_when_one_is_added_or_removed():
+    """hash_split(p): whether an example is held out depends on that example alone, with
+    p fixed (never derived from N) -- what the add/remove-one analysis of a private
+    search needs; a draw of exactly n reshuffles the others when N changes."""
     from dpfl_tf.data import held_out_by_hash
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, size=(2000, 4, 4), dtype=np.uint8)
     y = rng.integers(0, 10, size=2000)
-    full = held_out_by_hash(x, y, 0.2)
-    assert abs(full.sum() - 400) < 4 * 18  # Binomial(2000, 0.2): sd ~18
+    full = _toy(x, y)
+    split = full.hash_split(0.2)
+    held = {bytes(e) for e in split.x_test}
+    assert abs(len(held) - 400) < 4 * 18  # Binomial(2000, 0.2): sd ~18
     for i in (0, 777, 1999):  # remove one example: every other stays on its side
-        np.testing.assert_array_equal(
-            held_out_by_hash(np.delete(x, i, 0), np.delete(y, i), 0.2), np.delete(full, i)
-        )
-    added = held_out_by_hash(np.concatenate([x, x[:1] + 1]), np.append(y, 3), 0.2)
-    np.testing.assert_array_equal(added[:-1], full)
-    # the label is part of the hash; the seeded draw is not stable under removal
-    assert not np.array_equal(held_out_by_hash(x, (y + 1) % 10, 0.2), full)
-    draw = _dataset(100)
-    smaller = dataclasses.replace(draw, x_train=draw.x_train[1:], y_train=draw.y_train[1:])
-    assert set(draw.validation_split(30).x_test[:, 0, 0]) - {0} != set(
-        smaller.validation_split(30).x_test[:, 0, 0]
+        smaller = _toy(np.delete(x, i, 0), np.delete(y, i)).hash_split(0.2)
+        assert {bytes(e) for e in smaller.x_test} == held - {bytes(x[i])}
+    larger = _toy(np.concatenate([x, x[:1] + 1]), np.append(y, 3)).hash_split(0.2)
+    assert {bytes(e) for e in larger.x_test} - {bytes(x[0] + 1)} == held
+    # the label is part of the hash
+    assert not np.array_equal(held_out_by_hash(x, (y + 1) % 10, 0.2), held_out_by_hash(x, y, 0.2))
+    # a draw of exactly n: removing one example moves others
+    draw = {bytes(e) for e in full.validation_split(400).x_test}
+    drawn_smaller = {bytes(e) for e in _toy(x[1:], y[1:]).validation_split(400).x_test}
+    assert len(drawn_smaller - draw) > 1
+
+
+def _toy(x, y):
+    return Dataset(
+        x_train=x,
+        y_train=y,
+        x_test=x[:1],
+        y_test=y[:1],
+        num_classes=10,
+        class_names=tuple("abcdefghij"),
+        name="toy",
+        source=DataSource("toy", "/nowhere", "npz"),
     )
 
 
-def test_the_hash_split_of_a_dataset_holds_out_about_n_and_keeps_the_order():
+def test_the_hash_split_holds_out_about_p_and_keeps_the_order():
     full = _dataset(100)
-    split = full.validation_split(30, by="hash")
+    split = full.hash_split(0.3)
     kept, held = split.x_train[:, 0, 0].astype(int), split.x_test[:, 0, 0].astype(int)
     assert sorted(np.concatenate([kept, held])) == list(range(100))
     assert np.all(np.diff(kept) > 0) and 10 <= len(held) <= 50
     np.testing.assert_array_equal(split.y_test, held % 3)
-    with pytest.raises(ValueError, match="by must be 'draw' or 'hash'"):
-        full.validation_split(30, by="random")
+    for p in (0.0, 1.0):
+        with pytest.raises(ValueError, match="fraction must be"):
+            full.hash_split(p)

@@ -106,6 +106,15 @@ def test_numpy_numbers_in_an_unhashable_event_are_accounted(kind):
     assert compute_epsilon(event, 1e-5, kind) == compute_epsilon(plain, 1e-5, kind)
 
 
+def test_a_zero_dimensional_array_as_sigma_is_accounted_as_dp_accounting_does():
+    import numpy as np
+
+    event = dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(np.array(1.1)))
+    assert compute_epsilon(event, 1e-5, "pld") == pld.PLDAccountant().compose(event).get_epsilon(
+        1e-5
+    )
+
+
 def test_the_epsilon_memo_answers_a_changed_event_anew():
     first = dp_sgd_event(1.1, 100, sampling_rate=0.01)
     later = dp_sgd_event(1.1, 200, sampling_rate=0.01)

@@ -30,8 +30,8 @@ def small_mnist(monkeypatch):
 
 def _held_out(result, asked=400, total=2000):
     """(training examples, lots of 100 in one epoch) of a search on the 2,000-example
-    slice: each example held out with probability asked / total by its content, so
-    about `asked` (binomial sd ~18 at 400 of 2,000), the same in the score and the trial."""
+    slice: each example held out with probability 0.2 by its content, so about
+    `asked` (binomial sd ~18), the same in the score and the trial."""
     n, held = result["trial"]["training_examples"], result["score"]["validation_examples"]
     assert n + held == total and abs(held - asked) < 100, (n, held)
     assert result["trial"]["lots"] == n // 100 and result["trial"]["sampling_rate"] == 100 / n
@@ -101,7 +101,7 @@ def test_an_interrupted_search_releases_nothing_and_stays_charged_in_full(small_
     started = []
     result = tune_mnist(
         _config(),
-        TuneConfig(trials=3.0, validation=400),
+        TuneConfig(trials=3.0, validation=0.2),
         should_stop=lambda: next(polls) >= 3,
         on_start=started.append,
         on_trial=lambda *a: pytest.fail("no trial ends"),
@@ -147,7 +147,7 @@ def test_a_search_of_the_mlp_declares_each_trials_dp_pca(small_mnist):
         decay_epochs=10,
         target_epsilon=6.0,
     )
-    tune = TuneConfig(trials=1, distribution="fixed", validation=400, learning_rates=(0.4,))
+    tune = TuneConfig(trials=1, distribution="fixed", validation=0.2, learning_rates=(0.4,))
     result = tune_mnist(config, tune)
     assert result["stop_reason"] == "completed" and result["trials"] == "1 (fixed)"
     sigma = result["noise_multiplier"]
