@@ -467,23 +467,9 @@ def test_every_recipe_states_what_its_defaults_reach():
 def small_mnist(monkeypatch):
     """The real MNIST cut to its first 2,000 training and 500 test examples, for
     the recipe the command runs (and so for the command)."""
-    import dataclasses
+    from tests.keras.helpers import cut_recipe_data
 
-    from dpfl_tf.recipes import mnist
-
-    real = mnist.load_dataset
-
-    def sliced(*args, **kwargs):
-        full = real(*args, **kwargs)
-        return dataclasses.replace(
-            full,
-            x_train=full.x_train[:2000],
-            y_train=full.y_train[:2000],
-            x_test=full.x_test[:500],
-            y_test=full.y_test[:500],
-        )
-
-    monkeypatch.setattr(mnist, "load_dataset", sliced)
+    cut_recipe_data(monkeypatch, 2000, 500)
 
 
 def _refused(argv, capsys):

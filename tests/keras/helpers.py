@@ -51,3 +51,25 @@ def mlp(inputs=60, hidden=32, seed=0):
 
 def loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def cut_recipe_data(monkeypatch, n_train: int, n_test: int) -> None:
+    """The MNIST recipe (and so `dpfl-tf train`) loads the real dataset cut to its
+    first `n_train` training and `n_test` test examples."""
+    import dataclasses
+
+    from dpfl_tf.recipes import mnist as recipe
+
+    real = recipe.load_dataset
+
+    def cut(*args, **kwargs):
+        full = real(*args, **kwargs)
+        return dataclasses.replace(
+            full,
+            x_train=full.x_train[:n_train],
+            y_train=full.y_train[:n_train],
+            x_test=full.x_test[:n_test],
+            y_test=full.y_test[:n_test],
+        )
+
+    monkeypatch.setattr(recipe, "load_dataset", cut)

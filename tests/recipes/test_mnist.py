@@ -9,24 +9,17 @@ import pytest
 from dpfl_tf.privacy import compute_epsilon, dp_sgd_event
 from dpfl_tf.recipes import mnist as recipe
 from dpfl_tf.recipes.mnist import MnistConfig, train_mnist
+from tests.keras.helpers import cut_recipe_data
 
 # what XLA and TensorFlow compile here stays until the process ends (+0.8 GB in a
 # whole-suite worker): the file runs in a process of its own (tests/isolation.py)
 pytestmark = pytest.mark.isolated
 
 
-class _Slice:
-    """The real MNIST, cut to 6000 / 2000 examples to keep the test short."""
-
-    def __init__(self, full):
-        self.x_train, self.y_train = full.x_train[:6000], full.y_train[:6000]
-        self.x_test, self.y_test = full.x_test[:2000], full.y_test[:2000]
-
-
 @pytest.fixture
 def small_mnist(monkeypatch):
-    real = recipe.load_dataset
-    monkeypatch.setattr(recipe, "load_dataset", lambda *a, **k: _Slice(real(*a, **k)))
+    """The real MNIST cut to its first 6,000 training and 2,000 test examples."""
+    cut_recipe_data(monkeypatch, 6000, 2000)
 
 
 def test_short_dp_run_learns_and_reports_the_accountants_epsilon(small_mnist):

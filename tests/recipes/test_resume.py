@@ -9,26 +9,18 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dpfl_tf.recipes import mnist as recipe
 from dpfl_tf.recipes.mnist import MnistConfig, train_mnist
+from tests.keras.helpers import cut_recipe_data
 
 # what XLA and TensorFlow compile here stays until the process ends (+0.8 GB in a
 # whole-suite worker): the file runs in a process of its own (tests/isolation.py)
 pytestmark = pytest.mark.isolated
 
 
-class _Slice:
-    """The real MNIST, cut to 2000 / 500 examples (10 lots of 200 an epoch)."""
-
-    def __init__(self, full):
-        self.x_train, self.y_train = full.x_train[:2000], full.y_train[:2000]
-        self.x_test, self.y_test = full.x_test[:500], full.y_test[:500]
-
-
 @pytest.fixture
 def small_mnist(monkeypatch):
-    real = recipe.load_dataset
-    monkeypatch.setattr(recipe, "load_dataset", lambda *a, **k: _Slice(real(*a, **k)))
+    """The real MNIST cut to 2000 / 500 examples (10 lots of 200 an epoch)."""
+    cut_recipe_data(monkeypatch, 2000, 500)
 
 
 #: the scattering models' settings (Tramer & Boneh's clip, lr and momentum)
@@ -68,6 +60,23 @@ def _stop_after(polls: int):
     return lambda: next(calls) >= polls - 1
 
 
+def _interrupted_after_13_lots(config, ckpt: str) -> None:
+    """`config`'s run stopped after 13 lots (inside an epoch), its checkpoint in `ckpt`."""
+    first = train_mnist(
+        config,
+        verbose=False,
+        checkpoint_dir=ckpt,
+        checkpoint_every_epoch=False,
+        should_stop=_stop_after(13),
+    )
+    assert first["stop_reason"] == "interrupted" and first["lots"] == 13
+
+
+def _assert_same_weights(resumed_model, whole_model) -> None:
+    for a, b in zip(whole_model.model.get_weights(), resumed_model.model.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("model", sorted(CONFIGS))
 def test_a_resumed_run_ends_with_the_weights_of_the_uninterrupted_run(small_mnist, tmp_path, model):
     config = MnistConfig(
@@ -84,20 +93,12 @@ def test_a_resumed_run_ends_with_the_weights_of_the_uninterrupted_run(small_mnis
     assert whole["lots"] == 30
     # interrupted after 13 lots (inside the second epoch), then the same call again
     ckpt = str(tmp_path / "ckpt")
-    first = train_mnist(
-        config,
-        verbose=False,
-        checkpoint_dir=ckpt,
-        checkpoint_every_epoch=False,
-        should_stop=_stop_after(13),
-    )
-    assert first["stop_reason"] == "interrupted" and first["lots"] == 13
+    _interrupted_after_13_lots(config, ckpt)
     resumed, resumed_model = train_mnist(
         config, verbose=False, checkpoint_dir=ckpt, return_model=True
     )
     assert resumed["lots"] == 30 and resumed["stop_reason"] == "completed"
-    for a, b in zip(whole_model.model.get_weights(), resumed_model.model.get_weights()):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    _assert_same_weights(resumed_model, whole_model)
     assert resumed["test_accuracy"] == whole["test_accuracy"]
     assert resumed["epsilon"] == pytest.approx(whole["epsilon"], rel=1e-9)
     # the resumed history has a row at every epoch end, at the same lots
@@ -129,14 +130,7 @@ def test_a_resumed_user_level_run_ends_with_the_weights_of_the_uninterrupted_run
     whole, whole_model = train_mnist(config, verbose=False, return_model=True)
     assert whole["lots"] == 20 and (whole["privacy_unit"], whole["users"]) == ("user", 500)
     ckpt = str(tmp_path / "ckpt")
-    first = train_mnist(
-        config,
-        verbose=False,
-        checkpoint_dir=ckpt,
-        checkpoint_every_epoch=False,
-        should_stop=_stop_after(13),
-    )
-    assert first["stop_reason"] == "interrupted" and first["lots"] == 13
+    _interrupted_after_13_lots(config, ckpt)
     other_users = dataclasses.replace(config, users_seed=1)
     with pytest.raises(ValueError, match="differs in: users_seed"):
         train_mnist(other_users, verbose=False, checkpoint_dir=ckpt)
@@ -144,8 +138,7 @@ def test_a_resumed_user_level_run_ends_with_the_weights_of_the_uninterrupted_run
         config, verbose=False, checkpoint_dir=ckpt, return_model=True
     )
     assert resumed["lots"] == 20 and resumed["stop_reason"] == "completed"
-    for a, b in zip(whole_model.model.get_weights(), resumed_model.model.get_weights()):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    _assert_same_weights(resumed_model, whole_model)
     assert resumed["test_accuracy"] == whole["test_accuracy"]
     assert (
         resumed["ledger"]

@@ -1,31 +1,18 @@
 """dpfl_tf.recipes.tune: the private search of ``dpfl-tf train --tune`` on the
 MNIST recipe (the command's own tests are in tests/test_cli.py)."""
 
-import dataclasses
-
 import pytest
 
 from dpfl_tf.recipes import mnist as recipe
 from dpfl_tf.recipes.mnist import MnistConfig
 from dpfl_tf.recipes.tune import TuneConfig, tune_mnist
+from tests.keras.helpers import cut_recipe_data
 
 
 @pytest.fixture
 def small_mnist(monkeypatch):
     """The real MNIST cut to its first 2,000 training and 500 test examples."""
-    real = recipe.load_dataset
-
-    def sliced(*args, **kwargs):
-        full = real(*args, **kwargs)
-        return dataclasses.replace(
-            full,
-            x_train=full.x_train[:2000],
-            y_train=full.y_train[:2000],
-            x_test=full.x_test[:500],
-            y_test=full.y_test[:500],
-        )
-
-    monkeypatch.setattr(recipe, "load_dataset", sliced)
+    cut_recipe_data(monkeypatch, 2000, 500)
 
 
 def _held_out(result, asked=400, total=2000):
