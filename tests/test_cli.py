@@ -655,3 +655,88 @@ def test_tune_releases_the_best_trial_and_the_searchs_epsilon(small_mnist, tmp_p
     assert "trial 1: learning rate" not in printed and "no line per trial" in printed
     assert f"test accuracy = {data['test_accuracy']:.4f} (the best trial's model)" in printed
     assert f"epsilon = {data['epsilon']:.4f} at delta = 1e-05 for the whole search" in printed
+
+
+def _search_epsilon(data, trials_event, accountant):
+    """dp-accounting's epsilon of the search a `--tune` results file saved:
+    `trials_event(run)` around one run (its lots at the saved sigma, then the
+    score's Gaussian of noise 20), composed in `accountant`."""
+    import dp_accounting
+
+    n, lots = data["trial"]["training_examples"], data["trial"]["lots"]
+    run = dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(
+                    100 / n, dp_accounting.GaussianDpEvent(data["noise_multiplier"])
+                ),
+                lots,
+            ),
+            dp_accounting.GaussianDpEvent(20.0),
+        ]
+    )
+    accountant.compose(trials_event(run))
+    return accountant.get_epsilon(1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "distribution, trials, described, shape",
+    [
+        ("logarithmic", "1.5", "logarithmic(mean=1.5)", 0.0),
+        ("poisson", "1.5", "Poisson(mean=1.5)", float("inf")),
+        ("fixed", "2", "2 (fixed)", None),
+    ],
+)
+def test_each_trial_distribution_is_the_event_the_search_is_charged(
+    distribution, trials, described, shape, monkeypatch, tmp_path, capsys
+):
+    """--tune-distribution logarithmic / poisson / fixed on a 600-example slice:
+    the saved epsilon is dp-accounting's epsilon of that distribution's event
+    (RepeatAndSelect with shape 0 or inf, in RDP; k runs composed when fixed, in
+    PLD, the recipe's default accountant) at the saved sigma, within the budget.
+    --tune-show-trials prints one line per trial run (with a warning, for a
+    secret count); a fixed count prints them anyway.  With no --output, a random
+    search's file name carries no date."""
+    import re
+
+    import dp_accounting
+
+    from tests.keras.helpers import cut_recipe_data
+
+    def event(run):
+        if shape is None:
+            return dp_accounting.SelfComposedDpEvent(run, int(trials))
+        return dp_accounting.dp_event.RepeatAndSelectDpEvent(run, float(trials), shape)
+
+    if shape is None:
+        accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    else:
+        accountant = dp_accounting.rdp.RdpAccountant()
+
+    cut_recipe_data(monkeypatch, 600, 100)
+    monkeypatch.chdir(tmp_path)
+    argv = TANH + ["--tune", "--tune-distribution", distribution, "--tune-trials", trials]
+    argv += ["--tune-show-trials", "--epochs", "1", "--lot-size", "100"]
+    argv += ["--tune-validation", "0.2", "--epsilon", "4", "--seed", "1"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    [path] = (tmp_path / "runs").iterdir()
+    data = json.loads(path.read_text())
+    assert data["trials"] == described
+    assert data["accountant"] == ("pld" if shape is None else "rdp")
+    expected = _search_epsilon(data, event, accountant)
+    assert data["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert data["epsilon"] <= 4.0
+    lines = re.findall(r"^trial (\d+): learning rate \S+, clip \S+ \(\d+ s\)$", printed, re.M)
+    assert lines == [str(i) for i in range(1, len(lines) + 1)]
+    if distribution == "fixed":
+        assert len(lines) == 2 and "keep this output private" not in printed
+        assert re.fullmatch(r"train_mnist-\d{8}-\d{6}\.json", path.name), path.name
+    else:
+        assert "the trial lines below show how many trials ran" in printed
+        assert re.fullmatch(r"train_mnist-[0-9a-f]{8}\.json", path.name), path.name
+    if lines:
+        assert data["best"] is not None and "best trial (released)" in printed
+    else:  # Poisson may draw no trial: nothing is released
+        assert data["best"] is None and "the search drew no trial (Poisson)" in printed
