@@ -415,7 +415,7 @@ def _add_user_level_options(p) -> None:
         type=float_arg,
         metavar="K",
         help="at most K of a user's examples in a lot (a fresh random subset "
-        "every lot; default: all): bounds the lot, one physical batch, and its memory",
+        "every lot; default: all): bounds the examples a user brings to a lot",
     )
 
 

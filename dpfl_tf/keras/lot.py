@@ -42,6 +42,8 @@ class LotStep:
       sanitizer: clipping rule and noise (`GaussianSanitizer`).
       groups: the clip group of each variable (`DPOptimizer.clip_groups`).
       batch_size: physical batch size (memory only).
+      users_per_batch: user-level lots: at most this many users in a physical
+        batch (memory only; None: no limit but `batch_size`).
       expected_lot: L, the divisor (the expected lot size the accounting uses).
       pad_to_batch: pad every physical batch to `batch_size` (XLA's static shapes).
       update_metrics: called as (y, y_pred, sample_weight) per physical batch
@@ -56,6 +58,7 @@ class LotStep:
         groups,
         *,
         batch_size: int,
+        users_per_batch: int | None = None,
         expected_lot: float,
         pad_to_batch: bool = False,
         update_metrics: Callable | None = None,
@@ -65,6 +68,7 @@ class LotStep:
         self.sanitizer = sanitizer
         self.groups = list(groups)
         self.batch_size = int(batch_size)
+        self.users_per_batch = None if users_per_batch is None else int(users_per_batch)
         self.expected_lot = float(expected_lot)
         self.pad_to_batch = bool(pad_to_batch)
         self.update_metrics = update_metrics
@@ -171,19 +175,85 @@ class LotStep:
 
     def clip_and_accumulate(self, x, y, mask, gate=None):
         """The lot's clipped sum over its physical batches of `batch_size`
-        examples: one batch when the lot fits (the usual case; always for
-        user-level lots, whose users must not be split), else a loop."""
+        examples: one batch when the lot fits (the usual case), else a loop
+        (user-level lots: batches of whole users, `sum_user_batches`)."""
         n = tf.shape(mask)[0]
-        one_batch = self.segments is not None or (
-            mask.shape[0] is not None and mask.shape[0] <= self.batch_size
-        )
-        if one_batch:
+        if self.segments is not None:
+            return tf.cond(
+                self._fits_one_user_batch(n),
+                lambda: self.clip_physical_batch(x, y, mask, gate),
+                lambda: self.sum_user_batches(x, y, mask, gate),
+            )
+        if mask.shape[0] is not None and mask.shape[0] <= self.batch_size:
             return self.clip_physical_batch(x, y, mask, gate)
         return tf.cond(
             n <= self.batch_size,
             lambda: self.clip_physical_batch(x, y, mask, gate),
             lambda: self.sum_physical_batches(x, y, mask, gate),
         )
+
+    def _fits_one_user_batch(self, n):
+        fits = n <= self.batch_size
+        if self.users_per_batch is not None:
+            users = tf.reduce_max(self.segments) + 1
+            fits = tf.logical_and(fits, users <= self.users_per_batch)
+        return fits
+
+    def sum_user_batches(self, x, y, mask, gate=None):
+        """A user-level lot in physical batches of whole users: each batch runs
+        from its first row to the last user that ends within `batch_size` rows
+        and `users_per_batch` users (a user larger than that alone), its slots
+        renumbered from 0.  Every user's examples are in one batch, so each
+        batch's clipped sum is sum_u clip(G_u) over its users and the lot's is
+        their sum.  The slots must be in increasing order (`UserLotSampler.lot`)."""
+        segments = tf.cast(self.segments, tf.int32)
+        n = tf.shape(mask)[0]
+        bsz = self.batch_size
+        per_example = self.per_example
+
+        def rows_before(slot):  # the first row of user `slot` (slots sorted)
+            return tf.reduce_sum(tf.cast(segments < slot, tf.int32))
+
+        def batch_end(start):
+            first = segments[start]
+            end_of_first = rows_before(first + 1)
+            by_rows = tf.cond(
+                start + bsz >= n, lambda: n, lambda: rows_before(segments[start + bsz])
+            )
+            end = by_rows
+            if self.users_per_batch is not None:
+                end = tf.minimum(end, rows_before(first + self.users_per_batch))
+            return tf.maximum(end, end_of_first)
+
+        def body(start, acc, loss_sum, count, dropped):
+            end = batch_end(start)
+            size = end - start
+            per_example.segments = _rows(segments, start, size) - segments[start]
+            try:
+                sums, b_loss, b_count, n_bad = self.clip_physical_batch(
+                    tf.nest.map_structure(lambda t: _rows(t, start, size), x),
+                    _rows(y, start, size),
+                    _rows(mask, start, size),
+                    gate,
+                )
+            finally:
+                per_example.segments = segments
+            return (
+                end,
+                [a + s for a, s in zip(acc, sums)],
+                loss_sum + b_loss,
+                count + b_count,
+                dropped + n_bad,
+            )
+
+        acc0 = [tf.zeros(v.shape, v.dtype) for v in self.variables]
+        _, *out = tf.while_loop(
+            lambda start, *_: start < n,
+            body,
+            (tf.constant(0), acc0, tf.constant(0.0), tf.constant(0.0), tf.constant(0, tf.int64)),
+            parallel_iterations=1,
+        )
+        return tuple(out)
 
     def sum_physical_batches(self, x, y, mask, gate=None):
         """The loop over physical batches (under XLA every slice padded to the

@@ -102,18 +102,23 @@ def auto_steps_per_execution(lots_per_epoch: int, *, distributed: bool = False) 
 def default_batch_size(sampler: LotSampler, materialised_parameters: int, multiple: int = 8) -> int:
     """The default physical batch: the whole lot in one pass when memory allows.
 
-    A Poisson lot has L +- sqrt(L (1 - q)) examples; L + 5 standard deviations
-    covers all but ~3e-7 of lots, so nearly every lot is one pass (a larger
-    lot takes more passes; the result is the same).  Capped at 1024 examples,
-    and so that per-example gradients the fast rules cannot avoid (the generic
-    path, `materialised_parameters` floats per example) take <= 1 GiB."""
-    lot = sampler.lot_size
-    if sampler.sampling is SamplingMethod.POISSON:
-        lot += math.ceil(5 * math.sqrt(lot * (1 - sampler.sampling_rate)))
+    `LotSampler.lot_examples_bound` examples (a Poisson lot: L + 5 standard
+    deviations, which covers all but ~3e-7 of lots), so nearly every lot is one
+    pass (a larger lot takes more passes; the result is the same).  Capped at
+    1024 examples, and so that per-example gradients the fast rules cannot avoid
+    (the generic path, `materialised_parameters` floats per example) take <= 1 GiB."""
+    lot = sampler.lot_examples_bound()
     size = min(-(-lot // multiple) * multiple, MAX_DEFAULT_BATCH)
     if materialised_parameters:
         size = min(size, MATERIALISED_BYTES // (4 * materialised_parameters))
     return max(1, size)
+
+
+def users_per_batch(variables) -> int:
+    """User-level lots: the most users in one physical batch, so that the per-user
+    sums of the largest variable (`PerUserGradients`) take <= 1 GiB."""
+    largest = max(int(np.prod(v.shape)) for v in variables)
+    return max(1, MATERIALISED_BYTES // (4 * max(1, largest)))
 
 
 @keras.saving.register_keras_serializable(package="dpfl_tf")
@@ -331,7 +336,9 @@ class DPModel(keras.Model):
             `dpfl_tf.keras.sources`.
           lot_size: L, the expected lot size (privacy unit); q = L / N.
           batch_size: physical batch size B (memory only; default: the whole lot
-            in one pass when memory allows, `default_batch_size`).
+            in one pass when memory allows, `default_batch_size`).  User-level
+            lots are cut between users: a batch holds whole users, at most B
+            examples (a larger user alone).
           epochs: epochs of N / L lots each.
           sampling: "poisson" (default), "fixed_size" or "shuffle".
           target_epsilon, target_delta: stop before the lot that would exceed
@@ -405,13 +412,11 @@ class DPModel(keras.Model):
                 reader.size,
                 lot_size,
                 sampling=sampling,
-                batch_size=batch_size,
                 user_ids=user_ids,
                 max_examples_per_user=max_examples_per_user,
                 seed=sampling_seed,
                 first_lot=first_lot,
             )
-            batch_size = sampler.batch_size
         if batch_size is not None:
             batch_size = check_count("batch_size", batch_size, minimum=1)
         check_count("epochs", epochs, minimum=1)
@@ -624,6 +629,9 @@ class DPModel(keras.Model):
             self._per_example.materialised_parameters(),
             multiple=XLA_PAD if self.jit_compile else 8,
         )
+        self._users_per_batch = (
+            users_per_batch(variables) if self._ledger_label == USER_LEVEL_LABEL else None
+        )
         # before the events: they are computed from the sanitizer the graph uses
         self._keep_or_reset_train_function(variables)
         num_groups = max(self._groups) + 1
@@ -672,6 +680,7 @@ class DPModel(keras.Model):
             repr(sorted(self._sanitizer.get_config().items())),
             tuple(self._groups),
             self._batch_size,
+            self._users_per_batch,
             self._expected_lot,
             self._pad_to_batch,
             self._log_metrics,
@@ -1043,6 +1052,7 @@ class DPModel(keras.Model):
             self._sanitizer,
             self._groups,
             batch_size=self._batch_size,
+            users_per_batch=self._users_per_batch,
             expected_lot=self._expected_lot,
             pad_to_batch=self._pad_to_batch,
             update_metrics=self._update_metrics if self._log_metrics else None,

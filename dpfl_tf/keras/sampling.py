@@ -144,6 +144,14 @@ class LotSampler:
             "consecutive lots, and no amplification by sampling is claimed for it"
         )
 
+    def lot_examples_bound(self) -> int:
+        """The examples of all but ~3e-7 of lots: a Poisson lot has L +- sqrt(L (1 - q))
+        examples, so L + 5 standard deviations; other samplings draw L."""
+        lot = self.lot_size
+        if self.sampling is SamplingMethod.POISSON:
+            lot += math.ceil(5 * math.sqrt(lot * (1 - self.sampling_rate)))
+        return lot
+
     @property
     def lots_per_epoch(self) -> int:
         """N // L lots make one epoch (for Poisson: 1/q lots in expectation)."""

@@ -34,18 +34,22 @@ which the ghost-norm rules never form: `PerUserGradients` forms it, for each
 variable in turn, as the rule's clipped sum with the indicator of u's
 examples (vectorised over the lot's users), i.e. it materialises the per-user
 gradient of one variable at a time -- for every rule, the generic path too.
-Cost: memory of (users in the lot) x (largest variable); a user-level ghost
-norm (Gram matrices over a user's examples) is not implemented.
+Cost: memory of (users in the physical batch) x (largest variable); a
+user-level ghost norm (Gram matrices over a user's examples) is not
+implemented.
 
-A lot is computed in one physical batch (a user's examples must be in the
-same backward pass as each other); cap the examples per user to bound its
-size.  An example with a non-finite gradient makes its user's G_u non-finite:
+A lot is computed in physical batches of whole users (a user's examples in
+the same backward pass, `LotStep.sum_user_batches`): at most `batch_size`
+examples (a larger user alone) and at most `users_per_batch` users, so that
+memory stays bounded however many examples a lot holds; the result is the
+same sum.  An example with a non-finite gradient makes its user's G_u non-finite:
 the lot is then recomputed user by user (`rerun_user_by_user`, so one user's
 NaN cannot reach another user's gradient) and that user is dropped.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -168,8 +172,6 @@ class UserLotSampler(LotSampler):
     """
 
     ledger_label = USER_LEVEL_LABEL
-    #: physical batch: the whole lot (`DPModel` never splits a user-level lot)
-    batch_size = 2**30
 
     def __init__(
         self,
@@ -226,8 +228,20 @@ class UserLotSampler(LotSampler):
         )
         return float(self.sampling_rate * sizes.sum())
 
+    def lot_examples_bound(self) -> int:
+        """The examples of all but a tiny fraction of lots: E + 5 sd, with
+        E = q sum_u s_u and Var = q (1 - q) sum_u s_u^2 (s_u = min(n_u, k))."""
+        sizes = self.sizes
+        if self.max_examples_per_user is not None:
+            sizes = np.minimum(sizes, self.max_examples_per_user)
+        q = self.sampling_rate
+        sizes = sizes.astype(np.float64)
+        return math.ceil(q * sizes.sum() + 5 * math.sqrt(q * (1 - q) * np.square(sizes).sum()))
+
     def lot(self, t: int) -> tuple[np.ndarray, np.ndarray]:
-        """Lot t: (example indices, user slot of each: 0..m-1 for its m users)."""
+        """Lot t: (example indices, user slot of each: 0..m-1 for its m users),
+        a user's examples together and the slots in increasing order (the
+        physical batches cut the lot between users)."""
         rng = np.random.default_rng([self.key, int(t)])
         u = secure_uniform(self.dataset_size) if self.secure_mode else rng.random(self.dataset_size)
         users = np.flatnonzero(u < self.sampling_rate)
@@ -373,16 +387,15 @@ def user_level_sampler(
     lot_size: int,
     *,
     sampling,
-    batch_size,
     user_ids,
     max_examples_per_user,
     seed,
     first_lot,
 ) -> UserLotSampler:
     """The sampler of ``DPModel.fit(..., user_ids=...)``, after the refusals
-    that keep its lots user-level: Poisson sampling only, one physical batch
-    per lot, no XLA, one replica, and a ledger that holds no example-level lots (an
-    example-level and a user-level epsilon do not compose into either)."""
+    that keep its lots user-level: Poisson sampling only, no XLA, one replica,
+    and a ledger that holds no example-level lots (an example-level and a
+    user-level epsilon do not compose into either)."""
     if user_ids is None:
         raise ValueError(
             f"max_examples_per_user={max_examples_per_user!r} needs user_ids (the "
@@ -392,12 +405,6 @@ def user_level_sampler(
         raise ValueError(
             f"user-level DP-SGD samples users with Poisson sampling: sampling "
             f"must be 'poisson', got {sampling!r}"
-        )
-    if batch_size is not None:
-        raise ValueError(
-            f"user-level lots are computed in one physical batch (a user's "
-            f"examples in one backward pass): batch_size must be None, got "
-            f"{batch_size!r}; bound the lot with max_examples_per_user"
         )
     if model.jit_compile:
         raise ValueError(

@@ -548,8 +548,7 @@ def _fit(
             inputs.x_train,
             inputs.y_train,
             lot_size=config.lot_size,
-            # a user-level lot is one physical batch (a user's examples in one pass)
-            batch_size=None if inputs.user_level else config.batch_size,
+            batch_size=config.batch_size,
             epochs=epochs,
             initial_epoch=model.lots_applied // run.lots_per_epoch,
             target_epsilon=config.target_epsilon,

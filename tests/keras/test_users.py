@@ -256,10 +256,24 @@ def _assert_one_sgd_lot(model, before, x, y, slots):
         )
 
 
-def test_user_level_lot_equals_per_user_brute_force(mnist_users):
+@pytest.mark.parametrize(
+    "batch_size, users_limit",
+    [(None, None), (3, None), (10, None), (None, 3)],
+    ids=["one-batch", "a-user-larger-than-a-batch", "two-users-a-batch", "three-users-a-batch"],
+)
+def test_user_level_lot_equals_per_user_brute_force(
+    mnist_users, batch_size, users_limit, monkeypatch
+):
     """One lot through fit, no noise: the update is -lr * (sum over the lot's
     users of clip(gradient of the user's loss sum)) / L_u, with the examples the
-    sampler drew (q = 1: one lot an epoch, every user, at most 4 examples each)."""
+    sampler drew (q = 1: one lot an epoch, every user, at most 4 examples each),
+    whether the lot is one physical batch or batches of whole users cut by
+    `batch_size` examples (3: each user of 4 alone; 10: two users) or by the users
+    a batch may hold (3; `users_per_batch`, patched)."""
+    import dpfl_tf.keras.model as dp_model
+
+    if users_limit is not None:
+        monkeypatch.setattr(dp_model, "users_per_batch", lambda variables: users_limit)
     x, y, users = mnist_users
     model = _dp_model(sigma=0.0)
     before = [v.numpy() for v in model.model.trainable_variables]
@@ -273,10 +287,32 @@ def test_user_level_lot_equals_per_user_brute_force(mnist_users):
         user_ids=users,
         max_examples_per_user=4,
         sampling_seed=3,
+        batch_size=batch_size,
         verbose=0,
     )
     assert model.lots_computed == 1
+    # by default the whole lot (q = 1: 4 x 60 examples, no spread) and as many
+    # users as 1 GiB of the largest variable's per-user sums allows (60 x 32 floats)
+    assert model._batch_size == (batch_size or 240)
+    assert model._users_per_batch == (users_limit or 2**30 // (4 * 60 * 32))
     _assert_one_sgd_lot(model, before, x[idx], y[idx], slots)
+
+
+def test_the_default_physical_batch_covers_nearly_every_user_level_lot():
+    """`UserLotSampler.lot_examples_bound` (E + 5 sd of a lot's examples, the
+    default physical batch) is above every one of 3,000 lots of users of skewed
+    sizes, capped or not, and not far above their largest (under 1.5 times)."""
+    rng = np.random.default_rng(0)
+    sizes = 1 + rng.lognormal(1.5, 1.0, size=200).astype(int)
+    ids = np.repeat(np.arange(200), sizes)
+    for cap in (None, 6):
+        sampler = UserLotSampler(ids, len(ids), 20, max_examples_per_user=cap, seed=0)
+        largest = max(len(sampler.lot(t)[0]) for t in range(3000))
+        capped = sizes if cap is None else np.minimum(sizes, cap)
+        mean = 0.1 * capped.sum()
+        sd = math.sqrt(0.1 * 0.9 * np.square(capped.astype(float)).sum())
+        assert sampler.lot_examples_bound() == math.ceil(mean + 5 * sd)
+        assert largest <= sampler.lot_examples_bound() < 1.5 * largest, (cap, largest)
 
 
 def test_fit_refusals(mnist_users):
@@ -292,8 +328,6 @@ def test_fit_refusals(mnist_users):
         model.fit(x, y, lot_size=12, max_examples_per_user=3, verbose=0)
     with pytest.raises(ValueError, match="sampling must be 'poisson', got 'shuffle'"):
         model.fit(x, y, lot_size=12, user_ids=users, sampling="shuffle", verbose=0)
-    with pytest.raises(ValueError, match="batch_size must be None, got 64"):
-        model.fit(x, y, lot_size=12, user_ids=users, batch_size=64, verbose=0)
     with pytest.raises(ValueError, match=r"1 user\(s\) hold no examples"):
         model.fit(x, y, lot_size=12, user_ids=[list(range(600)), []], verbose=0)
     xla = DPModel(mlp(seed=0))
@@ -320,8 +354,8 @@ def test_fit_refusals(mnist_users):
         user_model.fit(x, y, lot_size=60, verbose=0)
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_a_non_finite_example_drops_its_user_only(mnist_users, fast):
+@pytest.mark.parametrize("fast, batch_size", [(True, None), (False, None), (True, 16)])
+def test_a_non_finite_example_drops_its_user_only(mnist_users, fast, batch_size):
     x, y, users = mnist_users
     x = x.copy()
     x[25, 3] = np.nan  # user 2's example
@@ -338,6 +372,7 @@ def test_a_non_finite_example_drops_its_user_only(mnist_users, fast):
             user_ids=users,
             sampling_seed=4,
             max_examples_per_user=10,
+            batch_size=batch_size,
             verbose=0,
         )
     assert model.dropped_examples == 10  # all of user 2's examples, no one else's
