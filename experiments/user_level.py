@@ -14,7 +14,7 @@ split and target epsilon (3 and 8, delta 1e-5, PLD accountant):
   delta multiplied by k e^((k-1) eps) -- vacuous for k = 100).
 
     python experiments/user_level.py --quick     # minutes: a smoke run
-    python experiments/user_level.py             # the full run
+    python experiments/user_level.py --seeds 0 1 2   # the full run, 3 repeats
 
 Writes results/user_level[_quick].json and results/user_level[_quick].png.
 """
@@ -36,7 +36,14 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="a short smoke run (small slices)")
     p.add_argument("--epsilons", type=float, nargs="+", default=[3.0, 8.0])
     p.add_argument("--delta", type=float, default=1e-5)
-    p.add_argument("--seed", type=int, default=0, help="seeds the split into users only")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="one repeat per seed: it seeds the split into users (the training draws "
+        "fresh entropy); the figure shows the mean and the spread",
+    )
     return p.parse_args(argv)
 
 
@@ -101,11 +108,6 @@ def main(argv=None):
     y = ds.y_train[:n].astype("int64")
     x_te = ds.x_test[: s["test"]].reshape(s["test"], -1).astype("float32") / 255.0
     y_te = ds.y_test[: s["test"]].astype("int64")
-    rng = np.random.default_rng(args.seed)
-    splits = {
-        "even": split_users(n, s["users"], False, rng),
-        "skewed": split_users(n, s["users"], True, rng),
-    }
     delta = args.delta
 
     def model():
@@ -129,8 +131,8 @@ def main(argv=None):
     def accuracy(m):
         return float(np.mean(m.predict(x_te, verbose=0).argmax(1) == y_te))
 
-    runs = []
-    for eps in args.epsilons:
+    def one_repeat(seed, eps, splits):
+        runs = []
         for split, ids in splits.items():
             sizes = np.bincount(ids)
             q = s["users_per_lot"] / s["users"]
@@ -151,6 +153,7 @@ def main(argv=None):
                 verbose=0,
             )
             run = {
+                "seed": seed,
                 "level": "user",
                 "split": split,
                 "target_epsilon": eps,
@@ -186,6 +189,7 @@ def main(argv=None):
         # group privacy (Dwork & Roth 2014): k examples, (k eps, k e^((k-1) eps) delta)
         group_delta = math.exp(min(0.0, math.log(k) + (k - 1) * e + math.log(delta)))
         run = {
+            "seed": seed,
             "level": "example",
             "split": "any",
             "target_epsilon": eps,
@@ -204,12 +208,24 @@ def main(argv=None):
         runs.append(run)
         print(json.dumps(run), flush=True)
         keras.backend.clear_session()
+        return runs
+
+    runs = []
+    for seed in args.seeds:
+        rng = np.random.default_rng(seed)
+        splits = {
+            "even": split_users(n, s["users"], False, rng),
+            "skewed": split_users(n, s["users"], True, rng),
+        }
+        for eps in args.epsilons:
+            runs += one_repeat(seed, eps, splits)
 
     out = {
         "experiment": "user_level",
         "quick": args.quick,
         "commit": commit_of(),
-        "settings": {**s, "delta": delta, "accountant": "pld", "seed": args.seed},
+        "settings": {**s, "delta": delta, "accountant": "pld", "seeds": args.seeds},
+        "summary": summarise(runs),
         "runs": runs,
     }
     name = "user_level_quick" if args.quick else "user_level"
@@ -217,6 +233,28 @@ def main(argv=None):
     with open(os.path.join(RESULTS, name + ".json"), "w") as f:
         json.dump(out, f, indent=1)
     figure(out, os.path.join(RESULTS, name + ".png"))
+
+
+def summarise(runs: list) -> list:
+    """Mean and standard deviation of the test accuracy over the seeds, per cell."""
+    cells = {}
+    for r in runs:
+        cells.setdefault((r["level"], r["split"], r["target_epsilon"]), []).append(r)
+    return [
+        {
+            "level": level,
+            "split": split,
+            "target_epsilon": eps,
+            "seeds": len(rs),
+            "test_accuracy_mean": float(np.mean([r["test_accuracy"] for r in rs])),
+            "test_accuracy_sd": float(np.std([r["test_accuracy"] for r in rs], ddof=1))
+            if len(rs) > 1
+            else 0.0,
+            "example_epsilon_implied": rs[0].get("example_epsilon_implied"),
+            "user_epsilon": rs[0].get("user_epsilon"),
+        }
+        for (level, split, eps), rs in cells.items()
+    ]
 
 
 def figure(out: dict, path: str) -> None:
@@ -230,19 +268,22 @@ def figure(out: dict, path: str) -> None:
     labels = ["user-level, even users", "user-level, skewed users", "example-level"]
     eps = sorted({r["target_epsilon"] for r in out["runs"]})
     width = 0.8 / len(groups)
+    summary = out.get("summary") or summarise(out["runs"])
     for j, (level, split) in enumerate(groups):
-        acc = [
+        cells = [
             next(
                 (
-                    r["test_accuracy"]
-                    for r in out["runs"]
-                    if r["level"] == level and r["split"] == split and r["target_epsilon"] == e
+                    c
+                    for c in summary
+                    if c["level"] == level and c["split"] == split and c["target_epsilon"] == e
                 ),
-                np.nan,
+                None,
             )
             for e in eps
         ]
-        ax.bar(np.arange(len(eps)) + j * width, acc, width, label=labels[j])
+        acc = [np.nan if c is None else c["test_accuracy_mean"] for c in cells]
+        sd = [0.0 if c is None else c["test_accuracy_sd"] for c in cells]
+        ax.bar(np.arange(len(eps)) + j * width, acc, width, yerr=sd, capsize=3, label=labels[j])
     ax.set_xticks(np.arange(len(eps)) + width, [f"eps = {e:g}" for e in eps])
     ax.set_ylabel("test accuracy")
     ax.set_title(
