@@ -19,16 +19,19 @@ from dpfl_tf.recipes.mnist import MnistConfig, train_mnist
 pytestmark = pytest.mark.isolated
 
 
-class _CifarSlice:
-    """The real CIFAR-10 (JPEG copy), cut to n / 500 images taken evenly across the
+def _cifar_slice(full, n=2000):
+    """The real CIFAR-10 (JPEG copy) cut to n / 500 images taken evenly across the
     copy (its images are stored class by class: a leading slice is one class)."""
-
-    def __init__(self, full, n=2000):
-        self.source = full.source
-        step = len(full.y_train) // n
-        self.x_train, self.y_train = full.x_train[::step][:n], full.y_train[::step][:n]
-        self.x_test, self.y_test = full.x_test[::20], full.y_test[::20]
-        assert np.bincount(self.y_train).min() >= n // 20  # every class, chance 0.1
+    step = len(full.y_train) // n
+    cut = dataclasses.replace(
+        full,
+        x_train=full.x_train[::step][:n],
+        y_train=full.y_train[::step][:n],
+        x_test=full.x_test[::20],
+        y_test=full.y_test[::20],
+    )
+    assert np.bincount(cut.y_train).min() >= n // 20  # every class, chance 0.1
+    return cut
 
 
 def test_scatter_linear_on_cifar10_learns_and_reuses_the_features(monkeypatch, tmp_path):
@@ -38,7 +41,7 @@ def test_scatter_linear_on_cifar10_learns_and_reuses_the_features(monkeypatch, t
     real = recipe.load_dataset
     sizes = iter([2000, 2000, 1000, 1000])
     monkeypatch.setattr(
-        recipe, "load_dataset", lambda *a, **k: _CifarSlice(real(*a, **k), next(sizes))
+        recipe, "load_dataset", lambda *a, **k: _cifar_slice(real(*a, **k), next(sizes))
     )
     calls = []
     transform = recipe.Scattering2D.transform
@@ -89,7 +92,7 @@ def test_mirror_views_train_a_mirror_invariant_model_at_the_same_privacy_cost(
     ledger is the same as without views (one release, the DP-SGD lots)."""
     monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
     real = recipe.load_dataset
-    monkeypatch.setattr(recipe, "load_dataset", lambda *a, **k: _CifarSlice(real(*a, **k)))
+    monkeypatch.setattr(recipe, "load_dataset", lambda *a, **k: _cifar_slice(real(*a, **k)))
     config = MnistConfig(
         dataset="cifar10",
         model="scatter_linear",
@@ -142,7 +145,7 @@ def test_scatter_cnn_with_dp_statistics_pays_for_them_and_resumes_without_a_seco
     a resumed run restores the released statistics with the model (no second
     release, the same normalisation)."""
     real = recipe.load_dataset
-    monkeypatch.setattr(recipe, "load_dataset", lambda *a, **k: _CifarSlice(real(*a, **k)))
+    monkeypatch.setattr(recipe, "load_dataset", lambda *a, **k: _cifar_slice(real(*a, **k)))
     config = MnistConfig(
         dataset="cifar10",
         model="scatter_cnn",
@@ -196,3 +199,55 @@ def test_scatter_cnn_with_dp_statistics_pays_for_them_and_resumes_without_a_seco
     assert [e["label"] for e in resumed["ledger"]].count("dp_feature_norm") == 1
     assert resumed["epsilon"] == pytest.approx(full, rel=1e-6)
     assert resumed["test_accuracy"] > 0.2  # chance is 0.1
+
+
+@pytest.mark.slow
+def test_a_search_of_scatter_linear_declares_each_trials_dp_statistics(monkeypatch, tmp_path):
+    """`dpfl-tf train cifar10 --model scatter_linear --tune` (`tune_mnist`): every
+    trial releases its own DP feature statistics (on its training examples, the
+    held-out ones excluded), so the declared trial -- checked against each trial's
+    ledger -- is [statistics, lots, score], and one trial (fixed k = 1) costs
+    their composition in PLD; the released model is scored on the test set through
+    its own trial's normalisation."""
+    from dpfl_tf.recipes.tune import TuneConfig, tune_mnist
+
+    monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
+    real = recipe.load_dataset
+    monkeypatch.setattr(recipe, "load_dataset", lambda *a, **k: _cifar_slice(real(*a, **k)))
+    config = MnistConfig(
+        dataset="cifar10",
+        model="scatter_linear",
+        feature_norm="dp_stats",
+        noise_multiplier=None,
+        target_epsilon=4.0,
+        l2_norm_clip=0.1,
+        lot_size=200,
+        batch_size=200,
+        learning_rate=4.0,
+        final_learning_rate=4.0,
+        momentum=0.9,
+        epochs=2,
+        accountant="pld",
+        seed=0,
+        eval_every=2,
+    )
+    tune = TuneConfig(trials=1, distribution="fixed", validation=0.2, learning_rates=(4.0,))
+    result = tune_mnist(config, tune)
+    assert result["stop_reason"] == "completed" and result["trials"] == "1 (fixed)"
+    n, held = result["trial"]["training_examples"], result["score"]["validation_examples"]
+    assert n + held == 2000 and abs(held - 400) < 100  # each held out with p = 0.2
+    lots = 2 * (n // 200)
+    assert result["trial"]["lots"] == lots
+    norm_event = dp_accounting.GaussianDpEvent(config.feature_norm_noise_multiplier / 6**0.5)
+    trial = dp_accounting.ComposedDpEvent(
+        [
+            norm_event,
+            dp_sgd_event(result["noise_multiplier"], lots, sampling_rate=200 / n),
+            dp_accounting.GaussianDpEvent(20.0),
+        ]
+    )
+    search = dp_accounting.SelfComposedDpEvent(trial, 1)
+    assert result["epsilon"] == pytest.approx(compute_epsilon(search, 1e-5, "pld"), rel=1e-9)
+    assert 3.9 < result["epsilon"] <= 4.0  # calibrated for the whole search
+    assert result["best"]["hyperparameters"]["learning_rate"] == 4.0
+    assert 0.2 < result["test_accuracy"] <= 1.0  # chance is 0.1
