@@ -57,7 +57,23 @@ def parse_args(argv=None):
         help="only the training noise each search needs for the target (accounting "
         "only, seconds): results/private_tuning_noise[_quick].json",
     )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=METHODS,
+        default=list(METHODS),
+        help="the methods to run (default all)",
+    )
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add this run's searches to the results file's (same settings; the repeats "
+        "numbered on) and recompute its summary and figure",
+    )
     return p.parse_args(argv)
+
+
+METHODS = ("single", "reported", "composed", "papernot_steinke")
 
 
 def noise_table(args, s: dict) -> dict:
@@ -206,10 +222,18 @@ def main(argv=None):
         "learning_rate": s["learning_rates"][len(s["learning_rates"]) // 2],
         "l2_norm_clip": s["clips"][len(s["clips"]) // 2],
     }
-    runs = []
-    for method in ("single", "reported", "composed", "papernot_steinke"):
+    name = "private_tuning_quick" if args.quick else "private_tuning"
+    path = os.path.join(RESULTS, name + ".json")
+    earlier = []
+    if args.append:
+        with open(path) as f:
+            before = json.load(f)
+        earlier = [{"commit": before["commit"], **r} for r in before["runs"]]
+    runs = list(earlier)
+    for method in args.methods:
         sigma = sigmas[method]
-        for rep in range(args.repeats):
+        first = sum(r["method"] == method for r in earlier)
+        for rep in range(first, first + args.repeats):
             start = time.time()
             if method == "single":
                 result = private_search(
@@ -242,6 +266,7 @@ def main(argv=None):
             run = {
                 "method": method,
                 "repeat": rep,
+                "commit": commit_of(),
                 "noise_multiplier": sigma,
                 "epsilon_search": None if math.isinf(result.epsilon) else result.epsilon,
                 "epsilon_printed": (
@@ -268,7 +293,8 @@ def main(argv=None):
         summary[method] = {
             "noise_multiplier": sigmas[method],
             "test_accuracy_mean": float(np.mean(accs)) if accs else None,
-            "test_accuracy_std": float(np.std(accs)) if accs else None,
+            # the standard deviation of the searches (n - 1)
+            "test_accuracy_std": float(np.std(accs, ddof=1)) if len(accs) > 1 else None,
             "searches": len(accs),
         }
     out = {
@@ -285,7 +311,6 @@ def main(argv=None):
             "score_noise": args.score_noise,
             "accountant": "rdp",
             "steps": steps,
-            "repeats": args.repeats,
             "one_trial_epsilon_at_papernot_steinke_sigma": compute_epsilon(
                 trial_event(sigmas["papernot_steinke"]), delta, "rdp"
             ),
@@ -293,9 +318,8 @@ def main(argv=None):
         "summary": summary,
         "runs": runs,
     }
-    name = "private_tuning_quick" if args.quick else "private_tuning"
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, name + ".json"), "w") as f:
+    with open(path, "w") as f:
         json.dump(out, f, indent=1)
     figure(out, os.path.join(RESULTS, name + ".png"))
     print(json.dumps(summary, indent=1))
@@ -322,7 +346,13 @@ def figure(out: dict, path: str) -> None:
             if r["method"] == m and r["test_accuracy"] is not None
         ]
         ax.scatter([i] * len(accs), accs, color="C%d" % i, alpha=0.6)
-        ax.errorbar(i + 0.15, np.mean(accs), yerr=np.std(accs), fmt="s", color="C%d" % i)
+        ax.errorbar(
+            i + 0.15,
+            np.mean(accs),
+            yerr=np.std(accs, ddof=1) if len(accs) > 1 else 0.0,
+            fmt="s",
+            color="C%d" % i,
+        )
     ax.set_xticks(range(len(methods)), [labels[m] for m in methods], fontsize=8)
     s = out["settings"]
     ax.set_ylabel("test accuracy of the released model")
