@@ -283,12 +283,26 @@ def figure(out: dict, path: str) -> None:
         ]
         acc = [np.nan if c is None else c["test_accuracy_mean"] for c in cells]
         sd = [0.0 if c is None else c["test_accuracy_sd"] for c in cells]
-        ax.bar(np.arange(len(eps)) + j * width, acc, width, yerr=sd, capsize=3, label=labels[j])
+        xs = np.arange(len(eps)) + j * width
+        ax.bar(xs, acc, width, yerr=sd, capsize=3, label=labels[j])
+        for x_, a, c in zip(xs, acc, cells):
+            if c is not None:
+                text = f"{100 * a:.1f}%"
+                if c.get("example_epsilon_implied"):
+                    text += f"\n(ex. eps {c['example_epsilon_implied']:.1f})"
+                ax.text(x_, a + 0.005, text, ha="center", va="bottom", fontsize=7)
     ax.set_xticks(np.arange(len(eps)) + width, [f"eps = {e:g}" for e in eps])
     ax.set_ylabel("test accuracy")
+    lows = [c["test_accuracy_mean"] for c in summary]
+    ax.set_ylim(max(0.0, min(lows) - 0.1), 1.0)
     ax.set_title(
-        "MNIST MLP: epsilon for users vs. for examples (delta %g, PLD)%s"
-        % (out["settings"]["delta"], " [quick]" if out["quick"] else ""),
+        "MNIST MLP: epsilon for users vs. for examples (delta %g, PLD; mean and sd of %d "
+        "seeds)%s"
+        % (
+            out["settings"]["delta"],
+            max(c["seeds"] for c in summary),
+            " [quick]" if out["quick"] else "",
+        ),
         fontsize=9,
     )
     ax.legend(fontsize=8)
