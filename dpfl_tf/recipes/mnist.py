@@ -466,6 +466,9 @@ class MnistRecipe(Recipe):
     """`train_mnist` on the shared life cycle (`dpfl_tf.recipes.run`)."""
 
     default_config = None  # set below, once MnistConfig's defaults are known
+    #: the ids file may move: a resume checks the users it holds (a digest of the
+    #: grouping, `dpfl_tf.recipes.run`), not its path
+    resumable_changes = (*Recipe.resumable_changes, "user_ids")
 
     def check(self) -> None:
         config = self.config

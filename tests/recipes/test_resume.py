@@ -156,7 +156,8 @@ def test_a_resumed_user_level_run_ends_with_the_weights_of_the_uninterrupted_run
 
 def test_a_checkpoint_of_other_user_ids_is_refused(small_mnist, tmp_path):
     """The same settings and file name, but the file now says other users: the
-    digest of the users kept beside the checkpoint refuses the resume."""
+    digest of the users kept beside the checkpoint refuses the resume.  The same
+    users in a file elsewhere resume (the path is not the users)."""
     ids = tmp_path / "ids.npy"
     np.save(ids, np.arange(2000) % 500)
     config = MnistConfig(
@@ -171,6 +172,16 @@ def test_a_checkpoint_of_other_user_ids_is_refused(small_mnist, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     first = train_mnist(config, verbose=False, checkpoint_dir=ckpt, should_stop=_stop_after(3))
     assert first["stop_reason"] == "interrupted"
+    moved = tmp_path / "elsewhere" / "the_users.npy"
+    moved.parent.mkdir()
+    np.save(moved, np.arange(2000) % 500)
+    resumed = train_mnist(
+        dataclasses.replace(config, user_ids=str(moved)),
+        verbose=False,
+        checkpoint_dir=ckpt,
+        should_stop=_stop_after(2),
+    )
+    assert resumed["stop_reason"] == "interrupted" and resumed["lots"] == first["lots"] + 2
     np.save(ids, np.arange(2000) // 4)  # 500 users again, other examples each
     with pytest.raises(ValueError, match="holds a run of other users"):
         train_mnist(config, verbose=False, checkpoint_dir=ckpt)
