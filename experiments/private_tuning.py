@@ -228,6 +228,11 @@ def main(argv=None):
     if args.append:
         with open(path) as f:
             before = json.load(f)
+        now = {**s, "epsilon": eps, "delta": delta, "mean_trials": args.mean_trials}
+        now.update(shape=args.shape, score_noise=args.score_noise)
+        differ = sorted(k for k, v in now.items() if before["settings"].get(k) != v)
+        if differ:
+            raise SystemExit(f"--append: {path} holds searches of other settings ({differ})")
         earlier = [{"commit": before["commit"], **r} for r in before["runs"]]
     runs = list(earlier)
     for method in args.methods:

@@ -42,8 +42,6 @@ class LotStep:
       sanitizer: clipping rule and noise (`GaussianSanitizer`).
       groups: the clip group of each variable (`DPOptimizer.clip_groups`).
       batch_size: physical batch size (memory only).
-      users_per_batch: user-level lots: at most this many users in a physical
-        batch (memory only; None: no limit but `batch_size`).
       expected_lot: L, the divisor (the expected lot size the accounting uses).
       pad_to_batch: pad every physical batch to `batch_size` (XLA's static shapes).
       update_metrics: called as (y, y_pred, sample_weight) per physical batch
@@ -58,7 +56,6 @@ class LotStep:
         groups,
         *,
         batch_size: int,
-        users_per_batch: int | None = None,
         expected_lot: float,
         pad_to_batch: bool = False,
         update_metrics: Callable | None = None,
@@ -68,7 +65,6 @@ class LotStep:
         self.sanitizer = sanitizer
         self.groups = list(groups)
         self.batch_size = int(batch_size)
-        self.users_per_batch = None if users_per_batch is None else int(users_per_batch)
         self.expected_lot = float(expected_lot)
         self.pad_to_batch = bool(pad_to_batch)
         self.update_metrics = update_metrics
@@ -180,7 +176,7 @@ class LotStep:
         n = tf.shape(mask)[0]
         if self.segments is not None:
             return tf.cond(
-                self._fits_one_user_batch(n),
+                n <= self.batch_size,
                 lambda: self.clip_physical_batch(x, y, mask, gate),
                 lambda: self.sum_user_batches(x, y, mask, gate),
             )
@@ -192,21 +188,23 @@ class LotStep:
             lambda: self.sum_physical_batches(x, y, mask, gate),
         )
 
-    def _fits_one_user_batch(self, n):
-        fits = n <= self.batch_size
-        if self.users_per_batch is not None:
-            users = tf.reduce_max(self.segments) + 1
-            fits = tf.logical_and(fits, users <= self.users_per_batch)
-        return fits
-
     def sum_user_batches(self, x, y, mask, gate=None):
         """A user-level lot in physical batches of whole users: each batch runs
-        from its first row to the last user that ends within `batch_size` rows
-        and `users_per_batch` users (a user larger than that alone), its slots
-        renumbered from 0.  Every user's examples are in one batch, so each
-        batch's clipped sum is sum_u clip(G_u) over its users and the lot's is
-        their sum.  The slots must be in increasing order (`UserLotSampler.lot`)."""
+        from its first row to the last user that ends within `batch_size` rows (a
+        user larger than that alone), its slots renumbered from 0.  Every user's
+        examples are in one batch, so each batch's clipped sum is sum_u clip(G_u)
+        over its users and the lot's is their sum.  The slots must be in
+        non-decreasing order (`UserLotSampler.lot`; checked: out of order, a
+        user could be cut in two and clipped twice)."""
         segments = tf.cast(self.segments, tf.int32)
+        ordered = tf.debugging.assert_greater_equal(
+            segments[1:],
+            segments[:-1],
+            message="user-level lot: the user slots must be in non-decreasing order "
+            "(a user's examples together), or a physical batch could split a user",
+        )
+        with tf.control_dependencies([ordered]):
+            segments = tf.identity(segments)
         n = tf.shape(mask)[0]
         bsz = self.batch_size
         per_example = self.per_example
@@ -220,10 +218,7 @@ class LotStep:
             by_rows = tf.cond(
                 start + bsz >= n, lambda: n, lambda: rows_before(segments[start + bsz])
             )
-            end = by_rows
-            if self.users_per_batch is not None:
-                end = tf.minimum(end, rows_before(first + self.users_per_batch))
-            return tf.maximum(end, end_of_first)
+            return tf.maximum(by_rows, end_of_first)
 
         def body(start, acc, loss_sum, count, dropped):
             end = batch_end(start)

@@ -114,13 +114,6 @@ def default_batch_size(sampler: LotSampler, materialised_parameters: int, multip
     return max(1, size)
 
 
-def users_per_batch(variables) -> int:
-    """User-level lots: the most users in one physical batch, so that the per-user
-    sums of the largest variable (`PerUserGradients`) take <= 1 GiB."""
-    largest = max(int(np.prod(v.shape)) for v in variables)
-    return max(1, MATERIALISED_BYTES // (4 * max(1, largest)))
-
-
 @keras.saving.register_keras_serializable(package="dpfl_tf")
 class DPModel(keras.Model):
     """Wraps a Keras model for DP-SGD training; inference is the inner model's.
@@ -629,9 +622,6 @@ class DPModel(keras.Model):
             self._per_example.materialised_parameters(),
             multiple=XLA_PAD if self.jit_compile else 8,
         )
-        self._users_per_batch = (
-            users_per_batch(variables) if self._ledger_label == USER_LEVEL_LABEL else None
-        )
         # before the events: they are computed from the sanitizer the graph uses
         self._keep_or_reset_train_function(variables)
         num_groups = max(self._groups) + 1
@@ -680,7 +670,6 @@ class DPModel(keras.Model):
             repr(sorted(self._sanitizer.get_config().items())),
             tuple(self._groups),
             self._batch_size,
-            self._users_per_batch,
             self._expected_lot,
             self._pad_to_batch,
             self._log_metrics,
@@ -1052,7 +1041,6 @@ class DPModel(keras.Model):
             self._sanitizer,
             self._groups,
             batch_size=self._batch_size,
-            users_per_batch=self._users_per_batch,
             expected_lot=self._expected_lot,
             pad_to_batch=self._pad_to_batch,
             update_metrics=self._update_metrics if self._log_metrics else None,

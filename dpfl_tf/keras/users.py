@@ -34,17 +34,21 @@ which the ghost-norm rules never form: `PerUserGradients` forms it, for each
 variable in turn, as the rule's clipped sum with the indicator of u's
 examples (vectorised over the lot's users), i.e. it materialises the per-user
 gradient of one variable at a time -- for every rule, the generic path too.
-Cost: memory of (users in the physical batch) x (largest variable); a
-user-level ghost norm (Gram matrices over a user's examples) is not
-implemented.
+Cost: the per-user sums of (users at a time) x (largest variable), and the
+rules' per-user intermediates of (users at a time) x (rows) x (a layer's
+activations); a user-level ghost norm (Gram matrices over a user's examples)
+is not implemented.
 
 A lot is computed in physical batches of whole users (a user's examples in
 the same backward pass, `LotStep.sum_user_batches`): at most `batch_size`
-examples (a larger user alone) and at most `users_per_batch` users, so that
-memory stays bounded however many examples a lot holds; the result is the
-same sum.  An example with a non-finite gradient makes its user's G_u non-finite:
-the lot is then recomputed user by user (`rerun_user_by_user`, so one user's
-NaN cannot reach another user's gradient) and that user is dropped.
+examples, or one user's examples if they are more; the result is the same sum.
+Within a batch, the per-user norms are computed for a few users at a time
+(`USER_ROWS` user-rows, `PerUserGradients`), so memory is bounded by the
+largest of `batch_size` and one user's examples in a lot (which
+``max_examples_per_user`` caps).  An example with a non-finite gradient makes
+its user's G_u non-finite: the physical batch is then recomputed user by user
+(`rerun_user_by_user`, so one user's NaN cannot reach another user's
+gradient) and that user is dropped.
 """
 
 from __future__ import annotations
@@ -74,6 +78,11 @@ __all__ = [
 
 #: the ledger label of user-level lots (example-level lots are "dpsgd")
 USER_LEVEL_LABEL = "dpsgd (user-level)"
+#: per-user norms are computed for k users at a time, k x (rows of the physical
+#: batch) <= USER_ROWS (the rules' intermediates are per user and row: about 100 KB
+#: each for a 28x28 convolution of 16 channels) and k x (variable size) <= USER_SUMS
+USER_ROWS = 4096
+USER_SUMS = 2**28  # floats: 1 GiB of per-user sums
 
 
 def group_users(user_ids, num_examples: int) -> tuple[np.ndarray, np.ndarray]:
@@ -330,14 +339,32 @@ class PerUserGradients(PerExampleGradients):
             )
         seg = tf.cast(self.segments, tf.int32)
         users = tf.reduce_max(seg) + 1
+        rows = tf.shape(seg)[0]
         indicators = tf.transpose(tf.one_hot(seg, users, dtype=tf.float32))  # [U, B]
         out = []
         for v in variables:
-            per_user = tf.vectorized_map(sum_fns[id(v)], indicators)  # [U, *v.shape]
-            sq = tf.reduce_sum(
-                tf.reshape(tf.square(tf.cast(per_user, tf.float32)), [users, -1]), axis=1
+            # k users at a time: the rules' per-user intermediates are [k, B, ...] and
+            # the per-user sums [k, *v.shape], bounded whatever U is
+            size = max(1, int(np.prod(v.shape)))
+            k = tf.maximum(1, tf.minimum(USER_ROWS // tf.maximum(rows, 1), USER_SUMS // size))
+            chunks = (users + k - 1) // k
+            padded = tf.pad(indicators, [[0, chunks * k - users], [0, 0]])  # zero users
+            fn = sum_fns[id(v)]
+
+            def chunk_norms(c, fn=fn):
+                per_user = tf.vectorized_map(fn, c)  # [k, *v.shape]
+                return tf.reduce_sum(
+                    tf.reshape(tf.square(tf.cast(per_user, tf.float32)), [tf.shape(c)[0], -1]),
+                    axis=1,
+                )
+
+            sq = tf.map_fn(
+                chunk_norms,
+                tf.reshape(padded, [chunks, k, rows]),
+                fn_output_signature=tf.TensorSpec([None], tf.float32),
+                parallel_iterations=1,
             )
-            out.append(tf.gather(sq, seg))
+            out.append(tf.gather(tf.reshape(sq, [-1])[:users], seg))
         return out
 
 

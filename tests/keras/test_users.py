@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from dpfl_tf.keras import DPSGD, DPModel
+from dpfl_tf.keras.lot import LotStep
 from dpfl_tf.keras.per_example import per_example_loss
 from dpfl_tf.keras.users import PerUserGradients, UserLotSampler, group_users
 from dpfl_tf.privacy import compute_epsilon, dp_sgd_event
@@ -257,23 +258,24 @@ def _assert_one_sgd_lot(model, before, x, y, slots):
 
 
 @pytest.mark.parametrize(
-    "batch_size, users_limit",
-    [(None, None), (3, None), (10, None), (None, 3)],
-    ids=["one-batch", "a-user-larger-than-a-batch", "two-users-a-batch", "three-users-a-batch"],
+    "batch_size, user_rows",
+    [(None, None), (3, None), (10, None), (None, 8)],
+    ids=["one-batch", "a-user-larger-than-a-batch", "two-users-a-batch", "norms-user-by-user"],
 )
 def test_user_level_lot_equals_per_user_brute_force(
-    mnist_users, batch_size, users_limit, monkeypatch
+    mnist_users, batch_size, user_rows, monkeypatch
 ):
     """One lot through fit, no noise: the update is -lr * (sum over the lot's
     users of clip(gradient of the user's loss sum)) / L_u, with the examples the
     sampler drew (q = 1: one lot an epoch, every user, at most 4 examples each),
     whether the lot is one physical batch or batches of whole users cut by
-    `batch_size` examples (3: each user of 4 alone; 10: two users) or by the users
-    a batch may hold (3; `users_per_batch`, patched)."""
-    import dpfl_tf.keras.model as dp_model
+    `batch_size` examples (3: each user of 4 alone; 10: two users), and whether
+    the per-user norms are computed for all users at once or one at a time
+    (`users.USER_ROWS` patched to 8 user-rows for a batch of 240 rows)."""
+    from dpfl_tf.keras import users as users_module
 
-    if users_limit is not None:
-        monkeypatch.setattr(dp_model, "users_per_batch", lambda variables: users_limit)
+    if user_rows is not None:
+        monkeypatch.setattr(users_module, "USER_ROWS", user_rows)
     x, y, users = mnist_users
     model = _dp_model(sigma=0.0)
     before = [v.numpy() for v in model.model.trainable_variables]
@@ -291,11 +293,54 @@ def test_user_level_lot_equals_per_user_brute_force(
         verbose=0,
     )
     assert model.lots_computed == 1
-    # by default the whole lot (q = 1: 4 x 60 examples, no spread) and as many
-    # users as 1 GiB of the largest variable's per-user sums allows (60 x 32 floats)
-    assert model._batch_size == (batch_size or 240)
-    assert model._users_per_batch == (users_limit or 2**30 // (4 * 60 * 32))
+    assert model._batch_size == (batch_size or 240)  # by default the whole lot (q = 1)
     _assert_one_sgd_lot(model, before, x[idx], y[idx], slots)
+
+
+class _RecordedBatches(LotStep):
+    """A LotStep whose physical batches only record their rows and user slots."""
+
+    def __init__(self, batch_size):
+        class PerUser:
+            segments = None
+
+        super().__init__(
+            [tf.Variable(tf.zeros([1]))], PerUser(), None, [0], batch_size=batch_size,
+            expected_lot=1.0,
+        )  # fmt: skip
+        self.batches = []
+
+    def clip_physical_batch(self, xb, yb, mb, gate):
+        self.batches.append((xb.numpy(), self.per_example.segments.numpy()))
+        return [tf.zeros([1])], tf.constant(0.0), tf.constant(0.0), tf.constant(0, tf.int64)
+
+
+def test_a_user_level_lot_is_cut_between_users_and_refused_out_of_order():
+    """Users of 3, 2, 4, 1, 2, 6 and 1 examples and two padding rows (slot 7), batch
+    size 4: every row in exactly one batch, in order; every user in one batch (its
+    slots renumbered from 0); a batch over 4 rows holds one user (the 6).  Slots out
+    of order, which could split a user, are refused."""
+    sizes = [3, 2, 4, 1, 2, 6, 1]
+    slots = np.concatenate([np.repeat(np.arange(7), sizes), [7, 7]]).astype(np.int32)
+    n = len(slots)
+    step = _RecordedBatches(batch_size=4)
+    step.per_example.segments = tf.constant(slots)
+    rows = tf.range(n)[:, None]
+    step.clip_and_accumulate(rows, tf.zeros([n]), tf.ones([n]))
+    assert np.concatenate([b[0][:, 0] for b in step.batches]).tolist() == list(range(n))
+    seen = []
+    for xb, seg in step.batches:
+        users = slots[xb[:, 0]]
+        assert (seg == users - users[0]).all()
+        assert len(xb) <= 4 or len(set(users)) == 1, (xb[:, 0], users)
+        seen += sorted(set(users.tolist()))
+    assert seen == list(range(8))  # each user (and the padding) in exactly one batch
+    assert [len(b[0]) for b in step.batches] == [3, 2, 4, 3, 6, 3]  # greedy, whole users
+    shuffled = slots.copy()
+    shuffled[[2, 4]] = shuffled[[4, 2]]  # user 0's third row after user 1's first
+    step.per_example.segments = tf.constant(shuffled)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="non-decreasing order"):
+        step.clip_and_accumulate(rows, tf.zeros([n]), tf.ones([n]))
 
 
 def test_the_default_physical_batch_covers_nearly_every_user_level_lot():
@@ -354,7 +399,7 @@ def test_fit_refusals(mnist_users):
         user_model.fit(x, y, lot_size=60, verbose=0)
 
 
-@pytest.mark.parametrize("fast, batch_size", [(True, None), (False, None), (True, 16)])
+@pytest.mark.parametrize("fast, batch_size", [(True, None), (False, None), (True, 25)])
 def test_a_non_finite_example_drops_its_user_only(mnist_users, fast, batch_size):
     x, y, users = mnist_users
     x = x.copy()

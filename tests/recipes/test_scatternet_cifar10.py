@@ -207,9 +207,19 @@ def test_a_search_of_scatter_linear_declares_each_trials_dp_statistics(monkeypat
     trial releases its own DP feature statistics (on its training examples, the
     held-out ones excluded), so the declared trial -- checked against each trial's
     ledger -- is [statistics, lots, score], and one trial (fixed k = 1) costs
-    their composition in PLD; the released model is scored on the test set through
-    its own trial's normalisation."""
+    their composition in PLD (dp-accounting's accountant); the released model is
+    scored on the test set through its own trial's normalisation."""
+    from dpfl_tf.normalization import DPFeatureNormalization
     from dpfl_tf.recipes.tune import TuneConfig, tune_mnist
+
+    fitted_on = []  # the examples each release of the statistics reads
+    fit = DPFeatureNormalization.fit
+
+    def recorded_fit(self, x, *args, **kwargs):
+        fitted_on.append(len(x))
+        return fit(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(DPFeatureNormalization, "fit", recorded_fit)
 
     monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
     real = recipe.load_dataset
@@ -246,8 +256,10 @@ def test_a_search_of_scatter_linear_declares_each_trials_dp_statistics(monkeypat
             dp_accounting.GaussianDpEvent(20.0),
         ]
     )
-    search = dp_accounting.SelfComposedDpEvent(trial, 1)
-    assert result["epsilon"] == pytest.approx(compute_epsilon(search, 1e-5, "pld"), rel=1e-9)
+    accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    accountant.compose(dp_accounting.SelfComposedDpEvent(trial, 1))
+    assert result["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
     assert 3.9 < result["epsilon"] <= 4.0  # calibrated for the whole search
+    assert fitted_on == [n]  # the statistics of the trial's training examples only
     assert result["best"]["hyperparameters"]["learning_rate"] == 4.0
     assert 0.2 < result["test_accuracy"] <= 1.0  # chance is 0.1
