@@ -32,8 +32,9 @@ The clipped sum needs nothing new: every example of user u takes u's factor,
 sum_u c_u G_u = sum_i c_{u(i)} g_i.  The norm ||G_u|| needs the per-user sum,
 which the ghost-norm rules never form: `PerUserGradients` forms it, for each
 variable in turn, as the rule's clipped sum with the indicator of u's
-examples (vectorised over the lot's users), i.e. it materialises the per-user
-gradient of one variable at a time -- for every rule, the generic path too.
+examples (vectorised over a few of the batch's users at a time), i.e. it
+materialises the per-user gradient of one variable at a time -- for every
+rule, the generic path too.
 Cost: the per-user sums of (users at a time) x (largest variable), and the
 rules' per-user intermediates of (users at a time) x (rows) x (a layer's
 activations); a user-level ghost norm (Gram matrices over a user's examples)
