@@ -220,35 +220,18 @@ class LotStep:
             )
             return tf.maximum(by_rows, end_of_first)
 
-        def body(start, acc, loss_sum, count, dropped):
-            end = batch_end(start)
-            size = end - start
+        def clip_users(start, size):
             per_example.segments = _rows(segments, start, size) - segments[start]
             try:
-                sums, b_loss, b_count, n_bad = self.clip_physical_batch(
-                    tf.nest.map_structure(lambda t: _rows(t, start, size), x),
-                    _rows(y, start, size),
-                    _rows(mask, start, size),
-                    gate,
-                )
+                return self._clip_rows(x, y, mask, gate, start, size)
             finally:
                 per_example.segments = segments
-            return (
-                end,
-                [a + s for a, s in zip(acc, sums)],
-                loss_sum + b_loss,
-                count + b_count,
-                dropped + n_bad,
-            )
 
-        acc0 = [tf.zeros(v.shape, v.dtype) for v in self.variables]
-        _, *out = tf.while_loop(
-            lambda start, *_: start < n,
-            body,
-            (tf.constant(0), acc0, tf.constant(0.0), tf.constant(0.0), tf.constant(0, tf.int64)),
-            parallel_iterations=1,
-        )
-        return tuple(out)
+        def batch(start):
+            end = batch_end(start)
+            return end, end - start
+
+        return self._sum_batches(n, batch, clip_users)
 
     def sum_physical_batches(self, x, y, mask, gate=None):
         """The loop over physical batches (under XLA every slice padded to the
@@ -263,17 +246,34 @@ class LotStep:
 
             x, y, mask = tf.nest.map_structure(pad, x), pad(y), pad(mask)
 
-        def body(i, acc, loss_sum, count, dropped):
-            start = i * bsz
-            size = bsz if self.pad_to_batch else tf.minimum(bsz, n - start)
-            sums, b_loss, b_count, n_bad = self.clip_physical_batch(
-                tf.nest.map_structure(lambda t: _rows(t, start, size), x),
-                _rows(y, start, size),
-                _rows(mask, start, size),
-                gate,
-            )
+        def batch(start):  # under XLA the static size (the rows are padded)
+            if self.pad_to_batch:
+                return start + bsz, bsz
+            return tf.minimum(start + bsz, n), tf.minimum(bsz, n - start)
+
+        return self._sum_batches(
+            n, batch, lambda start, size: self._clip_rows(x, y, mask, gate, start, size)
+        )
+
+    def _clip_rows(self, x, y, mask, gate, start, size):
+        """`clip_physical_batch` of rows [start, start + size)."""
+        return self.clip_physical_batch(
+            tf.nest.map_structure(lambda t: _rows(t, start, size), x),
+            _rows(y, start, size),
+            _rows(mask, start, size),
+            gate,
+        )
+
+    def _sum_batches(self, n, batch, clip_rows):
+        """(clipped sums, loss sum, examples kept, examples dropped) summed over
+        the physical batches cut from rows [0, n): `batch(start)` gives the
+        next batch's (end, size), `clip_rows(start, size)` its four values."""
+
+        def body(start, acc, loss_sum, count, dropped):
+            end, size = batch(start)
+            sums, b_loss, b_count, n_bad = clip_rows(start, size)
             return (
-                i + 1,
+                end,
                 [a + s for a, s in zip(acc, sums)],
                 loss_sum + b_loss,
                 count + b_count,
@@ -282,7 +282,7 @@ class LotStep:
 
         acc0 = [tf.zeros(v.shape, v.dtype) for v in self.variables]
         _, *out = tf.while_loop(
-            lambda i, *_: i < (n + bsz - 1) // bsz,
+            lambda start, *_: start < n,
             body,
             (tf.constant(0), acc0, tf.constant(0.0), tf.constant(0.0), tf.constant(0, tf.int64)),
             parallel_iterations=1,
