@@ -151,3 +151,16 @@ def test_config_and_cli_modes_build_the_mechanism(mnist_small):
         FederatedConfig(dp="global", cohorts=3)
     with pytest.raises(ValueError, match="goes with sampling cyclic_poisson"):
         FederatedConfig(dp="banded_mf", cohorts=3, sampling="poisson")
+
+
+def test_the_report_counts_rounds_not_ledger_entries(mnist_small):
+    """A correlated run's ledger holds its run event beside the rounds; the report's
+    round count is the rounds released."""
+    from dpfl_tf.federated.runner import FederatedConfig, run_federated
+
+    config = FederatedConfig(
+        dp="banded_mf", cohorts=2, clients=8, rounds=3, train_subset=200, noise_multiplier=2.0
+    )
+    result = run_federated(config, mnist_small, progress=False)
+    assert result["rounds"] == result["privacy"]["rounds"] == 3
+    assert result["privacy"]["run_event"].startswith("Gaussian")
