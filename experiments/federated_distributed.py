@@ -11,11 +11,14 @@ accounting:
   noise to the sum; ``gaussian_step_event(z, "fixed_size")`` (dp-accounting's
   without-replacement bound for the Gaussian, Wang et al. 2019, Theorem 27);
 * the distributed discrete Gaussian (Kairouz et al. 2021) and distributed
-  Skellam (Agarwal et al. 2021) at b = 12, 16, 20 bits, with 10% of the sampled
-  clients dropping out (independently, per round) and the secure aggregation
-  finishing a round with n_min uploads, n_min the largest count with
-  P(Binomial(m, 0.9) < n_min) <= 1e-3; noise sized for n_min shares, accounted
-  with their bounds and Wang et al.'s Theorem 9 (`dpfl_tf.privacy.distributed`).
+  Skellam (Agarwal et al. 2021) at b = 12, 16, 20 bits, once with every sampled
+  client uploading and once with 10% of them dropping out (independently, per
+  round) and the secure aggregation finishing a round with n_min uploads, n_min
+  the largest count with P(Binomial(m, 0.9) < n_min) <= 1e-3; noise sized for
+  n_min shares, accounted with their bounds and Wang et al.'s Theorem 9
+  (`dpfl_tf.privacy.distributed`).  With dropouts the surviving n > n_min
+  shares add more noise than the accounting needs, and the mean is over n
+  instead of m updates: the price of tolerating them.
 
 Reported per run: test accuracy after T rounds, epsilon of the released model
 (the ledger's), epsilon against the server (distributed only; central DP's is
@@ -40,6 +43,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import json
 import os
 import time
 
@@ -57,6 +62,8 @@ DELTA = 1e-5
 CLIP = 1.0
 HIDDEN = (32,)
 DROPOUT = 0.1
+#: the dropout rates every distributed configuration runs with
+DROPOUTS = (0.0, DROPOUT)
 BITS = (12, 16, 20)
 MECHANISMS = ("discrete_gaussian", "skellam")
 #: per target epsilon: clients per round and rounds.  m = 100 for 100 rounds at
@@ -96,6 +103,7 @@ def dimension() -> int:
     return sum(a * b for a, b in zip(sizes[:-1], sizes[1:]))
 
 
+@functools.cache
 def central_noise(eps: float, m: int, rounds: int) -> float:
     from dpfl_tf.privacy import calibrate_noise_multiplier, gaussian_step_event
 
@@ -107,57 +115,79 @@ def central_noise(eps: float, m: int, rounds: int) -> float:
     return calibrate_noise_multiplier(eps, DELTA, event, "rdp", tolerance=1e-3)[0]
 
 
-def distributed_noise(eps: float, m: int, rounds: int, mechanism: str, bits: int) -> dict:
+@functools.cache
+def distributed_noise(
+    eps: float, m: int, rounds: int, mechanism: str, bits: int, dropout: float
+) -> dict:
     from dpfl_tf.federated.distributed_dp import DistributedDP
 
     mech = DistributedDP(
-        mechanism, bits, CLIP, 1.0, m, dimension(), min_clients=min_clients(m, DROPOUT)
+        mechanism, bits, CLIP, 1.0, m, dimension(), min_clients=min_clients(m, dropout)
     )
     tuned = mech.calibrated(eps, DELTA, rounds, K)
     return tuned.report()
 
 
-def configs(eps: float, rounds: int, seed: int, bits_list=BITS, mechanisms=MECHANISMS):
-    """(name, FederatedConfig, what the calibration found) of one epsilon and seed."""
+def run_name(mechanism: str, bits: int, dropout: float) -> str:
+    return f"{mechanism}_{bits}" + (f"_dropout{round(100 * dropout)}" if dropout else "")
+
+
+def configs(
+    eps: float,
+    rounds: int,
+    seed: int,
+    bits_list=BITS,
+    mechanisms=MECHANISMS,
+    dropouts=DROPOUTS,
+    only: frozenset[str] | None = None,
+):
+    """(name, FederatedConfig, what the calibration found) of one epsilon and seed, the
+    runs named in `only` (default all); the calibrations do not depend on the seed and
+    are computed once, when first needed."""
     from dpfl_tf.federated.runner import FederatedConfig
 
     m = SETTINGS[eps]["m"]
-    z_c = central_noise(eps, m, rounds)
-    out = [
-        (
-            "central",
-            FederatedConfig(
-                dp="global",
-                clients_per_round=m,
-                rounds=rounds,
-                noise_multiplier=z_c,
-                seed=seed,
-                **COMMON,
-            ),
-            {"noise_multiplier": z_c},
-        )
-    ]
-    for mech in mechanisms:
-        for bits in bits_list:
-            report = distributed_noise(eps, m, rounds, mech, bits)
-            out.append(
-                (
-                    f"{mech}_{bits}",
-                    FederatedConfig(
-                        dp="distributed",
-                        ddp_mechanism=mech,
-                        bits=bits,
-                        clients_per_round=m,
-                        min_clients=report["min_clients"],
-                        dropout_rate=DROPOUT,
-                        rounds=rounds,
-                        noise_multiplier=report["noise_multiplier"],
-                        seed=seed,
-                        **COMMON,
-                    ),
-                    report,
-                )
+    out = []
+    if only is None or "central" in only:
+        z_c = central_noise(eps, m, rounds)
+        out.append(
+            (
+                "central",
+                FederatedConfig(
+                    dp="global",
+                    clients_per_round=m,
+                    rounds=rounds,
+                    noise_multiplier=z_c,
+                    seed=seed,
+                    **COMMON,
+                ),
+                {"noise_multiplier": z_c},
             )
+        )
+    for dropout in dropouts:
+        for mech in mechanisms:
+            for bits in bits_list:
+                if only is not None and run_name(mech, bits, dropout) not in only:
+                    continue
+                report = distributed_noise(eps, m, rounds, mech, bits, dropout)
+                out.append(
+                    (
+                        run_name(mech, bits, dropout),
+                        FederatedConfig(
+                            dp="distributed",
+                            ddp_mechanism=mech,
+                            bits=bits,
+                            clients_per_round=m,
+                            min_clients=report["min_clients"],
+                            dropout_rate=dropout,
+                            rounds=rounds,
+                            noise_multiplier=report["noise_multiplier"],
+                            seed=seed,
+                            **COMMON,
+                        ),
+                        report,
+                    )
+                )
     return out
 
 
@@ -170,6 +200,7 @@ def summarise(name: str, eps: float, result: dict, calibration: dict) -> dict:
         "seed": result["config"]["seed"],
         "mechanism": result["mechanism"],
         "bits": result.get("bits"),
+        "dropout": result["config"]["dropout_rate"],
         "clients_per_round": result["clients_per_round"],
         "rounds": result["rounds"],
         "test_accuracy": result["test_accuracy"],
@@ -207,12 +238,14 @@ def plot(runs: list[dict], path: str, quick: bool = False) -> None:
             mu, sd = float(np.mean(central)), float(np.std(central))
             ax.axhspan(mu - sd, mu + sd, color="grey", alpha=0.25)
             ax.axhline(mu, color="black", lw=1, label=f"central Global DP ({mu:.3f})")
-        for mech, style in zip(MECHANISMS, ("o-", "s--")):
+        for i, (mech, dropout) in enumerate([(mech, d) for d in DROPOUTS for mech in MECHANISMS]):
             xs, ys, es = [], [], []
             for bits in BITS:
-                acc = [r["test_accuracy"] for r in mine if r["run"] == f"{mech}_{bits}"]
+                acc = [
+                    r["test_accuracy"] for r in mine if r["run"] == run_name(mech, bits, dropout)
+                ]
                 if acc:
-                    xs.append(bits)
+                    xs.append(bits + (i - 1.5) * 0.15)  # side by side, not on top
                     ys.append(np.mean(acc))
                     es.append(np.std(acc))
             if xs:
@@ -220,15 +253,18 @@ def plot(runs: list[dict], path: str, quick: bool = False) -> None:
                     xs,
                     ys,
                     yerr=es,
-                    fmt=style,
+                    fmt=("o" if mech == "discrete_gaussian" else "s")
+                    + ("-" if not dropout else "--"),
+                    color=f"C{i}",
                     capsize=3,
-                    label=f"distributed {mech.replace('_', ' ')}",
+                    label=f"distributed {mech.replace('_', ' ')}"
+                    + (f", {round(100 * dropout)}% dropouts" if dropout else ""),
                 )
         seeds = len({r["seed"] for r in mine})
         m, rounds = SETTINGS[eps]["m"], mine[0]["rounds"]
         ax.set_title(
             f"epsilon {eps:g} (delta 1e-5): m = {m} of K = {K}, {rounds} rounds,\n"
-            f"{seeds} seed(s), 10% dropouts (distributed)",
+            f"{seeds} seed(s); mean +- std over seeds",
             fontsize=9,
         )
         ax.set_xlabel("bits per coordinate of the secure sum (b)")
@@ -242,7 +278,7 @@ def plot(runs: list[dict], path: str, quick: bool = False) -> None:
         if (
             r["target_epsilon"] == eps
             and r["seed"] == min(x["seed"] for x in runs)
-            and (r["run"] == "central" or r["bits"] == 16)
+            and (r["run"] == "central" or (r["bits"] == 16 and not r["dropout"]))
         ):
             ax.plot(
                 range(1, len(r["accuracy_per_round"]) + 1),
@@ -324,6 +360,18 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
     p.add_argument("--seeds", type=int, default=3, help="runs per setting (seeds 0, 1, ...)")
+    p.add_argument("--first-seed", type=int, default=0, help="seeds S, S + 1, ... (default 0)")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        metavar="RUN",
+        help="only these runs (central, discrete_gaussian_16, skellam_12_dropout10, ...)",
+    )
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add the runs to the results file's instead of replacing them",
+    )
     p.add_argument(
         "--epsilons",
         type=float,
@@ -361,14 +409,22 @@ def main(argv=None) -> list[dict]:
     from dpfl_tf.federated.runner import run_federated
 
     ds = load_dataset("mnist")
-    seeds = range(QUICK["seeds"] if args.quick else args.seeds)
+    seeds = range(args.first_seed, args.first_seed + (QUICK["seeds"] if args.quick else args.seeds))
+    only = frozenset(args.only) if args.only else None
     epsilons = QUICK["epsilons"] if args.quick else args.epsilons
-    runs: list[dict] = []
     path = os.path.join(args.output_dir, f"federated_distributed{suffix}.json")
+    runs: list[dict] = []
+    if args.append and os.path.exists(path):
+        with open(path) as f:
+            previous = json.load(f)
+        runs = previous["runs"]
+        meta["command"] = f"{previous['command']}; {meta['command']}"
+        if previous["commit"] != meta["commit"]:
+            meta["commit"] = f"{previous['commit']}; {meta['commit']}"
     for eps in epsilons:
         rounds = QUICK["rounds"] if args.quick else SETTINGS[eps]["rounds"]
         for seed in seeds:
-            for name, config, calibration in configs(eps, rounds, seed):
+            for name, config, calibration in configs(eps, rounds, seed, only=only):
                 print(
                     f"== eps={eps:g} seed={seed} {name}: z={config.noise_multiplier:.4f}, "
                     f"m={config.clients_per_round}, T={rounds}",
@@ -392,9 +448,11 @@ def main(argv=None) -> list[dict]:
                             "delta": DELTA,
                             "clip": CLIP,
                             "hidden": list(HIDDEN),
-                            "dropout": DROPOUT,
-                            "per_epsilon": {str(e): SETTINGS[e] for e in epsilons},
-                            "rounds": rounds,
+                            "dropouts": list(DROPOUTS),
+                            "per_epsilon": {
+                                str(e): SETTINGS[e] if not args.quick else {**SETTINGS[e], **QUICK}
+                                for e in sorted({r["target_epsilon"] for r in runs})
+                            },
                         },
                         "runs": runs,
                     },
@@ -402,22 +460,26 @@ def main(argv=None) -> list[dict]:
     figure = os.path.join(args.output_dir, f"federated_distributed{suffix}.png")
     plot(runs, figure, quick=args.quick)
     print(f"wrote {path} and {figure}")
-    for eps in epsilons:
+    for eps in sorted({r["target_epsilon"] for r in runs}, reverse=True):
         central = [
             r["test_accuracy"] for r in runs if r["target_epsilon"] == eps and r["run"] == "central"
         ]
         print(f"eps {eps:g}: central {np.mean(central):.4f}")
-        for mech in MECHANISMS:
-            for bits in BITS:
-                acc = [
-                    r["test_accuracy"]
-                    for r in runs
-                    if r["target_epsilon"] == eps and r["run"] == f"{mech}_{bits}"
-                ]
-                print(
-                    f"   {mech} {bits} bits: {np.mean(acc):.4f} "
-                    f"({np.mean(acc) - np.mean(central):+.4f})"
-                )
+        for dropout in DROPOUTS:
+            for mech in MECHANISMS:
+                for bits in BITS:
+                    name = run_name(mech, bits, dropout)
+                    acc = [
+                        r["test_accuracy"]
+                        for r in runs
+                        if r["target_epsilon"] == eps and r["run"] == name
+                    ]
+                    if not acc:
+                        continue
+                    print(
+                        f"   {name}: {np.mean(acc):.4f} +- {np.std(acc):.4f} "
+                        f"({np.mean(acc) - np.mean(central):+.4f})"
+                    )
     return runs
 
 

@@ -12,6 +12,14 @@ setting for K.
 
   python experiments/mf_federated.py --quick      # minutes: K = 100, 20 rounds, eps 8
   python experiments/mf_federated.py --clients 1000 10000 --epsilon 8 2 --seeds 3
+  python experiments/mf_federated.py --setting small --clients 1000 10000   # ~1 hour
+
+``--setting geyer`` (the default) is experiments/federated_dp.py's setting for K
+(Geyer et al.'s network and local training; 300 / 1,000 rounds, about 20 / 90
+minutes a run here).  ``--setting small`` is
+experiments/federated_distributed.py's lighter one (784-32-10, E = 1, m = 100 a
+round for 100 rounds at K = 1,000; m = 200 for 200 rounds at K = 10,000, so that
+each client takes part k = 10 / 4 times), under a minute or two a run.
 
 Writes results/mf_federated[_quick].json (every run with its config and
 history) and results/mf_federated[_quick].png (accuracy vs round).
@@ -31,6 +39,11 @@ SETTINGS = {
     100: dict(m=10, delta=1e-3, epochs=1, lr=0.2, rounds=100, hidden=(32,)),
     1000: dict(m=100, delta=1e-5, epochs=4, lr=0.2, rounds=300, hidden=(100,)),
     10000: dict(m=300, delta=1e-6, epochs=4, lr=0.1, rounds=1000, hidden=(600, 100)),
+}
+#: the same keys for ``--setting small`` (experiments/federated_distributed.py's network)
+SMALL = {
+    1000: dict(m=100, delta=1e-5, epochs=1, lr=0.2, rounds=100, hidden=(32,)),
+    10000: dict(m=200, delta=1e-6, epochs=1, lr=0.2, rounds=200, hidden=(32,)),
 }
 
 
@@ -55,7 +68,7 @@ def calibrate(method, epsilon, delta, k, m, rounds):
 def run(method, k, epsilon, seed, args, dataset):
     from dpfl_tf.federated.runner import FederatedConfig, run_federated
 
-    s = SETTINGS[k]
+    s = (SMALL if args.setting == "small" else SETTINGS)[k]
     rounds = 20 if args.quick else (args.rounds or s["rounds"])
     m = s["m"]
     sigma = calibrate(method, epsilon, s["delta"], k, m, rounds)
@@ -73,7 +86,7 @@ def run(method, k, epsilon, seed, args, dataset):
         noise_multiplier=sigma,
         delta_max=s["delta"],
         accountant="rdp",
-        eval_every=1 if args.quick else 5,
+        eval_every=1 if args.quick or args.setting == "small" else 5,
         dp=method,
     )
     if method == "global":
@@ -131,6 +144,13 @@ def main():
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=None, help="default: the setting's")
+    parser.add_argument(
+        "--setting",
+        choices=("geyer", "small"),
+        default="geyer",
+        help="geyer: federated_dp.py's network and local training; small: "
+        "federated_distributed.py's (784-32-10, E = 1), minutes a run",
+    )
     args = parser.parse_args()
     from dpfl_tf.data import load_dataset
 
@@ -138,7 +158,8 @@ def main():
     clients = [100] if args.quick else args.clients
     epsilons = [8.0] if args.quick else args.epsilon
     seeds = range(1 if args.quick else args.seeds)
-    out = os.path.join(RESULTS, "mf_federated" + ("_quick" if args.quick else ""))
+    suffix = "_quick" if args.quick else ("_small" if args.setting == "small" else "")
+    out = os.path.join(RESULTS, "mf_federated" + suffix)
     runs = []
     for k in clients:
         for eps in epsilons:
@@ -160,6 +181,7 @@ def main():
                                 "command": command_line(),
                                 "commit": commit_of(),
                                 "quick": args.quick,
+                                "setting": "quick" if args.quick else args.setting,
                                 "shared_machine": True,
                                 "runs": runs,
                             },
