@@ -28,10 +28,11 @@ history) and results/mf_federated[_quick].png (accuracy vs round).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from _common import RESULTS, command_line, commit_of
+
+from dpfl_tf._io import atomic_write_json
 
 METHODS = ("global", "ftrl", "banded_mf", "blt")
 #: K -> m, delta, local epochs, learning rate, rounds, hidden widths (federated_dp.py's)
@@ -175,19 +176,17 @@ def main():
                         flush=True,
                     )
                     os.makedirs(RESULTS, exist_ok=True)
-                    with open(out + ".json", "w") as f:
-                        json.dump(
-                            {
-                                "command": command_line(),
-                                "commit": commit_of(),
-                                "quick": args.quick,
-                                "setting": "quick" if args.quick else args.setting,
-                                "shared_machine": True,
-                                "runs": runs,
-                            },
-                            f,
-                            indent=1,
-                        )
+                    atomic_write_json(  # a reader never sees half a file
+                        out + ".json",
+                        {
+                            "command": command_line(),
+                            "commit": commit_of(),
+                            "quick": args.quick,
+                            "setting": "quick" if args.quick else args.setting,
+                            "shared_machine": True,
+                            "runs": runs,
+                        },
+                    )
     figure(out + ".png", runs, args.quick)
 
 
