@@ -143,7 +143,8 @@ def main():
     )
     parser.add_argument("--epsilon", nargs="+", type=float, default=[8.0, 2.0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=3, help="runs per setting")
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds S, S + 1, ...")
     parser.add_argument("--rounds", type=int, default=None, help="default: the setting's")
     parser.add_argument(
         "--setting",
@@ -158,7 +159,7 @@ def main():
     dataset = load_dataset("mnist")
     clients = [100] if args.quick else args.clients
     epsilons = [8.0] if args.quick else args.epsilon
-    seeds = range(1 if args.quick else args.seeds)
+    seeds = range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds))
     suffix = "_quick" if args.quick else ("_small" if args.setting == "small" else "")
     out = os.path.join(RESULTS, "mf_federated" + suffix)
     runs = []
