@@ -192,7 +192,7 @@ def run_one(dataset, method, epsilon, seed, data, recipe, epochs, verbose=0):
 def part_accuracy(args):
     datasets = ["mnist"] if args.quick else args.dataset
     epsilons = [8.0] if args.quick else args.epsilon
-    seeds = range(1 if args.quick else args.seeds)
+    seeds = range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds))
     methods = ("dpsgd", "banded", "amplified") if args.quick else args.methods
     out = os.path.join(
         RESULTS,
@@ -356,7 +356,8 @@ def main():
     parser.add_argument("--dataset", nargs="+", default=["mnist"], choices=sorted(RECIPES))
     parser.add_argument("--epsilon", nargs="+", type=float, default=[1.0, 3.0, 8.0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=3, help="runs per cell")
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds S, S + 1, ...")
     parser.add_argument("--epochs", type=int, default=None, help="default: the recipe's")
     parser.add_argument("--train-size", type=int, default=None)
     parser.add_argument(
