@@ -271,11 +271,13 @@ def plot(runs: list[dict], path: str, quick: bool = False) -> None:
                     label=f"distributed {mech.replace('_', ' ')}"
                     + (f", {round(100 * dropout)}% dropouts" if dropout else ""),
                 )
-        seeds = len({r["seed"] for r in mine})
+        counts = [sum(r["run"] == n for r in mine) for n in {r["run"] for r in mine}]
+        lo, hi = min(counts), max(counts)
+        seeds = f"{lo}" if lo == hi else f"{lo}-{hi}"
         m, rounds = SETTINGS[eps]["m"], mine[0]["rounds"]
         ax.set_title(
             f"epsilon {eps:g} (delta 1e-5): m = {m} of K = {K}, {rounds} rounds,\n"
-            f"{seeds} seed(s); mean +- std over seeds",
+            f"{seeds} seeds a configuration; mean +- std over seeds",
             fontsize=9,
         )
         ax.set_xlabel("bits per coordinate of the secure sum (b)")
@@ -309,6 +311,52 @@ def plot(runs: list[dict], path: str, quick: bool = False) -> None:
     )
     fig.tight_layout()
     save_figure(fig, path)
+
+
+def markdown_table(runs: list[dict]) -> str:
+    """The results page's tables: per epsilon, every configuration's mean +- std over its
+    seeds, against central Global DP."""
+
+    def label(r):
+        if r["run"] == "central":
+            return "central Global DP"
+        mech = "discrete Gaussian" if r["run"].startswith("discrete") else "Skellam"
+        return f"distributed {mech}, {r['bits']} bits" + (
+            f", {round(100 * r['dropout'])}% dropouts" if r["dropout"] else ""
+        )
+
+    lines = []
+    for eps in sorted({r["target_epsilon"] for r in runs}, reverse=True):
+        mine = [r for r in runs if r["target_epsilon"] == eps]
+        central = 100 * np.mean([r["test_accuracy"] for r in mine if r["run"] == "central"])
+        lines += [
+            "",
+            f"| epsilon {eps:g} | noise multiplier z | norm inflation | test accuracy | "
+            "vs central | epsilon against the server | bits per parameter (on SecAgg+) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name in dict.fromkeys(r["run"] for r in mine):
+            rr = [r for r in mine if r["run"] == name]
+            acc = 100 * np.array([r["test_accuracy"] for r in rr])
+            server = [r["epsilon_against_server"] for r in rr]
+            first = rr[0]
+            lines.append(
+                f"| {label(first)} | {first['noise_multiplier']:.3f} | "
+                + (f"{first['norm_inflation']:.3f}" if first.get("norm_inflation") else "--")
+                + f" | {acc.mean():.2f} +- {acc.std():.2f}% ({len(acc)} seeds) | "
+                + ("--" if name == "central" else f"{acc.mean() - central:+.2f}")
+                + " | "
+                + ("infinite" if server[0] is None else f"{min(server):.1f}-{max(server):.1f}")
+                + " | "
+                + (
+                    "32"
+                    if first["bits"] is None
+                    else f"{first['bits_per_parameter']:.2f} "
+                    f"({first['flower_bits_per_parameter']:.2f})"
+                )
+                + " |"
+            )
+    return "\n".join(lines[1:])
 
 
 def flower_run(seed: int) -> dict:
@@ -397,9 +445,18 @@ def main(argv=None) -> list[dict]:
     )
     p.add_argument("--flower-only", action="store_true", help="only the Flower run")
     p.add_argument("--output-dir", default=RESULTS)
+    p.add_argument(
+        "--table",
+        action="store_true",
+        help="print the results file's tables (markdown) and exit",
+    )
     args = p.parse_args(argv)
     os.makedirs(args.output_dir, exist_ok=True)
     suffix = "_quick" if args.quick else ""
+    if args.table:
+        with open(os.path.join(args.output_dir, f"federated_distributed{suffix}.json")) as f:
+            print(markdown_table(json.load(f)["runs"]))
+        return []
     meta = {"command": command_line(), "commit": commit_of(), "quick": bool(args.quick)}
     if args.flower or args.flower_only:
         print("== Flower SecAgg+ (Ray): K = 120, m = 100, 10% dropouts, 2 rounds", flush=True)

@@ -28,6 +28,7 @@ history) and results/mf_federated[_quick].png (accuracy vs round).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from _common import RESULTS, command_line, commit_of
@@ -100,6 +101,56 @@ def run(method, k, epsilon, seed, args, dataset):
     return result
 
 
+NAMES = {
+    "global": "DP-FedAvg, Poisson sampling (amplified)",
+    "ftrl": "DP-FTRL, tree aggregation",
+    "banded_mf": "banded MF",
+    "blt": "BLT",
+}
+
+
+def markdown_table(runs) -> str:
+    """The results page's table: every (K, epsilon, method)'s mean +- std over its seeds,
+    against DP-FedAvg."""
+    import numpy as np
+
+    lines = [
+        "| K | epsilon | method | participation | sigma | test accuracy | vs DP-FedAvg |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    keys = sorted(
+        {(r["config"]["clients"], r["target_epsilon_calibrated"]) for r in runs},
+        key=lambda key: (key[0], -key[1]),
+    )
+    for k, eps in keys:
+        base = None
+        for method in METHODS:
+            rr = [
+                r
+                for r in runs
+                if (r["config"]["clients"], r["target_epsilon_calibrated"]) == (k, eps)
+                and r["config"]["dp"] == method
+            ]
+            if not rr:
+                continue
+            acc = 100 * np.array([r["test_accuracy"] for r in rr])
+            if method == "global":
+                base = acc.mean()
+                turns = f"Poisson, q = {rr[0]['clients_per_round'] / k:g}"
+            else:
+                b = rr[0]["config"]["cohorts"]
+                turns = f"{b} cohorts in turn, {rr[0]['rounds'] // b} turns each"
+            spread = f" +- {acc.std():.2f}%" if len(acc) > 1 else "%"
+            seeds = f"{len(acc)} seeds" if len(acc) > 1 else "1 seed"
+            versus = "--" if method == "global" or base is None else f"{acc.mean() - base:+.2f}"
+            lines.append(
+                f"| {k:,} | {eps:g} | {NAMES[method]} | {turns} | "
+                f"{rr[0]['calibrated_noise_multiplier']:.3f} | {acc.mean():.2f}{spread} "
+                f"({seeds}) | {versus} |"
+            )
+    return "\n".join(lines)
+
+
 def figure(path, runs, quick):
     import matplotlib
 
@@ -153,15 +204,22 @@ def main():
         help="geyer: federated_dp.py's network and local training; small: "
         "federated_distributed.py's (784-32-10, E = 1), minutes a run",
     )
+    parser.add_argument(
+        "--table", action="store_true", help="print the results file's table (markdown) and exit"
+    )
     args = parser.parse_args()
+    suffix = "_quick" if args.quick else ("_small" if args.setting == "small" else "")
+    out = os.path.join(RESULTS, "mf_federated" + suffix)
+    if args.table:
+        with open(out + ".json") as f:
+            print(markdown_table(json.load(f)["runs"]))
+        return
     from dpfl_tf.data import load_dataset
 
     dataset = load_dataset("mnist")
     clients = [100] if args.quick else args.clients
     epsilons = [8.0] if args.quick else args.epsilon
     seeds = range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds))
-    suffix = "_quick" if args.quick else ("_small" if args.setting == "small" else "")
-    out = os.path.join(RESULTS, "mf_federated" + suffix)
     runs = []
     for k in clients:
         for eps in epsilons:
