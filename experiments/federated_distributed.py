@@ -69,7 +69,7 @@ MECHANISMS = ("discrete_gaussian", "skellam")
 #: per target epsilon: clients per round and rounds.  m = 100 for 100 rounds at
 #: epsilon 8; at epsilon 2, m = 50 for 40 rounds (Theorem 9's amplification bound,
 #: the one that holds for the discrete noise, is far looser than the Gaussian's
-#: Theorem 27 when gamma T is large: m = 100 for 100 rounds would need 4.8 x the
+#: Theorem 27 when gamma T is large: m = 100 for 100 rounds would need 5.5 x the
 #: central noise at epsilon 2, against 1.01 x at epsilon 8).
 #: At epsilon 2 the last round's model swings by several points between runs (central
 #: Global DP, 3 seeds: see the results page), so every mechanism releases the average of
@@ -489,10 +489,16 @@ def main(argv=None) -> list[dict]:
         meta["command"] = f"{previous['command']}; {meta['command']}"
         if previous["commit"] != meta["commit"]:
             meta["commit"] = f"{previous['commit']}; {meta['commit']}"
+    done = {(r["target_epsilon"], r["seed"], r["run"]) for r in runs}
     for eps in epsilons:
         rounds = QUICK["rounds"] if args.quick else SETTINGS[eps]["rounds"]
         for seed in seeds:
             for name, config, calibration in configs(eps, rounds, seed, only=only):
+                if (eps, seed, name) in done:  # appending: a second run would count as a seed
+                    raise SystemExit(
+                        f"{path} already holds {name} at epsilon {eps:g}, seed {seed}; "
+                        "choose other --first-seed/--only"
+                    )
                 print(
                     f"== eps={eps:g} seed={seed} {name}: z={config.noise_multiplier:.4f}, "
                     f"m={config.clients_per_round}, T={rounds}",

@@ -207,6 +207,11 @@ def main():
     parser.add_argument(
         "--table", action="store_true", help="print the results file's table (markdown) and exit"
     )
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="add the runs to the results file's instead of replacing them",
+    )
     args = parser.parse_args()
     suffix = "_quick" if args.quick else ("_small" if args.setting == "small" else "")
     out = os.path.join(RESULTS, "mf_federated" + suffix)
@@ -220,11 +225,27 @@ def main():
     clients = [100] if args.quick else args.clients
     epsilons = [8.0] if args.quick else args.epsilon
     seeds = range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds))
-    runs = []
+    runs, command, commit = [], command_line(), commit_of()
+    if args.append and os.path.exists(out + ".json"):
+        with open(out + ".json") as f:
+            previous = json.load(f)
+        runs = previous["runs"]
+        command = f"{previous['command']}; {command}"
+        if previous["commit"] != commit:
+            commit = f"{previous['commit']}; {commit}"
+    done = {
+        (c["clients"], r["target_epsilon_calibrated"], c["dp"], c["seed"])
+        for r in runs
+        for c in [r["config"]]
+    }
     for k in clients:
         for eps in epsilons:
             for method in args.methods:
                 for seed in seeds:
+                    if (k, eps, method, seed) in done:  # it would count as another seed
+                        raise SystemExit(
+                            f"{out}.json already holds K={k} eps={eps:g} {method} seed {seed}"
+                        )
                     result = run(method, k, eps, seed, args, dataset)
                     runs.append(result)
                     print(
@@ -238,8 +259,8 @@ def main():
                     atomic_write_json(  # a reader never sees half a file
                         out + ".json",
                         {
-                            "command": command_line(),
-                            "commit": commit_of(),
+                            "command": command,
+                            "commit": commit,
                             "quick": args.quick,
                             "setting": "quick" if args.quick else args.setting,
                             "shared_machine": True,

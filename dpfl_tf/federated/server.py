@@ -828,7 +828,8 @@ class FederatedServer:
             "delta": self.delta_max,
             "epsilon_is_infinite": eps is not None and math.isinf(eps),
             "accountant": self.accountant.value,
-            # the rounds released; a correlated run's ledger also holds its run event
+            # the rounds charged (released or aborted); a correlated run's ledger also
+            # holds its run event
             "rounds": self.ledger.count("federated round"),
             "secure_mode": self.secure_mode,
             "round_event": describe_event(self.round_event),
