@@ -155,7 +155,7 @@ def test_config_and_cli_modes_build_the_mechanism(mnist_small):
 
 def test_the_report_counts_rounds_not_ledger_entries(mnist_small):
     """A correlated run's ledger holds its run event beside the rounds; the report's
-    round count is the rounds released."""
+    round count is the rounds, not the entries."""
     from dpfl_tf.federated.runner import FederatedConfig, run_federated
 
     config = FederatedConfig(
