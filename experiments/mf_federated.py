@@ -21,8 +21,8 @@ experiments/federated_distributed.py's lighter one (784-32-10, E = 1, m = 100 a
 round for 100 rounds at K = 1,000; m = 200 for 200 rounds at K = 10,000, so that
 each client takes part k = 10 / 4 times), under a minute or two a run.
 
-Writes results/mf_federated[_quick].json (every run with its config and
-history) and results/mf_federated[_quick].png (accuracy vs round).
+Writes results/mf_federated[_quick|_small].json (every run with its config and
+history) and the .png beside it (accuracy vs round).
 """
 
 from __future__ import annotations
