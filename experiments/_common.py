@@ -28,6 +28,7 @@ __all__ = [
     "command_line",
     "commit_of",
     "load_runs",
+    "runs_to_append",
     "peak_rss_mb",
     "run_child",
     "run_writer",
@@ -95,6 +96,24 @@ def load_runs(path: str) -> list:
         with open(path) as f:
             return json.load(f)
     return []
+
+
+def runs_to_append(path: str, planned: set, key, command: str, commit: str) -> tuple:
+    """(earlier runs, command, commit) of a results file (a JSON object with
+    "runs", "command", "commit") that new runs are appended to: its runs, and its
+    command and commit joined with this one's ("; ").  `key(run)` names a run;
+    a planned key the file already holds is refused before anything runs (a
+    second run of it would count as another seed).  No file: ([], command, commit)."""
+    if not os.path.exists(path):
+        return [], command, commit
+    with open(path) as f:
+        previous = json.load(f)
+    clash = sorted(planned & {key(r) for r in previous["runs"]}, key=str)
+    if clash:
+        raise SystemExit(f"{path} already holds {clash}: choose other seeds or runs")
+    if previous["commit"] != commit:
+        commit = f"{previous['commit']}; {commit}"
+    return previous["runs"], f"{previous['command']}; {command}", commit
 
 
 def run_measured(

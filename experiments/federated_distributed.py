@@ -51,7 +51,7 @@ import time
 import dp_accounting
 import matplotlib.pyplot as plt  # noqa: E402  (after dpfl_tf.plotting set the backend)
 import numpy as np
-from _common import RESULTS, command_line, commit_of
+from _common import RESULTS, command_line, commit_of, runs_to_append
 from scipy import stats
 
 from dpfl_tf._io import atomic_write_json
@@ -482,23 +482,28 @@ def main(argv=None) -> list[dict]:
     epsilons = QUICK["epsilons"] if args.quick else args.epsilons
     path = os.path.join(args.output_dir, f"federated_distributed{suffix}.json")
     runs: list[dict] = []
-    if args.append and os.path.exists(path):
-        with open(path) as f:
-            previous = json.load(f)
-        runs = previous["runs"]
-        meta["command"] = f"{previous['command']}; {meta['command']}"
-        if previous["commit"] != meta["commit"]:
-            meta["commit"] = f"{previous['commit']}; {meta['commit']}"
-    done = {(r["target_epsilon"], r["seed"], r["run"]) for r in runs}
+    if args.append:
+        names = ["central"] + [
+            run_name(mech, bits, d) for d in DROPOUTS for mech in MECHANISMS for bits in BITS
+        ]
+        planned = {
+            (eps, seed, name)
+            for eps in epsilons
+            for seed in seeds
+            for name in names
+            if only is None or name in only
+        }
+        runs, meta["command"], meta["commit"] = runs_to_append(
+            path,
+            planned,
+            lambda r: (r["target_epsilon"], r["seed"], r["run"]),
+            meta["command"],
+            meta["commit"],
+        )
     for eps in epsilons:
         rounds = QUICK["rounds"] if args.quick else SETTINGS[eps]["rounds"]
         for seed in seeds:
             for name, config, calibration in configs(eps, rounds, seed, only=only):
-                if (eps, seed, name) in done:  # appending: a second run would count as a seed
-                    raise SystemExit(
-                        f"{path} already holds {name} at epsilon {eps:g}, seed {seed}; "
-                        "choose other --first-seed/--only"
-                    )
                 print(
                     f"== eps={eps:g} seed={seed} {name}: z={config.noise_multiplier:.4f}, "
                     f"m={config.clients_per_round}, T={rounds}",

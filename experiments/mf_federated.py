@@ -28,10 +28,11 @@ history) and the .png beside it (accuracy vs round).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 
-from _common import RESULTS, command_line, commit_of
+from _common import RESULTS, command_line, commit_of, runs_to_append
 
 from dpfl_tf._io import atomic_write_json
 
@@ -226,26 +227,24 @@ def main():
     epsilons = [8.0] if args.quick else args.epsilon
     seeds = range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds))
     runs, command, commit = [], command_line(), commit_of()
-    if args.append and os.path.exists(out + ".json"):
-        with open(out + ".json") as f:
-            previous = json.load(f)
-        runs = previous["runs"]
-        command = f"{previous['command']}; {command}"
-        if previous["commit"] != commit:
-            commit = f"{previous['commit']}; {commit}"
-    done = {
-        (c["clients"], r["target_epsilon_calibrated"], c["dp"], c["seed"])
-        for r in runs
-        for c in [r["config"]]
-    }
+    if args.append:
+        planned = set(itertools.product(clients, epsilons, args.methods, seeds))
+        runs, command, commit = runs_to_append(
+            out + ".json",
+            planned,
+            lambda r: (
+                r["config"]["clients"],
+                r["target_epsilon_calibrated"],
+                r["config"]["dp"],
+                r["config"]["seed"],
+            ),
+            command,
+            commit,
+        )
     for k in clients:
         for eps in epsilons:
             for method in args.methods:
                 for seed in seeds:
-                    if (k, eps, method, seed) in done:  # it would count as another seed
-                        raise SystemExit(
-                            f"{out}.json already holds K={k} eps={eps:g} {method} seed {seed}"
-                        )
                     result = run(method, k, eps, seed, args, dataset)
                     runs.append(result)
                     print(
