@@ -34,6 +34,7 @@ cleanly and says that the budget is spent.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from typing import Any
@@ -428,11 +429,15 @@ class DPModel(keras.Model):
         elif target_epsilon is not None:
             raise ValueError("pass target_epsilon either to fit() or to the PrivacyCallback")
         self._log_metrics = bool(log_train_metrics)
-        self._correlated = optimizer.plan_correlated_run(
-            sampler,
-            lots=(epochs - initial_epoch) * sampler.lots_per_epoch,
-            first_lot=sampler.first_lot,
-        )
+        self._correlated = None
+        if getattr(optimizer, "correlated_noise", None) is None or (
+            optimizer.noise_multiplier is not None
+        ):  # else planned once the noise is calibrated (`_calibrate_noise`)
+            self._correlated = optimizer.plan_correlated_run(
+                sampler,
+                lots=(epochs - initial_epoch) * sampler.lots_per_epoch,
+                first_lot=sampler.first_lot,
+            )
         self._prepare(
             sampler, batch_size, calibrate_for=(privacy_cb, epochs - initial_epoch, verbose)
         )
@@ -723,9 +728,14 @@ class DPModel(keras.Model):
         per_unit = GaussianSanitizer(
             bounds, 1.0, noise_allocation=optimizer.noise_allocation
         ).effective_noise_multiplier(max(self._groups) + 1)
+        correlated = getattr(optimizer, "correlated_noise", None)
+        mechanism = None
+        if correlated is not None:  # one event for the run, its strategy built once
+            lots = epochs * sampler.lots_per_epoch
+            mechanism = correlated.build(sampler.participation(lots), 1.0)
         count = (
             epochs
-            if sampler.sampling is SamplingMethod.SHUFFLE
+            if sampler.sampling is SamplingMethod.SHUFFLE or mechanism is not None
             else epochs * sampler.lots_per_epoch
         )
         prior = [self.ledger.event] if len(self.ledger) else []
@@ -737,15 +747,27 @@ class DPModel(keras.Model):
                 "room for a lot (nothing was trained)"
             )
 
-        def planned(sigma: float):
+        def release(sigma: float):
+            """What the fit releases at `sigma`: the correlated run's one event,
+            or `count` lots' (or epochs') events."""
+            if mechanism is not None:
+                scaled = dataclasses.replace(mechanism, noise_multiplier=per_unit * sigma)
+                return self.ledger.admit(scaled.event())
             step = self.ledger.admit(_release_event(sampler, per_unit * sigma))
-            return dp_accounting.ComposedDpEvent(
-                prior + [dp_accounting.SelfComposedDpEvent(step, count)]
-            )
+            return dp_accounting.SelfComposedDpEvent(step, count)
+
+        def planned(sigma: float):
+            return dp_accounting.ComposedDpEvent(prior + [release(sigma)])
 
         sigma, eps = calibrate_noise_multiplier(target, delta, planned, kind)
         optimizer.noise_multiplier = sigma
         unit = "epochs" if sampler.sampling is SamplingMethod.SHUFFLE else "lots"
+        if mechanism is not None:
+            unit = "lots"
+            count = epochs * sampler.lots_per_epoch
+            self._correlated = optimizer.plan_correlated_run(
+                sampler, lots=count, first_lot=sampler.first_lot
+            )
         self.calibration = {
             "noise_multiplier": sigma,
             "epsilon": eps,
@@ -757,9 +779,15 @@ class DPModel(keras.Model):
         }
         if verbose != 0:
             print(
-                f"calibrated noise_multiplier = {sigma:.4g}: {count} {unit} of "
-                f"{describe_event(_release_event(sampler, per_unit * sigma))}"
-                f"{f' after epsilon {spent:.4g} already spent' if prior else ''} reach "
+                f"calibrated noise_multiplier = {sigma:.4g}: "
+                + (
+                    f"{count} lots of correlated noise, one release of "
+                    f"{describe_event(release(sigma))}"
+                    if mechanism is not None
+                    else f"{count} {unit} of "
+                    f"{describe_event(_release_event(sampler, per_unit * sigma))}"
+                )
+                + f"{f' after epsilon {spent:.4g} already spent' if prior else ''} reach "
                 f"epsilon {eps:.4g} <= {target:g} at delta {delta:g} ({kind.value})"
             )
 

@@ -174,8 +174,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             return None
         if self.noise_multiplier is None:
             raise ValueError(
-                f"correlated_noise={self.correlated_noise!r} needs noise_multiplier set: fit "
-                "calibrates an unset one for independent noise only (nothing was trained)"
+                f"correlated_noise={self.correlated_noise!r} needs noise_multiplier set, "
+                "or fit(target_epsilon=...) to calibrate it (nothing was trained)"
             )
         from dpfl_tf.correlated_noise import CorrelatedRun
 

@@ -231,3 +231,48 @@ def test_optimizer_config_round_trip_keeps_the_mechanism():
         .build(mf.Participation.min_separation(8, 4), 1.0)
         .sensitivity
     )
+
+
+@pytest.mark.filterwarnings("ignore:seed=")
+@pytest.mark.parametrize(
+    "mechanism, sampling, target",
+    [
+        ("banded", "shuffle", 4.0),
+        (mf.CorrelatedNoiseConfig("banded", bands=2), "cyclic_poisson", 2.0),
+    ],
+)
+def test_fit_calibrates_the_correlated_noise_for_the_target_after_what_is_spent(
+    mechanism, sampling, target
+):
+    """noise_multiplier=None: fit finds the sigma whose run event, after the
+    ledger's earlier release, spends the target; the ledger then reads it, and
+    a sigma 2% smaller would exceed it (the smallest, not any, sigma)."""
+    import dataclasses
+
+    import dp_accounting
+
+    from dpfl_tf.privacy import PrivacyLedger
+
+    x, y = mnist_slice(N, features=60)
+    ledger = PrivacyLedger("rdp")
+    relation = "replace_one" if sampling == "shuffle" else None
+    before = ReplaceOneGaussianDpEvent(20.0) if relation else dp_accounting.GaussianDpEvent(10.0)
+    ledger.record(before, label="earlier release")
+    dp = dp_model(mechanism, noise=None, seed=None, ledger=ledger)
+    with pytest.raises(ValueError, match="noise_multiplier is unset .* no target_epsilon"):
+        dp.fit(x, y, lot_size=LOT, epochs=3, verbose=0, sampling=sampling)
+    dp.fit(x, y, lot_size=LOT, epochs=3, verbose=0, sampling=sampling, target_epsilon=target)
+    sigma = dp.optimizer.noise_multiplier
+    run = dp.optimizer.correlated_run
+    assert run.mechanism.noise_multiplier == sigma and dp.lots_computed == 12 == run.position
+    assert dp.calibration["lots"] == 12 and dp.calibration["noise_multiplier"] == sigma
+    assert [e["label"] for e in dp.privacy_ledger.entries][:2] == ["earlier release", "mf"]
+    spent = dp.epsilon(1e-5)
+    assert target * 0.99 <= spent <= target
+
+    def epsilon_at(s):
+        event = dataclasses.replace(run.mechanism, noise_multiplier=s).event()
+        return compute_epsilon(dp_accounting.ComposedDpEvent([before, event]), 1e-5, "rdp")
+
+    assert epsilon_at(sigma) == pytest.approx(spent, rel=1e-9)
+    assert epsilon_at(0.98 * sigma) > target
