@@ -29,7 +29,7 @@ import math
 import os
 import time
 
-from _common import RESULTS, command_line, commit_of, peak_rss_mb
+from _common import RESULTS, command_line, commit_of, peak_rss_mb, runs_to_append
 
 DELTA = 1e-5
 METHODS = ("dpsgd", "banded", "amplified", "tree")
@@ -244,7 +244,16 @@ def part_accuracy(args):
         RESULTS,
         "mf_centralised" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else ""),
     )
-    runs = []
+    runs, command, commit = [], command_line(), commit_of()
+    if args.append:
+        planned = {(d, e, m, s) for d in datasets for e in epsilons for m in methods for s in seeds}
+        runs, command, commit = runs_to_append(
+            out + ".json",
+            planned,
+            lambda r: (r["dataset"], r["target_epsilon"], r["method"], r["seed"]),
+            command,
+            commit,
+        )
     for dataset in datasets:
         recipe = RECIPES[dataset]
         epochs = 2 if args.quick else (args.epochs or recipe["epochs"])
@@ -260,25 +269,83 @@ def part_accuracy(args):
                         f"{result['noise_multiplier']:.3f} ({result['seconds']:.0f} s)",
                         flush=True,
                     )
-                    _write(out, args, runs)
+                    _write(out, args, runs, command, commit)
     _figure(out, runs, args.quick)
 
 
-def _write(out, args, runs):
+def _write(out, args, runs, command, commit):
+    from dpfl_tf._io import atomic_write_json
+
     os.makedirs(RESULTS, exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump(
-            {
-                "command": command_line(),
-                "commit": commit_of(),
-                "quick": args.quick,
-                "shared_machine": True,
-                "delta": DELTA,
-                "runs": runs,
-            },
-            f,
-            indent=1,
-        )
+    atomic_write_json(  # a reader never sees half a file
+        out + ".json",
+        {
+            "command": command,
+            "commit": commit,
+            "quick": args.quick,
+            "shared_machine": args.shared_machine,
+            "delta": DELTA,
+            "runs": runs,
+        },
+    )
+
+
+NAMES = {
+    "dpsgd": "DP-SGD",
+    "banded": "banded MF",
+    "amplified": "amplified banded MF",
+    "tree": "DP-FTRL (tree)",
+}
+SAMPLING = {
+    "dpsgd": "Poisson",
+    "banded": "shuffled epochs",
+    "amplified": "cyclic Poisson",
+    "tree": "shuffled epochs",
+}
+
+
+def markdown_table(runs) -> str:
+    """The results page's table: every (dataset, epsilon, method)'s mean +- std
+    over its seeds (and each seed's accuracy), against DP-SGD."""
+    import numpy as np
+
+    lines = [
+        "| dataset | epsilon | method | lots | sigma | event | test accuracy | vs DP-SGD |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for dataset in sorted({r["dataset"] for r in runs}):
+        for eps in sorted({r["target_epsilon"] for r in runs if r["dataset"] == dataset}):
+            base = None
+            for method in METHODS:
+                rr = sorted(
+                    (
+                        r
+                        for r in runs
+                        if (r["dataset"], r["target_epsilon"], r["method"])
+                        == (dataset, eps, method)
+                    ),
+                    key=lambda r: r["seed"],
+                )
+                if not rr:
+                    continue
+                acc = 100 * np.array([r["test_accuracy"] for r in rr])
+                if method == "dpsgd":
+                    base = acc.mean()
+                lots = SAMPLING[method] + (
+                    f", {rr[0]['bands']} groups" if method == "amplified" else ""
+                )
+                each = " / ".join(f"{a:.2f}" for a in acc)
+                cell = (
+                    f"{acc.mean():.2f} +- {acc.std():.2f}% ({each})"
+                    if len(acc) > 1
+                    else f"{acc[0]:.2f}% (1 seed)"
+                )
+                versus = "--" if method == "dpsgd" or base is None else f"{acc.mean() - base:+.2f}"
+                lines.append(
+                    f"| {dataset} | {eps:g} | {NAMES[method]} | {lots} | "
+                    f"{rr[0]['noise_multiplier']:.3f} | {rr[0]['event']} | {cell} | {versus} |"
+                )
+    return "\n".join(lines)
 
 
 def _figure(out, runs, quick):
@@ -407,11 +474,31 @@ def main():
     parser.add_argument("--epochs", type=int, default=None, help="default: the recipe's")
     parser.add_argument("--train-size", type=int, default=None)
     parser.add_argument(
+        "--append",
+        action="store_true",
+        help="add the runs to the results file's (refusing a run it already holds)",
+    )
+    parser.add_argument(
+        "--table", action="store_true", help="print the results file's table (markdown) and exit"
+    )
+    parser.add_argument(
+        "--shared-machine",
+        action="store_true",
+        help="record that other jobs shared the cores (the seconds are not benchmarks)",
+    )
+    parser.add_argument(
         "--tag",
         default="",
         help="suffix of the results' file names (a partial run beside the full one)",
     )
     args = parser.parse_args()
+    if args.table:
+        name = "mf_centralised" + ("_quick" if args.quick else "")
+        with open(
+            os.path.join(RESULTS, name + (f"_{args.tag}" if args.tag else "") + ".json")
+        ) as f:
+            print(markdown_table(json.load(f)["runs"]))
+        return
     (part_cost if args.part == "cost" else part_accuracy)(args)
 
 
