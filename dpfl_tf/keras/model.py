@@ -429,27 +429,34 @@ class DPModel(keras.Model):
         elif target_epsilon is not None:
             raise ValueError("pass target_epsilon either to fit() or to the PrivacyCallback")
         self._log_metrics = bool(log_train_metrics)
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        correlated = getattr(optimizer, "correlated_noise", None)
+        if replicas > 1 and correlated is not None:  # before anything is recorded
+            raise ValueError(
+                f"correlated_noise is not supported under a distribution strategy with "
+                f"{replicas} replicas (each replica would advance the noise state); train "
+                "on one replica"
+            )
+        lots = (epochs - initial_epoch) * sampler.lots_per_epoch
+        running = getattr(optimizer, "correlated_run", None)
+        if (
+            correlated is not None
+            and optimizer.noise_multiplier is None
+            and running is not None
+            and running.continues(sampler, sampler.first_lot, lots)
+        ):  # the run in progress keeps its noise (and its recorded event)
+            optimizer.noise_multiplier = running.mechanism.noise_multiplier
         self._correlated = None
-        if getattr(optimizer, "correlated_noise", None) is None or (
-            optimizer.noise_multiplier is not None
-        ):  # else planned once the noise is calibrated (`_calibrate_noise`)
+        if correlated is None or optimizer.noise_multiplier is not None:
+            # else planned once the noise is calibrated (`_calibrate_noise`)
             self._correlated = optimizer.plan_correlated_run(
-                sampler,
-                lots=(epochs - initial_epoch) * sampler.lots_per_epoch,
-                first_lot=sampler.first_lot,
+                sampler, lots=lots, first_lot=sampler.first_lot
             )
         self._prepare(
             sampler, batch_size, calibrate_for=(privacy_cb, epochs - initial_epoch, verbose)
         )
         self._check_accountants(privacy_cb, target_delta)
         self._begin_correlated_run(privacy_cb, target_delta)
-        replicas = self.distribute_strategy.num_replicas_in_sync
-        if replicas > 1 and self._correlated is not None:
-            raise ValueError(
-                f"correlated_noise is not supported under a distribution strategy with "
-                f"{replicas} replicas (each replica would advance the noise state); train "
-                "on one replica"
-            )
         if replicas > 1 and optimizer.secure_mode:
             raise ValueError(
                 f"secure_mode=True is not supported under a distribution strategy with "

@@ -75,6 +75,21 @@ def dp_sampler_sizes(dp, epochs):
     return list(LotSampler(7, 1, seed=0).lots(7 * epochs))
 
 
+def correlated_refusal():
+    """Correlated noise under 2 replicas: refused before its run event is recorded."""
+    with mirrored.scope():
+        dp = DPModel(keras.Sequential([keras.Input((60,)), keras.layers.Dense(10)]))
+        dp.compile(
+            optimizer=DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, correlated_noise="banded"),
+            loss=loss(),
+        )
+    try:
+        dp.fit(x[:20], y[:20], lot_size=5, epochs=1, verbose=0, sampling="in_order")
+    except ValueError as err:
+        return {"correlated_refusal": str(err), "correlated_ledger": len(dp.privacy_ledger)}
+    return {"correlated_refusal": None, "correlated_ledger": len(dp.privacy_ledger)}
+
+
 def secure_refusal():
     with mirrored.scope():
         dp = DPModel(keras.Sequential([keras.Input((60,)), keras.layers.Dense(10)]))
@@ -144,6 +159,7 @@ json.dump(
     {
         **tiny_lots(),
         **secure_refusal(),
+        **correlated_refusal(),
         **one_replica(),
         **mixing_refusal(),
         "replicas": mirrored.num_replicas_in_sync,

@@ -28,11 +28,10 @@ def dp_model(
     dp.compile(
         optimizer=DPSGD(
             lr,
-            l2_norm_clip=1.0,
+            **{"l2_norm_clip": 1.0, **opt},
             noise_multiplier=noise,
             seed=seed,
             correlated_noise=mechanism,
-            **opt,
         ),
         loss=loss(),
         steps_per_execution=1,
@@ -235,18 +234,21 @@ def test_optimizer_config_round_trip_keeps_the_mechanism():
 
 @pytest.mark.filterwarnings("ignore:seed=")
 @pytest.mark.parametrize(
-    "mechanism, sampling, target",
+    "mechanism, sampling, target, per_layer",
     [
-        ("banded", "shuffle", 4.0),
-        (mf.CorrelatedNoiseConfig("banded", bands=2), "cyclic_poisson", 2.0),
+        ("banded", "shuffle", 4.0, False),
+        (mf.CorrelatedNoiseConfig("banded", bands=2), "cyclic_poisson", 2.0, False),
+        ("blt", "in_order", 4.0, True),
     ],
 )
 def test_fit_calibrates_the_correlated_noise_for_the_target_after_what_is_spent(
-    mechanism, sampling, target
+    mechanism, sampling, target, per_layer
 ):
     """noise_multiplier=None: fit finds the sigma whose run event, after the
-    ledger's earlier release, spends the target; the ledger then reads it, and
-    a sigma 2% smaller would exceed it (the smallest, not any, sigma)."""
+    ledger's earlier release (about half the target), spends the target; the
+    ledger then reads it, and a sigma 2% smaller would exceed it (the smallest,
+    not any, sigma).  Per-layer bounds with proportional noise: the event's
+    multiplier is sigma / sqrt(2) (two groups).  A continued run keeps its noise."""
     import dataclasses
 
     import dp_accounting
@@ -255,24 +257,71 @@ def test_fit_calibrates_the_correlated_noise_for_the_target_after_what_is_spent(
 
     x, y = mnist_slice(N, features=60)
     ledger = PrivacyLedger("rdp")
-    relation = "replace_one" if sampling == "shuffle" else None
-    before = ReplaceOneGaussianDpEvent(20.0) if relation else dp_accounting.GaussianDpEvent(10.0)
+    replace_one = sampling != "cyclic_poisson"
+    # about half the target (multiplier 2.2: epsilon 1.95; 4: 1.01; delta 1e-5, RDP)
+    before = ReplaceOneGaussianDpEvent(2.2) if replace_one else dp_accounting.GaussianDpEvent(4.0)
+    assert 0.4 * target < compute_epsilon(before, 1e-5, "rdp") < 0.6 * target
     ledger.record(before, label="earlier release")
-    dp = dp_model(mechanism, noise=None, seed=None, ledger=ledger)
+    model = mlp(hidden=8)
+    opt = {}
+    if per_layer:
+        names = [layer.name for layer in model.layers]
+        opt = dict(l2_norm_clip={names[0]: 1.0, names[1]: 3.0}, noise_allocation="proportional")
+    dp = dp_model(mechanism, noise=None, seed=None, ledger=ledger, model=model, **opt)
+
+    class StopAfterFirstEpoch(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.stop_training = True
+
     with pytest.raises(ValueError, match="noise_multiplier is unset .* no target_epsilon"):
         dp.fit(x, y, lot_size=LOT, epochs=3, verbose=0, sampling=sampling)
-    dp.fit(x, y, lot_size=LOT, epochs=3, verbose=0, sampling=sampling, target_epsilon=target)
+    assert dp.privacy_ledger.entries[-1]["label"] == "earlier release"
+    stop = [StopAfterFirstEpoch()]
+    dp.fit(
+        x,
+        y,
+        lot_size=LOT,
+        epochs=3,
+        verbose=0,
+        sampling=sampling,
+        target_epsilon=target,
+        callbacks=stop,
+    )
     sigma = dp.optimizer.noise_multiplier
     run = dp.optimizer.correlated_run
-    assert run.mechanism.noise_multiplier == sigma and dp.lots_computed == 12 == run.position
+    assert run.mechanism.noise_multiplier == sigma and run.position == 4
     assert dp.calibration["lots"] == 12 and dp.calibration["noise_multiplier"] == sigma
-    assert [e["label"] for e in dp.privacy_ledger.entries][:2] == ["earlier release", "mf"]
+    assert [e["label"] for e in dp.privacy_ledger.entries] == ["earlier release", "mf", "dpsgd"]
     spent = dp.epsilon(1e-5)
     assert target * 0.99 <= spent <= target
+    per_unit = 1 / math.sqrt(2) if per_layer else 1.0
 
     def epsilon_at(s):
-        event = dataclasses.replace(run.mechanism, noise_multiplier=s).event()
+        event = dataclasses.replace(run.mechanism, noise_multiplier=per_unit * s).event()
         return compute_epsilon(dp_accounting.ComposedDpEvent([before, event]), 1e-5, "rdp")
 
     assert epsilon_at(sigma) == pytest.approx(spent, rel=1e-9)
     assert epsilon_at(0.98 * sigma) > target
+    # the rest of the run, noise_multiplier unset again: the run keeps its sigma and
+    # its one event (not a new calibration on top of what it already spent)
+    dp.optimizer.noise_multiplier = None
+    dp.fit(
+        x,
+        y,
+        lot_size=LOT,
+        epochs=3,
+        initial_epoch=1,
+        verbose=0,
+        sampling=sampling,
+        target_epsilon=target,
+    )
+    mf_events = [e["label"] for e in dp.privacy_ledger.entries].count("mf")
+    if sampling == "cyclic_poisson":  # unseeded groups cannot be continued: a new run,
+        # calibrated for what is left of the target, with its own event
+        assert dp.optimizer.correlated_run is not run and mf_events == 2
+        assert dp.optimizer.noise_multiplier > sigma and dp.lots_computed == 12
+        assert spent < dp.epsilon(1e-5) <= target
+        return
+    assert dp.optimizer.noise_multiplier == sigma and dp.optimizer.correlated_run is run
+    assert run.position == 12 == dp.lots_computed and mf_events == 1
+    assert dp.epsilon(1e-5) == pytest.approx(spent, rel=1e-9)

@@ -63,6 +63,14 @@ def test_secure_mode_is_refused_under_mirrored_strategy(child):
     assert child["secure_lots"] == 0
 
 
+def test_correlated_noise_is_refused_under_mirrored_strategy_before_it_is_recorded(child):
+    assert (
+        "correlated_noise is not supported under a distribution strategy with 2 replicas"
+        in (child["correlated_refusal"])
+    )
+    assert child["correlated_ledger"] == 0
+
+
 def test_a_strategy_of_one_replica_trains_and_stops_like_no_strategy(child):
     lots, applied, ledger, stop = child["one_replica_lots"]
     assert lots == applied == ledger == child["plain_replica_lots"][0]
