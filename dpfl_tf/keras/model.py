@@ -1058,9 +1058,18 @@ class DPModel(keras.Model):
         )
 
     def get_metrics_result(self):
-        if not self._log_metrics:  # fit(log_train_metrics=False): nothing computed
-            return {}
+        if not self._log_metrics and not getattr(self, "_evaluating", False):
+            return {}  # fit(log_train_metrics=False): nothing computed on the lots
         return super().get_metrics_result()
+
+    def evaluate(self, *args, **kwargs):
+        """`keras.Model.evaluate`; its metrics are reported also inside a fit
+        that logs no training metrics (its validation data)."""
+        self._evaluating = True
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self._evaluating = False
 
     def _apply(self, grads, variables):
         self.optimizer.apply_noised_gradients(grads, variables)

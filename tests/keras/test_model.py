@@ -499,12 +499,33 @@ def test_the_progress_bar_shows_counts_as_integers(capsys, verbose):
     assert history.history["lots"] == [10] and isinstance(history.history["lots"][0], int)
 
 
-def test_train_metrics_can_be_switched_off():
-    x, y = mnist_slice(200, features=60)
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_train_metrics_can_be_switched_off_and_validation_is_still_reported(
+    steps_per_execution,
+):
+    x, y = mnist_slice(400, features=60)
     dp = dp_model()
-    history = dp.fit(x, y, lot_size=100, epochs=1, verbose=0, log_train_metrics=False)
+    dp.compile(
+        optimizer=dp.optimizer,
+        loss=loss(),
+        metrics=["accuracy"],
+        steps_per_execution=steps_per_execution,
+    )
+    history = dp.fit(
+        x[:200],
+        y[:200],
+        lot_size=50,
+        epochs=2,
+        verbose=0,
+        log_train_metrics=False,
+        validation_data=(x[200:], y[200:]),
+    )
     assert "loss" not in history.history and "accuracy" not in history.history
-    assert "epsilon" in history.history and dp.lots_computed == 2
+    assert "epsilon" in history.history and dp.lots_computed == 8
+    assert len(history.history["val_accuracy"]) == 2 and len(history.history["val_loss"]) == 2
+    assert dp.evaluate(x[200:], y[200:], verbose=0, return_dict=True)["accuracy"] == (
+        pytest.approx(history.history["val_accuracy"][-1])
+    )
 
 
 def test_backup_and_restore_in_a_new_model_records_the_restored_lots(tmp_path):
