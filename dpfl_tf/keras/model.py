@@ -773,7 +773,7 @@ class DPModel(keras.Model):
             unit = "lots"
             count = epochs * sampler.lots_per_epoch
             self._correlated = optimizer.plan_correlated_run(
-                sampler, lots=count, first_lot=sampler.first_lot
+                sampler, lots=count, first_lot=sampler.first_lot, built=mechanism
             )
         self.calibration = {
             "noise_multiplier": sigma,

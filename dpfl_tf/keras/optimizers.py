@@ -14,6 +14,7 @@ refuse to run, so a DP optimizer can never train a plain model without privacy.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Mapping, Sequence
 
@@ -163,12 +164,13 @@ class DPOptimizer(keras.optimizers.Optimizer):
         )
 
     # -- correlated noise ---------------------------------------------------------
-    def plan_correlated_run(self, sampler, *, lots: int, first_lot: int):
+    def plan_correlated_run(self, sampler, *, lots: int, first_lot: int, built=None):
         """The correlated-noise run for a fit of `lots` lots from lot `first_lot`
         (None without `correlated_noise`): the run in progress when this fit
         finishes it (same participation, its next position is this fit's first
         lot, its remaining steps are this fit's lots), else a new one of `lots`
-        steps."""
+        steps.  `built`: a mechanism already built for this participation (its
+        strategy is reused, its noise multiplier replaced by this optimizer's)."""
         if self.correlated_noise is None:
             self._run = None
             return None
@@ -182,7 +184,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
         run = self._run
         if run is None or not run.continues(sampler, first_lot, lots):
             participation = sampler.participation(lots)
-            mechanism = self.correlated_noise.build(participation, self.noise_multiplier)
+            if built is not None and built.participation == participation:
+                mechanism = dataclasses.replace(built, noise_multiplier=self.noise_multiplier)
+            else:
+                mechanism = self.correlated_noise.build(participation, self.noise_multiplier)
             run = CorrelatedRun(
                 mechanism,
                 first_lot=first_lot,
