@@ -369,7 +369,18 @@ def _figure(out, runs, quick):
             acc = [[r["test_accuracy"] for r in mine if r["target_epsilon"] == e] for e in eps]
             mean = [np.mean(a) for a in acc]
             err = [np.std(a) for a in acc]
-            ax.errorbar(eps, mean, yerr=err, marker="o", capsize=3, label=method)
+            dpsgd = method == "dpsgd"  # dashed and larger: level with amplified MF, it would hide
+            ax.errorbar(
+                eps,
+                mean,
+                yerr=err,
+                marker="s" if dpsgd else "o",
+                markersize=8 if dpsgd else 5,
+                linestyle="--" if dpsgd else "-",
+                capsize=3,
+                label=method,
+                zorder=1 if dpsgd else 2,
+            )
         ax.set_xscale("log")
         ax.set_xlabel("epsilon (delta = 1e-5)")
         ax.set_ylabel("test accuracy")
