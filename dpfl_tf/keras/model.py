@@ -342,7 +342,9 @@ class DPModel(keras.Model):
             noise_multiplier is unset (None), fit first calibrates it: the
             smallest sigma whose `epochs` of lots, on top of what the ledger
             already holds, stay within the target under `accountant`
-            (`_calibrate_noise`; stored on the optimizer, in `calibration`).
+            (`_calibrate_noise`; stored on the optimizer, in `calibration`);
+            with correlated noise, the run's one event (a fit that continues
+            a run keeps its sigma).
           accountant: accountant for the budget and the logs (default: ledger's).
           preprocess: a function applied to each lot's x inside tf.data (e.g.
             augmentation; it must act on each example independently).
@@ -709,7 +711,8 @@ class DPModel(keras.Model):
     ) -> None:
         """Sets the optimizer's unset noise multiplier to the smallest sigma whose
         planned releases (`epochs` x the lots of an epoch; shuffle: `epochs`
-        epochs), composed with what the ledger already holds (e.g. a DP-PCA
+        epochs; correlated noise: the run's one event for the fit's
+        participation), composed with what the ledger already holds (e.g. a DP-PCA
         release), stay within (target_epsilon, delta) under the fit's accountant
         (the ledger's by default): `privacy.calibrate_noise_multiplier`.  The
         sigma is stored on the optimizer (its config keeps it), in
@@ -1065,11 +1068,11 @@ class DPModel(keras.Model):
     def evaluate(self, *args, **kwargs):
         """`keras.Model.evaluate`; its metrics are reported also inside a fit
         that logs no training metrics (its validation data)."""
-        self._evaluating = True
+        outer, self._evaluating = getattr(self, "_evaluating", False), True
         try:
             return super().evaluate(*args, **kwargs)
         finally:
-            self._evaluating = False
+            self._evaluating = outer
 
     def _apply(self, grads, variables):
         self.optimizer.apply_noised_gradients(grads, variables)
