@@ -378,6 +378,16 @@ def test_the_docs_have_runnable_blocks():
     assert sum(b.runnable for b in BLOCKS) >= 10
 
 
+def test_every_page_has_a_title_and_a_body():
+    """An emptied or truncated page still builds under mkdocs --strict: caught here."""
+    short = [
+        str(page.relative_to(ROOT))
+        for page in PAGES
+        if not page.read_text().startswith("# ") or len(page.read_text().splitlines()) < 5
+    ]
+    assert not short, f"pages without a '# ' title or under 5 lines: {short}"
+
+
 def test_every_block_runs_or_says_why():
     problems = [f"{b.where} (```{b.lang}): " + "; ".join(b.problems) for b in BLOCKS if b.problems]
     assert not problems, "\n".join(problems)
