@@ -79,7 +79,7 @@ def feature_statistics(dataset: str, x, shuffled: bool, epsilon: float):
     MNIST: (None, None), the tanh CNN takes the pixels."""
     if dataset != "cifar10":
         return None, None
-    from dpfl_tf.privacy import ReplaceOneGaussianDpEvent
+    from dpfl_tf.privacy import to_replace_one
     from dpfl_tf.recipes.mnist import MnistConfig, feature_norm_release
     from dpfl_tf.scattering import scattering_channels
 
@@ -90,9 +90,8 @@ def feature_statistics(dataset: str, x, shuffled: bool, epsilon: float):
     )
     release = feature_norm_release(config, x.shape[-1] // scattering_channels(2, 8))
     layer = release.fit(x).layer()
-    if shuffled:
-        return layer, ReplaceOneGaussianDpEvent(float(release.effective_noise_multiplier) / 2)
-    return layer, release.planned_event()
+    event = release.planned_event()
+    return layer, (to_replace_one(event) if shuffled else event)
 
 
 def make_model(recipe, input_shape, normalization=None):
@@ -239,15 +238,20 @@ def run_one(dataset, method, epsilon, seed, data, recipe, epochs, verbose=0):
     }
 
 
+def accuracy_results(args) -> str:
+    """The accuracy part's results path, without its extension (.json, .png)."""
+    return os.path.join(
+        RESULTS,
+        "mf_centralised" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else ""),
+    )
+
+
 def part_accuracy(args):
     datasets = ["mnist"] if args.quick else args.dataset
     epsilons = [8.0] if args.quick else args.epsilon
     seeds = range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds))
     methods = ("dpsgd", "banded", "amplified") if args.quick else args.methods
-    out = os.path.join(
-        RESULTS,
-        "mf_centralised" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else ""),
-    )
+    out = accuracy_results(args)
     runs, command, commit = [], command_line(), commit_of()
     if args.append:
         planned = {(d, e, m, s) for d in datasets for e in epsilons for m in methods for s in seeds}
@@ -508,10 +512,7 @@ def main():
     )
     args = parser.parse_args()
     if args.table:
-        name = "mf_centralised" + ("_quick" if args.quick else "")
-        with open(
-            os.path.join(RESULTS, name + (f"_{args.tag}" if args.tag else "") + ".json")
-        ) as f:
+        with open(accuracy_results(args) + ".json") as f:
             print(markdown_table(json.load(f)["runs"]))
         return
     (part_cost if args.part == "cost" else part_accuracy)(args)

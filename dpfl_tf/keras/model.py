@@ -739,15 +739,13 @@ class DPModel(keras.Model):
             bounds, 1.0, noise_allocation=optimizer.noise_allocation
         ).effective_noise_multiplier(max(self._groups) + 1)
         correlated = getattr(optimizer, "correlated_noise", None)
+        # independent noise on shuffled epochs: one event an epoch; else counted in lots
+        per_epoch = correlated is None and sampler.sampling is SamplingMethod.SHUFFLE
+        count = epochs if per_epoch else epochs * sampler.lots_per_epoch
+        unit = "epochs" if per_epoch else "lots"
         mechanism = None
         if correlated is not None:  # one event for the run, its strategy built once
-            lots = epochs * sampler.lots_per_epoch
-            mechanism = correlated.build(sampler.participation(lots), 1.0)
-        count = (
-            epochs
-            if sampler.sampling is SamplingMethod.SHUFFLE or mechanism is not None
-            else epochs * sampler.lots_per_epoch
-        )
+            mechanism = correlated.build(sampler.participation(count), 1.0)
         prior = [self.ledger.event] if len(self.ledger) else []
         spent = compute_epsilon(prior[0], delta, kind) if prior else 0.0
         if spent >= target:
@@ -771,10 +769,7 @@ class DPModel(keras.Model):
 
         sigma, eps = calibrate_noise_multiplier(target, delta, planned, kind)
         optimizer.noise_multiplier = sigma
-        unit = "epochs" if sampler.sampling is SamplingMethod.SHUFFLE else "lots"
         if mechanism is not None:
-            unit = "lots"
-            count = epochs * sampler.lots_per_epoch
             self._correlated = optimizer.plan_correlated_run(
                 sampler, lots=count, first_lot=sampler.first_lot, built=mechanism
             )
