@@ -19,6 +19,13 @@ Each run's epsilon is compared with the in-process run of the same config
 (`run_federated`: the same events, so the same epsilon).  Every process
 started here is stopped at the end.
 
+A killed node is noticed by the SuperLink when its heartbeats stop: a SuperNode
+sends one every 30 s (a Flower constant, no flag) and is declared lost after two
+missed ones, so each scenario with a kill waits about a minute.
+``--heartbeat-interval S`` starts the SuperNodes with S seconds instead (Flower
+accepts 10 to 1800; the test uses 10) by setting that constant before the
+SuperNode's code is imported (`SUPERNODE_WITH_INTERVAL`).
+
     python experiments/federated_flower_deploy.py                 # all three scenarios
     python experiments/federated_flower_deploy.py --only clean --client-app cold
     python experiments/federated_flower_deploy.py --only dropout --rounds 3
@@ -64,8 +71,16 @@ class Deployment:
     directory and the ``flwr`` connection for them.  Use as a context manager:
     every process it started is stopped on exit."""
 
-    def __init__(self, directory: str, run_config: dict, clients: int, client_app: str):
+    def __init__(
+        self,
+        directory: str,
+        run_config: dict,
+        clients: int,
+        client_app: str,
+        heartbeat_interval: float | None = None,
+    ):
         self.dir, self.k = directory, clients
+        self.heartbeat_interval = heartbeat_interval
         self.port = _free_port()
         self.env = {
             **os.environ,
@@ -113,10 +128,19 @@ class Deployment:
         return alive
 
     def start_node(self, k: int) -> None:
+        command = (
+            ["flower-supernode"]
+            if self.heartbeat_interval is None
+            else [
+                sys.executable,
+                "-c",
+                SUPERNODE_WITH_INTERVAL.format(interval=float(self.heartbeat_interval)),
+            ]
+        )
         self._start(
             f"node{k}",
             [
-                "flower-supernode",
+                *command,
                 "--insecure",
                 "--superlink",
                 f"127.0.0.1:{self.port}",
@@ -180,6 +204,14 @@ class Deployment:
         if "Successfully started run" not in out.stdout:
             raise RuntimeError(f"flwr run failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
 
+
+#: ``flower-supernode`` with another heartbeat interval: the SuperNode reads Flower's
+#: constant when its modules are imported, so it is set first
+SUPERNODE_WITH_INTERVAL = (
+    "import sys; import flwr.common.constant as c; c.HEARTBEAT_DEFAULT_INTERVAL = {interval}; "
+    "from flwr.supernode.cli import flower_supernode; sys.argv[0] = 'flower-supernode'; "
+    "sys.exit(flower_supernode())"
+)
 
 APP_PYPROJECT = """[build-system]
 requires = ["hatchling"]
@@ -294,6 +326,13 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=int, default=2, help="K SuperNodes")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per wait")
+    p.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=None,
+        help="seconds between a SuperNode's heartbeats (Flower's default 30; 10 to 1800): "
+        "a killed node is declared lost after two missed ones",
+    )
     p.add_argument("--output", default=os.path.join(RESULTS, "federated_flower_deploy.json"))
     args = p.parse_args(argv)
     from dpfl_tf._io import atomic_write_json
@@ -321,12 +360,15 @@ def main(argv=None) -> int:
         "commit": commit_of(),
         "run_config": run_config,
         "client_app": CLIENT_APPS[args.client_app],
+        "heartbeat_interval": args.heartbeat_interval or 30.0,
         "in_process_epsilon": inproc["epsilon"],
         "in_process_test_accuracy": inproc["test_accuracy"],
         "scenarios": [],
     }
     with tempfile.TemporaryDirectory(prefix="dpfl-flower-") as tmp:
-        with Deployment(tmp, run_config, args.clients, args.client_app) as dep:
+        with Deployment(
+            tmp, run_config, args.clients, args.client_app, args.heartbeat_interval
+        ) as dep:
             for name in args.only or ["clean", "kill", "dropout"]:
                 row = scenario(name, dep, args.rounds, args.timeout)
                 row["epsilon_equals_in_process"] = row["final"]["epsilon"] == inproc["epsilon"]

@@ -6,7 +6,9 @@ once the node is back, and ends at the in-process epsilon; with min-nodes = 1 th
 killed node's client is a dropout and the run completes.  Every process started
 (workers included) is stopped (`experiments/federated_flower_deploy.py`).
 
-About four minutes, most of it waiting for Flower's heartbeat timeout (slow tier)."""
+The SuperNodes send a heartbeat every 10 s (Flower's shortest interval; its default
+30 s), so a killed node is declared lost after ~20 s instead of a minute.  About
+two minutes (slow tier)."""
 
 import importlib.util
 import json
@@ -37,6 +39,8 @@ def test_a_killed_supernode_keeps_the_books_and_the_run_resumes(tmp_path):
             "3",
             "--output",
             str(out),
+            "--heartbeat-interval",
+            "10",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -47,6 +51,7 @@ def test_a_killed_supernode_keeps_the_books_and_the_run_resumes(tmp_path):
     data = json.loads(out.read_text())
     clean, kill, dropout = data["scenarios"]
     assert data["client_app"] == "dpfl_tf.federated.flower_warm:client_app"
+    assert data["heartbeat_interval"] == 10.0
     assert clean["final"]["status"] == "completed" and clean["final"]["rounds"] == 3
     assert clean["final"]["epsilon"] == data["in_process_epsilon"]
     assert clean["final"]["test_accuracy"] == data["in_process_test_accuracy"]
