@@ -216,7 +216,12 @@ def test_ctrl_c_keeps_the_results_of_the_tests_the_child_finished(tmp_path):
                 pytest.fail(f"the child never reached the second test:\n{parent.stdout.read()}")
             time.sleep(0.1)
         parent.send_signal(signal.SIGINT)  # Ctrl-C, to the parent alone
-        out, _ = parent.communicate(timeout=60)
+        try:
+            out, _ = parent.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # once in a whole-suite run: say where it hung
+            parent.send_signal(signal.SIGABRT)  # pytest's faulthandler prints every thread
+            out, _ = parent.communicate(timeout=30)
+            pytest.fail(f"the parent did not end within 60 s of Ctrl-C; its threads:\n{out}")
     finally:
         parent.kill()
     assert "KeyboardInterrupt" in out, out
