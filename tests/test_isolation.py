@@ -207,6 +207,9 @@ def test_ctrl_c_keeps_the_results_of_the_tests_the_child_finished(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # as in a terminal: a suite started in the background (`cmd &`) ignores SIGINT, and
+        # a Python started with SIGINT ignored keeps ignoring it (no KeyboardInterrupt)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120
@@ -218,9 +221,13 @@ def test_ctrl_c_keeps_the_results_of_the_tests_the_child_finished(tmp_path):
         parent.send_signal(signal.SIGINT)  # Ctrl-C, to the parent alone
         try:
             out, _ = parent.communicate(timeout=60)
-        except subprocess.TimeoutExpired:  # once in a whole-suite run: say where it hung
+        except subprocess.TimeoutExpired:  # say where it hung
             parent.send_signal(signal.SIGABRT)  # pytest's faulthandler prints every thread
-            out, _ = parent.communicate(timeout=30)
+            try:
+                out, _ = parent.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                parent.kill()
+                out, _ = parent.communicate()
             pytest.fail(f"the parent did not end within 60 s of Ctrl-C; its threads:\n{out}")
     finally:
         parent.kill()
