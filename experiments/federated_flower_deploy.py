@@ -20,11 +20,13 @@ Each run's epsilon is compared with the in-process run of the same config
 started here is stopped at the end.
 
 A killed node is noticed by the SuperLink when its heartbeats stop: a SuperNode
-sends one every 30 s (a Flower constant, no flag) and is declared lost after two
-missed ones, so each scenario with a kill waits about a minute.
+declares a heartbeat interval of 30 s (a Flower constant, no flag), sends a
+heartbeat every 17.5-22.5 s, and is declared lost after twice the interval
+without one, so each scenario with a kill waits about a minute.
 ``--heartbeat-interval S`` starts the SuperNodes with S seconds instead (Flower
-accepts 10 to 1800; the test uses 10) by setting that constant before the
-SuperNode's code is imported (`SUPERNODE_WITH_INTERVAL`).
+accepts 10 to 1800; the test uses 10): `SUPERNODE_WITH_INTERVAL` sets the value
+in the SuperNode's connection to the SuperLink and its heartbeat sender only, not
+in its store of ClientApp tasks, whose processes keep Flower's 30 s.
 
     python experiments/federated_flower_deploy.py                 # all three scenarios
     python experiments/federated_flower_deploy.py --only clean --client-app cold
@@ -205,12 +207,16 @@ class Deployment:
             raise RuntimeError(f"flwr run failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
 
 
-#: ``flower-supernode`` with another heartbeat interval: the SuperNode reads Flower's
-#: constant when its modules are imported, so it is set first
+#: ``flower-supernode`` with another node heartbeat interval: the two modules that
+#: declare and pace the node's heartbeats (flwr 1.42) read their own binding of Flower's
+#: constant when called, so it is replaced there, after import; the task store keeps 30 s
 SUPERNODE_WITH_INTERVAL = (
-    "import sys; import flwr.common.constant as c; c.HEARTBEAT_DEFAULT_INTERVAL = {interval}; "
-    "from flwr.supernode.cli import flower_supernode; sys.argv[0] = 'flower-supernode'; "
-    "sys.exit(flower_supernode())"
+    "import sys; from flwr.supernode.cli import flower_supernode; "
+    "import flwr.supernode.fleet_http_connection as f, flwr.supercore.heartbeat as h; "
+    "assert f.HEARTBEAT_DEFAULT_INTERVAL == h.HEARTBEAT_DEFAULT_INTERVAL == 30, "
+    "'this flwr paces its heartbeats otherwise'; "
+    "f.HEARTBEAT_DEFAULT_INTERVAL = h.HEARTBEAT_DEFAULT_INTERVAL = {interval}; "
+    "sys.argv[0] = 'flower-supernode'; sys.exit(flower_supernode())"
 )
 
 APP_PYPROJECT = """[build-system]
@@ -330,11 +336,13 @@ def main(argv=None) -> int:
         "--heartbeat-interval",
         type=float,
         default=None,
-        help="seconds between a SuperNode's heartbeats (Flower's default 30; 10 to 1800): "
-        "a killed node is declared lost after two missed ones",
+        help="the SuperNodes' heartbeat interval in seconds (Flower's 30; it accepts 10 to "
+        "1800): a killed node is declared lost after twice the interval without one",
     )
     p.add_argument("--output", default=os.path.join(RESULTS, "federated_flower_deploy.json"))
     args = p.parse_args(argv)
+    if args.heartbeat_interval is not None and not 10 <= args.heartbeat_interval <= 1800:
+        p.error(f"--heartbeat-interval must be in [10, 1800], got {args.heartbeat_interval:g}")
     from dpfl_tf._io import atomic_write_json
     from dpfl_tf.federated.flower import config_from_run_config
     from dpfl_tf.federated.runner import run_federated
@@ -360,7 +368,7 @@ def main(argv=None) -> int:
         "commit": commit_of(),
         "run_config": run_config,
         "client_app": CLIENT_APPS[args.client_app],
-        "heartbeat_interval": args.heartbeat_interval or 30.0,
+        "heartbeat_interval": 30.0 if args.heartbeat_interval is None else args.heartbeat_interval,
         "in_process_epsilon": inproc["epsilon"],
         "in_process_test_accuracy": inproc["test_accuracy"],
         "scenarios": [],

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import time
+from unittest import mock
 
 import keras
 import numpy as np
@@ -71,21 +72,26 @@ class _EvaluationSet(common.EpochHistory):
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--final", type=float, default=0.005, help="the step's final value")
-    p.add_argument("--validation", type=int, default=6000)
+    p.add_argument(
+        "--final",
+        type=float,
+        default=0.005,
+        choices=(0.02, 0.01, 0.005, 0.0025),
+        help="the step's final value (one of the tuning trials')",
+    )
+    p.add_argument("--validation", type=int, default=6000, help="held-out examples (>= 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=os.path.join(RESULTS, "mnist_iterate_averaging.json"))
     args = p.parse_args(argv)
+    if args.validation < 1:  # the averages are scored on held-out examples, never the test set
+        p.error("--validation must be >= 1")
     name = f"medium_noise/pld/anneal{args.final:g}"
     config = tune_runs(args.validation, lambda n: n == name)[name]
     config = dataclasses.replace(config, validation=args.validation, seed=args.seed)
-    run.EpochHistory = _EvaluationSet  # the recipe's run builds its history with it
-    try:
-        averages = IterateAverages()
-        start = time.perf_counter()
+    averages = IterateAverages()
+    start = time.perf_counter()
+    with mock.patch.object(run, "EpochHistory", _EvaluationSet):  # the run's history
         result, model = train_mnist(config, callbacks=[averages], return_model=True, verbose=False)
-    finally:
-        run.EpochHistory = common.EpochHistory
     held_out = _EvaluationSet.last
     raw = [v.numpy() for v in model.trainable_variables]
 
@@ -100,6 +106,8 @@ def main(argv=None) -> dict:
         "validation": args.validation,
         "seed": args.seed,
         "calls": averages.calls,
+        "decay_epochs": config.decay_epochs,
+        "lots": result["lots"],
         "epsilon": result["epsilon"],
         "last_iterate": score(raw),
         "recipe_result": result["test_accuracy"],
