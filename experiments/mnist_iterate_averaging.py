@@ -12,7 +12,8 @@ last iterate.  A diagnostic on validation data, one seed per call:
     python experiments/mnist_iterate_averaging.py --final 0.005 --seed 0
     python experiments/mnist_iterate_averaging.py --final 0.02 --seed 0
 
-Appends one row per call to results/mnist_iterate_averaging.json.
+Writes one row per call to results/mnist_iterate_averaging.json (replacing a row of
+the same run name: final step, validation size and seed).
 """
 
 from __future__ import annotations

@@ -380,11 +380,8 @@ def test_the_docs_have_runnable_blocks():
 
 def test_every_page_has_a_title_and_a_body():
     """An emptied or truncated page still builds under mkdocs --strict: caught here."""
-    short = [
-        str(page.relative_to(ROOT))
-        for page in PAGES
-        if not page.read_text().startswith("# ") or len(page.read_text().splitlines()) < 5
-    ]
+    texts = {str(page.relative_to(ROOT)): page.read_text() for page in PAGES}
+    short = [p for p, t in texts.items() if not t.startswith("# ") or len(t.splitlines()) < 5]
     assert not short, f"pages without a '# ' title or under 5 lines: {short}"
 
 
