@@ -53,6 +53,18 @@ CONFIGS = {
         model="scatter_linear", feature_norm="dp_stats", mirror_views=True, **_SCATTER
     ),
 }
+#: the user-level runs: what they check (the sampler's state, the users' digest, the
+#: user-level ledger) does not depend on the model, and per-user norms cost U x B
+#: per-example work (`PerUserGradients`), so a dense model on the pixels keeps them
+#: short; the per-user rules of convolutions are checked in tests/keras/test_users.py
+USER_LEVEL = dict(
+    model="mlp",
+    projection="none",
+    hidden_units=64,
+    l2_norm_clip=0.5,
+    learning_rate=0.5,
+    final_learning_rate=0.5,
+)
 
 
 def _stop_after(polls: int):
@@ -125,7 +137,7 @@ def test_a_resumed_user_level_run_ends_with_the_weights_of_the_uninterrupted_run
         eval_every=2,
         users=500,
         max_examples_per_user=3,
-        **CONFIGS["tanh_cnn"],
+        **USER_LEVEL,
     )
     whole, whole_model = train_mnist(config, verbose=False, return_model=True)
     assert whole["lots"] == 20 and (whole["privacy_unit"], whole["users"]) == ("user", 500)
@@ -167,7 +179,7 @@ def test_a_checkpoint_of_other_user_ids_is_refused(small_mnist, tmp_path):
         epochs=2,
         seed=3,
         user_ids=str(ids),
-        **CONFIGS["tanh_cnn"],
+        **USER_LEVEL,
     )
     ckpt = str(tmp_path / "ckpt")
     first = train_mnist(config, verbose=False, checkpoint_dir=ckpt, should_stop=_stop_after(3))
