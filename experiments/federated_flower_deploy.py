@@ -15,10 +15,6 @@ Scenarios (each a fresh results file and checkpoint directory):
 * ``dropout`` -- min-nodes = 1: the killed node's client is a dropout in every
   later round it is sampled in, and the run completes.
 
-The scenarios share one deployment, one after another; ``--parallel`` gives each a
-deployment of its own and runs them at once (the test: its wall time is the longest
-scenario's, about 1.5 minutes instead of 2.5).
-
 Each run's epsilon is compared with the in-process run of the same config
 (`run_federated`: the same events, so the same epsilon).  Every process
 started here is stopped at the end.
@@ -35,7 +31,6 @@ in its store of ClientApp tasks, whose processes keep Flower's 30 s.
     python experiments/federated_flower_deploy.py                 # all three scenarios
     python experiments/federated_flower_deploy.py --only clean --client-app cold
     python experiments/federated_flower_deploy.py --only dropout --rounds 3
-    python experiments/federated_flower_deploy.py --parallel --heartbeat-interval 10  # the test
 
 Writes results/federated_flower_deploy.json (per scenario: status, rounds,
 epsilon, seconds per round, missing clients per round).
@@ -44,7 +39,6 @@ epsilon, seconds per round, missing clients per round).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import signal
@@ -52,24 +46,15 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 from _common import RESULTS, ROOT, command_line, commit_of
 
-_PORTS_GIVEN: set[int] = set()
-
 
 def _free_port() -> int:
-    """A port free now and not given before in this process (deployments started at
-    once must not be handed the same one before either binds it)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _PORTS_GIVEN:
-            _PORTS_GIVEN.add(port)
-            return port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _toml(value) -> str:
@@ -354,13 +339,6 @@ def main(argv=None) -> int:
         help="the SuperNodes' heartbeat interval in seconds (Flower's 30; it accepts 10 to "
         "1800): a killed node is declared lost after twice the interval without one",
     )
-    p.add_argument(
-        "--parallel",
-        action="store_true",
-        help="run each scenario in a deployment of its own (its own SuperLink and "
-        "SuperNodes on other ports), all at once: the wall time of the longest scenario "
-        "instead of their sum (round times then include the others' load)",
-    )
     p.add_argument("--output", default=os.path.join(RESULTS, "federated_flower_deploy.json"))
     args = p.parse_args(argv)
     if args.heartbeat_interval is not None and not 10 <= args.heartbeat_interval <= 1800:
@@ -391,46 +369,24 @@ def main(argv=None) -> int:
         "run_config": run_config,
         "client_app": CLIENT_APPS[args.client_app],
         "heartbeat_interval": 30.0 if args.heartbeat_interval is None else args.heartbeat_interval,
-        "parallel": args.parallel,
         "in_process_epsilon": inproc["epsilon"],
         "in_process_test_accuracy": inproc["test_accuracy"],
         "scenarios": [],
     }
-    names = args.only or ["clean", "kill", "dropout"]
-    rows: dict[str, dict] = {}
-    survivors: list[int] = []
-    lock = threading.Lock()
-
-    def run_scenarios(directory: str, todo: list[str]) -> None:
-        """`todo` one after another in one deployment in `directory`."""
-        os.makedirs(directory, exist_ok=True)
-        dep = Deployment(
-            directory, run_config, args.clients, args.client_app, args.heartbeat_interval
-        )
-        with dep:
-            for name in todo:
+    with tempfile.TemporaryDirectory(prefix="dpfl-flower-") as tmp:
+        with Deployment(
+            tmp, run_config, args.clients, args.client_app, args.heartbeat_interval
+        ) as dep:
+            for name in args.only or ["clean", "kill", "dropout"]:
                 row = scenario(name, dep, args.rounds, args.timeout)
                 row["epsilon_equals_in_process"] = row["final"]["epsilon"] == inproc["epsilon"]
                 if name == "clean":  # the same rounds, so the same model
                     row["test_accuracy_equals_in_process"] = (
                         row["final"]["test_accuracy"] == inproc["test_accuracy"]
                     )
-                with lock:
-                    rows[name] = row
-                    out["scenarios"] = [rows[n] for n in names if n in rows]
-                    atomic_write_json(args.output, out)
-        with lock:
-            survivors.extend(dep.survivors)
-
-    with tempfile.TemporaryDirectory(prefix="dpfl-flower-") as tmp:
-        if args.parallel:  # a deployment of its own per scenario, all at once
-            with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
-                jobs = [pool.submit(run_scenarios, os.path.join(tmp, n), [n]) for n in names]
-                for job in jobs:
-                    job.result()
-        else:
-            run_scenarios(tmp, names)
-        out["processes_left_running"] = survivors
+                out["scenarios"].append(row)
+                atomic_write_json(args.output, out)
+        out["processes_left_running"] = dep.survivors
         atomic_write_json(args.output, out)
     print(f"wrote {args.output}")
     return (
