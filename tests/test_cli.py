@@ -266,7 +266,8 @@ def test_train_unknown_dataset_and_missing_data(tmp_path, monkeypatch):
             "KERAS_HOME": str(tmp_path / "keras"),
         },
     )
-    assert env_run.returncode != 0, env_run.stdout[-2000:]
+    assert env_run.returncode == 2, env_run.stdout[-2000:] + env_run.stderr[-2000:]
+    assert "apt-get install -y dataset-fashion-mnist" in env_run.stderr  # the refusal's advice
     assert str(tmp_path) in env_run.stderr and not (tmp_path / "r.json").exists()
 
 

@@ -173,14 +173,22 @@ class LotStep:
         """The lot's clipped sum over its physical batches of `batch_size`
         examples: one batch when the lot's static size fits, else a loop over
         batches (user-level lots: batches of whole users, `sum_user_batches`).
-        A lot whose size is known only at run time (Poisson sampling) always
-        takes the loop, one pass when it fits: a `tf.cond` between the two
-        would trace the per-example gradients twice (once per branch), which
-        was a third of the time a DP training function took to trace."""
+        A lot whose size is known only at run time (`fit`'s lots) takes the
+        loop, one pass when it fits: a `tf.cond` between the two would trace
+        the per-example gradients twice (once per branch), a third of the time
+        a DP training function took to trace.  Under XLA (`pad_to_batch`) the
+        loop pads every batch to `batch_size` rows, more work than a lot that
+        fits needs, so there the `tf.cond` stays (XLA compiles both branches)."""
         if mask.shape[0] is not None and mask.shape[0] <= self.batch_size:
             return self.clip_physical_batch(x, y, mask, gate)
         if self.segments is not None:
             return self.sum_user_batches(x, y, mask, gate)
+        if self.pad_to_batch:
+            return tf.cond(
+                tf.shape(mask)[0] <= self.batch_size,
+                lambda: self.clip_physical_batch(x, y, mask, gate),
+                lambda: self.sum_physical_batches(x, y, mask, gate),
+            )
         return self.sum_physical_batches(x, y, mask, gate)
 
     def sum_user_batches(self, x, y, mask, gate=None):
