@@ -94,6 +94,35 @@ def test_a_fit_with_the_same_settings_reuses_the_traced_function_and_a_change_re
     assert dp.train_function is not second
 
 
+@pytest.mark.parametrize("batch_size", [None, 40], ids=["lot-fits", "three-batches"])
+def test_the_training_function_traces_the_per_example_gradients_once(batch_size, monkeypatch):
+    """A lot of run-time size (every lot of fit) is traced through one path: per
+    trace of the training step, the per-example gradients once for the physical
+    batch and once for the one-example rerun of a batch with a non-finite example
+    -- not twice more for a second branch (a tf.cond between "one batch" and "the
+    loop" traced both).  (The step itself is traced twice per fit: the compiled
+    accuracy metric creates its variables inside the first trace.)"""
+    from dpfl_tf.keras.per_example import PerExampleGradients
+
+    clipped, step = PerExampleGradients.clipped, DPModel.train_step
+    calls, steps = [], []
+
+    def counted_clipped(self, *args, **kwargs):
+        calls.append(tf.executing_eagerly())
+        return clipped(self, *args, **kwargs)
+
+    def counted_step(self, *args, **kwargs):
+        steps.append(tf.executing_eagerly())
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(PerExampleGradients, "clipped", counted_clipped)
+    monkeypatch.setattr(DPModel, "train_step", counted_step)
+    x, y = mnist_slice(400, features=60)
+    dp_model().fit(x, y, lot_size=100, batch_size=batch_size, epochs=1, verbose=0)
+    assert steps and not any(steps) and not any(calls)  # traced, never run eagerly
+    assert len(calls) == 2 * len(steps), (len(calls), len(steps))
+
+
 def test_physical_batches_sum_to_the_same_lot_update_without_noise():
     one = _one_lot_update(600, 0.0, 0)
     four = _one_lot_update(150, 0.0, 0)
