@@ -5,6 +5,7 @@ feature statistics."""
 import dataclasses
 import json
 import os
+import pathlib
 import shutil
 
 import dp_accounting
@@ -40,15 +41,14 @@ def _cache_without_features(monkeypatch, directory):
     the decoded CIFAR-10 is (hard links to the test session's cache, filled once): the
     features are computed afresh, the 50,000 JPEGs are not decoded again (~10 s)."""
     recipe.load_dataset("cifar10")  # decodes into the session's cache, once a session
-    session = os.path.join(os.environ["DPFL_CACHE_DIR"], "image_folder")
-    os.makedirs(os.path.join(directory, "image_folder"))
-    for name in os.listdir(session):
-        if name.endswith(".npz"):
-            source, target = os.path.join(session, name), directory / "image_folder" / name
-            try:
-                os.link(source, target)
-            except OSError:  # another file system
-                shutil.copyfile(source, target)
+    session = pathlib.Path(os.environ["DPFL_CACHE_DIR"], "image_folder")
+    (directory / "image_folder").mkdir()
+    for source in session.glob("*.npz"):
+        target = directory / "image_folder" / source.name
+        try:
+            os.link(source, target)
+        except OSError:  # another file system
+            shutil.copyfile(source, target)
     monkeypatch.setenv("DPFL_CACHE_DIR", str(directory))
 
 
