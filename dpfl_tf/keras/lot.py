@@ -7,9 +7,11 @@ in the spirit of Opacus's ``DPOptimizer.pre_step`` (``clip_and_accumulate``,
 example and summed (`LotStep.clip_and_accumulate`), Gaussian noise is added
 once for the lot (`add_noise`) and the sum divided by the expected lot size L
 (`scale_grad`).  A physical batch in which some example is non-finite is
-rerun one example at a time (`rerun_one_by_one`), so that only that example
-is dropped.  `DPModel` trains with it; `dpfl_tf.keras.dp_gradients` gives the
-same step to a custom training loop.
+redone one example (or one user) at a time, so that only that example is
+dropped: inside the loop over physical batches, by the loop itself
+(`_sum_batches`), elsewhere by a rerun (`rerun_one_by_one`).  `DPModel`
+trains with it; `dpfl_tf.keras.dp_gradients` gives the same step to a custom
+training loop.
 """
 
 from __future__ import annotations
@@ -150,12 +152,30 @@ class LotStep:
         every example looks non-finite.  Whenever any example is non-finite,
         the batch is rerun one example at a time, so only the offending
         examples are dropped and the sensitivity stays C (user-level lots: rerun
-        one user at a time)."""
-        sums, losses, y_pred, dropped = self.clip_batch(xb, yb, mb)
-        n_bad = tf.reduce_sum(tf.cast(dropped, tf.int64))
+        one user at a time).  The loop over physical batches does the same
+        redo without this `tf.cond` (`_sum_batches`)."""
+        sums, loss_sum, count, n_bad = self.clip_batch_once(xb, yb, mb, gate)
         rerun = self.rerun_one_by_one if self.segments is None else self.rerun_user_by_user
         sums, n_bad = tf.cond(n_bad > 0, lambda: rerun(xb, yb, mb), lambda: (sums, n_bad))
-        return (sums, *self.batch_statistics(yb, y_pred, losses, mb, gate), n_bad)
+        return sums, loss_sum, count, n_bad
+
+    def clip_batch_once(self, xb, yb, mb, gate, statistics=None):
+        """`clip_physical_batch` without the rerun: the batched pass's clipped
+        sums (not to be used when an example was dropped), its statistics and the
+        number of examples found non-finite.  `statistics` (a boolean tensor):
+        when false, no statistics (zeros, and the metrics are not updated:
+        Keras's compiled `metrics` ignore sample weights, so a weight of 0 would
+        not keep them out)."""
+        sums, losses, y_pred, dropped = self.clip_batch(xb, yb, mb)
+        n_bad = tf.reduce_sum(tf.cast(dropped, tf.int64))
+
+        def stats():
+            return self.batch_statistics(yb, y_pred, losses, mb, gate)
+
+        if statistics is None:
+            return (sums, *stats(), n_bad)
+        none = (tf.constant(0.0), tf.constant(0.0))
+        return (sums, *tf.cond(statistics, stats, lambda: none), n_bad)
 
     def batch_statistics(self, yb, y_pred, losses, mb, gate):
         """(loss sum, examples kept) of a physical batch, and its metrics:
@@ -223,10 +243,10 @@ class LotStep:
             )
             return tf.maximum(by_rows, end_of_first)
 
-        def clip_users(start, size):
+        def clip_users(start, size, statistics):
             per_example.segments = _rows(segments, start, size) - segments[start]
             try:
-                return self._clip_rows(x, y, mask, gate, start, size)
+                return self._clip_rows(x, y, mask, gate, start, size, statistics=statistics)
             finally:
                 per_example.segments = segments
 
@@ -234,7 +254,11 @@ class LotStep:
             end = batch_end(start)
             return end, end - start
 
-        return self._sum_batches(n, batch, clip_users)
+        def one_user(start):  # the rows of the user that starts at `start`
+            end = rows_before(segments[start] + 1)
+            return end, end - start
+
+        return self._sum_batches(n, batch, clip_users, redo=one_user)
 
     def sum_physical_batches(self, x, y, mask, gate=None):
         """The loop over physical batches (under XLA every slice padded to the
@@ -254,40 +278,71 @@ class LotStep:
                 return start + bsz, bsz
             return tf.minimum(start + bsz, n), tf.minimum(bsz, n - start)
 
+        def clip_rows(start, size, statistics):
+            # under XLA (static shapes) the batch's tf.cond reruns it
+            return self._clip_rows(
+                x, y, mask, gate, start, size, statistics=statistics, rerun=self.pad_to_batch
+            )
+
+        def one_example(start):
+            return start + 1, tf.ones_like(start)
+
         return self._sum_batches(
-            n, batch, lambda start, size: self._clip_rows(x, y, mask, gate, start, size)
+            n, batch, clip_rows, redo=None if self.pad_to_batch else one_example
         )
 
-    def _clip_rows(self, x, y, mask, gate, start, size):
-        """`clip_physical_batch` of rows [start, start + size)."""
-        return self.clip_physical_batch(
+    def _clip_rows(self, x, y, mask, gate, start, size, statistics=None, rerun=False):
+        """`clip_batch_once` (rerun: `clip_physical_batch`) of rows [start, start + size)."""
+        rows = (
             tf.nest.map_structure(lambda t: _rows(t, start, size), x),
             _rows(y, start, size),
             _rows(mask, start, size),
             gate,
         )
+        if rerun:
+            return self.clip_physical_batch(*rows)
+        return self.clip_batch_once(*rows, statistics=statistics)
 
-    def _sum_batches(self, n, batch, clip_rows):
+    def _sum_batches(self, n, batch, clip_rows, redo=None):
         """(clipped sums, loss sum, examples kept, examples dropped) summed over
         the physical batches cut from rows [0, n): `batch(start)` gives the
-        next batch's (end, size), `clip_rows(start, size)` its four values."""
+        next batch's (end, size), `clip_rows(start, size, statistics)` its four
+        values (`statistics`: a boolean tensor, whether to compute them).
 
-        def body(start, acc, loss_sum, count, dropped):
-            end, size = batch(start)
-            sums, b_loss, b_count, n_bad = clip_rows(start, size)
+        `redo(start)` (the (end, size) of the one example, or the one user, that
+        starts at `start`): a batch in which some example is non-finite is not
+        added; the loop goes over its rows again one unit at a time, through the
+        same `clip_rows`, so the per-example gradients are traced once (a
+        `tf.cond` around a rerun would trace them twice).  The discarded pass
+        still gives the batch's statistics (a forward pass does not mix
+        examples); the units' passes give none.  Without `redo`, `clip_rows`
+        reruns such a batch itself."""
+
+        def body(start, redo_end, acc, loss_sum, count, dropped):
+            if redo is None:
+                end, size = batch(start)
+                sums, b_loss, b_count, n_bad = clip_rows(start, size, None)
+                again = tf.constant(False)
+            else:
+                redoing = start < redo_end  # rows [start, redo_end) are being redone
+                end, size = tf.cond(redoing, lambda: redo(start), lambda: batch(start))
+                sums, b_loss, b_count, n_bad = clip_rows(start, size, tf.logical_not(redoing))
+                again = tf.logical_not(redoing) & (n_bad > 0) & (size > 1)
             return (
-                end,
-                [a + s for a, s in zip(acc, sums)],
+                tf.where(again, start, end),
+                tf.where(again, end, redo_end),
+                [tf.where(again, a, a + s) for a, s in zip(acc, sums)],
                 loss_sum + b_loss,
                 count + b_count,
-                dropped + n_bad,
+                dropped + tf.where(again, tf.zeros_like(n_bad), n_bad),
             )
 
         acc0 = [tf.zeros(v.shape, v.dtype) for v in self.variables]
-        _, *out = tf.while_loop(
+        state = (tf.constant(0), tf.constant(0), acc0, tf.constant(0.0), tf.constant(0.0))
+        _, _, *out = tf.while_loop(
             lambda start, *_: start < n,
             body,
-            (tf.constant(0), acc0, tf.constant(0.0), tf.constant(0.0), tf.constant(0, tf.int64)),
+            state + (tf.constant(0, tf.int64),),
             parallel_iterations=1,
         )
         return tuple(out)

@@ -48,7 +48,8 @@ Within a batch, the per-user norms are computed for a few users at a time
 largest of `batch_size` and one user's examples in a lot (which
 ``max_examples_per_user`` caps).  An example with a non-finite gradient makes
 its user's G_u non-finite: the physical batch is then recomputed user by user
-(`rerun_user_by_user`, so one user's NaN cannot reach another user's
+(by the loop over physical batches, `LotStep._sum_batches`, or by
+`rerun_user_by_user`, so one user's NaN cannot reach another user's
 gradient) and that user is dropped.
 """
 

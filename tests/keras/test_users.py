@@ -310,7 +310,7 @@ class _RecordedBatches(LotStep):
         )  # fmt: skip
         self.batches = []
 
-    def clip_physical_batch(self, xb, yb, mb, gate):
+    def clip_batch_once(self, xb, yb, mb, gate, statistics=None):
         self.batches.append((xb.numpy(), self.per_example.segments.numpy()))
         return [tf.zeros([1])], tf.constant(0.0), tf.constant(0.0), tf.constant(0, tf.int64)
 
@@ -399,7 +399,7 @@ def test_fit_refusals(mnist_users):
         user_model.fit(x, y, lot_size=60, verbose=0)
 
 
-@pytest.mark.parametrize("fast, batch_size", [(True, None), (False, None), (True, 25)])
+@pytest.mark.parametrize("fast, batch_size", [(True, None), (False, None), (True, 25), (False, 25)])
 def test_a_non_finite_example_drops_its_user_only(mnist_users, fast, batch_size):
     x, y, users = mnist_users
     x = x.copy()
