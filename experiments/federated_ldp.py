@@ -18,6 +18,8 @@ global model (public: the server draws it).
     python experiments/federated_ldp.py --only mnist_400   # one setting
     python experiments/federated_ldp.py --quick            # smoke run (2 rounds, small data)
     python experiments/federated_ldp.py --plot-only        # redraw the figure
+    python experiments/federated_ldp.py --only fashion_70 --mechanisms pnpm \
+        --validation 6000 --model-average 0.5   # a tuning trial (federated_ldp_tuning.json)
 
 Writes results/federated_ldp.json (a list of runs, merged with the runs
 already there) and results/federated_ldp.png (test accuracy per mechanism
@@ -103,6 +105,7 @@ def config(setting: dict, mechanism: str, args) -> FederatedConfig:
         model=setting["model"],
         seed=args.seed,
         train_subset=QUICK["train_subset"] if args.quick else None,
+        model_average=args.model_average,
     )
     if mechanism == "nonprivate":
         return FederatedConfig(**common)
@@ -146,6 +149,7 @@ def plot(runs: list[dict], path: str) -> None:
     """Grouped bars: one group per setting, one bar per mechanism; paper values as markers."""
     names = [n for n in SETTINGS if any(r["setting"] == n for r in runs)]
     mechs = [m for m in MECHANISMS + ("laplace", "gaussian") if any(r["run"] == m for r in runs)]
+    mechs += sorted({r["run"] for r in runs if "+average" in r["run"]})  # a released average
     width = 0.8 / max(1, len(mechs))
     fig, ax = plt.subplots(figsize=(3.2 + 2.2 * len(names), 4.2))
     for j, mech in enumerate(mechs):
@@ -171,7 +175,7 @@ def plot(runs: list[dict], path: str) -> None:
             if accs:
                 xs.append(x)
                 ys.append(float(np.mean(accs)))
-            reported = SETTINGS[name]["paper"].get(mech)
+            reported = SETTINGS[name]["paper"].get(mech.split("+")[0])
             if isinstance(reported, float):
                 paper_x.append(x)
                 paper_y.append(reported)
@@ -224,14 +228,36 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--output-dir", default=RESULTS)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--plot-only", action="store_true", help="redraw the figure from the results")
+    p.add_argument(
+        "--model-average",
+        type=float,
+        metavar="BETA",
+        help="release the exponential moving average (decay BETA) of the rounds' global models "
+        "(FederatedConfig.model_average; post-processing of the perturbed uploads' averages); "
+        "the results also give the last global model's accuracy",
+    )
+    p.add_argument(
+        "--validation",
+        type=int,
+        default=0,
+        help="hold out this many training examples (a seeded draw) and evaluate on them instead "
+        "of the test set: tuning trials (results/federated_ldp_tuning.json)",
+    )
     args = p.parse_args(argv)
+    if args.validation and (args.quick or args.plot_only):
+        p.error("--validation runs tuning trials: not with --quick or --plot-only")
 
     from dpfl_tf.data import load_dataset
 
     results = []
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(
-        args.output_dir, "federated_ldp_quick.json" if args.quick else "federated_ldp.json"
+        args.output_dir,
+        "federated_ldp_quick.json"
+        if args.quick
+        else "federated_ldp_tuning.json"
+        if args.validation
+        else "federated_ldp.json",
     )
     merged = []
     if args.plot_only and os.path.exists(path):
@@ -240,6 +266,8 @@ def main(argv=None) -> list[dict]:
     for name in [] if args.plot_only else args.only or list(SETTINGS):
         setting = SETTINGS[name]
         ds = load_dataset(setting["dataset"])
+        if args.validation:
+            ds = ds.validation_split(args.validation)  # the same draw as every tuning run
         for mech in args.mechanisms:
             c = config(setting, mech, args)
             print(
@@ -255,12 +283,16 @@ def main(argv=None) -> list[dict]:
                 r = diverged_run(c, ds, str(e))
             r.update(
                 setting=name,
-                run=mech,
+                run=mech if args.model_average is None else f"{mech}+average{args.model_average:g}",
                 users=c.clients,
                 quick=bool(args.quick),
                 seed=c.seed,
                 paper_accuracy=setting["paper"].get(mech),
                 domain=DOMAINS.get(mech, (None, "none"))[1] if mech != "nonprivate" else None,
+                model_average=args.model_average,
+                evaluated_on=f"validation ({args.validation} held-out training examples)"
+                if args.validation
+                else "test",
             )
             if mech == "nonprivate":
                 r.update(epsilon_per_coordinate=None, epsilon_per_upload=None)
@@ -272,6 +304,8 @@ def main(argv=None) -> list[dict]:
             )
             if r.get("epsilon_per_upload_sign_only") is not None:  # PNPM
                 upload = f"{upload} (signs only: {r['epsilon_per_upload_sign_only']})"
+            if "global_model_accuracy" in r:  # the average is released; the last model's too
+                print(f"   the last global model: {r['global_model_accuracy']:.4f}", flush=True)
             print(
                 f"   accuracy={acc} eps/coordinate="
                 f"{r.get('epsilon_per_coordinate')} eps/upload={upload} "
@@ -280,7 +314,15 @@ def main(argv=None) -> list[dict]:
             )
             # after every run: nothing is lost if a later one fails
             merged = merge_json_runs(
-                path, [r], lambda x: (x["setting"], x["run"], x.get("quick"), x.get("seed"))
+                path,
+                [r],
+                lambda x: (
+                    x["setting"],
+                    x["run"],
+                    x.get("quick"),
+                    x.get("seed"),
+                    x.get("model_average"),
+                ),
             )
     plot([r for r in merged if r.get("quick") == bool(args.quick)], path.replace(".json", ".png"))
     print(f"wrote {path} and {os.path.basename(path).replace('.json', '.png')}")
