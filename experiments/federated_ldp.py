@@ -145,7 +145,7 @@ def diverged_run(c: FederatedConfig, ds, error: str) -> dict:
     }
 
 
-def plot(runs: list[dict], path: str) -> None:
+def plot(runs: list[dict], path: str, evaluated_on: str = "test") -> None:
     """Grouped bars: one group per setting, one bar per mechanism; paper values as markers."""
     names = [n for n in SETTINGS if any(r["setting"] == n for r in runs)]
     mechs = [m for m in MECHANISMS + ("laplace", "gaussian") if any(r["run"] == m for r in runs)]
@@ -197,7 +197,7 @@ def plot(runs: list[dict], path: str) -> None:
         )
         labels.append(f"{s['dataset']}\n{s['users']} users, eps={eps:g}/coord.")
     ax.set_xticks(range(len(names)), labels, fontsize=8)
-    ax.set_ylabel("test accuracy after the last round")
+    ax.set_ylabel(f"{evaluated_on} accuracy of the released model")
     ax.set_ylim(0, 1.05)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -241,11 +241,12 @@ def main(argv=None) -> list[dict]:
         type=int,
         default=0,
         help="hold out this many training examples (a seeded draw) and evaluate on them instead "
-        "of the test set: tuning trials (results/federated_ldp_tuning.json)",
+        "of the test set: tuning trials (results/federated_ldp_tuning.json; with --plot-only, "
+        "redraw their figure)",
     )
     args = p.parse_args(argv)
-    if args.validation and (args.quick or args.plot_only):
-        p.error("--validation runs tuning trials: not with --quick or --plot-only")
+    if args.validation and args.quick:
+        p.error("--validation runs tuning trials on the whole data: not with --quick")
 
     from dpfl_tf.data import load_dataset
 
@@ -324,7 +325,11 @@ def main(argv=None) -> list[dict]:
                     x.get("model_average"),
                 ),
             )
-    plot([r for r in merged if r.get("quick") == bool(args.quick)], path.replace(".json", ".png"))
+    plot(
+        [r for r in merged if r.get("quick") == bool(args.quick)],
+        path.replace(".json", ".png"),
+        "validation" if args.validation else "test",
+    )
     print(f"wrote {path} and {os.path.basename(path).replace('.json', '.png')}")
     return results
 
