@@ -176,6 +176,8 @@ def plot(runs: list[dict], path: str, evaluated_on: str = "test") -> None:
                 xs.append(x)
                 ys.append(float(np.mean(accs)))
             reported = SETTINGS[name]["paper"].get(mech.split("+")[0])
+            if "+" in mech and not accs:  # a released average: its mark only where it ran
+                reported = None
             if isinstance(reported, float):
                 paper_x.append(x)
                 paper_y.append(reported)
