@@ -316,16 +316,8 @@ def main(argv=None) -> list[dict]:
                 flush=True,
             )
             # after every run: nothing is lost if a later one fails
-            merged = merge_json_runs(
-                path,
-                [r],
-                lambda x: (
-                    x["setting"],
-                    x["run"],
-                    x.get("quick"),
-                    x.get("seed"),
-                    x.get("model_average"),
-                ),
+            merged = merge_json_runs(  # an average's run name carries its beta
+                path, [r], lambda x: (x["setting"], x["run"], x.get("quick"), x.get("seed"))
             )
     plot(
         [r for r in merged if r.get("quick") == bool(args.quick)],
