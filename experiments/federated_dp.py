@@ -121,20 +121,53 @@ def authors_clip_aggregate(sigma: float, seed: int):
     return aggregate
 
 
-def run_authors_clip(config: FederatedConfig, ds, progress: bool) -> dict:
-    """`config` (a Global DP run) with its aggregation replaced by the authors' coded one:
-    the same clients, sampling, noise multiplier, local training and rounds (the stop
-    rule of the Global DP event at these q and sigma), but no bound on any update, so
-    the run has no epsilon: the result says so."""
+def _run_server(config: FederatedConfig, ds, progress: bool, *, setup=None, on_round=None):
+    """`config`'s run on a server built here: `setup(server)` before the first round,
+    `on_round(server)` after each; returns (the result, the server)."""
     import time
 
     from dpfl_tf.federated.runner import build_server, federated_result
 
     server, ds = build_server(config, ds, progress=progress)
-    server.aggregator.aggregate = authors_clip_aggregate(config.noise_multiplier, config.seed)
+    if setup is not None:
+        setup(server)
     start = time.perf_counter()
-    server.run(config.rounds)
-    r = federated_result(config, server, ds, seconds=time.perf_counter() - start)
+    server.run(config.rounds, on_round=on_round)
+    return federated_result(config, server, ds, seconds=time.perf_counter() - start), server
+
+
+def run_with_averages(config: FederatedConfig, ds, betas, progress: bool) -> dict:
+    """`config`'s run with the exponential moving averages of its global models at each
+    decay in `betas` kept beside the server's own (`ModelAverage`, updated after every
+    round as the server updates its own) and evaluated after the last round: several
+    decays tried in one run.  Post-processing of the released models: no epsilon
+    changes.  Adds ``other_averages`` {beta: accuracy} to the result."""
+    from dpfl_tf.federated.server_optimizers import ModelAverage
+
+    averages = {float(b): ModelAverage(float(b)) for b in betas}
+
+    def update(server):
+        for average in averages.values():
+            average.update(server.trainer.get_weights())
+
+    r, server = _run_server(config, ds, progress, on_round=update)
+    like = server.trainer.get_weights()
+    r["other_averages"] = {
+        str(b): float(server.evaluate(a.average(like))[1]) for b, a in averages.items()
+    }
+    return r
+
+
+def run_authors_clip(config: FederatedConfig, ds, progress: bool) -> dict:
+    """`config` (a Global DP run) with its aggregation replaced by the authors' coded one:
+    the same clients, sampling, noise multiplier, local training and rounds (the stop
+    rule of the Global DP event at these q and sigma), but no bound on any update, so
+    the run has no epsilon: the result says so."""
+
+    def authors(server):
+        server.aggregator.aggregate = authors_clip_aggregate(config.noise_multiplier, config.seed)
+
+    r, _ = _run_server(config, ds, progress, setup=authors)
     for h in r["history"]:  # the ledger's epsilon is a Global DP run's, not this one's
         h.update(epsilon=None, delta=None)
     r.update(
@@ -417,6 +450,14 @@ def main(argv=None) -> list[dict]:
         "last global model's accuracy",
     )
     p.add_argument(
+        "--also-average",
+        type=float,
+        nargs="+",
+        metavar="BETA",
+        help="also keep the averages of the global models at these decays and evaluate them "
+        "after the last round (post-processing; for tuning the decay in one run)",
+    )
+    p.add_argument(
         "--authors-clip",
         action="store_true",
         help="replace the global run's aggregation by Geyer et al.'s coded one (per-layer "
@@ -449,6 +490,9 @@ def main(argv=None) -> list[dict]:
             )
             if args.authors_clip and name == "global":
                 r = run_authors_clip(config, ds, progress=not args.no_progress)
+            elif args.also_average:
+                r = run_with_averages(config, ds, args.also_average, not args.no_progress)
+                print(f"   the other averages: {r['other_averages']}", flush=True)
             else:
                 r = run_federated(config, ds, progress=not args.no_progress)
             if "global_model_accuracy" in r:  # the average is released; the last x_T's too

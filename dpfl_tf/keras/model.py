@@ -1089,9 +1089,28 @@ class DPModel(keras.Model):
         )
         return lot(x, y, mask, step=self._counters.computed, gate=gate)
 
-    def _update_metrics(self, y, y_pred, sample_weight) -> None:
-        if self._compile_metrics is not None:
-            self._compile_metrics.update_state(y, y_pred, sample_weight=sample_weight)
+    def _update_metrics(self, y, y_pred, kept) -> None:
+        """The compiled metrics of a physical batch's kept rows (`kept`: 1 for an
+        example of the lot whose loss is finite, 0 for a padding row, a row of a
+        skipped lot or a dropped example).  Keras passes a sample weight to its
+        `weighted_metrics` only (its `metrics` count every row given), and `fit`
+        takes no sample weights of its own, so every compiled metric gets `kept`
+        as its weight here."""
+        metrics = self._compile_metrics
+        if metrics is None:
+            return
+        if not metrics.built:
+            metrics.build(y, y_pred)
+        flat = getattr(metrics, "_flat_metrics", None)
+        weighted = getattr(metrics, "_flat_weighted_metrics", None)
+        if flat is None or weighted is None:  # another Keras: its own rule
+            metrics.update_state(y, y_pred, sample_weight=kept)
+            return
+        y_true, y_pred = metrics._flatten_y(y), metrics._flatten_y(y_pred)
+        for group in (flat, weighted):
+            for m, y_t, y_p in zip(group, y_true, y_pred):
+                if m:
+                    m.update_state(y_t, y_p, sample_weight=kept)
 
     # -- serialisation ----------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
