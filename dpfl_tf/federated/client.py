@@ -80,6 +80,22 @@ def layer_groups(model) -> list[int]:
     return groups
 
 
+def _describe(setting):
+    """A number as it is; a Keras object (schedule, loss) by its serialized config;
+    another callable by its module and qualified name."""
+    if not callable(setting):
+        return float(setting)
+    import keras
+
+    if hasattr(setting, "get_config"):
+        try:
+            return keras.saving.serialize_keras_object(setting)
+        except (TypeError, ValueError, NotImplementedError):
+            pass
+    name = getattr(setting, "__qualname__", type(setting).__qualname__)
+    return f"{getattr(setting, '__module__', '?')}.{name}"
+
+
 class LocalTrainer:
     """Runs ClientUpdate for one client at a time on a shared model.
 
@@ -134,6 +150,18 @@ class LocalTrainer:
         self._velocity = [tf.Variable(tf.zeros_like(v), trainable=False) for v in self._vars]
         self._mu = tf.constant(self.momentum, tf.float32)
         self._train_fn = tf.function(self._local_sgd, reduce_retracing=True)
+
+    def get_config(self) -> dict:
+        """The local-training settings, JSON-ready (a checkpoint's fingerprint holds
+        them, so a run resumed with another E, B, step, momentum or loss is refused):
+        a Keras schedule or loss by its serialized config, another callable by name."""
+        return {
+            "local_epochs": self.local_epochs,
+            "batch_size": self.batch_size,
+            "learning_rate": _describe(self.learning_rate),
+            "momentum": self.momentum,
+            "loss": _describe(self.loss),
+        }
 
     @property
     def variables(self) -> list[tf.Variable]:

@@ -896,6 +896,7 @@ class FederatedServer:
             "model_average": (
                 None if self.model_average is None else self.model_average.get_config()
             ),
+            "local_training": self.trainer.get_config(),
         }
 
     def save_checkpoint(self, directory: str | os.PathLike) -> None:
@@ -951,6 +952,8 @@ class FederatedServer:
         saved = dict(state["fingerprint"])  # checkpoints from before server optimisers: FedAvg
         saved.setdefault("server_optimizer", LEGACY_SERVER_OPTIMIZER)
         saved.setdefault("model_average", None)  # and before model averages
+        # checkpoints from before the local-training settings were fingerprinted: not known
+        saved.setdefault("local_training", mine["local_training"])
         if saved != mine:
             diff = sorted(k for k in mine if saved.get(k) != mine[k])
             raise ValueError(

@@ -3,6 +3,7 @@ MNIST, checkpoint/resume."""
 
 import json
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -168,6 +169,39 @@ def test_checkpoint_resume_reproduces_an_uninterrupted_run(trainer, tmp_path, mn
     )
     with pytest.raises(ValueError, match="belongs to a different run"):
         other.load_checkpoint(tmp_path)
+    # and so is one whose clients trained otherwise (E, B, step, momentum or loss); the
+    # same settings in a new trainer are the same run
+    for change, same in [
+        ({}, True),
+        ({"local_epochs": 1}, False),
+        ({"batch_size": 8}, False),
+        ({"learning_rate": 0.1}, False),
+        ({"momentum": 0.0}, False),
+        ({"loss": keras.losses.CategoricalFocalCrossentropy()}, False),
+    ]:
+        settings = dict(local_epochs=2, batch_size=16, learning_rate=0.05, momentum=0.5)
+        other_trainer = LocalTrainer(
+            trainer.model,
+            mnist_small.x_train[:600],
+            mnist_small.y_train[:600],
+            **{**settings, **change},
+        )
+        again = FederatedServer(
+            other_trainer,
+            partition,
+            GlobalDPAggregator(GaussianSanitizer(0.5, 1.0)),
+            sampling=ClientSampling("poisson", clients_per_round=4),
+            test_data=None,
+            delta_max=1e-3,
+            seed=1,
+            noise_seed=2,
+            progress=False,
+        )
+        if same:
+            assert again.load_checkpoint(tmp_path) and again.rounds_done == 3
+        else:
+            with pytest.raises(ValueError, match="differs in: local_training"):
+                again.load_checkpoint(tmp_path)
 
 
 def test_server_input_errors(trainer):
