@@ -154,7 +154,8 @@ class LocalTrainer:
     def get_config(self) -> dict:
         """The local-training settings, JSON-ready (a checkpoint's fingerprint holds
         them, so a run resumed with another E, B, step, momentum or loss is refused):
-        a Keras schedule or loss by its serialized config, another callable by name."""
+        a Keras schedule or loss by its serialized config, another callable by its
+        name only (two lambdas, or a function whose body changed, look the same)."""
         return {
             "local_epochs": self.local_epochs,
             "batch_size": self.batch_size,

@@ -66,7 +66,24 @@ from dpfl_tf.secure_random import refuse_seed, secure_uniform
 __all__ = ["ClientSampling", "FederatedServer", "RoundRecord"]
 
 CHECKPOINT_FORMAT = 1
+
+
 #: what checkpoints written before server optimisers existed ran: FedAvg's w + Delta
+def _differences(saved: dict, mine: dict, prefix: str = "") -> list[str]:
+    """The keys where two fingerprints differ, one level down as ``outer.inner``
+    (``local_training.momentum``)."""
+    out = []
+    for k in sorted(set(saved) | set(mine)):
+        a, b = saved.get(k), mine.get(k)
+        if a == b:
+            continue
+        if not prefix and isinstance(a, dict) and isinstance(b, dict) and a and b:
+            out += _differences(a, b, f"{k}.")
+        else:
+            out.append(f"{prefix}{k}")
+    return out
+
+
 LEGACY_SERVER_OPTIMIZER = {"kind": "sgd", "learning_rate": 1.0, "momentum": 0.0}
 
 #: The neighbouring relation of the released model, by client sampling scheme
@@ -955,7 +972,7 @@ class FederatedServer:
         # checkpoints from before the local-training settings were fingerprinted: not known
         saved.setdefault("local_training", mine["local_training"])
         if saved != mine:
-            diff = sorted(k for k in mine if saved.get(k) != mine[k])
+            diff = sorted(_differences(saved, mine))
             raise ValueError(
                 f"{path} belongs to a different run (differs in: "
                 f"{', '.join(diff)}); use another checkpoint directory"

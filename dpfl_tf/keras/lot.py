@@ -163,9 +163,8 @@ class LotStep:
         """`clip_physical_batch` without the rerun: the batched pass's clipped
         sums (not to be used when an example was dropped), its statistics and the
         number of examples found non-finite.  `statistics` (a boolean tensor):
-        when false, no statistics (zeros, and the metrics are not updated:
-        Keras's compiled `metrics` ignore sample weights, so a weight of 0 would
-        not keep them out)."""
+        when false, no statistics (zeros, and the metrics are not updated: a redo
+        pass sees rows whose statistics the batched pass already gave)."""
         sums, losses, y_pred, dropped = self.clip_batch(xb, yb, mb)
         n_bad = tf.reduce_sum(tf.cast(dropped, tf.int64))
 

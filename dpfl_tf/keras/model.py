@@ -1095,10 +1095,19 @@ class DPModel(keras.Model):
         skipped lot or a dropped example).  Keras passes a sample weight to its
         `weighted_metrics` only (its `metrics` count every row given), and `fit`
         takes no sample weights of its own, so every compiled metric gets `kept`
-        as its weight here."""
+        as its weight here.  The rows not kept are zeroed first: a metric weighs
+        its values by multiplying, and a dropped example's NaN times 0 is NaN."""
         metrics = self._compile_metrics
         if metrics is None:
             return
+        keep = kept > 0
+
+        def zero_dropped(t):
+            t = tf.convert_to_tensor(t)
+            shape = tf.concat([tf.shape(keep), tf.ones([t.shape.rank - 1], tf.int32)], 0)
+            return tf.where(tf.reshape(keep, shape), t, tf.zeros_like(t))
+
+        y, y_pred = tf.nest.map_structure(zero_dropped, (y, y_pred))
         if not metrics.built:
             metrics.build(y, y_pred)
         flat = getattr(metrics, "_flat_metrics", None)

@@ -623,7 +623,7 @@ def test_a_nan_example_cannot_drop_its_neighbours_on_the_generic_path(mode, fast
     dp.compile(
         optimizer=DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=0.0),
         loss=loss(),
-        metrics=["accuracy"],
+        metrics=["accuracy", keras.metrics.SparseCategoricalCrossentropy(from_logits=True)],
         run_eagerly=mode == "eager",
         jit_compile=mode == "xla",
     )
@@ -640,6 +640,11 @@ def test_a_nan_example_cannot_drop_its_neighbours_on_the_generic_path(mode, fast
     counts = {m.name: float(m.variables[1].numpy()) for m in dp.metrics}
     assert counts["loss"] == n - bad
     assert counts["compile_metrics"] == n - bad
+    # a value metric of the kept examples: finite (a NaN row times its weight 0 is NaN),
+    # and the loss's value (the same cross-entropy, before the step)
+    logs = {k: float(v) for k, v in dp.get_metrics_result().items()}
+    assert np.isfinite(logs["sparse_categorical_crossentropy"])
+    assert logs["sparse_categorical_crossentropy"] == pytest.approx(logs["loss"], rel=1e-5)
 
 
 def test_shuffled_lots_restored_from_weights_are_epochs_of_their_own(tmp_path):
