@@ -154,6 +154,7 @@ def train(config, data):
         gaussian_step_event(config.noise_multiplier, sampling_rate=config.lot_size / n),
         config.accountant,
         already_spent=ledger.event,
+        limit=config.epochs * lots_per_epoch,  # more are never run
     )
     epochs = min(config.epochs, EpochHistory.estimated_epochs(lots, lots_per_epoch))
     model = DPModel(net, ledger=ledger)

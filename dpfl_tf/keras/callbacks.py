@@ -65,7 +65,7 @@ class PrivacyCallback(keras.callbacks.Callback):
             self.model.set_lot_limit(None)
             return
         self.budget = PrivacyBudget(self.target_epsilon, self.delta, kind)
-        remaining = self.model.steps_within_budget(self.budget)
+        remaining = self.model.steps_within_budget(self.budget, self._lots_wanted())
         if remaining <= 0:  # what one lot costs per accountant, and what to change
             raise BudgetExceededError(self.model._no_lot_message(self.budget))
         self.allowed_lots = self.model.lots_computed + remaining
@@ -78,11 +78,21 @@ class PrivacyCallback(keras.callbacks.Callback):
         if self.model.lots_applied > self.model.lots_computed:
             self.model._adopt_restored_lots()
             if self.budget is not None:
-                remaining = self.model.steps_within_budget(self.budget)
+                remaining = self.model.steps_within_budget(self.budget, self._lots_wanted())
                 self.allowed_lots = self.model.lots_computed + max(remaining, 0)
                 self.model.set_lot_limit(self.allowed_lots)
                 if remaining <= 0:
                     self.model.stop_training = True
+
+    def _lots_wanted(self) -> int | None:
+        """More lots than this fit can run (epochs x lots per epoch, + 1 so that a
+        budget allowing more never reads as spent at the fit's last lot): the budget
+        is asked for no more (None: not known, the whole budget is searched)."""
+        params = self.params or {}
+        epochs, steps = params.get("epochs"), params.get("steps")
+        if not isinstance(epochs, int) or not isinstance(steps, int):
+            return None
+        return epochs * steps + 1
 
     def _epsilon(self) -> float:
         return self.model.epsilon(self.delta, self._kind())

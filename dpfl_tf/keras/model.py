@@ -956,8 +956,10 @@ class DPModel(keras.Model):
         """The event one lot of the current settings records (None before fit)."""
         return self._step_event
 
-    def steps_within_budget(self, budget: PrivacyBudget) -> int:
-        """Lots the budget still allows with the current settings."""
+    def steps_within_budget(self, budget: PrivacyBudget, limit: int | None = None) -> int:
+        """Lots the budget still allows with the current settings; with `limit`, at
+        most about that many (at least min(allowed, limit)): a fit asks for no more
+        than it can run, which a large budget answers in one evaluation."""
         self._sync_ledger()
         ledger = PrivacyLedger.from_dict({**self.ledger.to_dict(), "budget": budget.to_dict()})
         if self._correlated is not None:
@@ -966,14 +968,15 @@ class DPModel(keras.Model):
             within = ledger.epsilon(budget.delta, budget.accountant) <= budget.epsilon
             return _UNLIMITED_BY_BUDGET if within else 0
         if self._epoch_event is not None:
-            epochs = ledger.steps_within_budget(self._epoch_event)
+            epoch_limit = None if limit is None else -(-limit // self._lots_per_epoch) + 1
+            epochs = ledger.steps_within_budget(self._epoch_event, epoch_limit)
             done = self.lots_computed - self._fit_start_lots
             partial = done % self._lots_per_epoch
             # the current partial epoch is already recorded as a whole epoch
             return epochs * self._lots_per_epoch + (
                 (self._lots_per_epoch - partial) if partial else 0
             )
-        return ledger.steps_within_budget(self._step_event)
+        return ledger.steps_within_budget(self._step_event, limit)
 
     def train_step(self, data):
         x, y, mask, *segments = data  # user-level lots: the user slot of every example

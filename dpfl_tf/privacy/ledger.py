@@ -198,13 +198,15 @@ class PrivacyLedger:
             )
         self.record(event, count, label)
 
-    def steps_within_budget(self, event: dp_accounting.DpEvent) -> int:
-        """How many more applications of `event` the budget allows (cached)."""
+    def steps_within_budget(self, event: dp_accounting.DpEvent, limit: int | None = None) -> int:
+        """How many more applications of `event` the budget allows (cached); with
+        `limit`, at most that many (`max_steps`: a limit that fits costs one
+        evaluation instead of a search to the end of a large budget)."""
         if self.budget is None:
             raise ValueError("this ledger has no budget; pass budget=PrivacyBudget(...)")
         event = self.admit(event)
         b = self.budget
-        key = (event_to_json(event), b)  # events holding lists are not hashable
+        key = (event_to_json(event), b, limit)  # events holding lists are not hashable
         if key not in self._steps_cache:
             self._steps_cache[key] = max_steps(
                 b.epsilon,
@@ -212,6 +214,7 @@ class PrivacyLedger:
                 event,
                 b.accountant,
                 already_spent=self.event if self._entries else None,
+                limit=limit,
             )
         return self._steps_cache[key]
 

@@ -338,6 +338,7 @@ def _planned_epochs(config, sigma: float, rate: float, spent, lots_per_epoch: in
         gaussian_step_event(sigma, sampling_rate=rate),
         config.accountant,
         already_spent=spent,
+        limit=config.epochs * lots_per_epoch,  # more are never run
     )
     if lots == 0:
         raise ValueError(_no_lot_message(config, sigma, rate, spent))

@@ -41,3 +41,30 @@ def test_shuffled_fit_after_add_remove_dp_pca_is_refused_before_any_lot():
         )
     )
     assert dp.epsilon(1e-5) == pytest.approx(ref.get_epsilon(1e-5), rel=1e-12)
+
+
+@pytest.mark.parametrize("sampling", ["poisson", "shuffle"])
+def test_a_large_budget_is_asked_only_for_the_lots_the_fit_can_run(sampling, monkeypatch):
+    """A fit of 2 epochs of 5 lots under eps 100 (PLD allows millions of lots) asks the
+    budget for at most the fit's lots + 1: one epsilon evaluation, not a search to the
+    end of the budget (~20 s of PLD accounting a fit), and the fit ends as planned, not
+    as "budget_spent".  A budget that binds still stops the fit where it binds."""
+    from dpfl_tf.privacy import calibration, compute_epsilon, dp_sgd_event
+
+    x, y = mnist_slice(500, features=60)
+    calls = []
+    real = calibration.compute_epsilon
+    monkeypatch.setattr(
+        calibration, "compute_epsilon", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    dp = _model(PrivacyLedger("pld", relation="replace_one" if sampling == "shuffle" else None))
+    dp.fit(x, y, lot_size=100, epochs=2, verbose=0, sampling=sampling, target_epsilon=100.0)
+    assert dp.lots_computed == 10 and dp.stop_reason != "budget_spent"
+    assert len(calls) == 1
+    if sampling == "shuffle":
+        return
+    # a budget of exactly 7 lots stops the fit after 7 (searched below the limit)
+    seven = compute_epsilon(dp_sgd_event(1.0, 7, sampling_rate=0.2), 1e-5, "pld") + 1e-9
+    dp = _model(PrivacyLedger("pld"))
+    dp.fit(x, y, lot_size=100, epochs=2, verbose=0, target_epsilon=seven)
+    assert dp.lots_computed == 7 and dp.stop_reason == "budget_spent"

@@ -33,6 +33,30 @@ def test_max_steps(accountant):
     assert compute_epsilon(dp_sgd_event(4.0, t + 1, sampling_rate=0.01), 1e-5, accountant) > 2.0
 
 
+@pytest.mark.parametrize("accountant", ["moments", "pld"])
+def test_max_steps_with_a_limit_answers_min_of_the_budget_and_the_limit(accountant, monkeypatch):
+    """A limit below what the budget allows is the answer after one evaluation of epsilon
+    (the recipes ask for their planned lots: a large budget is not searched to its end);
+    a limit above it changes nothing."""
+    from dpfl_tf.privacy import calibration
+
+    step = gaussian_step_event(4.0, sampling_rate=0.01)
+    t = max_steps(2.0, 1e-5, step, accountant)
+    calls = []
+    real = calibration.compute_epsilon
+    monkeypatch.setattr(
+        calibration, "compute_epsilon", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    assert max_steps(2.0, 1e-5, step, accountant, limit=t - 3) == t - 3
+    assert len(calls) == 1
+    assert max_steps(2.0, 1e-5, step, accountant, limit=t) == t
+    assert max_steps(2.0, 1e-5, step, accountant, limit=t + 5) == t
+    costly = gaussian_step_event(0.5, sampling_rate=1.0)  # one step: eps > 1
+    assert max_steps(1.0, 1e-5, costly, accountant, limit=10) == 0
+    with pytest.raises(ValueError, match="limit must be a whole number >= 1"):
+        max_steps(2.0, 1e-5, step, accountant, limit=0)
+
+
 def test_max_steps_with_prior_spending_and_exhausted_budget():
     step = gaussian_step_event(2.0, sampling_rate=0.01)
     spent = dp_sgd_event(2.0, 1000, sampling_rate=0.01)
