@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import keras
 import numpy as np
 
@@ -89,10 +91,10 @@ class PrivacyCallback(keras.callbacks.Callback):
         budget allowing more never reads as spent at the fit's last lot): the budget
         is asked for no more (None: not known, the whole budget is searched)."""
         params = self.params or {}
-        epochs, steps = params.get("epochs"), params.get("steps")
-        if not isinstance(epochs, int) or not isinstance(steps, int):
+        try:
+            return operator.index(params["epochs"]) * operator.index(params["steps"]) + 1
+        except (KeyError, TypeError):
             return None
-        return epochs * steps + 1
 
     def _epsilon(self) -> float:
         return self.model.epsilon(self.delta, self._kind())

@@ -85,15 +85,18 @@ def max_steps(
         limit = check_count("limit", limit, minimum=1)
         if fits(limit):
             return limit
+        limit_fits = False  # known: not evaluated again
     else:
-        limit = 10**8
+        limit, limit_fits = 10**8, None
     if not fits(1):
         return 0
     lo, hi = 1, 2
     while fits(hi):
         lo, hi = hi, hi * 2
         if hi > limit:
-            return limit if fits(limit) else _bisect(fits, lo, limit)
+            if limit_fits is None:
+                limit_fits = fits(limit)
+            return limit if limit_fits else _bisect(fits, lo, limit)
     return _bisect(fits, lo, hi)
 
 

@@ -62,9 +62,19 @@ def test_a_large_budget_is_asked_only_for_the_lots_the_fit_can_run(sampling, mon
     assert dp.lots_computed == 10 and dp.stop_reason != "budget_spent"
     assert len(calls) == 1
     if sampling == "shuffle":
+        # a budget of exactly one epoch stops the fit after its 5 lots
+        relation = "replace_one"
+        one = dp_sgd_event(1.0, 0, "shuffle", epochs=1)
+        eps = compute_epsilon(one, 1e-5, "pld") + 1e-9
+        dp = _model(PrivacyLedger("pld", relation=relation))
+        dp.fit(x, y, lot_size=100, epochs=2, verbose=0, sampling=sampling, target_epsilon=eps)
+        assert dp.lots_computed == 5 and dp.stop_reason == "budget_spent"
         return
-    # a budget of exactly 7 lots stops the fit after 7 (searched below the limit)
-    seven = compute_epsilon(dp_sgd_event(1.0, 7, sampling_rate=0.2), 1e-5, "pld") + 1e-9
-    dp = _model(PrivacyLedger("pld"))
-    dp.fit(x, y, lot_size=100, epochs=2, verbose=0, target_epsilon=seven)
-    assert dp.lots_computed == 7 and dp.stop_reason == "budget_spent"
+    # a budget of exactly 7 lots stops the fit after 7 (searched below the limit); one of
+    # exactly the fit's 10 reads as spent at the end, one of 11 does not
+    for allowed, lots, spent in [(7, 7, True), (10, 10, True), (11, 10, False)]:
+        eps = compute_epsilon(dp_sgd_event(1.0, allowed, sampling_rate=0.2), 1e-5, "pld")
+        dp = _model(PrivacyLedger("pld"))
+        dp.fit(x, y, lot_size=100, epochs=2, verbose=0, target_epsilon=eps + 1e-9)
+        assert dp.lots_computed == lots
+        assert (dp.stop_reason == "budget_spent") == spent, (allowed, dp.stop_reason)

@@ -50,7 +50,17 @@ def test_max_steps_with_a_limit_answers_min_of_the_budget_and_the_limit(accounta
     assert max_steps(2.0, 1e-5, step, accountant, limit=t - 3) == t - 3
     assert len(calls) == 1
     assert max_steps(2.0, 1e-5, step, accountant, limit=t) == t
+    calls.clear()
     assert max_steps(2.0, 1e-5, step, accountant, limit=t + 5) == t
+    unlimited = len(calls)
+    calls.clear()
+    assert max_steps(2.0, 1e-5, step, accountant) == t
+    assert unlimited <= len(calls) + 1  # the limit's evaluation is not repeated
+    spent = dp_sgd_event(4.0, 100, sampling_rate=0.01)  # and with a prior spending
+    left = max_steps(2.0, 1e-5, step, accountant, already_spent=spent)
+    assert 0 < left < t
+    assert max_steps(2.0, 1e-5, step, accountant, already_spent=spent, limit=t) == left
+    assert max_steps(2.0, 1e-5, step, accountant, already_spent=spent, limit=left - 1) == left - 1
     costly = gaussian_step_event(0.5, sampling_rate=1.0)  # one step: eps > 1
     assert max_steps(1.0, 1e-5, costly, accountant, limit=10) == 0
     with pytest.raises(ValueError, match="limit must be a whole number >= 1"):
