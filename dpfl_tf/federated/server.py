@@ -68,7 +68,6 @@ __all__ = ["ClientSampling", "FederatedServer", "RoundRecord"]
 CHECKPOINT_FORMAT = 1
 
 
-#: what checkpoints written before server optimisers existed ran: FedAvg's w + Delta
 def _differences(saved: dict, mine: dict, prefix: str = "") -> list[str]:
     """The keys where two fingerprints differ, one level down as ``outer.inner``
     (``local_training.momentum``)."""
@@ -84,6 +83,7 @@ def _differences(saved: dict, mine: dict, prefix: str = "") -> list[str]:
     return out
 
 
+#: what checkpoints written before server optimisers existed ran: FedAvg's w + Delta
 LEGACY_SERVER_OPTIMIZER = {"kind": "sgd", "learning_rate": 1.0, "momentum": 0.0}
 
 #: The neighbouring relation of the released model, by client sampling scheme
