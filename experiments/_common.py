@@ -25,8 +25,10 @@ __all__ = [
     "DATA_DIR",
     "ROOT",
     "RESULTS",
+    "add_federated_tuning_arguments",
     "command_line",
     "commit_of",
+    "evaluated_on",
     "load_runs",
     "runs_to_append",
     "peak_rss_mb",
@@ -45,6 +47,32 @@ for _path in (os.path.join(ROOT, "experiments"), ROOT):
         sys.path.insert(0, _path)
 
 from dpfl_tf._runs import peak_rss_mb  # noqa: E402 -- importable once ROOT is on the path
+
+
+def add_federated_tuning_arguments(parser, tuning_file: str, *, validation_note: str = "") -> None:
+    """--model-average BETA and --validation N, as the federated experiments share them:
+    release the average of the global models (post-processing), and tuning trials on N
+    held-out training examples, written to `tuning_file` (never beside test results)."""
+    parser.add_argument(
+        "--model-average",
+        type=float,
+        metavar="BETA",
+        help="release the exponential moving average (decay BETA) of the rounds' global models "
+        "(FederatedConfig.model_average; post-processing); the results also give the last "
+        "global model's accuracy",
+    )
+    parser.add_argument(
+        "--validation",
+        type=int,
+        default=0,
+        help="hold out this many training examples (a seeded draw) and evaluate on them instead "
+        f"of the test set: tuning trials (results/{tuning_file}{validation_note})",
+    )
+
+
+def evaluated_on(validation: int) -> str:
+    """What a run's accuracy was measured on (the results' "evaluated_on")."""
+    return f"validation ({validation} held-out training examples)" if validation else "test"
 
 
 def commit_of(tree: str = ROOT, *, untracked: bool = False) -> str:

@@ -39,7 +39,7 @@ import os
 
 import matplotlib.pyplot as plt  # noqa: E402  (after dpfl_tf.plotting set the backend)
 import numpy as np
-from _common import RESULTS
+from _common import RESULTS, add_federated_tuning_arguments, evaluated_on
 
 from dpfl_tf._io import atomic_write_json, merge_json_runs
 from dpfl_tf.federated.runner import FederatedConfig, peak_rss_mb, run_federated
@@ -147,8 +147,9 @@ def run_with_averages(config: FederatedConfig, ds, betas, progress: bool) -> dic
     averages = {float(b): ModelAverage(float(b)) for b in betas}
 
     def update(server):
+        weights = server.trainer.get_weights()  # one copy a round for all the averages
         for average in averages.values():
-            average.update(server.trainer.get_weights())
+            average.update(weights)
 
     r, server = _run_server(config, ds, progress, on_round=update)
     like = server.trainer.get_weights()
@@ -434,21 +435,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--server-lr", type=float, default=1.0)
     p.add_argument("--server-momentum", type=float)
     p.add_argument("--server-tau", type=float, default=1e-3)
-    p.add_argument(
-        "--validation",
-        type=int,
-        default=0,
-        help="hold out this many training examples (a seeded draw) and evaluate on them "
-        "instead of the test set: tuning trials (results/federated_dp_tuning.json)",
-    )
-    p.add_argument(
-        "--model-average",
-        type=float,
-        metavar="BETA",
-        help="release the exponential moving average (decay BETA) of the released global "
-        "models (FederatedConfig.model_average; post-processing); the results also give the "
-        "last global model's accuracy",
-    )
+    add_federated_tuning_arguments(p, "federated_dp_tuning.json")
     p.add_argument(
         "--also-average",
         type=float,
@@ -501,11 +488,7 @@ def main(argv=None) -> list[dict]:
             r["seed"] = config.seed
             r["quick"] = bool(args.quick)
             r["tag"] = args.tag
-            r["evaluated_on"] = (
-                f"validation ({args.validation} held-out training examples)"
-                if args.validation
-                else "test"
-            )
+            r["evaluated_on"] = evaluated_on(args.validation)
             if name == "global" and not args.authors_clip:
                 r["paper_dp_accuracy"] = PAPER_ACCURACY[k]
             results.append(r)

@@ -38,7 +38,7 @@ import os
 
 import matplotlib.pyplot as plt  # noqa: E402  (after dpfl_tf.plotting set the backend)
 import numpy as np
-from _common import RESULTS
+from _common import RESULTS, add_federated_tuning_arguments, evaluated_on
 
 from dpfl_tf._io import merge_json_runs
 from dpfl_tf.federated.runner import FederatedConfig, run_federated
@@ -145,7 +145,7 @@ def diverged_run(c: FederatedConfig, ds, error: str) -> dict:
     }
 
 
-def plot(runs: list[dict], path: str, evaluated_on: str = "test") -> None:
+def plot(runs: list[dict], path: str, measured_on: str = "test") -> None:
     """Grouped bars: one group per setting, one bar per mechanism; paper values as markers."""
     names = [n for n in SETTINGS if any(r["setting"] == n for r in runs)]
     mechs = [m for m in MECHANISMS + ("laplace", "gaussian") if any(r["run"] == m for r in runs)]
@@ -199,7 +199,7 @@ def plot(runs: list[dict], path: str, evaluated_on: str = "test") -> None:
         )
         labels.append(f"{s['dataset']}\n{s['users']} users, eps={eps:g}/coord.")
     ax.set_xticks(range(len(names)), labels, fontsize=8)
-    ax.set_ylabel(f"{evaluated_on} accuracy of the released model")
+    ax.set_ylabel(f"{measured_on} accuracy of the released model")
     ax.set_ylim(0, 1.05)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -230,21 +230,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--output-dir", default=RESULTS)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--plot-only", action="store_true", help="redraw the figure from the results")
-    p.add_argument(
-        "--model-average",
-        type=float,
-        metavar="BETA",
-        help="release the exponential moving average (decay BETA) of the rounds' global models "
-        "(FederatedConfig.model_average; post-processing of the perturbed uploads' averages); "
-        "the results also give the last global model's accuracy",
-    )
-    p.add_argument(
-        "--validation",
-        type=int,
-        default=0,
-        help="hold out this many training examples (a seeded draw) and evaluate on them instead "
-        "of the test set: tuning trials (results/federated_ldp_tuning.json; with --plot-only, "
-        "redraw their figure)",
+    add_federated_tuning_arguments(
+        p, "federated_ldp_tuning.json", validation_note="; with --plot-only, redraw their figure"
     )
     args = p.parse_args(argv)
     if args.validation and args.quick:
@@ -293,9 +280,7 @@ def main(argv=None) -> list[dict]:
                 paper_accuracy=setting["paper"].get(mech),
                 domain=DOMAINS.get(mech, (None, "none"))[1] if mech != "nonprivate" else None,
                 model_average=args.model_average,
-                evaluated_on=f"validation ({args.validation} held-out training examples)"
-                if args.validation
-                else "test",
+                evaluated_on=evaluated_on(args.validation),
             )
             if mech == "nonprivate":
                 r.update(epsilon_per_coordinate=None, epsilon_per_upload=None)
