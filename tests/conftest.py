@@ -100,11 +100,30 @@ def pytest_runtest_protocol(item, nextitem):
 def _fresh_keras_state():
     """Every test starts from a clear Keras state: the models, traced functions and
     layer names of earlier tests are released (`clear_session` also runs the
-    garbage collector once)."""
+    garbage collector once, over what was made since its file began: see
+    `pytest_runtest_teardown`)."""
     yield
     import keras
 
     keras.backend.clear_session()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a file's last test: one full collection, then `gc.freeze` of what is
+    still alive (the imports, the caches, what later files share).  The
+    collection each test ends with (`clear_session`) then scans only what was
+    made since its file began; it scanned everything alive, which grew with each
+    file the worker had run (0.16 s a test on average, 220 of the suite's CPU
+    seconds in its two workers).  What a file leaves unreachable is still freed
+    when the file ends, as before."""
+    yield
+    if nextitem is None or nextitem.path != item.path:
+        import gc
+
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
 
 
 @pytest.fixture
