@@ -163,6 +163,8 @@ json.dump(
         **one_replica(),
         **mixing_refusal(),
         "replicas": mirrored.num_replicas_in_sync,
+        # the KerasHub rules wait for KerasHub (layer_rules.register_when_imported)
+        "keras_hub_imported": "keras_hub" in sys.modules,
         "mirrored_max_diff": float(np.max(np.abs(clean - clean_m))),
         "xla_max_diff": float(np.max(np.abs(clean - clean_x))),
         "mirrored_lots": lots_m,

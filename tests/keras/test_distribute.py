@@ -35,6 +35,11 @@ def test_mirrored_strategy_equals_one_device(child):
     assert child["mirrored_max_diff"] < 1e-5
 
 
+def test_models_without_keras_hub_layers_never_import_it(child):
+    """Its rules are registered once it is imported (~0.5 s of every start-up)."""
+    assert child["keras_hub_imported"] is False
+
+
 def test_xla_equals_no_xla(child):
     assert child["xla_max_diff"] < 1e-5
 

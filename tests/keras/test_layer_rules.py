@@ -2,6 +2,9 @@
 GradientTape per example), for norms, sums and clipped sums; the planner sends
 each layer to the rule the test names."""
 
+import sys
+import types
+
 import keras
 import numpy as np
 import pytest
@@ -623,6 +626,38 @@ def test_a_custom_layer_without_a_rule_uses_the_fallback_and_a_registered_rule_w
     finally:
         layer_rules.unregister_rule(ScaleShift)
     assert find_rule(model.layers[2]) is None
+
+
+def test_rules_registered_when_their_package_is_imported(monkeypatch):
+    """`register_when_imported`: nothing runs while the package is not imported; the
+    first lookup after its import registers its rules; a rule registered for one of
+    its classes after that import replaces the deferred one, as if it had run at once."""
+    package = "dpfl_fake_layer_package"
+    layer = ScaleShift()
+    calls = []
+
+    def register():
+        calls.append(1)
+        register_rule(ScaleShift, FALLBACK)
+
+    layer_rules.register_when_imported(package, register)
+    try:
+        assert find_rule(layer) is None and calls == []
+        monkeypatch.setitem(sys.modules, package, types.ModuleType(package))
+        assert find_rule(layer) is FALLBACK and calls == [1]
+        assert find_rule(layer) is FALLBACK and calls == [1]  # once
+        layer_rules.unregister_rule(ScaleShift)
+        assert find_rule(layer) is None and calls == [1]
+        # registered by the user after the import: theirs wins over the deferred rule
+        layer_rules.register_when_imported(package + "_b", register)
+        monkeypatch.setitem(sys.modules, package + "_b", types.ModuleType(package))
+        mine = layer_rules.PerLayerJacobianRule(vectorize=False)
+        register_rule(ScaleShift, mine)
+        assert calls == [1, 1] and find_rule(layer) is mine
+    finally:
+        layer_rules.unregister_rule(ScaleShift)
+        layer_rules._base._DEFERRED.pop(package, None)
+        layer_rules._base._DEFERRED.pop(package + "_b", None)
 
 
 def test_register_rule_checks_its_arguments():

@@ -40,6 +40,7 @@ from dpfl_tf.keras.layer_rules._base import (
     original_call,
     outer_gradients,
     register_rule,
+    register_when_imported,
     scaled,
     stopped,
     unregister_rule,
@@ -51,7 +52,9 @@ from dpfl_tf.keras.layer_rules.fallback import FALLBACK, PerLayerJacobianRule
 if importlib.util.find_spec("keras_hub") is not None:  # the [hub] extra
     from dpfl_tf.keras.layer_rules import keras_hub as _keras_hub
 
-    _keras_hub.register()
+    # registered once keras_hub is imported: KerasHub (with TensorFlow Text) takes
+    # ~0.5 s to import, which a model without its layers need not pay
+    register_when_imported("keras_hub", _keras_hub.register)
 
 __all__ = [
     "LayerRule",
@@ -59,6 +62,7 @@ __all__ = [
     "LayerCall",
     "VariableGradients",
     "register_rule",
+    "register_when_imported",
     "unregister_rule",
     "find_rule",
     "kept",

@@ -20,6 +20,7 @@ contributing exactly 0 (`kept` / `scaled`: 0 * NaN would be NaN).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -116,6 +117,29 @@ class LayerRule:
 
 _REGISTRY: dict[type, LayerRule] = {}
 _LOCK = threading.Lock()
+#: package -> the function that registers its rules, run once that package is
+#: imported (a layer of it can exist only then): importing dpfl_tf does not import it
+_DEFERRED: dict[str, Callable[[], object]] = {}
+
+
+def register_when_imported(package: str, register: Callable[[], object]) -> None:
+    """Runs `register` (which calls `register_rule`) before the next lookup or
+    registration that finds `package` imported.  The rules are then exactly as if
+    `register` had run now, and a rule registered later for one of its classes
+    replaces them; but `package` is not imported for a model without its layers."""
+    with _LOCK:
+        _DEFERRED[package] = register
+    _register_deferred()
+
+
+def _register_deferred() -> None:
+    if not _DEFERRED:
+        return
+    with _LOCK:
+        due = [p for p in _DEFERRED if p in sys.modules]
+        run = [_DEFERRED.pop(p) for p in due]
+    for register in run:
+        register()
 
 
 def register_rule(layer_class: type, rule: LayerRule) -> None:
@@ -126,12 +150,14 @@ def register_rule(layer_class: type, rule: LayerRule) -> None:
         raise TypeError(f"layer_class must be a keras.layers.Layer subclass, got {layer_class!r}")
     if not isinstance(rule, LayerRule):
         raise TypeError(f"rule must be a LayerRule instance, got {type(rule).__name__}")
+    _register_deferred()
     with _LOCK:
         _REGISTRY[layer_class] = rule
 
 
 def unregister_rule(layer_class: type) -> None:
     """Removes the rule registered for exactly `layer_class` (if any)."""
+    _register_deferred()
     with _LOCK:
         _REGISTRY.pop(layer_class, None)
 
@@ -143,6 +169,7 @@ def find_rule(layer) -> LayerRule | None:
     computation is not the rule's, so it is descended into or takes the exact
     per-layer fallback).  No rule by inheritance alone.  The rule found may
     hand the layer's configuration to another rule (`LayerRule.rule_for`)."""
+    _register_deferred()
     mro = type(layer).__mro__
     for depth, cls in enumerate(mro):
         rule = _REGISTRY.get(cls)
