@@ -24,6 +24,7 @@ __all__ = [
     "counted",
     "check_run_outputs",
     "peak_rss_mb",
+    "die_with_parent",
     "result_status",
     "check_output_file",
     "check_output_dir",
@@ -75,6 +76,21 @@ def peak_rss_mb(usage=None) -> float:
     if usage is None:
         usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)  # bytes / KiB
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """For ``subprocess.Popen(preexec_fn=...)``: the child gets `signum` from the
+    kernel when the process that started it ends, however it ends (Linux: prctl
+    PR_SET_PDEATHSIG; elsewhere nothing), so a killed parent leaves no child
+    running.  A child whose parent ended before the call exits at once."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:
+        os._exit(1)
 
 
 #: where a command's results go by default (relative to the working directory)

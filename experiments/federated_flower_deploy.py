@@ -50,6 +50,8 @@ import time
 
 from _common import RESULTS, ROOT, command_line, commit_of
 
+from dpfl_tf._runs import die_with_parent
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -115,6 +117,7 @@ class Deployment:
             stderr=log,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=die_with_parent,  # this process killed outright: it goes too
         )
         self.groups.append(self.procs[name].pid)
 
@@ -345,6 +348,12 @@ def main(argv=None) -> int:
         p.error(f"--heartbeat-interval must be in [10, 1800], got {args.heartbeat_interval:g}")
     from dpfl_tf._io import atomic_write_json
     from dpfl_tf.federated.flower import config_from_run_config
+
+    def stop(signum, frame):  # SIGTERM / SIGHUP: leave through Deployment.__exit__
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, stop)
     from dpfl_tf.federated.runner import run_federated
 
     run_config = {

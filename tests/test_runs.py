@@ -3,7 +3,11 @@ signals turned into a clean stop.  No TensorFlow here."""
 
 import json
 import os
+import pathlib
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -14,6 +18,8 @@ from dpfl_tf._runs import (
     check_output_dir,
     check_output_file,
 )
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_missing_parents_are_created(tmp_path):
@@ -219,3 +225,43 @@ def test_an_interrupted_run_that_cannot_resume_says_why_and_offers_no_resume(
     assert "resume with" not in err and "checkpoint" not in err
     data = json.loads(out.read_text())
     assert data["status"] == "interrupted" and data["epsilon"] == 1.5
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_started_with_die_with_parent_ends_when_its_parent_is_killed():
+    """The parent starts two `sleep`s, one with `die_with_parent`, and is SIGKILLed:
+    that one ends (SIGTERM from the kernel), the other keeps running (the control)."""
+    parent_code = (
+        "import subprocess, sys, time\n"
+        "from dpfl_tf._runs import die_with_parent\n"
+        "a = subprocess.Popen(['sleep', '60'], preexec_fn=die_with_parent)\n"
+        "b = subprocess.Popen(['sleep', '60'])\n"
+        "print(a.pid, b.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    with_it, without = (int(p) for p in parent.stdout.readline().split())
+    parent.kill()
+    parent.wait()
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(") ", 1)[1][0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    try:
+        deadline = time.monotonic() + 10
+        while alive(with_it) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(with_it)
+        assert alive(without)
+    finally:
+        for pid in (with_it, without):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from dpfl_tf._runs import die_with_parent
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = [
@@ -46,6 +48,7 @@ def test_a_killed_supernode_keeps_the_books_and_the_run_resumes(tmp_path):
         capture_output=True,
         text=True,
         timeout=3600,
+        preexec_fn=die_with_parent,  # a killed test run stops the deployment it started
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads(out.read_text())
