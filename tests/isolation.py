@@ -25,6 +25,12 @@ in the child, not to the file.  The child costs a Python start-up and a
 TensorFlow import (5-7 s), so only files whose memory growth is worth it are
 marked.
 
+``pytest.mark.isolated(env={"NAME": "value"})`` also adds environment variables
+to the child: settings TensorFlow reads once, when it starts, which the calling
+process can no longer change (``TF_ENABLE_ONEDNN_OPTS=0`` for runs that must
+repeat bit for bit).  Where a file runs in the calling process (below) they are
+not set.
+
 Files are the unit: isolation is on without xdist and with ``--dist loadfile``,
 where one process runs all of a file's tests; with another ``--dist`` the tests
 run in the worker as usual.  ``DPFL_TEST_NO_ISOLATION=1`` runs everything in the
@@ -35,7 +41,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -92,8 +97,8 @@ _IN_PROCESS = ("usepdb", "trace", "setuponly", "setupplan")
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        f"{MARK}: the file's marked tests run in a child pytest process, one per file "
-        "(tests/isolation.py)",
+        f"{MARK}(env={{...}}): the file's marked tests run in a child pytest process, one "
+        "per file, with these environment variables added (tests/isolation.py)",
     )
     path = os.environ.get(REPORTS_ENV)
     if path and not config.pluginmanager.has_plugin("dpfl-child-reports"):
@@ -118,7 +123,9 @@ class _ChildReports:
     def __init__(self, config, path):
         self.config, self.path = config, path
         if sys.platform.startswith("linux"):
-            _die_with_parent()
+            from dpfl_tf._runs import die_with_parent
+
+            die_with_parent()  # a killed or timed-out parent leaves no child running
 
     def _write(self, report):
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
@@ -211,18 +218,15 @@ def _forwarded_args(config) -> list[str]:
     return args
 
 
-def _die_with_parent():
-    """In the child: end when the process that started it ends (SIGTERM from the
-    kernel on Linux: prctl PR_SET_PDEATHSIG), so that a killed or timed-out parent
-    leaves no child running."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the parent ended before the call
-        os._exit(1)
+def _marked_env(item) -> dict[str, str]:
+    """The environment variables the file's mark adds to its child
+    (``pytest.mark.isolated(env={...})``): settings read when TensorFlow starts,
+    which the calling process, TensorFlow started, can no longer change."""
+    env = {}
+    for mark in item.iter_markers(MARK):
+        for key, value in mark.kwargs.get("env", {}).items():
+            env.setdefault(key, str(value))  # the closest mark wins
+    return env
 
 
 def _run_file_in_child(item):
@@ -251,6 +255,7 @@ def _run_file_in_child(item):
         for k, v in os.environ.items()
         if k not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT")
     }
+    env.update(_marked_env(item))
     env[REPORTS_ENV] = reports_path
     try:
         try:

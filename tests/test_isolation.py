@@ -18,7 +18,7 @@ import warnings
 
 import pytest
 
-pytestmark = pytest.mark.isolated
+pytestmark = pytest.mark.isolated(env={"DPFL_MARKED_ENV": "from the mark"})
 
 @pytest.mark.timeout(2)  # the parent's timer must not time the whole file (> 2 s)
 def test_first_with_a_short_timeout():
@@ -47,6 +47,9 @@ def _record(tag):
 
 def test_passes():
     _record("isolated")
+
+def test_has_the_marks_environment():
+    assert os.environ.get("DPFL_MARKED_ENV") == "from the mark"
 
 def test_fails():
     assert 1 == 2, "the child's assertion message"
@@ -125,6 +128,7 @@ def test_an_isolated_file_runs_in_a_child_and_reports_every_outcome(tmp_path, xd
     assert sorted(names) == sorted(
         [
             "test_passes",
+            "test_has_the_marks_environment",
             "test_fails",
             "test_skips",
             "test_param[1]",
@@ -142,6 +146,7 @@ def test_an_isolated_file_runs_in_a_child_and_reports_every_outcome(tmp_path, xd
         ]
     ), out
     assert outcomes["test_passes"][0] == "passed"
+    assert outcomes["test_has_the_marks_environment"][0] == "passed", out  # isolated(env=)
     assert outcomes["test_param[1]"][0] == outcomes["test_param[2]"][0] == "passed"
     assert outcomes["test_fails"][0] == "failed"
     assert "the child's assertion message" in outcomes["test_fails"][1]

@@ -27,10 +27,11 @@ from dpfl_tf.recipes.cifar10 import (
     train_cifar10,
 )
 from tests.data import CIFAR10_JPEG_ARCHIVE, isolate, real_cifar10_jpeg_slice, write_cifar100
+from tests.keras.helpers import BIT_EXACT
 
 # what XLA and TensorFlow compile here stays until the process ends (+0.4 GB in a
 # whole-suite worker): the file runs in a process of its own (tests/isolation.py)
-pytestmark = pytest.mark.isolated
+pytestmark = pytest.mark.isolated(env=BIT_EXACT)
 
 needs_jpeg_copy = pytest.mark.skipif(
     not CIFAR10_JPEG_ARCHIVE.is_file(), reason=f"no offline JPEG copy at {CIFAR10_JPEG_ARCHIVE}"

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from dpfl_tf.recipes.mnist import MnistConfig, train_mnist
-from tests.keras.helpers import cut_recipe_data
+from tests.keras.helpers import BIT_EXACT, cut_recipe_data
 
 # what XLA and TensorFlow compile here stays until the process ends (+0.8 GB in a
 # whole-suite worker): the file runs in a process of its own (tests/isolation.py)
-pytestmark = pytest.mark.isolated
+pytestmark = pytest.mark.isolated(env=BIT_EXACT)
 
 
 @pytest.fixture
