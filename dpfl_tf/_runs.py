@@ -78,18 +78,23 @@ def peak_rss_mb(usage=None) -> float:
     return usage.ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)  # bytes / KiB
 
 
-def die_with_parent(signum: int = signal.SIGTERM) -> None:
-    """For ``subprocess.Popen(preexec_fn=...)``: the child gets `signum` from the
-    kernel when the process that started it ends, however it ends (Linux: prctl
-    PR_SET_PDEATHSIG; elsewhere nothing), so a killed parent leaves no child
-    running.  A child whose parent ended before the call exits at once."""
+def die_with_parent(signum: int = signal.SIGTERM, parent: int | None = None) -> None:
+    """For ``subprocess.Popen(preexec_fn=...)`` (called in the child, from the
+    thread that starts it): the child gets `signum` from the kernel when that
+    thread's process ends, however it ends (Linux: prctl PR_SET_PDEATHSIG;
+    elsewhere nothing), so a killed parent leaves no child running.  A child
+    whose parent (`parent`, by default the one it sees at the call) ended before
+    the call exits at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid() if parent is None else parent
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:
+    if os.getppid() != parent:  # adopted: the parent is gone already
         os._exit(1)
 
 

@@ -349,11 +349,16 @@ def main(argv=None) -> int:
     from dpfl_tf._io import atomic_write_json
     from dpfl_tf.federated.flower import config_from_run_config
 
-    def stop(signum, frame):  # SIGTERM / SIGHUP: leave through Deployment.__exit__
+    def stop(signum, frame):  # SIGTERM / SIGHUP: leave through Deployment.__exit__,
+        for sig in handled:  # which a second signal must not cut short
+            signal.signal(sig, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGHUP, stop)
+    handled = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # not under nohup
+        handled.append(signal.SIGHUP)
+    for sig in handled:
+        signal.signal(sig, stop)
     from dpfl_tf.federated.runner import run_federated
 
     run_config = {

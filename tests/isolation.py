@@ -49,6 +49,7 @@ import pytest
 
 MARK = "isolated"
 REPORTS_ENV = "DPFL_TEST_CHILD_REPORTS"  # set in the child: where it writes its reports
+PARENT_ENV = "DPFL_TEST_CHILD_PARENT"  # set in the child: the pid of the process that started it
 _RESULTS = pytest.StashKey[dict]()
 _DIST_KEY = "dpfl_isolation_dist"
 
@@ -125,7 +126,8 @@ class _ChildReports:
         if sys.platform.startswith("linux"):
             from dpfl_tf._runs import die_with_parent
 
-            die_with_parent()  # a killed or timed-out parent leaves no child running
+            # a killed or timed-out parent leaves no child running
+            die_with_parent(parent=int(os.environ.get(PARENT_ENV, os.getppid())))
 
     def _write(self, report):
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
@@ -257,6 +259,7 @@ def _run_file_in_child(item):
     }
     env.update(_marked_env(item))
     env[REPORTS_ENV] = reports_path
+    env[PARENT_ENV] = str(os.getpid())
     try:
         try:
             done = subprocess.run(

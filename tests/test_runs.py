@@ -260,8 +260,7 @@ def test_a_child_started_with_die_with_parent_ends_when_its_parent_is_killed():
         assert not alive(with_it)
         assert alive(without)
     finally:
+        parent.stdout.close()
         for pid in (with_it, without):
-            try:
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass

@@ -33,7 +33,9 @@ pytestmark = [
 
 def test_a_killed_supernode_keeps_the_books_and_the_run_resumes(tmp_path):
     out = tmp_path / "deploy.json"
-    run = subprocess.run(
+    # Popen, not run: on an error here (Ctrl-C) run() would SIGKILL the experiment at
+    # once; a SIGTERM lets it stop its deployment (Deployment.__exit__, up to ~35 s)
+    run = subprocess.Popen(
         [
             sys.executable,
             os.path.join(ROOT, "experiments", "federated_flower_deploy.py"),
@@ -45,12 +47,21 @@ def test_a_killed_supernode_keeps_the_books_and_the_run_resumes(tmp_path):
             "10",
         ],
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=3600,
-        preexec_fn=die_with_parent,  # a killed test run stops the deployment it started
+        preexec_fn=die_with_parent,  # this process killed: the experiment stops its deployment
     )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    try:
+        stdout, stderr = run.communicate(timeout=3600)
+    except BaseException:
+        run.terminate()
+        try:
+            run.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            run.kill()
+        raise
+    assert run.returncode == 0, stdout[-3000:] + stderr[-3000:]
     data = json.loads(out.read_text())
     clean, kill, dropout = data["scenarios"]
     assert data["client_app"] == "dpfl_tf.federated.flower_warm:client_app"

@@ -654,10 +654,25 @@ def test_rules_registered_when_their_package_is_imported(monkeypatch):
         mine = layer_rules.PerLayerJacobianRule(vectorize=False)
         register_rule(ScaleShift, mine)
         assert calls == [1, 1] and find_rule(layer) is mine
+        # a registration that fails says so, and is tried again at the next lookup
+        monkeypatch.setitem(sys.modules, package + "_c", types.ModuleType(package))
+
+        def broken():
+            raise RuntimeError("broken registration")
+
+        with pytest.raises(RuntimeError, match="broken registration"):
+            layer_rules.register_when_imported(package + "_c", broken)
+        assert layer_rules._base._DEFERRED[package + "_c"] is broken  # kept
+        with pytest.raises(RuntimeError, match="broken registration"):
+            find_rule(layer)
+        layer_rules._base._DEFERRED[package + "_c"] = register  # mended
+        assert find_rule(layer) is FALLBACK and calls == [1, 1, 1]
+        assert package + "_c" not in layer_rules._base._DEFERRED
     finally:
         layer_rules.unregister_rule(ScaleShift)
         layer_rules._base._DEFERRED.pop(package, None)
         layer_rules._base._DEFERRED.pop(package + "_b", None)
+        layer_rules._base._DEFERRED.pop(package + "_c", None)
 
 
 def test_register_rule_checks_its_arguments():

@@ -116,10 +116,11 @@ class LayerRule:
 
 
 _REGISTRY: dict[type, LayerRule] = {}
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entered: a deferred registration calls register_rule
 #: package -> the function that registers its rules, run once that package is
 #: imported (a layer of it can exist only then): importing dpfl_tf does not import it
 _DEFERRED: dict[str, Callable[[], object]] = {}
+_REGISTERING: set[str] = set()
 
 
 def register_when_imported(package: str, register: Callable[[], object]) -> None:
@@ -135,11 +136,14 @@ def register_when_imported(package: str, register: Callable[[], object]) -> None
 def _register_deferred() -> None:
     if not _DEFERRED:
         return
-    with _LOCK:
-        due = [p for p in _DEFERRED if p in sys.modules]
-        run = [_DEFERRED.pop(p) for p in due]
-    for register in run:
-        register()
+    with _LOCK:  # held while registering: another thread's lookup waits for all the rules
+        for package in [p for p in _DEFERRED if p in sys.modules and p not in _REGISTERING]:
+            _REGISTERING.add(package)  # its register_rule calls come back here
+            try:
+                _DEFERRED[package]()
+                del _DEFERRED[package]  # on an error: tried again at the next lookup
+            finally:
+                _REGISTERING.discard(package)
 
 
 def register_rule(layer_class: type, rule: LayerRule) -> None:
