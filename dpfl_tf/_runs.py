@@ -25,6 +25,7 @@ __all__ = [
     "check_run_outputs",
     "peak_rss_mb",
     "die_with_parent",
+    "running",
     "result_status",
     "check_output_file",
     "check_output_dir",
@@ -96,6 +97,16 @@ def die_with_parent(signum: int = signal.SIGTERM, parent: int | None = None) -> 
         return
     if os.getppid() != parent:  # adopted: the parent is gone already
         os._exit(1)
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (ended, not yet reaped by
+    its parent): Linux's /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"  # the name may hold ") "
+    except OSError:
+        return False
 
 
 #: where a command's results go by default (relative to the working directory)

@@ -50,7 +50,7 @@ import time
 
 from _common import RESULTS, ROOT, command_line, commit_of
 
-from dpfl_tf._runs import die_with_parent
+from dpfl_tf._runs import die_with_parent, running
 
 
 def _free_port() -> int:
@@ -126,10 +126,7 @@ class Deployment:
         alive = []
         for group in self.groups:
             out = subprocess.run(["pgrep", "-g", str(group)], capture_output=True, text=True)
-            for pid in out.stdout.split():
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().split(") ", 1)[1][0] != "Z":
-                        alive.append(int(pid))
+            alive += [int(pid) for pid in out.stdout.split() if running(int(pid))]
         return alive
 
     def start_node(self, k: int) -> None:

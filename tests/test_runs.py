@@ -17,6 +17,7 @@ from dpfl_tf._runs import (
     RunInterrupted,
     check_output_dir,
     check_output_file,
+    running,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -246,21 +247,14 @@ def test_a_child_started_with_die_with_parent_ends_when_its_parent_is_killed():
     parent.kill()
     parent.wait()
 
-    def alive(pid):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().split(") ", 1)[1][0] != "Z"
-        except FileNotFoundError:
-            return False
-
     try:
         deadline = time.monotonic() + 10
-        while alive(with_it) and time.monotonic() < deadline:
+        while running(with_it) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not alive(with_it)
-        assert alive(without)
+        assert not running(with_it)
+        assert running(without)
     finally:
         parent.stdout.close()
         for pid in (with_it, without):
-            if alive(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -20,6 +20,7 @@ pytest.importorskip("flwr")
 from flwr.app import Context, RecordDict  # noqa: E402
 
 import dpfl_tf.federated.flower as fl  # noqa: E402
+from dpfl_tf._runs import running  # noqa: E402
 from dpfl_tf.federated import flower_warm  # noqa: E402
 
 RUN_CONFIG = {
@@ -49,15 +50,8 @@ def _workers(parent_pid: int) -> list[int]:
     """Live worker processes serving nodes of `parent_pid` (by their command line)."""
     prefix = flower_warm.worker_address(parent_pid, 0).rsplit("-", 1)[0] + "-"
     out = subprocess.run(["pgrep", "-f", prefix], capture_output=True, text=True)
-    live = []
-    for pid in out.stdout.split():  # not the zombies this process has yet to reap
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(") ", 1)[1][0] != "Z":
-                    live.append(int(pid))
-        except OSError:
-            continue
-    return live
+    # not the zombies this process has yet to reap
+    return [int(pid) for pid in out.stdout.split() if running(int(pid))]
 
 
 def _wait(condition, seconds: float) -> None:
