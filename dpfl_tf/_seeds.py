@@ -32,7 +32,10 @@ The seeded streams, and where each seed comes from:
   (`federated.distributed_dp`: ``[noise seed, round, client]``, the rotation
   signs), private tuning (`dpfl_tf.tuning`) and the audits (`dpfl_tf.audit`);
 - ``keras.utils.set_random_seed(seed)``: the recipes' weight initialisation,
-  dropout and Keras's shuffles.
+  dropout and Keras's shuffles;
+- ``random.Random(seed)``: the initializer seeds of the federated models
+  (`dpfl_tf.models.initializer_seeds`; the draws ``set_random_seed`` made from the
+  global `random`, kept private: Flower's threads draw from that one).
 
 These keep their derivation: every seeded result the project records
 (results/, docs/results/) and the shipped pretrained weights were drawn with

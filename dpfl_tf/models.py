@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from typing import Callable
+
 import keras
 
 from dpfl_tf._validation import check_count
@@ -16,7 +19,23 @@ __all__ = [
     "scatter_cnn",
     "view_averaged",
     "SelectView",
+    "initializer_seeds",
 ]
+
+
+def initializer_seeds(seed: int | None) -> Callable[[], int | None]:
+    """The seeds of a model's random initializers, one per call, in the order the
+    model constructs them: what ``keras.utils.set_random_seed(seed)`` followed by
+    the build would draw (Keras gives an unseeded initializer
+    ``random.randint(1, 10**9)`` from Python's global `random`), drawn from a
+    private ``random.Random(seed)`` instead.  The weights are the same, but no
+    other thread drawing from the global `random` between two layers (Flower's
+    heartbeat jitter, its SecAgg+ workflow) can change them.  ``seed=None``:
+    None, Keras's own draw."""
+    if seed is None:
+        return lambda: None
+    stream = random.Random(int(seed))
+    return lambda: stream.randint(1, int(1e9))
 
 
 def mlp(
@@ -85,26 +104,43 @@ def conv_net(
     dense=(32,),
     activation: str = "relu",
     name: str = "conv_net",
+    seed: int | None = None,
 ) -> keras.Model:
     """Conv(f, k x k) + 2x2 max-pool for each f in `filters`, then Dense layers
     of `dense` units, then logits.  A 2-D `input_shape` (H, W) gets a channel
-    axis added in the model."""
+    axis added in the model.  `seed`: the Glorot-uniform kernels from
+    `initializer_seeds` (None: Keras's global random state)."""
     layers = keras.layers
+    draw = initializer_seeds(seed)
+
+    def kernel():
+        return keras.initializers.GlorotUniform(seed=draw())
+
     stack = [keras.Input(tuple(input_shape))]
     if len(input_shape) == 2:
         stack.append(layers.Reshape((*input_shape, 1)))
     for f in filters:
         stack += [
-            layers.Conv2D(int(f), kernel_size, padding=padding, activation=activation),
+            layers.Conv2D(
+                int(f),
+                kernel_size,
+                padding=padding,
+                activation=activation,
+                kernel_initializer=kernel(),
+            ),
             layers.MaxPooling2D(2),
         ]
     stack.append(layers.Flatten())
-    stack += [layers.Dense(int(u), activation=activation) for u in dense]
-    stack.append(layers.Dense(classes))
+    stack += [
+        layers.Dense(int(u), activation=activation, kernel_initializer=kernel()) for u in dense
+    ]
+    stack.append(layers.Dense(classes, kernel_initializer=kernel()))
     return keras.Sequential(stack, name=name)
 
 
-def pnpm_cnn(input_shape=(28, 28, 1), classes: int = 10, *, depth: int = 3) -> keras.Model:
+def pnpm_cnn(
+    input_shape=(28, 28, 1), classes: int = 10, *, depth: int = 3, seed: int | None = None
+) -> keras.Model:
     """The CNNs of the PNPM local-DP experiments (Ren et al. 2022), rebuilt from
     their weight counts (kernels only, biases not counted):
 
@@ -113,6 +149,8 @@ def pnpm_cnn(input_shape=(28, 28, 1), classes: int = 10, *, depth: int = 3) -> k
     * ``depth=3`` (Fashion-MNIST, CIFAR-10): conv 16, 32, 64 filters 3x3
       'same', each + max-pool, Dense 32, logits -- 41,936 kernel weights on
       28x28x1 and 56,560 on 32x32x3.
+
+    `seed`: as for `conv_net`.
     """
     if depth == 2:
         return conv_net(
@@ -123,6 +161,7 @@ def pnpm_cnn(input_shape=(28, 28, 1), classes: int = 10, *, depth: int = 3) -> k
             padding="valid",
             dense=(50,),
             name="pnpm_cnn2",
+            seed=seed,
         )
     if depth == 3:
         return conv_net(
@@ -133,6 +172,7 @@ def pnpm_cnn(input_shape=(28, 28, 1), classes: int = 10, *, depth: int = 3) -> k
             padding="same",
             dense=(32,),
             name="pnpm_cnn3",
+            seed=seed,
         )
     raise ValueError(f"depth must be 2 or 3, got {depth!r}")
 

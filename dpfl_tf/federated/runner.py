@@ -102,14 +102,24 @@ def fully_connected_model(
     seed: int | None = None,
 ):
     """The small fully connected net of Geyer et al.'s code (784-600-100-10, ReLU,
-    no biases by default), returning logits."""
+    no biases by default), returning logits.  `seed`: the kernels from
+    `dpfl_tf.models.initializer_seeds` (the weights ``keras.utils.set_random_seed``
+    gave; no global random state is read or set); None: Keras's global state."""
     import keras
 
-    if seed is not None:
-        keras.utils.set_random_seed(int(seed))
+    from dpfl_tf.models import initializer_seeds
+
+    draw = initializer_seeds(seed)
+
+    def dense(units, **kwargs):
+        kernel = keras.initializers.GlorotUniform(seed=draw())
+        return keras.layers.Dense(
+            int(units), use_bias=use_bias, kernel_initializer=kernel, **kwargs
+        )
+
     layers = [keras.Input(tuple(input_shape)), keras.layers.Flatten()]
-    layers += [keras.layers.Dense(int(h), activation="relu", use_bias=use_bias) for h in hidden]
-    layers.append(keras.layers.Dense(int(num_classes), use_bias=use_bias))
+    layers += [dense(h, activation="relu") for h in hidden]
+    layers.append(dense(num_classes))
     return keras.Sequential(layers)
 
 
@@ -725,17 +735,19 @@ def _distributed_aggregator(c: FederatedConfig, trainer, sampling):
 
 
 def build_model(config: FederatedConfig, input_shape: Sequence[int], num_classes: int):
-    """The config's model, initialised from the stream (``config.seed``, "model-init")
-    (32 bits: `keras.utils.set_random_seed` seeds numpy's legacy generator too)."""
+    """The config's model, initialised from the stream (``config.seed``, "model-init"),
+    32 bits, as ``keras.utils.set_random_seed`` of it would (the weights of earlier
+    versions), without touching the process's global random state: a Flower
+    ServerApp builds it in a thread while Flower's own threads draw from Python's
+    `random` (`dpfl_tf.models.initializer_seeds`)."""
     seed = derive_seed(config.seed, "model-init") >> 31
     if config.model == "mlp":
         return fully_connected_model(input_shape, config.hidden, num_classes, seed=seed)
-    import keras
-
     from dpfl_tf.models import pnpm_cnn
 
-    keras.utils.set_random_seed(seed)
-    return pnpm_cnn(tuple(input_shape), num_classes, depth=2 if config.model == "cnn2" else 3)
+    return pnpm_cnn(
+        tuple(input_shape), num_classes, depth=2 if config.model == "cnn2" else 3, seed=seed
+    )
 
 
 def local_dp_upload(config: FederatedConfig, initial_weights: Sequence[Any]):
