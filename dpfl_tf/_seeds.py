@@ -33,7 +33,8 @@ The seeded streams, and where each seed comes from:
   signs), private tuning (`dpfl_tf.tuning`) and the audits (`dpfl_tf.audit`);
 - ``keras.utils.set_random_seed(seed)``: the recipes' weight initialisation,
   dropout and Keras's shuffles;
-- ``random.Random(seed)``: the initializer seeds of the federated models
+- ``random.Random(seed)``: the initializer seeds of the federated models, with
+  seed ``derive_seed(config seed, "model-init") >> 31``
   (`dpfl_tf.models.initializer_seeds`; the draws ``set_random_seed`` made from the
   global `random`, kept private: Flower's threads draw from that one).
 

@@ -26,9 +26,10 @@ __all__ = [
 def initializer_seeds(seed: int | None) -> Callable[[], int | None]:
     """The seeds of a model's random initializers, one per call, in the order the
     model constructs them: what ``keras.utils.set_random_seed(seed)`` followed by
-    the build would draw (Keras gives an unseeded initializer
-    ``random.randint(1, 10**9)`` from Python's global `random`), drawn from a
-    private ``random.Random(seed)`` instead.  The weights are the same, but no
+    the build would draw (Keras 3 gives an unseeded initializer
+    ``random.randint(1, 10**9)`` from Python's global `random`:
+    ``keras.src.random.seed_generator.make_default_seed``), drawn from a private
+    ``random.Random(seed)`` instead.  The weights are the same, but no
     other thread drawing from the global `random` between two layers (Flower's
     heartbeat jitter, its SecAgg+ workflow) can change them.  ``seed=None``:
     None, Keras's own draw."""
