@@ -35,7 +35,7 @@ The seeded streams, and where each seed comes from:
   dropout and Keras's shuffles;
 - ``random.Random(seed)``: the initializer seeds of the federated models, with
   seed ``derive_seed(config seed, "model-init") >> 31``
-  (`dpfl_tf.models.initializer_seeds`; the draws ``set_random_seed`` made from the
+  (`dpfl_tf.models.glorot_uniform_kernels`; the draws ``set_random_seed`` made from the
   global `random`, kept private: Flower's threads draw from that one).
 
 These keep their derivation: every seeded result the project records

@@ -19,24 +19,27 @@ __all__ = [
     "scatter_cnn",
     "view_averaged",
     "SelectView",
-    "initializer_seeds",
+    "glorot_uniform_kernels",
 ]
 
 
-def initializer_seeds(seed: int | None) -> Callable[[], int | None]:
-    """The seeds of a model's random initializers, one per call, in the order the
-    model constructs them: what ``keras.utils.set_random_seed(seed)`` followed by
-    the build would draw (Keras 3 gives an unseeded initializer
+def glorot_uniform_kernels(seed: int | None) -> Callable[[], keras.initializers.Initializer]:
+    """The Glorot-uniform kernel initializers of a model, one per call, in the order
+    the model constructs its layers, seeded as ``keras.utils.set_random_seed(seed)``
+    followed by the build would seed them (Keras 3 gives an unseeded initializer
     ``random.randint(1, 10**9)`` from Python's global `random`:
-    ``keras.src.random.seed_generator.make_default_seed``), drawn from a private
-    ``random.Random(seed)`` instead.  The weights are the same, but no
-    other thread drawing from the global `random` between two layers (Flower's
-    heartbeat jitter, its SecAgg+ workflow) can change them.  ``seed=None``:
-    None, Keras's own draw."""
-    if seed is None:
-        return lambda: None
-    stream = random.Random(int(seed))
-    return lambda: stream.randint(1, int(1e9))
+    ``keras.src.random.seed_generator.make_default_seed``), but from a private
+    ``random.Random(seed)``.  The weights are the same, but no other thread drawing
+    from the global `random` between two layers (Flower's heartbeat jitter, its
+    SecAgg+ workflow) can change them.  ``seed=None``: Keras's own draw."""
+    stream = None if seed is None else random.Random(int(seed))
+
+    def kernel() -> keras.initializers.Initializer:
+        return keras.initializers.GlorotUniform(
+            seed=None if stream is None else stream.randint(1, int(1e9))
+        )
+
+    return kernel
 
 
 def mlp(
@@ -109,14 +112,10 @@ def conv_net(
 ) -> keras.Model:
     """Conv(f, k x k) + 2x2 max-pool for each f in `filters`, then Dense layers
     of `dense` units, then logits.  A 2-D `input_shape` (H, W) gets a channel
-    axis added in the model.  `seed`: the Glorot-uniform kernels from
-    `initializer_seeds` (None: Keras's global random state)."""
+    axis added in the model.  `seed`: the kernels of `glorot_uniform_kernels`
+    (None: Keras's global random state)."""
     layers = keras.layers
-    draw = initializer_seeds(seed)
-
-    def kernel():
-        return keras.initializers.GlorotUniform(seed=draw())
-
+    kernel = glorot_uniform_kernels(seed)
     stack = [keras.Input(tuple(input_shape))]
     if len(input_shape) == 2:
         stack.append(layers.Reshape((*input_shape, 1)))

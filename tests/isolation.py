@@ -123,11 +123,10 @@ class _ChildReports:
 
     def __init__(self, config, path):
         self.config, self.path = config, path
-        if sys.platform.startswith("linux"):
-            from dpfl_tf._runs import die_with_parent
+        from dpfl_tf._runs import die_with_parent
 
-            # a killed or timed-out parent leaves no child running
-            die_with_parent(parent=int(os.environ.get(PARENT_ENV, os.getppid())))
+        # a killed or timed-out parent leaves no child running (Linux; elsewhere nothing)
+        die_with_parent(parent=int(os.environ.get(PARENT_ENV, os.getppid())))
 
     def _write(self, report):
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)

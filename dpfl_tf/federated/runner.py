@@ -103,23 +103,20 @@ def fully_connected_model(
 ):
     """The small fully connected net of Geyer et al.'s code (784-600-100-10, ReLU,
     no biases by default), returning logits.  `seed`: the kernels from
-    `dpfl_tf.models.initializer_seeds` (the weights ``keras.utils.set_random_seed``
+    `dpfl_tf.models.glorot_uniform_kernels` (the weights ``keras.utils.set_random_seed``
     gave; no global random state is read or set); None: Keras's global state."""
     import keras
 
-    from dpfl_tf.models import initializer_seeds
+    from dpfl_tf.models import glorot_uniform_kernels
 
-    draw = initializer_seeds(seed)
-
-    def dense(units, **kwargs):
-        kernel = keras.initializers.GlorotUniform(seed=draw())
-        return keras.layers.Dense(
-            int(units), use_bias=use_bias, kernel_initializer=kernel, **kwargs
-        )
-
+    kernel = glorot_uniform_kernels(seed)
+    dense = keras.layers.Dense
     layers = [keras.Input(tuple(input_shape)), keras.layers.Flatten()]
-    layers += [dense(h, activation="relu") for h in hidden]
-    layers.append(dense(num_classes))
+    layers += [
+        dense(int(h), activation="relu", use_bias=use_bias, kernel_initializer=kernel())
+        for h in hidden
+    ]
+    layers.append(dense(int(num_classes), use_bias=use_bias, kernel_initializer=kernel()))
     return keras.Sequential(layers)
 
 
@@ -739,7 +736,7 @@ def build_model(config: FederatedConfig, input_shape: Sequence[int], num_classes
     32 bits, as ``keras.utils.set_random_seed`` of it would (the weights of earlier
     versions), without touching the process's global random state: a Flower
     ServerApp builds it in a thread while Flower's own threads draw from Python's
-    `random` (`dpfl_tf.models.initializer_seeds`)."""
+    `random` (`dpfl_tf.models.glorot_uniform_kernels`)."""
     seed = derive_seed(config.seed, "model-init") >> 31
     if config.model == "mlp":
         return fully_connected_model(input_shape, config.hidden, num_classes, seed=seed)

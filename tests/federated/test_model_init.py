@@ -6,7 +6,7 @@ the state `keras.utils.set_random_seed` seeds and Keras draws an unseeded
 initializer's seed from.  A draw between two layers moved the initial model: the
 Ray SecAgg+ run then differed from the in-process run (its file failed in 3 of 10
 runs after test_flower.py).  The builders now draw the initializers' seeds from a
-private stream (`dpfl_tf.models.initializer_seeds`), with the weights of before."""
+private stream (`dpfl_tf.models.glorot_uniform_kernels`), with the weights of before."""
 
 import random
 
