@@ -100,9 +100,7 @@ def test_the_training_function_traces_the_per_example_gradients_once(batch_size,
     trace of the training step, the per-example gradients once -- not once more
     for a second branch (a tf.cond between "one batch" and "the loop" traced
     both), nor for the one-example rerun of a batch with a non-finite example
-    (the loop redoes such a batch through the same pass).  (The step itself is
-    traced twice per fit: the compiled accuracy metric creates its variables
-    inside the first trace.)"""
+    (the loop redoes such a batch through the same pass)."""
     from dpfl_tf.keras.per_example import PerExampleGradients
 
     clipped, step = PerExampleGradients.clipped, DPModel.train_step
@@ -122,6 +120,46 @@ def test_the_training_function_traces_the_per_example_gradients_once(batch_size,
     dp_model().fit(x, y, lot_size=100, batch_size=batch_size, epochs=1, verbose=0)
     assert steps and not any(steps) and not any(calls)  # traced, never run eagerly
     assert len(calls) == len(steps), (len(calls), len(steps))
+
+
+@pytest.mark.parametrize(
+    "optimizer, metrics",
+    [
+        (lambda: DPSGD(0.5, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0), ["accuracy"]),
+        (lambda: DPSGD(0.5, momentum=0.9, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0), None),
+        (
+            lambda: DPAdam(0.01, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0),
+            ["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(3)],
+        ),
+    ],
+    ids=["accuracy", "momentum-slots", "adam-slots-two-metrics"],
+)
+def test_a_fit_traces_the_training_step_once(optimizer, metrics, monkeypatch):
+    """The optimizer's slots and the compiled metrics' variables exist before the
+    training step is traced: a `tf.function` whose first trace creates variables
+    is traced a second time (Keras 3 builds them in the trace when no
+    distribution strategy is set), which doubled every fit's start-up.  The
+    metrics still report, and the slots are the ones the optimizer updates."""
+    step, steps = DPModel.train_step, []
+
+    def counted_step(self, *args, **kwargs):
+        steps.append(tf.executing_eagerly())
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(DPModel, "train_step", counted_step)
+    x, y = mnist_slice(400, features=60)
+    dp = DPModel(mlp())
+    dp.compile(optimizer=optimizer(), loss=loss(), metrics=metrics)
+    history = dp.fit(x, y, lot_size=100, epochs=2, verbose=0)
+    assert steps == [False]  # one trace, in graph mode, for both epochs
+    names = {"accuracy"} if metrics else set()
+    if metrics and len(metrics) == 2:
+        names.add("sparse_top_k_categorical_accuracy")
+    reported = set(history.history) - {"loss", "epsilon", "delta", "lots", "dropped_examples"}
+    assert reported == names
+    assert all(0.0 <= history.history[n][-1] <= 1.0 for n in names)
+    slots = [v for v in dp.optimizer.inner_optimizer.variables if v.shape == (60, 32)]
+    assert all(np.any(v.numpy() != 0) for v in slots)  # momentum/Adam: updated in fit
 
 
 def test_physical_batches_sum_to_the_same_lot_update_without_noise():
