@@ -162,7 +162,11 @@ class Scattering2D:
             psi_r, phi_r = (psi, phi) if r == 0 else morlet_filter_bank(grid, self.J - r, self.L)
             self._psi.append([_FilterBank(psi_r[j - r], 2 ** (j - r)) for j in range(r, self.J)])
             self._phi.append(_FilterBank(phi_r[None], 2 ** (self.J - r)))
-        self._fn = tf.function(self._scatter, reduce_retracing=True)
+        # one graph for every batch size: a graph traced for a static batch is
+        # optimised differently, and its features differed in the last bit
+        self._fn = tf.function(
+            self._scatter, input_signature=[tf.TensorSpec([None, *self.shape], tf.float32)]
+        )
 
     def __repr__(self):
         return f"Scattering2D(J={self.J}, L={self.L}, shape={self.shape}, padding={self.padding!r})"
