@@ -3,6 +3,7 @@ translation invariance, energy bounds, and a full-resolution numpy reference."""
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from dpfl_tf.data import load_dataset
 from dpfl_tf.scattering import Scattering2D, morlet_filter_bank, scattering_channels
@@ -51,6 +52,27 @@ def test_an_images_features_do_not_depend_on_its_batch(digits):
     for batch_size in (1, 4, 5):
         np.testing.assert_array_equal(scat.transform(digits[:6], batch_size=batch_size), whole)
     np.testing.assert_array_equal(scat(digits[3:9]).numpy()[:3], whole[3:])
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])  # 8: the reduced product, not block by block
+@pytest.mark.parametrize("lead", [(5,), (2, 3)])
+@pytest.mark.parametrize("filters", [1, 3])
+def test_a_filter_bank_is_the_folded_product(k, lead, filters):
+    """_FilterBank(F, k)(X) = the spectrum of (u * f_t)[::k, ::k]: the product X F_t
+    folded to (M/k, N/k) by the mean of its k^2 aliases, on a grid that is not square."""
+    from dpfl_tf.scattering import _FilterBank
+
+    rng = np.random.default_rng(k)
+    m, n = 24, 16
+    spectrum = rng.normal(size=(*lead, m, n)) + 1j * rng.normal(size=(*lead, m, n))
+    bank = rng.normal(size=(filters, m, n))
+    product = spectrum[..., None, :, :] * bank
+    want = product.reshape(*lead, filters, k, m // k, k, n // k).mean(axis=(-4, -2))
+    got = _FilterBank(bank, k)(tf.constant(spectrum, tf.complex64)).numpy()
+    assert got.shape == (*lead, filters, m // k, n // k)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match="cannot be subsampled by 3"):
+        _FilterBank(bank, 3)
 
 
 def test_moduli_are_nonnegative_and_order_zero_is_the_lowpassed_image(scat, digits):

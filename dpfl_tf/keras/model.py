@@ -491,9 +491,9 @@ class DPModel(keras.Model):
             callbacks.append(CountsProgbarLogger())  # counts shown as integers
         self.stop_reason = None
         dropped_before = self.dropped_examples
-        self._build_state_before_tracing(data.element_spec)
         try:
             self._probe_batch_mixing(data)  # reads the first lot: a bad record is said here
+            self._build_state_before_tracing(data.element_spec)
             history = super().fit(
                 data,
                 epochs=epochs,
@@ -1058,28 +1058,32 @@ class DPModel(keras.Model):
         from the shapes of a lot and of the model's output.  Without a
         distribution strategy Keras 3 leaves both to the first trace of the
         training step, and a `tf.function` that creates variables is traced a
-        second time: every fit paid two traces of the per-example step (about
-        half its start-up on a small model).  The slots are built as the
-        optimizer's `apply` builds them; a model whose output spec cannot be
-        computed symbolically builds its metrics in the trace (Keras's way)."""
-        if self._distribute_strategy is not None:  # Keras's symbolic build does it
-            return
+        second time: every fit paid two traces of the per-example step (about a
+        third of a small model's first fit).  The slots are built as Keras's
+        `Optimizer.apply` builds them (an optimizer with an `apply` of its own
+        builds them there); a model whose output cannot be computed
+        symbolically builds its metrics in the trace (Keras's way)."""
+        if self._distribute_strategy is not None or tf.distribute.has_strategy():
+            return  # Keras's symbolic build makes them, under the strategy
         inner = getattr(self.optimizer, "inner_optimizer", None)
-        if inner is not None and not inner.built:
+        if (
+            inner is not None
+            and not inner.built
+            and type(inner).apply is keras.optimizers.Optimizer.apply
+        ):
             with keras.name_scope(inner.name, caller=inner):
                 inner.build(self.model.trainable_variables)
             inner.built = True
         metrics = self._compile_metrics
         if metrics is None or metrics.built:
             return
-        x, y = tf.nest.map_structure(
-            lambda s: keras.KerasTensor(s.shape, s.dtype.name), tuple(element_spec[:2])
-        )
-        try:
-            y_pred = self.model.compute_output_spec(x, training=False)
+        try:  # DPModel.call on placeholders, as Keras's own symbolic build runs it
+            x, y = tf.nest.map_structure(
+                lambda s: keras.KerasTensor(s.shape, s.dtype.name), tuple(element_spec[:2])
+            )
+            metrics.build(y, self.compute_output_spec(x, training=False))
         except Exception:  # built in the first trace instead
             return
-        metrics.build(y, y_pred)
 
     def train_on_batch(self, *args, **kwargs):
         raise NotImplementedError(

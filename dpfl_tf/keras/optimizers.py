@@ -221,7 +221,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     # -- optimizer protocol ---------------------------------------------------
     def build(self, var_list):
-        self.inner_optimizer.build(var_list)
+        if not self.inner_optimizer.built:  # a second build would make its slots twice
+            self.inner_optimizer.build(var_list)
         super().build(var_list)
 
     @property

@@ -249,7 +249,7 @@ class MnistConfig:
 
 
 #: part of the features' cache key: bump it when the transform's output changes
-FEATURES_VERSION = "kymatio-filters-1"
+FEATURES_VERSION = "kymatio-filters-2"  # 2: summed block by block (last bits)
 
 
 #: images scattered at a time (the transform's peak memory does not grow with N)

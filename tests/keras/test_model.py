@@ -165,6 +165,62 @@ def test_a_fit_traces_the_training_step_once(optimizer, metrics, slots, monkeypa
     assert all(np.any(v.numpy() != 0) for v in first_kernel)  # updated in fit
 
 
+def _seeded_adam_fit():
+    x, y = mnist_slice(400, features=60)
+    dp = DPModel(mlp())
+    dp.compile(
+        optimizer=DPAdam(0.01, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0),
+        loss=loss(),
+        metrics=["accuracy"],
+    )
+    history = dp.fit(x, y, lot_size=100, epochs=2, verbose=0, sampling_seed=0)
+    return dp, history.history
+
+
+def _slots(dp):
+    """(scope, kind, shape) of each optimizer variable, auto-numbered names aside
+    ("adam_1/sequential_3_dense_6_kernel_momentum" -> ("adam", "momentum", shape))."""
+    out = []
+    for v in dp.optimizer.variables:
+        scope, name = v.path.split("/")
+        out.append((re.sub(r"_\d+$", "", scope), name.rsplit("_", 1)[-1], tuple(v.shape)))
+    return out
+
+
+def test_building_before_the_trace_changes_no_result(monkeypatch):
+    """The early build makes what the trace would have made: with it switched off
+    (Keras's way: built in the trace, traced twice) the same seeded fit ends with
+    the same weights, optimizer variables and history, bit for bit."""
+    early, history = _seeded_adam_fit()
+    monkeypatch.setattr(DPModel, "_build_state_before_tracing", lambda self, spec: None)
+    late, late_history = _seeded_adam_fit()
+    assert history == late_history
+    for a, b in zip(early.get_weights(), late.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert _slots(early) == _slots(late) and len(_slots(early)) == 2 + 2 + 4 * 2
+    for a, b in zip(early.optimizer.variables, late.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_a_model_without_a_symbolic_output_builds_its_metrics_in_the_trace(monkeypatch):
+    """If the model's output spec cannot be computed, the metrics are built where
+    Keras builds them (a second trace) and still report."""
+    step, steps = DPModel.train_step, []
+
+    def counted_step(self, *args, **kwargs):
+        steps.append(tf.executing_eagerly())
+        return step(self, *args, **kwargs)
+
+    def no_spec(self, *args, **kwargs):
+        raise NotImplementedError("no symbolic output")
+
+    monkeypatch.setattr(DPModel, "train_step", counted_step)
+    monkeypatch.setattr(DPModel, "compute_output_spec", no_spec)
+    dp, history = _seeded_adam_fit()
+    assert steps == [False, False]
+    assert 0.0 <= history["accuracy"][-1] <= 1.0
+
+
 def test_physical_batches_sum_to_the_same_lot_update_without_noise():
     one = _one_lot_update(600, 0.0, 0)
     four = _one_lot_update(150, 0.0, 0)
