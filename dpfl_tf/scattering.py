@@ -314,7 +314,7 @@ class _FilterBank:
             raise ValueError(f"a {m}x{n} grid cannot be subsampled by {k}")
         self.k, self.block = k, (m // k, n // k)
         mk, nk = self.block
-        scaled = filters / (k * k)  # exact: k is a power of 2
+        scaled = filters / (k * k)  # exact for a power of 2 (every k here)
         if k > self.MAX_BLOCKWISE:
             self._blocks = [tf.constant(scaled, tf.complex64)]
             return
