@@ -94,8 +94,24 @@ def test_a_fit_with_the_same_settings_reuses_the_traced_function_and_a_change_re
     assert dp.train_function is not second
 
 
+@pytest.fixture
+def traced_steps(monkeypatch):
+    """Whether each call of `DPModel.train_step` ran eagerly (in graph mode: one
+    entry per trace of the training step)."""
+    step, steps = DPModel.train_step, []
+
+    def counted_step(self, *args, **kwargs):
+        steps.append(tf.executing_eagerly())
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(DPModel, "train_step", counted_step)
+    return steps
+
+
 @pytest.mark.parametrize("batch_size", [None, 40], ids=["lot-fits", "three-batches"])
-def test_the_training_function_traces_the_per_example_gradients_once(batch_size, monkeypatch):
+def test_the_training_function_traces_the_per_example_gradients_once(
+    batch_size, monkeypatch, traced_steps
+):
     """A lot of run-time size (every lot of fit) is traced through one path: per
     trace of the training step, the per-example gradients once -- not once more
     for a second branch (a tf.cond between "one batch" and "the loop" traced
@@ -103,19 +119,13 @@ def test_the_training_function_traces_the_per_example_gradients_once(batch_size,
     (the loop redoes such a batch through the same pass)."""
     from dpfl_tf.keras.per_example import PerExampleGradients
 
-    clipped, step = PerExampleGradients.clipped, DPModel.train_step
-    calls, steps = [], []
+    clipped, calls, steps = PerExampleGradients.clipped, [], traced_steps
 
     def counted_clipped(self, *args, **kwargs):
         calls.append(tf.executing_eagerly())
         return clipped(self, *args, **kwargs)
 
-    def counted_step(self, *args, **kwargs):
-        steps.append(tf.executing_eagerly())
-        return step(self, *args, **kwargs)
-
     monkeypatch.setattr(PerExampleGradients, "clipped", counted_clipped)
-    monkeypatch.setattr(DPModel, "train_step", counted_step)
     x, y = mnist_slice(400, features=60)
     dp_model().fit(x, y, lot_size=100, batch_size=batch_size, epochs=1, verbose=0)
     assert steps and not any(steps) and not any(calls)  # traced, never run eagerly
@@ -135,19 +145,12 @@ def test_the_training_function_traces_the_per_example_gradients_once(batch_size,
     ],
     ids=["accuracy", "momentum-slots", "adam-slots-two-metrics"],
 )
-def test_a_fit_traces_the_training_step_once(optimizer, metrics, slots, monkeypatch):
+def test_a_fit_traces_the_training_step_once(optimizer, metrics, slots, traced_steps):
     """The optimizer's slots and the compiled metrics' variables exist before the
     training step is traced: a `tf.function` whose first trace creates variables
     is traced a second time (Keras 3 builds them in the trace when no
     distribution strategy is set), which doubled every fit's start-up.  The
     metrics still report, and the slots are the ones the optimizer updates."""
-    step, steps = DPModel.train_step, []
-
-    def counted_step(self, *args, **kwargs):
-        steps.append(tf.executing_eagerly())
-        return step(self, *args, **kwargs)
-
-    monkeypatch.setattr(DPModel, "train_step", counted_step)
     x, y = mnist_slice(400, features=60)
     dp = DPModel(mlp())
     made = [
@@ -156,7 +159,7 @@ def test_a_fit_traces_the_training_step_once(optimizer, metrics, slots, monkeypa
     ]
     dp.compile(optimizer=optimizer(), loss=loss(), metrics=made or None)
     history = dp.fit(x, y, lot_size=100, epochs=2, verbose=0)
-    assert steps == [False]  # one trace, in graph mode, for both epochs
+    assert traced_steps == [False]  # one trace, in graph mode, for both epochs
     reported = set(history.history) - {"loss", "epsilon", "delta", "lots", "dropped_examples"}
     assert reported == set(metrics)
     assert all(0.0 <= history.history[n][-1] <= 1.0 for n in metrics)
@@ -202,22 +205,18 @@ def test_building_before_the_trace_changes_no_result(monkeypatch):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
-def test_a_model_without_a_symbolic_output_builds_its_metrics_in_the_trace(monkeypatch):
+def test_a_model_without_a_symbolic_output_builds_its_metrics_in_the_trace(
+    monkeypatch, traced_steps
+):
     """If the model's output spec cannot be computed, the metrics are built where
     Keras builds them (a second trace) and still report."""
-    step, steps = DPModel.train_step, []
-
-    def counted_step(self, *args, **kwargs):
-        steps.append(tf.executing_eagerly())
-        return step(self, *args, **kwargs)
 
     def no_spec(self, *args, **kwargs):
         raise NotImplementedError("no symbolic output")
 
-    monkeypatch.setattr(DPModel, "train_step", counted_step)
     monkeypatch.setattr(DPModel, "compute_output_spec", no_spec)
     dp, history = _seeded_adam_fit()
-    assert steps == [False, False]
+    assert traced_steps == [False, False]
     assert 0.0 <= history["accuracy"][-1] <= 1.0
 
 
