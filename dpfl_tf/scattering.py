@@ -260,7 +260,8 @@ class Scattering2D:
         [N, H/2^J, W/2^J, C K].  A batch's intermediate tensors are what the
         transform adds to the process's memory (one measurement on 2,048 random
         32x32x3 images, two cores: 64 at a time ~0.6 GB, 256 ~1.9 GB, 6 s either
-        way before the block-wise sum of `_FilterBank`, 5 s at 64 after it).  The
+        way; the block-wise sum of `_FilterBank` later took a quarter of the CPU
+        time off: `experiments/scattering_speed.py`).  The
         features do not depend on the batch size (bit for bit on CPU).
 
         mirror: also the features of each image's mirror image (flipped left to
