@@ -21,9 +21,10 @@ passes them on as its own: the terminal, ``--junitxml``, ``-x`` and the exit
 status see them as if the tests had run in the parent.  A test the child did
 not report to its end (the child crashed, was killed, failed to collect) fails
 with the end of the child's output.  pytest-timeout's limit applies to each test
-in the child, not to the file.  The child costs a Python start-up and a
-TensorFlow import (5-7 s), so only files whose memory growth is worth it are
-marked.
+in the child, not to the file.  The child is forked from a warm Python
+(tests/warm_python.py: TensorFlow already imported) from the second isolated
+file on; the first costs a Python start-up and a TensorFlow import (5-7 s).
+Only files whose memory growth is worth a process are marked.
 
 ``pytest.mark.isolated(env={"NAME": "value"})`` also adds environment variables
 to the child: settings TensorFlow reads once, when it starts, which the calling
@@ -46,6 +47,8 @@ import sys
 import tempfile
 
 import pytest
+
+from tests import warm_python
 
 MARK = "isolated"
 REPORTS_ENV = "DPFL_TEST_CHILD_REPORTS"  # set in the child: where it writes its reports
@@ -261,7 +264,7 @@ def _run_file_in_child(item):
     env[PARENT_ENV] = str(os.getpid())
     try:
         try:
-            done = subprocess.run(
+            done = warm_python.run(
                 command,
                 cwd=config.rootpath,
                 env=env,

@@ -7,10 +7,11 @@ import sys
 import pytest
 
 from dpfl_tf.cli import main
+from tests import warm_python
 
 
 def run(args):
-    return subprocess.run(
+    return warm_python.run(
         [sys.executable, "-m", "dpfl_tf", *args], capture_output=True, text=True, timeout=120
     )
 

@@ -55,6 +55,8 @@ import tempfile
 
 import pytest
 
+from tests import warm_python
+
 try:
     import tomllib
 except ImportError:  # Python 3.10
@@ -201,7 +203,10 @@ class Sandbox:
         bin_dir = self.dir / ".bin"
         bin_dir.mkdir()
         shim = bin_dir / "dpfl-tf"
-        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m dpfl_tf "$@"\n')
+        # a warm Python when the test process has one for this environment
+        shim.write_text(
+            f'#!/bin/sh\nexec "{sys.executable}" -m tests.warm_python -m dpfl_tf "$@"\n'
+        )
         shim.chmod(0o755)
         cache = self.dir / ".cache"
         cache.mkdir()
@@ -247,7 +252,7 @@ def run_python_page(blocks: list[Block]) -> tuple[bool, str]:
     box = Sandbox()
     try:
         script = _RUNNER.format(blocks=[(b.where, b.code_to_run()) for b in blocks])
-        proc = subprocess.run(
+        proc = warm_python.run(
             [sys.executable, "-c", script],
             cwd=box.dir,
             env=box.env,
@@ -317,7 +322,7 @@ def run_shell_block(block: Block) -> tuple[bool, str]:
             proc = subprocess.run(
                 ["bash", "-c", command],
                 cwd=box.dir,
-                env=box.env,
+                env=warm_python.for_descendants(box.env),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

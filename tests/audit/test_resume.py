@@ -14,6 +14,7 @@ import dp_accounting
 import pytest
 
 from dpfl_tf.privacy import PrivacyLedger, compute_epsilon, dp_sgd_event
+from tests import warm_python
 from tests.audit._resume_child import EPOCHS, LOT, NOISE, N, federated_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,7 +23,7 @@ LOTS_PER_EPOCH = N // LOT
 
 def _start(kind, directory, *extra):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT}
-    return subprocess.Popen(
+    return warm_python.Popen(
         [sys.executable, "-m", "tests.audit._resume_child", kind, str(directory), *extra],
         cwd=ROOT,
         env=env,

@@ -383,9 +383,10 @@ def test_ctrl_c_resume_command_keeps_checkpoint_dir_given_with_equals(tmp_path):
     import os
     import shlex
     import signal
-    import subprocess
     import sys
     import time
+
+    from tests import warm_python
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out, ckpt = tmp_path / "run.json", tmp_path / "ck"
@@ -406,11 +407,11 @@ def test_ctrl_c_resume_command_keeps_checkpoint_dir_given_with_equals(tmp_path):
         "--output",
         str(out),
     ]
-    proc = subprocess.Popen(
+    proc = warm_python.Popen(
         [sys.executable, "-m", "dpfl_tf", *argv, "--rounds", "100000"],
         cwd=root,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=warm_python.PIPE,
+        stderr=warm_python.PIPE,
         text=True,
     )
     deadline = time.monotonic() + 300
@@ -428,7 +429,7 @@ def test_ctrl_c_resume_command_keeps_checkpoint_dir_given_with_equals(tmp_path):
     assert words[:2] == ["dpfl-tf", "federated"]
     done = json.loads((ckpt / "state.json").read_text())["round"]
     words[words.index("100000", words.index("--rounds"))] = str(done + 1)
-    again = subprocess.run(
+    again = warm_python.run(
         [sys.executable, "-m", "dpfl_tf", *words[1:]],
         cwd=root,
         capture_output=True,
