@@ -22,8 +22,9 @@ status see them as if the tests had run in the parent.  A test the child did
 not report to its end (the child crashed, was killed, failed to collect) fails
 with the end of the child's output.  pytest-timeout's limit applies to each test
 in the child, not to the file.  The child is forked from a warm Python
-(tests/warm_python.py: TensorFlow already imported) from the second isolated
-file on; the first costs a Python start-up and a TensorFlow import (5-7 s).
+(tests/warm_python.py: TensorFlow already imported); the first isolated file
+of a worker costs a Python start-up and a TensorFlow import (5-7 s), and the
+second waits for the warm Python's.
 Only files whose memory growth is worth a process are marked.
 
 ``pytest.mark.isolated(env={"NAME": "value"})`` also adds environment variables

@@ -5,7 +5,9 @@ test does with a block depends on its language and on the HTML comments right
 before it (blank lines and other comments may stand between a marker and its
 block):
 
-* ``python`` blocks run in order in one fresh Python process per page (a page
+* ``python`` blocks run in order in one Python process per page, a child
+  forked from a warm Python (``tests/warm_python.py``: TensorFlow imported, the
+  page's code not yet run) or a fresh one (a page
   is read top to bottom: a block may use what an earlier block of its page
   defined).  A block identical to one already run elsewhere (the README's
   example repeated in the docs) runs once.
@@ -33,7 +35,8 @@ Blocks run in a temporary directory (fresh per page or shell block) that holds
 links to the repository's ``experiments/``, ``models/`` and ``notebooks/``, so
 repository paths work and nothing is written into the checkout.  This checkout
 comes first on PYTHONPATH, ``dpfl-tf`` on PATH runs it (``python -m
-dpfl_tf``), the data are found as the rest of the suite finds them
+dpfl_tf``, forked from the test process's warm Python for this environment when
+it has one), the data are found as the rest of the suite finds them
 (``DPFL_DATA_DIR``, set by conftest.py), downloads are off, and the cache is a
 temporary directory.  Runnable blocks run two at a time
 (``DPFL_DOCS_TEST_WORKERS``).  A command that installs packages (``pip``,

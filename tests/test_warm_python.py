@@ -15,6 +15,10 @@ from tests import warm_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+pytestmark = pytest.mark.skipif(
+    os.environ.get(warm_python.COLD_ENV) == "1", reason="DPFL_TEST_COLD_CHILDREN=1: all cold"
+)
+
 PROBE = textwrap.dedent(
     """
     import os, sys
@@ -115,19 +119,86 @@ def test_m_command_runs_the_module_as_main(warm_env, tmp_path):
     assert "No module named no_such_module_here" in warm.stderr
 
 
-def test_children_draw_fresh_random_numbers(warm_env):
-    cmd = [
-        sys.executable,
-        "-c",
-        "import numpy, random; print(numpy.random.rand(), random.random())",
-    ]
+@pytest.mark.parametrize("draw", ["numpy.random.rand()", "random.random()"])
+def test_children_draw_fresh_random_numbers(warm_env, draw):
+    cmd = [sys.executable, "-c", f"import numpy, random; print({draw})"]
     draws = {
         warm_python.run(cmd, capture_output=True, text=True, env=warm_env).stdout for _ in range(3)
     }
     assert len(draws) == 3
 
 
-def test_signal_reaches_the_child_and_timeout_kills_it(warm_env):
+MODULE_PROBE = """
+import sys
+print(sys.argv, sys.path[0], __name__, __spec__.name, __file__)
+"""
+
+END_PROBE = """
+import atexit, ctypes, threading, time
+atexit.register(print, "atexit ran")
+ctypes.CDLL(None).printf(b"C stdio, buffered\\n")
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()
+def annotated(x: NotDefinedAnywhere): pass
+"""
+
+
+@pytest.mark.parametrize("form", ["-m", "-c"])
+def test_module_runs_threads_atexit_c_output_and_annotations_as_cold(warm_env, tmp_path, form):
+    """-m: argv, path, __spec__, __file__; -c: non-daemon threads joined, then the
+    atexit functions; C's buffered stdio flushed; no `from __future__` of ours
+    (the annotation's NameError, as cold)."""
+    (tmp_path / "probe_module.py").write_text(MODULE_PROBE)
+    cmd = [sys.executable, "-m", "probe_module", "x"] if form == "-m" else [
+        sys.executable, "-c", END_PROBE]  # fmt: skip
+    warm, cold = (
+        runner(cmd, capture_output=True, text=True, cwd=tmp_path, env=warm_env, timeout=120)
+        for runner in (warm_python.run, subprocess.run)
+    )
+    assert (warm.returncode, warm.stdout, warm.stderr) == (
+        cold.returncode,
+        cold.stdout,
+        cold.stderr,
+    )
+    if form == "-m":
+        assert "probe_module.py" in warm.stdout and "'x'" in warm.stdout
+    else:
+        assert "NameError" in warm.stderr and "C stdio, buffered" in warm.stdout
+        assert warm.stdout.index("thread finished") < warm.stdout.index("atexit ran")
+
+
+def test_commands_from_threads_and_from_a_child_share_the_server(warm_env):
+    """Four commands at once from threads; a warm child's own warm command goes to
+    the same server (DPFL_TEST_WARM_SOCKETS), as does the docs' shim."""
+    import concurrent.futures
+
+    def ppid_and(i):
+        code = f"import os; print(os.getppid(), {i})"
+        done = warm_python.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=warm_env
+        )
+        return done.stdout.split()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(ppid_and, range(4)))
+    servers = {s.proc.pid for s in warm_python._servers.values()}
+    assert [int(i) for _, i in got] == [0, 1, 2, 3]
+    assert len({p for p, _ in got}) == 1 and int(got[0][0]) in servers
+    nested = (
+        "import os, sys\nfrom tests import warm_python\n"
+        "inner = warm_python.run([sys.executable, '-c', 'import os; print(os.getppid())'],"
+        " capture_output=True, text=True)\nprint(os.getppid(), inner.stdout.strip())"
+    )
+    done = warm_python.run([sys.executable, "-c", nested], capture_output=True, text=True,
+                           env=warm_env, cwd=ROOT)  # fmt: skip
+    outer, inner = done.stdout.split()
+    assert outer == inner == got[0][0], done.stderr
+    shim = [sys.executable, "-m", "tests.warm_python", "-c", "import os; print(os.getppid())"]
+    done = subprocess.run(shim, capture_output=True, text=True,
+                          env=warm_python.for_descendants(warm_env), cwd=ROOT)  # fmt: skip
+    assert done.stdout.strip() == got[0][0], done.stderr
+
+
+def test_signal_reaches_the_child_and_timeout_kills_it(warm_env, tmp_path):
     code = (
         "import time\ntry:\n    print('ready', flush=True); time.sleep(60)\n"
         "except KeyboardInterrupt:\n    print('interrupted'); raise SystemExit(5)\n"
@@ -140,10 +211,13 @@ def test_signal_reaches_the_child_and_timeout_kills_it(warm_env):
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert (proc.returncode, out) == (5, "interrupted\n")
+    pid_file = tmp_path / "pid"
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
     with pytest.raises(subprocess.TimeoutExpired):
-        warm_python.run(
-            [sys.executable, "-c", "import time; time.sleep(60)"], env=warm_env, timeout=1
-        )
+        warm_python.run([sys.executable, "-c", code], env=warm_env, timeout=2)
+    from dpfl_tf._runs import running
+
+    assert not running(int(pid_file.read_text()))  # killed, and reaped by its server
 
 
 def _ppid_of(cmd_env) -> int:
@@ -193,10 +267,12 @@ def test_an_idle_server_ends_and_the_next_command_starts_another(warm_env, tmp_p
     assert second not in (first, os.getpid())  # a new server, not a cold run
 
 
-def test_the_server_and_its_children_end_with_their_caller(tmp_path):
-    """A caller killed with SIGKILL (no atexit): its server and the child it was
-    running end within seconds."""
-    pids = tmp_path / "pids"
+@pytest.mark.parametrize("end", ["exits", "is killed"])
+def test_the_server_and_its_children_end_with_their_caller(tmp_path, end):
+    """A caller that exits (atexit: SIGTERM to the server) or is killed with SIGKILL
+    (the server sees its parent gone): the server and the child it was running
+    end within seconds."""
+    pids, go = tmp_path / "pids", tmp_path / "go"
     caller = subprocess.Popen(
         [
             sys.executable,
@@ -213,7 +289,9 @@ def test_the_server_and_its_children_end_with_their_caller(tmp_path):
                 child = p.stdout.readline().strip()
                 server = [s.proc.pid for s in warm_python._servers.values()][0]
                 open({str(pids)!r}, "w").write(f"{{server}} {{child}}")
-                time.sleep(120)
+                while not os.path.exists({str(go)!r}):
+                    time.sleep(0.05)
+                sys.exit(0)  # atexit stops the server
                 """
             ),
         ],
@@ -227,8 +305,12 @@ def test_the_server_and_its_children_end_with_their_caller(tmp_path):
     from dpfl_tf._runs import running
 
     assert running(server) and running(child) and child != caller.pid
-    caller.kill()
-    caller.wait()
+    if end == "exits":
+        go.write_text("")
+        assert caller.wait(timeout=60) == 0
+    else:
+        caller.kill()
+        caller.wait()
     deadline = time.monotonic() + 20
     while (running(server) or running(child)) and time.monotonic() < deadline:
         time.sleep(0.1)

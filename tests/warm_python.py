@@ -18,10 +18,17 @@ sets; NumPy's global generator and `random` are seeded afresh; SIGINT raises
 KeyboardInterrupt; at the end it waits for its threads, runs the ``atexit``
 functions and exits with the status and traceback ``python`` would.  The
 server waits for it and hands its exit status to the caller; the pid is the
-child's, so signals reach it.  A server ends after `IDLE_SECONDS` without a
-command, and when the process that started it ends (killing the children it
-is running); the processes a child starts find the servers through
-``DPFL_TEST_WARM_SOCKETS``.
+child's, so signals sent to it reach it, and the server ignores SIGINT, so a
+Ctrl-C at the terminal reaches the children as it reaches cold ones.  A server
+ends after `IDLE_SECONDS` without a command, on SIGTERM (the caller's exit) and
+when the process that started it ends, killing the children it is running;
+the processes a child starts find the servers through
+``DPFL_TEST_WARM_SOCKETS``.  A server imports `PRELOAD` from its import path
+(an empty directory, then ``PYTHONPATH``, which is part of its environment,
+then site-packages) and refuses a command that would find one of them
+elsewhere (a checkout in its directory): that command runs cold.  Unlike `subprocess`, a
+child given no ``stdin`` reads nothing (``/dev/null``), not the test process's
+standard input (pytest-xdist's channel).
 
 What runs cold, as a plain ``subprocess`` call: any other command (another
 program, interpreter options such as ``-X importtime``); a command whose
@@ -33,9 +40,10 @@ read at import (``TF_*``, ``KERAS_*``, ``PYTHON*``, ``HOME``, ...:
 and every command with ``DPFL_TEST_COLD_CHILDREN=1``.  What a warm child
 cannot tell from a cold one: the modules are imported before its code runs
 (import-time side effects happened once, in the server), and the hash seed is
-the server's.  So the tests that check what start-up does (``--help`` imports
-no TensorFlow, a run prints no TensorFlow start-up lines, the memory of a fresh
-process) stay cold.
+the server's (children of one server iterate sets of strings in one order).
+So the tests that check what start-up does (``--help`` imports no TensorFlow,
+a run prints no TensorFlow start-up lines, the memory of a fresh process) stay
+cold.
 """
 
 from __future__ import annotations
@@ -52,12 +60,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
-#: variables a Python reads when it starts or imports TensorFlow/Keras/matplotlib:
-#: a command whose value differs from a server's needs a server of its own
+#: variables a Python reads when it starts or imports TensorFlow/Keras/NumPy/
+#: matplotlib: a command whose value differs from a server's needs a server of its own
 IMPORT_TIME_ENV = re.compile(
-    r"^(TF_|TF2_|KERAS_|XLA_|CUDA|TPU_|OMP_|KMP_|MKL|PYTHON|LD_|MPL|MATPLOTLIB|JAX_|ABSL_"
-    r"|GRPC_|HOME$|TMPDIR$|LANG$|LC_)"
+    r"^(TF_|TF2_|KERAS_|XLA_|CUDA|TPU_|TFHUB_|OMP_|KMP_|MKL|OPENBLAS|NPY_|PYTHON|LD_|MPL"
+    r"|MATPLOTLIB|JAX_|ABSL_|GRPC_|HOME$|TMPDIR$|TZ$|LANG$|LANGUAGE$|LC_)"
 )
 #: variables the package sets before it imports TensorFlow (``setdefault``: the CLI
 #: quiets TensorFlow's C++ log); a warm child, TensorFlow imported already, is what a
@@ -74,10 +83,22 @@ COLD_ENV = "DPFL_TEST_COLD_CHILDREN"
 #: tests/isolation.py's child dies with the process this names: in a warm child,
 #: the server (which ends, and kills its children, when its caller ends)
 CHILD_PARENT_ENV = "DPFL_TEST_CHILD_PARENT"
+#: seconds to wait for a new server's imports (then the command runs cold)
 START_TIMEOUT = 300.0
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the processes' servers, for their descendants: "<digest>=<socket>;..."
+SOCKETS_ENV = "DPFL_TEST_WARM_SOCKETS"
 
 PIPE, STDOUT, DEVNULL = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL
+
+# the server loads this file by its path: the package is imported from where the
+# command would find it, not from this checkout because the tests live here
+_BOOTSTRAP = (
+    "import importlib.util, sys\n"
+    "spec = importlib.util.spec_from_file_location('_dpfl_warm_server', sys.argv[2])\n"
+    "module = importlib.util.module_from_spec(spec)\n"
+    "spec.loader.exec_module(module)\n"
+    "module._serve()\n"
+)
 
 
 def _import_time_env(env) -> frozenset:
@@ -103,13 +124,12 @@ class _Server:
         self.log = os.path.join(self.dir, "log")
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", "from tests.warm_python import _serve; _serve()", self.path],
-                cwd=_ROOT,
+                [sys.executable, "-c", _BOOTSTRAP, self.path, os.path.abspath(__file__)],
+                cwd=self.dir,  # "" on its path finds nothing: PRELOAD from PYTHONPATH/site
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=log,
-                start_new_session=True,
             )
 
     def tail(self) -> str:
@@ -120,9 +140,14 @@ class _Server:
             return ""
 
     def stop(self):
+        """SIGTERM: the server kills the children it runs, then ends."""
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         import shutil
 
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -131,17 +156,17 @@ class _Server:
 _servers: dict[str, _Server] = {}  # import-time environment's digest -> our server
 _uses: dict[str, int] = {}
 _lock = threading.Lock()
-#: the servers a process started, for its descendants: "<digest>=<socket>;..."
-SOCKETS_ENV = "DPFL_TEST_WARM_SOCKETS"
 #: False in the command-line client (`_exec_main`): it only uses servers that exist
 _start_servers = True
 
 
 @atexit.register
 def _stop_servers():
-    for server in _servers.values():
+    with _lock:
+        servers = list(_servers.values())
+        _servers.clear()
+    for server in servers:
         server.stop()
-    _servers.clear()
 
 
 def _digest(env) -> str:
@@ -156,8 +181,9 @@ def _inherited() -> dict[str, str]:
 
 
 def _sockets_value() -> str:
-    paths = {**_inherited(), **{d: s.path for d, s in _servers.items() if s.proc.poll() is None}}
-    return ";".join(f"{d}={p}" for d, p in paths.items())
+    with _lock:
+        ours = {d: s.path for d, s in _servers.items() if s.proc.poll() is None}
+    return ";".join(f"{d}={p}" for d, p in {**_inherited(), **ours}.items())
 
 
 def _server_for(env) -> tuple[str, _Server | None] | None:
@@ -188,6 +214,17 @@ def _server_for(env) -> tuple[str, _Server | None] | None:
         return server.path, server
 
 
+def for_descendants(env) -> dict:
+    """`env` for a command that starts Pythons itself (a shell running the docs'
+    ``dpfl-tf`` shim, which is `_exec_main`): it counts as a use of the
+    environment (a server starts on the second) and names the servers."""
+    env = dict(env)
+    if os.environ.get(COLD_ENV) != "1":
+        _server_for(env)
+    env[SOCKETS_ENV] = _sockets_value()
+    return env
+
+
 def _fd_for(spec, *, mode, inherited, stdout_fd=None):
     """(fd to hand the child, fd to close once handed, our end if a pipe)"""
     if spec is None:
@@ -205,26 +242,14 @@ def _fd_for(spec, *, mode, inherited, stdout_fd=None):
     return spec.fileno(), None, None
 
 
-def for_descendants(env) -> dict:
-    """`env` for a command that starts Pythons itself (a shell running the docs'
-    ``dpfl-tf`` shim, which is `_exec_main`): it counts as a use of the
-    environment (a server starts on the second) and names the servers."""
-    env = dict(env)
-    if os.environ.get(COLD_ENV) != "1":
-        _server_for(env)
-    env[SOCKETS_ENV] = _sockets_value()
-    return env
-
-
 class _Refused(Exception):
-    """The server did not start the child (gone, or another environment)."""
+    """The server did not start the child (gone, busy importing for too long, or
+    the command would import the package from elsewhere)."""
 
 
 def _connect(path, server) -> socket.socket:
-    """A connection to the server at `path`; waits for a server we just started."""
-    import time
-
-    deadline = time.monotonic() + START_TIMEOUT
+    """A connection to the server at `path` (ours may not listen yet)."""
+    deadline = time.monotonic() + 10
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -233,24 +258,11 @@ def _connect(path, server) -> socket.socket:
         except (FileNotFoundError, ConnectionRefusedError):
             sock.close()
             if server is None or server.proc.poll() is not None or time.monotonic() > deadline:
-                if server is not None and server.proc.returncode:  # ours failed: say so
-                    import warnings
-
-                    warnings.warn(f"the warm Python server ended; running cold:\n{server.tail()}")
                 raise _Refused(f"no warm Python server at {path}") from None
             time.sleep(0.05)
 
 
-_WARM_KWARGS = {
-    "stdin",
-    "stdout",
-    "stderr",
-    "text",
-    "universal_newlines",
-    "encoding",
-    "errors",
-    "cwd",
-}
+_WARM_KWARGS = {"stdin", "stdout", "stderr", "text", "universal_newlines", "encoding", "errors"}
 
 
 class Popen:
@@ -261,21 +273,28 @@ class Popen:
     def __new__(cls, cmd, **kwargs):
         env = kwargs.pop("env", None)
         env = dict(os.environ if env is None else env)
-        env[SOCKETS_ENV] = _sockets_value()  # the children's children find the servers
+        cwd = kwargs.pop("cwd", None)
+        where = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
         found = None
-        if _warm_form(cmd, env) and set(kwargs) <= _WARM_KWARGS and os.environ.get(COLD_ENV) != "1":
+        if (
+            _warm_form(cmd, env)
+            and set(kwargs) <= _WARM_KWARGS
+            and os.path.isdir(where)  # else subprocess raises the error it raises
+            and os.environ.get(COLD_ENV) != "1"
+        ):
             found = _server_for(env)
+        env[SOCKETS_ENV] = _sockets_value()  # the children's children find the servers
         if found is not None:
             self = super().__new__(cls)
             try:
-                self._start(*found, [os.fspath(a) for a in cmd], env, **kwargs)
+                self._start(*found, [os.fspath(a) for a in cmd], env, where, **kwargs)
                 return self
             except _Refused:
                 pass
-        return subprocess.Popen(cmd, env=env, **kwargs)
+        return subprocess.Popen(cmd, env=env, cwd=cwd, **kwargs)
 
-    def _start(self, path, server, cmd, env, *, stdin=None, stdout=None, stderr=None, text=False,
-               universal_newlines=None, encoding=None, errors=None, cwd=None):  # fmt: skip
+    def _start(self, path, server, cmd, env, cwd, *, stdin=None, stdout=None, stderr=None,
+               text=False, universal_newlines=None, encoding=None, errors=None):  # fmt: skip
         self.args, self.returncode = cmd, None
         text = bool(text or universal_newlines or encoding or errors)
         if stdin is None:  # not the test process's stdin (xdist's channel): nothing
@@ -288,23 +307,23 @@ class Popen:
             fds.append(fd)
             close.append(to_close)
             ours.append(our_end)
-        request = {
-            "argv": cmd[1:],
-            "cwd": os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd(),
-            "env": env,
-        }
-        body = json.dumps(request).encode()
+        body = json.dumps({"argv": cmd[1:], "cwd": cwd, "env": env}).encode()
         self._buf = b""
         try:
             self._sock = _connect(path, server)
             try:
                 socket.send_fds(self._sock, [struct.pack("!Q", len(body))], fds)
                 self._sock.sendall(body)
-                reply = json.loads(self._line(None) or b'{"error": "no reply"}')
-            except OSError as e:
+                # a server we just started answers once its imports are done
+                reply = json.loads(self._line(START_TIMEOUT) or b'{"error": "no reply"}')
+            except (OSError, TimeoutError) as e:
                 reply = {"error": repr(e)}
             if "pid" not in reply:
                 self._sock.close()
+                if server is not None and server.proc.poll() not in (None, 0):
+                    import warnings
+
+                    warnings.warn(f"a warm Python server failed; running cold:\n{server.tail()}")
                 raise _Refused(reply.get("error"))
         except _Refused:
             for fd in ours:
@@ -363,35 +382,45 @@ class Popen:
         return self.returncode
 
     def communicate(self, input=None, timeout=None):
-        if input is not None and self.stdin is not None:
-            try:
-                self.stdin.write(input)
-            except BrokenPipeError:
-                pass
-        if self.stdin is not None:
-            self.stdin.close()
-            self.stdin = None
-        results = {}
+        """As subprocess's: the output read to its end, the status; TimeoutExpired
+        after `timeout` s (the child keeps running, as there)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results, failed = {}, []
 
-        def drain(name):
-            stream = getattr(self, name)
-            results[name] = stream.read()
+        def drain(stream, name):
+            try:
+                results[name] = stream.read()
+            except BaseException as e:  # a decoding error: still empty the pipe
+                failed.append(e)
+                while os.read(stream.fileno(), 65536):
+                    pass
             stream.close()
 
-        threads = [
-            threading.Thread(target=drain, args=(name,), daemon=True)
-            for name in ("stdout", "stderr")
-            if getattr(self, name) is not None and not getattr(self, name).closed
-        ]
+        threads = []
+        for name in ("stdout", "stderr"):
+            stream = getattr(self, name)
+            if stream is not None and not stream.closed:
+                threads.append(threading.Thread(target=drain, args=(stream, name), daemon=True))
+                threads[-1].start()
+        if self.stdin is not None:
+            try:
+                if input is not None:
+                    self.stdin.write(input)
+                self.stdin.close()
+            except BrokenPipeError:
+                pass
+            self.stdin = None
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         for t in threads:
-            t.start()
-        self.wait(timeout)
-        for t in threads:
-            t.join()
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():  # a grandchild holds the pipe open
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        if failed:
+            raise failed[0]
         return results.get("stdout"), results.get("stderr")
 
     def send_signal(self, sig):
-        if self.returncode is None:
+        if self.poll() is None:  # not once the server reaped it (its pid may be reused)
             os.kill(self.pid, sig)
 
     def terminate(self):
@@ -411,27 +440,23 @@ class Popen:
 
 
 def run(cmd, *, input=None, capture_output=False, timeout=None, check=False, **kwargs):
-    """`subprocess.run`, warm where it can be (`Popen`)."""
+    """`subprocess.run`, warm where it can be (`Popen`): the child is killed if
+    the wait ends in an exception (a timeout, Ctrl-C)."""
     if input is not None:
         kwargs["stdin"] = PIPE
     if capture_output:
         kwargs["stdout"] = kwargs["stderr"] = PIPE
     proc = Popen(cmd, **kwargs)
-    if isinstance(proc, subprocess.Popen):  # cold
-        with proc:
-            try:
-                out, err = proc.communicate(input, timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                raise
-    else:
-        try:
-            out, err = proc.communicate(input, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
+    try:
+        out, err = proc.communicate(input, timeout=timeout)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        for stream in (proc.stdout, proc.stderr, proc.stdin):
+            if stream is not None and not stream.closed:
+                stream.close()
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     if check:
         done.check_returncode()
@@ -441,77 +466,120 @@ def run(cmd, *, input=None, capture_output=False, timeout=None, check=False, **k
 # -- the server ---------------------------------------------------------------
 def _serve():
     """The server: listens on sys.argv[1], imports `PRELOAD`, then forks one child
-    per request.  Ends when the process that started it ends."""
+    per request.  Ends when idle, on SIGTERM and when the process that started it
+    ends, killing the children it runs."""
+    import gc
     import importlib
     import selectors
-    import time
 
     path = sys.argv[1]
     owner = os.getppid()
     started_env = dict(os.environ)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the children
+
+    def end(*_):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, end)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
-    for name in PRELOAD:
-        importlib.import_module(name)
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ)
-    wake_r, wake_w = os.pipe()  # a child's end wakes the loop (SIGCHLD)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    selector.register(wake_r, selectors.EVENT_READ)
     children: dict[int, socket.socket] = {}  # pid -> the caller's connection
-    idle = float(os.environ.get(IDLE_ENV, IDLE_SECONDS))
-    last = time.monotonic()
-    while os.getppid() == owner:
-        if children:
-            last = time.monotonic()
-        elif time.monotonic() - last > idle:
-            break
-        for key, _ in selector.select(timeout=1.0):
-            if key.fileobj == wake_r:
-                os.read(wake_r, 4096)
-            elif key.fileobj is listener:
-                conn, _ = listener.accept()
-                pid = _fork_child(conn, (listener, wake_r, wake_w), started_env, children)
-                if pid:
-                    children[pid] = conn
-                    selector.register(conn, selectors.EVENT_READ, pid)
-                else:
-                    conn.close()
-            else:  # the caller closed its end (gone, or gave up): its child goes too
-                try:
-                    os.kill(key.data, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        while children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
+    try:
+        for name in PRELOAD:
+            importlib.import_module(name)
+        gc.collect()
+        gc.freeze()  # what the children share is not copied by their collections
+        selector = selectors.DefaultSelector()
+        selector.register(listener, selectors.EVENT_READ)
+        wake_r, wake_w = os.pipe()  # a child's end wakes the loop (SIGCHLD)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        selector.register(wake_r, selectors.EVENT_READ)
+        server_files = (selector, listener, wake_r, wake_w)
+        idle = float(os.environ.get(IDLE_ENV, IDLE_SECONDS))
+        last = time.monotonic()
+        while os.getppid() == owner:
+            if children:
+                last = time.monotonic()
+            elif time.monotonic() - last > idle:
                 break
-            if pid == 0:
-                break
-            conn = children.pop(pid, None)
-            if conn is not None:
-                selector.unregister(conn)
+            for key, _ in selector.select(timeout=1.0):
+                if key.fileobj == wake_r:
+                    os.read(wake_r, 4096)
+                elif key.fileobj is listener:
+                    conn, _ = listener.accept()
+                    pid = _fork_child(conn, server_files, started_env, children)
+                    if pid:
+                        children[pid] = conn
+                        selector.register(conn, selectors.EVENT_READ, pid)
+                    else:
+                        conn.close()
+                else:  # the caller closed its end (gone, or gave up): its child goes too
+                    selector.unregister(key.fileobj)
+                    _kill(key.data)
+            while children:
                 try:
-                    conn.sendall(
-                        json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode() + b"\n"
-                    )
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                conn = children.pop(pid, None)
+                if conn is None:
+                    continue
+                if conn.fileno() in selector.get_map():
+                    selector.unregister(conn)
+                try:
+                    code = os.waitstatus_to_exitcode(status)
+                    conn.sendall(json.dumps({"status": code}).encode() + b"\n")
                 except OSError:
                     pass
                 conn.close()
-    os.unlink(path)  # no new caller waits for it
-    for pid in children:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)  # no new caller waits for it
+        for pid in children:
+            _kill(pid)
+
+
+def _kill(pid):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _finds_preloaded_elsewhere(request) -> str | None:
+    """The first of `PRELOAD` that the command, in its directory, would import from
+    another file than the server did (a checkout in its directory), else None."""
+    from importlib.machinery import PathFinder
+
+    search = [request["cwd"], *sys.path[1:]]  # "" and -m's directory: the command's
+    for name in sorted({n.split(".")[0] for n in PRELOAD}):
+        spec = None
+        for finder in sys.meta_path:  # in the import system's order (an editable
+            if finder is PathFinder:  # install's finder comes after the path)
+                spec = PathFinder.find_spec(name, search)
+            elif hasattr(finder, "find_spec"):
+                try:
+                    spec = finder.find_spec(name, None)
+                except Exception:
+                    spec = None
+            if spec is not None:
+                break
+        origin = getattr(sys.modules[name].__spec__, "origin", None)
+        if spec is None or not spec.origin or not origin:
+            return name
+        if os.path.realpath(spec.origin) != os.path.realpath(origin):
+            return name
+    return None
 
 
 def _fork_child(conn, server_files, started_env, children) -> int:
     conn.settimeout(30)
+    fds = []
     try:
         head, fds, _, _ = socket.recv_fds(conn, 8, 3)
         while len(head) < 8:
@@ -528,19 +596,26 @@ def _fork_child(conn, server_files, started_env, children) -> int:
             raise ValueError("environment differs in a variable read at import")
         if len(fds) != 3:
             raise ValueError("expected 3 file descriptors")
+        elsewhere = _finds_preloaded_elsewhere(request)
+        if elsewhere:
+            raise ValueError(f"the command would import {elsewhere} from elsewhere")
     except Exception as e:
+        for fd in fds:
+            os.close(fd)
         try:
             conn.sendall(json.dumps({"error": repr(e)}).encode() + b"\n")
         except OSError:
             pass
         return 0
     conn.settimeout(None)
+    _flush()  # nothing buffered in the server is written again by each child
     pid = os.fork()
     if pid == 0:
         try:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            listener, wake_r, wake_w = server_files
+            selector, listener, wake_r, wake_w = server_files
+            selector.close()
             listener.close()
             os.close(wake_r)
             os.close(wake_w)
@@ -552,8 +627,26 @@ def _fork_child(conn, server_files, started_env, children) -> int:
             os._exit(70)
     for fd in fds:
         os.close(fd)
-    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    try:
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    except OSError:  # the caller is gone: so is the child
+        _kill(pid)
     return pid
+
+
+def _flush():
+    """Python's and C's standard streams."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except Exception:
+        pass
 
 
 def _become(request, fds):
@@ -577,10 +670,7 @@ def _become(request, fds):
         os.environ[CHILD_PARENT_ENV] = str(os.getppid())
     tempfile.tempdir = None
     random.seed()
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
-    for name in [n for n in sys.modules if n == "tests" or n.startswith("tests.")]:
-        del sys.modules[name]
+    sys.modules["numpy"].random.seed()
     flag, target, *args = request["argv"]
     main = types.ModuleType("__main__")
     main.__builtins__ = builtins
@@ -594,7 +684,8 @@ def _become(request, fds):
         else:
             sys.argv = ["-c", *args]
             sys.path[0] = ""
-            exec(compile(target, "<string>", "exec"), main.__dict__)
+            # dont_inherit: not this module's `from __future__ import annotations`
+            exec(compile(target, "<string>", "exec", dont_inherit=True), main.__dict__)
     except SystemExit as e:
         code = _exit_status(e)
     except BaseException as e:  # as Python reports it: without this function's frame
@@ -606,11 +697,7 @@ def _become(request, fds):
     except Exception:
         pass
     _atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
+    _flush()
     if code == -signal.SIGINT:  # as Python: killed by the signal it did not handle
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
@@ -634,13 +721,14 @@ def _exec_main(argv):
     global _start_servers
     _start_servers = False
     cmd = [sys.executable, *argv]
-    env = {**os.environ, SOCKETS_ENV: _sockets_value()}
-    found = _server_for(env) if _warm_form(cmd, env) and env.get(COLD_ENV) != "1" else None
+    env = dict(os.environ)
+    warm = _warm_form(cmd, env) and env.get(COLD_ENV) != "1"
+    found = _server_for(env) if warm else None
     proc = object.__new__(Popen)
     try:
         if found is None:
             raise _Refused
-        proc._start(*found, cmd, env, stdin=0, stdout=1, stderr=2)
+        proc._start(*found, cmd, env, os.getcwd(), stdin=0, stdout=1, stderr=2)
     except _Refused:
         os.execv(sys.executable, cmd)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
