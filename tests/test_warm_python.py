@@ -40,28 +40,21 @@ def warm_env():
     return env
 
 
+def _warm_output(code: str, env) -> str:
+    done = warm_python.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    return done.stdout
+
+
 def _forked(env) -> bool:
     """Whether a command with `env` runs in a server's child: its parent is not us."""
-    done = warm_python.run(
-        [sys.executable, "-c", "import os; print(os.getppid())"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return int(done.stdout) != os.getpid()
+    return int(_warm_output("import os; print(os.getppid())", env)) != os.getpid()
 
 
 def test_a_command_run_twice_is_forked_from_a_server_with_tensorflow_imported(warm_env):
     assert _forked(warm_env)
-    done = warm_python.run(
-        [sys.executable, "-c", "import sys; print('tensorflow' in sys.modules)"],
-        env=warm_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.stdout == "True\n"
+    assert _warm_output("import sys; print('tensorflow' in sys.modules)", warm_env) == "True\n"
 
 
 @pytest.mark.parametrize("status", [0, 3])
@@ -172,11 +165,7 @@ def test_commands_from_threads_and_from_a_child_share_the_server(warm_env):
     import concurrent.futures
 
     def ppid_and(i):
-        code = f"import os; print(os.getppid(), {i})"
-        done = warm_python.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, env=warm_env
-        )
-        return done.stdout.split()
+        return _warm_output(f"import os; print(os.getppid(), {i})", warm_env).split()
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         got = list(pool.map(ppid_and, range(4)))
