@@ -537,11 +537,17 @@ def _serve():
                 except OSError:
                     pass
                 conn.close()
+    except BaseException as e:
+        if not isinstance(e, SystemExit):  # a failure: its log stays for the caller
+            os.unlink(path)
+            raise
     finally:
-        if os.path.exists(path):
-            os.unlink(path)  # no new caller waits for it
         for pid in children:
             _kill(pid)
+    # ended normally (idle, SIGTERM, the caller gone): nothing left behind
+    import shutil
+
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 def _kill(pid):
