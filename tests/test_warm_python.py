@@ -207,6 +207,17 @@ def test_signal_reaches_the_child_and_timeout_kills_it(warm_env, tmp_path):
     from dpfl_tf._runs import running
 
     assert not running(int(pid_file.read_text()))  # killed, and reaped by its server
+    # a grandchild that keeps the output pipe open does not stretch the timeout
+    holder = (
+        "import subprocess, sys\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])"
+    )
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        warm_python.run(
+            [sys.executable, "-c", holder], env=warm_env, capture_output=True, timeout=3
+        )
+    assert time.monotonic() - started < 20
 
 
 def _ppid_of(cmd_env) -> int:

@@ -447,16 +447,12 @@ def run(cmd, *, input=None, capture_output=False, timeout=None, check=False, **k
     if capture_output:
         kwargs["stdout"] = kwargs["stderr"] = PIPE
     proc = Popen(cmd, **kwargs)
-    try:
+    try:  # (the readers close the pipes at their end: one a grandchild holds stays open)
         out, err = proc.communicate(input, timeout=timeout)
     except BaseException:
         proc.kill()
         proc.wait()
         raise
-    finally:
-        for stream in (proc.stdout, proc.stderr, proc.stdin):
-            if stream is not None and not stream.closed:
-                stream.close()
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     if check:
         done.check_returncode()
