@@ -155,6 +155,7 @@ class _Server:
 
 _servers: dict[str, _Server] = {}  # import-time environment's digest -> our server
 _uses: dict[str, int] = {}
+_failed: set[str] = set()  # environments whose server failed: they run cold
 _lock = threading.Lock()
 #: False in the command-line client (`_exec_main`): it only uses servers that exist
 _start_servers = True
@@ -203,8 +204,8 @@ def _server_for(env) -> tuple[str, _Server | None] | None:
             server.stop()
             del _servers[digest]
             if server.proc.returncode != 0:  # it failed (0: it ended idle): no second one
-                _uses[digest] = -(10**9)
-        if not _start_servers:
+                _failed.add(digest)
+        if not _start_servers or digest in _failed:
             return None
         _uses[digest] = _uses.get(digest, 0) + 1
         live = sum(s.proc.poll() is None for s in _servers.values())
