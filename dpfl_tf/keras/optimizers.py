@@ -19,6 +19,7 @@ import warnings
 from typing import Mapping, Sequence
 
 import keras
+import tensorflow as tf
 
 from dpfl_tf._validation import check_number
 from dpfl_tf.sanitizer import GaussianSanitizer, deployment_note
@@ -103,6 +104,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 f"{type(inner_optimizer).__name__}"
             )
         super().__init__(learning_rate=0.0, name=name or f"dp_{inner_optimizer.name}")
+        _sum_one_replica_without_all_reduce(inner_optimizer)
         self.inner_optimizer = inner_optimizer
         self.l2_norm_clip = _check_clip(l2_norm_clip)
         self.noise_multiplier = (
@@ -297,6 +299,26 @@ class DPOptimizer(keras.optimizers.Optimizer):
             f"{type(self).__name__}(inner={type(self.inner_optimizer).__name__}, "
             f"l2_norm_clip={self.l2_norm_clip!r}, noise_multiplier={self.noise_multiplier})"
         )
+
+
+def _sum_one_replica_without_all_reduce(optimizer) -> None:
+    """Keras' TensorFlow optimizers sum the gradients over the replicas with
+    `ReplicaContext.all_reduce` in every traced update.  In a graph, that call
+    registers a new gradient function (`tf.custom_gradient`) in TensorFlow's
+    global gradient registry, which is never emptied and holds the traced graph:
+    each trace of a training step stayed in memory for good (~8,000 Python
+    objects, which every later garbage collection walked again).  With one
+    replica in sync the sum over the replicas is the gradient itself, and the
+    all-reduce is skipped; with more it runs as before."""
+    all_reduce_sum = type(optimizer)._all_reduce_sum_gradients
+
+    def sum_over_replicas(grads_and_vars):
+        context = tf.distribute.get_replica_context()
+        if context is not None and context.num_replicas_in_sync == 1:
+            return list(grads_and_vars)
+        return all_reduce_sum(optimizer, grads_and_vars)
+
+    optimizer._all_reduce_sum_gradients = sum_over_replicas
 
 
 def _correlated_config(value):
