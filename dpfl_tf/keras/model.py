@@ -990,8 +990,9 @@ class DPModel(keras.Model):
         # no noise is drawn, nothing is counted.
         allowed = counters.computed < counters.limit
         if tf.distribute.has_strategy():  # also with one replica: apply merges
-            # Under a distribution strategy the optimizer's all-reduce is a
-            # synchronisation point, which TensorFlow does not allow inside a branch
+            # Under a distribution strategy the optimizer's update is a
+            # synchronisation point (its all-reduce; with one replica its
+            # merge_call), which TensorFlow does not allow inside a branch
             # (and a branch around the lot breaks inside steps_per_execution's loop):
             # the lot is computed, then multiplied away -- a skipped lot releases a
             # zero gradient (no noise, nothing counted; weights move only by optimizer

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from typing import Mapping, Sequence
 
 import keras
@@ -104,7 +105,6 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 f"{type(inner_optimizer).__name__}"
             )
         super().__init__(learning_rate=0.0, name=name or f"dp_{inner_optimizer.name}")
-        _sum_one_replica_without_all_reduce(inner_optimizer)
         self.inner_optimizer = inner_optimizer
         self.l2_norm_clip = _check_clip(l2_norm_clip)
         self.noise_multiplier = (
@@ -124,6 +124,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             warnings.warn(deployment_note(seed), UserWarning, stacklevel=2)
         self.correlated_noise = _correlated_config(correlated_noise)
         self._run = None  # the correlated-noise run in progress (`plan_correlated_run`)
+        _sum_one_replica_without_all_reduce(inner_optimizer)
 
     # -- the sanitizer for a model's variables -------------------------------
     def clip_groups(self, variables, layer_of: Mapping[int, str]) -> tuple[list[int], ClipSpec]:
@@ -303,20 +304,28 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
 def _sum_one_replica_without_all_reduce(optimizer) -> None:
     """Keras' TensorFlow optimizers sum the gradients over the replicas with
-    `ReplicaContext.all_reduce` in every traced update.  In a graph, that call
-    registers a new gradient function (`tf.custom_gradient`) in TensorFlow's
-    global gradient registry, which is never emptied and holds the traced graph:
-    each trace of a training step stayed in memory for good (~8,000 Python
-    objects, which every later garbage collection walked again).  With one
-    replica in sync the sum over the replicas is the gradient itself, and the
-    all-reduce is skipped; with more it runs as before."""
+    `ReplicaContext.all_reduce` in every traced update (Keras 3.15:
+    `_all_reduce_sum_gradients`).  In a graph, that call registers a new gradient
+    function (`tf.custom_gradient`) in TensorFlow's global gradient registry,
+    which is never emptied and holds the traced graph: each trace of a training
+    step stayed in memory for good (~8,000 Python objects, which every later
+    garbage collection walked again).  With one replica in sync the sum over the
+    replicas is the gradient itself, and the all-reduce is skipped; with more it
+    runs as before (and still leaks: TensorFlow's).  Optimizers that hand the
+    update to others (`LossScaleOptimizer`, `MultiOptimizer`) get it too."""
+    nested = [getattr(optimizer, "inner_optimizer", None)]
+    nested += list(getattr(optimizer, "_inner_optimizers", None) or ())
+    for inner in nested:
+        if isinstance(inner, keras.optimizers.Optimizer):
+            _sum_one_replica_without_all_reduce(inner)
     all_reduce_sum = type(optimizer)._all_reduce_sum_gradients
+    owner = weakref.ref(optimizer)  # not the optimizer: it holds this function
 
     def sum_over_replicas(grads_and_vars):
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync == 1:
             return list(grads_and_vars)
-        return all_reduce_sum(optimizer, grads_and_vars)
+        return all_reduce_sum(owner(), grads_and_vars)
 
     optimizer._all_reduce_sum_gradients = sum_over_replicas
 

@@ -96,11 +96,11 @@ def test_a_fit_with_the_same_settings_reuses_the_traced_function_and_a_change_re
 
 
 def test_the_graphs_a_fit_traced_are_freed_with_its_model():
-    """Nothing outlives a model's fit: Keras' optimizers sum the gradients over
-    the replicas with `ReplicaContext.all_reduce`, which in a traced step
-    registers a gradient function in TensorFlow's global registry that holds the
-    step's graphs for good (24 graphs, ~8,000 Python objects a fit); with one
-    replica the inner optimizer does not call it."""
+    """No traced graph outlives its model's fit: Keras' optimizers sum the
+    gradients over the replicas with `ReplicaContext.all_reduce`, which in a
+    traced step registers a gradient function in TensorFlow's global registry
+    that holds the step's graphs for good (24 graphs, ~8,000 Python objects a
+    fit); with one replica the inner optimizer does not call it."""
     x, y = mnist_slice(200, features=60)
 
     def fit_a_model_and_drop_it():
@@ -116,7 +116,7 @@ def test_the_graphs_a_fit_traced_are_freed_with_its_model():
     alive = graphs_alive()
     for _ in range(2):
         fit_a_model_and_drop_it()
-    assert graphs_alive() == alive
+    assert graphs_alive() <= alive
 
 
 @pytest.fixture
