@@ -53,6 +53,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -534,16 +535,15 @@ def _serve():
                 except OSError:
                     pass
                 conn.close()
-    except BaseException as e:
-        if not isinstance(e, SystemExit):  # a failure: its log stays for the caller
-            os.unlink(path)
-            raise
+    except SystemExit:  # SIGTERM: an ordinary end
+        pass
+    except BaseException:  # a failure: its log stays for the caller
+        os.unlink(path)
+        raise
     finally:
         for pid in children:
             _kill(pid)
     # ended normally (idle, SIGTERM, the caller gone): nothing left behind
-    import shutil
-
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
