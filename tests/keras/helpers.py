@@ -1,9 +1,12 @@
 """Small real-MNIST slices and models for the Keras DP-SGD tests."""
 
 import functools
+import re
 
 import keras
 import numpy as np
+import pytest
+import tensorflow as tf
 
 from dpfl_tf.data import load_dataset
 
@@ -14,6 +17,29 @@ from dpfl_tf.data import load_dataset
 #: failed that way); with TF_ENABLE_ONEDNN_OPTS=0, 9 of 9 runs were identical.
 #: Read when TensorFlow starts: give it to a file's child, `pytest.mark.isolated(env=...)`
 BIT_EXACT = {"TF_ENABLE_ONEDNN_OPTS": "0"}
+
+#: the environment of a test process that needs oneDNN's CPU kernels and allocator.
+#: TensorFlow turns oneDNN on by default only on CPUs with the features it is built for
+#: (seen off on an AMD EPYC that exposes AVX but not AVX2); without it the CPU has no
+#: kernel for a channels_first Conv2D or a dilated transposed convolution, and keeps no
+#: memory statistics.  Read when TensorFlow starts: `pytest.mark.isolated(env=...)`
+WITH_ONEDNN = {"TF_ENABLE_ONEDNN_OPTS": "1"}
+
+
+def skip_unless_the_cpu_runs(run, what: str) -> None:
+    """Calls `run` (plain Keras/TensorFlow, none of the package's code) and skips the
+    test if this TensorFlow has no CPU kernel for it: a file whose child process gets
+    `WITH_ONEDNN` has them; the same file run in the calling process on a machine where
+    oneDNN is off (``DPFL_TEST_NO_ISOLATION=1``) does not."""
+    try:
+        run()
+    except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError) as e:
+        # TensorFlow's own sentence, without Keras's "Exception encountered when calling"
+        # line, the {{function_node ...}} prefix and the terminal colour codes
+        text = re.sub(r"\x1b\[[0-9;]*m|\{\{function_node [^}]*\}\}", "", str(e.message))
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        reason = next((line for line in lines if "Exception encountered" not in line), "")
+        pytest.skip(f"this TensorFlow has no CPU kernel for {what} (oneDNN off): {reason}")
 
 
 @functools.lru_cache(maxsize=1)

@@ -15,11 +15,13 @@ from dpfl_tf.keras.layer_rules import FALLBACK, LayerRule, find_rule, register_r
 from dpfl_tf.keras.layer_rules._base import ghost_norm_is_smaller, outer_gradients
 from dpfl_tf.keras.layer_rules.recurrent import RECURRENT as RECURRENT_RULE
 from dpfl_tf.keras.per_example import PerExampleGradients, plan_layers
-from tests.keras.helpers import loss, mnist_slice
+from tests.keras.helpers import WITH_ONEDNN, loss, mnist_slice, skip_unless_the_cpu_runs
 
 # what XLA and TensorFlow compile here stays until the process ends (+0.9 GB in a
-# whole-suite worker): the file runs in a process of its own (tests/isolation.py)
-pytestmark = pytest.mark.isolated
+# whole-suite worker): the file runs in a process of its own (tests/isolation.py), with
+# oneDNN on: a channels_first Conv2D and a dilated transposed convolution have a CPU
+# kernel only there (`WITH_ONEDNN`)
+pytestmark = pytest.mark.isolated(env=WITH_ONEDNN)
 
 N = 5
 
@@ -356,9 +358,9 @@ def test_conv_transpose(name):
         3: keras.layers.Conv3DTranspose,
     }[rank]
     h = cls(3, activation="tanh", **kwargs)(inp)
-    check_exact(
-        keras.Model(inp, _head(h)), x, y, {cls.__name__: "ConvTransposeRule", "Dense": "DenseRule"}
-    )
+    model = keras.Model(inp, _head(h))
+    skip_unless_the_cpu_runs(lambda: model(x[:1]), f"a {cls.__name__} with {kwargs}")
+    check_exact(model, x, y, {cls.__name__: "ConvTransposeRule", "Dense": "DenseRule"})
 
 
 # ---------------------------------------------------------------------------
@@ -796,6 +798,7 @@ def test_a_rule_refusing_a_configuration_sends_the_layer_to_the_fallback():
     inp = keras.Input(x.shape[1:])
     h = keras.layers.Conv2D(3, 3, strides=2, data_format="channels_first")(inp)
     model = keras.Model(inp, _head(h))
+    skip_unless_the_cpu_runs(lambda: model(x[:1]), "a channels_first Conv2D")
     check_exact(model, x, y, {"Conv2D": "PerLayerJacobianRule", "Dense": "DenseRule"})
 
 
