@@ -452,17 +452,6 @@ def test_a_given_setting_overrides_the_models_default_and_keeps_its_schedule(mon
     ) == (0.2, 0.104, 300, 3.0, "custom")
 
 
-@pytest.mark.parametrize("users", [None, "200"])
-def test_the_physical_batch_counts_examples_when_the_lot_counts_users(monkeypatch, tmp_path, users):
-    """A lot of 10 takes one pass of 10 examples; in a user-level run a lot of 10
-    users brings ~10 examples each, and the physical batch stays the recipe's 256
-    examples (10 examples a batch made each lot ~10 passes, 8x slower)."""
-    argv = ["train", "mnist", "--model", "tanh_cnn", "--lot-size", "10"]
-    argv += ["--users", users] if users else []
-    config = _config_trained_by(monkeypatch, [*argv, "--output", str(tmp_path / "r.json")])
-    assert (config.lot_size, config.batch_size) == (10, 256 if users else 10)
-
-
 def test_every_recipe_states_what_its_defaults_reach():
     """`train --help` tells what each model's defaults reach at the default
     epsilon, with the results that show it: none may be unmeasured."""

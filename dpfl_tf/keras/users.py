@@ -346,9 +346,12 @@ class PerUserGradients(PerExampleGradients):
         out = []
         for v in variables:
             # k users at a time: the rules' per-user intermediates are [k, B, ...] and
-            # the per-user sums [k, *v.shape], bounded whatever U is
+            # the per-user sums [k, *v.shape], bounded whatever U is; and no more than
+            # the batch's users (the chunk is padded with empty users up to k: a batch
+            # of one user of 10 rows computed 409 users' sums, 408 of them zero)
             size = max(1, int(np.prod(v.shape)))
-            k = tf.maximum(1, tf.minimum(USER_ROWS // tf.maximum(rows, 1), USER_SUMS // size))
+            bound = tf.minimum(USER_ROWS // tf.maximum(rows, 1), USER_SUMS // size)
+            k = tf.maximum(1, tf.minimum(bound, users))
             chunks = (users + k - 1) // k
             padded = tf.pad(indicators, [[0, chunks * k - users], [0, 0]])  # zero users
             fn = sum_fns[id(v)]

@@ -212,7 +212,7 @@ def train_config(dataset: str, model: str | None = None, *, target_epsilon: floa
                 raise ValueError(f"--pretrained {weights}: {e}") from None
         else:
             pretrain = PretrainConfig(**pretraining)
-        settings.setdefault("batch_size", _default_batch_size(settings, d.batch_size))
+        settings.setdefault("batch_size", min(settings["lot_size"], d.batch_size))
         return CifarConfig(setting="cli", pretrained_weights=weights, pretrain=pretrain, **settings)
     from dpfl_tf.recipes.mnist import MnistConfig
 
@@ -237,18 +237,8 @@ def train_config(dataset: str, model: str | None = None, *, target_epsilon: floa
     else:
         settings.update(final_learning_rate=lr, decay_epochs=0)
     batch = MIRROR_VIEWS_BATCH[model] if settings.get("mirror_views") else d.batch_size
-    settings.setdefault("batch_size", _default_batch_size(settings, batch))
+    settings.setdefault("batch_size", min(settings["lot_size"], batch))
     return MnistConfig(**settings)
-
-
-def _default_batch_size(settings: dict, batch: int) -> int:
-    """The physical batch (examples in one backward pass) when none is given: the
-    recipe's, or the lot when it is smaller.  In a user-level run the lot size
-    counts users, each bringing several examples: the batch stays the recipe's
-    (a batch of `lot_size` examples held one user or two, and a lot of 10 users
-    ran in ~10 passes: 8x slower)."""
-    user_level = settings.get("users") is not None or settings.get("user_ids") is not None
-    return batch if user_level else min(settings["lot_size"], batch)
 
 
 def default_pretrained_weights() -> str | None:

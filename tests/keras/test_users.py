@@ -98,6 +98,30 @@ def test_per_user_clipped_sum_equals_brute_force(kind, fast):
         np.testing.assert_allclose(s.numpy(), e.numpy(), rtol=2e-4, atol=2e-6)
 
 
+def test_per_user_norms_are_computed_for_the_batchs_users_only(monkeypatch):
+    """The per-user sums are vectorised over a chunk of k users, padded with empty
+    users up to k: k is at most the batch's users (4 here), not USER_ROWS / rows (170
+    for these 24 rows, which made a one-user batch of 10 rows compute 409 users'
+    sums: a user-level lot of small batches ran 20-80x slower)."""
+    model = _models()["conv"]
+    x, y = _data("conv")
+    segments = np.array([0] * 7 + [1] * 1 + [2] * 10 + [3] * 6, dtype=np.int32)
+    chunks = []
+    vectorized_map = tf.vectorized_map
+
+    def recording(fn, elems, **kwargs):
+        chunks.append(int(elems.shape[0]))
+        return vectorized_map(fn, elems, **kwargs)
+
+    monkeypatch.setattr(tf, "vectorized_map", recording)
+    grads = PerUserGradients(model, loss())
+    grads.segments = tf.constant(segments)
+    sums, _, _ = grads.compute(x, y, tf.ones([len(segments)]), _clip)
+    assert chunks and set(chunks) == {4}  # eagerly: one chunk of the 4 users a variable
+    for s, e in zip(sums, _brute_force(model, x, y, segments)):
+        np.testing.assert_allclose(s.numpy(), e.numpy(), rtol=2e-4, atol=2e-6)
+
+
 @pytest.mark.parametrize("kind", ["conv", "sequence"])
 def test_removing_one_user_moves_the_sum_by_at_most_c(kind):
     """User-level sensitivity: with the user's examples removed (masked out),
@@ -259,8 +283,14 @@ def _assert_one_sgd_lot(model, before, x, y, slots):
 
 @pytest.mark.parametrize(
     "batch_size, user_rows",
-    [(None, None), (3, None), (10, None), (None, 8)],
-    ids=["one-batch", "a-user-larger-than-a-batch", "two-users-a-batch", "norms-user-by-user"],
+    [(None, None), (3, None), (10, None), (None, 8), (None, 7 * 240)],
+    ids=[
+        "one-batch",
+        "a-user-larger-than-a-batch",
+        "two-users-a-batch",
+        "norms-user-by-user",
+        "norms-7-users-at-a-time",
+    ],
 )
 def test_user_level_lot_equals_per_user_brute_force(
     mnist_users, batch_size, user_rows, monkeypatch
@@ -270,8 +300,9 @@ def test_user_level_lot_equals_per_user_brute_force(
     sampler drew (q = 1: one lot an epoch, every user, at most 4 examples each),
     whether the lot is one physical batch or batches of whole users cut by
     `batch_size` examples (3: each user of 4 alone; 10: two users), and whether
-    the per-user norms are computed for all users at once or one at a time
-    (`users.USER_ROWS` patched to 8 user-rows for a batch of 240 rows)."""
+    the per-user norms are computed for all users at once, one at a time
+    (`users.USER_ROWS` patched to 8 user-rows for a batch of 240 rows) or 7 at a time
+    (the last of the 9 chunks padded with empty users)."""
     from dpfl_tf.keras import users as users_module
 
     if user_rows is not None:
