@@ -1,6 +1,7 @@
 """Small real-MNIST slices and models for the Keras DP-SGD tests."""
 
 import functools
+import os
 import re
 
 import keras
@@ -10,36 +11,47 @@ import tensorflow as tf
 
 from dpfl_tf.data import load_dataset
 
-#: the environment of a test process whose runs must repeat bit for bit: oneDNN's
-#: kernels (on by default on x86) are not deterministic from run to run -- a seeded
-#: tanh_cnn run of the MNIST recipe differed from its twin in 1 of ~6 runs by one
-#: float32 ulp at the first lot, and after 30 lots by 8e-5 (tests/recipes/test_resume.py
-#: failed that way); with TF_ENABLE_ONEDNN_OPTS=0, 9 of 9 runs were identical.
-#: Read when TensorFlow starts: give it to a file's child, `pytest.mark.isolated(env=...)`
+#: the environment of a test process whose runs must repeat bit for bit: oneDNN's kernels (on by
+#: default on x86 CPUs with AVX-512 VNNI or BF16, AVX-VNNI or AMX) are not deterministic from run
+#: to run -- a seeded tanh_cnn run of the MNIST recipe differed from its twin in 1 of ~6 runs by
+#: one float32 ulp at the first lot, and after 30 lots by 8e-5 (tests/recipes/test_resume.py failed
+#: that way); with TF_ENABLE_ONEDNN_OPTS=0, 9 of 9 runs were identical. Read when TensorFlow
+#: starts: give it to a file's child, `pytest.mark.isolated(env=...)`
 BIT_EXACT = {"TF_ENABLE_ONEDNN_OPTS": "0"}
 
 #: the environment of a test process that needs oneDNN's CPU kernels and allocator.
-#: TensorFlow turns oneDNN on by default only on CPUs with the features it is built for
-#: (seen off on an AMD EPYC that exposes AVX but not AVX2); without it the CPU has no
-#: kernel for a channels_first Conv2D or a dilated transposed convolution, and keeps no
-#: memory statistics.  Read when TensorFlow starts: `pytest.mark.isolated(env=...)`
+#: TensorFlow (Linux x86) turns oneDNN on by default only on CPUs with AVX-512 VNNI/BF16,
+#: AVX-VNNI or AMX (off on this machine's AMD EPYC: AVX2, no AVX-512); without it the CPU
+#: has no kernel for a channels_first Conv2D or a dilated transposed convolution, and
+#: keeps no memory statistics.  Read when TensorFlow starts: `pytest.mark.isolated(env=...)`
 WITH_ONEDNN = {"TF_ENABLE_ONEDNN_OPTS": "1"}
 
 
+def onednn_requested() -> bool:
+    """Whether this process was started with `WITH_ONEDNN` (a file's child process; not
+    when its tests run in the calling process: ``DPFL_TEST_NO_ISOLATION=1``, ``-n``
+    without ``--dist loadfile``, ``--pdb``)."""
+    return os.environ.get("TF_ENABLE_ONEDNN_OPTS") == WITH_ONEDNN["TF_ENABLE_ONEDNN_OPTS"]
+
+
 def skip_unless_the_cpu_runs(run, what: str) -> None:
-    """Calls `run` (plain Keras/TensorFlow, none of the package's code) and skips the
-    test if this TensorFlow has no CPU kernel for it: a file whose child process gets
-    `WITH_ONEDNN` has them; the same file run in the calling process on a machine where
-    oneDNN is off (``DPFL_TEST_NO_ISOLATION=1``) does not."""
+    """Calls `run` (plain Keras/TensorFlow, none of the package's code) and, in a process
+    not started with `WITH_ONEDNN`, skips the test if this TensorFlow has no CPU kernel
+    for it; where oneDNN was asked for, the error is raised (a failure, not a skip)."""
     try:
         run()
     except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError) as e:
+        if onednn_requested():
+            raise
         # TensorFlow's own sentence, without Keras's "Exception encountered when calling"
         # line, the {{function_node ...}} prefix and the terminal colour codes
         text = re.sub(r"\x1b\[[0-9;]*m|\{\{function_node [^}]*\}\}", "", str(e.message))
         lines = [line.strip() for line in text.splitlines() if line.strip()]
         reason = next((line for line in lines if "Exception encountered" not in line), "")
-        pytest.skip(f"this TensorFlow has no CPU kernel for {what} (oneDNN off): {reason}")
+        pytest.skip(
+            f"this TensorFlow has no CPU kernel for {what} without oneDNN (run the file in its "
+            f"child process, or with TF_ENABLE_ONEDNN_OPTS=1): {reason}"
+        )
 
 
 @functools.lru_cache(maxsize=1)
