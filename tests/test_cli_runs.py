@@ -205,10 +205,11 @@ def test_missing_parents_of_the_output_are_created(tmp_path):
 
 
 # -- train: Ctrl-C, SIGTERM, resume --------------------------------------------------------------
-# two epochs of 100 lots (600 of 60,000): the signal comes when the first epoch's results are
-# written, the resume trains the rest
-TRAIN = ["train", "mnist", "--epochs", "2", "--epsilon", "8"]
-LOTS = 200
+# epochs of 100 lots (600 of 60,000): the signal comes in epoch 2 (the results file says
+# "running" once epoch 1 is written), two epochs before the end even on a loaded machine; the
+# resume finishes epoch 2 in a fit of its own, then trains epochs 3-4
+TRAIN = ["train", "mnist", "--epochs", "4", "--epsilon", "8"]
+LOTS = 400
 
 
 def test_train_ctrl_c_keeps_results_and_checkpoint_and_resumes_exactly(tmp_path):
