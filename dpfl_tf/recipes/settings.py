@@ -237,6 +237,9 @@ def train_config(dataset: str, model: str | None = None, *, target_epsilon: floa
     else:
         settings.update(final_learning_rate=lr, decay_epochs=0)
     batch = MIRROR_VIEWS_BATCH[model] if settings.get("mirror_views") else d.batch_size
+    # in a user-level run the lot size counts users and the batch examples: lot_size
+    # examples a batch is then a user or a few, which is also the fastest measured there
+    # (the per-user norms cost users x rows a batch: experiments/benchmark_user_level.py)
     settings.setdefault("batch_size", min(settings["lot_size"], batch))
     return MnistConfig(**settings)
 

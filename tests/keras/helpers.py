@@ -12,11 +12,12 @@ import tensorflow as tf
 from dpfl_tf.data import load_dataset
 
 #: the environment of a test process whose runs must repeat bit for bit: oneDNN's kernels (on by
-#: default on x86 CPUs with AVX-512 VNNI or BF16, AVX-VNNI or AMX) are not deterministic from run
-#: to run -- a seeded tanh_cnn run of the MNIST recipe differed from its twin in 1 of ~6 runs by
-#: one float32 ulp at the first lot, and after 30 lots by 8e-5 (tests/recipes/test_resume.py failed
-#: that way); with TF_ENABLE_ONEDNN_OPTS=0, 9 of 9 runs were identical. Read when TensorFlow
-#: starts: give it to a file's child, `pytest.mark.isolated(env=...)`
+#: default on Linux x86 CPUs with AVX-512 VNNI or BF16, AVX-VNNI or AMX) are not deterministic from
+#: run to run -- a seeded tanh_cnn run of the MNIST recipe differed from its twin in 1 of ~6 runs
+#: by one float32 ulp at the first lot, and after 30 lots by 8e-5 (tests/recipes/test_resume.py
+#: failed that way, on a machine where oneDNN was on by default); with TF_ENABLE_ONEDNN_OPTS=0, 9
+#: of 9 runs were identical. Read when TensorFlow starts: give it to a file's child,
+#: `pytest.mark.isolated(env=...)`
 BIT_EXACT = {"TF_ENABLE_ONEDNN_OPTS": "0"}
 
 #: the environment of a test process that needs oneDNN's CPU kernels and allocator.
