@@ -24,10 +24,9 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
-from _common import RESULTS, commit_of
+from _common import RESULTS, command_line, commit_of
 
 SETTINGS = {"tanh": (10, 256), "mlp": (60, 1024)}  # the CLI's default batch, the recipe's
 
@@ -101,7 +100,7 @@ def main(argv=None) -> None:
         return
     path = os.path.join(RESULTS, "benchmark_user_level.json")
     out = {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": command_line(),
         "commit": commit_of(),
         "when": time.strftime("%Y-%m-%d %H:%M"),
         "rows": rows,
