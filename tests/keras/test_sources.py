@@ -441,3 +441,37 @@ def test_a_record_with_other_dict_keys_is_refused_not_misassigned():
     with pytest.raises(SourceError, match="record 5: x has another structure than record 0"):
         dp.fit(Renamed(), lot_size=40, epochs=1, verbose=0, sampling="full_batch")
     assert dp.lots_computed == dp.privacy_ledger.count() == 0
+
+
+def test_a_preprocess_may_branch_on_tensors_while_our_lot_functions_skip_autograph():
+    """The lot datasets' own functions are not converted by AutoGraph (`_as_traced`:
+    the conversion was ~0.4 s of the first dataset a process builds); a user's
+    `preprocess` called inside them still is, so its Python ``if`` on a tensor works."""
+    from dpfl_tf.keras.sampling import _as_traced
+
+    def sign_of(t):  # a Python `if` on a tensor: traceable only through AutoGraph
+        if t > 2:
+            return t
+        return -t
+
+    numbers = tf.data.Dataset.range(5)
+    with pytest.raises(TypeError):  # not converted: the `if` cannot read a symbolic tensor
+        numbers.map(_as_traced(sign_of))
+    assert list(numbers.map(_as_traced(sign_of, sign_of)).as_numpy_iterator()) == [0, -1, -2, 3, 4]
+
+    x = np.arange(24, dtype=np.float32).reshape(12, 2)
+    y = np.zeros(12, np.int64)
+
+    def negate_large(xb):
+        if tf.reduce_max(xb) > 12.0:
+            return -xb
+        return xb
+
+    sampler = LotSampler(12, 4, "shuffle", seed=0)
+    lots = list(sampler.lots(3))
+    dataset = sampler.dataset(x, y, epochs=1, preprocess=negate_large)
+    for idx, (xb, _, mask) in zip(lots, dataset):
+        real = x[idx]
+        want = -real if real.max() > 12.0 else real
+        np.testing.assert_array_equal(xb.numpy()[mask.numpy() > 0], want)
+    assert {bool(x[idx].max() > 12.0) for idx in lots} == {True, False}  # both branches ran
