@@ -267,7 +267,7 @@ class LotSampler:
         if self.sampling is SamplingMethod.IN_ORDER:
             per, lot = self.lots_per_epoch, self.lot_size
             return tf.data.Dataset.counter(start=self.first_lot).map(
-                _as_traced(lambda t: tf.range(t % per * lot, (t % per + 1) * lot))
+                _no_autograph(lambda t: tf.range(t % per * lot, (t % per + 1) * lot))
             )
         if self.sampling is SamplingMethod.SHUFFLE:
             per, lot = self.lots_per_epoch, self.lot_size
@@ -278,9 +278,9 @@ class LotSampler:
                     tf.sort(tf.reshape(perm, [per, lot]), axis=1)
                 )
 
-            return tf.data.Dataset.counter(start=self.first_lot).flat_map(_as_traced(epoch_lots))
+            return tf.data.Dataset.counter(start=self.first_lot).flat_map(_no_autograph(epoch_lots))
         return tf.data.Dataset.counter().map(
-            _as_traced(self._lot_in_graph), num_parallel_calls=tf.data.AUTOTUNE
+            _no_autograph(self._lot_in_graph), num_parallel_calls=tf.data.AUTOTUNE
         )
 
     def lots(self, num_lots: int) -> Iterator[np.ndarray]:
@@ -327,7 +327,7 @@ class LotSampler:
             reader,
             self.index_dataset(total)
             .enumerate(self.first_lot)
-            .map(_as_traced(load, preprocess), num_parallel_calls=ahead, deterministic=True),
+            .map(_no_autograph(load, preprocess), num_parallel_calls=ahead, deterministic=True),
         )
 
     def lots_ahead(self, reader, prefetch: int) -> int:
@@ -415,9 +415,9 @@ class LotSampler:
             reader,
             self.index_dataset(total)
             .enumerate(self.first_lot)
-            .flat_map(_as_traced(with_replica))
+            .flat_map(_no_autograph(with_replica))
             .map(
-                _as_traced(load, preprocess),
+                _no_autograph(load, preprocess),
                 num_parallel_calls=tf.data.AUTOTUNE,
                 deterministic=True,
             )
@@ -425,14 +425,11 @@ class LotSampler:
         )
 
 
-def _as_traced(fn: Callable, preprocess: Callable | None = None) -> Callable:
-    """`fn`, a function of ours that tf.data traces (`map`, `flat_map`), marked not to be
-    converted by AutoGraph: it has no Python control flow on tensors, and the
-    conversion cost ~0.4 s of the first lot dataset a process builds (measured: 0.46-0.50
-    s to build the first dataset, 0.10-0.14 s without the conversion).  With a user's
-    `preprocess` inside it, `fn` is converted as before: the user's function may
-    branch on tensors with Python's ``if`` (AutoGraph converts what the traced
-    function calls)."""
+def _no_autograph(fn: Callable, preprocess: Callable | None = None) -> Callable:
+    """`fn`, our own function for tf.data's `map`/`flat_map`, not converted by AutoGraph
+    (it has no Python control flow on tensors; the conversion was most of the cost of
+    building a process's first lot dataset), unless it calls a user's `preprocess`,
+    which may branch on tensors with Python's ``if``."""
     return fn if preprocess is not None else tf.autograph.experimental.do_not_convert(fn)
 
 

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from dpfl_tf.keras import DPSGD, DPModel, LotSampler
 from dpfl_tf.keras.sources import IndexedReader, SourceError, make_reader
+from dpfl_tf.keras.users import UserLotSampler
 from tests.keras.helpers import loss, mlp, mnist_slice
 
 
@@ -444,10 +445,10 @@ def test_a_record_with_other_dict_keys_is_refused_not_misassigned():
 
 
 def test_a_preprocess_may_branch_on_tensors_while_our_lot_functions_skip_autograph():
-    """The lot datasets' own functions are not converted by AutoGraph (`_as_traced`:
-    the conversion was ~0.4 s of the first dataset a process builds); a user's
-    `preprocess` called inside them still is, so its Python ``if`` on a tensor works."""
-    from dpfl_tf.keras.sampling import _as_traced
+    """The lot datasets' own functions are not converted by AutoGraph (`_no_autograph`);
+    a user's `preprocess` called inside them still is, so its Python ``if`` on a tensor
+    works."""
+    from dpfl_tf.keras.sampling import _no_autograph
 
     def sign_of(t):  # a Python `if` on a tensor: traceable only through AutoGraph
         if t > 2:
@@ -455,9 +456,10 @@ def test_a_preprocess_may_branch_on_tensors_while_our_lot_functions_skip_autogra
         return -t
 
     numbers = tf.data.Dataset.range(5)
-    with pytest.raises(TypeError):  # not converted: the `if` cannot read a symbolic tensor
-        numbers.map(_as_traced(sign_of))
-    assert list(numbers.map(_as_traced(sign_of, sign_of)).as_numpy_iterator()) == [0, -1, -2, 3, 4]
+    with pytest.raises(TypeError, match="bool"):  # not converted: `if` on a symbolic tensor
+        numbers.map(_no_autograph(sign_of))
+    converted = numbers.map(_no_autograph(sign_of, preprocess=sign_of))
+    assert list(converted.as_numpy_iterator()) == [0, -1, -2, 3, 4]
 
     x = np.arange(24, dtype=np.float32).reshape(12, 2)
     y = np.zeros(12, np.int64)
@@ -467,7 +469,7 @@ def test_a_preprocess_may_branch_on_tensors_while_our_lot_functions_skip_autogra
             return -xb
         return xb
 
-    sampler = LotSampler(12, 4, "shuffle", seed=0)
+    sampler = LotSampler(12, 4, "in_order")  # lots 0-3, 4-7, 8-11: maxima 7, 15, 23
     lots = list(sampler.lots(3))
     dataset = sampler.dataset(x, y, epochs=1, preprocess=negate_large)
     for idx, (xb, _, mask) in zip(lots, dataset):
@@ -475,3 +477,18 @@ def test_a_preprocess_may_branch_on_tensors_while_our_lot_functions_skip_autogra
         want = -real if real.max() > 12.0 else real
         np.testing.assert_array_equal(xb.numpy()[mask.numpy() > 0], want)
     assert {bool(x[idx].max() > 12.0) for idx in lots} == {True, False}  # both branches ran
+
+    def signs(elements):  # each element's real rows: negated iff their largest is > 12
+        seen = set()
+        for xb, _, mask, *_ in elements:
+            real = xb.numpy()[mask.numpy() > 0]
+            large = bool(np.abs(real).max() > 12.0)
+            assert (real <= 0).all() if large else (real >= 0).all()
+            seen.add(large)
+        return seen
+
+    # the other two pipelines that call a preprocess: replicas' shares, user-level lots
+    shares = sampler.replica_shares(x, y, epochs=1, replicas=2, preprocess=negate_large)
+    assert signs(shares) == {True, False}  # shares [0, 1], [2, 3], ..., [10, 11]
+    users = UserLotSampler(np.arange(12) // 2, 12, 3, seed=0)
+    assert signs(users.dataset(x, y, epochs=1, preprocess=negate_large))
