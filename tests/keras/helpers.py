@@ -35,24 +35,30 @@ def onednn_requested() -> bool:
     return os.environ.get("TF_ENABLE_ONEDNN_OPTS") == WITH_ONEDNN["TF_ENABLE_ONEDNN_OPTS"]
 
 
+def skip_without_onednn(error: Exception, lacking: str, reason) -> None:
+    """For a test that needs what only oneDNN gives (`error`: TensorFlow saying it lacks
+    it): where oneDNN was asked for (`WITH_ONEDNN`), raises `error` (a failure, not a
+    skip); elsewhere skips, saying how to run the test with oneDNN."""
+    if onednn_requested():
+        raise error
+    pytest.skip(
+        f"this TensorFlow {lacking} without oneDNN (run the file in its child process, "
+        f"or with TF_ENABLE_ONEDNN_OPTS=1): {reason}"
+    )
+
+
 def skip_unless_the_cpu_runs(run, what: str) -> None:
-    """Calls `run` (plain Keras/TensorFlow, none of the package's code) and, in a process
-    not started with `WITH_ONEDNN`, skips the test if this TensorFlow has no CPU kernel
-    for it; where oneDNN was asked for, the error is raised (a failure, not a skip)."""
+    """Calls `run` (plain Keras/TensorFlow, none of the package's code); if this TensorFlow
+    has no CPU kernel for it, `skip_without_onednn`."""
     try:
         run()
     except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError) as e:
-        if onednn_requested():
-            raise
         # TensorFlow's own sentence, without Keras's "Exception encountered when calling"
         # line, the {{function_node ...}} prefix and the terminal colour codes
         text = re.sub(r"\x1b\[[0-9;]*m|\{\{function_node [^}]*\}\}", "", str(e.message))
         lines = [line.strip() for line in text.splitlines() if line.strip()]
         reason = next((line for line in lines if "Exception encountered" not in line), "")
-        pytest.skip(
-            f"this TensorFlow has no CPU kernel for {what} without oneDNN (run the file in its "
-            f"child process, or with TF_ENABLE_ONEDNN_OPTS=1): {reason}"
-        )
+        skip_without_onednn(e, f"has no CPU kernel for {what}", reason)
 
 
 @functools.lru_cache(maxsize=1)

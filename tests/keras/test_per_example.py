@@ -16,7 +16,7 @@ from dpfl_tf.keras.per_example import (
     plan_layers,
     refuse_batch_mixing_layers,
 )
-from tests.keras.helpers import WITH_ONEDNN, loss, mnist_slice, onednn_requested
+from tests.keras.helpers import WITH_ONEDNN, loss, mnist_slice, skip_without_onednn
 
 # what XLA and TensorFlow compile here stays until the process ends (+0.8 GB in a
 # whole-suite worker): the file runs in a process of its own (tests/isolation.py), with
@@ -508,12 +508,7 @@ def test_peak_memory_of_the_dp_pass_stays_near_the_plain_gradient():
     try:
         tf.config.experimental.reset_memory_stats("CPU:0")
     except ValueError as e:
-        if onednn_requested():
-            raise
-        pytest.skip(
-            "this TensorFlow keeps no CPU memory statistics without oneDNN (run the file in "
-            f"its child process, or with TF_ENABLE_ONEDNN_OPTS=1): {e}"
-        )
+        skip_without_onednn(e, "keeps no CPU memory statistics", e)
     keras.utils.set_random_seed(0)
     inputs = keras.Input((32, 32, 3))
     h = inputs
