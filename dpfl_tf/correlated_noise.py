@@ -15,9 +15,10 @@ stored noise vectors -- never the n x n matrix:
 * BLT (McMahan et al. 2024, arXiv:2408.08868, Algorithm 3): d buffers,
   w = zeta - sum_j omega_j buf_j,  buf_j <- theta_j buf_j + w.
 
-zeta_t ~ N(0, 1) per coordinate is drawn statelessly from (key, index, j),
-`dpfl_tf.sanitizer.noise_seed`, where the *index* is a monotonic release
-counter supplied by the caller (DP-SGD's lots computed, a federated round):
+zeta_t ~ N(0, 1) per coordinate is drawn statelessly from (key, index), one
+draw per chunk of tensors (`dpfl_tf.sanitizer.stateless_normals`), where the
+*index* is a monotonic release counter supplied by the caller (DP-SGD's lots
+computed, a federated round):
 a seeded run resumed from its state continues the same correlated noise, and
 an index is never drawn twice in a process (`next` refuses an index at or
 below the last one).  The key comes from OS entropy (two 63-bit words, never
@@ -45,7 +46,7 @@ from dpfl_tf.privacy.matrix_factorization import (
     MatrixMechanism,
     TreeAggregation,
 )
-from dpfl_tf.sanitizer import GaussianSanitizer, noise_seed, stream_key
+from dpfl_tf.sanitizer import GaussianSanitizer, noise_seed, stateless_normals, stream_key
 
 __all__ = ["CorrelatedNoise", "CorrelatedSanitizer", "CorrelatedRun"]
 
@@ -111,11 +112,16 @@ class CorrelatedNoise:
         self._high_water = 0  # positions released in this process (Python side)
 
     # -- one step ---------------------------------------------------------------
-    def _zeta(self, index, j: int, shape) -> tf.Tensor:
-        seed = noise_seed(self.noise_key, index, j)
+    def _zetas(self, index) -> list[tf.Tensor]:
+        """zeta of every tensor from stream `index`: `stateless_normals` (secure
+        mode: one `secure_normal64` draw per tensor)."""
         if self.secure_mode:
-            return secure_random.secure_normal64(shape, 1.0, seed=seed)
-        return tf.random.stateless_normal(shape, seed=seed, dtype=self.dtype, alg="philox")
+            return [
+                secure_random.secure_normal64(shape, 1.0, seed=noise_seed(self.noise_key, index, j))
+                for j, shape in enumerate(self.shapes)
+            ]
+        specs = [tf.TensorSpec(shape, self.dtype) for shape in self.shapes]
+        return stateless_normals(specs, self.noise_key, index)
 
     def next(self, index) -> list[tf.Tensor]:
         """The noise of the next position, zeta drawn from stream `index`.
@@ -130,8 +136,7 @@ class CorrelatedNoise:
         index = tf.cast(index, tf.int64)
         pos = self.position
         outs = []
-        for j, (shape, buf) in enumerate(zip(self.shapes, self.buffers)):
-            zeta = self._zeta(index, j, shape)
+        for zeta, buf in zip(self._zetas(index), self.buffers):
             w, new_buf = self._step(zeta, buf, pos)
             buf.assign(new_buf)
             outs.append(w)

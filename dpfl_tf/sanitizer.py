@@ -116,6 +116,52 @@ def noise_seed(noise_key, step, j: int) -> tf.Tensor:
     return tf.bitwise.bitwise_xor(key, mix)
 
 
+NOISE_CHUNK = 1 << 22  # values per stateless draw (16 MB of float32)
+
+
+def stateless_normals(like: Sequence[tf.Tensor], noise_key, step) -> list[tf.Tensor]:
+    """Standard normal tensors of the shapes and dtypes of `like`, for stream
+    position `step`.  The tensors are packed, in order, into chunks of one dtype
+    and at most `NOISE_CHUNK` values (a larger tensor, or one of unknown size, is
+    a chunk of its own); chunk k is one Philox draw from `noise_seed(noise_key,
+    step, k)`, cut into its tensors.  Every value is an independent N(0, 1) draw
+    either way; one draw per chunk rather than per tensor because tracing a
+    draw's seed scrambling takes ~30 ms: seconds for a model with a hundred
+    variables.  A chunk bounds what the cutting copies."""
+    chunks: list[list[int]] = []  # indices into `like`
+    filled = 0
+    for i, t in enumerate(like):
+        size = t.shape.num_elements()
+        last = like[chunks[-1][-1]] if chunks else None
+        if (
+            last is not None
+            and size is not None
+            and last.shape.num_elements() is not None
+            and last.dtype == t.dtype
+            and filled + size <= NOISE_CHUNK
+        ):
+            chunks[-1].append(i)
+            filled += size
+        else:
+            chunks.append([i])
+            filled = size or 0
+    out: list = [None] * len(like)
+    for k, chunk in enumerate(chunks):
+        seed = noise_seed(noise_key, step, k)
+        first = like[chunk[0]]
+        if len(chunk) == 1:
+            shape = first.shape if first.shape.is_fully_defined() else tf.shape(first)
+            out[chunk[0]] = tf.random.stateless_normal(
+                shape, seed=seed, dtype=first.dtype, alg="philox"
+            )
+            continue
+        sizes = [like[i].shape.num_elements() for i in chunk]
+        flat = tf.random.stateless_normal([sum(sizes)], seed=seed, dtype=first.dtype, alg="philox")
+        for i, piece in zip(chunk, tf.split(flat, sizes)):
+            out[i] = tf.reshape(piece, like[i].shape)
+    return out
+
+
 def flat_clip_factor(squared_norm: tf.Tensor, bound) -> tf.Tensor:
     """min(1, C / ||g||) from ||g||^2 (any shape), and 0 where ||g||^2 is not
     finite; `bound` C may be a float or a tensor (a bound that moves, as adaptive
@@ -330,21 +376,16 @@ class GaussianSanitizer:
         if self.noise_multiplier == 0:
             return list(summed)
         gen = self.generator if step is None else None
+        if step is not None and not self.secure_mode:
+            normals = stateless_normals(summed, self.noise_key, step)
+            return [s + tf.cast(stds[g], s.dtype) * z for s, g, z in zip(summed, groups, normals)]
         out = []
         for j, (s, g) in enumerate(zip(summed, groups)):
             seed = None if step is None else noise_seed(self.noise_key, step, j)
             if self.secure_mode:
                 out.append(secure_random.secure_add_noise(s, gen, stds[g], seed=seed))
-            elif gen is not None:
-                out.append(s + tf.cast(stds[g], s.dtype) * gen.normal(tf.shape(s), dtype=s.dtype))
             else:
-                out.append(
-                    s
-                    + tf.cast(stds[g], s.dtype)
-                    * tf.random.stateless_normal(
-                        tf.shape(s), seed=seed, dtype=s.dtype, alg="philox"
-                    )
-                )
+                out.append(s + tf.cast(stds[g], s.dtype) * gen.normal(tf.shape(s), dtype=s.dtype))
         return out
 
     def noised_sum(

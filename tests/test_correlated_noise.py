@@ -35,11 +35,12 @@ def test_noise_is_exactly_m_zeta_from_key_and_step(strategy):
     noise = CorrelatedNoise(_mechanism(strategy, n), [(3, 2), (4,)], seed=7)
     assert len(noise.buffers) == 2 and noise.buffers[0].shape[0] == strategy.buffers(n)
     got = _run(noise, n)
+    # both tensors' zeta are one draw of 6 + 4 values (`stateless_normals`)
     zeta = np.stack(
         [
-            tf.random.stateless_normal(
-                (3, 2), seed=noise_seed(noise.noise_key, i, 0), alg="philox"
-            ).numpy()
+            tf.random.stateless_normal([10], seed=noise_seed(noise.noise_key, i, 0), alg="philox")
+            .numpy()[:6]
+            .reshape(3, 2)
             for i in range(n)
         ]
     )

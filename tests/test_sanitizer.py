@@ -265,10 +265,12 @@ def test_secure_uniform_is_uniform_and_fresh():
 
 @pytest.mark.parametrize("secure", [False, True])
 def test_every_noise_draw_is_seeded_by_the_whole_key(secure, monkeypatch):
-    """Each tensor's noise in each lot is drawn from a 2 x 64-bit seed into which
-    both 63-bit words of the key enter (a seed of 32 random bits -- what folding
-    a Python int into the key gave -- could be searched exhaustively by an
-    observer of the released update, and the noise subtracted)."""
+    """Each lot's noise is drawn from 2 x 64-bit seeds into which both 63-bit
+    words of the key enter (a seed of 32 random bits -- what folding a Python int
+    into the key gave -- could be searched exhaustively by an observer of the
+    released update, and the noise subtracted): one seed per chunk of tensors
+    (`stateless_normals`; here both tensors fit one chunk), in secure mode one
+    per tensor."""
     seeds = []
     real = tf.random.stateless_normal
 
@@ -282,11 +284,67 @@ def test_every_noise_draw_is_seeded_by_the_whole_key(secure, monkeypatch):
     assert k0 >= 2**40 or k1 >= 2**40  # 63 random bits each (fails with p ~ 2^-45)
     for step in (0, 5):
         s.add_noise([tf.zeros((3,)), tf.zeros((2, 2))], step=tf.constant(step, tf.int64))
-    assert len(seeds) == 4
+    per_lot = (0, 1) if secure else (0,)
+    assert len(seeds) == 2 * len(per_lot)
     assert all(seed.dtype == tf.int64 for seed in seeds)
     got = [tuple(int(v) for v in seed.numpy()) for seed in seeds]
-    assert got == [(k0 ^ t, k1 ^ j) for t in (0, 5) for j in (0, 1)]
-    assert len(set(got)) == 4
+    assert got == [(k0 ^ t, k1 ^ j) for t in (0, 5) for j in per_lot]
+    assert len(set(got)) == len(got)
+
+
+def test_stateless_normals_cut_one_draw_per_chunk_of_one_dtype(monkeypatch):
+    """The tensors are packed in order into chunks of one dtype and at most
+    NOISE_CHUNK values; a larger tensor, or one of unknown size, is a chunk of its
+    own.  Chunk k is the draw of seed noise_seed(key, step, k), cut in order
+    (checked against drawing each chunk by hand), and the draws are N(0, 1)."""
+    from dpfl_tf import sanitizer
+    from dpfl_tf.sanitizer import noise_seed, stateless_normals
+
+    monkeypatch.setattr(sanitizer, "NOISE_CHUNK", 10)
+    key = (123456789012345, 987654321098765)
+    step = tf.constant(7, tf.int64)
+    like = [
+        tf.zeros([2, 3]),  # chunk 0
+        tf.zeros([4]),  # chunk 0 (6 + 4 = 10 values)
+        tf.zeros([1]),  # chunk 1: the cap is reached
+        tf.zeros([3], tf.float64),  # chunk 2: another dtype
+        tf.zeros([12]),  # chunk 3: larger than a chunk
+        tf.zeros([2]),  # chunk 4
+    ]
+    unknown = tf.function(
+        lambda t: stateless_normals([tf.zeros([2]), t, tf.zeros([2])], key, step),
+        input_signature=[tf.TensorSpec([None], tf.float32)],
+    )
+    got = stateless_normals(like, key, step)
+
+    def draw(k, n, dtype=tf.float32):
+        return tf.random.stateless_normal(
+            [n], seed=noise_seed(key, step, k), dtype=dtype, alg="philox"
+        ).numpy()
+
+    c0 = draw(0, 10)
+    want = [
+        c0[:6].reshape(2, 3),
+        c0[6:],
+        draw(1, 1),
+        draw(2, 3, tf.float64),
+        draw(3, 12),
+        draw(4, 2),
+    ]
+    for g, w, t in zip(got, want, like):
+        assert g.dtype == t.dtype and g.shape == t.shape
+        np.testing.assert_array_equal(g.numpy(), w)
+    # a tensor of unknown size is a chunk of its own, between two others
+    a, b, c = unknown(tf.zeros([5]))
+    np.testing.assert_array_equal(b.numpy(), draw(1, 5))
+    np.testing.assert_array_equal(c.numpy(), draw(2, 2))
+    # the cut pieces are standard normal (with the real chunk size: one draw)
+    monkeypatch.setattr(sanitizer, "NOISE_CHUNK", 1 << 22)
+    z = np.concatenate(
+        [t.numpy().ravel() for t in stateless_normals([tf.zeros([300, 100])] * 4, key, step)]
+    )
+    assert stats.kstest(z, "norm").pvalue > 1e-3
+    assert not np.array_equal(z[:30000], z[30000:60000])
 
 
 def test_seeded_noise_streams_of_different_seeds_do_not_overlap():
