@@ -190,25 +190,29 @@ class LotStep:
 
     def clip_and_accumulate(self, x, y, mask, gate=None):
         """The lot's clipped sum over its physical batches of `batch_size`
-        examples: one batch when the lot's static size fits, else a loop over
-        batches (user-level lots: batches of whole users, `sum_user_batches`).
-        A lot whose size is known only at run time (`fit`'s lots) takes the
-        loop, one pass when it fits: a `tf.cond` between the two would trace
-        the per-example gradients twice (once per branch): a small model's first
-        fit took ~1.2 s instead of ~0.8 s.  Under XLA (`pad_to_batch`) the
-        loop pads every batch to `batch_size` rows, more work than a lot that
-        fits needs, so there the `tf.cond` stays (XLA compiles both branches)."""
+        examples: a loop over batches (user-level lots: batches of whole users,
+        `sum_user_batches`), one pass when the lot fits.  The loop redoes a
+        batch with a non-finite example itself, so the per-example gradients
+        are traced once; a `tf.cond` around a rerun, or between one batch and
+        the loop, would trace them once per branch (a small model's first fit
+        took ~1.2 s instead of ~0.8 s).  Under XLA (`pad_to_batch`) the loop
+        pads every batch to `batch_size` rows, more work than a lot that fits
+        needs, and cannot redo with dynamic sizes: there a lot whose static size
+        fits is one batch (`clip_physical_batch`), and otherwise a `tf.cond`
+        chooses (XLA compiles both branches)."""
+        if not self.pad_to_batch:
+            if self.segments is not None:
+                return self.sum_user_batches(x, y, mask, gate)
+            return self.sum_physical_batches(x, y, mask, gate)
         if mask.shape[0] is not None and mask.shape[0] <= self.batch_size:
             return self.clip_physical_batch(x, y, mask, gate)
         if self.segments is not None:
             return self.sum_user_batches(x, y, mask, gate)
-        if self.pad_to_batch:
-            return tf.cond(
-                tf.shape(mask)[0] <= self.batch_size,
-                lambda: self.clip_physical_batch(x, y, mask, gate),
-                lambda: self.sum_physical_batches(x, y, mask, gate),
-            )
-        return self.sum_physical_batches(x, y, mask, gate)
+        return tf.cond(
+            tf.shape(mask)[0] <= self.batch_size,
+            lambda: self.clip_physical_batch(x, y, mask, gate),
+            lambda: self.sum_physical_batches(x, y, mask, gate),
+        )
 
     def sum_user_batches(self, x, y, mask, gate=None):
         """A user-level lot in physical batches of whole users: each batch runs
