@@ -197,9 +197,11 @@ class LotStep:
         the loop, would trace them once per branch (a small model's first fit
         took ~1.2 s instead of ~0.8 s).  Under XLA (`pad_to_batch`) the loop
         pads every batch to `batch_size` rows, more work than a lot that fits
-        needs, and cannot redo with dynamic sizes: there a lot whose static size
-        fits is one batch (`clip_physical_batch`), and otherwise a `tf.cond`
-        chooses (XLA compiles both branches)."""
+        needs, and cannot redo with dynamic sizes: there a lot of static size
+        (fixed-size and shuffled lots, `LotSampler.dataset`) is one batch
+        (`clip_physical_batch`) when it fits and the loop when it does not; a
+        lot of unknown size (Poisson) takes a `tf.cond` between the two (XLA
+        compiles both branches)."""
         if not self.pad_to_batch:
             if self.segments is not None:
                 return self.sum_user_batches(x, y, mask, gate)
@@ -208,6 +210,8 @@ class LotStep:
             return self.clip_physical_batch(x, y, mask, gate)
         if self.segments is not None:
             return self.sum_user_batches(x, y, mask, gate)
+        if mask.shape[0] is not None:  # a static size larger than a batch
+            return self.sum_physical_batches(x, y, mask, gate)
         return tf.cond(
             tf.shape(mask)[0] <= self.batch_size,
             lambda: self.clip_physical_batch(x, y, mask, gate),

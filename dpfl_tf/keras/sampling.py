@@ -318,6 +318,8 @@ class LotSampler:
         weak = not tf.inside_function()  # a dataset built in a graph is not kept
 
         def load(t, idx):
+            if idx.shape[0] is not None:  # a lot of fixed size: the padded size is static
+                return _read_padded(reader, idx, _padded(idx.shape[0], pad_to), preprocess, t, weak)
             n = tf.shape(idx, out_type=tf.int64)[0]
             padded = tf.maximum(tf.constant(pad_to, tf.int64), (n + pad_to - 1) // pad_to * pad_to)
             return _read_padded(reader, idx, padded, preprocess, t, weak=weak)
@@ -448,17 +450,28 @@ def takes_lot(preprocess: Callable) -> bool:
         return False
 
 
+def _padded(n: int, pad_to: int) -> int:
+    """n rounded up to a multiple of pad_to, at least pad_to."""
+    return max(pad_to, -(-n // pad_to) * pad_to)
+
+
 def _read_padded(reader, idx, size, preprocess, lot, weak=False):
     """(x, y, mask) of the records `idx` of lot number `lot`, `preprocess`ed
     (given the lot number when it takes one: randomness keyed by the lot),
-    padded with zero (masked) examples to `size`; `weak`: see `IndexedReader.read`."""
+    padded with zero (masked) examples to `size`; `weak`: see `IndexedReader.read`.
+    A Python int `size` is also the lot's static size (the training step then
+    knows it when it is traced: under XLA, a lot that fits one physical batch is
+    compiled as one)."""
     xb, yb = reader.read(idx, weak=weak)
     if preprocess is not None:
         xb = preprocess(xb, lot=lot) if takes_lot(preprocess) else preprocess(xb)
     real = tf.shape(idx, out_type=tf.int64)[0]
+    static = size if isinstance(size, int) else None
 
     def pad(t):
         t = tf.convert_to_tensor(t)
-        return tf.pad(t, [[0, size - real]] + [[0, 0]] * (t.shape.rank - 1))
+        t = tf.pad(t, [[0, size - real]] + [[0, 0]] * (t.shape.rank - 1))
+        return tf.ensure_shape(t, [static, *t.shape[1:]])
 
-    return (tf.nest.map_structure(pad, xb), pad(yb), tf.sequence_mask(real, size, dtype=tf.float32))
+    mask = tf.ensure_shape(tf.sequence_mask(real, size, dtype=tf.float32), [static])
+    return (tf.nest.map_structure(pad, xb), pad(yb), mask)

@@ -492,3 +492,30 @@ def test_a_preprocess_may_branch_on_tensors_while_our_lot_functions_skip_autogra
     assert signs(shares) == {True, False}  # shares [0, 1], [2, 3], ..., [10, 11]
     users = UserLotSampler(np.arange(12) // 2, 12, 3, seed=0)
     assert signs(users.dataset(x, y, epochs=1, preprocess=negate_large))
+
+
+def test_lots_of_fixed_size_have_a_static_shape_and_poisson_lots_do_not():
+    """`LotSampler.dataset`: a lot of fixed size (fixed_size, shuffle, full_batch)
+    is padded to a size known when the training step is traced (under XLA a lot
+    that fits one physical batch is then compiled as one, not as a `tf.cond`
+    between one batch and the loop); a Poisson lot's size is known only at run
+    time.  The rows are the same either way."""
+    x = np.arange(40, dtype=np.float32).reshape(20, 2)
+    y = np.arange(20)
+    for sampling, lot, static in (
+        ("fixed_size", 5, 64),
+        ("shuffle", 5, 64),
+        ("full_batch", 20, 64),
+        ("poisson", 5, None),
+    ):
+        sampler = LotSampler(20, lot, sampling, seed=1)
+        data = sampler.dataset(x, y, epochs=1, pad_to=64)
+        xs, ys, mask = data.element_spec
+        assert xs.shape.as_list() == [static, 2] and ys.shape[0] == mask.shape[0] == static
+        for (xb, yb, mb), idx in zip(data, sampler.lots(sampler.lots_per_epoch)):
+            assert xb.shape[0] == 64 and int(tf.reduce_sum(mb)) == len(idx)
+            np.testing.assert_array_equal(xb[: len(idx)].numpy(), x[idx])
+            np.testing.assert_array_equal(yb[: len(idx)].numpy(), y[idx])
+            assert not xb[len(idx) :].numpy().any()
+    fixed = LotSampler(20, 5, "fixed_size", seed=1).dataset(x, y, epochs=1)
+    assert fixed.element_spec[2].shape[0] == 5  # pad_to=1: the lot's own size
