@@ -104,7 +104,8 @@ def stream_key(seed: int | None, secure_mode: bool) -> tuple[int, int]:
 
 
 def noise_seed(noise_key, step, j: int) -> tf.Tensor:
-    """The stateless seed of tensor j's noise in lot `step`: [k0 XOR step, k1 XOR j].
+    """The stateless seed of draw j in lot `step`: [k0 XOR step, k1 XOR j] (draw j:
+    chunk j of `stateless_normals`; in secure mode, tensor j).
 
     Both words of the 2 x 63-bit key enter every seed (TensorFlow hashes the
     whole 128-bit seed into Philox's key and counter), and distinct (step, j)
@@ -367,10 +368,12 @@ class GaussianSanitizer:
 
         Without `step`, the noise comes from the stateful `generator`.  With
         `step` (an integer tensor, e.g. DP-SGD's monotonic lot counter) it is
-        drawn statelessly from (noise_key, step) (`noise_seed`): lot t always
-        gets the stream position t, so a seeded run continues its stream across
-        `fit` calls and resumes, and never reuses a position.  Secure mode draws each value as
-        in `dpfl_tf.secure_random` and rounds once."""
+        drawn statelessly from (noise_key, step), one draw per chunk of tensors
+        (`stateless_normals`): lot t always gets the stream position t, so a
+        seeded run continues its stream across `fit` calls and resumes, and never
+        reuses a position.  Secure mode draws each tensor's values as in
+        `dpfl_tf.secure_random` (seed `noise_seed(noise_key, step, j)`) and
+        rounds once."""
         groups = list(range(len(summed))) if groups is None else list(groups)
         stds = self.noise_stddevs(max(groups) + 1 if groups else 0)
         if self.noise_multiplier == 0:

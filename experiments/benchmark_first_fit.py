@@ -11,6 +11,7 @@ Models (random data: 2,000 examples, lots of 200, one epoch = 10 lots):
                Dense 64 -> 32), pooling, Dense 10 (62 variables)
   custom_loop  the mlp's first `dp_gradients` call on a lot of 200 (it traces its
                own `tf.function` for the lot's static shape)
+  mlp_xla_fixed  the mlp under XLA (`jit_compile=True`) with fixed-size lots
 
 For each: seconds of the first fit (call), measured in the child, and of a second
 fit of the same model (no new trace: what a fit costs once traced).
@@ -34,7 +35,7 @@ import time
 
 from _common import RESULTS, ROOT, command_line, commit_of
 
-MODELS = ("mlp", "cnn", "transformer", "custom_loop")
+MODELS = ("mlp", "cnn", "transformer", "custom_loop", "mlp_xla_fixed")
 
 CHILD = r"""
 import sys, time
@@ -45,7 +46,7 @@ from dpfl_tf.privacy import PrivacyLedger
 kind = sys.argv[1]
 rng = np.random.default_rng(0)
 y = rng.integers(0, 10, 2000)
-if kind in ("mlp", "custom_loop"):
+if kind in ("mlp", "custom_loop", "mlp_xla_fixed"):
     x = rng.random((2000, 60), dtype=np.float32)
     def net():
         return keras.Sequential([keras.Input((60,)), keras.layers.Dense(100, activation="relu"),
@@ -85,10 +86,13 @@ if kind == "custom_loop":
         times.append(time.perf_counter() - t)
 else:
     model = DPModel(net())
-    model.compile(optimizer, loss)
+    xla = kind == "mlp_xla_fixed"
+    model.compile(optimizer, loss, jit_compile=xla)
+    sampling = "fixed_size" if xla else "poisson"
     times = []
     for _ in range(2):
-        t = time.perf_counter(); model.fit(x, y, lot_size=200, epochs=1, verbose=0)
+        t = time.perf_counter()
+        model.fit(x, y, lot_size=200, epochs=1, verbose=0, sampling=sampling)
         times.append(time.perf_counter() - t)
 print(*times)
 """

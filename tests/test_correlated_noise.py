@@ -34,18 +34,18 @@ def test_noise_is_exactly_m_zeta_from_key_and_step(strategy):
     n = 13
     noise = CorrelatedNoise(_mechanism(strategy, n), [(3, 2), (4,)], seed=7)
     assert len(noise.buffers) == 2 and noise.buffers[0].shape[0] == strategy.buffers(n)
-    got = _run(noise, n)
+    outs = [noise.next(i) for i in range(n)]
     # both tensors' zeta are one draw of 6 + 4 values (`stateless_normals`)
-    zeta = np.stack(
+    draws = np.stack(
         [
             tf.random.stateless_normal([10], seed=noise_seed(noise.noise_key, i, 0), alg="philox")
-            .numpy()[:6]
-            .reshape(3, 2)
             for i in range(n)
         ]
     )
-    want = np.einsum("ts,sab->tab", strategy.noise_matrix(n), zeta)
-    np.testing.assert_allclose(got, want, atol=2e-5)
+    m = strategy.noise_matrix(n)
+    want = np.einsum("ts,sab->tab", m, draws[:, :6].reshape(n, 3, 2))
+    np.testing.assert_allclose(np.stack([o[0] for o in outs]), want, atol=2e-5)
+    np.testing.assert_allclose(np.stack([o[1] for o in outs]), m @ draws[:, 6:], atol=2e-5)
 
 
 def _whitened_lrt(samples, cov):

@@ -338,6 +338,15 @@ def test_stateless_normals_cut_one_draw_per_chunk_of_one_dtype(monkeypatch):
     a, b, c = unknown(tf.zeros([5]))
     np.testing.assert_array_equal(b.numpy(), draw(1, 5))
     np.testing.assert_array_equal(c.numpy(), draw(2, 2))
+    # another lot draws other values
+    assert not np.array_equal(stateless_normals(like, key, step + 1)[0].numpy(), want[0])
+    # add_noise: each tensor of a chunk scaled by its own group's std (per-layer bounds,
+    # proportional allocation: s_j = sigma C_j)
+    s = GaussianSanitizer([1.0, 3.0], 2.0, noise_allocation="proportional", seed=5)
+    out = s.add_noise([tf.zeros([3]), tf.zeros([2])], [0, 1], step=step)
+    z = tf.random.stateless_normal([5], seed=noise_seed(s.noise_key, step, 0), alg="philox").numpy()
+    np.testing.assert_allclose(out[0].numpy(), 2.0 * 1.0 * z[:3], rtol=1e-6)
+    np.testing.assert_allclose(out[1].numpy(), 2.0 * 3.0 * z[3:], rtol=1e-6)
     # the cut pieces are standard normal (with the real chunk size: one draw)
     monkeypatch.setattr(sanitizer, "NOISE_CHUNK", 1 << 22)
     z = np.concatenate(

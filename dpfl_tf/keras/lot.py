@@ -360,7 +360,10 @@ class LotStep:
         stream across fits and resumes and never reuses a position.  Under a
         distribution strategy each replica sums its share of the lot and the
         optimizer all-reduces the sums, so exactly one replica contributes the
-        (single) noise draw."""
+        (single) noise draw.  The sums take the variables' static shapes first:
+        the noise's chunks (`stateless_normals`) then do not depend on which
+        path (loop, `tf.cond`) computed them."""
+        clipped_sum = [tf.ensure_shape(c, v.shape) for c, v in zip(clipped_sum, self.variables)]
         noised = self.sanitizer.add_noise(clipped_sum, self.groups, step=step)
         replica = tf.distribute.get_replica_context()
         if replica is not None and replica.num_replicas_in_sync > 1:

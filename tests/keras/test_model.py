@@ -727,6 +727,18 @@ def test_a_nan_example_cannot_drop_its_neighbours_on_the_generic_path(mode, fast
     norm (n - dropped) C (it was 0 for n = 8: one record moved the sum by 8 C).
     "later": NaN rows in the second and in the last, partial batch (batches of 4),
     so the redo starts past row 0 and ends before the lot does."""
+    _nan_neighbours(mode, fast, n, nan_rows, batch_size=4)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_nan_example_in_a_static_lot_of_one_batch_under_xla(fast):
+    """The same under XLA for a lot of static size that fits one physical batch
+    (full_batch, padded to 64 rows, batches of 64): one batch and its `tf.cond`
+    rerun one example at a time (`clip_physical_batch`), not the loop."""
+    _nan_neighbours("xla", fast, 10, (5, 9), batch_size=64)
+
+
+def _nan_neighbours(mode, fast, n, nan_rows, batch_size):
     x = np.tile(np.array([[3.0, -2.0, 1.0, 5.0]], "float32"), (n, 1))
     x[list(nan_rows), 0] = np.nan
     y = np.zeros(n, "int64")
@@ -750,7 +762,7 @@ def test_a_nan_example_cannot_drop_its_neighbours_on_the_generic_path(mode, fast
     )
     bad = len(nan_rows)
     with pytest.warns(RuntimeWarning, match=f"{bad} training examples had a NaN"):
-        dp.fit(x, y, lot_size=n, batch_size=4, epochs=1, verbose=0, sampling="full_batch")
+        dp.fit(x, y, lot_size=n, batch_size=batch_size, epochs=1, verbose=0, sampling="full_batch")
     assert dp.dropped_examples == bad
     norm = np.sqrt(sum(np.sum((b - a) ** 2) for a, b in zip(w0, weights(inner)))) * n
     assert norm == pytest.approx(n - bad, rel=1e-4)
