@@ -92,7 +92,7 @@ else:
     times = []
     for _ in range(2):
         t = time.perf_counter()
-        model.fit(x, y, lot_size=200, epochs=1, verbose=0, sampling=sampling)
+        model.fit(x, y, lot_size=200, epochs=1, verbose=0, sampling=sampling, accountant="rdp")
         times.append(time.perf_counter() - t)
 print(*times)
 """

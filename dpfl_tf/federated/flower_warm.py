@@ -314,16 +314,18 @@ def serve(
 
     def watch() -> None:
         while not stop.wait(1.0):
-            if (
-                not still_named()
-                or not _alive(watch_pid)
-                or time.monotonic() - last[0] > idle_seconds
-            ):
+            if not still_named() or not _alive(watch_pid):
                 stop.set()
+
+    def idle() -> bool:
+        # decided here, before `accept`, not by the watcher: a peer accepted just
+        # as the idle time ran out is answered, not dropped unanswered (its
+        # ClientApp failed with "connection reset")
+        return time.monotonic() - last[0] > idle_seconds
 
     threading.Thread(target=watch, daemon=True).start()
     try:
-        while not stop.is_set():
+        while not stop.is_set() and not idle():
             try:
                 conn = _accept(listener, key)
             except Exception:  # a second without a peer, a wrong key, a peer gone
