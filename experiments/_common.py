@@ -30,6 +30,8 @@ __all__ = [
     "commit_of",
     "evaluated_on",
     "load_runs",
+    "paired_row",
+    "write_result",
     "runs_to_append",
     "peak_rss_mb",
     "run_child",
@@ -229,3 +231,33 @@ def run_child(cmd: list, timeout: float, *, key: str = "seconds_per_epoch") -> d
         result[key] = None
         result["error"] = why or "wrote no result"
     return result
+
+
+def paired_row(seconds: list, baseline_seconds: list) -> dict:
+    """Runs of a checkout and of a baseline taken in turn (A B A B): each run's
+    seconds, the medians and the median of the paired ratios (checkout / baseline)."""
+    import statistics
+
+    return {
+        "seconds": [round(s, 3) for s in seconds],
+        "baseline_seconds": [round(s, 3) for s in baseline_seconds],
+        "median": round(statistics.median(seconds), 3),
+        "baseline_median": round(statistics.median(baseline_seconds), 3),
+        "median_paired_ratio": round(
+            statistics.median(a / b for a, b in zip(seconds, baseline_seconds)), 3
+        ),
+    }
+
+
+def write_result(name: str, rows: dict, **fields) -> str:
+    """results/<name>: the command, the commit, `fields`, the time and `rows`, as
+    indented JSON; returns the path."""
+    out = {"command": command_line(), "commit": commit_of(), **fields}
+    out["when"] = time.strftime("%Y-%m-%d %H:%M")
+    out["rows"] = rows
+    path = os.path.join(RESULTS, name)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path}")
+    return path

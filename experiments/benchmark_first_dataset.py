@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from _common import RESULTS, ROOT, command_line, commit_of
+from _common import ROOT, commit_of, paired_row, write_result
 
 BUILD = (
     "import time, numpy as np; from dpfl_tf.keras import LotSampler; "
@@ -63,29 +62,16 @@ def main(argv=None) -> None:
             for _ in range(args.runs):
                 a.append(once(ROOT, what, out_dir))
                 b.append(once(baseline, what, out_dir))
-            rows[what] = {
-                "seconds": [round(s, 3) for s in a],
-                "baseline_seconds": [round(s, 3) for s in b],
-                "median": round(statistics.median(a), 3),
-                "baseline_median": round(statistics.median(b), 3),
-                "median_paired_ratio": round(statistics.median(x / y for x, y in zip(a, b)), 3),
-            }
+            rows[what] = paired_row(a, b)
             print(what, json.dumps(rows[what]), flush=True)
     if args.no_save:
         return
-    out = {
-        "command": command_line(),
-        "commit": commit_of(),
-        "baseline_commit": commit_of(baseline),
-        "train_command": "python -m dpfl_tf " + " ".join(TRAIN),
-        "when": time.strftime("%Y-%m-%d %H:%M"),
-        "rows": rows,
-    }
-    path = os.path.join(RESULTS, "benchmark_first_dataset.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
-    print(f"wrote {path}")
+    write_result(
+        "benchmark_first_dataset.json",
+        rows,
+        baseline_commit=commit_of(baseline),
+        train_command="python -m dpfl_tf " + " ".join(TRAIN),
+    )
 
 
 if __name__ == "__main__":

@@ -28,12 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
-from _common import RESULTS, ROOT, command_line, commit_of
+from _common import ROOT, commit_of, paired_row, write_result
 
 MODELS = ("mlp", "cnn", "transformer", "custom_loop", "mlp_xla_fixed")
 
@@ -108,16 +106,6 @@ def once(tree: str, kind: str) -> tuple[float, float]:
     return first, second
 
 
-def _row(a, b):
-    return {
-        "seconds": [round(s, 3) for s in a],
-        "baseline_seconds": [round(s, 3) for s in b],
-        "median": round(statistics.median(a), 3),
-        "baseline_median": round(statistics.median(b), 3),
-        "median_paired_ratio": round(statistics.median(x / y for x, y in zip(a, b)), 3),
-    }
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", required=True, help="a checkout to compare with")
@@ -133,24 +121,13 @@ def main(argv=None) -> None:
             a.append(once(ROOT, kind))
             b.append(once(baseline, kind))
         rows[kind] = {
-            "first": _row([s[0] for s in a], [s[0] for s in b]),
-            "second": _row([s[1] for s in a], [s[1] for s in b]),
+            "first": paired_row([s[0] for s in a], [s[0] for s in b]),
+            "second": paired_row([s[1] for s in a], [s[1] for s in b]),
         }
         print(kind, json.dumps(rows[kind]), flush=True)
     if args.no_save:
         return
-    out = {
-        "command": command_line(),
-        "commit": commit_of(),
-        "baseline_commit": commit_of(baseline),
-        "when": time.strftime("%Y-%m-%d %H:%M"),
-        "rows": rows,
-    }
-    path = os.path.join(RESULTS, "benchmark_first_fit.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
-    print(f"wrote {path}")
+    write_result("benchmark_first_fit.json", rows, baseline_commit=commit_of(baseline))
 
 
 if __name__ == "__main__":

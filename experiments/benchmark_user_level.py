@@ -26,7 +26,7 @@ import os
 import statistics
 import time
 
-from _common import RESULTS, command_line, commit_of
+from _common import write_result
 
 SETTINGS = {"tanh": (10, 256), "mlp": (60, 1024)}  # the CLI's default batch, the recipe's
 
@@ -98,17 +98,7 @@ def main(argv=None) -> None:
             rows.append(row)
     if args.no_save:
         return
-    path = os.path.join(RESULTS, "benchmark_user_level.json")
-    out = {
-        "command": command_line(),
-        "commit": commit_of(),
-        "when": time.strftime("%Y-%m-%d %H:%M"),
-        "rows": rows,
-    }
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
-    print(f"wrote {path}")
+    write_result("benchmark_user_level.json", rows)
 
 
 if __name__ == "__main__":
