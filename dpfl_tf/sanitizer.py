@@ -130,22 +130,15 @@ def stateless_normals(like: Sequence[tf.Tensor], noise_key, step) -> list[tf.Ten
     draw's seed scrambling takes ~30 ms: seconds for a model with a hundred
     variables.  A chunk bounds what the cutting copies."""
     chunks: list[list[int]] = []  # indices into `like`
-    filled = 0
+    dtype, filled = None, 0  # the last chunk's, None once it takes no more tensors
     for i, t in enumerate(like):
         size = t.shape.num_elements()
-        last = like[chunks[-1][-1]] if chunks else None
-        if (
-            last is not None
-            and size is not None
-            and last.shape.num_elements() is not None
-            and last.dtype == t.dtype
-            and filled + size <= NOISE_CHUNK
-        ):
+        if size is not None and t.dtype == dtype and filled + size <= NOISE_CHUNK:
             chunks[-1].append(i)
             filled += size
         else:
             chunks.append([i])
-            filled = size or 0
+            dtype, filled = (t.dtype, size) if size is not None else (None, 0)
     out: list = [None] * len(like)
     for k, chunk in enumerate(chunks):
         seed = noise_seed(noise_key, step, k)

@@ -202,15 +202,12 @@ class LotStep:
         (`clip_physical_batch`) when it fits and the loop when it does not; a
         lot of unknown size (Poisson) takes a `tf.cond` between the two (XLA
         compiles both branches)."""
-        if not self.pad_to_batch:
-            if self.segments is not None:
-                return self.sum_user_batches(x, y, mask, gate)
-            return self.sum_physical_batches(x, y, mask, gate)
-        if mask.shape[0] is not None and mask.shape[0] <= self.batch_size:
+        static = mask.shape[0]
+        if self.pad_to_batch and static is not None and static <= self.batch_size:
             return self.clip_physical_batch(x, y, mask, gate)
         if self.segments is not None:
             return self.sum_user_batches(x, y, mask, gate)
-        if mask.shape[0] is not None:  # a static size larger than a batch
+        if not self.pad_to_batch or static is not None:
             return self.sum_physical_batches(x, y, mask, gate)
         return tf.cond(
             tf.shape(mask)[0] <= self.batch_size,

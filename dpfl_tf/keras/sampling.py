@@ -318,11 +318,10 @@ class LotSampler:
         weak = not tf.inside_function()  # a dataset built in a graph is not kept
 
         def load(t, idx):
-            if idx.shape[0] is not None:  # a lot of fixed size: the padded size is static
-                return _read_padded(reader, idx, _padded(idx.shape[0], pad_to), preprocess, t, weak)
-            n = tf.shape(idx, out_type=tf.int64)[0]
-            padded = tf.maximum(tf.constant(pad_to, tf.int64), (n + pad_to - 1) // pad_to * pad_to)
-            return _read_padded(reader, idx, padded, preprocess, t, weak=weak)
+            n = idx.shape[0]  # static for a lot of fixed size: then so is the padded size
+            if n is None:
+                n = tf.shape(idx, out_type=tf.int64)[0]
+            return _read_padded(reader, idx, _padded(n, pad_to), preprocess, t, weak=weak)
 
         # the parallel map runs `ahead` lots ahead of the one in training
         return _holding(
@@ -450,9 +449,13 @@ def takes_lot(preprocess: Callable) -> bool:
         return False
 
 
-def _padded(n: int, pad_to: int) -> int:
-    """n rounded up to a multiple of pad_to, at least pad_to."""
-    return max(pad_to, -(-n // pad_to) * pad_to)
+def _padded(n, pad_to: int):
+    """n (a Python int, or an int64 tensor) rounded up to a multiple of pad_to, at
+    least pad_to; a Python int for a Python int."""
+    rounded = (n + pad_to - 1) // pad_to * pad_to
+    if isinstance(n, int):
+        return max(pad_to, rounded)
+    return tf.maximum(tf.constant(pad_to, tf.int64), rounded)
 
 
 def _read_padded(reader, idx, size, preprocess, lot, weak=False):
