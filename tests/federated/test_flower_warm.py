@@ -111,11 +111,16 @@ def test_a_dead_worker_is_replaced_at_the_next_message(parent, mnist):
 
 
 def test_an_idle_worker_ends(parent, mnist, monkeypatch):
-    monkeypatch.setenv("DPFL_FLOWER_WORKER_IDLE", "8")
+    """Workers idle for DPFL_FLOWER_WORKER_IDLE seconds end and leave no file.  A
+    worker's idle time starts at its last reply: on a loaded machine (three pytest
+    workers on two cores) one node's worker was already gone, idle for 8 s, when the
+    other's training ended, so the check right after the run asks for a worker still
+    there, not for both (test_a_dead_worker_is_replaced... checks one per node)."""
+    monkeypatch.setenv("DPFL_FLOWER_WORKER_IDLE", "12")
     grid = fl.LocalGrid(flower_warm.client_app, 2, run_config=RUN_CONFIG)
     fl.DPStrategy.from_config(fl.config_from_run_config(RUN_CONFIG)).run(grid, 1)
-    assert len(_workers(parent.pid)) == 2
-    _wait(lambda: _workers(parent.pid), 30)
+    assert 1 <= len(_workers(parent.pid)) <= 2
+    _wait(lambda: _workers(parent.pid), 40)
     assert _workers(parent.pid) == [] and parent.poll() is None  # idle, not orphaned
     directory = os.path.dirname(flower_warm.worker_address(parent.pid, 1))
     left = [f for f in os.listdir(directory) if f.startswith(f"worker-{parent.pid}-")]
