@@ -239,7 +239,8 @@ def test_a_search_of_scatter_linear_declares_each_trials_dp_statistics(monkeypat
 
     monkeypatch.setattr(DPFeatureNormalization, "fit", recorded_fit)
 
-    _cache_without_features(monkeypatch, tmp_path)
+    # the session's cache: the features of this slice, if the scatter_cnn test above
+    # computed them, are read back (what is checked here is the search, not the cache)
     real = recipe.load_dataset
     monkeypatch.setattr(recipe, "load_dataset", lambda *a, **k: _cifar_slice(real(*a, **k)))
     config = MnistConfig(
