@@ -115,7 +115,8 @@ def test_an_idle_worker_ends(parent, mnist, monkeypatch):
     worker's idle time starts at its last reply: on a loaded machine (three pytest
     workers on two cores) one node's worker was already gone, idle for 8 s, when the
     other's training ended, so the check right after the run asks for a worker still
-    there, not for both (test_a_dead_worker_is_replaced... checks one per node)."""
+    there, not for both (test_a_warm_run_is_the_cold_run... and
+    test_a_dead_worker_is_replaced... check one per node)."""
     monkeypatch.setenv("DPFL_FLOWER_WORKER_IDLE", "12")
     grid = fl.LocalGrid(flower_warm.client_app, 2, run_config=RUN_CONFIG)
     fl.DPStrategy.from_config(fl.config_from_run_config(RUN_CONFIG)).run(grid, 1)
