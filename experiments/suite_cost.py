@@ -4,10 +4,11 @@ Runs a command (default: the README's test command without its ``pip install``)
 and samples, every half second, the resident memory of every process it started
 (pytest, its xdist workers and their child processes).  Records the wall time,
 the peak of the *sum* over the process tree (what the machine must hold) and the
-peak of the largest single process, and appends a row to
-results/suite_cost.json.  With DPFL_TEST_MEMORY_LOG=<file> set, the test processes
-also log their memory after every test (tests/conftest.py), which names the tests
-behind the peaks.  Run it on an idle machine: the wall time is the claim.
+peak of the largest single process, the machine's busy cores every 10 s (where the
+suite leaves a core idle), and appends a row to results/suite_cost.json.  With
+DPFL_TEST_MEMORY_LOG=<file> set, the test processes also log their memory and the
+time after every test (tests/conftest.py), which names the tests behind the peaks
+and the idle stretches.  Run it on an idle machine: the wall time is the claim.
 
     python experiments/suite_cost.py                       # the full suite
     python experiments/suite_cost.py --label fast -- python -m pytest -q -n 2 \\
@@ -81,6 +82,17 @@ def memory_growth_by_file(log: str) -> dict[str, float]:
     return dict(sorted(growth.items(), key=lambda kv: -kv[1]))
 
 
+BUSY_SECONDS = 10.0
+
+
+def _cpu_jiffies() -> int:
+    """The machine's CPU time so far (user, nice, system, irq, softirq, steal), in
+    clock ticks (/proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return fields[0] + fields[1] + fields[2] + fields[5] + fields[6] + fields[7]
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -100,16 +112,24 @@ def main(argv=None) -> int:
     if log and os.path.exists(log):  # the test processes append: start it empty
         os.remove(log)
     peak = {"tree": 0, "process": 0, "process_cmdline": ""}
-    start = time.perf_counter()
+    start, started = time.perf_counter(), time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     done = threading.Event()
 
+    busy = []  # the machine's busy cores, averaged over each BUSY_SECONDS
+
     def sample() -> None:
+        last, mark = _cpu_jiffies(), time.perf_counter()
         while not done.wait(0.5):
             tree, single, pid = _tree_rss(proc.pid)
             peak["tree"] = max(peak["tree"], tree)
             if single > peak["process"]:
                 peak["process"], peak["process_cmdline"] = single, _cmdline(pid)
+            now = time.perf_counter()
+            if now - mark >= BUSY_SECONDS:
+                jiffies = _cpu_jiffies()
+                busy.append(round((jiffies - last) / os.sysconf("SC_CLK_TCK") / (now - mark), 2))
+                last, mark = jiffies, now
 
     threading.Thread(target=sample, daemon=True).start()
     lines = []
@@ -140,6 +160,10 @@ def main(argv=None) -> int:
         "cpu_busy": round(cpu / (seconds * os.cpu_count()), 2),
         "cpus": os.cpu_count(),
         "when": time.strftime("%Y-%m-%d %H:%M"),
+        "started": round(started, 1),
+        # busy cores of the whole machine (not only the suite's processes), one value
+        # per BUSY_SECONDS: where the suite leaves the machine idle
+        "busy_cores_every_10s": busy,
     }
     if log and os.path.exists(log):
         growth = memory_growth_by_file(log)

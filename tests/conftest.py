@@ -80,11 +80,13 @@ def pytest_runtest_protocol(item, nextitem):
     if _MEMORY_LOG:
         import json
         import resource
+        import time
 
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         row = {
             "test": item.nodeid,
+            "end": round(time.time(), 1),
             "pid": os.getpid(),
             "rss_gb": round(rss / 1e9, 3),
             "peak_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 3),
