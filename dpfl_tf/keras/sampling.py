@@ -436,7 +436,15 @@ def _no_autograph(fn: Callable, preprocess: Callable | None = None) -> Callable:
 
 def _holding(reader, dataset: tf.data.Dataset) -> tf.data.Dataset:
     """`dataset`, keeping `reader` alive as long as it (and its iterators: they
-    hold their dataset) lives; the reader's graph op holds it only weakly."""
+    hold their dataset) lives; the reader's graph op holds it only weakly.
+
+    Without tf.data's autotuning: the lot pipeline sets its own parallelism (the
+    lots read ahead), and the autotuner's thread, which has nothing to tune here,
+    made each iterator's destruction wait for it -- seconds on a busy machine, up to
+    15 s (a fit's iterator is destroyed when the garbage collector reaches it)."""
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    dataset = dataset.with_options(options)
     dataset._dpfl_reader = reader
     return dataset
 
