@@ -96,20 +96,6 @@ def test_an_error_in_the_worker_reaches_the_client_app(parent, mnist):
         fl.DPStrategy.from_config(fl.config_from_run_config(RUN_CONFIG)).run(grid, 1)
 
 
-def test_a_dead_worker_is_replaced_at_the_next_message(parent, mnist):
-    grid = fl.LocalGrid(flower_warm.client_app, 2, run_config=RUN_CONFIG)
-    strategy = fl.DPStrategy.from_config(fl.config_from_run_config(RUN_CONFIG))
-    strategy.run(grid, 1)
-    first = _workers(parent.pid)
-    for pid in first:
-        os.kill(pid, signal.SIGKILL)
-    strategy = fl.DPStrategy.from_config(fl.config_from_run_config(RUN_CONFIG))
-    strategy.run(grid, 1)
-    assert strategy.server.rounds_done == 1
-    again = _workers(parent.pid)
-    assert len(again) == 2 and not set(again) & set(first)
-
-
 def test_an_idle_worker_ends(parent, mnist, monkeypatch):
     """Workers idle for DPFL_FLOWER_WORKER_IDLE seconds end and leave no file.  A
     worker's idle time starts at its last reply: on a loaded machine (three pytest
@@ -170,17 +156,33 @@ def test_a_link_in_place_of_the_private_directory_is_refused(tmp_path, monkeypat
     assert os.path.dirname(flower_warm.worker_address(1, 1)) == str(runtime / "dpfl-flower")
 
 
-def test_other_code_gets_a_new_worker_and_a_terminated_worker_cleans_up(parent, mnist, monkeypatch):
+def test_a_dead_worker_is_replaced_other_code_gets_a_new_one_and_a_terminated_one_cleans_up(
+    parent, mnist, monkeypatch
+):
+    """One node's life: its workers killed (SIGKILL) are replaced at the next message;
+    new code on the path (dpfl_tf upgraded, another app bundle) gets new workers and the
+    old ones end; a worker terminated (the SuperNode's group stopped) removes its files."""
     grid = fl.LocalGrid(flower_warm.client_app, 2, run_config=RUN_CONFIG)
-    fl.DPStrategy.from_config(fl.config_from_run_config(RUN_CONFIG)).run(grid, 1)
+
+    def one_round():
+        strategy = fl.DPStrategy.from_config(fl.config_from_run_config(RUN_CONFIG))
+        strategy.run(grid, 1)
+        assert strategy.server.rounds_done == 1
+
+    one_round()
     first = _workers(parent.pid)
+    for pid in first:
+        os.kill(pid, signal.SIGKILL)
+    one_round()
+    second = _workers(parent.pid)
+    assert len(second) == 2 and not set(second) & set(first)  # the dead ones replaced
     # dpfl_tf upgraded (or another app bundle on the path): the old worker is not asked
     monkeypatch.setattr(flower_warm, "code_fingerprint", lambda: "other code")
-    fl.DPStrategy.from_config(fl.config_from_run_config(RUN_CONFIG)).run(grid, 1)
-    _wait(lambda: set(_workers(parent.pid)) & set(first), 15)
-    second = _workers(parent.pid)
-    assert len(second) == 2 and not set(second) & set(first)  # replaced, and the old ended
-    for pid in second:  # SIGTERM (the SuperNode's group stopped): the files go too
+    one_round()
+    _wait(lambda: set(_workers(parent.pid)) & set(second), 15)
+    third = _workers(parent.pid)
+    assert len(third) == 2 and not set(third) & set(second)  # replaced, and the old ended
+    for pid in third:  # SIGTERM (the SuperNode's group stopped): the files go too
         os.kill(pid, signal.SIGTERM)
     _wait(lambda: _workers(parent.pid), 15)
     directory = os.path.dirname(flower_warm.worker_address(parent.pid, 1))
