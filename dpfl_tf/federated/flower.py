@@ -446,32 +446,7 @@ class _NodeSubset(Grid):
         return self._grid.pull_messages(message_ids)
 
     def send_and_receive(self, messages, *, timeout=None):
-        return send_and_receive(self._grid, messages, timeout)
-
-
-#: seconds between the server's asks for replies (Flower's deployment grid waits 3 s:
-#: up to 3 s of every round on a SuperLink were spent idle, 1.5 s on average)
-REPLY_POLL_SECONDS = 0.1
-
-
-def send_and_receive(grid: Grid, messages, timeout: float | None) -> list[Message]:
-    """`grid.send_and_receive` with a short wait between asks: pushes `messages`,
-    then pulls their replies every `REPLY_POLL_SECONDS` until all have come or
-    `timeout` seconds have passed (None: no limit); the replies that came.  A
-    `LocalGrid` answers in process, before its push returns: its own exchange."""
-    if isinstance(grid, LocalGrid):
-        return list(grid.send_and_receive(messages, timeout=timeout))
-    waiting = set(grid.push_messages(messages))
-    deadline = None if timeout is None else time.monotonic() + timeout
-    replies: list[Message] = []
-    while waiting:
-        got = list(grid.pull_messages(waiting))
-        replies.extend(got)
-        waiting.difference_update(m.metadata.reply_to_message_id for m in got)
-        if not waiting or (deadline is not None and time.monotonic() >= deadline):
-            break
-        time.sleep(REPLY_POLL_SECONDS)
-    return replies
+        return self._grid.send_and_receive(messages, timeout=timeout)
 
 
 def default_inner_strategy(config: FederatedConfig) -> Strategy:
@@ -602,7 +577,7 @@ class DPStrategy(Strategy):
             for n in node_ids
         ]
         # answered by a ClientApp each (on a SuperNode: a process that starts up first)
-        for reply in send_and_receive(grid, messages, self.reply_timeout):
+        for reply in grid.send_and_receive(messages, timeout=self.reply_timeout):
             node = int(reply.metadata.src_node_id)
             if reply.has_error():
                 raise ValueError(f"node {node} could not enrol: {reply.error.reason}")

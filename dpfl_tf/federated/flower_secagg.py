@@ -96,7 +96,6 @@ from dpfl_tf.federated.flower import (
     _runtime,
     config_from_run_config,
     run_apps,
-    send_and_receive,
 )
 from dpfl_tf.federated.runner import DPMode, FederatedConfig, build_server
 from dpfl_tf.federated.server import FederatedServer
@@ -412,7 +411,7 @@ class DistributedDPStrategy(LegacyStrategy):
             grid.create_message(content, MessageTypeLegacy.GET_PROPERTIES, n, "dpfl-enrol")
             for n in grid.get_node_ids()
         ]
-        for reply in send_and_receive(grid, messages, self.timeout):
+        for reply in grid.send_and_receive(messages, timeout=self.timeout):
             node = int(reply.metadata.src_node_id)
             if reply.has_error():
                 raise ValueError(f"node {node} could not enrol: {reply.error.reason}")

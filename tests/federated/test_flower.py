@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import dp_accounting
 import numpy as np
@@ -596,46 +595,3 @@ def test_a_server_optimizer_round_trips_through_the_run_config():
         "beta2": 0.99,
         "tau": 0.01,
     }
-
-
-class _SlowGrid:
-    """Replies to message k after `delays[k]` pulls; records when it was asked."""
-
-    def __init__(self, delays):
-        self.delays, self.asked = list(delays), []
-
-    def push_messages(self, messages):
-        self.sent = {f"m{k}": (msg, d) for k, (msg, d) in enumerate(zip(messages, self.delays))}
-        return list(self.sent)
-
-    def pull_messages(self, message_ids):
-        import time
-
-        self.asked.append(time.monotonic())
-        pulls = len(self.asked)
-        out = []
-        for mid in list(message_ids):
-            _, delay = self.sent[mid]
-            if pulls > delay:  # what the exchange reads of a reply
-                out.append(SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=mid)))
-        return out
-
-
-def _messages(n):
-    return [f"message to node {k + 1}" for k in range(n)]
-
-
-def test_the_server_asks_for_replies_every_tenth_of_a_second_until_all_have_come():
-    """Flower's deployment grid waits 3 s between asks for replies; the strategy's
-    exchange asks every REPLY_POLL_SECONDS, stops when every reply has come, and with a
-    timeout returns the replies that came by then."""
-    grid = _SlowGrid([0, 3, 5])
-    replies = fl.send_and_receive(grid, _messages(3), timeout=None)
-    assert sorted(r.metadata.reply_to_message_id for r in replies) == ["m0", "m1", "m2"]
-    assert len(grid.asked) == 6  # the sixth ask brought the last reply: no seventh
-    gaps = np.diff(grid.asked)
-    assert fl.REPLY_POLL_SECONDS <= gaps.min() and gaps.max() < 1.0, gaps
-    grid = _SlowGrid([0, 10**9])  # a node that never answers
-    replies = fl.send_and_receive(grid, _messages(2), timeout=0.5)
-    assert [r.metadata.reply_to_message_id for r in replies] == ["m0"]
-    assert 3 <= len(grid.asked) <= 7  # every 0.1 s for 0.5 s
