@@ -419,7 +419,7 @@ class LotSampler:
             .flat_map(_no_autograph(with_replica))
             .map(
                 _no_autograph(load, preprocess),
-                num_parallel_calls=tf.data.AUTOTUNE,
+                num_parallel_calls=2 * local_replicas,
                 deterministic=True,
             )
             .prefetch(2 * local_replicas),

@@ -63,7 +63,7 @@ import tensorflow as tf
 
 from dpfl_tf._validation import check_count
 from dpfl_tf.keras.per_example import PerExampleGradients
-from dpfl_tf.keras.sampling import LotSampler, _no_autograph, _read_padded
+from dpfl_tf.keras.sampling import LotSampler, _holding, _no_autograph, _read_padded
 from dpfl_tf.keras.sources import ArrayReader, IndexedReader, make_reader
 from dpfl_tf.privacy.events import SamplingMethod
 from dpfl_tf.secure_random import secure_uniform
@@ -318,14 +318,11 @@ class UserLotSampler(LotSampler):
             tf.TensorSpec([None], tf.int64),
             tf.TensorSpec([None], tf.int32),
         )
-        return (
+        return _holding(
+            reader,
             tf.data.Dataset.from_generator(lots, output_signature=spec)
-            .map(
-                _no_autograph(load, preprocess),
-                num_parallel_calls=tf.data.AUTOTUNE,
-                deterministic=True,
-            )
-            .prefetch(prefetch)
+            .map(_no_autograph(load, preprocess), num_parallel_calls=prefetch, deterministic=True)
+            .prefetch(prefetch),
         )
 
 

@@ -206,14 +206,18 @@ def test_the_read_threads_of_a_source_end_with_its_fit():
 def test_a_lot_pipeline_runs_without_the_autotuner():
     """The lot pipeline sets its own parallelism; tf.data's autotuner (on by default)
     had nothing to tune and made each iterator's destruction wait for its thread
-    (12-16 s with the other core busy).  Both the one-device and the multi-worker
-    pipelines have it off."""
+    (12-16 s with the other core busy).  The one-device, multi-worker and
+    user-level pipelines have it off."""
     x, y = mnist_slice(40, features=60)
     sampler = LotSampler(40, 10, seed=0)
-    shares = sampler.replica_shares(x, y, epochs=1, replicas=2)
-    for data in (sampler.dataset(x, y, epochs=1), shares):
+    users = UserLotSampler(np.arange(40) // 4, 40, 3, seed=0)
+    for data in (
+        sampler.dataset(x, y, epochs=1),
+        sampler.replica_shares(x, y, epochs=1, replicas=2),
+        users.dataset(x, y, epochs=1),
+    ):
         assert data.options().autotune.enabled is False
-        assert sum(int(tf.reduce_sum(mask)) for _, _, mask in data) > 0  # it still reads lots
+        assert sum(int(tf.reduce_sum(lot[2])) for lot in data) > 0  # it still reads lots
 
 
 def test_a_dataset_built_inside_a_tf_function_reads_its_source():
