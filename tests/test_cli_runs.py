@@ -334,8 +334,9 @@ def test_train_cifar10_sigterm_then_resume_continues_the_ledger(cifar_slice, tmp
     assert final["trainable_layers"] == ["fc2", "logits"]
     assert final["pretrained_on_cifar10_test"] == data["pretrained_on_cifar10_test"]
     assert _read(ckpt / "state.json")["lots_applied"] == total
+    assert _read(ckpt / "run.json")["finished"]  # marked finished: not resumed again (the
+    # refusal itself is checked by the MNIST Ctrl-C test, the same code)
     assert not [n for n in NOISE if n in resumed.stderr], resumed.stderr[-2000:]
-    # (that a finished run is not resumed again: the MNIST Ctrl-C test, the same code)
 
 
 def test_train_cifar10_failing_mid_run_leaves_results_marked_failed(cifar_slice, tmp_path):
@@ -420,7 +421,7 @@ def test_federated_ctrl_c_then_resume(tmp_path):
     assert data["status"] == "interrupted" and 1 <= done < 12
     assert data["privacy"]["rounds"] == done == len(data["history"])
     assert _read(ckpt / "state.json")["round"] == done
-    command = err.split("resume with: ", 1)[1].strip()
+    command = err.split("resume with: ", 1)[1].splitlines()[0].strip()
     assert command.count("--checkpoint-dir") == 1 and f"--checkpoint-dir={ckpt}" in command
     words = shlex.split(command)
     assert words[:2] == ["dpfl-tf", "federated"]
