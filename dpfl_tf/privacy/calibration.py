@@ -7,6 +7,7 @@ noise) and return the side of the bracket that never exceeds the target.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import dp_accounting
@@ -29,7 +30,10 @@ def calibrate_noise_multiplier(
     """(sigma, eps) with sigma the smallest noise (to `tolerance`) whose event
     `make_event(sigma)` has eps <= target_epsilon at `delta`.
 
-    The returned eps is never above the target.
+    The returned eps is never above the target, and eps(sigma - tolerance *
+    max(1, sigma) / 2) is.  Each probe accounts for the whole event (seconds for a
+    long run under PLD): secant steps in log-log take ~6-9 probes where a bisection
+    took 13-17.
     """
     target = check_number("target_epsilon", target_epsilon, low=0.0, low_open=True)
     check_number("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
@@ -37,22 +41,52 @@ def calibrate_noise_multiplier(
     def eps(sigma: float) -> float:
         return compute_epsilon(make_event(sigma), delta, accountant)
 
-    hi = 1.0
-    while eps(hi) > target:
-        hi *= 2.0
-        if hi > max_noise:
+    # the bracket: eps(lo) > target >= eps(hi) (eps(0) is infinite); hi at least
+    # doubles, or jumps past where the power law of the last two points is on target
+    # (at most 16-fold)
+    lo, eps_lo = 0.0, math.inf
+    hi, eps_hi = 1.0, eps(1.0)
+    while eps_hi > target:
+        if hi >= max_noise:
             raise ValueError(
                 f"no noise multiplier <= {max_noise:g} reaches epsilon "
                 f"{target:g} at delta {delta:g}"
             )
-    lo = 0.0
-    while hi - lo > tolerance * max(1.0, hi) * 0.5:
-        mid = 0.5 * (lo + hi)
-        if eps(mid) <= target:
-            hi = mid
+        guess = _log_log_root(lo, eps_lo, hi, eps_hi, target) or 0.0
+        lo, eps_lo = hi, eps_hi
+        hi = min(max_noise, max(2.0 * hi, min(1.25 * guess, 16.0 * hi)))
+        eps_hi = eps(hi)
+    # then probes where the line through the last two points in log-log reaches the
+    # target (epsilon falls roughly as a power of sigma: the secant converges in a few
+    # probes), kept at least width / 2 inside the bracket, so that near the root the
+    # probes land on alternate sides; a bisection when two probes did not halve it
+    last = [(lo, eps_lo), (hi, eps_hi)]
+    widths = [math.inf, math.inf]  # the bracket's width before the last two probes
+    while hi - lo > (width := tolerance * max(1.0, hi) * 0.5):
+        probe = _log_log_root(*last[-2], *last[-1], target)
+        if probe is None or not lo < probe < hi or hi - lo > 0.5 * widths[-2]:
+            probe = 0.5 * (lo + hi)
+        probe = min(max(probe, lo + 0.5 * width), hi - 0.5 * width)
+        widths = [widths[-1], hi - lo]
+        eps_probe = eps(probe)
+        last.append((probe, eps_probe))
+        if eps_probe <= target:
+            hi, eps_hi = probe, eps_probe
         else:
-            lo = mid
-    return hi, eps(hi)
+            lo, eps_lo = probe, eps_probe
+    return hi, eps_hi
+
+
+def _log_log_root(s1: float, e1: float, s2: float, e2: float, target: float) -> float | None:
+    """Where the line through (log s1, log e1) and (log s2, log e2) reaches log
+    target; None where that line is undefined (sigma 0, an infinite or zero epsilon,
+    equal points)."""
+    if not (s1 > 0.0 and s2 > 0.0 and s1 != s2 and 0.0 < min(e1, e2) and max(e1, e2) < math.inf):
+        return None
+    if e1 == e2:
+        return None
+    t = math.log(target / e1) / math.log(e2 / e1)
+    return math.exp(min(math.log(s1) + t * math.log(s2 / s1), 700.0))  # no overflow
 
 
 def max_steps(

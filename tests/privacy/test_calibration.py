@@ -25,6 +25,31 @@ def test_noise_calibration(accountant, target):
     assert compute_epsilon(make(sigma * 0.99), 1e-5, accountant) > target
 
 
+@pytest.mark.parametrize("accountant", ["moments", "rdp"])
+def test_noise_calibration_is_minimal_to_its_tolerance_in_few_probes(accountant, monkeypatch):
+    """Each probe accounts for the whole event (seconds under PLD for a long run): the
+    search takes at most 10 (a bisection took 13-17), and the noise is the smallest to
+    the tolerance: half the tolerance less overshoots."""
+    from dpfl_tf.privacy import calibration
+
+    real = calibration.compute_epsilon
+    probes = []
+    monkeypatch.setattr(
+        calibration, "compute_epsilon", lambda *a, **k: probes.append(1) or real(*a, **k)
+    )
+    for target in (0.5, 1.0, 3.0, 10.0, 40.0):
+        for rate, steps in ((0.004, 10_000), (0.1, 50), (1.0, 5)):
+
+            def make(sigma, rate=rate, steps=steps):
+                return dp_sgd_event(sigma, steps, sampling_rate=rate)
+
+            probes.clear()
+            sigma, eps = calibration.calibrate_noise_multiplier(target, 1e-5, make, accountant)
+            assert eps <= target and len(probes) <= 10, (target, rate, len(probes))
+            below = sigma - 1e-3 * max(1.0, sigma) / 2
+            assert real(make(below), 1e-5, accountant) > target
+
+
 @pytest.mark.parametrize("accountant", ["moments", "rdp", "pld"])
 def test_max_steps(accountant):
     step = gaussian_step_event(4.0, sampling_rate=0.01)
