@@ -30,7 +30,8 @@ RUNS = {  # sampling rate, lots: MNIST (lots of 600 of 60,000 for 100 epochs), .
 
 
 def bisection(target, make_event, accountant):
-    """The reference: double hi from 1 until it fits, then bisect [0, hi]."""
+    """The reference, what the library did before: double hi from 1 until it fits, then
+    bisect [0, hi] to the same tolerance."""
 
     def eps(sigma):
         return calibration.compute_epsilon(make_event(sigma), DELTA, accountant)
@@ -46,24 +47,26 @@ def bisection(target, make_event, accountant):
 
 
 def measured(search, target, make_event, accountant):
-    """(sigma, eps, probes, CPU seconds) of one search, every accounting counted (the
-    library's caches of epsilons, RDP curves and PLDs are cleared first: each search
-    starts cold)."""
-    from dpfl_tf.privacy import accountants
+    """(sigma, eps, probes, CPU seconds) of one search; a probe is an accounting of a
+    noise multiplier not accounted before in the search (asking again is a cache hit).
+    The library's caches (epsilons, RDP curves, PLDs, log-moments) are cleared first:
+    each search starts cold."""
+    from dpfl_tf.privacy import accountants, moments
 
     for cached in (
         accountants._epsilon,
         accountants._rdp_of_leaf,
         accountants._gaussian_pld,
         accountants._sampled_gaussian_pld,
+        moments._log_moment_integrated,
     ):
         cached.cache_clear()
-    probes = []
+    probes = set()
     real = calibration.compute_epsilon
 
-    def counted(*a, **k):
-        probes.append(1)
-        return real(*a, **k)
+    def counted(event, *a, **k):
+        probes.add(repr(event))
+        return real(event, *a, **k)
 
     calibration.compute_epsilon = counted
     try:

@@ -31,19 +31,21 @@ def calibrate_noise_multiplier(
     `make_event(sigma)` has eps <= target_epsilon at `delta`.
 
     The returned eps is never above the target, and eps(sigma - tolerance *
-    max(1, sigma) / 2) is.  Each probe accounts for the whole event (seconds for a
-    long run under PLD): secant steps in log-log take ~6-9 probes where a bisection
-    took 13-17.
+    max(1, sigma) / 2) is.  Each probe accounts for the whole event (up to about a
+    second for a long run under PLD): secant steps in log-log take 4-10 probes where
+    a bisection took 13-18 (``experiments/calibration_probes.py``).
     """
     target = check_number("target_epsilon", target_epsilon, low=0.0, low_open=True)
     check_number("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
+    tolerance = check_number("tolerance", tolerance, low=1e-12, high=1.0)
+    max_noise = check_number("max_noise", max_noise, low=1.0)
 
     def eps(sigma: float) -> float:
         return compute_epsilon(make_event(sigma), delta, accountant)
 
-    # the bracket: eps(lo) > target >= eps(hi) (eps(0) is infinite); hi at least
-    # doubles, or jumps past where the power law of the last two points is on target
-    # (at most 16-fold)
+    # the bracket: eps(lo) > target >= eps(hi) (eps(0) is infinite); hi doubles, then
+    # jumps a quarter past where the power law of the last two points is on target
+    # (1.25- to 16-fold), up to max_noise
     lo, eps_lo = 0.0, math.inf
     hi, eps_hi = 1.0, eps(1.0)
     while eps_hi > target:
@@ -52,41 +54,57 @@ def calibrate_noise_multiplier(
                 f"no noise multiplier <= {max_noise:g} reaches epsilon "
                 f"{target:g} at delta {delta:g}"
             )
-        guess = _log_log_root(lo, eps_lo, hi, eps_hi, target) or 0.0
+        guess = _log_log_root(lo, _far(eps_lo, target), hi, _far(eps_hi, target))
         lo, eps_lo = hi, eps_hi
-        hi = min(max_noise, max(2.0 * hi, min(1.25 * guess, 16.0 * hi)))
+        step = 2.0 if guess is None else min(max(1.25 * guess / hi, 1.25), 16.0)
+        hi = min(max_noise, step * hi)
         eps_hi = eps(hi)
-    # then probes where the line through the last two points in log-log reaches the
-    # target (epsilon falls roughly as a power of sigma: the secant converges in a few
-    # probes), kept at least width / 2 inside the bracket, so that near the root the
-    # probes land on alternate sides; a bisection when two probes did not halve it
-    last = [(lo, eps_lo), (hi, eps_hi)]
-    widths = [math.inf, math.inf]  # the bracket's width before the last two probes
+    # then regula falsi in log-log (epsilon falls roughly as a power of sigma): the
+    # probe where the line through (lo, eps_lo) and (hi, eps_hi) meets the target,
+    # with the Illinois rule (an end kept twice in a row counts half as far from the
+    # target: the other end moves too), kept at least width / 2 inside the bracket,
+    # so that near the root the probes close it from both sides; from lo = 0, as if
+    # epsilon fell as 1 / sigma, at most halving hi; a bisection when three probes did
+    # not halve the bracket
+    far_lo, far_hi = _far(eps_lo, target), _far(eps_hi, target)  # as Illinois scales them
+    kept = None  # the end the last probe did not move
+    widths = [math.inf] * 3  # the bracket's width before the last three probes
     while hi - lo > (width := tolerance * max(1.0, hi) * 0.5):
-        probe = _log_log_root(*last[-2], *last[-1], target)
-        if probe is None or not lo < probe < hi or hi - lo > 0.5 * widths[-2]:
+        if lo == 0.0:
+            probe = max(hi * eps_hi / target, 0.5 * hi)
+        else:
+            probe = _log_log_root(lo, far_lo, hi, far_hi)
+        if probe is None or not lo < probe < hi or hi - lo > 0.5 * widths[-3]:
             probe = 0.5 * (lo + hi)
         probe = min(max(probe, lo + 0.5 * width), hi - 0.5 * width)
-        widths = [widths[-1], hi - lo]
+        if not lo < probe < hi:  # the bracket is as narrow as floats go
+            break
+        widths = [*widths[1:], hi - lo]
         eps_probe = eps(probe)
-        last.append((probe, eps_probe))
+        far = _far(eps_probe, target)
         if eps_probe <= target:
-            hi, eps_hi = probe, eps_probe
+            hi, eps_hi, far_hi = probe, eps_probe, far
+            far_lo = far_lo * 0.5 if kept == "lo" and far_lo is not None else _far(eps_lo, target)
+            kept = "lo"
         else:
-            lo, eps_lo = probe, eps_probe
+            lo, eps_lo, far_lo = probe, eps_probe, far
+            far_hi = far_hi * 0.5 if kept == "hi" and far_hi is not None else _far(eps_hi, target)
+            kept = "hi"
     return hi, eps_hi
 
 
-def _log_log_root(s1: float, e1: float, s2: float, e2: float, target: float) -> float | None:
-    """Where the line through (log s1, log e1) and (log s2, log e2) reaches log
-    target; None where that line is undefined (sigma 0, an infinite or zero epsilon,
-    equal points)."""
-    if not (s1 > 0.0 and s2 > 0.0 and s1 != s2 and 0.0 < min(e1, e2) and max(e1, e2) < math.inf):
+def _far(eps: float, target: float) -> float | None:
+    """log(eps / target), None where it is infinite."""
+    return math.log(eps / target) if 0.0 < eps < math.inf else None
+
+
+def _log_log_root(lo: float, far_lo: float | None, hi: float, far_hi: float | None):
+    """Where the line through (log lo, far_lo) and (log hi, far_hi) crosses 0 (far:
+    log(eps / target), > 0 at lo, <= 0 at hi); None where that line is undefined."""
+    if far_lo is None or far_hi is None or not 0.0 < lo < hi or far_lo <= far_hi:
         return None
-    if e1 == e2:
-        return None
-    t = math.log(target / e1) / math.log(e2 / e1)
-    return math.exp(min(math.log(s1) + t * math.log(s2 / s1), 700.0))  # no overflow
+    t = far_lo / (far_lo - far_hi)  # > 1: beyond hi (the bracket's search)
+    return math.exp(min(math.log(lo) + t * math.log(hi / lo), 700.0))  # no overflow
 
 
 def max_steps(

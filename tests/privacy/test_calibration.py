@@ -1,5 +1,7 @@
 """Calibration lands within tolerance of the target and never above it."""
 
+import math
+
 import pytest
 
 from dpfl_tf.privacy import (
@@ -27,9 +29,9 @@ def test_noise_calibration(accountant, target):
 
 @pytest.mark.parametrize("accountant", ["moments", "rdp"])
 def test_noise_calibration_is_minimal_to_its_tolerance_in_few_probes(accountant, monkeypatch):
-    """Each probe accounts for the whole event (seconds under PLD for a long run): the
-    search takes at most 10 (a bisection took 13-17), and the noise is the smallest to
-    the tolerance: half the tolerance less overshoots."""
+    """Each probe accounts for the whole event (up to a second under PLD for a long run):
+    the search takes at most 10 (a bisection took 13-18), and the noise is the smallest
+    to the tolerance: half the tolerance less overshoots."""
     from dpfl_tf.privacy import calibration
 
     real = calibration.compute_epsilon
@@ -48,6 +50,46 @@ def test_noise_calibration_is_minimal_to_its_tolerance_in_few_probes(accountant,
             assert eps <= target and len(probes) <= 10, (target, rate, len(probes))
             below = sigma - 1e-3 * max(1.0, sigma) / 2
             assert real(make(below), 1e-5, accountant) > target
+
+
+@pytest.mark.parametrize(
+    "curve, root",
+    [
+        (lambda s: 5.0 / s, 5.0),
+        (lambda s: 5.0 / s**3, 5.0 ** (1 / 3)),
+        (lambda s: 100.0 * math.exp(-s), math.log(100.0)),
+        (lambda s: float(math.ceil(4.0 / s)), 4.0),  # steps: epsilon is 1 from 4 on
+        (lambda s: max(5.0 / s, 1.0), 5.0),  # flat from the root on
+        (lambda s: 0.0 if s >= 0.3 else math.inf, 0.3),
+        (lambda s: 9000.0 / s, 9000.0),  # between the last doubling (8192) and max_noise
+    ],
+    ids=["1/s", "1/s^3", "exp", "steps", "flat", "zero-or-inf", "near-max-noise"],
+)
+def test_noise_calibration_on_any_falling_curve(curve, root, monkeypatch):
+    """Epsilon curves of every shape the accountants give (steep, flat, steps, zero,
+    infinite): the noise returned is within the tolerance above the root, its epsilon
+    is the curve's and within the target, in at most 20 probes."""
+    from dpfl_tf.privacy import calibration
+
+    probes = []
+    monkeypatch.setattr(
+        calibration, "compute_epsilon", lambda s, d, a: probes.append(s) or curve(s)
+    )
+    sigma, eps = calibration.calibrate_noise_multiplier(1.0, 1e-5, lambda s: s)
+    assert eps == curve(sigma) <= 1.0 and len(probes) <= 20
+    assert root <= sigma <= root + 1e-3 * max(1.0, sigma) / 2 * (1 + 1e-9)
+    assert curve(sigma - 1e-3 * max(1.0, sigma) / 2) > 1.0
+
+
+def test_calibration_refuses_what_it_cannot_search(monkeypatch):
+    from dpfl_tf.privacy import calibration
+
+    monkeypatch.setattr(calibration, "compute_epsilon", lambda s, d, a: 9000.0 / s)
+    with pytest.raises(ValueError, match="no noise multiplier <= 8000 reaches epsilon 1"):
+        calibration.calibrate_noise_multiplier(1.0, 1e-5, lambda s: s, max_noise=8000)
+    for bad in (dict(tolerance=0.0), dict(tolerance=2.0), dict(max_noise=0.5)):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be"):
+            calibration.calibrate_noise_multiplier(1.0, 1e-5, lambda s: s, **bad)
 
 
 @pytest.mark.parametrize("accountant", ["moments", "rdp", "pld"])
