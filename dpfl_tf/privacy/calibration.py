@@ -32,8 +32,8 @@ def calibrate_noise_multiplier(
 
     The returned eps is never above the target, and eps(sigma - tolerance *
     max(1, sigma) / 2) is.  Each probe accounts for the whole event (up to about a
-    second for a long run under PLD): secant steps in log-log take 4-10 probes where
-    a bisection took 13-18 (``experiments/calibration_probes.py``).
+    second for a long run under PLD): regula falsi in log-log takes 3-9 probes where a
+    bisection took 12-16 (``experiments/calibration_probes.py``).
     """
     target = check_number("target_epsilon", target_epsilon, low=0.0, low_open=True)
     check_number("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)

@@ -30,7 +30,7 @@ def test_noise_calibration(accountant, target):
 @pytest.mark.parametrize("accountant", ["moments", "rdp"])
 def test_noise_calibration_is_minimal_to_its_tolerance_in_few_probes(accountant, monkeypatch):
     """Each probe accounts for the whole event (up to a second under PLD for a long run):
-    the search takes at most 10 (a bisection took 13-18), and the noise is the smallest
+    the search takes at most 10 (a bisection took 12-16), and the noise is the smallest
     to the tolerance: half the tolerance less overshoots."""
     from dpfl_tf.privacy import calibration
 
