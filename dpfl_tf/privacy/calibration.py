@@ -95,7 +95,7 @@ def calibrate_noise_multiplier(
 
 def _far(eps: float, target: float) -> float | None:
     """log(eps / target), None where it is infinite."""
-    return math.log(eps / target) if 0.0 < eps < math.inf else None
+    return math.log(eps) - math.log(target) if 0.0 < eps < math.inf else None
 
 
 def _log_log_root(lo: float, far_lo: float | None, hi: float, far_hi: float | None):
