@@ -31,9 +31,11 @@ def calibrate_noise_multiplier(
     `make_event(sigma)` has eps <= target_epsilon at `delta`.
 
     The returned eps is never above the target, and eps(sigma - tolerance *
-    max(1, sigma) / 2) is.  Each probe accounts for the whole event (up to about a
-    second for a long run under PLD): regula falsi in log-log takes 3-9 probes where a
-    bisection took 12-16 (``experiments/calibration_probes.py``).
+    max(1, sigma) / 2) is (a root below tolerance / 2: that sigma is <= 0, where eps
+    is infinite).  Each probe accounts for the whole event (up to about a second for a
+    long run under PLD): regula falsi in log-log took 3-9 probes on DP-SGD runs where
+    a bisection took 12-16 (``experiments/calibration_probes.py``); a curve that drops
+    to just below the target can take about three times a bisection's.
     """
     target = check_number("target_epsilon", target_epsilon, low=0.0, low_open=True)
     check_number("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
@@ -63,15 +65,14 @@ def calibrate_noise_multiplier(
     # probe where the line through (lo, eps_lo) and (hi, eps_hi) meets the target,
     # with the Illinois rule (an end kept twice in a row counts half as far from the
     # target: the other end moves too), kept at least width / 2 inside the bracket,
-    # so that near the root the probes close it from both sides; from lo = 0, as if
-    # epsilon fell as 1 / sigma, at most halving hi; a bisection when three probes did
-    # not halve the bracket
+    # so that near the root the probes close it from both sides; from lo = 0, halving
+    # hi; a bisection when three probes did not halve the bracket
     far_lo, far_hi = _far(eps_lo, target), _far(eps_hi, target)  # as Illinois scales them
     kept = None  # the end the last probe did not move
     widths = [math.inf] * 3  # the bracket's width before the last three probes
     while hi - lo > (width := tolerance * max(1.0, hi) * 0.5):
-        if lo == 0.0:
-            probe = max(hi * eps_hi / target, 0.5 * hi)
+        if lo == 0.0:  # eps(0) is infinite: no line to follow
+            probe = 0.5 * hi
         else:
             probe = _log_log_root(lo, far_lo, hi, far_hi)
         if probe is None or not lo < probe < hi or hi - lo > 0.5 * widths[-3]:
