@@ -33,7 +33,7 @@ def calibrate_noise_multiplier(
     The returned eps is never above the target, and eps(sigma - tolerance *
     max(1, sigma) / 2) is (a root below tolerance / 2: that sigma is <= 0, where eps
     is infinite).  Each probe accounts for the whole event (up to about a second for a
-    long run under PLD): regula falsi in log-log took 3-9 probes on DP-SGD runs where
+    long run under PLD): regula falsi in log-log took 4-9 probes on DP-SGD runs where
     a bisection took 12-16 (``experiments/calibration_probes.py``); a curve that drops
     to just below the target can take about three times a bisection's.
     """
