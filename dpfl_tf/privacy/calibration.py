@@ -104,7 +104,7 @@ def _log_log_root(lo: float, far_lo: float | None, hi: float, far_hi: float | No
     log(eps / target), > 0 at lo, <= 0 at hi); None where that line is undefined."""
     if far_lo is None or far_hi is None or not 0.0 < lo < hi or far_lo <= far_hi:
         return None
-    t = far_lo / (far_lo - far_hi)  # > 1: beyond hi (the bracket's search)
+    t = far_lo / (far_lo - far_hi)  # in [0, 1] inside a bracket; > 1: past hi
     return math.exp(min(math.log(lo) + t * math.log(hi / lo), 700.0))  # no overflow
 
 
