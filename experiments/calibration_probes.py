@@ -1,10 +1,10 @@
 """How many accountings `calibrate_noise_multiplier` takes, next to a bisection.
 
 Each probe of the search accounts for the whole planned event (for a long run under
-PLD, up to about a second each).  For a grid of targets and DP-SGD runs it records, per accountant,
-the probes and CPU seconds of the library's search and of a bisection to the same
-tolerance (what the library did before: double from 1, then halve [0, hi]), and checks
-both answers: epsilon within the target, and half the tolerance less noise over it.
+PLD, up to about a second each).  For a grid of targets and DP-SGD runs it records, per
+accountant, the probes and CPU seconds of the library's search and of a bisection to the
+same tolerance (what the library did before: double from 1, then halve [0, hi]), and
+checks both answers: epsilon within the target, and half the tolerance less noise over it.
 
     python experiments/calibration_probes.py            # results/calibration_probes.json
     python experiments/calibration_probes.py --quick    # RDP only, a few seconds

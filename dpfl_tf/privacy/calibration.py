@@ -67,7 +67,7 @@ def calibrate_noise_multiplier(
     # target: the other end moves too), kept at least width / 2 inside the bracket,
     # so that near the root the probes close it from both sides; from lo = 0, halving
     # hi; a bisection when three probes did not halve the bracket
-    far_lo, far_hi = _far(eps_lo, target), _far(eps_hi, target)  # as Illinois scales them
+    far_lo, far_hi = _far(eps_lo, target), _far(eps_hi, target)  # Illinois halves them
     kept = None  # the end the last probe did not move
     widths = [math.inf] * 3  # the bracket's width before the last three probes
     while hi - lo > (width := tolerance * max(1.0, hi) * 0.5):
@@ -85,11 +85,13 @@ def calibrate_noise_multiplier(
         far = _far(eps_probe, target)
         if eps_probe <= target:
             hi, eps_hi, far_hi = probe, eps_probe, far
-            far_lo = far_lo * 0.5 if kept == "lo" and far_lo is not None else _far(eps_lo, target)
+            if kept == "lo" and far_lo is not None:  # lo kept twice in a row: Illinois
+                far_lo *= 0.5
             kept = "lo"
         else:
             lo, eps_lo, far_lo = probe, eps_probe, far
-            far_hi = far_hi * 0.5 if kept == "hi" and far_hi is not None else _far(eps_hi, target)
+            if kept == "hi" and far_hi is not None:
+                far_hi *= 0.5
             kept = "hi"
     return hi, eps_hi
 
