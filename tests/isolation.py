@@ -22,13 +22,9 @@ status see them as if the tests had run in the parent.  A test the child did
 not report to its end (the child crashed, was killed, failed to collect) fails
 with the end of the child's output.  pytest-timeout's limit applies to each test
 in the child, not to the file.  The child is forked from a warm Python
-(tests/warm_python.py: TensorFlow already imported).  The first isolated file
-of a worker starts that warm Python and waits for its imports (a Python
-start-up and a TensorFlow import, 5-10 s); for files without a marked
-environment (most of them) it stays up to `KEEP_SERVER_SECONDS` after each
-file, so the worker's next ones start at once (isolated files come a minute or
-two apart; a file with its own environment needs a warm Python of its own,
-which is not kept: it would hold ~0.7 GB for one file).
+(tests/warm_python.py: TensorFlow already imported); the first isolated file
+of a worker costs a Python start-up and a TensorFlow import (5-7 s), and the
+second waits for the warm Python's.
 Only files whose memory growth is worth a process are marked.
 
 ``pytest.mark.isolated(env={"NAME": "value"})`` also adds environment variables
@@ -58,9 +54,6 @@ from tests import warm_python
 MARK = "isolated"
 REPORTS_ENV = "DPFL_TEST_CHILD_REPORTS"  # set in the child: where it writes its reports
 PARENT_ENV = "DPFL_TEST_CHILD_PARENT"  # set in the child: the pid of the process that started it
-#: seconds the warm Python of the isolated files without a marked environment
-#: waits for the worker's next one (it ends with the worker in any case)
-KEEP_SERVER_SECONDS = 600.0
 _RESULTS = pytest.StashKey[dict]()
 _DIST_KEY = "dpfl_isolation_dist"
 
@@ -267,8 +260,7 @@ def _run_file_in_child(item):
         for k, v in os.environ.items()
         if k not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT")
     }
-    marked = _marked_env(item)
-    env.update(marked)
+    env.update(_marked_env(item))
     env[REPORTS_ENV] = reports_path
     env[PARENT_ENV] = str(os.getpid())
     try:
@@ -281,7 +273,6 @@ def _run_file_in_child(item):
                 capture_output=True,
                 text=True,
                 errors="replace",
-                keep_server=None if marked else KEEP_SERVER_SECONDS,
             )
         except KeyboardInterrupt:  # the tests the child finished are reported, not lost
             _log_finished(item.session, _read_reports(config, reports_path)[0])

@@ -220,13 +220,13 @@ def test_signal_reaches_the_child_and_timeout_kills_it(warm_env, tmp_path):
     assert time.monotonic() - started < 20
 
 
-def _ppid_of(cmd_env, **kwargs) -> int:
+def _ppid_of(cmd_env) -> int:
     cmd = [
         sys.executable,
         "-c",
         "import os; print(os.environ.get('TF_WARM_PROBE', '-'), os.getppid())",
     ]
-    done = warm_python.run(cmd, capture_output=True, text=True, env=cmd_env, timeout=300, **kwargs)
+    done = warm_python.run(cmd, capture_output=True, text=True, env=cmd_env, timeout=300)
     probe, ppid = done.stdout.split()
     assert probe == cmd_env.get("TF_WARM_PROBE", "-")
     return int(ppid)
@@ -265,23 +265,6 @@ def test_an_idle_server_ends_and_the_next_command_starts_another(warm_env, tmp_p
     assert server.proc.wait(timeout=60) == 0  # idle for a second: it ended by itself
     second = _ppid_of(env)
     assert second not in (first, os.getpid())  # a new server, not a cold run
-
-
-def test_a_kept_server_starts_at_the_first_command_and_outlasts_its_idle_time(
-    warm_env, tmp_path, own_servers
-):
-    """keep_server (tests/isolation.py's, for the next isolated file): the first
-    command already gets a server, which stays idle for the time asked (not the
-    environment's one second), then ends; a plain command does not shorten it."""
-    env = {**warm_env, "TF_WARM_PROBE": str(tmp_path), warm_python.IDLE_ENV: "1"}
-    first = _ppid_of(env, keep_server=8)
-    assert first != os.getpid()  # used once, yet forked
-    (server,) = [s for s in warm_python._servers.values() if s.proc.pid == first]
-    time.sleep(3)
-    assert server.proc.poll() is None  # idle for 3 s, longer than its own 1 s
-    assert _ppid_of(env) == first  # a plain command: the same server
-    assert server.proc.wait(timeout=60) == 0  # it ends by itself, idle at last
-    assert _ppid_of(env) not in (first, os.getpid())  # and the next command starts another
 
 
 @pytest.mark.parametrize("end", ["exits", "is killed"])

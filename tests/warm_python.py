@@ -188,11 +188,11 @@ def _sockets_value() -> str:
     return ";".join(f"{d}={p}" for d, p in {**_inherited(), **ours}.items())
 
 
-def _server_for(env, *, first_use: bool = False) -> tuple[str, _Server | None] | None:
+def _server_for(env) -> tuple[str, _Server | None] | None:
     """(socket path, our server or None if an ancestor's) for commands with this
     environment; None: run cold.  A process starts a server for an environment
     the second time it runs a command with it (one command alone is not worth
-    a server), or the first time if `first_use` (a caller that will run more)."""
+    a server)."""
     digest = _digest(env)
     with _lock:
         server = _servers.get(digest)
@@ -210,7 +210,7 @@ def _server_for(env, *, first_use: bool = False) -> tuple[str, _Server | None] |
             return None
         _uses[digest] = _uses.get(digest, 0) + 1
         live = sum(s.proc.poll() is None for s in _servers.values())
-        if (_uses[digest] < 2 and not first_use) or live >= MAX_SERVERS:
+        if _uses[digest] < 2 or live >= MAX_SERVERS:
             return None
         server = _servers[digest] = _Server(dict(env))
         return server.path, server
@@ -270,14 +270,9 @@ _WARM_KWARGS = {"stdin", "stdout", "stderr", "text", "universal_newlines", "enco
 class Popen:
     """`subprocess.Popen` for ``[sys.executable, "-m"/"-c", ...]``, forked from a
     warm server; any other command, or if no server takes it, a plain
-    `subprocess.Popen`.
+    `subprocess.Popen`."""
 
-    keep_server: seconds the server that runs this command stays after it while
-      no command comes (instead of `IDLE_SECONDS`, if longer); the server starts
-      at this command, not at the second.  For a caller that will run more such
-      commands minutes apart (`tests/isolation.py`: one per isolated file)."""
-
-    def __new__(cls, cmd, *, keep_server: float | None = None, **kwargs):
+    def __new__(cls, cmd, **kwargs):
         env = kwargs.pop("env", None)
         env = dict(os.environ if env is None else env)
         cwd = kwargs.pop("cwd", None)
@@ -289,19 +284,18 @@ class Popen:
             and os.path.isdir(where)  # else subprocess raises the error it raises
             and os.environ.get(COLD_ENV) != "1"
         ):
-            found = _server_for(env, first_use=keep_server is not None)
+            found = _server_for(env)
         env[SOCKETS_ENV] = _sockets_value()  # the children's children find the servers
         if found is not None:
             self = super().__new__(cls)
             try:
-                cmd_ = [os.fspath(a) for a in cmd]
-                self._start(*found, cmd_, env, where, keep_server, **kwargs)
+                self._start(*found, [os.fspath(a) for a in cmd], env, where, **kwargs)
                 return self
             except _Refused:
                 pass
         return subprocess.Popen(cmd, env=env, cwd=cwd, **kwargs)
 
-    def _start(self, path, server, cmd, env, cwd, keep, *, stdin=None, stdout=None, stderr=None,
+    def _start(self, path, server, cmd, env, cwd, *, stdin=None, stdout=None, stderr=None,
                text=False, universal_newlines=None, encoding=None, errors=None):  # fmt: skip
         self.args, self.returncode = cmd, None
         text = bool(text or universal_newlines or encoding or errors)
@@ -315,7 +309,7 @@ class Popen:
             fds.append(fd)
             close.append(to_close)
             ours.append(our_end)
-        body = json.dumps({"argv": cmd[1:], "cwd": cwd, "env": env, "keep": keep}).encode()
+        body = json.dumps({"argv": cmd[1:], "cwd": cwd, "env": env}).encode()
         self._buf = b""
         try:
             self._sock = _connect(path, server)
@@ -514,8 +508,7 @@ def _serve():
                     os.read(wake_r, 4096)
                 elif key.fileobj is listener:
                     conn, _ = listener.accept()
-                    pid, keep = _fork_child(conn, server_files, started_env, children)
-                    idle = max(idle, keep or 0.0)
+                    pid = _fork_child(conn, server_files, started_env, children)
                     if pid:
                         children[pid] = conn
                         selector.register(conn, selectors.EVENT_READ, pid)
@@ -587,8 +580,7 @@ def _finds_preloaded_elsewhere(request) -> str | None:
     return None
 
 
-def _fork_child(conn, server_files, started_env, children) -> tuple[int, float | None]:
-    """(the child's pid, or 0 if refused; the request's `keep_server`)"""
+def _fork_child(conn, server_files, started_env, children) -> int:
     conn.settimeout(30)
     fds = []
     try:
@@ -617,7 +609,7 @@ def _fork_child(conn, server_files, started_env, children) -> tuple[int, float |
             conn.sendall(json.dumps({"error": repr(e)}).encode() + b"\n")
         except OSError:
             pass
-        return 0, None
+        return 0
     conn.settimeout(None)
     _flush()  # nothing buffered in the server is written again by each child
     pid = os.fork()
@@ -642,8 +634,7 @@ def _fork_child(conn, server_files, started_env, children) -> tuple[int, float |
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
     except OSError:  # the caller is gone: so is the child
         _kill(pid)
-    keep = request.get("keep")
-    return pid, float(keep) if isinstance(keep, (int, float)) else None
+    return pid
 
 
 def _flush():
