@@ -63,7 +63,6 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
     Defaults come from `FederatedConfig`, choices from its enums."""
     from dataclasses import fields
 
-    from dpfl_tf.federated.distributed_dp import DistributedMechanism
     from dpfl_tf.federated.partition import PartitionScheme
     from dpfl_tf.federated.runner import (
         CLIENT_SAMPLING,
@@ -74,8 +73,8 @@ def add_federated_parser(subparsers) -> argparse.ArgumentParser:
         FederatedConfig,
     )
     from dpfl_tf.federated.server_optimizers import SERVER_OPTIMIZERS
-    from dpfl_tf.federated.settings import MechanismKind
-    from dpfl_tf.privacy.accountants import AccountantKind
+    from dpfl_tf.federated.settings import DistributedMechanism, MechanismKind
+    from dpfl_tf.privacy.choices import AccountantKind
 
     default = {f.name: f.default for f in fields(FederatedConfig)}
 

@@ -80,7 +80,7 @@ from typing import Iterable, Sequence
 import dp_accounting
 import numpy as np
 
-from dpfl_tf._validation import ChoiceEnum, check_count, check_number
+from dpfl_tf._validation import check_count, check_number
 from dpfl_tf.discrete_noise import (
     GeneratorSource,
     RandomSource,
@@ -88,6 +88,7 @@ from dpfl_tf.discrete_noise import (
     dyadic_variance,
     skellam,
 )
+from dpfl_tf.federated.settings import DistributedMechanism
 from dpfl_tf.privacy.distributed import integer_l1_bound, rounded_l2_norm_bound
 from dpfl_tf.privacy.events import (
     DistributedDiscreteGaussianDpEvent,
@@ -108,20 +109,6 @@ __all__ = [
 #: Conditional rounding's beta (Kairouz et al. 2021 use exp(-1/2)).
 DEFAULT_BETA = math.exp(-0.5)
 _MAX_ROUNDING_TRIES = 1000
-
-
-class DistributedMechanism(ChoiceEnum):
-    """The noise each client adds to its integer vector."""
-
-    __argument__ = "mechanism"
-    __aliases__ = {
-        "ddg": "discrete_gaussian",
-        "dgauss": "discrete_gaussian",
-        "distributed_discrete_gaussian": "discrete_gaussian",
-        "distributed_skellam": "skellam",
-    }
-    DISCRETE_GAUSSIAN = "discrete_gaussian"
-    SKELLAM = "skellam"
 
 
 def block_size_for(dimension: int, max_padding: float = 1 / 16) -> int:

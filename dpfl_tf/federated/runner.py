@@ -19,12 +19,12 @@ from dpfl_tf._validation import ChoiceEnum, check_count, check_number
 from dpfl_tf.federated.partition import PartitionScheme, make_partition
 from dpfl_tf.federated.settings import (
     MAX_EPSILON,
+    DistributedMechanism,
     MechanismKind,
     check_clients_per_round,
     check_delta_max,
 )
-from dpfl_tf.privacy.accountants import AccountantKind
-from dpfl_tf.privacy.events import SamplingMethod
+from dpfl_tf.privacy.choices import AccountantKind, SamplingMethod
 from dpfl_tf.secure_random import refuse_seed
 
 __all__ = [
@@ -475,8 +475,6 @@ class FederatedConfig:
 
     def _check_distributed(self) -> None:
         """The rules of dp='distributed' (and that its settings go with it alone)."""
-        from dpfl_tf.federated.distributed_dp import DistributedMechanism
-
         s = object.__setattr__
         try:
             s(self, "ddp_mechanism", DistributedMechanism.parse(self.ddp_mechanism).value)

@@ -1,5 +1,5 @@
 """Federated settings that must be known before TensorFlow loads: the local-DP
-mechanism names and the rules that tie two settings together, written once.
+and distributed-DP mechanism names and the rules that tie two settings together, written once.
 
 `FederatedConfig.__post_init__` applies the rules when a configuration is made
 (so the CLI, experiments and Flower refuse it before any data or TensorFlow is
@@ -11,11 +11,32 @@ from __future__ import annotations
 
 from dpfl_tf._validation import ChoiceEnum
 
-__all__ = ["MAX_EPSILON", "MechanismKind", "check_clients_per_round", "check_delta_max"]
+__all__ = [
+    "MAX_EPSILON",
+    "DistributedMechanism",
+    "MechanismKind",
+    "check_clients_per_round",
+    "check_delta_max",
+]
 
 #: eps above this makes e^eps overflow the constants' useful precision; such a
 #: budget protects nothing anyway.
 MAX_EPSILON = 50.0
+
+
+class DistributedMechanism(ChoiceEnum):
+    """The noise each client adds to its integer vector
+    (`dpfl_tf.federated.distributed_dp`)."""
+
+    __argument__ = "mechanism"
+    __aliases__ = {
+        "ddg": "discrete_gaussian",
+        "dgauss": "discrete_gaussian",
+        "distributed_discrete_gaussian": "discrete_gaussian",
+        "distributed_skellam": "skellam",
+    }
+    DISCRETE_GAUSSIAN = "discrete_gaussian"
+    SKELLAM = "skellam"
 
 
 class MechanismKind(ChoiceEnum):

@@ -1,31 +1,68 @@
 """Privacy accounting: events, the moments accountant, strong composition,
-the front end over moments / rdp / pld / strong, calibration and the ledger."""
+the front end over moments / rdp / pld / strong, calibration and the ledger.
 
-from dpfl_tf.privacy.accountants import (
-    AccountantKind,
-    compute_delta,
-    compute_epsilon,
-    make_accountant,
-)
-from dpfl_tf.privacy.calibration import calibrate_noise_multiplier, max_steps
-from dpfl_tf.privacy.events import (
-    NeighboringRelation,
-    ReplaceOneGaussianDpEvent,
-    SamplingMethod,
-    describe_event,
-    dp_sgd_event,
-    event_from_dict,
-    event_from_json,
-    event_to_dict,
-    event_to_json,
-    gaussian_step_event,
-    neighboring_relation_of,
-    shuffle_epoch_event,
-    to_replace_one,
-)
-from dpfl_tf.privacy.ledger import BudgetExceededError, PrivacyBudget, PrivacyLedger
-from dpfl_tf.privacy.moments import MomentsAccountant, log_moments
-from dpfl_tf.privacy.strong import StrongCompositionAccountant
+The names below are imported on first use: `dpfl_tf.privacy.choices` (the
+accountants' and sampling methods' names, which the command line's parsers list)
+is read without importing dp-accounting (about two seconds)."""
+
+import importlib
+from typing import TYPE_CHECKING
+
+#: public names and the module each lives in
+_EXPORTS = {
+    "AccountantKind": "dpfl_tf.privacy.choices",
+    "compute_delta": "dpfl_tf.privacy.accountants",
+    "compute_epsilon": "dpfl_tf.privacy.accountants",
+    "make_accountant": "dpfl_tf.privacy.accountants",
+    "calibrate_noise_multiplier": "dpfl_tf.privacy.calibration",
+    "max_steps": "dpfl_tf.privacy.calibration",
+    "NeighboringRelation": "dpfl_tf.privacy.events",
+    "ReplaceOneGaussianDpEvent": "dpfl_tf.privacy.events",
+    "SamplingMethod": "dpfl_tf.privacy.choices",
+    "describe_event": "dpfl_tf.privacy.events",
+    "dp_sgd_event": "dpfl_tf.privacy.events",
+    "event_from_dict": "dpfl_tf.privacy.events",
+    "event_from_json": "dpfl_tf.privacy.events",
+    "event_to_dict": "dpfl_tf.privacy.events",
+    "event_to_json": "dpfl_tf.privacy.events",
+    "gaussian_step_event": "dpfl_tf.privacy.events",
+    "neighboring_relation_of": "dpfl_tf.privacy.events",
+    "shuffle_epoch_event": "dpfl_tf.privacy.events",
+    "to_replace_one": "dpfl_tf.privacy.events",
+    "BudgetExceededError": "dpfl_tf.privacy.ledger",
+    "PrivacyBudget": "dpfl_tf.privacy.ledger",
+    "PrivacyLedger": "dpfl_tf.privacy.ledger",
+    "MomentsAccountant": "dpfl_tf.privacy.moments",
+    "log_moments": "dpfl_tf.privacy.moments",
+    "StrongCompositionAccountant": "dpfl_tf.privacy.strong",
+}
+
+if TYPE_CHECKING:  # what static readers (type checkers, the API reference) see
+    from dpfl_tf.privacy.accountants import (
+        compute_delta,
+        compute_epsilon,
+        make_accountant,
+    )
+    from dpfl_tf.privacy.calibration import calibrate_noise_multiplier, max_steps
+    from dpfl_tf.privacy.choices import AccountantKind, SamplingMethod
+    from dpfl_tf.privacy.events import (
+        NeighboringRelation,
+        ReplaceOneGaussianDpEvent,
+        describe_event,
+        dp_sgd_event,
+        event_from_dict,
+        event_from_json,
+        event_to_dict,
+        event_to_json,
+        gaussian_step_event,
+        neighboring_relation_of,
+        shuffle_epoch_event,
+        to_replace_one,
+    )
+    from dpfl_tf.privacy.ledger import BudgetExceededError, PrivacyBudget, PrivacyLedger
+    from dpfl_tf.privacy.moments import MomentsAccountant, log_moments
+    from dpfl_tf.privacy.strong import StrongCompositionAccountant
+
 
 __all__ = [
     "AccountantKind",
@@ -54,3 +91,19 @@ __all__ = [
     "shuffle_epoch_event",
     "to_replace_one",
 ]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if not name.startswith("_"):  # a submodule: ``import dpfl_tf.privacy as p; p.ledger``
+        try:
+            return importlib.import_module(f"dpfl_tf.privacy.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"dpfl_tf.privacy.{name}":
+                raise
+    raise AttributeError(f"module 'dpfl_tf.privacy' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -19,9 +19,10 @@ from dp_accounting import dp_event as _dp_event
 from dp_accounting import pld as _pld
 from dp_accounting import rdp as _rdp
 
-from dpfl_tf._validation import ChoiceEnum, check_number
+from dpfl_tf._validation import check_number
 from dpfl_tf.privacy import distributed as _distributed
 from dpfl_tf.privacy._gaussian_accountant import walk_composition
+from dpfl_tf.privacy.choices import AccountantKind
 from dpfl_tf.privacy.events import (
     describe_event,
     event_to_json,
@@ -41,14 +42,6 @@ __all__ = [
     "rdp_curve",
     "refuse_repeat_and_select",
 ]
-
-
-class AccountantKind(ChoiceEnum):
-    __argument__ = "accountant"
-    MOMENTS = "moments"
-    RDP = "rdp"
-    PLD = "pld"
-    STRONG = "strong"
 
 
 def make_accountant(

@@ -87,9 +87,9 @@ import attr
 import dp_accounting
 from dp_accounting import dp_event as _dp_event
 
-from dpfl_tf._validation import ChoiceEnum
 from dpfl_tf._validation import check_count as _check_count
 from dpfl_tf._validation import check_number as _check_number
+from dpfl_tf.privacy.choices import SamplingMethod
 
 __all__ = [
     "SamplingMethod",
@@ -210,20 +210,6 @@ class DistributedSkellamDpEvent(dp_accounting.DpEvent):
 
 #: The events of distributed DP (integer noise shares summed by secure aggregation).
 DISTRIBUTED_EVENTS = (DistributedDiscreteGaussianDpEvent, DistributedSkellamDpEvent)
-
-
-class SamplingMethod(ChoiceEnum):
-    """How the records that enter one noised sum were chosen."""
-
-    __argument__ = "sampling"
-    POISSON = "poisson"
-    FIXED_SIZE = "fixed_size"
-    SHUFFLE = "shuffle"
-    FULL_BATCH = "full_batch"
-    #: the same fixed order every epoch (a source read in order); correlated noise only
-    IN_ORDER = "in_order"
-    #: units in b groups, group t mod b Poisson-sampled at step t; correlated noise only
-    CYCLIC_POISSON = "cyclic_poisson"
 
 
 def gaussian_step_event(
