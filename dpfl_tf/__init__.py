@@ -9,8 +9,9 @@ only imported by the modules that need it, so `dpfl_tf.privacy` and the
 
 __version__ = "0.2.0"
 
-import importlib
 from typing import TYPE_CHECKING
+
+from dpfl_tf._lazy import lazy_exports
 
 #: public names and the module each lives in; imported on first use (the privacy
 #: core imports dp-accounting, about a second; the sanitizer TensorFlow, seconds),
@@ -53,19 +54,4 @@ if TYPE_CHECKING:  # what static readers (type checkers, the API reference) see
     )
     from dpfl_tf.sanitizer import GaussianSanitizer
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    if name.startswith("_"):  # never runs dpfl_tf.__main__ (the CLI) on a hasattr
-        raise AttributeError(f"module 'dpfl_tf' has no attribute {name!r}")
-    try:  # a public submodule: ``import dpfl_tf; dpfl_tf.privacy``
-        return importlib.import_module(f"dpfl_tf.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"dpfl_tf.{name}":
-            raise
-    raise AttributeError(f"module 'dpfl_tf' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -5,8 +5,9 @@ The names below are imported on first use: `dpfl_tf.privacy.choices` (the
 accountants' and sampling methods' names, which the command line's parsers list)
 is read without importing dp-accounting (about two seconds)."""
 
-import importlib
 from typing import TYPE_CHECKING
+
+from dpfl_tf._lazy import lazy_exports
 
 #: public names and the module each lives in
 _EXPORTS = {
@@ -92,18 +93,4 @@ __all__ = [
     "to_replace_one",
 ]
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    if not name.startswith("_"):  # a submodule: ``import dpfl_tf.privacy as p; p.ledger``
-        try:
-            return importlib.import_module(f"dpfl_tf.privacy.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"dpfl_tf.privacy.{name}":
-                raise
-    raise AttributeError(f"module 'dpfl_tf.privacy' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
