@@ -1,7 +1,7 @@
-"""Packages whose public names are imported on first use (PEP 562): `dpfl_tf` and
-`dpfl_tf.privacy` list each name's module, so a process that needs a small part
-(the command line's ``--help``, a Flower ClientApp) does not import TensorFlow or
-dp-accounting for the rest."""
+"""Packages whose public names are imported on first use (PEP 562): `dpfl_tf`,
+`dpfl_tf.privacy` and `dpfl_tf.federated` list each name's module, so a process
+that needs a small part (the command line's ``--help``, a Flower ClientApp) does
+not import TensorFlow or dp-accounting for the rest."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import importlib
 
 def lazy_exports(package: str, exports: dict[str, str], namespace: dict):
     """(``__getattr__``, ``__dir__``) for `package`: a name of `exports` comes from
-    its module when first asked for; any other public name is tried as a submodule
-    (``import dpfl_tf; dpfl_tf.privacy``).  `namespace` is the package's globals."""
+    its module when first asked for (then kept in the package's namespace); any
+    other public name is tried as a submodule (``import dpfl_tf; dpfl_tf.privacy``).
+    `namespace` is the package's globals."""
 
     def __getattr__(name):
         if name in exports:
-            return getattr(importlib.import_module(exports[name]), name)
+            value = namespace[name] = getattr(importlib.import_module(exports[name]), name)
+            return value
         if not name.startswith("_"):  # never runs dpfl_tf.__main__ (the CLI) on a hasattr
             try:
                 return importlib.import_module(f"{package}.{name}")

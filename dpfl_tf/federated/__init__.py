@@ -23,7 +23,7 @@ TensorFlow is imported only when a submodule that needs it is used.
 
 from __future__ import annotations
 
-import importlib
+from dpfl_tf._lazy import lazy_exports
 
 _EXPORTS = {
     "ClientPartition": "partition",
@@ -68,9 +68,6 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        module = importlib.import_module(f"dpfl_tf.federated.{_EXPORTS[name]}")
-        return getattr(module, name)
-    raise AttributeError(f"module 'dpfl_tf.federated' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(
+    __name__, {name: f"{__name__}.{module}" for name, module in _EXPORTS.items()}, globals()
+)

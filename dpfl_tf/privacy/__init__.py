@@ -3,7 +3,7 @@ the front end over moments / rdp / pld / strong, calibration and the ledger.
 
 The names below are imported on first use: `dpfl_tf.privacy.choices` (the
 accountants' and sampling methods' names, which the command line's parsers list)
-is read without importing dp-accounting (about two seconds)."""
+is read without importing dp-accounting (one to two seconds, with SciPy)."""
 
 from typing import TYPE_CHECKING
 

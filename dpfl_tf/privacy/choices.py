@@ -1,7 +1,8 @@
 """The privacy package's named choices -- the accountants, the ways a lot is sampled --
 in a module that imports neither dp-accounting nor TensorFlow: the command line
 lists them in its parsers, and ``dpfl-tf --help`` starts in well under a second.
-`dpfl_tf.privacy.accountants` and `dpfl_tf.privacy.events` re-export them."""
+`dpfl_tf.privacy.accountants` re-exports `AccountantKind`, `dpfl_tf.privacy.events`
+`SamplingMethod`."""
 
 from __future__ import annotations
 

@@ -126,22 +126,6 @@ def test_the_warm_client_app_imports_neither_tensorflow_nor_the_accountants():
     assert out.stdout.strip() == "[]"
 
 
-def test_the_package_top_level_is_lazy_and_complete():
-    code = (
-        "import sys, dpfl_tf; assert 'dp_accounting' not in sys.modules; "
-        "from dpfl_tf import compute_epsilon, PrivacyLedger; "
-        "assert all(getattr(dpfl_tf, n) for n in dpfl_tf.__all__); "
-        "assert dpfl_tf.privacy.PrivacyLedger is PrivacyLedger; "
-        "assert not hasattr(dpfl_tf, '__main__') and not hasattr(dpfl_tf, 'nothing'); "
-        "import ast, inspect; tree = ast.parse(inspect.getsource(dpfl_tf)); "
-        "typed = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) "
-        "and n.module and n.module.startswith('dpfl_tf') for a in n.names}; "
-        "assert typed == set(dpfl_tf.__all__) == set(dpfl_tf._EXPORTS), typed; print('ok')"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
-
-
 def test_a_link_in_place_of_the_private_directory_is_refused(tmp_path, monkeypatch, request):
     """Another user could plant a symbolic link where the keys go; it is refused."""
     runtime = pathlib.Path(tempfile.mkdtemp(dir="/tmp"))  # short: a socket path's limit
