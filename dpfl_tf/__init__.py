@@ -11,7 +11,7 @@ __version__ = "0.2.0"
 
 from typing import TYPE_CHECKING
 
-from dpfl_tf._lazy import lazy_exports
+from dpfl_tf._lazy import lazy_exports as _lazy_exports
 
 #: public names and the module each lives in; imported on first use (the privacy
 #: core imports dp-accounting, about a second; the sanitizer TensorFlow, seconds),
@@ -54,4 +54,4 @@ if TYPE_CHECKING:  # what static readers (type checkers, the API reference) see
     )
     from dpfl_tf.sanitizer import GaussianSanitizer
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS, globals())

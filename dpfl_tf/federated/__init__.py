@@ -23,7 +23,7 @@ TensorFlow is imported only when a submodule that needs it is used.
 
 from __future__ import annotations
 
-from dpfl_tf._lazy import lazy_exports
+from dpfl_tf._lazy import lazy_exports as _lazy_exports
 
 _EXPORTS = {
     "ClientPartition": "partition",
@@ -68,6 +68,6 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-__getattr__, __dir__ = lazy_exports(
+__getattr__, __dir__ = _lazy_exports(
     __name__, {name: f"{__name__}.{module}" for name, module in _EXPORTS.items()}, globals()
 )

@@ -7,7 +7,7 @@ is read without importing dp-accounting (one to two seconds, with SciPy)."""
 
 from typing import TYPE_CHECKING
 
-from dpfl_tf._lazy import lazy_exports
+from dpfl_tf._lazy import lazy_exports as _lazy_exports
 
 #: public names and the module each lives in
 _EXPORTS = {
@@ -93,4 +93,4 @@ __all__ = [
     "to_replace_one",
 ]
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS, globals())
