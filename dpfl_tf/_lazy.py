@@ -9,14 +9,14 @@ import importlib
 
 
 def lazy_exports(package: str, exports: dict[str, str], namespace: dict):
-    """(``__getattr__``, ``__dir__``) for `package`: a name of `exports` comes from
-    its module when first asked for (then kept in the package's namespace); any
-    other public name is tried as a submodule (``import dpfl_tf; dpfl_tf.privacy``).
-    `namespace` is the package's globals."""
+    """(``__getattr__``, ``__dir__``) for `package`: a name of `exports` comes from its
+    module (absolute, or relative to `package`: ``".partition"``) when first asked for,
+    then is kept in the package's namespace; any other public name is tried as a
+    submodule (``import dpfl_tf; dpfl_tf.privacy``).  `namespace`: the package's globals."""
 
     def __getattr__(name):
         if name in exports:
-            value = namespace[name] = getattr(importlib.import_module(exports[name]), name)
+            value = namespace[name] = getattr(importlib.import_module(exports[name], package), name)
             return value
         if not name.startswith("_"):  # never runs dpfl_tf.__main__ (the CLI) on a hasattr
             try:

@@ -20,16 +20,11 @@ import dpfl_tf.privacy as privacy
 PACKAGES = [dpfl_tf, privacy, federated]
 
 
-def _exported_module(package, name) -> str:
-    module = package._EXPORTS[name]
-    return module if module.startswith("dpfl_tf") else f"{package.__name__}.{module}"
-
-
 @pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.__name__)
 def test_every_exported_name_is_its_modules_object(package):
     assert set(package._EXPORTS) == set(package.__all__)
     for name in package.__all__:
-        module = importlib.import_module(_exported_module(package, name))
+        module = importlib.import_module(package._EXPORTS[name], package.__name__)
         assert getattr(package, name) is getattr(module, name), name
         assert name in dir(package)
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
